@@ -1,0 +1,20 @@
+"""fluxrt: framework-free GPU communication with fine-grained compute overlap (FLUX-style).
+
+Start here::
+
+    import fluxrt
+    with fluxrt.init() as world:            # MPI ranks -> GPUs -> NVSHMEM
+        x = world.zeros((1024,), "bf16")     # symmetric: x.peer(r) is rank r's copy over NVLink
+"""
+from .dtypes import bfloat16, normalize_dtype
+from .errors import (CollectiveMismatchError, CompileError, DeviceError, FluxrtError, HeapExhaustedError,
+                     NotSymmetricError, NvshmemInitError, WaitTimeoutError)
+from .world import World, WorldOptions, current, finalize, init
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "finalize", "current", "World", "WorldOptions", "bfloat16", "normalize_dtype",
+    "FluxrtError", "DeviceError", "NvshmemInitError", "HeapExhaustedError", "CollectiveMismatchError",
+    "NotSymmetricError", "CompileError", "WaitTimeoutError",
+]

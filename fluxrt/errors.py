@@ -1,0 +1,88 @@
+"""fluxrt's exception types and the device error record they are decoded from."""
+from __future__ import annotations
+
+import threading
+
+# Words of struct fluxrt::ErrorRecord (kernels/include/fluxrt/comm.cuh).
+ERROR_RECORD_WORDS = 6
+STATUS_OK, STATUS_WRITING, STATUS_TIMEOUT = 0, 1, 2
+NO_PEER = (1 << 64) - 1
+
+
+class FluxrtError(RuntimeError):
+    """Base class of every error fluxrt raises on purpose."""
+
+
+class DeviceError(FluxrtError):
+    """No usable GPU, or fewer GPUs than ranks on a node."""
+
+
+class NvshmemInitError(FluxrtError):
+    """NVSHMEM could not be booted (or a world is already active in this process)."""
+
+
+class HeapExhaustedError(FluxrtError, MemoryError):
+    """The NVSHMEM symmetric heap cannot hold the requested allocation."""
+
+
+class CollectiveMismatchError(FluxrtError, ValueError):
+    """Ranks passed different arguments (shape, dtype, count, op) to a collective call."""
+
+
+class NotSymmetricError(FluxrtError, ValueError):
+    """An array that must live on the symmetric heap does not."""
+
+
+class CompileError(FluxrtError):
+    """A kernel failed to compile or link; the message carries the compiler log."""
+
+
+class WaitTimeoutError(FluxrtError, TimeoutError):
+    """A bounded device-side wait expired: a peer never signalled."""
+
+    def __init__(self, op: str, rank: int, peer: int | None, expected: int, observed: int):
+        self.op, self.rank, self.peer = op, rank, peer
+        self.expected, self.observed = expected, observed
+        who = f"peer {peer}" if peer is not None else "an unknown peer"
+        super().__init__(
+            f"{op}: rank {rank} timed out waiting for {who} "
+            f"(flag expected >= {expected}, last seen {observed}); "
+            f"the peer may have crashed, be slower than FLUXRT_TIMEOUT_S, or skipped the call")
+
+
+class _OpRegistry:
+    """Small integers that kernels write into the error record instead of op names."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: dict[str, int] = {}
+        self._names: list[str] = ["<none>"]
+
+    def id(self, name: str) -> int:
+        with self._lock:
+            if name not in self._ids:
+                self._ids[name] = len(self._names)
+                self._names.append(name)
+            return self._ids[name]
+
+    def name(self, op_id: int) -> str:
+        return self._names[op_id] if 0 <= op_id < len(self._names) else f"<op {op_id}>"
+
+
+_ops = _OpRegistry()
+
+
+def op_id(name: str) -> int:
+    """The id a kernel reports for op `name` when one of its waits times out."""
+    return _ops.id(name)
+
+
+def decode_error_record(words) -> WaitTimeoutError | None:
+    """Turn the words of a device ErrorRecord into the exception it stands for (None when clear)."""
+    status = int(words[0])
+    if status != STATUS_TIMEOUT:
+        return None
+    peer = int(words[3])
+    return WaitTimeoutError(op=_ops.name(int(words[1])), rank=int(words[2]),
+                            peer=None if peer == NO_PEER else peer,
+                            expected=int(words[4]), observed=int(words[5]))

@@ -1,0 +1,152 @@
+"""Host-side, stream-ordered point-to-point primitives.
+
+    put         copy engine (cudaMemcpyAsync into the peer's mapped heap), SM push (kernels/comm/p2p.cu),
+                or NVSHMEM (nvshmemx_putmem_on_stream, any transport)
+    signal      cuStreamWriteValue64 into the peer's flag (the driver fences prior work first), or a
+                one-thread kernel for atomic adds
+    wait        a one-thread kernel spinning with acquire loads, bounded by the world's timeout;
+                cuStreamWaitValue64 is not used because it cannot be bounded
+    barrier     one block signalling and waiting on every peer through a symmetric pad
+
+Every call accepts a CuPy stream, a raw handle or None (current stream).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import NO_PEER, op_id
+from .streams import as_cupy_stream as _cupy_stream, stream_handle
+
+PUT_MODES = ("copy_engine", "sm", "nvshmem")
+_THREADS = 512
+_VEC_BYTES_PER_THREAD = 64  # four 16-byte vectors in flight per thread per iteration
+_COUNTER_SLOTS = 1024       # concurrent SM-push launches that may be in flight at once
+
+
+class _P2PState:
+    """Per-world kernels and scratch, made on first use."""
+
+    def __init__(self, world):
+        import cupy
+
+        from .toolchain import load_module
+
+        with world.device:
+            self.module = load_module("comm/p2p.cu")
+            self.put_signal = self.module.get_function("fluxrt_put_signal")
+            self.signal = self.module.get_function("fluxrt_signal")
+            self.wait = self.module.get_function("fluxrt_wait")
+            self.barrier = self.module.get_function("fluxrt_barrier")
+            self.pingpong = self.module.get_function("fluxrt_pingpong")
+            self.counters = cupy.zeros(_COUNTER_SLOTS, dtype=np.uint32)
+            self.sm_count = world.device.attributes["MultiProcessorCount"]
+        self.next_counter = 0
+        self.barrier_pad = world.zeros((world.size,), np.uint64)
+        self.barrier_epoch = 0
+
+    def counter_ptr(self) -> int:
+        ptr = self.counters.data.ptr + 4 * self.next_counter
+        self.next_counter = (self.next_counter + 1) % _COUNTER_SLOTS
+        return ptr
+
+
+def state(world) -> _P2PState:
+    st = getattr(world, "_p2p_state", None)
+    if st is None:
+        st = _P2PState(world)
+        world._p2p_state = st
+    return st
+
+
+def _u64(x: int) -> np.uint64:
+    return np.uint64(x)
+
+
+def sm_grid(world, nbytes: int, max_blocks: int | None = None) -> int:
+    blocks = math.ceil(max(1, nbytes) / (_THREADS * _VEC_BYTES_PER_THREAD))
+    return max(1, min(blocks, max_blocks or 2 * state(world).sm_count))
+
+
+def _device_ptr(arr) -> tuple[int, int]:
+    import cupy
+
+    a = cupy.asarray(arr)
+    if not a.flags.c_contiguous:
+        raise ValueError("put needs C-contiguous arrays (got strides %s)" % (a.strides,))
+    return a.data.ptr, a.nbytes
+
+
+def put(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None, flag_ptr: int = 0,
+        flag_value: int = 0, blocks: int | None = None) -> None:
+    """Copy local `src` into `dst`'s copy on `peer` (dst: a symmetric array or view). If `flag_ptr`
+    (a peer flag address, e.g. ``pad.peer_ptr(peer, slot)``) is given, it is set to `flag_value` after
+    the data has landed. ``mode='nvshmem'`` with a flag needs a symmetric flag (``pad.local_ptr``)."""
+    if mode not in PUT_MODES:
+        raise ValueError(f"put mode {mode!r} not in {PUT_MODES}")
+    if not 0 <= peer < world.size:
+        raise ValueError(f"peer {peer} outside world of size {world.size}")
+    src_ptr, nbytes = _device_ptr(src)
+    if nbytes > dst.nbytes:
+        raise ValueError(f"put of {nbytes} bytes into a {dst.nbytes}-byte destination")
+    if not dst.flags.c_contiguous:
+        raise ValueError("put destination must be C-contiguous")
+    h = stream_handle(stream)
+    if mode == "nvshmem":
+        from nvshmem import bindings
+
+        if flag_ptr:
+            bindings.putmem_signal_on_stream(dst.data.ptr, src_ptr, nbytes, flag_ptr, flag_value, 0, peer, h)
+        else:
+            bindings.putmem_on_stream(dst.data.ptr, src_ptr, nbytes, peer, h)
+        return
+    dst_ptr = dst.peer_ptr(peer)
+    if dst_ptr == 0:
+        raise ValueError(f"rank {peer} is not reachable by NVLink pointers; use mode='nvshmem'")
+    if mode == "copy_engine":
+        import cupy
+
+        if nbytes:
+            cupy.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, h)
+        if flag_ptr:
+            signal(world, flag_ptr, flag_value, stream=h)
+        return
+    st = state(world)
+    grid = blocks or sm_grid(world, nbytes)
+    st.put_signal((grid,), (_THREADS,), (_u64(dst_ptr), _u64(src_ptr), _u64(nbytes), _u64(flag_ptr),
+                                         _u64(flag_value), np.int32(0), _u64(st.counter_ptr())),
+                  stream=_cupy_stream(h))
+
+
+def signal(world, flag_ptr: int, value: int, *, add: bool = False, stream=None) -> None:
+    """After prior work on the stream, set (cuStreamWriteValue64) or add (kernel) at a flag address."""
+    h = stream_handle(stream)
+    if add:
+        state(world).signal((1,), (1,), (_u64(flag_ptr), _u64(value), np.int32(1)), stream=_cupy_stream(h))
+        return
+    from cuda.bindings import driver
+
+    (err,) = driver.cuStreamWriteValue64(driver.CUstream(h), driver.CUdeviceptr(flag_ptr), value, 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamWriteValue64 to 0x{flag_ptr:x} failed: {err}")
+
+
+def wait(world, flag_ptr: int, value: int, *, peer: int | None = None, op: str = "wait", stream=None) -> None:
+    """Stream-ordered bounded wait until the local flag at `flag_ptr` reaches `value`."""
+    st = state(world)
+    st.wait((1,), (1,), (_u64(flag_ptr), _u64(value), _u64(world.timeout_ns), _u64(world.error_record),
+                         np.uint32(op_id(op)), np.uint32(world.rank), _u64(NO_PEER if peer is None else peer)),
+            stream=_cupy_stream(stream_handle(stream)))
+
+
+def barrier(world, stream=None, op: str = "barrier") -> None:
+    """Stream-ordered barrier across every rank of the world."""
+    st = state(world)
+    st.barrier_epoch += 1
+    pad = st.barrier_pad
+    threads = max(32, 32 * math.ceil(world.size / 32))
+    st.barrier((1,), (threads,), (_u64(pad.peer_table.data.ptr), _u64(pad.data.ptr), np.uint32(world.rank),
+                                  np.uint32(world.size), _u64(st.barrier_epoch), _u64(world.timeout_ns),
+                                  _u64(world.error_record), np.uint32(op_id(op))),
+               stream=_cupy_stream(stream_handle(stream)))

@@ -1,0 +1,336 @@
+"""Reporting for fluxrt's perf sweeps: nccl-tests-style tables, JSON result files, PNG plots, progress.
+
+Nothing here touches the GPU: a benchmark measures, builds :class:`Row` objects, and hands them over.
+The table puts fluxrt and a baseline (NCCL) side by side on one line per size, so a regression shows up
+as a ratio below 1 without comparing two separate logs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+from .sweep import format_size
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Row", "Table", "algbw_gbps", "plot", "progress", "results_document", "write_json"]
+
+T = TypeVar("T")
+
+
+def algbw_gbps(nbytes: int, time_us: float) -> float:
+    """Algorithm bandwidth in GB/s (1e9 bytes/s, as nccl-tests): bytes moved per call / time per call."""
+    if time_us <= 0 or not math.isfinite(time_us):
+        return 0.0
+    return nbytes / (time_us * 1e-6) / 1e9
+
+
+@dataclass
+class Row:
+    """One measurement: one implementation (``impl``, e.g. "fluxrt" or "nccl") at one message size.
+
+    ``wrong`` is the number of wrong elements found by the check, or None when it was not checked.
+    ``root`` is -1 for collectives without a root, as nccl-tests prints it.
+    """
+
+    bytes: int
+    count: int
+    dtype: str
+    redop: str
+    impl: str
+    algo: str
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int | None = None
+    root: int = -1
+
+    @classmethod
+    def measured(cls, *, nbytes: int, count: int, dtype: str, redop: str, impl: str, algo: str,
+                 time_us: float, busbw_factor: float, wrong: int | None = None,
+                 root: int = -1) -> "Row":
+        """A row with algbw and busbw derived from the time, so no caller gets the units wrong."""
+        algbw = algbw_gbps(nbytes, time_us)
+        return cls(bytes=nbytes, count=count, dtype=dtype, redop=redop, impl=impl, algo=algo,
+                   time_us=time_us, algbw=algbw, busbw=algbw * busbw_factor, wrong=wrong, root=root)
+
+
+# (name, unit, width) of the columns shared by all implementations, then of each implementation's block.
+_COMMON = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 6), ("redop", "", 6),
+           ("root", "", 5))
+_PER_IMPL = (("time", "(us)", 9), ("algbw", "(GB/s)", 7), ("busbw", "(GB/s)", 7), ("#wrong", "", 6))
+_ALGO = ("algo", "", 10)
+
+
+def _fmt_time(us: float) -> str:
+    # nccl-tests' precision: fewer decimals as the number grows, so the column keeps its width.
+    if us >= 1e4:
+        return f"{us:.0f}"
+    if us >= 100:
+        return f"{us:.1f}"
+    return f"{us:.2f}"
+
+
+class Table:
+    """nccl-tests-style table with one block of columns per implementation and a time ratio.
+
+    ``impls[0]`` is the implementation under test (fluxrt); each further one is a baseline and gets a
+    ``ratio`` column = baseline time / ``impls[0]`` time, so > 1 means ``impls[0]`` is faster.
+    Lines go to ``out`` (stdout by default): printing is this class's job, unlike the rest of fluxrt.
+    """
+
+    def __init__(self, impls: Sequence[str] = ("fluxrt", "nccl"), out: IO[str] | None = None,
+                 show_algo: bool = False) -> None:
+        if not impls:
+            raise ValueError("Table needs at least one implementation name")
+        if len(set(impls)) != len(impls):
+            raise ValueError(f"duplicate implementation names in {list(impls)}")
+        self.impls = tuple(impls)
+        self.out = out if out is not None else sys.stdout
+        self.show_algo = show_algo
+        self.rows: list[Row] = []
+        per_impl = _PER_IMPL + ((_ALGO,) if show_algo else ())
+        self._cols = list(_COMMON)
+        for _ in self.impls:
+            self._cols.extend(per_impl)
+        # One ratio column per baseline; its units cell names the baseline ("(nccl)").
+        self._cols.extend(("ratio", f"({b})", max(6, len(b) + 2)) for b in self.impls[1:])
+        self._block = len(per_impl)
+
+    def _line(self, cells: Sequence[str], lead: str = " ") -> str:
+        # Every cell right-aligned in its width and separated by one space; header lines swap the
+        # leading space for '#', so data and header columns end at the same character.
+        parts = [f"{c:>{w}}" for c, (_, _, w) in zip(cells, self._cols)]
+        return lead + " ".join(parts)
+
+    def _write(self, line: str) -> None:
+        self.out.write(line.rstrip() + "\n")
+
+    def header(self, preamble: Iterable[str] = ()) -> None:
+        """Print the '#' lines: optional preamble (e.g. :func:`fluxrt.perf.sweep.describe`), then a
+        group line naming each implementation over its block, the column names and their units."""
+        for text in preamble:
+            self._write(text if text.startswith("#") else "# " + text)
+        if len(self.impls) > 1:
+            base = self.impls[0]
+            others = ", ".join(f"{b} time / {base} time" for b in self.impls[1:])
+            self._write(f"# ratio = {others} (> 1: {base} faster)")
+        widths = [w for _, _, w in self._cols]
+        group = "#" + " " * (sum(widths[:len(_COMMON)]) + len(_COMMON) - 1)
+        for i, name in enumerate(self.impls):
+            start = len(_COMMON) + i * self._block
+            span = sum(widths[start:start + self._block]) + self._block
+            group += name.center(span)
+        self._write(group)
+        self._write(self._line([name for name, _, _ in self._cols], lead="#"))
+        self._write(self._line([unit for _, unit, _ in self._cols], lead="#"))
+
+    def add(self, rows: Sequence[Row]) -> str:
+        """Print one line for one message size from its rows (at most one per implementation).
+
+        An implementation without a row shows N/A; the line printed is also returned.
+        """
+        if not rows:
+            raise ValueError("Table.add needs at least one row")
+        by_impl: dict[str, Row] = {}
+        for r in rows:
+            if r.impl not in self.impls:
+                raise ValueError(f"row for unknown implementation {r.impl!r}; table has {self.impls}")
+            if r.impl in by_impl:
+                raise ValueError(f"two rows for {r.impl!r} at {r.bytes} bytes")
+            if r.bytes != rows[0].bytes:
+                raise ValueError(f"rows of one line must share a size: {rows[0].bytes} vs {r.bytes}")
+            by_impl[r.impl] = r
+        first = rows[0]
+        cells = [str(first.bytes), str(first.count), first.dtype, first.redop, str(first.root)]
+        for impl in self.impls:
+            r = by_impl.get(impl)
+            if r is None:
+                cells += ["N/A"] * self._block
+                continue
+            cells += [_fmt_time(r.time_us), f"{r.algbw:.2f}", f"{r.busbw:.2f}",
+                      "N/A" if r.wrong is None else str(r.wrong)]
+            if self.show_algo:
+                cells.append(r.algo or "-")
+        base = by_impl.get(self.impls[0])
+        for impl in self.impls[1:]:
+            other = by_impl.get(impl)
+            if base is None or other is None or base.time_us <= 0:
+                cells.append("N/A")
+            else:
+                cells.append(f"{other.time_us / base.time_us:.2f}")
+        self.rows.extend(by_impl[i] for i in self.impls if i in by_impl)
+        line = self._line(cells)
+        self._write(line)
+        return line
+
+    def wrong_total(self, impl: str) -> int | None:
+        """Wrong elements summed over the sizes added for ``impl``; None if none of them was checked."""
+        counts = [r.wrong for r in self.rows if r.impl == impl and r.wrong is not None]
+        return sum(counts) if counts else None
+
+    def footer(self) -> None:
+        """Print nccl-tests' closing lines per implementation (wrong values, average busbw) and the
+        geometric mean of each ratio (the mean a ratio needs: 2x faster and 2x slower average to 1)."""
+        lines: list[tuple[str, str]] = []
+        for impl in self.impls:
+            wrong = self.wrong_total(impl)
+            status = "N/A" if wrong is None else (f"{wrong} OK" if wrong == 0 else f"{wrong} FAILED")
+            lines.append((f"Wrong values ({impl})", status))
+        for impl in self.impls:
+            bws = [r.busbw for r in self.rows if r.impl == impl]
+            lines.append((f"Avg bus bandwidth ({impl})",
+                          f"{sum(bws) / len(bws):.3f}" if bws else "N/A"))
+        base = self.impls[0]
+        base_t = {r.bytes: r.time_us for r in self.rows if r.impl == base}
+        for impl in self.impls[1:]:
+            ratios = [r.time_us / base_t[r.bytes] for r in self.rows
+                      if r.impl == impl and base_t.get(r.bytes, 0) > 0 and r.time_us > 0]
+            gm = f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}" if ratios else "N/A"
+            lines.append((f"Geomean ratio ({impl}/{base} time)", gm))
+        label_w = max(len(label) for label, _ in lines)
+        self._write("#")
+        for label, value in lines:
+            self._write(f"# {label:<{label_w}} : {value}")
+        self._write("#")
+
+
+def _git_commit() -> str:
+    """HEAD of the git repository containing the current directory, or "unknown" (no git, no repo)."""
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.getcwd(), capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.debug("git rev-parse failed: %s", exc)
+        return "unknown"
+    commit = res.stdout.strip()
+    return commit if res.returncode == 0 and commit else "unknown"
+
+
+def results_document(bench: str, rows: Iterable[Row | Mapping], command: str | Sequence[str],
+                     machine: Mapping | None = None) -> dict:
+    """A self-describing JSON-able record of one sweep: what ran, where, on which commit, the rows.
+
+    ``machine`` comes from the caller (e.g. {"gpu_name": ..., "gpu_count": ...}): this module never
+    queries the GPU. ``kind`` defaults to $FLUXRT_MACHINE_KIND so results from lent machines can be told
+    apart later.
+    """
+    mach: dict = {"kind": os.environ.get("FLUXRT_MACHINE_KIND", "unknown"),
+                  "gpu_name": "unknown", "gpu_count": None}
+    mach.update(machine or {})
+    if not isinstance(command, str):
+        command = shlex.join(str(c) for c in command)
+    return {
+        "bench": bench,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "command": command,
+        "machine": mach,
+        "rows": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in rows],
+    }
+
+
+def write_json(path: str | os.PathLike, doc: Mapping) -> Path:
+    """Write ``doc`` as indented JSON; via a temporary file and rename, so an interrupted run never
+    leaves a truncated result file behind. Parent directories are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    log.info("wrote %s", path)
+    return path
+
+
+def plot(path: str | os.PathLike, rows: Iterable[Row], title: str) -> Path:
+    """Save a PNG with latency (time vs size, log-log) and busbw (vs size, log-x), one line per
+    (impl, algo) — or per (impl, redop) when a row has no algo name.
+
+    Uses matplotlib's Agg canvas directly, never pyplot, so it works headless and does not change a
+    caller's global backend.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
+    except ImportError as exc:
+        raise ImportError("fluxrt.perf.report.plot needs matplotlib: pip install matplotlib") from exc
+
+    series: dict[str, list[Row]] = {}
+    for r in rows:
+        label = f"{r.impl} {r.algo}" if r.algo else f"{r.impl} {r.redop}"
+        series.setdefault(label, []).append(r)
+
+    fig = Figure(figsize=(12, 4.5))
+    FigureCanvasAgg(fig)
+    ax_t, ax_bw = fig.subplots(1, 2)
+    ticks = FuncFormatter(lambda x, _pos: format_size(int(x)) if x >= 1 else f"{x:g}")
+    for label, pts in sorted(series.items()):
+        pts = sorted((p for p in pts if p.time_us > 0), key=lambda p: p.bytes)
+        if not pts:
+            continue
+        xs = [p.bytes for p in pts]
+        ax_t.plot(xs, [p.time_us for p in pts], marker="o", markersize=3, label=label)
+        ax_bw.plot(xs, [p.busbw for p in pts], marker="o", markersize=3, label=label)
+    ax_t.set_xscale("log", base=2)
+    ax_t.set_yscale("log")
+    ax_t.set(xlabel="message size (bytes)", ylabel="time (us)", title="latency")
+    ax_bw.set_xscale("log", base=2)
+    ax_bw.set(xlabel="message size (bytes)", ylabel="busbw (GB/s)", title="bus bandwidth")
+    for ax in (ax_t, ax_bw):
+        ax.xaxis.set_major_formatter(ticks)
+        ax.grid(True, which="both", alpha=0.3)
+        if series:
+            ax.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=120)
+    log.info("wrote %s", path)
+    return path
+
+
+def _fallback_progress(iterable: Iterable[T], total: int | None, desc: str,
+                       stream: IO[str]) -> Iterator[T]:
+    """Minimal progress: one "[k/n] desc" line per item before it runs, so a hang shows where."""
+    n = "?" if total is None else str(total)
+    for k, item in enumerate(iterable, 1):
+        stream.write(f"[{k}/{n}] {desc}\n")
+        stream.flush()
+        yield item
+
+
+def progress(iterable: Iterable[T], total: int | None = None, enabled: bool = True, desc: str = "",
+             stream: IO[str] | None = None) -> Iterable[T]:
+    """Wrap ``iterable`` with a progress indicator on stderr (tqdm if installed, else plain lines).
+
+    Returns ``iterable`` untouched when disabled or when the stream is not a TTY, so redirected logs
+    and CI output stay clean and the table on stdout is never interleaved with progress noise.
+    """
+    stream = stream if stream is not None else sys.stderr
+    isatty = getattr(stream, "isatty", None)
+    if not enabled or not (callable(isatty) and isatty()):
+        return iterable
+    if total is None:
+        try:
+            total = len(iterable)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _fallback_progress(iterable, total, desc, stream)
+    return tqdm(iterable, total=total, desc=desc, file=stream, leave=False)

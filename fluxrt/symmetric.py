@@ -1,0 +1,211 @@
+"""Symmetric memory: CuPy arrays on the NVSHMEM heap, their peer views and device-side peer tables.
+
+A symmetric allocation has the same offset in every rank's heap, so a view (slice) of it is symmetric
+too: ``arr.peer(r)`` maps any view onto rank r's copy through NVLink (``nvshmem_ptr``). Allocation is
+collective; shapes and dtypes are compared across ranks before NVSHMEM is called, because a mismatched
+``nvshmem_malloc`` hangs or corrupts the heap instead of failing.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import normalize_dtype
+from .errors import CollectiveMismatchError, HeapExhaustedError, NotSymmetricError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEAP_BYTES = 1 << 30  # NVSHMEM_SYMMETRIC_SIZE default in NVSHMEM 3.x
+_ALIGN = 512  # bytes each allocation may take beyond its size (NVSHMEM aligns blocks)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4G', '512M', '1073741824' -> bytes (NVSHMEM_SYMMETRIC_SIZE syntax, powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 1073741824, 512M, 4G)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def heap_capacity() -> int:
+    return parse_bytes(os.environ.get("NVSHMEM_SYMMETRIC_SIZE", DEFAULT_HEAP_BYTES))
+
+
+@dataclass
+class _Allocation:
+    base: int          # local device address of the allocation
+    nbytes: int
+    peer_bases: list   # peer_bases[r]: rank r's copy mapped into this process (0: not reachable)
+    peer_table: object = None  # cupy uint64 array of peer_bases, made on first use
+
+
+def _symmetric_array_class():
+    import cupy
+
+    class SymmetricArray(cupy.ndarray):
+        """A cupy.ndarray on the NVSHMEM symmetric heap. Slices stay symmetric; results of arithmetic
+        are ordinary device memory, and ``peer`` refuses them."""
+
+        def __array_finalize__(self, obj):
+            self._heap = getattr(obj, "_heap", None)
+
+        def _allocation(self) -> _Allocation:
+            heap = getattr(self, "_heap", None)
+            alloc = heap.find(self.data.ptr, self.nbytes) if heap is not None else None
+            if alloc is None:
+                raise NotSymmetricError(
+                    "this array is not (a view of) a live symmetric allocation: results of arithmetic "
+                    "are ordinary device memory; allocate with world.empty/zeros and write into it")
+            return alloc
+
+        def peer(self, rank: int):
+            """This view as seen in rank `rank`'s heap (a plain cupy.ndarray over NVLink)."""
+            alloc = self._allocation()
+            heap = self._heap
+            if not 0 <= rank < heap.world.size:
+                raise ValueError(f"peer rank {rank} outside world of size {heap.world.size}")
+            pbase = alloc.peer_bases[rank]
+            if pbase == 0:
+                raise NotSymmetricError(
+                    f"rank {rank} is not reachable by load/store from rank {heap.world.rank} "
+                    "(no NVLink/P2P mapping); use the NVSHMEM put path instead")
+            ptr = pbase + (self.data.ptr - alloc.base)
+            mem = cupy.cuda.UnownedMemory(ptr, self.nbytes, self, heap.world.device_id)
+            return cupy.ndarray(self.shape, self.dtype, cupy.cuda.MemoryPointer(mem, 0), self.strides)
+
+        def peer_ptr(self, rank: int) -> int:
+            """Device address of this view in rank `rank`'s heap (0 when not reachable)."""
+            alloc = self._allocation()
+            pbase = alloc.peer_bases[rank]
+            return pbase + (self.data.ptr - alloc.base) if pbase else 0
+
+        @property
+        def peer_table(self):
+            """Device uint64[world] of the allocation's per-rank base addresses, for kernels.
+            Add ``offset_bytes`` of a view to index into it."""
+            alloc = self._allocation()
+            if alloc.peer_table is None:
+                alloc.peer_table = cupy.asarray(np.asarray(alloc.peer_bases, dtype=np.uint64))
+            return alloc.peer_table
+
+        @property
+        def offset_bytes(self) -> int:
+            return self.data.ptr - self._allocation().base
+
+        def as_cupy(self):
+            """The same memory as a plain cupy.ndarray (no peer methods)."""
+            return self.view(cupy.ndarray)
+
+    return SymmetricArray
+
+
+_cls = None
+
+
+def symmetric_array_type():
+    global _cls
+    if _cls is None:
+        _cls = _symmetric_array_class()
+    return _cls
+
+
+class SymmetricHeap:
+    """Every symmetric allocation of one world; frees them all (in allocation order) at finalize."""
+
+    def __init__(self, world):
+        self.world = world
+        self.capacity = heap_capacity()
+        self._allocs: dict[int, _Allocation] = {}
+        self.used = 0
+
+    def find(self, ptr: int, nbytes: int) -> _Allocation | None:
+        for a in self._allocs.values():
+            if a.base <= ptr and ptr + nbytes <= a.base + a.nbytes:
+                return a
+        return None
+
+    def _check_collective(self, shape: tuple, dtype: np.dtype) -> None:
+        if not self.world.options.check_collective_args or self.world.size == 1:
+            return
+        mine = (shape, dtype.str)
+        every = self.world.comm.allgather(mine)
+        if any(s != mine for s in every):
+            detail = ", ".join(f"rank {r}: shape={s[0]} dtype={np.dtype(s[1])}" for r, s in enumerate(every))
+            raise CollectiveMismatchError(f"symmetric allocation differs across ranks ({detail}); "
+                                          "every rank must allocate the same shape and dtype in the same order")
+
+    def empty(self, shape, dtype):
+        import cupy
+        from nvshmem import bindings
+
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        dtype = normalize_dtype(dtype)
+        self._check_collective(shape, dtype)
+        nbytes = max(1, math.prod(shape)) * dtype.itemsize
+        if self.used + nbytes + _ALIGN > self.capacity:
+            raise HeapExhaustedError(
+                f"symmetric allocation of {nbytes} bytes (shape {shape}, {dtype}) does not fit: "
+                f"{self.used} of {self.capacity} heap bytes in use on rank {self.world.rank}. "
+                f"Set NVSHMEM_SYMMETRIC_SIZE (e.g. {_suggest(self.used + nbytes)}) before fluxrt.init, "
+                "or pass WorldOptions(heap_size=...)")
+        try:
+            base = int(bindings.malloc(nbytes))
+        except Exception as e:
+            base, err = 0, e
+        else:
+            err = None
+        if base == 0:
+            raise HeapExhaustedError(
+                f"nvshmem_malloc({nbytes}) failed on rank {self.world.rank} (shape {shape}, {dtype}; "
+                f"{self.used} bytes already in use; NVSHMEM_SYMMETRIC_SIZE={self.capacity}). "
+                f"Raise NVSHMEM_SYMMETRIC_SIZE (e.g. {_suggest(self.used + nbytes)}). {err or ''}")
+        peers = [int(bindings.ptr(base, r)) for r in range(self.world.size)]
+        alloc = _Allocation(base=base, nbytes=nbytes, peer_bases=peers)
+        self._allocs[base] = alloc
+        self.used += nbytes + _ALIGN
+        mem = cupy.cuda.UnownedMemory(base, nbytes, self, self.world.device_id)
+        arr = symmetric_array_type()(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+        arr._heap = self
+        log.debug("rank %d: symmetric alloc %s %s at 0x%x", self.world.rank, shape, dtype, base)
+        return arr
+
+    def free(self, arr) -> None:
+        """Collective: every rank frees the same allocation."""
+        from nvshmem import bindings
+
+        alloc = self._allocs.get(arr.data.ptr)
+        if alloc is None:
+            raise NotSymmetricError("free() needs the array returned by world.empty/zeros (not a view, "
+                                    "not already freed)")
+        self.world.device_sync()  # no kernel may still touch it on any stream of this rank
+        del self._allocs[alloc.base]
+        self.used -= alloc.nbytes + _ALIGN
+        bindings.free(alloc.base)
+        arr._heap = None
+
+    def free_all(self) -> None:
+        from nvshmem import bindings
+
+        for base in list(self._allocs):
+            bindings.free(base)
+        self._allocs.clear()
+        self.used = 0
+
+    def __len__(self) -> int:
+        return len(self._allocs)
+
+
+def _suggest(nbytes: int) -> str:
+    gib = max(1, math.ceil(nbytes * 1.25 / (1 << 30)))
+    return f"{gib}G"

@@ -1,0 +1,260 @@
+"""Kernel toolchain: compile kernels/ sources for the device's arch, cache the cubins, load them.
+
+Two paths:
+
+* plain kernels: NVRTC (through ``cuda.core.Program``) -> cubin for e.g. ``sm_90a`` -> ``cupy.RawModule``.
+  CuPy's own NVRTC call forces ``-arch=sm_90``, which rejects wgmma/setmaxnreg, so the cubin is built here.
+* kernels calling the NVSHMEM device API: ``nvcc -rdc=true -cubin`` -> nvJitLink (``cuda.core.Linker``)
+  with ``libnvshmem_device.a`` -> ``cupy.RawModule`` -> ``nvshmem.bindings.cumodule_init``.
+
+Cubins are cached on disk, keyed by every source byte the compile can see (the kernel and the shared
+include tree), the options, the arch and the compiler version. Writes are atomic: every rank of a job
+may compile the same module at the same time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CompileError
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_ARCH_NO_GPU = "sm_90a"
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How a kernel source is compiled. ``arch=None`` means the current device's (``sm_90a`` on Hopper)."""
+
+    arch: str | None = None
+    defines: tuple[tuple[str, str], ...] = ()
+    std: str = "c++17"
+    max_registers: int | None = None
+    lineinfo: bool = False
+    include_dirs: tuple[str, ...] = ()
+    extra_nvcc: tuple[str, ...] = field(default=())
+
+    def key(self) -> str:
+        return repr(dataclasses.astuple(self))
+
+
+def kernel_root() -> Path:
+    """The kernels/ tree: inside the installed package (fluxrt/kernels) or beside it in a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / "include" / "fluxrt" / "comm.cuh").is_file():
+            return candidate
+    raise CompileError(f"fluxrt kernel sources not found next to {here} (looked for kernels/include/fluxrt)")
+
+
+def include_dir() -> Path:
+    return kernel_root() / "include"
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("FLUXRT_CACHE_DIR") or Path.home() / ".cache" / "fluxrt" / "kernels")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def device_arch(device_id: int | None = None) -> str:
+    """sm_XY for the device, with the arch-specific 'a' suffix on 9.0 / 10.0 (wgmma, setmaxnreg, tcgen05)."""
+    import cupy
+
+    dev = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()
+    cc = dev.compute_capability  # e.g. "90"
+    return f"sm_{cc}a" if cc in ("90", "100", "103") else f"sm_{cc}"
+
+
+def _resolve_arch(options: CompileOptions) -> str:
+    if options.arch:
+        return options.arch
+    try:
+        return device_arch()
+    except Exception:  # no GPU visible: compile-only use (CI)
+        return _DEFAULT_ARCH_NO_GPU
+
+
+def _source_digest(source: Path, extra_dirs: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    h.update(source.read_bytes())
+    for root in (include_dir(), *map(Path, extra_dirs)):
+        for f in sorted(root.rglob("*.cuh")) + sorted(root.rglob("*.h")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _source_path(source: str | os.PathLike) -> Path:
+    p = Path(source)
+    if not p.is_absolute():
+        p = kernel_root() / p
+    if not p.is_file():
+        raise CompileError(f"kernel source {p} does not exist")
+    return p
+
+
+def _nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    return f"nvrtc{major}.{minor}"
+
+
+def _cuda_include_dirs() -> list[str]:
+    """CUDA headers NVRTC may need (cuda_bf16.h, cuda_fp16.h, ...), wherever the toolkit lives."""
+    dirs = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        d = find_nvidia_header_directory("cudart")
+        if d:
+            dirs.append(d)
+    except Exception:  # older cuda-pathfinder, or headers not installed as wheels
+        pass
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    if (Path(home) / "include" / "cuda_bf16.h").is_file():
+        dirs.append(str(Path(home) / "include"))
+    return dirs
+
+
+def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOptions()) -> Path:
+    """Compile a kernels/ source with NVRTC into a cached cubin; returns the cubin's path."""
+    src = _source_path(source)
+    arch = _resolve_arch(options)
+    key = hashlib.sha256("|".join([_source_digest(src, options.include_dirs), options.key(), arch,
+                                   _nvrtc_version()]).encode()).hexdigest()[:24]
+    out = cache_dir() / f"{src.stem}-{arch}-{key}.cubin"
+    if out.is_file():
+        return out
+    from cuda.core import Program, ProgramOptions
+
+    popts = ProgramOptions(
+        name=src.name, arch=arch, std=options.std,
+        include_path=[str(include_dir()), *options.include_dirs, *_cuda_include_dirs()],
+        define_macro=[f"{k}={v}" for k, v in options.defines] or None,
+        max_register_count=options.max_registers, lineinfo=options.lineinfo or None,
+    )
+    try:
+        obj = Program(src.read_text(), "c++", popts).compile("cubin")
+    except Exception as e:  # cuda.core raises its own types with the NVRTC log in the message
+        raise CompileError(f"NVRTC failed on {src} for {arch}:\n{e}") from e
+    _atomic_write(out, bytes(obj.code))
+    log.info("compiled %s for %s -> %s", src.name, arch, out)
+    return out
+
+
+def load_module(source: str | os.PathLike, options: CompileOptions = CompileOptions()):
+    """Compile (or fetch from the cache) and load a module; returns a ``cupy.RawModule``."""
+    import cupy
+
+    return cupy.RawModule(path=str(compile_cubin(source, options)))
+
+
+# --- NVSHMEM device-API path ---------------------------------------------------------------------
+
+def _nvshmem_root() -> Path:
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        inc = find_nvidia_header_directory("nvshmem")
+        if inc:
+            return Path(inc).parent
+    except Exception:
+        pass
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.nvshmem")
+    if spec and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    raise CompileError("NVSHMEM headers not found: install nvidia-nvshmem-cu13 (a dependency of nvshmem4py-cu13)")
+
+
+def nvcc_path() -> str:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    cand = Path(home) / "bin" / "nvcc"
+    if cand.is_file():
+        return str(cand)
+    raise CompileError("nvcc not found (needed for kernels that call the NVSHMEM device API); "
+                       "put it on PATH or set CUDA_HOME")
+
+
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+def _gencode(arch: str) -> str:
+    num = arch.removeprefix("sm_")
+    return f"-gencode=arch=compute_{num},code=sm_{num}"
+
+
+def compile_nvshmem_cubin(source: str | os.PathLike, options: CompileOptions = CompileOptions()) -> Path:
+    """Relocatable nvcc compile + nvJitLink against libnvshmem_device.a; returns the linked cubin's path."""
+    src = _source_path(source)
+    arch = _resolve_arch(options)
+    root = _nvshmem_root()
+    lib = root / "lib" / "libnvshmem_device.a"
+    if not lib.is_file():
+        raise CompileError(f"{lib} not found: the NVSHMEM device library ships with nvidia-nvshmem-cu13")
+    nvcc = nvcc_path()
+    key = hashlib.sha256("|".join([_source_digest(src, options.include_dirs), options.key(), arch,
+                                   _nvcc_version(nvcc), str(lib.stat().st_size)]).encode()).hexdigest()[:24]
+    out = cache_dir() / f"{src.stem}-{arch}-nvshmem-{key}.cubin"
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        rdc = Path(tmp) / "rdc.cubin"
+        cmd = [nvcc, _gencode(arch), "-rdc=true", "-cubin", f"-std={options.std}", "-DFLUXRT_WITH_NVSHMEM=1",
+               f"-I{include_dir()}", f"-I{root / 'include'}",
+               *[f"-I{d}" for d in options.include_dirs],
+               *[f"-D{k}={v}" for k, v in options.defines], *options.extra_nvcc,
+               "-o", str(rdc), str(src)]
+        if options.max_registers:
+            cmd.insert(1, f"-maxrregcount={options.max_registers}")
+        if options.lineinfo:
+            cmd.insert(1, "-lineinfo")
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise CompileError(f"nvcc failed on {src}:\n{' '.join(cmd)}\n{res.stderr}")
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+
+        try:
+            linker = Linker(ObjectCode.from_cubin(rdc.read_bytes()),
+                            ObjectCode.from_library(lib.read_bytes()),
+                            options=LinkerOptions(arch=arch))
+            linked = linker.link("cubin")
+        except Exception as e:
+            raise CompileError(f"nvJitLink failed linking {src} with {lib}:\n{e}") from e
+        _atomic_write(out, bytes(linked.code))
+    log.info("compiled+linked %s (NVSHMEM) for %s -> %s", src.name, arch, out)
+    return out
+
+
+def load_nvshmem_module(source: str | os.PathLike, options: CompileOptions = CompileOptions()):
+    """Load an NVSHMEM-API module and register it with the NVSHMEM runtime (world must be up)."""
+    import cupy
+    from nvshmem import bindings
+
+    mod = cupy.RawModule(path=str(compile_nvshmem_cubin(source, options)))
+    status = bindings.cumodule_init(mod.module.ptr)  # binds the module's nvshmemi_device_state
+    if status not in (None, 0):
+        raise CompileError(f"nvshmemx_cumodule_init failed ({status}) for {source}")
+    return mod

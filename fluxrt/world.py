@@ -1,0 +1,285 @@
+"""The world: ranks from an mpi4py communicator, one GPU per rank, NVSHMEM booted over that communicator.
+
+``fluxrt.init(comm=None, device=None)`` is the only entry point; everything else (symmetric memory,
+signal pads, kernels, collectives) hangs off the returned World. One world per process at a time
+(NVSHMEM is a per-process runtime); sub-communicators each boot their own NVSHMEM job, so two halves of
+COMM_WORLD can run side by side.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import (ERROR_RECORD_WORDS, DeviceError, NvshmemInitError, decode_error_record)
+from .symmetric import SymmetricHeap, parse_bytes
+from .streams import stream_handle
+
+log = logging.getLogger(__name__)
+
+_active: "World | None" = None
+_atexit_registered = False
+
+# NVLink multicast stays off: on shared hosts a multicast object can take the GPUs out of service.
+_SAFE_ENV = {"NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class WorldOptions:
+    """How a world is booted.
+
+    heap_size: symmetric heap per rank ('4G', bytes); sets NVSHMEM_SYMMETRIC_SIZE for this boot.
+        None keeps the environment's value (NVSHMEM's default: 1 GiB).
+    timeout_s: bound of every device-side wait; a wait that expires raises WaitTimeoutError.
+    check_collective_args: compare collective arguments (allocation shape/dtype, ...) across ranks
+        over MPI before acting on them.
+    """
+
+    heap_size: str | int | None = None
+    timeout_s: float = field(default_factory=lambda: float(os.environ.get("FLUXRT_TIMEOUT_S", "30")))
+    check_collective_args: bool = True
+
+
+def _node_communicator(comm):
+    from mpi4py import MPI
+
+    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+
+
+def _select_device(local_rank: int, local_size: int, device: int | None) -> tuple[int | None, str | None]:
+    """(device id, None) or (None, reason) -- decided before anything collective can hang."""
+    import cupy
+
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver / no device
+        return None, f"no CUDA GPU usable ({e.__class__.__name__}: {e})"
+    if count == 0:
+        return None, "no CUDA GPU visible (CUDA_VISIBLE_DEVICES?)"
+    if device is None:
+        if local_size > count:
+            return None, (f"{local_size} ranks on this node but only {count} GPU(s) visible: "
+                          "fluxrt needs one GPU per rank (launch fewer ranks per node, or pass device=)")
+        device = local_rank
+    if not 0 <= device < count:
+        return None, f"device {device} requested but only {count} GPU(s) visible"
+    return device, None
+
+
+class World:
+    """Ranks, their GPUs and the symmetric heap of one NVSHMEM job. Create with ``fluxrt.init``."""
+
+    def __init__(self, comm, device: int | None, options: WorldOptions):
+        import cupy
+
+        self.options = options
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        node = _node_communicator(comm)
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+
+        dev, reason = _select_device(self.local_rank, self.local_size, device)
+        failures = [(r, why) for r, why in enumerate(comm.allgather(reason)) if why]
+        if failures:
+            raise DeviceError("; ".join(f"rank {r}: {why}" for r, why in failures))
+        self.device_id = dev
+        self.device = cupy.cuda.Device(dev)
+        self.device.use()
+
+        self._finalized = False
+        self._boot_nvshmem()
+        self.heap = SymmetricHeap(self)
+        self._error_host, self.error_record = self._alloc_error_record()
+        self._pads = []
+        from .p2p import _P2PState
+
+        # Kernels and the barrier pad are made now, collectively, not on some rank's first call.
+        self._p2p_state = _P2PState(self)
+        log.info("rank %d/%d (local %d/%d) on GPU %d: NVSHMEM up, heap %d bytes", self.rank, self.size,
+                 self.local_rank, self.local_size, dev, self.heap.capacity)
+
+    # --- boot / teardown ------------------------------------------------------------------------
+    def _boot_nvshmem(self) -> None:
+        import nvshmem.core as nvshmem
+        from cuda.core import Device
+
+        for k, v in _SAFE_ENV.items():
+            os.environ.setdefault(k, v)
+        if self.options.heap_size is not None:
+            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(parse_bytes(self.options.heap_size))
+        Device(self.device_id).set_current()
+        try:
+            uid = nvshmem.get_unique_id(empty=self.rank != 0)
+            self.comm.Bcast(uid._data.view(np.int8), root=0)
+            nvshmem.init(device=Device(self.device_id), uid=uid, rank=self.rank, nranks=self.size,
+                         initializer_method="uid")
+        except Exception as e:
+            raise NvshmemInitError(f"rank {self.rank}: NVSHMEM init over a {self.size}-rank communicator "
+                                   f"failed: {e}") from e
+        from nvshmem import bindings
+
+        if bindings.my_pe() != self.rank or bindings.n_pes() != self.size:
+            raise NvshmemInitError(f"NVSHMEM PE {bindings.my_pe()}/{bindings.n_pes()} does not match MPI rank "
+                                   f"{self.rank}/{self.size}")
+
+    def _alloc_error_record(self):
+        """Host-mapped pinned words a timed-out kernel writes; the host reads them without a sync."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        nbytes = ERROR_RECORD_WORDS * 8
+        host = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+        ctypes.memset(host, 0, nbytes)
+        words = np.ctypeslib.as_array((ctypes.c_uint64 * ERROR_RECORD_WORDS).from_address(host))
+        self._error_words = words
+        return host, host  # unified addressing: the device uses the host pointer as is
+
+    def finalize(self) -> None:
+        """Free every symmetric allocation and shut NVSHMEM down. Collective; safe to call twice."""
+        global _active
+        if self._finalized:
+            return
+        self._finalized = True
+        import cupy
+        import nvshmem.core as nvshmem
+
+        try:
+            self.device.use()
+            try:
+                self.device.synchronize()
+            except Exception as e:  # a failed kernel must not stop the teardown
+                log.warning("rank %d: device sync at finalize failed: %s", self.rank, e)
+            self.heap.free_all()
+            nvshmem.finalize()
+        finally:
+            cupy.cuda.runtime.freeHost(self._error_host)
+            if _active is self:
+                _active = None
+        log.info("rank %d: NVSHMEM finalized", self.rank)
+
+    @property
+    def active(self) -> bool:
+        return not self._finalized
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finalize()
+
+    def __repr__(self) -> str:
+        return (f"World(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+                f"device={self.device_id}, active={self.active})")
+
+    # --- memory ----------------------------------------------------------------------------------
+    def empty(self, shape, dtype="float32"):
+        """Collective: an uninitialised symmetric array (a cupy.ndarray subclass with ``peer(r)``)."""
+        self._check_active()
+        return self.heap.empty(shape, dtype)
+
+    def zeros(self, shape, dtype="float32"):
+        """Collective: a zeroed symmetric array; returns once every rank's copy is zero."""
+        import cupy
+
+        arr = self.empty(shape, dtype)
+        cupy.cuda.runtime.memset(arr.data.ptr, 0, arr.nbytes)
+        self.device.synchronize()
+        self.comm.Barrier()
+        return arr
+
+    def free(self, arr) -> None:
+        """Collective: return a symmetric array to the heap (every rank, same order)."""
+        self._check_active()
+        self.heap.free(arr)
+
+    def signal_pad(self, slots: int):
+        """Collective: `slots` uint64 flags per rank, compared against growing epochs (never reset)."""
+        from .signals import SignalPad
+
+        pad = SignalPad(self, slots)
+        self._pads.append(pad)
+        return pad
+
+    # --- synchronization -----------------------------------------------------------------------
+    def barrier(self, stream=None) -> None:
+        """Stream-ordered barrier across all ranks (a bounded device kernel; errors surface at
+        ``synchronize``/``check_errors``)."""
+        from . import p2p
+
+        self._check_active()
+        p2p.barrier(self, stream)
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for `stream` (None: the whole device), then raise any device-side wait timeout."""
+        import cupy
+
+        if stream is None:
+            self.device.synchronize()
+        else:
+            cupy.cuda.runtime.streamSynchronize(stream_handle(stream))
+        self.check_errors()
+
+    def device_sync(self) -> None:
+        self.device.synchronize()
+
+    def check_errors(self) -> None:
+        """Raise (and clear) the error a bounded device wait recorded, if any. Does not synchronize."""
+        err = decode_error_record(self._error_words)
+        if err is not None:
+            self._error_words[:] = 0
+            raise err
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.options.timeout_s * 1e9)
+
+    def _check_active(self) -> None:
+        if self._finalized:
+            raise NvshmemInitError("this world has been finalized; call fluxrt.init() again")
+
+
+def init(comm=None, device: int | None = None, options: WorldOptions | None = None) -> World:
+    """Boot a world over `comm` (default MPI.COMM_WORLD) with GPU `device` (default: the local rank)."""
+    global _active, _atexit_registered
+    from mpi4py import MPI
+
+    if _active is not None and _active.active:
+        raise NvshmemInitError(f"a fluxrt world is already active in this process ({_active!r}); "
+                               "finalize it first (NVSHMEM is one runtime per process)")
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        raise TypeError(f"comm must be an mpi4py communicator, got {comm!r}")
+    world = World(comm, device, options or WorldOptions())
+    _active = world
+    if not _atexit_registered:
+        atexit.register(_finalize_at_exit)
+        _atexit_registered = True
+    return world
+
+
+def finalize() -> None:
+    """Finalize the active world, if any."""
+    if _active is not None:
+        _active.finalize()
+
+
+def current() -> World:
+    """The active world; raises when none is."""
+    if _active is None or not _active.active:
+        raise NvshmemInitError("no active fluxrt world: call fluxrt.init() first")
+    return _active
+
+
+def _finalize_at_exit() -> None:
+    if _active is not None and _active.active:
+        log.info("finalizing the fluxrt world at interpreter exit")
+        try:
+            _active.finalize()
+        except Exception as e:  # exiting anyway; say why teardown was incomplete
+            log.error("fluxrt finalize at exit failed: %s", e)

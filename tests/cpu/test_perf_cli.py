@@ -1,0 +1,369 @@
+"""CPU tests of fluxrt.perf: nccl-tests flags and sizes, busbw factors, tables, JSON, plots, progress."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+from fractions import Fraction
+
+import pytest
+
+from fluxrt.perf import report as report_mod
+from fluxrt.perf.report import Row, Table, algbw_gbps, plot, progress, results_document, write_json
+from fluxrt.perf.sweep import (SweepOptions, add_sweep_arguments, bus_bandwidth_factor, describe,
+                               element_size, format_size, normalize_datatype, parse_size, sizes)
+
+# ---------------------------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("8", 8), ("0", 0), ("64K", 65536), ("64k", 65536), ("1M", 1 << 20), ("1G", 1 << 30),
+    ("256MB", 256 << 20), ("256mb", 256 << 20), ("1GiB", 1 << 30), ("1gib", 1 << 30),
+    ("4KiB", 4096), ("2T", 2 << 40), (" 16 ", 16), ("8B", 8), (128, 128),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "1.5M", "-8", "8X", "M", "1 M B", "64KK", "1e6"])
+def test_parse_size_errors_name_the_text(bad):
+    with pytest.raises(ValueError) as err:
+        parse_size(bad)
+    assert repr(bad) in str(err.value)
+
+
+def test_parse_size_rejects_negative_int():
+    with pytest.raises(ValueError, match="-1"):
+        parse_size(-1)
+
+
+def test_format_size():
+    assert [format_size(n) for n in (8, 1024, 65536, 1 << 20, 3 << 29, 1 << 30)] == \
+        ["8", "1K", "64K", "1M", "1.5G", "1G"]
+
+
+def test_sizes_factor_8_to_1g():
+    opts = SweepOptions(minbytes=parse_size("8"), maxbytes=parse_size("1G"), stepfactor=2)
+    got = sizes(opts)
+    assert got[0] == 8
+    assert got[-1] == 1 << 30
+    assert len(got) == 28  # 2**3 .. 2**30
+    assert all(b == 2 * a for a, b in zip(got, got[1:]))
+
+
+def test_sizes_factor_stops_at_max_inclusive_only_when_reached():
+    got = sizes(SweepOptions(minbytes=8, maxbytes=100, stepfactor=4), align=1)
+    assert got == [8, 32]
+
+
+def test_sizes_stepbytes():
+    opts = SweepOptions(minbytes=1024, maxbytes=8192, stepbytes=parse_size("2K"), datatype="fp32")
+    assert sizes(opts) == [1024, 3072, 5120, 7168]
+
+
+def test_sizes_align_to_element_size():
+    # fp32: 4-byte elements; 1..64 by factor 3 -> 1, 3, 9, 27 -> rounded down, at least one element.
+    opts = SweepOptions(minbytes=1, maxbytes=64, stepfactor=3, datatype="fp32")
+    assert sizes(opts) == [4, 8, 24]  # 1 -> 4, 3 -> 4 (deduplicated), 9 -> 8, 27 -> 24
+    assert sizes(opts, align=1) == [1, 3, 9, 27]
+    assert all(s % 4 == 0 for s in sizes(opts))
+    # Collectives that split evenly over 4 ranks of bf16: multiples of 8 bytes.
+    opts = SweepOptions(minbytes=10, maxbytes=1000, stepbytes=100, datatype="bf16")
+    assert sizes(opts, align=element_size("bf16") * 4) == [8, 104, 208, 304, 408, 504, 608, 704,
+                                                            808, 904]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(minbytes=1024, maxbytes=8), "maxbytes"),
+    (dict(stepfactor=1), "stepfactor"),
+    (dict(minbytes=0), "minbytes"),
+    (dict(iters=0), "iters"),
+    (dict(warmup_iters=-1), "warmup"),
+    (dict(check=2), "check"),
+    (dict(graph_iters=-1), "graph"),
+    (dict(datatype="fp8"), "datatype"),
+    (dict(op="prod"), "op"),
+])
+def test_options_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SweepOptions(**kwargs)
+
+
+def test_sizes_revalidates_mutated_options_and_align():
+    opts = SweepOptions()
+    opts.maxbytes = 4
+    with pytest.raises(ValueError, match="maxbytes"):
+        sizes(opts)
+    with pytest.raises(ValueError, match="align"):
+        sizes(SweepOptions(), align=0)
+
+
+@pytest.mark.parametrize("name, canonical", [
+    ("float", "fp32"), ("fp32", "fp32"), ("half", "fp16"), ("FP16", "fp16"), ("bfloat16", "bf16"),
+    ("bf16", "bf16"), ("int32", "int32"), ("int", "int32"),
+])
+def test_datatype_aliases(name, canonical):
+    assert normalize_datatype(name) == canonical
+
+
+# ------------------------------------------------------------------------------------------- argparse
+
+
+def _parser() -> argparse.ArgumentParser:
+    return add_sweep_arguments(argparse.ArgumentParser(prog="all_reduce_perf"))
+
+
+def test_argparse_round_trip():
+    argv = ["-b", "8", "-e", "128M", "-f", "2", "-n", "50", "-w", "10", "-c", "1", "-d", "bf16",
+            "-G", "10"]
+    opts = SweepOptions.from_args(_parser().parse_args(argv))
+    assert opts == SweepOptions(minbytes=8, maxbytes=128 << 20, stepfactor=2, stepbytes=0, iters=50,
+                                warmup_iters=10, check=1, datatype="bf16", op="sum", graph_iters=10)
+    assert sizes(opts)[-1] == 128 << 20
+
+
+def test_argparse_long_names_and_extras(tmp_path):
+    argv = ["--minbytes", "1K", "--maxbytes", "1GiB", "--stepfactor", "4", "--stepbytes", "0",
+            "--iters", "7", "--warmup_iters", "0", "--check", "0", "--datatype", "float",
+            "--op", "MAX", "--graph", "3", "--json", str(tmp_path / "r.json"),
+            "--plot", str(tmp_path / "r.png"), "--no-progress"]
+    opts = SweepOptions.from_args(_parser().parse_args(argv))
+    assert (opts.minbytes, opts.maxbytes, opts.stepfactor, opts.iters, opts.warmup_iters) == \
+        (1024, 1 << 30, 4, 7, 0)
+    assert (opts.check, opts.datatype, opts.op, opts.graph_iters) == (0, "fp32", "max", 3)
+    assert opts.json_path == str(tmp_path / "r.json") and opts.plot_path == str(tmp_path / "r.png")
+    assert opts.progress is False
+
+
+def test_argparse_defaults_match_dataclass():
+    assert SweepOptions.from_args(_parser().parse_args([])) == SweepOptions()
+    d = SweepOptions()
+    assert (d.minbytes, d.maxbytes, d.stepfactor, d.stepbytes, d.iters, d.warmup_iters, d.check,
+            d.datatype, d.op, d.graph_iters, d.progress) == \
+        (8, 64 << 20, 2, 0, 20, 5, 1, "bf16", "sum", 0, True)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-b", "12Q"], "'12Q'"), (["-d", "fp8"], "fp8"), (["-o", "prod"], "prod"), (["-c", "3"], "3"),
+])
+def test_argparse_errors_are_clear(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(argv)
+    assert needle in capsys.readouterr().err
+
+
+def test_from_args_validates_combination():
+    ns = _parser().parse_args(["-b", "1M", "-e", "1K"])
+    with pytest.raises(ValueError, match="maxbytes"):
+        SweepOptions.from_args(ns)
+
+
+def test_describe_mentions_parameters():
+    text = "\n".join(describe(SweepOptions(stepbytes=64)))
+    assert text.startswith("#") and "minBytes 8" in text and "64(bytes)" in text
+
+
+# ---------------------------------------------------------------------------------------------- busbw
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_busbw_factors(n):
+    # Independent: bytes crossing the busiest link of a ring, per byte of payload.
+    ring_allreduce = Fraction(2 * (n - 1), n)   # reduce-scatter pass + all-gather pass
+    one_pass = Fraction(n - 1, n)               # each rank receives the n-1 chunks it lacks
+    expected = {
+        "allreduce": ring_allreduce, "all_reduce": ring_allreduce,
+        "allgather": one_pass, "reduce_scatter": one_pass, "reduce-scatter": one_pass,
+        "alltoall": one_pass, "broadcast": 1, "reduce": 1, "sendrecv": 1, "p2p": 1,
+    }
+    for op, factor in expected.items():
+        assert bus_bandwidth_factor(op, n) == pytest.approx(float(factor)), op
+    assert {2: 1.0, 4: 1.5, 8: 1.75}[n] == bus_bandwidth_factor("AllReduce", n)
+    assert {2: 0.5, 4: 0.75, 8: 0.875}[n] == bus_bandwidth_factor("allgather", n)
+
+
+def test_busbw_errors():
+    with pytest.raises(ValueError, match="gather_scatter"):
+        bus_bandwidth_factor("gather_scatter", 4)
+    with pytest.raises(ValueError, match="nranks"):
+        bus_bandwidth_factor("allreduce", 0)
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+def _rows(nbytes, t_flux, t_nccl, nranks=4, wrong=0):
+    f = bus_bandwidth_factor("allreduce", nranks)
+    common = dict(nbytes=nbytes, count=nbytes // 2, dtype="bf16", redop="sum", busbw_factor=f)
+    return [Row.measured(impl="fluxrt", algo="oneshot", time_us=t_flux, wrong=wrong, **common),
+            Row.measured(impl="nccl", algo="", time_us=t_nccl, wrong=None, **common)]
+
+
+def _ends(line):
+    """End index of each whitespace-separated token of a line."""
+    ends, i = [], 0
+    for tok in line.split():
+        i = line.index(tok, i) + len(tok)
+        ends.append(i)
+    return ends
+
+
+def test_algbw_units():
+    assert algbw_gbps(1 << 20, 10.0) == pytest.approx((1 << 20) / 10e-6 / 1e9)  # 104.8576 GB/s
+    assert algbw_gbps(1 << 20, 0.0) == 0.0
+    row = _rows(1 << 30, 3000.0, 3100.0)[0]
+    assert row.algbw == pytest.approx((1 << 30) / 3000e-6 / 1e9)
+    assert row.busbw == pytest.approx(row.algbw * 1.5)
+
+
+def test_table_layout_and_ratio():
+    out = io.StringIO()
+    table = Table(("fluxrt", "nccl"), out=out)
+    table.header(describe(SweepOptions()))
+    table.add(_rows(8, 10.0, 15.0))
+    table.add(_rows(65536, 12.5, 17.6))
+    table.add(_rows(1 << 30, 3100.0, 3025.0))
+    table.add(_rows(4 << 30, 12345.0, 12000.0))
+    table.footer()
+    lines = out.getvalue().splitlines()
+
+    names = next(ln for ln in lines if "size" in ln and "busbw" in ln)
+    units = lines[lines.index(names) + 1]
+    data = [ln for ln in lines if not ln.startswith("#")]
+    assert len(data) == 4
+    for col in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
+                "ratio"):
+        assert col in names.split()
+    assert "(us)" in units and "(GB/s)" in units and "(nccl)" in units
+    group = lines[lines.index(names) - 1]
+    assert group.startswith("#") and group.index("fluxrt") < group.index("nccl")
+
+    # Fixed-width: every data line has the header's length, and each value ends where its column
+    # name ends (right-aligned columns).
+    name_ends = _ends(names[1:])
+    for ln in data:
+        assert len(ln) == len(names)
+        assert _ends(ln[1:]) == name_ends
+        assert len(ln.split()) == len(names.split()) - 1  # names row has the leading '#'
+
+    first = data[0].split()
+    # size count type redop root | time algbw busbw #wrong | time algbw busbw #wrong | ratio
+    assert first[:5] == ["8", "4", "bf16", "sum", "-1"]
+    assert first[5] == "10.00" and first[8] == "0"
+    assert first[9] == "15.00" and first[12] == "N/A"
+    assert float(first[-1]) == pytest.approx(15.0 / 10.0)
+    assert float(data[1].split()[-1]) == pytest.approx(17.6 / 12.5, abs=0.005)
+    big = data[2].split()
+    assert big[5] == "3100.0" and float(big[-1]) == pytest.approx(3025.0 / 3100.0, abs=0.005)
+    assert float(big[7]) == pytest.approx((1 << 30) / 3100e-6 / 1e9 * 1.5, abs=0.005)
+    assert data[3].split()[5] == "12345"
+
+    footer = "\n".join(lines[-8:])
+    assert "# Wrong values (fluxrt)" in footer and ": 0 OK" in footer
+    avg = [ln for ln in lines if ln.startswith("# Avg bus bandwidth (fluxrt)")][0]
+    expected = sum(r.busbw for r in table.rows if r.impl == "fluxrt") / 4
+    assert float(avg.split(":")[1]) == pytest.approx(expected, abs=1e-3)
+    gm = [ln for ln in lines if ln.startswith("# Geomean ratio")][0]
+    ratios = [15.0 / 10.0, 17.6 / 12.5, 3025.0 / 3100.0, 12000.0 / 12345.0]
+    assert float(gm.split(":")[1]) == pytest.approx(
+        math.exp(sum(map(math.log, ratios)) / 4), abs=1e-3)
+
+
+def test_table_missing_impl_wrong_counts_and_errors():
+    out = io.StringIO()
+    table = Table(out=out, show_algo=True)
+    table.header()
+    line = table.add(_rows(16, 5.0, 6.0)[1:])  # nccl only
+    assert line.split()[5:9] == ["N/A"] * 4 and line.split()[-1] == "N/A"
+    table.add(_rows(32, 5.0, 6.0, wrong=3))
+    assert "oneshot" in out.getvalue()
+    assert table.wrong_total("fluxrt") == 3 and table.wrong_total("nccl") is None
+    table.footer()
+    assert "3 FAILED" in out.getvalue()
+    with pytest.raises(ValueError, match="unknown implementation"):
+        table.add([Row.measured(nbytes=8, count=4, dtype="bf16", redop="sum", impl="mpi", algo="",
+                                time_us=1.0, busbw_factor=1.0)])
+    with pytest.raises(ValueError, match="share a size"):
+        table.add(_rows(8, 1.0, 1.0)[:1] + _rows(16, 1.0, 1.0)[1:])
+    with pytest.raises(ValueError, match="two rows"):
+        table.add(_rows(8, 1.0, 1.0)[:1] * 2)
+
+
+# ----------------------------------------------------------------------------------------- json, plot
+
+
+def test_results_document(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUXRT_MACHINE_KIND", "nvidia-h200-x4")
+    rows = _rows(1 << 20, 10.0, 12.0)
+    doc = results_document("allreduce", rows, ["mpirun", "-np", "4", "python", "x.py", "-b", "8"],
+                           machine={"gpu_name": "NVIDIA H200", "gpu_count": 4})
+    assert set(doc) == {"bench", "date", "commit", "command", "machine", "rows"}
+    assert doc["bench"] == "allreduce"
+    assert doc["command"] == "mpirun -np 4 python x.py -b 8"
+    assert doc["machine"] == {"kind": "nvidia-h200-x4", "gpu_name": "NVIDIA H200", "gpu_count": 4}
+    assert doc["date"].endswith("+00:00") and "T" in doc["date"]
+    assert doc["commit"] == "unknown" or len(doc["commit"]) == 40
+    assert doc["rows"][0]["impl"] == "fluxrt" and doc["rows"][1]["wrong"] is None
+    assert set(doc["rows"][0]) >= {"bytes", "count", "dtype", "redop", "impl", "algo", "time_us",
+                                   "algbw", "busbw", "wrong"}
+    path = write_json(tmp_path / "sub" / "r.json", doc)
+    assert json.loads(path.read_text()) == doc
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_results_document_defaults_outside_git(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLUXRT_MACHINE_KIND", raising=False)
+    monkeypatch.chdir(tmp_path)
+    doc = results_document("x", [], "cmd")
+    assert doc["machine"]["kind"] == "unknown" and doc["rows"] == []
+    assert doc["commit"] == "unknown" or len(doc["commit"]) == 40  # tmp may sit inside a repo
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="plot needs matplotlib: pip install matplotlib")
+    rows = [r for n in (8, 1024, 1 << 20, 1 << 26) for r in _rows(n, 10.0 + n / 1e5, 12.0 + n / 9e4)]
+    path = plot(tmp_path / "p" / "allreduce.png", rows, "allreduce, 4 ranks")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        plot(tmp_path / "x.png", [], "t")
+
+
+# ------------------------------------------------------------------------------------------- progress
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_disabled_or_not_a_tty_passes_through():
+    items = [1, 2, 3]
+    assert progress(items, enabled=False) is items
+    assert progress(items, enabled=True, stream=io.StringIO()) is items
+
+
+def test_progress_fallback_lines(monkeypatch):
+    stream = _Tty()
+    got = list(report_mod._fallback_progress(iter("ab"), 2, "allreduce", stream))
+    assert got == ["a", "b"]
+    assert stream.getvalue().splitlines() == ["[1/2] allreduce", "[2/2] allreduce"]
+
+
+def test_progress_on_tty_yields_all_items():
+    stream = _Tty()
+    assert list(progress(range(5), desc="sweep", stream=stream)) == list(range(5))
+    assert stream.getvalue()  # something was shown (tqdm or the fallback)
