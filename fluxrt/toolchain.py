@@ -258,3 +258,37 @@ def load_nvshmem_module(source: str | os.PathLike, options: CompileOptions = Com
     if status not in (None, 0):
         raise CompileError(f"nvshmemx_cumodule_init failed ({status}) for {source}")
     return mod
+
+
+# --- build everything (CI compile check, gpu-check warm-up) ------------------------------------------
+
+def kernel_sources() -> list[Path]:
+    """Every kernel translation unit under kernels/ (headers are compiled through them)."""
+    return sorted(kernel_root().rglob("*.cu"))
+
+
+def uses_nvshmem(source: Path) -> bool:
+    """Convention: a source that calls the NVSHMEM device API is named nvshmem_*.cu."""
+    return source.name.startswith("nvshmem_")
+
+
+def build_all(options: CompileOptions = CompileOptions()) -> list[Path]:
+    return [(compile_nvshmem_cubin if uses_nvshmem(src) else compile_cubin)(src, options)
+            for src in kernel_sources()]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m fluxrt.toolchain",
+                                 description="Compile every kernel under kernels/ into the cache.")
+    ap.add_argument("--arch", default=None, help="e.g. sm_90a (default: the current GPU's, or sm_90a)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for path in build_all(CompileOptions(arch=args.arch)):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -206,7 +206,10 @@ class Table:
 
 
 def _git_commit() -> str:
-    """HEAD of the git repository containing the current directory, or "unknown" (no git, no repo)."""
+    """$FLUXRT_COMMIT (for copies of a checkout without .git), else HEAD of the repository containing
+    the current directory, else "unknown"."""
+    if os.environ.get("FLUXRT_COMMIT"):
+        return os.environ["FLUXRT_COMMIT"]
     try:
         res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.getcwd(), capture_output=True,
                              text=True, timeout=10, check=False)

@@ -1,0 +1,457 @@
+"""Hopper GEMM: ``C = A @ B`` (or ``A @ B.T``) with a main loop fluxrt owns (kernels/gemm/hopper_gemm.cu).
+
+Public entry point: :func:`gemm`. The fused ops (AllGather+GEMM, GEMM+ReduceScatter) use
+:func:`gemm_with_hooks`, which compiles the two hooks into the kernel:
+
+* :class:`ArrivalWait`   -- before loading A for a tile, the producer waits (bounded, acquire.sys, then
+  fence.proxy.async) until ``flags[m_block_start // chunk_rows] >= epoch``.
+* :class:`TileEpilogue`  -- finished tiles go to ``dst_table[chunk] + (row - chunk*chunk_rows)*dst_ld + col``
+  (e.g. a peer's symmetric buffer) and, when ``flag_table`` is given, raise
+  ``flag_table[chunk][local_m_tile * n_tiles + n_tile]`` (set to / add ``signal_value``, release.sys),
+  issued from a storer warp of the producer warpgroup.
+
+Every argument is validated before the first CUDA call (so mistakes surface as exceptions that name
+the shapes, and the checks run on CPU-only machines).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import FluxrtError
+from .gemm_plan import GemmPlan, hilbert_order, plan_gemm
+
+__all__ = ["gemm", "gemm_with_hooks", "ArrivalWait", "TileEpilogue", "GemmArgumentError", "GemmTypeError",
+           "validate_gemm_args", "kernel_defines"]
+
+KERNEL_SOURCE = "gemm/hopper_gemm.cu"
+KERNEL_NAME = "fluxrt_gemm"
+_IN_IDS = {"bfloat16": 0, "float16": 1}
+_OUT_IDS = {"bfloat16": 0, "float16": 1, "float32": 2}
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+_TMA_ALIGN = 16   # bytes: TMA global addresses and row strides must be multiples of 16
+DEFAULT_TIMEOUT_NS = 10_000_000_000
+
+
+class GemmArgumentError(FluxrtError, ValueError):
+    """A GEMM operand has the wrong shape, layout, alignment or device."""
+
+
+class GemmTypeError(FluxrtError, TypeError):
+    """A GEMM operand has an unsupported type or dtype."""
+
+
+# --- hooks -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArrivalWait:
+    """Hook 1: producer waits for ``flags[chunk] >= epoch`` before loading A rows of that chunk.
+
+    flags: device pointer (int) or array of uint64, one word per chunk of ``chunk_rows`` rows of A.
+    err: device/host-mapped pointer of a fluxrt ErrorRecord (6 uint64 words) filled on timeout.
+    """
+    flags: object
+    epoch: int
+    chunk_rows: int
+    err: object
+    chunks_per_peer: int = 1
+    timeout_ns: int = DEFAULT_TIMEOUT_NS
+    op_id: int = 0
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class TileEpilogue:
+    """Hook 2: per-chunk destination + per-tile release flag, written by the storer warp.
+
+    dst_table: device array (uint64) of per-chunk destination base pointers (row-major, ``dst_ld``
+    elements per row, row 0 = first row of the chunk). flag_table: device array (uint64) of per-chunk
+    flag-array pointers (or None for no signal).
+    """
+    dst_table: object
+    chunk_rows: int
+    dst_ld: int
+    flag_table: object = None
+    signal_value: int = 1
+    signal_add: bool = False
+
+
+# --- argument inspection (no CUDA calls) -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Info:
+    shape: tuple
+    dtype: str
+    strides: tuple | None   # bytes; None = C-contiguous
+    ptr: int
+    device: int | None
+    name: str
+
+
+def _dtype_name(dt) -> str:
+    try:
+        return np.dtype(dt).name
+    except TypeError:
+        return str(getattr(dt, "name", dt))
+
+
+def _inspect(x, name: str) -> _Info:
+    """Shape/dtype/strides/pointer/device of a CUDA array without touching the device."""
+    if x is None:
+        raise GemmTypeError(f"gemm: {name} is None")
+    if isinstance(x, np.ndarray):
+        raise GemmTypeError(f"gemm: {name} is a host numpy array {x.shape}; pass a device array (cupy.asarray)")
+    try:
+        import cupy
+        if isinstance(x, cupy.ndarray):
+            return _Info(tuple(x.shape), _dtype_name(x.dtype), tuple(x.strides), int(x.data.ptr),
+                         int(x.data.device_id), name)
+    except ImportError:  # pragma: no cover - cupy is a hard dependency, but keep validation importable
+        pass
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = tuple(cai["shape"])
+        dt = getattr(x, "dtype", None)
+        dtype = _dtype_name(dt) if dt is not None else _dtype_name(np.dtype(cai["typestr"]))
+        strides = cai.get("strides")
+        return _Info(shape, dtype, tuple(strides) if strides is not None else None, int(cai["data"][0]),
+                     None, name)
+    if hasattr(x, "__dlpack__"):
+        shape = tuple(getattr(x, "shape", ()))
+        dtype = _dtype_name(getattr(x, "dtype", "?"))
+        return _Info(shape, dtype, None, -1, None, name)   # pointer known after cupy.from_dlpack
+    raise GemmTypeError(f"gemm: {name} of type {type(x).__name__} is not a CUDA array "
+                        f"(needs __cuda_array_interface__ or __dlpack__)")
+
+
+def _check_matrix(info: _Info, allowed: tuple[str, ...]) -> None:
+    if len(info.shape) != 2:
+        raise GemmArgumentError(f"gemm: {info.name} must be 2-D, got shape {info.shape}")
+    if info.dtype not in allowed:
+        raise GemmTypeError(f"gemm: {info.name} has dtype {info.dtype}; supported: {', '.join(allowed)}")
+    rows, cols = info.shape
+    item = _ITEMSIZE[info.dtype]
+    if info.strides is not None and rows > 0 and cols > 0:
+        ok_col = cols == 1 or info.strides[1] == item
+        ok_row = rows == 1 or info.strides[0] == cols * item
+        if not (ok_col and ok_row):
+            raise GemmArgumentError(f"gemm: {info.name} {info.shape} must be C-contiguous (row-major), "
+                                    f"got strides {info.strides} bytes; use cupy.ascontiguousarray")
+    if (cols * item) % _TMA_ALIGN:
+        raise GemmArgumentError(f"gemm: rows of {info.name} {info.shape} are {cols * item} bytes; TMA needs a "
+                                f"multiple of {_TMA_ALIGN} (the last dimension must be a multiple of "
+                                f"{_TMA_ALIGN // item} for {info.dtype})")
+    if info.ptr >= 0 and info.ptr % _TMA_ALIGN:
+        raise GemmArgumentError(f"gemm: {info.name} {info.shape} starts at 0x{info.ptr:x}, not "
+                                f"{_TMA_ALIGN}-byte aligned")
+
+
+def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = None,
+                       out_shape_only: bool = False) -> tuple[int, int, int, str, str]:
+    """Check operands of C = A @ B (B [K, N]) or A @ B.T (trans_b, B [N, K]); returns (M, N, K, in, out).
+
+    Raises GemmTypeError / GemmArgumentError naming the offending operand and shapes. Makes no CUDA call.
+    """
+    ia, ib = _inspect(a, "A"), _inspect(b, "B")
+    _check_matrix(ia, tuple(_IN_IDS))
+    _check_matrix(ib, tuple(_IN_IDS))
+    if ia.dtype != ib.dtype:
+        raise GemmTypeError(f"gemm: A is {ia.dtype} but B is {ib.dtype}; both must be the same 16-bit type")
+    m, k = ia.shape
+    if trans_b:
+        n, kb = ib.shape
+        bdesc = "B [N, K] (trans_b=True)"
+    else:
+        kb, n = ib.shape
+        bdesc = "B [K, N] (trans_b=False)"
+    if kb != k:
+        raise GemmArgumentError(f"gemm: inner dimensions differ: A {ia.shape} is [M, K] with K={k}, "
+                                f"{bdesc} has shape {ib.shape} (K={kb})")
+    if m == 0 or n == 0 or k == 0:
+        raise GemmArgumentError(f"gemm: empty problem M={m} N={n} K={k} (A {ia.shape}, B {ib.shape})")
+    if m >= 1 << 31 or n >= 1 << 31 or k >= 1 << 31:
+        raise GemmArgumentError(f"gemm: dimensions must be < 2^31, got M={m} N={n} K={k}")
+    devices = {i.device for i in (ia, ib) if i.device is not None}
+    if out is not None:
+        io = _inspect(out, "out")
+        _check_matrix(io, tuple(_OUT_IDS))
+        if io.shape != (m, n):
+            raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected (M, N) = ({m}, {n}) for "
+                                    f"A {ia.shape} and {bdesc} {ib.shape}")
+        if out_dtype is not None and out_dtype != io.dtype:
+            raise GemmTypeError(f"gemm: out is {io.dtype} but out_dtype={out_dtype}")
+        out_dt = io.dtype
+        if io.device is not None:
+            devices.add(io.device)
+        for other in (ia, ib):
+            if other.ptr >= 0 and io.ptr == other.ptr:
+                raise GemmArgumentError(f"gemm: out aliases {other.name}; in-place GEMM is not supported")
+    else:
+        out_dt = out_dtype or ia.dtype
+        if out_dt not in _OUT_IDS:
+            raise GemmTypeError(f"gemm: out_dtype {out_dt} not supported; use one of {', '.join(_OUT_IDS)}")
+        if (n * _ITEMSIZE[out_dt]) % _TMA_ALIGN:
+            raise GemmArgumentError(f"gemm: output rows would be {n * _ITEMSIZE[out_dt]} bytes (N={n}); "
+                                    f"need a multiple of {_TMA_ALIGN}")
+    if len(devices) > 1:
+        raise GemmArgumentError(f"gemm: operands live on different devices {sorted(devices)}")
+    return m, n, k, ia.dtype, out_dt
+
+
+def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool = False,
+                   hook_epilogue: bool = False) -> tuple[tuple[str, str], ...]:
+    """-D macros that instantiate hopper_gemm.cu for one configuration."""
+    return (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
+            ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(_IN_IDS[in_dtype])),
+            ("FLUXRT_GEMM_OUT", str(_OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
+            ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
+            ("FLUXRT_GEMM_HOOK_EPILOGUE", "1" if hook_epilogue else "0"))
+
+
+def compile_options(defines, arch: str | None = None):
+    from .toolchain import CompileOptions, kernel_root
+
+    return CompileOptions(arch=arch, defines=tuple(defines), include_dirs=(str(kernel_root() / "gemm"),))
+
+
+# --- device-side helpers (CUDA from here on) ---------------------------------------------------------
+
+_lock = threading.Lock()
+_modules: dict = {}
+_order_tables: dict = {}
+_tmaps: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
+_TMAP_CACHE_SIZE = 256
+_TMAP_TYPES = {"bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", "float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+               "float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"}
+_TMAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])  # CUtensorMap: 128 opaque bytes
+
+
+def _kernel(defines, device_id: int):
+    key = (defines, device_id)
+    with _lock:
+        k = _modules.get(key)
+    if k is None:
+        from .toolchain import load_module
+
+        mod = load_module(KERNEL_SOURCE, compile_options(defines))
+        k = mod.get_function(KERNEL_NAME)
+        with _lock:
+            _modules[key] = k
+    return k
+
+
+def _tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_rows: int) -> np.ndarray:
+    """2-D row-major [rows, cols] tensor map, box {box_cols, box_rows}, 128B swizzle, zero OOB fill.
+    Returned as a 0-d 128-byte numpy void (CuPy passes it by value to the __grid_constant__ TmaDesc)."""
+    key = (ptr, dtype, rows, cols, box_cols, box_rows)
+    with _lock:
+        hit = _tmaps.get(key)
+        if hit is not None:
+            _tmaps.move_to_end(key)
+            return hit
+    from cuda.bindings import driver as drv
+
+    item = _ITEMSIZE[dtype]
+    err, tmap = drv.cuTensorMapEncodeTiled(
+        getattr(drv.CUtensorMapDataType, _TMAP_TYPES[dtype]), 2, ptr,
+        [cols, rows], [cols * item], [box_cols, box_rows], [1, 1],
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise GemmArgumentError(f"cuTensorMapEncodeTiled failed ({err}) for a {dtype} [{rows}, {cols}] tensor at "
+                                f"0x{ptr:x}, box [{box_rows}, {box_cols}]")
+    words = np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
+    arr = words.view(_TMAP_DTYPE).reshape((1,))  # size-1 structured array: by value
+    with _lock:
+        _tmaps[key] = arr
+        while len(_tmaps) > _TMAP_CACHE_SIZE:
+            _tmaps.popitem(last=False)
+    return arr
+
+
+_NULL_TMAP = np.zeros((1,), dtype=_TMAP_DTYPE)
+
+
+def _order_table(plan: GemmPlan, m_tiles: int, n_tiles: int, device_id: int):
+    if plan.order != "hilbert":
+        return None
+    key = (m_tiles, n_tiles, device_id)
+    with _lock:
+        t = _order_tables.get(key)
+    if t is None:
+        import cupy
+
+        if m_tiles >= 1 << 16 or n_tiles >= 1 << 16:
+            raise GemmArgumentError(f"gemm: hilbert order supports < 65536 tiles per side, got {m_tiles}x{n_tiles}")
+        packed = np.array([(mm << 16) | nn for mm, nn in hilbert_order(m_tiles, n_tiles)], dtype=np.uint32)
+        t = cupy.asarray(packed)
+        with _lock:
+            _order_tables[key] = t
+    return t
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _as_device_array(x, name: str):
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        return cupy.from_dlpack(x)
+    raise GemmTypeError(f"gemm: {name} is not a CUDA array")
+
+
+def _stream(stream):
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        return stream
+    if isinstance(stream, int):
+        return cupy.cuda.ExternalStream(stream)
+    if hasattr(stream, "__cuda_stream__"):
+        return cupy.cuda.ExternalStream(int(stream.__cuda_stream__()[1]))
+    if hasattr(stream, "ptr"):
+        return cupy.cuda.ExternalStream(int(stream.ptr))
+    raise GemmTypeError(f"gemm: stream must be a cupy stream, a raw cudaStream_t int or None, got {type(stream)}")
+
+
+def _ptr(x) -> int:
+    if x is None:
+        return 0
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if hasattr(x, "data") and hasattr(x.data, "ptr"):
+        return int(x.data.ptr)
+    if hasattr(x, "__cuda_array_interface__"):
+        return int(x.__cuda_array_interface__["data"][0])
+    raise GemmTypeError(f"gemm: cannot take a device pointer of {type(x).__name__}")
+
+
+def _num_sms(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _check_hooks(wait: ArrivalWait | None, epilogue: TileEpilogue | None, plan: GemmPlan, m: int) -> None:
+    for hook, what in ((wait, "ArrivalWait"), (epilogue, "TileEpilogue")):
+        if hook is None:
+            continue
+        if hook.chunk_rows <= 0 or hook.chunk_rows % plan.block_m:
+            raise GemmArgumentError(f"gemm: {what}.chunk_rows={hook.chunk_rows} must be a positive multiple of "
+                                    f"the tile height block_m={plan.block_m} (a tile must not straddle chunks)")
+    if wait is not None:
+        if wait.err is None:
+            raise GemmArgumentError("gemm: ArrivalWait needs an ErrorRecord pointer (err) for timeouts")
+        if wait.chunks_per_peer < 1:
+            raise GemmArgumentError(f"gemm: ArrivalWait.chunks_per_peer must be >= 1, got {wait.chunks_per_peer}")
+    if epilogue is not None and epilogue.dst_ld <= 0:
+        raise GemmArgumentError(f"gemm: TileEpilogue.dst_ld must be > 0, got {epilogue.dst_ld}")
+
+
+def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | None,
+            epilogue: TileEpilogue | None):
+    m, n, k, in_dt, out_dt = validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
+    if plan is None:
+        plan = plan_gemm(m, n, k, in_dtype=in_dt, out_dtype=out_dt)
+    plan.validate(out_dt)
+    _check_hooks(wait, epilogue, plan, m)
+
+    import cupy
+
+    a = _as_device_array(a, "A")
+    b = _as_device_array(b, "B")
+    dev = a.device.id
+    if b.device.id != dev:
+        raise GemmArgumentError(f"gemm: A is on device {dev} but B on device {b.device.id}")
+    # re-check pointer alignment now that DLPack imports have pointers
+    validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
+    if out is None:
+        if epilogue is None:
+            with cupy.cuda.Device(dev):
+                out = cupy.empty((m, n), dtype=_np_dtype(out_dt))
+    else:
+        out = _as_device_array(out, "out")
+        if out.device.id != dev:
+            raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
+    if wait is not None and epilogue is not None and wait.chunk_rows != epilogue.chunk_rows:
+        raise GemmArgumentError(f"gemm: ArrivalWait.chunk_rows={wait.chunk_rows} and TileEpilogue.chunk_rows="
+                                f"{epilogue.chunk_rows} must be equal (the kernel has one chunk size)")
+    chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else 0)
+
+    defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None)
+    with cupy.cuda.Device(dev):
+        kern = _kernel(defines, dev)
+        mt, nt = plan.tiles(m, n)
+        tmap_a = _tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m)
+        if trans_b:
+            tmap_b = _tensor_map(b.data.ptr, in_dt, n, k, plan.block_k, plan.block_n)
+        else:
+            tmap_b = _tensor_map(b.data.ptr, in_dt, k, n, 64, plan.block_k)
+        c_cols = 128 // _ITEMSIZE[out_dt]
+        tmap_c = (_tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64) if out is not None and epilogue is None
+                  else _NULL_TMAP)
+        table = _order_table(plan, mt, nt, dev)
+        smem = plan.smem_bytes(out_dt)
+        if kern.max_dynamic_shared_size_bytes < smem:
+            kern.max_dynamic_shared_size_bytes = smem
+        grid = plan.grid(m, n, _num_sms(dev))
+        args = (
+            tmap_a, tmap_b, tmap_c, np.int32(m), np.int32(n), np.int32(k),
+            np.uint64(_ptr(table)), np.int32(plan.group_m), np.int32(plan.m_tile_offset % mt),
+            # hook 1
+            np.uint64(_ptr(wait.flags) if wait else 0), np.uint64(wait.epoch if wait else 0),
+            np.int32(chunk_rows), np.int32(wait.chunks_per_peer if wait else 1),
+            np.uint64(wait.timeout_ns if wait else 0), np.uint64(_ptr(wait.err) if wait else 0),
+            np.uint32(wait.op_id if wait else 0), np.uint32(wait.rank if wait else 0),
+            # hook 2
+            np.uint64(_ptr(epilogue.dst_table) if epilogue else 0), np.int64(epilogue.dst_ld if epilogue else 0),
+            np.uint64(_ptr(epilogue.flag_table) if epilogue else 0),
+            np.uint64(epilogue.signal_value if epilogue else 0), np.int32(1 if epilogue and epilogue.signal_add else 0),
+        )
+        with _stream(stream):
+            kern((grid,), (plan.threads,), args, shared_mem=smem)
+    return out
+
+
+def gemm(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
+         out_dtype: str | None = None):
+    """``out = a @ b`` (``b`` is [K, N]) or ``a @ b.T`` (``trans_b=True``, ``b`` is [N, K]).
+
+    a: [M, K] bf16 or fp16, C-contiguous, on the current device (any __cuda_array_interface__ / DLPack
+    array). out: optional [M, N] bf16/fp16/fp32 array (allocated with ``out_dtype`` -- default a's dtype --
+    when None). Rows must be 16-byte aligned: K and N multiples of 8 (N of 4 for fp32 out).
+    stream: cupy stream, raw cudaStream_t int, or None (current stream). plan: see fluxrt.gemm_plan.
+    Returns ``out``.
+    """
+    return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=None,
+                   epilogue=None)
+
+
+def gemm_with_hooks(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
+                    out_dtype: str | None = None, wait: ArrivalWait | None = None,
+                    epilogue: TileEpilogue | None = None):
+    """Internal launch path of the fused ops: :func:`gemm` with hook 1 and/or hook 2 compiled in.
+
+    With ``epilogue`` set, ``out`` is not written (tiles go to ``epilogue.dst_table``); pass out=None and
+    out_dtype for the element type of the destinations. Returns ``out`` (None with an epilogue and no out).
+    """
+    return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=wait,
+                   epilogue=epilogue)

@@ -1,0 +1,217 @@
+"""GEMM configuration planner: which tile shape, pipeline depth and tile order a problem gets.
+
+Pure Python, no CUDA: the plan is visible (``plan_gemm(...)`` returns a frozen dataclass; print it)
+and overridable (pass ``plan=`` to :func:`fluxrt.gemm.gemm`, or ``dataclasses.replace`` a chosen one).
+
+Every field maps onto a compile-time macro or a launch argument of kernels/gemm/hopper_gemm.cu:
+
+=============  =====================================================================================
+block_m        tile rows = 64 x consumers (one m64 wgmma row block per consumer warpgroup)
+block_n        tile columns = wgmma N (64, 128, 192, 256)
+block_k        64 (one 128-byte swizzled row of 16-bit inputs); fixed
+stages         depth of the shared-memory ring of (A, B) K blocks
+consumers      consumer warpgroups (1 or 2); the producer warpgroup is always one
+cluster        thread-block cluster size; 1 only (TMA multicast is not implemented yet)
+order          'grouped' (bands of group_m tile rows) or 'hilbert' (host-built curve table)
+group_m        band height in tiles for 'grouped'
+m_tile_offset  rank offset: m_tile = (m_tile + m_tile_offset) % m_tiles (a rank starts at its shard)
+max_ctas       cap on the persistent grid (None = one CTA per SM)
+=============  =====================================================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+BLOCK_K = 64
+SMEM_LIMIT_BYTES = 232448          # 227 KiB: the opt-in maximum dynamic shared memory per block on H100/H200
+SMEM_ALIGN_BYTES = 1024            # the kernel aligns its base to a 128B-swizzle atom
+MAX_STAGES = 8
+H100_H200_SMS = 132
+ORDERS = ("grouped", "hilbert")
+IN_DTYPES = ("bfloat16", "float16")
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _bytes_of(dtype_name: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype_name]
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = BLOCK_K
+    stages: int = 3
+    consumers: int = 2
+    cluster: int = 1
+    order: str = "grouped"
+    group_m: int = 16
+    m_tile_offset: int = 0
+    max_ctas: int | None = None
+
+    def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
+        """Raise ValueError when the kernel cannot be instantiated with this plan."""
+        if self.consumers not in (1, 2):
+            raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
+        if self.block_m != 64 * self.consumers:
+            raise ValueError(f"GemmPlan.block_m must be 64 * consumers = {64 * self.consumers}, got {self.block_m}")
+        if self.block_n not in (64, 128, 192, 256):
+            raise ValueError(f"GemmPlan.block_n must be one of 64, 128, 192, 256, got {self.block_n}")
+        if self.block_k != BLOCK_K:
+            raise ValueError(f"GemmPlan.block_k must be {BLOCK_K} (one 128-byte swizzled row), got {self.block_k}")
+        if self.cluster != 1:
+            raise ValueError("GemmPlan.cluster > 1 (TMA multicast) is not implemented yet; use cluster=1")
+        if self.order not in ORDERS:
+            raise ValueError(f"GemmPlan.order must be one of {ORDERS}, got {self.order!r}")
+        if self.group_m < 1:
+            raise ValueError(f"GemmPlan.group_m must be >= 1, got {self.group_m}")
+        if self.m_tile_offset < 0:
+            raise ValueError(f"GemmPlan.m_tile_offset must be >= 0, got {self.m_tile_offset}")
+        if self.max_ctas is not None and self.max_ctas < 1:
+            raise ValueError(f"GemmPlan.max_ctas must be >= 1 or None, got {self.max_ctas}")
+        if self.stages < 2:
+            raise ValueError(f"GemmPlan.stages must be >= 2, got {self.stages}")
+        need = self.smem_bytes(out_dtype)
+        if need > SMEM_LIMIT_BYTES:
+            raise ValueError(f"GemmPlan {self.block_m}x{self.block_n}x{self.block_k} with {self.stages} stages and "
+                             f"{out_dtype} output needs {need} B of shared memory > {SMEM_LIMIT_BYTES} B")
+        return self
+
+    # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
+    def stage_bytes(self) -> int:
+        return (self.block_m + self.block_n) * self.block_k * 2
+
+    def c_staging_bytes(self, out_dtype: str) -> int:
+        return self.block_m * self.block_n * _bytes_of(out_dtype)
+
+    def smem_bytes(self, out_dtype: str = "bfloat16") -> int:
+        barriers = 8 * (2 * self.stages + 2)
+        return self.stages * self.stage_bytes() + self.c_staging_bytes(out_dtype) + barriers + SMEM_ALIGN_BYTES
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
+
+    def tiles(self, m: int, n: int) -> tuple[int, int]:
+        return math.ceil(m / self.block_m), math.ceil(n / self.block_n)
+
+    def grid(self, m: int, n: int, num_sms: int = H100_H200_SMS) -> int:
+        mt, nt = self.tiles(m, n)
+        cap = num_sms if self.max_ctas is None else min(self.max_ctas, num_sms)
+        return max(1, min(cap, mt * nt))
+
+
+def max_stages(block_m: int, block_n: int, out_dtype: str) -> int:
+    """Deepest ring that fits next to the C staging buffer."""
+    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=block_m // 64, stages=1)
+    free = SMEM_LIMIT_BYTES - probe.c_staging_bytes(out_dtype) - SMEM_ALIGN_BYTES
+    s = 0
+    while s + 1 <= MAX_STAGES and (s + 1) * probe.stage_bytes() + 8 * (2 * (s + 1) + 2) <= free:
+        s += 1
+    return s
+
+
+def _wave_efficiency(tiles: int, ctas: int) -> float:
+    waves = math.ceil(tiles / ctas)
+    return tiles / (waves * ctas)
+
+
+def plan_gemm(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
+              num_sms: int = H100_H200_SMS, order: str = "grouped", m_tile_offset: int = 0) -> GemmPlan:
+    """Choose a plan for C[m, n] = A[m, k] @ B.
+
+    Heuristic (cheap, deterministic, documented so it can be second-guessed):
+      * 128 x 256 tiles (2 consumers, m64n256 wgmma: 128 fp32 accumulators per math thread) whenever
+        the output staging allows >= 3 stages; fp32 output (128 KiB staging) uses 128 x 128.
+      * N <= 128 or a clearly better wave fill: 128 x 128.
+      * M <= 64: one consumer (64-row tiles) so that a thin problem does not compute padding.
+      * stages: as many as fit in 227 KiB next to the C staging buffer.
+      * group_m ~ sqrt(2 * #SMs) tile rows: the A bands and B columns resident per wave are balanced.
+    """
+    if in_dtype not in IN_DTYPES:
+        raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"unsupported output dtype {out_dtype!r} (expected one of {OUT_DTYPES})")
+    consumers = 1 if m <= 64 else 2
+    block_m = 64 * consumers
+    candidates = []
+    for bn in (256, 128):
+        if max_stages(block_m, bn, out_dtype) < 3:
+            continue
+        mt, nt = math.ceil(m / block_m), math.ceil(n / bn)
+        eff = _wave_efficiency(mt * nt, min(num_sms, mt * nt))
+        # padding waste along N also counts
+        eff *= n / (nt * bn)
+        candidates.append((bn, eff))
+    if not candidates:
+        candidates = [(128, 1.0)]
+    block_n, best = candidates[0]
+    for bn, eff in candidates[1:]:
+        if eff > best + 0.10:  # a 128-wide tile costs ~8% per flop (more B traffic, smaller MMAs)
+            block_n, best = bn, eff
+    stages = min(max_stages(block_m, block_n, out_dtype), 6)
+    m_tiles = math.ceil(m / block_m)
+    group_m = max(1, min(m_tiles, round(math.sqrt(2 * num_sms))))
+    return GemmPlan(block_m=block_m, block_n=block_n, block_k=BLOCK_K, stages=stages, consumers=consumers,
+                    cluster=1, order=order, group_m=group_m, m_tile_offset=m_tile_offset).validate(out_dtype)
+
+
+# --- tile orders ------------------------------------------------------------------------------------
+
+def _hilbert_d2xy(order: int, d: int) -> tuple[int, int]:
+    """Point number d on the Hilbert curve filling a 2^order x 2^order square."""
+    x = y = 0
+    s = 1
+    t = d
+    while s < (1 << order):
+        rx = 1 & (t // 2)
+        ry = 1 & (t ^ rx)
+        if ry == 0:
+            if rx == 1:
+                x, y = s - 1 - x, s - 1 - y
+            x, y = y, x
+        x += s * rx
+        y += s * ry
+        t //= 4
+        s *= 2
+    return x, y
+
+
+def hilbert_order(m_tiles: int, n_tiles: int) -> list[tuple[int, int]]:
+    """All (m_tile, n_tile) of the grid in Hilbert-curve order (the curve of the enclosing power-of-two
+    square, with the points outside the grid skipped)."""
+    side = max(m_tiles, n_tiles, 1)
+    order = max(0, (side - 1).bit_length())
+    out = []
+    for d in range(1 << (2 * order)):
+        x, y = _hilbert_d2xy(order, d)
+        if x < m_tiles and y < n_tiles:
+            out.append((x, y))
+    return out
+
+
+def grouped_order(m_tiles: int, n_tiles: int, group_m: int) -> list[tuple[int, int]]:
+    """Host mirror of the kernel's grouped order (for tests and tools)."""
+    out = []
+    per_group = group_m * n_tiles
+    for t in range(m_tiles * n_tiles):
+        g = t // per_group
+        first = g * group_m
+        rows = min(m_tiles - first, group_m)
+        r = t - g * per_group
+        out.append((first + r % rows, r // rows))
+    return out
+
+
+def tile_order(plan: GemmPlan, m: int, n: int) -> list[tuple[int, int]]:
+    """The (m_tile, n_tile) sequence the kernel walks (linear tile index order), rank offset applied."""
+    mt, nt = plan.tiles(m, n)
+    base = hilbert_order(mt, nt) if plan.order == "hilbert" else grouped_order(mt, nt, plan.group_m)
+    off = plan.m_tile_offset % mt
+    return [((mm + off) % mt, nn) for mm, nn in base]
+
+
+def replace(plan: GemmPlan, **changes) -> GemmPlan:
+    return dataclasses.replace(plan, **changes)

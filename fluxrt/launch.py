@@ -1,0 +1,134 @@
+"""``fluxrt-run``: start a fluxrt program on N ranks through mpirun (Open MPI or MPICH) or srun.
+
+    fluxrt-run -n 4 -- python app.py --its-own-flags
+    fluxrt-run -n 8 --launcher srun --heap 8G -- fluxrt-perf allreduce -b 8 -e 1G
+
+It exports what every rank needs: NVLink multicast off (NVSHMEM_DISABLE_NVLS=1, NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1: multicast objects can take a shared host's GPUs out of service),
+unbuffered Python output, the symmetric heap size and wait bound when given, and passes through the
+caller's PYTHONPATH and FLUXRT_* / NVSHMEM_* / NCCL_* / CUDA_* settings. Ranks map to GPUs by local rank
+inside ``fluxrt.init`` (one GPU per rank), so the launcher places ranks only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+SAFE_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "PYTHONUNBUFFERED": "1"}
+PASS_PREFIXES = ("FLUXRT_", "NVSHMEM_", "NCCL_", "CUDA_", "CUPY_")
+PASS_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+
+
+@dataclass
+class Plan:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def _flavor(mpirun: str) -> str:
+    """'openmpi' or 'mpich' from `mpirun --version` (hydra/MPICH and Intel MPI share the -genv syntax)."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20)
+        text = (out.stdout + out.stderr).lower()
+    except (OSError, subprocess.TimeoutExpired):
+        return "openmpi"
+    return "openmpi" if "open mpi" in text or "open-mpi" in text or "openrte" in text else "mpich"
+
+
+def exported_env(args, base_env) -> dict[str, str]:
+    env = {k: v for k, v in base_env.items() if k.startswith(PASS_PREFIXES) or k in PASS_NAMES}
+    for k, v in SAFE_ENV.items():
+        env[k] = v
+    if args.heap:
+        env["NVSHMEM_SYMMETRIC_SIZE"] = args.heap
+    if args.timeout is not None:
+        env["FLUXRT_TIMEOUT_S"] = str(args.timeout)
+    for item in args.env:
+        if "=" not in item:
+            raise SystemExit(f"fluxrt-run: --env needs NAME=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        env[k] = v
+    return env
+
+
+def build(args, base_env=None, euid=None) -> Plan:
+    """The command line and environment for `args` (separated from running it, for tests and --dry-run)."""
+    base_env = dict(os.environ if base_env is None else base_env)
+    if not args.command:
+        raise SystemExit("fluxrt-run: nothing to run; usage: fluxrt-run -n 4 -- python app.py")
+    if args.nprocs < 1:
+        raise SystemExit(f"fluxrt-run: -n must be >= 1, got {args.nprocs}")
+    env = exported_env(args, base_env)
+    launcher = args.launcher
+    if launcher == "auto":
+        launcher = "srun" if "SLURM_JOB_ID" in base_env and shutil.which("srun") else "mpirun"
+    if launcher == "srun":
+        argv = ["srun", "-n", str(args.nprocs), "--export=ALL," + ",".join(f"{k}={v}" for k, v in sorted(env.items())
+                                                                          if k not in PASS_NAMES)]
+        if args.nodes:
+            argv += ["-N", str(args.nodes)]
+        argv += ["--mpi=" + args.srun_mpi] if args.srun_mpi else []
+    else:
+        mpirun = args.mpirun or shutil.which("mpirun") or shutil.which("mpiexec")
+        if not mpirun:
+            raise SystemExit("fluxrt-run: no mpirun/mpiexec on PATH (install Open MPI or MPICH, or pass --mpirun)")
+        flavor = args.mpi_flavor or _flavor(mpirun)
+        argv = [mpirun, "-n", str(args.nprocs)]
+        if flavor == "openmpi":
+            if (os.geteuid() if euid is None else euid) == 0:
+                argv.append("--allow-run-as-root")
+            if args.oversubscribe:
+                argv.append("--oversubscribe")
+            if args.nodes:
+                argv += ["--map-by", f"ppr:{-(-args.nprocs // args.nodes)}:node"]
+            for k in sorted(env):
+                argv += ["-x", k]
+        else:
+            if args.nodes:
+                argv += ["-ppn", str(-(-args.nprocs // args.nodes))]
+            argv += ["-genvlist", ",".join(sorted(env))]
+        argv += args.mpi_args
+    return Plan(argv=argv + list(args.command), env={**base_env, **env})
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fluxrt-run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks (one GPU each)")
+    ap.add_argument("-N", "--nodes", type=int, default=None, help="spread ranks evenly over this many nodes")
+    ap.add_argument("--launcher", choices=("auto", "mpirun", "srun"), default="auto",
+                    help="auto: srun inside a Slurm allocation, else mpirun")
+    ap.add_argument("--mpirun", default=None, help="path of mpirun/mpiexec (default: from PATH)")
+    ap.add_argument("--mpi-flavor", choices=("openmpi", "mpich"), default=None,
+                    help="how to pass environment to ranks (default: detected from mpirun --version)")
+    ap.add_argument("--srun-mpi", default=None, help="srun --mpi plugin (e.g. pmix)")
+    ap.add_argument("--heap", default=None, help="symmetric heap per rank, e.g. 4G (NVSHMEM_SYMMETRIC_SIZE)")
+    ap.add_argument("--timeout", type=float, default=None, help="bound of device waits in seconds (FLUXRT_TIMEOUT_S)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra variable for every rank")
+    ap.add_argument("--oversubscribe", action="store_true", help="Open MPI: allow more ranks than slots")
+    ap.add_argument("--mpi-args", action="append", default=[], metavar="ARG", help="extra argument for mpirun")
+    ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    plan = build(args)
+    if args.dry_run:
+        import shlex
+
+        print(shlex.join(plan.argv))
+        return 0
+    return subprocess.call(plan.argv, env=plan.env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Point-to-point sweep between rank 0 and rank 1 (other ranks idle), in the manner of NVSHMEM's
+shmem_put_bw and shmem_put_signal_ping_pong_latency.
+
+Bandwidth: `iters` puts of each size back to back on one stream, timed with CUDA events on the sender
+(uni: rank 0 -> rank 1; bidir: both at once, aggregate = 2 * bytes / slower time). Each size is checked
+once against the sender's bytes before timing when -c 1.
+Latency: one thread per rank bounces a flag `rounds` times; one way = elapsed / (2 * rounds).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+
+import numpy as np
+
+from .report import progress, results_document, write_json
+from .sweep import SweepOptions, add_sweep_arguments, format_size, sizes
+
+log = logging.getLogger(__name__)
+
+MODES = {"sm_push": "sm", "copy_engine": "copy_engine", "nvshmem_put": "nvshmem"}
+
+
+def _machine(world) -> dict:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(world.device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return {"gpu_name": name, "gpu_count": world.size}
+
+
+def _time_puts(world, mode, dst, src, peer, nbytes, iters, warmup, stream) -> float:
+    """One timed loop of `iters` puts after `warmup` (as nccl-tests does); microseconds per put."""
+    import cupy
+
+    from .. import p2p
+
+    for _ in range(warmup):
+        p2p.put(world, dst[:nbytes], src[:nbytes], peer, mode=mode, stream=stream)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    for _ in range(iters):
+        p2p.put(world, dst[:nbytes], src[:nbytes], peer, mode=mode, stream=stream)
+    stop.record(stream)
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / iters
+
+
+def _check(world, mode, dst, src, peer, nbytes, stream) -> int:
+    """Put once with fresh bytes into a poisoned buffer; the receiver counts wrong bytes."""
+    import cupy
+
+    from .. import p2p
+
+    comm = world.comm
+    dst.fill(0xA5)
+    world.synchronize()
+    comm.Barrier()
+    wrong = 0
+    if world.rank in (0, 1):
+        sent = np.random.default_rng(nbytes + world.rank).integers(0, 255, nbytes, dtype=np.uint8)
+        src[:nbytes].set(sent)
+        p2p.put(world, dst[:nbytes], src[:nbytes], peer, mode=mode, stream=stream)
+        world.synchronize(stream)
+    comm.Barrier()
+    if world.rank in (0, 1):
+        expect = np.random.default_rng(nbytes + (1 - world.rank)).integers(0, 255, nbytes, dtype=np.uint8)
+        got = cupy.asnumpy(dst[: nbytes + 1])
+        wrong = int(np.count_nonzero(got[:nbytes] != expect)) + int(got[nbytes] != 0xA5)
+    return comm.allreduce(wrong)
+
+
+def bandwidth_rows(world, opts: SweepOptions, modes, directions) -> list[dict]:
+    import cupy
+
+    comm = world.comm
+    sweep = sizes(opts, align=1)
+    dst = world.empty((sweep[-1] + 1,), np.uint8)
+    src = cupy.empty(sweep[-1], np.uint8)
+    src.fill(1)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    peer = 1 - world.rank if world.rank < 2 else None
+    rows = []
+    combos = [(m, d, n) for m in modes for d in directions for n in sweep]
+    for mode, direction, nbytes in progress(combos, total=len(combos), enabled=opts.progress and world.rank == 0,
+                                            desc="p2p"):
+        wrong = _check(world, MODES[mode], dst, src, peer, nbytes, stream) if opts.check else None
+        comm.Barrier()
+        t_us = 0.0
+        sending = world.rank == 0 or (direction == "bidir" and world.rank == 1)
+        if sending:
+            t_us = _time_puts(world, MODES[mode], dst, src, peer, nbytes, opts.iters, opts.warmup_iters, stream)
+        t_us = comm.allreduce(t_us, op=_max_op())
+        comm.Barrier()
+        moved = nbytes * (2 if direction == "bidir" else 1)
+        rows.append({"bytes": nbytes, "mode": mode, "direction": direction, "time_us": t_us,
+                     "gbps": moved / (t_us * 1e3) if t_us > 0 else 0.0, "wrong": wrong})
+    world.free(dst)
+    return rows
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def latency_rows(world, rounds: int, repeats: int = 5) -> list[dict]:
+    """One-way signal latency: raw device flags (fluxrt primitives) and the NVSHMEM signal API."""
+    import cupy
+
+    from ..errors import op_id
+    from ..p2p import state
+    from ..toolchain import load_nvshmem_module
+
+    u64, u32 = np.uint64, np.uint32
+    pad = world.signal_pad(1)
+    elapsed = cupy.zeros(1, np.uint64)
+    nvmod = load_nvshmem_module("comm/nvshmem_p2p.cu")
+    nv_pingpong = nvmod.get_function("fluxrt_nvshmem_pingpong")
+    rows = []
+    active = world.rank < 2
+    peer = 1 - world.rank if active else 0
+    for mode in ("device_flag", "nvshmem_signal"):
+        samples = []
+        for _ in range(repeats):
+            base = pad.epoch
+            pad.next_epoch(rounds)
+            world.synchronize()
+            world.comm.Barrier()
+            if active:
+                common = (u64(world.timeout_ns), u64(world.error_record), u32(op_id(f"pingpong[{mode}]")),
+                          u32(world.rank))
+                if mode == "device_flag":
+                    state(world).pingpong((1,), (1,), (u64(pad.local_ptr(0)), u64(pad.peer_ptr(peer, 0)), u64(base),
+                                                       u32(rounds), np.int32(world.rank == 0), *common,
+                                                       u64(peer), u64(elapsed.data.ptr)))
+                else:
+                    nv_pingpong((1,), (1,), (u64(pad.local_ptr(0)), u64(base), u32(rounds),
+                                             np.int32(world.rank == 0), np.int32(peer), *common,
+                                             u64(elapsed.data.ptr)))
+                world.synchronize()
+            ns = world.comm.bcast(int(elapsed.get()[0]) if world.rank == 0 else None, root=0)
+            samples.append(ns / (2 * rounds) / 1e3)
+        rows.append({"mode": mode, "one_way_us": statistics.median(samples), "rounds": rounds,
+                     "samples_us": samples})
+    world.comm.Barrier()
+    pad.free()
+    return rows
+
+
+def _print_tables(bw_rows, lat_rows, out=sys.stdout) -> None:
+    modes = sorted({r["mode"] for r in bw_rows})
+    dirs = sorted({r["direction"] for r in bw_rows}, reverse=True)
+    cols = [(m, d) for d in dirs for m in modes]
+    by = {(r["mode"], r["direction"], r["bytes"]): r for r in bw_rows}
+    print("# p2p bandwidth rank 0 <-> rank 1: time (us) and GB/s (bidir: aggregate of both directions)", file=out)
+    print(f"#{'size':>11}" + "".join(f" {m + '/' + d:>27}" for m, d in cols), file=out)
+    for nbytes in sorted({r["bytes"] for r in bw_rows}):
+        cells = []
+        for m, d in cols:
+            r = by.get((m, d, nbytes))
+            bad = "" if not r or not r["wrong"] else f" WRONG={r['wrong']}"
+            cells.append(f" {r['time_us']:>12.2f} {r['gbps']:>9.1f} GB/s{bad}" if r else f" {'N/A':>27}")
+        print(f" {format_size(nbytes):>11}" + "".join(cells), file=out)
+    for r in lat_rows:
+        print(f"# signal ping-pong {r['mode']:>15}: one way {r['one_way_us']:.2f} us (median of "
+              f"{len(r['samples_us'])} x {r['rounds']} round trips)", file=out)
+
+
+def main(argv=None) -> int:
+    import fluxrt
+
+    ap = argparse.ArgumentParser(prog="fluxrt-perf p2p", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_arguments(ap)
+    ap.set_defaults(minbytes=4, maxbytes=1 << 30, datatype="int32")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma list of " + ",".join(MODES))
+    ap.add_argument("--directions", default="uni,bidir")
+    ap.add_argument("--rounds", type=int, default=10000, help="ping-pong round trips per sample")
+    ap.add_argument("--heap", default=None, help="symmetric heap size (default: 2x the largest message)")
+    args = ap.parse_args(argv)
+    opts = SweepOptions.from_args(args)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        ap.error(f"unknown mode(s) {sorted(unknown)}; choose from {list(MODES)}")
+    heap = args.heap or str(max(1 << 30, 2 * opts.maxbytes + (64 << 20)))
+    with fluxrt.init(options=fluxrt.WorldOptions(heap_size=heap)) as world:
+        if world.size < 2:
+            print("fluxrt-perf p2p needs 2 ranks: mpirun -n 2 fluxrt-perf p2p", file=sys.stderr)
+            return 2
+        bw = bandwidth_rows(world, opts, modes, args.directions.split(","))
+        lat = latency_rows(world, args.rounds)
+        if world.rank == 0:
+            _print_tables(bw, lat)
+            doc = results_document("p2p", bw + lat, ["fluxrt-perf", "p2p", *(argv or sys.argv[1:])],
+                                   machine=_machine(world))
+            if opts.json_path:
+                write_json(opts.json_path, doc)
+            if opts.plot_path:
+                _plot(opts.plot_path, bw)
+        wrong = sum(r["wrong"] or 0 for r in bw)
+    return 1 if wrong else 0
+
+
+def _plot(path, bw_rows) -> None:
+    from .report import Row, plot
+
+    rows = [Row(bytes=r["bytes"], count=r["bytes"], dtype="uint8", redop="none", impl=r["mode"],
+                algo=r["direction"], time_us=r["time_us"], algbw=r["gbps"], busbw=r["gbps"]) for r in bw_rows]
+    plot(path, rows, "fluxrt p2p: rank 0 <-> rank 1")
