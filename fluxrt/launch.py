@@ -93,7 +93,9 @@ def build(args, base_env=None, euid=None) -> Plan:
                 argv += ["-ppn", str(-(-args.nprocs // args.nodes))]
             argv += ["-genvlist", ",".join(sorted(env))]
         argv += args.mpi_args
-    return Plan(argv=argv + list(args.command), env={**base_env, **env})
+    # Resolve the program here: remote daemons search their own PATH, which may pick another python3.
+    program = shutil.which(args.command[0], path=base_env.get("PATH")) or args.command[0]
+    return Plan(argv=argv + [program, *args.command[1:]], env={**base_env, **env})
 
 
 def parser() -> argparse.ArgumentParser:
