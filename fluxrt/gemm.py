@@ -15,7 +15,6 @@ the shapes, and the checks run on CPU-only machines).
 """
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -209,7 +208,8 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(_IN_IDS[in_dtype])),
             ("FLUXRT_GEMM_OUT", str(_OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
-            ("FLUXRT_GEMM_HOOK_EPILOGUE", "1" if hook_epilogue else "0"))
+            ("FLUXRT_GEMM_HOOK_EPILOGUE", "1" if hook_epilogue else "0"),
+            ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"))
 
 
 def compile_options(defines, arch: str | None = None):
@@ -230,7 +230,8 @@ _TMAP_TYPES = {"bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", "float16": "CU_TE
 _TMAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])  # CUtensorMap: 128 opaque bytes
 
 
-def _kernel(defines, device_id: int):
+def _kernel(defines, device_id: int, smem_bytes: int):
+    """The loaded kernel for one configuration, with its dynamic shared memory limit raised once."""
     key = (defines, device_id)
     with _lock:
         k = _modules.get(key)
@@ -239,6 +240,7 @@ def _kernel(defines, device_id: int):
 
         mod = load_module(KERNEL_SOURCE, compile_options(defines))
         k = mod.get_function(KERNEL_NAME)
+        k.max_dynamic_shared_size_bytes = smem_bytes   # > 48 KiB needs the opt-in attribute
         with _lock:
             _modules[key] = k
     return k
@@ -344,10 +346,16 @@ def _ptr(x) -> int:
     raise GemmTypeError(f"gemm: cannot take a device pointer of {type(x).__name__}")
 
 
-def _num_sms(device_id: int) -> int:
-    import cupy
+_sms: dict = {}
 
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+def _num_sms(device_id: int) -> int:
+    n = _sms.get(device_id)
+    if n is None:
+        from cupy.cuda import runtime
+
+        n = _sms[device_id] = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+    return n
 
 
 def _check_hooks(wait: ArrivalWait | None, epilogue: TileEpilogue | None, plan: GemmPlan, m: int) -> None:
@@ -362,6 +370,8 @@ def _check_hooks(wait: ArrivalWait | None, epilogue: TileEpilogue | None, plan: 
             raise GemmArgumentError("gemm: ArrivalWait needs an ErrorRecord pointer (err) for timeouts")
         if wait.chunks_per_peer < 1:
             raise GemmArgumentError(f"gemm: ArrivalWait.chunks_per_peer must be >= 1, got {wait.chunks_per_peer}")
+    if epilogue is not None and plan.epilogue != "tma":
+        raise GemmArgumentError("gemm: TileEpilogue needs GemmPlan.epilogue='tma' (the storer-warp epilogue)")
     if epilogue is not None and epilogue.dst_ld <= 0:
         raise GemmArgumentError(f"gemm: TileEpilogue.dst_ld must be > 0, got {epilogue.dst_ld}")
 
@@ -398,7 +408,8 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
 
     defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None)
     with cupy.cuda.Device(dev):
-        kern = _kernel(defines, dev)
+        smem = plan.smem_bytes(out_dt)
+        kern = _kernel(defines, dev, smem)
         mt, nt = plan.tiles(m, n)
         tmap_a = _tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m)
         if trans_b:
@@ -406,12 +417,10 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         else:
             tmap_b = _tensor_map(b.data.ptr, in_dt, k, n, 64, plan.block_k)
         c_cols = 128 // _ITEMSIZE[out_dt]
-        tmap_c = (_tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64) if out is not None and epilogue is None
-                  else _NULL_TMAP)
+        staged_out = out is not None and epilogue is None and plan.epilogue == "tma"
+        tmap_c = _tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64) if staged_out else _NULL_TMAP
+        c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
         table = _order_table(plan, mt, nt, dev)
-        smem = plan.smem_bytes(out_dt)
-        if kern.max_dynamic_shared_size_bytes < smem:
-            kern.max_dynamic_shared_size_bytes = smem
         grid = plan.grid(m, n, _num_sms(dev))
         args = (
             tmap_a, tmap_b, tmap_c, np.int32(m), np.int32(n), np.int32(k),
@@ -425,6 +434,7 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
             np.uint64(_ptr(epilogue.dst_table) if epilogue else 0), np.int64(epilogue.dst_ld if epilogue else 0),
             np.uint64(_ptr(epilogue.flag_table) if epilogue else 0),
             np.uint64(epilogue.signal_value if epilogue else 0), np.int32(1 if epilogue and epilogue.signal_add else 0),
+            np.uint64(c_direct),
         )
         with _stream(stream):
             kern((grid,), (plan.threads,), args, shared_mem=smem)

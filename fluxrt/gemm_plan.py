@@ -16,6 +16,8 @@ order          'grouped' (bands of group_m tile rows) or 'hilbert' (host-built c
 group_m        band height in tiles for 'grouped'
 m_tile_offset  rank offset: m_tile = (m_tile + m_tile_offset) % m_tiles (a rank starts at its shard)
 max_ctas       cap on the persistent grid (None = one CTA per SM)
+epilogue       'tma': consumers stage C in smem, a storer warp TMA-stores it (overlaps the next tile);
+               'direct': consumers store from registers (no staging smem, so one more stage fits)
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ SMEM_ALIGN_BYTES = 1024            # the kernel aligns its base to a 128B-swizzl
 MAX_STAGES = 8
 H100_H200_SMS = 132
 ORDERS = ("grouped", "hilbert")
+EPILOGUES = ("tma", "direct")
 IN_DTYPES = ("bfloat16", "float16")
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -50,6 +53,7 @@ class GemmPlan:
     group_m: int = 16
     m_tile_offset: int = 0
     max_ctas: int | None = None
+    epilogue: str = "tma"
 
     def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
         """Raise ValueError when the kernel cannot be instantiated with this plan."""
@@ -71,6 +75,8 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.m_tile_offset must be >= 0, got {self.m_tile_offset}")
         if self.max_ctas is not None and self.max_ctas < 1:
             raise ValueError(f"GemmPlan.max_ctas must be >= 1 or None, got {self.max_ctas}")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"GemmPlan.epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
         if self.stages < 2:
             raise ValueError(f"GemmPlan.stages must be >= 2, got {self.stages}")
         need = self.smem_bytes(out_dtype)
@@ -84,6 +90,8 @@ class GemmPlan:
         return (self.block_m + self.block_n) * self.block_k * 2
 
     def c_staging_bytes(self, out_dtype: str) -> int:
+        if self.epilogue == "direct":
+            return 0
         return self.block_m * self.block_n * _bytes_of(out_dtype)
 
     def smem_bytes(self, out_dtype: str = "bfloat16") -> int:
@@ -103,9 +111,9 @@ class GemmPlan:
         return max(1, min(cap, mt * nt))
 
 
-def max_stages(block_m: int, block_n: int, out_dtype: str) -> int:
+def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma") -> int:
     """Deepest ring that fits next to the C staging buffer."""
-    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=block_m // 64, stages=1)
+    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=block_m // 64, stages=1, epilogue=epilogue)
     free = SMEM_LIMIT_BYTES - probe.c_staging_bytes(out_dtype) - SMEM_ALIGN_BYTES
     s = 0
     while s + 1 <= MAX_STAGES and (s + 1) * probe.stage_bytes() + 8 * (2 * (s + 1) + 2) <= free:

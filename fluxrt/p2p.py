@@ -2,8 +2,8 @@
 
     put         copy engine (cudaMemcpyAsync into the peer's mapped heap), SM push (kernels/comm/p2p.cu),
                 or NVSHMEM (nvshmemx_putmem_on_stream, any transport)
-    signal      cuStreamWriteValue64 into the peer's flag (the driver fences prior work first), or a
-                one-thread kernel for atomic adds
+    signal      a one-thread kernel (fence.acq_rel.sys + release store/add) into the peer's flag, or
+                cuStreamWriteValue64 where no copy-engine put precedes it
     wait        a one-thread kernel spinning with acquire loads, bounded by the world's timeout;
                 cuStreamWaitValue64 is not used because it cannot be bounded
     barrier     one block signalling and waiting on every peer through a symmetric pad
@@ -110,7 +110,10 @@ def put(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None, f
         if nbytes:
             cupy.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, h)
         if flag_ptr:
-            signal(world, flag_ptr, flag_value, stream=h)
+            # A kernel's fence.acq_rel.sys + st.release.sys, not cuStreamWriteValue64: on 2x/4x H200 the
+            # stream write became visible to the peer before the tail of a copy-engine put (seen with
+            # 4099- and 65549-byte puts), so the peer read poison.
+            signal(world, flag_ptr, flag_value, stream=h, via="kernel")
         return
     st = state(world)
     grid = blocks or sm_grid(world, nbytes)
@@ -119,11 +122,17 @@ def put(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None, f
                   stream=_cupy_stream(h))
 
 
-def signal(world, flag_ptr: int, value: int, *, add: bool = False, stream=None) -> None:
-    """After prior work on the stream, set (cuStreamWriteValue64) or add (kernel) at a flag address."""
+def signal(world, flag_ptr: int, value: int, *, add: bool = False, stream=None, via: str = "kernel") -> None:
+    """After prior work on the stream, set or add `value` at a (peer) flag address.
+
+    via='kernel' (default): a one-thread kernel, fence.acq_rel.sys then st/red.release.sys.
+    via='stream_op': cuStreamWriteValue64 (set only; no SM used) -- orders after prior kernels' writes,
+    but not reliably after a copy-engine put to a peer (see put)."""
     h = stream_handle(stream)
-    if add:
-        state(world).signal((1,), (1,), (_u64(flag_ptr), _u64(value), np.int32(1)), stream=_cupy_stream(h))
+    if via not in ("kernel", "stream_op"):
+        raise ValueError(f"signal via {via!r}: use 'kernel' or 'stream_op'")
+    if add or via == "kernel":
+        state(world).signal((1,), (1,), (_u64(flag_ptr), _u64(value), np.int32(add)), stream=_cupy_stream(h))
         return
     from cuda.bindings import driver
 

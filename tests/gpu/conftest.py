@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 def world():
     import fluxrt
 
-    w = fluxrt.init(options=fluxrt.WorldOptions(heap_size="2G", timeout_s=20))
+    w = fluxrt.init(options=fluxrt.WorldOptions(heap_size="2G", timeout_s=5))
     yield w
     w.finalize()
 

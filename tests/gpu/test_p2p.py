@@ -38,17 +38,18 @@ def test_put_signal_wait_ring(world, bufs, mode, nbytes):
     world.synchronize()
     world.barrier(stream)  # every rank's poison is in place before anyone writes into it
     flag = pad.local_ptr(0) if mode == "nvshmem" else pad.peer_ptr(right, 0)
-    p2p.put(world, dst[:nbytes], src[:nbytes], right, mode=mode, stream=stream, flag_ptr=flag,
-            flag_value=epoch)
-    pad.wait(0, epoch, peer=left, op=f"test_put[{mode}]", stream=stream)
-    world.synchronize(stream)
-    got = cupy.asnumpy(dst[: nbytes + 64])
+    try:
+        p2p.put(world, dst[:nbytes], src[:nbytes], right, mode=mode, stream=stream, flag_ptr=flag,
+                flag_value=epoch)
+        pad.wait(0, epoch, peer=left, op=f"test_put[{mode}]", stream=stream)
+        world.synchronize(stream)
+        got = cupy.asnumpy(dst[: nbytes + 64])
+    finally:
+        world.comm.Barrier()  # nobody re-poisons before everyone has read, even after a failure here
     expected = _payload(1000 * nbytes + left, nbytes)
     bad = np.flatnonzero(got[:nbytes] != expected)
     assert bad.size == 0, f"{bad.size} wrong bytes from rank {left}, first at {bad[:5]}"
     assert np.all(got[nbytes:] == POISON), "put wrote past its end"
-    world.barrier(stream)  # nobody re-poisons before everyone has read
-    world.synchronize(stream)
 
 
 def test_signal_add_accumulates(world):

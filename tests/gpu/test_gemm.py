@@ -1,0 +1,341 @@
+"""Hopper GEMM on a GPU: correctness against a float64 reference, tails, both B layouts, plans, hooks.
+
+Run on an H100/H200: python3 -m pytest tests/gpu/test_gemm.py -q
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def _gpu_skip_reason() -> str | None:
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver / no device
+        return f"no CUDA device ({type(e).__name__}: {e})"
+    if n == 0:
+        return "no CUDA device"
+    cc = cupy.cuda.Device(0).compute_capability
+    if cc != "90":
+        return f"the GEMM kernel targets sm_90a (Hopper); device 0 is sm_{cc}"
+    return None
+
+
+_reason = _gpu_skip_reason()
+pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+
+from fluxrt.errors import decode_error_record, op_id  # noqa: E402
+from fluxrt.gemm import (ArrivalWait, GemmArgumentError, TileEpilogue, gemm,  # noqa: E402
+                         gemm_with_hooks)
+from fluxrt.gemm_plan import GemmPlan, plan_gemm  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+NP_DT = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-3}
+NAN_BITS = {"bfloat16": 0x7FC0, "float16": 0x7E00}
+
+
+def rand_matrix(rng, shape, dtype: str) -> np.ndarray:
+    """Random values in +-[0.25, 1): never zero, exactly representable once rounded to `dtype`."""
+    mag = rng.uniform(0.25, 1.0, size=shape)
+    sign = np.where(rng.random(size=shape) < 0.5, -1.0, 1.0)
+    return (mag * sign).astype(NP_DT[dtype])
+
+
+def to_device(x: np.ndarray):
+    return cupy.asarray(x)
+
+
+def poisoned(shape, dtype: str):
+    """Output buffer filled with NaN so unwritten elements are caught."""
+    out = cupy.empty(shape, dtype=NP_DT[dtype])
+    if dtype == "float32":
+        out.fill(np.nan)
+    else:
+        out.view(cupy.uint16).fill(NAN_BITS[dtype])
+    return out
+
+
+def reference(a: np.ndarray, b: np.ndarray, trans_b: bool) -> np.ndarray:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    flops = 2 * a.shape[0] * a.shape[1] * (b.shape[0] if trans_b else b.shape[1])
+    if flops > 2e10:   # big problems: float64 cuBLAS on the GPU (same float64 reference, seconds not minutes)
+        r = cupy.asarray(a64) @ (cupy.asarray(b64).T if trans_b else cupy.asarray(b64))
+        return cupy.asnumpy(r)
+    return a64 @ (b64.T if trans_b else b64)
+
+
+def rel_err(c, ref: np.ndarray) -> float:
+    c64 = cupy.asnumpy(c).astype(np.float64)
+    assert not np.isnan(c64).any(), f"{np.isnan(c64).sum()} output elements never written (still NaN)"
+    return float(np.linalg.norm(c64 - ref) / np.linalg.norm(ref))
+
+
+def run_case(m, n, k, *, in_dtype="bfloat16", out_dtype=None, trans_b=False, plan=None, seed=0, stream=None):
+    out_dtype = out_dtype or in_dtype
+    rng = np.random.default_rng(seed)
+    a = rand_matrix(rng, (m, k), in_dtype)
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), in_dtype)
+    da, db = to_device(a), to_device(b)
+    out = poisoned((m, n), out_dtype)
+    if stream is not None:
+        cupy.cuda.Device().synchronize()   # inputs/poison were written on the null stream
+    res = gemm(da, db, out, trans_b=trans_b, plan=plan, stream=stream)
+    assert res is out
+    cupy.cuda.get_current_stream().synchronize()
+    if stream is not None:
+        cupy.cuda.Device().synchronize()
+    err = rel_err(out, reference(a, b, trans_b))
+    assert err < TOL[out_dtype], f"M={m} N={n} K={k} {in_dtype}->{out_dtype} trans_b={trans_b}: rel err {err:.3e}"
+    return err
+
+
+# --- plain GEMM ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("m,n,k", [(1000, 1000, 1000), (129, 264, 72), (257, 72, 136), (128, 256, 64),
+                                   (512, 384, 16), (512, 384, 64), (384, 512, 16384), (2048, 2048, 2048)])
+def test_bf16_shapes(m, n, k, trans_b):
+    run_case(m, n, k, trans_b=trans_b)
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("in_dtype,out_dtype", [("float16", "float16"), ("bfloat16", "float32"),
+                                                ("float16", "float32"), ("bfloat16", "float16"),
+                                                ("float16", "bfloat16")])
+def test_dtypes(in_dtype, out_dtype, trans_b):
+    run_case(1000, 1000, 1000, in_dtype=in_dtype, out_dtype=out_dtype, trans_b=trans_b, seed=1)
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+def test_large_once(trans_b):
+    run_case(8192, 7168, 8192, trans_b=trans_b, seed=2)
+
+
+PLANS = [
+    GemmPlan(block_m=128, block_n=128, stages=6),
+    GemmPlan(block_m=128, block_n=64, stages=6),
+    GemmPlan(block_m=128, block_n=192, stages=3),
+    GemmPlan(block_m=64, block_n=256, consumers=1, stages=4),
+    GemmPlan(block_m=64, block_n=128, consumers=1, stages=6),
+    GemmPlan(order="hilbert"),
+    GemmPlan(order="grouped", group_m=3, m_tile_offset=5),
+    GemmPlan(order="hilbert", m_tile_offset=2, max_ctas=7),
+    GemmPlan(max_ctas=1),
+    GemmPlan(epilogue="direct", stages=4),
+    GemmPlan(epilogue="direct", block_n=128, stages=6, order="hilbert"),
+]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.block_m}x{p.block_n}s{p.stages}-{p.order}"
+                                                      f"g{p.group_m}o{p.m_tile_offset}c{p.max_ctas}-{p.epilogue}")
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+def test_plans(plan, trans_b):
+    run_case(1000, 1000, 520, trans_b=trans_b, plan=plan, seed=3)
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_direct_epilogue_tails(out_dtype):
+    plan = GemmPlan(epilogue="direct", stages=4) if out_dtype == "bfloat16" else \
+        GemmPlan(epilogue="direct", block_n=128, stages=6)
+    run_case(129, 264, 72, out_dtype=out_dtype, plan=plan, seed=11)
+    run_case(1000, 1000, 1000, out_dtype=out_dtype, trans_b=True, plan=plan, seed=12)
+
+
+def test_raw_stream_handle_and_cupy_stream():
+    s = cupy.cuda.Stream(non_blocking=True)
+    run_case(640, 512, 256, stream=s.ptr)
+    run_case(640, 512, 256, stream=s, seed=4)
+
+
+def test_unaligned_shape_rejected_before_launch():
+    # 129 x 257 x 72: N = 257 bf16 elements = 514-byte rows, not a multiple of 16 (TMA requirement)
+    a = cupy.ones((129, 72), dtype=BF16)
+    b = cupy.ones((72, 257), dtype=BF16)
+    with pytest.raises(GemmArgumentError, match="257"):
+        gemm(a, b)
+
+
+def test_out_allocated_and_repeatable():
+    rng = np.random.default_rng(5)
+    a = to_device(rand_matrix(rng, (300, 200), "bfloat16"))
+    b = to_device(rand_matrix(rng, (200, 136), "bfloat16"))
+    c1 = gemm(a, b)
+    c2 = gemm(a, b)
+    assert c1.shape == (300, 136) and c1.dtype == BF16
+    assert cupy.array_equal(c1.view(cupy.uint16), c2.view(cupy.uint16))   # deterministic
+
+
+# --- hooks -----------------------------------------------------------------------------------------
+
+_SETTER_SRC = r"""
+extern "C" __global__ void late_chunks(char* dst, const char* src, unsigned long long chunk_bytes, int chunks,
+                                       unsigned long long* flags, unsigned long long epoch,
+                                       unsigned long long delay_ns) {
+    // Publishes chunks in reverse order, each after a delay: copy -> fence.sys -> st.release.sys flag.
+    for (int i = chunks - 1; i >= 0; --i) {
+        if (threadIdx.x == 0) {
+            unsigned long long t0, t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+            do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < delay_ns);
+        }
+        __syncthreads();
+        const uint4* s = reinterpret_cast<const uint4*>(src + i * chunk_bytes);
+        uint4* d = reinterpret_cast<uint4*>(dst + i * chunk_bytes);
+        for (unsigned long long j = threadIdx.x; j < chunk_bytes / 16; j += blockDim.x) d[j] = s[j];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(flags + i), "l"(epoch) : "memory");
+        }
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def setter():
+    return cupy.RawKernel(_SETTER_SRC, "late_chunks")
+
+
+def _err_record():
+    return cupy.zeros(6, dtype=cupy.uint64)
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+def test_arrival_wait_sees_late_chunks(setter, trans_b):
+    m, n, k, chunk_rows = 1024, 768, 512, 256
+    chunks = m // chunk_rows
+    rng = np.random.default_rng(6)
+    a = rand_matrix(rng, (m, k), "bfloat16")
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), "bfloat16")
+    staged, db = to_device(a), to_device(b)
+    da = cupy.empty_like(staged)
+    da.view(cupy.uint16).fill(NAN_BITS["bfloat16"])   # A arrives only through the setter
+    flags = cupy.zeros(chunks, dtype=cupy.uint64)
+    err = _err_record()
+    plan = dataclasses.replace(plan_gemm(m, n, k), max_ctas=64)   # leave SMs for the setter kernel
+    side = cupy.cuda.Stream(non_blocking=True)
+    main = cupy.cuda.Stream(non_blocking=True)
+    ref = reference(a, b, trans_b)
+    # compile + load the hooked kernel first (epoch 0 is always satisfied), so that below the GEMM is
+    # really running while the setter is still publishing
+    gemm_with_hooks(staged, db, trans_b=trans_b, plan=plan,
+                    wait=ArrivalWait(flags=flags, epoch=0, chunk_rows=chunk_rows, err=err))
+    for epoch in (1, 2):                       # flags are never reset: the epoch grows
+        da.view(cupy.uint16).fill(NAN_BITS["bfloat16"])
+        out = poisoned((m, n), "bfloat16")
+        cupy.cuda.Device().synchronize()       # the non-blocking streams below do not order after these
+        with side:
+            setter((1,), (256,), (da, staged, np.uint64(chunk_rows * k * 2), np.int32(chunks), flags,
+                                  np.uint64(epoch), np.uint64(20_000_000)))
+        gemm_with_hooks(da, db, out, trans_b=trans_b, plan=plan, stream=main,
+                        wait=ArrivalWait(flags=flags, epoch=epoch, chunk_rows=chunk_rows, err=err,
+                                         timeout_ns=5_000_000_000, op_id=op_id("test_gemm.arrival"), rank=0))
+        cupy.cuda.Device().synchronize()
+        assert decode_error_record(cupy.asnumpy(err)) is None
+        e = rel_err(out, ref)
+        assert e < TOL["bfloat16"], f"epoch {epoch}: rel err {e:.3e}"
+
+
+def test_arrival_wait_times_out_and_reports():
+    m, n, k = 512, 256, 128
+    rng = np.random.default_rng(7)
+    da = to_device(rand_matrix(rng, (m, k), "bfloat16"))
+    db = to_device(rand_matrix(rng, (k, n), "bfloat16"))
+    flags = cupy.zeros(2, dtype=cupy.uint64)
+    err = _err_record()
+    gemm_with_hooks(da, db, wait=ArrivalWait(flags=flags, epoch=1, chunk_rows=256, err=err, timeout_ns=2_000_000,
+                                             chunks_per_peer=1, op_id=op_id("test_gemm.timeout"), rank=3))
+    cupy.cuda.Device().synchronize()   # the kernel must finish despite the missing signal
+    exc = decode_error_record(cupy.asnumpy(err))
+    assert exc is not None and exc.rank == 3 and exc.expected == 1 and exc.op == "test_gemm.timeout"
+    assert exc.peer in (0, 1)
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("signal_add", [False, True], ids=["set", "add"])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype):
+    m, n, k, chunk_rows = 1000, 776, 264, 256
+    plan = plan_gemm(m, n, k, out_dtype=out_dtype)
+    chunks = -(-m // chunk_rows)
+    rng = np.random.default_rng(8)
+    a = rand_matrix(rng, (m, k), "bfloat16")
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), "bfloat16")
+    da, db = to_device(a), to_device(b)
+    ld = n + 72                                    # padded destination rows (multiple of 8 elements)
+    dsts = [poisoned((chunk_rows, ld), out_dtype) for _ in range(chunks)]   # e.g. one peer buffer per chunk
+    n_tiles = -(-n // plan.block_n)
+    tiles_per_chunk = (chunk_rows // plan.block_m) * n_tiles
+    flag_arrays = [cupy.zeros(tiles_per_chunk, dtype=cupy.uint64) for _ in range(chunks)]
+    dst_table = cupy.asarray(np.array([d.data.ptr for d in dsts], dtype=np.uint64))
+    flag_table = cupy.asarray(np.array([f.data.ptr for f in flag_arrays], dtype=np.uint64))
+    local = poisoned((m, n), out_dtype)
+    epi = TileEpilogue(dst_table=dst_table, chunk_rows=chunk_rows, dst_ld=ld, flag_table=flag_table,
+                       signal_value=7, signal_add=signal_add)
+    for _ in range(2 if signal_add else 1):
+        gemm_with_hooks(da, db, local, trans_b=trans_b, plan=plan, out_dtype=out_dtype, epilogue=epi)
+    cupy.cuda.Device().synchronize()
+    got = np.concatenate([cupy.asnumpy(d)[:, :n] for d in dsts])[:m]
+    ref = reference(a, b, trans_b)
+    g64 = got.astype(np.float64)
+    assert not np.isnan(g64).any()
+    e = float(np.linalg.norm(g64 - ref) / np.linalg.norm(ref))
+    assert e < TOL[out_dtype], f"rel err {e:.3e}"
+    # padding columns and the local output are untouched
+    for d in dsts:
+        assert np.isnan(cupy.asnumpy(d)[:, n:].astype(np.float64)).all()
+    assert np.isnan(cupy.asnumpy(local).astype(np.float64)).all()
+    # one flag per tile that exists; tiles past M never signal
+    m_tiles = -(-m // plan.block_m)
+    expect = 14 if signal_add else 7
+    for c, f in enumerate(flag_arrays):
+        fv = cupy.asnumpy(f).reshape(chunk_rows // plan.block_m, n_tiles)
+        for lm in range(fv.shape[0]):
+            gm = c * (chunk_rows // plan.block_m) + lm
+            want = expect if gm < m_tiles else 0
+            assert (fv[lm] == want).all(), f"chunk {c} local m tile {lm}: flags {fv[lm]} (want {want})"
+
+
+def test_both_hooks_together(setter):
+    m, n, k, chunk_rows = 768, 512, 256, 256
+    chunks = m // chunk_rows
+    rng = np.random.default_rng(9)
+    a = rand_matrix(rng, (m, k), "bfloat16")
+    b = rand_matrix(rng, (k, n), "bfloat16")
+    staged, db = to_device(a), to_device(b)
+    da = cupy.empty_like(staged)
+    da.view(cupy.uint16).fill(NAN_BITS["bfloat16"])
+    arrival = cupy.zeros(chunks, dtype=cupy.uint64)
+    err = _err_record()
+    dst = poisoned((m, n), "bfloat16")
+    dst_table = cupy.asarray(np.array([dst.data.ptr + c * chunk_rows * n * 2 for c in range(chunks)], np.uint64))
+    plan = dataclasses.replace(plan_gemm(m, n, k), max_ctas=32, m_tile_offset=2)
+    n_tiles = -(-n // plan.block_n)
+    tile_flags = cupy.zeros(chunks * (chunk_rows // plan.block_m) * n_tiles, dtype=cupy.uint64)
+    per_chunk = (chunk_rows // plan.block_m) * n_tiles
+    flag_table = cupy.asarray(np.array([tile_flags.data.ptr + 8 * c * per_chunk for c in range(chunks)], np.uint64))
+    side, main = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    # warm-up (compile/load; epoch 0 always satisfied): A is still NaN, so dst gets NaN and flags 1
+    gemm_with_hooks(da, db, plan=plan, wait=ArrivalWait(flags=arrival, epoch=0, chunk_rows=chunk_rows, err=err),
+                    epilogue=TileEpilogue(dst_table=dst_table, chunk_rows=chunk_rows, dst_ld=n,
+                                          flag_table=flag_table, signal_value=1))
+    cupy.cuda.Device().synchronize()
+    with side:
+        setter((1,), (256,), (da, staged, np.uint64(chunk_rows * k * 2), np.int32(chunks), arrival, np.uint64(3),
+                              np.uint64(3_000_000)))
+    gemm_with_hooks(da, db, plan=plan, stream=main,
+                    wait=ArrivalWait(flags=arrival, epoch=3, chunk_rows=chunk_rows, err=err),
+                    epilogue=TileEpilogue(dst_table=dst_table, chunk_rows=chunk_rows, dst_ld=n,
+                                          flag_table=flag_table, signal_value=3))
+    cupy.cuda.Device().synchronize()
+    assert decode_error_record(cupy.asnumpy(err)) is None
+    e = rel_err(dst, reference(a, b, False))
+    assert e < TOL["bfloat16"]
+    assert (cupy.asnumpy(tile_flags) == 3).all()
