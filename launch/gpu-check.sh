@@ -27,18 +27,21 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/logs/NAME.log, record r
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } | tee -a "$summary"
 run=(python3 -m fluxrt.launch --oversubscribe -n)
 
-step build 300 python3 -m fluxrt.toolchain
+step build 180 python3 -m fluxrt.toolchain
 for n in 2 4; do
   if [ "$ngpu" -ge "$n" ]; then
-    step "tests-np$n" 420 "${run[@]}" "$n" -- python3 -m pytest tests/gpu -q -p no:cacheprovider -rs
+    step "tests-np$n" "${TESTS_LIMIT:-300}" "${run[@]}" "$n" -- python3 -m pytest tests/gpu -q -p no:cacheprovider -rs \
+      --ignore=tests/gpu/test_gemm.py
   else
     echo "== tests-np$n skipped: $ngpu GPU(s)" | tee -a "$summary"
   fi
 done
-TAIL=40 step p2p 300 "${run[@]}" 2 -- python3 -m fluxrt.perf.cli p2p -b 4 -e 1G -n 20 -w 5 --no-progress \
+TAIL=40 step p2p "${P2P_LIMIT:-240}" "${run[@]}" 2 -- python3 -m fluxrt.perf.cli p2p -b 4 -e 1G -n 20 -w 5 --no-progress \
   --json "$OUT/p2p.json" --plot "$OUT/p2p.png"
-if [ -f perf/bench_gemm.py ] && [ "${FLUXRT_SKIP_GEMM:-0}" != 1 ]; then
-  TAIL=20 step gemm 300 python3 perf/bench_gemm.py --json "$OUT/gemm.json"
+# The GEMM engine is single-GPU: its tests and benchmark run once, outside MPI.
+if [ "${FLUXRT_SKIP_GEMM:-0}" != 1 ]; then
+  TAIL=15 step gemm-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -x
+  TAIL=25 step gemm-bench "${GEMM_LIMIT:-150}" python3 perf/bench_gemm.py ${GEMM_BENCH_ARGS:-} --json "$OUT/gemm.json"
 fi
 tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"
 echo "gpu-check: $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$summary"

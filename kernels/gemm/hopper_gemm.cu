@@ -1,0 +1,510 @@
+// fluxrt Hopper GEMM (sm_90a): C[M,N] = A[M,K] @ B, fp32 accumulate.
+//
+//   A  row-major [M, K] (K-major), bf16 or fp16
+//   B  row-major [K, N] (MN-major, FLUXRT_GEMM_B_KMAJOR=0) or [N, K] ("trans_b", K-major, =1)
+//   C  row-major [M, N], bf16 / fp16 / fp32
+//
+// One CTA = 1 producer warpgroup + FLUXRT_GEMM_CONSUMERS consumer warpgroups, persistent over tiles:
+//
+//   producer WG, warp 0, lane 0  "loader":  [hook 1: wait for A's chunk flag]  TMA A,B -> smem ring
+//   producer WG, warp 1          "storer":  C staging smem -> global (TMA store, or per-tile
+//                                           destination + per-tile flag when hook 2 is on)
+//   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile, then
+//                                           registers -> C staging smem
+//
+// Pipeline objects (all in shared memory):
+//   full[s]   loader -> math    stage s holds A,B of one K block   (1 arrival + TMA transaction bytes)
+//   empty[s]  math -> loader    stage s may be overwritten         (1 arrival per consumer WG)
+//   c_full    math -> storer    C staging holds a finished tile     (every consumer thread arrives)
+//   c_empty   storer -> math    C staging may be overwritten        (1 arrival, storer lane 0)
+// Every barrier follows the phase-parity protocol: the k-th completion of a barrier flips its phase;
+// a waiter for "completion number k" waits on parity (k & 1). Producers of a free slot start by waiting
+// on parity 1, which a freshly initialised barrier reports as already complete.
+//
+// Compile-time configuration (the Python side passes these as -D macros; one module per config so
+// that the kernel name `fluxrt_gemm` stays stable):
+//   FLUXRT_GEMM_BN            tile N (64..256, multiple of 64)           default 256
+//   FLUXRT_GEMM_CONSUMERS     consumer warpgroups; tile M = 64 * this    default 2
+//   FLUXRT_GEMM_STAGES        smem ring depth                            default 3
+//   FLUXRT_GEMM_IN            0 bf16, 1 fp16                             default 0
+//   FLUXRT_GEMM_OUT           0 bf16, 1 fp16, 2 fp32                     default 0
+//   FLUXRT_GEMM_B_KMAJOR      1: B is [N,K]; 0: B is [K,N]               default 0
+//   FLUXRT_GEMM_HOOK_WAIT     1: hook 1 (arrival wait before A loads)    default 0
+//   FLUXRT_GEMM_HOOK_EPILOGUE 1: hook 2 (per-chunk destination + tile flag) default 0
+//   FLUXRT_GEMM_EPI_DIRECT    1: consumers store C straight from registers (no staging, no storer;
+//                             frees the staging smem for one more stage). Not with hook 2.  default 0
+// With both hooks 0 the hook code is not compiled (if constexpr), and the hook arguments are ignored.
+#include <fluxrt/comm.cuh>
+
+// Spelled relative to kernels/include (always on the include path) so that NVRTC, which compiles the
+// source from memory without its directory, finds them too; fluxrt.gemm also adds kernels/gemm to the
+// include path so that edits of these headers change the cubin cache key.
+#include "../gemm/sm90_primitives.cuh"
+#include "../gemm/wgmma_ops.cuh"
+
+#ifndef FLUXRT_GEMM_BN
+#define FLUXRT_GEMM_BN 256
+#endif
+#ifndef FLUXRT_GEMM_CONSUMERS
+#define FLUXRT_GEMM_CONSUMERS 2
+#endif
+#ifndef FLUXRT_GEMM_STAGES
+#define FLUXRT_GEMM_STAGES 3
+#endif
+#ifndef FLUXRT_GEMM_IN
+#define FLUXRT_GEMM_IN 0
+#endif
+#ifndef FLUXRT_GEMM_OUT
+#define FLUXRT_GEMM_OUT 0
+#endif
+#ifndef FLUXRT_GEMM_B_KMAJOR
+#define FLUXRT_GEMM_B_KMAJOR 0
+#endif
+#ifndef FLUXRT_GEMM_HOOK_WAIT
+#define FLUXRT_GEMM_HOOK_WAIT 0
+#endif
+#ifndef FLUXRT_GEMM_HOOK_EPILOGUE
+#define FLUXRT_GEMM_HOOK_EPILOGUE 0
+#endif
+#ifndef FLUXRT_GEMM_EPI_DIRECT
+#define FLUXRT_GEMM_EPI_DIRECT 0
+#endif
+
+namespace fluxrt_sm90 {
+
+// ---------------------------------------------------------------------------------------------
+// Configuration constants (sizes in elements unless the name says bytes).
+constexpr int kConsumers = FLUXRT_GEMM_CONSUMERS;
+constexpr int kRowsPerConsumer = 64;                       // wgmma M
+constexpr int kBM = kRowsPerConsumer * kConsumers;          // tile rows
+constexpr int kBN = FLUXRT_GEMM_BN;                         // tile cols (= wgmma N)
+constexpr int kBK = 64;                                     // 64 x 2 B = one 128-byte swizzled row
+constexpr int kStages = FLUXRT_GEMM_STAGES;
+constexpr int kWgmmaK = 16;                                 // K per wgmma instruction (16-bit inputs)
+constexpr int kInBytes = 2;
+constexpr int kOutBytes = FLUXRT_GEMM_OUT == 2 ? 4 : 2;
+constexpr bool kBKMajor = FLUXRT_GEMM_B_KMAJOR != 0;
+constexpr bool kHookWait = FLUXRT_GEMM_HOOK_WAIT != 0;
+constexpr bool kHookEpilogue = FLUXRT_GEMM_HOOK_EPILOGUE != 0;
+constexpr bool kEpiDirect = FLUXRT_GEMM_EPI_DIRECT != 0;
+static_assert(!(kEpiDirect && kHookEpilogue), "hook 2 needs the staged (storer-warp) epilogue");
+
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread
+
+constexpr u32 kTileABytes = kBM * kBK * kInBytes;           // 16 KiB for BM = 128
+constexpr u32 kTileBBytes = kBN * kBK * kInBytes;           // 32 KiB for BN = 256
+constexpr u32 kStageBytes = kTileABytes + kTileBBytes;      // TMA transaction bytes per stage
+constexpr u32 kBAtomBytes = 64 * kBK * kInBytes;            // MN-major B: one 64-column slab (8 KiB)
+
+// C staging: per consumer, [kBN / kCCols column slabs][64 rows][128 B], 128B-swizzled, so that the
+// fragment writes from registers are bank-conflict free and the layout matches the TMA store box.
+constexpr int kCCols = 128 / kOutBytes;                     // columns per 128-byte slab
+constexpr u32 kCSlabBytes = kRowsPerConsumer * 128;         // 8 KiB
+constexpr u32 kCConsumerBytes = (kBN / kCCols) * kCSlabBytes;
+constexpr u32 kCBytes = kEpiDirect ? 0u : kConsumers * kCConsumerBytes;
+
+// Register split (setmaxnreg): the producer warpgroup keeps few, the math warpgroups get the rest of
+// the 64K-register file. Both must be multiples of 8.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegsRaw = (65536 - 128 * kProducerRegs) / (128 * kConsumers);
+constexpr int kConsumerRegs = (kConsumerRegsRaw >= 240 ? 240 : kConsumerRegsRaw) / 8 * 8;
+// With one consumer (256 threads) every warp can keep the compile-time maximum: no redistribution.
+constexpr bool kRebalanceRegs = kConsumers == 2;
+
+static_assert(kBN % 64 == 0 && kBN >= 64 && kBN <= 256, "tile N must be 64, 128, 192 or 256");
+static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
+static_assert(kStages >= 2, "at least a double-buffered ring");
+static_assert(kBN % kCCols == 0, "C staging slabs");
+
+// Shared-memory layout, offsets from a 1024-byte aligned base (128B swizzle atoms need that).
+constexpr u32 kOffA = 0;
+constexpr u32 kOffB = kOffA + kStages * kTileABytes;
+constexpr u32 kOffC = kOffB + kStages * kTileBBytes;
+constexpr u32 kOffBars = kOffC + kCBytes;
+constexpr u32 kNumBars = 2 * kStages + 2;
+constexpr u32 kSmemBytes = kOffBars + kNumBars * 8;
+constexpr u32 kSmemAlign = 1024;
+static_assert(kSmemBytes + kSmemAlign <= 232448, "tile config exceeds 227 KiB of shared memory");
+
+// ---------------------------------------------------------------------------------------------
+// Tile scheduler. Linear tile index t (a CTA takes t = blockIdx.x, +gridDim.x, ...) -> (m_tile, n_tile):
+//   order_table != nullptr: packed (m << 16 | n) per t (Hilbert curve, computed on the host);
+//   otherwise grouped order: bands of `group_m` tile rows, column by column inside a band.
+// Then the rank offset rotates the rows: m_tile = (m_tile + m_tile_offset) % m_tiles, so a rank starts
+// at its own shard of A (AllGather+GEMM) or at the rows the next peer owns (GEMM+ReduceScatter).
+struct Schedule {
+    int m_tiles, n_tiles, total;
+    int group_m, m_tile_offset;
+    const u32* order_table;
+
+    __device__ __forceinline__ void tile(int t, int& m_tile, int& n_tile) const {
+        int m, n;
+        if (order_table != nullptr) {
+            const u32 packed = __ldg(order_table + t);
+            m = (int)(packed >> 16);
+            n = (int)(packed & 0xFFFFu);
+        } else {
+            const int per_group = group_m * n_tiles;
+            const int g = t / per_group;
+            const int first_m = g * group_m;
+            const int rows = min(m_tiles - first_m, group_m);
+            const int r = t - g * per_group;
+            m = first_m + r % rows;
+            n = r / rows;
+        }
+        m += m_tile_offset;
+        if (m >= m_tiles) m -= m_tiles;
+        m_tile = m;
+        n_tile = n;
+    }
+};
+
+// Hook arguments (ignored unless the matching FLUXRT_GEMM_HOOK_* is 1).
+struct HookArgs {
+    // hook 1: arrival wait
+    const u64* arrival_flags;   // one word per chunk of `chunk_rows` rows of A
+    u64 epoch;                  // wait until flag >= epoch
+    int chunk_rows;             // rows per chunk (a multiple of the tile M)
+    int chunks_per_peer;        // chunk / chunks_per_peer = the peer reported on timeout
+    u64 timeout_ns;
+    fluxrt::ErrorRecord* err;
+    u32 op_id, rank;
+    // hook 2: tile epilogue
+    void* const* dst_table;     // per chunk: base of a row-major [chunk_rows, >= N] destination
+    long long dst_ld;           // destination leading dimension, elements
+    u64* const* flag_table;     // per chunk: one flag word per tile of the chunk (local_m_tile * n_tiles + n)
+    u64 signal_value;
+    int signal_add;             // 0: flag = signal_value (release store); 1: flag += signal_value
+};
+
+// ---------------------------------------------------------------------------------------------
+// wgmma dispatch for the configured N and input type.
+template <int N, int IN, int MN>
+struct Mma;
+#define FLUXRT_GEMM_MMA(NN, IN_ID, FN)                                                          \
+    template <int MN>                                                                           \
+    struct Mma<NN, IN_ID, MN> {                                                                 \
+        static __device__ __forceinline__ void run(float (&d)[NN / 2], u64 a, u64 b, int acc) { \
+            FN<MN>(d, a, b, acc);                                                               \
+        }                                                                                       \
+    };
+FLUXRT_GEMM_MMA(64, 0, wgmma_m64n64k16_bf16)
+FLUXRT_GEMM_MMA(128, 0, wgmma_m64n128k16_bf16)
+FLUXRT_GEMM_MMA(192, 0, wgmma_m64n192k16_bf16)
+FLUXRT_GEMM_MMA(256, 0, wgmma_m64n256k16_bf16)
+FLUXRT_GEMM_MMA(64, 1, wgmma_m64n64k16_f16)
+FLUXRT_GEMM_MMA(128, 1, wgmma_m64n128k16_f16)
+FLUXRT_GEMM_MMA(192, 1, wgmma_m64n192k16_f16)
+FLUXRT_GEMM_MMA(256, 1, wgmma_m64n256k16_f16)
+#undef FLUXRT_GEMM_MMA
+using TileMma = Mma<kBN, FLUXRT_GEMM_IN, kBKMajor ? 0 : 1>;
+
+// Byte offset of element (row, col) of one consumer's C staging (128B swizzle: the 16-byte unit index
+// inside a 128-byte row is XORed with row % 8, matching CU_TENSOR_MAP_SWIZZLE_128B).
+__device__ __forceinline__ u32 c_stage_offset(int row, int col) {
+    const u32 slab = (u32)(col / kCCols);
+    const u32 byte_in_row = (u32)(col % kCCols) * kOutBytes;
+    const u32 unit = (byte_in_row >> 4) ^ (u32)(row & 7);
+    return slab * kCSlabBytes + (u32)row * 128u + (unit << 4) + (byte_in_row & 15u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Roles.
+
+// Loader: one thread streams A and B K blocks for this CTA's tiles into the ring.
+__device__ __forceinline__ void run_loader(const Schedule& sched, int K, const TmaDesc* tmap_a,
+                                           const TmaDesc* tmap_b, u32 smem, u32 bars_full,
+                                           u32 bars_empty, const HookArgs& hooks) {
+    const int k_blocks = (K + kBK - 1) / kBK;
+    int stage = 0;
+    u32 phase = 0;
+    int waited_chunk = -1;
+    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+        int m_tile, n_tile;
+        sched.tile(t, m_tile, n_tile);
+        const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+        if constexpr (kHookWait) {
+            // Hook 1: rows [m0, m0 + kBM) of A come from chunk m0 / chunk_rows, written by a peer (or a
+            // copy engine). Acquire its flag at system scope (bounded; on timeout the error record is
+            // filled and the tile is computed on whatever is there, so the CTA never hangs), then
+            // fence.proxy.async so the TMA (async proxy) reads below observe the data the flag guards.
+            const int chunk = m0 / hooks.chunk_rows;
+            if (chunk != waited_chunk) {
+                fluxrt::wait_ge(hooks.arrival_flags + chunk, hooks.epoch, hooks.timeout_ns, hooks.err,
+                                hooks.op_id, hooks.rank, (u64)(chunk / hooks.chunks_per_peer));
+                fluxrt::fence_proxy_async();
+                waited_chunk = chunk;
+            }
+        }
+        for (int kb = 0; kb < k_blocks; ++kb) {
+            const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
+            mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol above)
+            mbar_arrive_expect_tx(full, kStageBytes);
+            const int k0 = kb * kBK;
+            tma_load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full);
+            const u32 b_dst = smem + kOffB + stage * kTileBBytes;
+            if constexpr (kBKMajor) {
+                tma_load_2d(b_dst, tmap_b, k0, n0, full);  // box {64 K, kBN rows of N}
+            } else {
+#pragma unroll
+                for (int j = 0; j < kBN / 64; ++j)  // boxes {64 N, 64 K}: one 128-byte wide slab each
+                    tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
+            }
+            if (++stage == kStages) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+    }
+}
+
+// Storer: moves finished tiles from C staging to global memory.
+__device__ __forceinline__ void run_storer(const Schedule& sched, int M, int N, const TmaDesc* tmap_c,
+                                           u32 smem, const char* smem_generic, u32 bar_c_full,
+                                           u32 bar_c_empty, const HookArgs& hooks) {
+    const int lane = threadIdx.x & 31;
+    u32 phase = 0;
+    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+        int m_tile, n_tile;
+        sched.tile(t, m_tile, n_tile);
+        const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+        mbar_wait(bar_c_full, phase);  // acquire: every consumer's staging writes are visible
+        phase ^= 1;
+        if constexpr (!kHookEpilogue) {
+            // TMA store, one box per (consumer, 128-byte column slab); rows/cols outside C are clipped.
+            // The consumers issued fence.proxy.async.shared::cta after writing staging, before arriving.
+            if (lane == 0) {
+#pragma unroll
+                for (int c = 0; c < kConsumers; ++c)
+#pragma unroll
+                    for (int j = 0; j < kBN / kCCols; ++j)
+                        tma_store_2d(tmap_c, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes,
+                                     n0 + j * kCCols, m0 + c * kRowsPerConsumer);
+                bulk_commit();
+                bulk_wait_read_all();   // staging has been read: consumers may overwrite it
+                mbar_arrive(bar_c_empty);
+            }
+            __syncwarp();
+        } else {
+            // Hook 2: the destination of this tile is chosen per chunk of rows (e.g. the symmetric
+            // buffer of the peer that owns the rows). 16-byte vectors; a warp covers 512 contiguous
+            // bytes of a row per step. Tails clipped here (N * kOutBytes is a multiple of 16).
+            const int chunk = m0 / hooks.chunk_rows;
+            const int local_row0 = m0 - chunk * hooks.chunk_rows;
+            char* dst = static_cast<char*>(hooks.dst_table[chunk]);
+            const long long dst_row_bytes = hooks.dst_ld * kOutBytes;
+            constexpr int kUnitsPerRow = kBN * kOutBytes / 16;
+            constexpr int kUnitsPerSlab = 128 / 16;
+            constexpr int kElemsPerUnit = 16 / kOutBytes;
+            for (int idx = lane; idx < kBM * kUnitsPerRow; idx += 32) {
+                const int r = idx / kUnitsPerRow, u = idx % kUnitsPerRow;
+                const int col = n0 + u * kElemsPerUnit;
+                if (m0 + r < M && col < N) {
+                    const int c = r / kRowsPerConsumer, rr = r % kRowsPerConsumer;
+                    const u32 off = c * kCConsumerBytes + (u32)(u / kUnitsPerSlab) * kCSlabBytes +
+                                    (u32)rr * 128u + ((u32)((u % kUnitsPerSlab) ^ (rr & 7)) << 4);
+                    const uint4 v = *reinterpret_cast<const uint4*>(smem_generic + kOffC + off);
+                    *reinterpret_cast<uint4*>(dst + (local_row0 + r) * dst_row_bytes +
+                                              (long long)col * kOutBytes) = v;
+                }
+            }
+            __syncwarp();  // all lanes' staging reads and global stores are ordered before lane 0 below
+            if (lane == 0) {
+                mbar_arrive(bar_c_empty);
+                // Per-tile release: fence.acq_rel.sys (cumulative over the warp's stores) + release store.
+                if (hooks.flag_table != nullptr) {
+                    const int local_m_tile = local_row0 / kBM;
+                    u64* flag = hooks.flag_table[chunk] + (long long)local_m_tile * sched.n_tiles + n_tile;
+                    if (hooks.signal_add) fluxrt::signal_add(flag, hooks.signal_value);
+                    else fluxrt::signal_set(flag, hooks.signal_value);
+                }
+            }
+        }
+    }
+    if constexpr (!kHookEpilogue) {
+        if (lane == 0) bulk_wait_all();  // the last stores are complete before the CTA retires
+    }
+}
+
+// Math: one consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile.
+__device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N, int K, int wg, u32 smem,
+                                             char* smem_generic, u32 bars_full, u32 bars_empty,
+                                             u32 bar_c_full, u32 bar_c_empty, char* c_direct) {
+    const int tid = threadIdx.x & 127;  // thread within the warpgroup
+    const int k_blocks = (K + kBK - 1) / kBK;
+    float acc[kAccRegs];
+    int stage = 0;
+    u32 phase = 0;
+    u32 c_phase = 0;
+    const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per consumer
+    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+        int prev_stage = 0;
+        for (int kb = 0; kb < k_blocks; ++kb) {
+            mbar_wait(bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
+            const u32 a_base = smem + kOffA + stage * kTileABytes + a_rows_offset;
+            const u32 b_base = smem + kOffB + stage * kTileBBytes;
+            wgmma_fence();  // accumulator registers written before (epilogue reads, previous MMAs) -> wgmma
+#pragma unroll
+            for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
+                const u64 da = desc_kmajor(a_base + kk * kWgmmaK * kInBytes);
+                const u64 db = kBKMajor ? desc_kmajor(b_base + kk * kWgmmaK * kInBytes)
+                                        : desc_mnmajor(b_base + kk * kWgmmaK * 128u, kBAtomBytes);
+                TileMma::run(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);  // first MMA of a tile: D = A*B
+            }
+            wgmma_commit();
+            // Keep one group in flight: when the previous K block's group has retired, its stage's
+            // smem is no longer read by the tensor cores and goes back to the loader.
+            if (kb > 0) {
+                wgmma_wait<1>();
+                if (tid == 0) mbar_arrive(bars_empty + 8 * prev_stage);
+            }
+            prev_stage = stage;
+            if (++stage == kStages) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        wgmma_wait<0>();  // all MMAs of the tile retired: accumulators final
+        reg_fence(acc);
+        if (tid == 0 && k_blocks > 0) mbar_arrive(bars_empty + 8 * prev_stage);
+
+        // Fragment layout of m64nNk16 f32: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
+        // column pairs 8g + 2(l%4), g < N/8.
+        const int warp = tid >> 5, lane = tid & 31;
+        if constexpr (kEpiDirect) {
+            // Registers -> global, pairs of adjacent columns; two consecutive g fill a 32-byte sector.
+            int m_tile, n_tile;
+            sched.tile(t, m_tile, n_tile);
+            const int row0 = m_tile * kBM + wg * kRowsPerConsumer + warp * 16 + (lane >> 2);
+            const int col0 = n_tile * kBN + (lane & 3) * 2;
+#pragma unroll
+            for (int g = 0; g < kBN / 8; ++g) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row0 + 8 * h, col = col0 + 8 * g;
+                    if (row < M && col < N) {   // N is even: the pair is in or out as a whole
+                        const float v0 = acc[4 * g + 2 * h], v1 = acc[4 * g + 2 * h + 1];
+                        char* p = c_direct + ((long long)row * N + col) * kOutBytes;
+                        if constexpr (FLUXRT_GEMM_OUT == 2) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+                        else if constexpr (FLUXRT_GEMM_OUT == 1) *reinterpret_cast<u32*>(p) = pack_f16x2(v0, v1);
+                        else *reinterpret_cast<u32*>(p) = pack_bf16x2(v0, v1);
+                    }
+                }
+            }
+            continue;
+        }
+        // Epilogue: registers -> C staging (this consumer's 64 rows).
+        mbar_wait(bar_c_empty, c_phase ^ 1);  // the storer finished reading the previous tile
+        c_phase ^= 1;
+        char* c_base = smem_generic + kOffC + wg * kCConsumerBytes;
+#pragma unroll
+        for (int g = 0; g < kBN / 8; ++g) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = warp * 16 + (lane >> 2) + 8 * h;
+                const int col = g * 8 + (lane & 3) * 2;
+                const float v0 = acc[4 * g + 2 * h], v1 = acc[4 * g + 2 * h + 1];
+                char* p = c_base + c_stage_offset(row, col);
+                if constexpr (FLUXRT_GEMM_OUT == 2) {
+                    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+                } else if constexpr (FLUXRT_GEMM_OUT == 1) {
+                    *reinterpret_cast<u32*>(p) = pack_f16x2(v0, v1);
+                } else {
+                    *reinterpret_cast<u32*>(p) = pack_bf16x2(v0, v1);
+                }
+            }
+        }
+        if constexpr (!kHookEpilogue) {
+            fence_proxy_async_smem();  // generic st.shared above -> visible to the TMA store (async proxy)
+        }
+        mbar_arrive(bar_c_full);  // release.cta: staging writes visible to the storer after its wait
+    }
+}
+
+}  // namespace fluxrt_sm90
+
+using namespace fluxrt_sm90;
+
+// ---------------------------------------------------------------------------------------------
+// Entry point. Launch with gridDim.x = min(#SMs, #tiles) (persistent), blockDim.x = fluxrt_gemm_threads,
+// dynamic shared memory = fluxrt_gemm_smem_bytes (see the constants exported below).
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
+            const __grid_constant__ TmaDesc tmap_c, int M, int N, int K,
+            const u32* order_table, int group_m, int m_tile_offset,
+            const u64* arrival_flags, u64 epoch, int chunk_rows, int chunks_per_peer, u64 timeout_ns,
+            fluxrt::ErrorRecord* err, u32 op_id, u32 rank,
+            void* const* dst_table, long long dst_ld, u64* const* flag_table, u64 signal_value,
+            int signal_add, void* c_direct) {
+    extern __shared__ char smem_raw[];
+    // Align the dynamic smem base to 1024 B (128B-swizzle atoms; the host adds kSmemAlign bytes).
+    const u32 raw = smem_addr(smem_raw);
+    const u32 pad = (kSmemAlign - (raw & (kSmemAlign - 1))) & (kSmemAlign - 1);
+    char* smem_generic = smem_raw + pad;
+    const u32 smem = raw + pad;
+    const u32 bars_full = smem + kOffBars;
+    const u32 bars_empty = bars_full + 8 * kStages;
+    const u32 bar_c_full = bars_empty + 8 * kStages;
+    const u32 bar_c_empty = bar_c_full + 8;
+
+    Schedule sched;
+    sched.m_tiles = (M + kBM - 1) / kBM;
+    sched.n_tiles = (N + kBN - 1) / kBN;
+    sched.total = sched.m_tiles * sched.n_tiles;
+    sched.group_m = group_m > 0 ? group_m : 1;
+    sched.m_tile_offset = m_tile_offset % sched.m_tiles;
+    sched.order_table = order_table;
+
+    HookArgs hooks;
+    hooks.arrival_flags = arrival_flags;
+    hooks.epoch = epoch;
+    hooks.chunk_rows = chunk_rows > 0 ? chunk_rows : M;
+    hooks.chunks_per_peer = chunks_per_peer > 0 ? chunks_per_peer : 1;
+    hooks.timeout_ns = timeout_ns;
+    hooks.err = err;
+    hooks.op_id = op_id;
+    hooks.rank = rank;
+    hooks.dst_table = dst_table;
+    hooks.dst_ld = dst_ld;
+    hooks.flag_table = flag_table;
+    hooks.signal_value = signal_value;
+    hooks.signal_add = signal_add;
+
+    const int warpgroup = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(bars_full + 8 * s, 1);               // the loader's arrive.expect_tx
+            mbar_init(bars_empty + 8 * s, kConsumers);     // one arrive per consumer warpgroup
+        }
+        mbar_init(bar_c_full, 128 * kConsumers);           // every consumer thread
+        mbar_init(bar_c_empty, 1);                         // storer lane 0
+        fence_mbar_init();                                 // inits visible to TMA (async proxy)
+        tma_prefetch_desc(&tmap_a);
+        tma_prefetch_desc(&tmap_b);
+        if constexpr (!kHookEpilogue && !kEpiDirect) tma_prefetch_desc(&tmap_c);
+    }
+    __syncthreads();  // barriers initialised before anyone waits on or arrives at them
+
+    if (warpgroup == 0) {
+        if constexpr (kRebalanceRegs) regs_dealloc<kProducerRegs>();
+        const int warp = threadIdx.x / 32;
+        if (warp == 0) {
+            if (threadIdx.x == 0)
+                run_loader(sched, K, &tmap_a, &tmap_b, smem, bars_full, bars_empty, hooks);
+        } else if (warp == 1 && !kEpiDirect) {
+            run_storer(sched, M, N, &tmap_c, smem, smem_generic, bar_c_full, bar_c_empty, hooks);
+        }
+        // warps 2 and 3 of the producer warpgroup have no role and retire.
+    } else {
+        if constexpr (kRebalanceRegs) regs_alloc<kConsumerRegs>();
+        run_consumer(sched, M, N, K, warpgroup - 1, smem, smem_generic, bars_full, bars_empty, bar_c_full,
+                     bar_c_empty, static_cast<char*>(c_direct));
+    }
+}
+
+// Host-visible configuration (read through cupy.RawModule.get_global to cross-check the planner).
+extern "C" __device__ const unsigned int fluxrt_gemm_threads = kThreads;
+extern "C" __device__ const unsigned int fluxrt_gemm_smem_bytes = kSmemBytes + kSmemAlign;
+extern "C" __device__ const unsigned int fluxrt_gemm_block_m = kBM;
+extern "C" __device__ const unsigned int fluxrt_gemm_block_n = kBN;

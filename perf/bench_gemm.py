@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""fluxrt Hopper GEMM vs cupy.matmul (cuBLAS): CUDA-event timing, warm-up, median over many runs,
+several rotating input sets (so that L2 does not hold the operands between runs).
+
+    python3 perf/bench_gemm.py --json $OUT/gemm.json
+    python3 perf/bench_gemm.py --shapes 8192,8192,8192 --dtype float16 --trans-b --order hilbert
+
+Shapes are given as M,K,N (the fused-op issues quote (M, K, N)). JSON rows: {m, n, k, dtype, impl, ms, tflops,
+plan, trans_b}; impl is "fluxrt" or "cublas".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULT_SHAPES = [(8192, 8192, 8192), (8192, 8192, 7168), (8192, 7168, 8192), (16384, 8192, 6144),
+                  (4096, 8192, 7168)]   # (M, K, N)
+
+
+def parse_shape(s: str) -> tuple[int, int, int]:
+    parts = [int(x) for x in s.replace("x", ",").split(",")]
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"shape {s!r}: expected M,K,N")
+    return tuple(parts)
+
+
+def cublas_gemm_ex(a, b, c, trans_b: bool) -> None:
+    """Row-major C = A @ B (or A @ B^T) through cublasGemmEx, fp32 compute (fallback when cupy.matmul
+    does not take the dtype). Column-major view: C^T[N,M] = B^T[N,K] @ A^T[K,M]."""
+    import cupy
+    from cupy.cuda import cublas
+
+    m, k = a.shape
+    n = c.shape[1]
+    dt = 14 if a.dtype.name == "bfloat16" else 2          # CUDA_R_16BF / CUDA_R_16F
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N,
+                  n, m, k, one.ctypes.data, b.data.ptr, dt, k if trans_b else n, a.data.ptr, dt, k,
+                  zero.ctypes.data, c.data.ptr, dt, n, 68, -1)   # CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
+
+
+def time_fn(fn, sets, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn(*set) over `iters` runs, cycling through the input sets."""
+    import cupy
+
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    cupy.cuda.get_current_stream().synchronize()
+    starts = [cupy.cuda.Event() for _ in range(iters)]
+    ends = [cupy.cuda.Event() for _ in range(iters)]
+    for i in range(iters):
+        s = sets[i % len(sets)]
+        starts[i].record()
+        fn(*s)
+        ends[i].record()
+    ends[-1].synchronize()
+    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in zip(starts, ends)]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", type=parse_shape, nargs="*", default=DEFAULT_SHAPES, help="M,K,N ...")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--trans-b", action="store_true", help="B stored [N, K] (A @ B^T)")
+    ap.add_argument("--order", choices=["grouped", "hilbert"], default=None, help="override the planner's order")
+    ap.add_argument("--group-m", type=int, default=None)
+    ap.add_argument("--block-n", type=int, default=None)
+    ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--epilogue", choices=["tma", "direct"], default=None)
+    ap.add_argument("--variants", choices=["auto", "none"], default="auto",
+                    help="auto: also time alternative plans (direct epilogue + 4 stages, hilbert, 128-wide "
+                         "tiles, group sizes) so one run shows which default to pick")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sets", type=int, default=4, help="rotating input sets")
+    ap.add_argument("--no-check", action="store_true", help="skip the fluxrt-vs-cuBLAS agreement check")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list here")
+    args = ap.parse_args(argv)
+
+    import cupy
+    import ml_dtypes
+
+    from fluxrt.gemm import gemm
+    from fluxrt.gemm_plan import plan_gemm
+
+    np_dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
+    dev = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    print(f"# device {dev.id}: {name}, dtype {args.dtype}, trans_b={args.trans_b}, "
+          f"median of {args.iters} after {args.warmup} warm-up, {args.sets} rotating input sets")
+    hdr = f"{'M':>6} {'K':>6} {'N':>6} | {'cuBLAS ms':>9} {'TFLOP/s':>8} | {'fluxrt ms':>9} {'TFLOP/s':>8} | {'ratio':>6} | plan"
+    print(hdr)
+    print("-" * len(hdr))
+    rows = []
+    for (m, k, n) in args.shapes:
+        plan = plan_gemm(m, n, k, in_dtype=args.dtype, out_dtype=args.dtype)
+        over = {f: v for f, v in (("order", args.order), ("group_m", args.group_m), ("block_n", args.block_n),
+                                  ("stages", args.stages), ("epilogue", args.epilogue)) if v is not None}
+        if over:
+            plan = dataclasses.replace(plan, **over).validate(args.dtype)
+        rng = cupy.random.default_rng(0)
+        sets = []
+        for _ in range(args.sets):
+            a = (rng.standard_normal((m, k), dtype=cupy.float32) + 0.1).astype(np_dt)
+            b_shape = (n, k) if args.trans_b else (k, n)
+            b = (rng.standard_normal(b_shape, dtype=cupy.float32) + 0.1).astype(np_dt)
+            c = cupy.empty((m, n), dtype=np_dt)
+            sets.append((a, b, c))
+        flops = 2.0 * m * n * k
+        use_matmul = True
+        try:
+            a, b, c = sets[0]
+            cupy.matmul(a, b.T if args.trans_b else b, out=c)
+        except Exception as e:  # dtype not supported by this CuPy's matmul: call cuBLAS directly
+            print(f"# cupy.matmul failed ({type(e).__name__}: {e}); timing cublasGemmEx directly", file=sys.stderr)
+            use_matmul = False
+
+        def run_cublas(a, b, c):
+            if use_matmul:
+                cupy.matmul(a, b.T if args.trans_b else b, out=c)
+            else:
+                cublas_gemm_ex(a, b, c, args.trans_b)
+
+        def run_fluxrt(a, b, c, plan=plan):
+            gemm(a, b, c, trans_b=args.trans_b, plan=plan)
+
+        variants = {}
+        if args.variants == "auto":
+            r = dataclasses.replace
+            variants = {
+                "direct-s4": r(plan, epilogue="direct", stages=4),
+                "hilbert": r(plan, order="hilbert"),
+                "direct-s4-hilbert": r(plan, epilogue="direct", stages=4, order="hilbert"),
+                "group8": r(plan, group_m=8),
+                "group32": r(plan, group_m=32),
+                "bn128-s6": r(plan, block_n=128, stages=6),
+            }
+            variants = {k: v for k, v in variants.items() if v != plan}
+
+        if not args.no_check:
+            a, b, c = sets[0]
+            ref = cupy.empty_like(c)
+            run_cublas(a, b, ref)
+            run_fluxrt(a, b, c)
+            r64, c64 = ref.astype(cupy.float64), c.astype(cupy.float64)
+            err = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
+            if not err < 1e-2:
+                print(f"!! fluxrt disagrees with cuBLAS at M={m} K={k} N={n}: rel err {err:.3e}", file=sys.stderr)
+        t_cublas = time_fn(run_cublas, sets, args.warmup, args.iters)
+        t_fluxrt = time_fn(run_fluxrt, sets, args.warmup, args.iters)
+        plan_s = (f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages} {plan.order}"
+                  f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue}")
+        for impl, ms in (("cublas", t_cublas), ("fluxrt", t_fluxrt)):
+            rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": impl, "ms": ms,
+                         "tflops": flops / ms / 1e9, "trans_b": args.trans_b,
+                         "plan": plan_s if impl == "fluxrt" else None, "device": name})
+        print(f"{m:>6} {k:>6} {n:>6} | {t_cublas:9.3f} {flops / t_cublas / 1e9:8.1f} | {t_fluxrt:9.3f} "
+              f"{flops / t_fluxrt / 1e9:8.1f} | {t_cublas / t_fluxrt:6.3f} | {plan_s}")
+        for vname, vplan in variants.items():
+            try:
+                vplan.validate(args.dtype)
+                if not args.no_check:
+                    a, b, c = sets[0]
+                    ref = cupy.empty_like(c)
+                    run_cublas(a, b, ref)
+                    run_fluxrt(a, b, c, vplan)
+                    r64, c64 = ref.astype(cupy.float64), c.astype(cupy.float64)
+                    verr = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
+                    if not verr < 1e-2:
+                        print(f"!! variant {vname} disagrees with cuBLAS: rel err {verr:.3e}", file=sys.stderr)
+                t_v = time_fn(lambda a, b, c: run_fluxrt(a, b, c, vplan), sets, args.warmup, args.iters)
+            except Exception as e:  # a variant that does not fit or fails must not stop the table
+                print(f"   variant {vname}: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            vs = (f"{vplan.block_m}x{vplan.block_n}x{vplan.block_k} s{vplan.stages} {vplan.order}"
+                  f"{'/g' + str(vplan.group_m) if vplan.order == 'grouped' else ''} epi={vplan.epilogue}")
+            rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": f"fluxrt:{vname}", "ms": t_v,
+                         "tflops": flops / t_v / 1e9, "trans_b": args.trans_b, "plan": vs, "device": name})
+            print(f"{'':>6} {'':>6} {'':>6} | {'':>9} {'':>8} | {t_v:9.3f} {flops / t_v / 1e9:8.1f} | "
+                  f"{t_cublas / t_v:6.3f} |   variant {vname}: {vs}")
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+        print(f"# wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

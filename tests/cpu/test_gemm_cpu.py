@@ -1,0 +1,245 @@
+"""GEMM planner, argument validation and sm_90a compile checks: no GPU needed."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from fluxrt.gemm import (GemmArgumentError, GemmTypeError, compile_options, gemm, gemm_with_hooks,
+                         kernel_defines, validate_gemm_args, ArrivalWait, TileEpilogue)
+from fluxrt.gemm_plan import (SMEM_LIMIT_BYTES, GemmPlan, grouped_order, hilbert_order, max_stages, plan_gemm,
+                              tile_order)
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class FakeDeviceArray:
+    """Just enough of __cuda_array_interface__ to be validated; the pointer is never dereferenced."""
+
+    def __init__(self, shape, dtype, strides=None, ptr=1 << 32):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.__cuda_array_interface__ = {
+            "shape": self.shape, "typestr": self.dtype.str if self.dtype != BF16 else "<V2",
+            "data": (ptr, False), "strides": strides, "version": 3}
+
+
+def arr(shape, dtype=BF16, **kw):
+    return FakeDeviceArray(shape, dtype, **kw)
+
+
+# --- planner ----------------------------------------------------------------------------------------
+
+def test_plan_large_square_is_128x256():
+    p = plan_gemm(8192, 8192, 8192)
+    assert (p.block_m, p.block_n, p.block_k, p.consumers, p.cluster) == (128, 256, 64, 2, 1)
+    assert p.stages == 3
+    assert p.smem_bytes("bfloat16") <= SMEM_LIMIT_BYTES
+    assert p.threads == 384
+
+
+def test_plan_fp32_output_uses_narrower_tile():
+    p = plan_gemm(4096, 4096, 4096, out_dtype="float32")
+    assert p.block_n == 128 and p.stages >= 3
+    assert p.smem_bytes("float32") <= SMEM_LIMIT_BYTES
+
+
+def test_plan_small_shapes():
+    assert plan_gemm(64, 1024, 1024).consumers == 1
+    assert plan_gemm(64, 1024, 1024).block_m == 64
+    assert plan_gemm(1024, 128, 1024).block_n == 128
+
+
+@pytest.mark.parametrize("shape", [(8192, 8192, 8192), (8192, 7168, 8192), (16384, 6144, 8192),
+                                   (4096, 7168, 8192), (1000, 1000, 1000), (129, 257, 72), (64, 64, 16)])
+@pytest.mark.parametrize("out", ["bfloat16", "float16", "float32"])
+def test_plans_fit_and_validate(shape, out):
+    m, n, k = shape
+    p = plan_gemm(m, n, k, out_dtype=out)
+    assert p.validate(out) is p
+    assert p.smem_bytes(out) <= SMEM_LIMIT_BYTES
+    assert 1 <= p.grid(m, n) <= 132
+
+
+def test_plan_overrides_are_validated():
+    p = plan_gemm(4096, 4096, 4096)
+    with pytest.raises(ValueError, match="block_m"):
+        dataclasses.replace(p, block_m=256).validate()
+    with pytest.raises(ValueError, match="block_n"):
+        dataclasses.replace(p, block_n=96).validate()
+    with pytest.raises(ValueError, match="cluster"):
+        dataclasses.replace(p, cluster=2).validate()
+    with pytest.raises(ValueError, match="order"):
+        dataclasses.replace(p, order="zigzag").validate()
+    with pytest.raises(ValueError, match="shared memory"):
+        dataclasses.replace(p, stages=4).validate("bfloat16")   # 4 x 48 KiB + 64 KiB staging > 227 KiB
+    assert max_stages(128, 256, "bfloat16") == 3
+    assert max_stages(128, 128, "bfloat16") == 6
+    assert max_stages(128, 256, "bfloat16", "direct") == 4
+    with pytest.raises(ValueError, match="epilogue"):
+        dataclasses.replace(p, epilogue="smem").validate()
+
+
+@pytest.mark.parametrize("mt,nt", [(1, 1), (3, 5), (64, 32), (7, 1), (1, 9), (17, 13)])
+def test_tile_orders_are_permutations(mt, nt):
+    every = {(i, j) for i in range(mt) for j in range(nt)}
+    h = hilbert_order(mt, nt)
+    assert len(h) == mt * nt and set(h) == every
+    for g in (1, 4, 16):
+        o = grouped_order(mt, nt, g)
+        assert len(o) == mt * nt and set(o) == every
+
+
+def test_rank_offset_starts_at_own_shard():
+    p = GemmPlan(m_tile_offset=5, group_m=2)
+    order = tile_order(p, 16 * 128, 4 * 256)   # 16 x 4 tiles
+    assert order[0][0] == 5
+    assert {o for o in order} == {(i, j) for i in range(16) for j in range(4)}
+    # the wrap-around is modulo m_tiles
+    assert tile_order(dataclasses.replace(p, m_tile_offset=16 + 3), 16 * 128, 4 * 256)[0][0] == 3
+
+
+def test_hilbert_neighbours_are_adjacent():
+    h = hilbert_order(8, 8)
+    for (a, b), (c, d) in zip(h, h[1:]):
+        assert abs(a - c) + abs(b - d) == 1
+
+
+# --- argument validation (must not touch CUDA) --------------------------------------------------------
+
+def test_valid_args_return_problem_size():
+    assert validate_gemm_args(arr((1000, 72)), arr((72, 1000))) == (1000, 1000, 72, "bfloat16", "bfloat16")
+    assert validate_gemm_args(arr((129, 72), np.float16), arr((264, 72), np.float16), trans_b=True,
+                              out_dtype="float32") == (129, 264, 72, "float16", "float32")
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_inner_dimension_mismatch_names_shapes(trans_b):
+    b = arr((256, 64)) if trans_b else arr((64, 256))
+    with pytest.raises(GemmArgumentError, match=r"\(128, 72\).*K=72"):
+        gemm(arr((128, 72)), b, trans_b=trans_b)
+
+
+def test_dtype_errors():
+    with pytest.raises(GemmTypeError, match="float32"):
+        gemm(arr((64, 64), np.float32), arr((64, 64), np.float32))
+    with pytest.raises(GemmTypeError, match="same 16-bit type"):
+        gemm(arr((64, 64)), arr((64, 64), np.float16))
+    with pytest.raises(GemmTypeError, match="out_dtype"):
+        gemm(arr((64, 64)), arr((64, 64)), out_dtype="int8")
+    with pytest.raises(GemmTypeError, match="host numpy array"):
+        gemm(np.zeros((64, 64), np.float16), arr((64, 64), np.float16))
+    with pytest.raises(GemmTypeError, match="not a CUDA array"):
+        gemm([[1.0]], arr((64, 64)))
+
+
+def test_layout_and_alignment_errors():
+    with pytest.raises(GemmArgumentError, match="2-D"):
+        gemm(arr((4, 64, 64)), arr((64, 64)))
+    with pytest.raises(GemmArgumentError, match="C-contiguous"):
+        gemm(arr((64, 64), strides=(2, 128)), arr((64, 64)))
+    with pytest.raises(GemmArgumentError, match="multiple of 8"):
+        gemm(arr((64, 60)), arr((60, 64)))                       # K*2 bytes not a multiple of 16
+    with pytest.raises(GemmArgumentError, match="rows of B"):
+        gemm(arr((64, 64)), arr((64, 100)))                      # B [K, N] rows: N*2 bytes
+    with pytest.raises(GemmArgumentError, match="aligned"):
+        gemm(arr((64, 64), ptr=(1 << 32) + 8), arr((64, 64)))
+    with pytest.raises(GemmArgumentError, match="empty"):
+        gemm(arr((0, 64)), arr((64, 64)))
+
+
+def test_out_errors():
+    with pytest.raises(GemmArgumentError, match=r"out has shape \(64, 128\), expected \(M, N\) = \(64, 64\)"):
+        gemm(arr((64, 64)), arr((64, 64)), out=arr((64, 128)))
+    with pytest.raises(GemmTypeError, match="out is bfloat16 but out_dtype=float32"):
+        gemm(arr((64, 64)), arr((64, 64)), out=arr((64, 64)), out_dtype="float32")
+    with pytest.raises(GemmArgumentError, match="aliases"):
+        gemm(arr((64, 64)), arr((64, 64)), out=arr((64, 64)))   # same fake pointer as A
+    with pytest.raises(GemmArgumentError, match="output rows"):
+        validate_gemm_args(arr((64, 64)), arr((4, 64)), trans_b=True)   # N=4: 8-byte output rows
+
+
+def test_hook_arguments_validated_before_launch():
+    a, b = arr((256, 64)), arr((64, 256), ptr=1 << 33)
+    plan = plan_gemm(256, 256, 64)
+    with pytest.raises(GemmArgumentError, match="chunk_rows=100"):
+        gemm_with_hooks(a, b, plan=plan, wait=ArrivalWait(flags=0, epoch=1, chunk_rows=100, err=0))
+    with pytest.raises(GemmArgumentError, match="ErrorRecord"):
+        gemm_with_hooks(a, b, plan=plan, wait=ArrivalWait(flags=0, epoch=1, chunk_rows=128, err=None))
+    with pytest.raises(GemmArgumentError, match="epilogue='tma'"):
+        gemm_with_hooks(a, b, plan=dataclasses.replace(plan, epilogue="direct"),
+                        epilogue=TileEpilogue(dst_table=0, chunk_rows=128, dst_ld=256))
+    with pytest.raises(GemmArgumentError, match="dst_ld"):
+        gemm_with_hooks(a, b, plan=plan, epilogue=TileEpilogue(dst_table=0, chunk_rows=128, dst_ld=0))
+
+
+# --- kernel compiles for sm_90a -------------------------------------------------------------------
+
+def _nvrtc_available() -> str | None:
+    try:
+        from cuda.core import Program  # noqa: F401
+        from cuda.bindings import nvrtc
+
+        err, _, _ = nvrtc.nvrtcVersion()
+        return None
+    except Exception as e:  # pragma: no cover - depends on the machine
+        return f"NVRTC unavailable ({type(e).__name__}: {e}); pip install 'cuda-toolkit[nvrtc]==13.*'"
+
+
+COMPILE_CONFIGS = [
+    # (plan, in, out, trans_b, hook_wait, hook_epilogue)
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, False, False),
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", True, False, False),
+    (plan_gemm(8192, 8192, 8192), "float16", "float16", False, False, False),
+    (plan_gemm(8192, 8192, 8192), "float16", "float16", True, False, False),
+    (plan_gemm(4096, 4096, 4096, out_dtype="float32"), "bfloat16", "float32", False, False, False),
+    (plan_gemm(4096, 4096, 4096, out_dtype="float32"), "float16", "float32", True, False, False),
+    (plan_gemm(1024, 128, 1024), "bfloat16", "bfloat16", False, False, False),
+    (plan_gemm(64, 1024, 1024), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=192, stages=3), "bfloat16", "bfloat16", False, False, False),
+    (GemmPlan(block_n=64, stages=6), "float16", "float32", True, False, False),
+    (GemmPlan(block_m=64, consumers=1, block_n=256, stages=4), "float16", "float16", False, False, False),
+    (GemmPlan(epilogue="direct", stages=4), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(epilogue="direct", block_n=128, stages=6), "float16", "float32", False, True, False),
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, True, False),
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", True, False, True),
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, True, True),
+]
+
+
+@pytest.mark.parametrize("cfg", COMPILE_CONFIGS,
+                         ids=lambda c: f"{c[0].block_m}x{c[0].block_n}s{c[0].stages}{c[0].epilogue}-{c[1]}-{c[2]}"
+                                       f"-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}")
+def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    from fluxrt.toolchain import compile_cubin
+
+    monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
+    plan, in_dt, out_dt, tb, hw, he = cfg
+    cubin = compile_cubin("gemm/hopper_gemm.cu",
+                          compile_options(kernel_defines(plan, in_dt, out_dt, tb, hw, he), arch="sm_90a"))
+    data = cubin.read_bytes()
+    assert b"fluxrt_gemm" in data
+    assert len(data) > 10_000
+
+
+def test_generated_wgmma_header_is_current():
+    """kernels/gemm/wgmma_ops.cuh must match its generator."""
+    import importlib.util
+    from pathlib import Path
+
+    from fluxrt.toolchain import kernel_root
+
+    gen = kernel_root() / "gemm" / "gen_wgmma.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma", gen)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    current = Path(kernel_root() / "gemm" / "wgmma_ops.cuh").read_text()
+    expected = "".join(["// GENERATED by kernels/gemm/gen_wgmma.py -- do not edit by hand.\n"])
+    assert current.startswith(expected)
+    for n in mod.NS:
+        assert f"m64n{n}k16.f32.bf16.bf16" in current and f"m64n{n}k16.f32.f16.f16" in current
