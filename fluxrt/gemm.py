@@ -260,7 +260,8 @@ def _tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_r
     item = _ITEMSIZE[dtype]
     err, tmap = drv.cuTensorMapEncodeTiled(
         getattr(drv.CUtensorMapDataType, _TMAP_TYPES[dtype]), 2, ptr,
-        [cols, rows], [cols * item], [box_cols, box_rows], [1, 1],
+        [drv.cuuint64_t(cols), drv.cuuint64_t(rows)], [drv.cuuint64_t(cols * item)],
+        [drv.cuuint32_t(box_cols), drv.cuuint32_t(box_rows)], [drv.cuuint32_t(1), drv.cuuint32_t(1)],
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -1,7 +1,8 @@
 """Host-side, stream-ordered point-to-point primitives.
 
-    put         copy engine (cudaMemcpyAsync into the peer's mapped heap), SM push (kernels/comm/p2p.cu),
-                or NVSHMEM (nvshmemx_putmem_on_stream, any transport)
+    put         SM push into the peer's heap (kernels/comm/p2p.cu), or NVSHMEM (nvshmemx_putmem_on_stream,
+                any transport); either may release a flag after the data
+    get         copy-engine pull (cudaMemcpyAsync from the peer's heap) or NVSHMEM get
     signal      a one-thread kernel (fence.acq_rel.sys + release store/add) into the peer's flag, or
                 cuStreamWriteValue64 where no copy-engine put precedes it
     wait        a one-thread kernel spinning with acquire loads, bounded by the world's timeout;
@@ -19,7 +20,8 @@ import numpy as np
 from .errors import NO_PEER, op_id
 from .streams import as_cupy_stream as _cupy_stream, stream_handle
 
-PUT_MODES = ("copy_engine", "sm", "nvshmem")
+PUT_MODES = ("sm", "nvshmem")
+GET_MODES = ("copy_engine", "nvshmem")
 _THREADS = 512
 _VEC_BYTES_PER_THREAD = 64  # four 16-byte vectors in flight per thread per iteration
 _COUNTER_SLOTS = 1024       # concurrent SM-push launches that may be in flight at once
@@ -78,15 +80,23 @@ def _device_ptr(arr) -> tuple[int, int]:
     return a.data.ptr, a.nbytes
 
 
-def put(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None, flag_ptr: int = 0,
-        flag_value: int = 0, blocks: int | None = None) -> None:
-    """Copy local `src` into `dst`'s copy on `peer` (dst: a symmetric array or view). If `flag_ptr`
-    (a peer flag address, e.g. ``pad.peer_ptr(peer, slot)``) is given, it is set to `flag_value` after
-    the data has landed. ``mode='nvshmem'`` with a flag needs a symmetric flag (``pad.local_ptr``)."""
-    if mode not in PUT_MODES:
-        raise ValueError(f"put mode {mode!r} not in {PUT_MODES}")
+def _check_peer(world, peer: int) -> None:
     if not 0 <= peer < world.size:
         raise ValueError(f"peer {peer} outside world of size {world.size}")
+
+
+def put(world, dst, src, peer: int, *, mode: str = "sm", stream=None, flag_ptr: int = 0,
+        flag_value: int = 0, blocks: int | None = None) -> None:
+    """Copy local `src` into `dst`'s copy on `peer` (dst: a symmetric array or view). If `flag_ptr` is
+    given, that flag is set to `flag_value` once the data has landed: a peer flag address
+    (``pad.peer_ptr(peer, slot)``) for mode 'sm', the symmetric address (``pad.local_ptr(slot)``) for
+    mode 'nvshmem'.
+
+    There is no copy-engine put: a flag released after a copy-engine write to a peer can reach the
+    peer before the data does (seen on H200 NVLink), so copy-engine transfers are pulls (``get``)."""
+    if mode not in PUT_MODES:
+        raise ValueError(f"put mode {mode!r} not in {PUT_MODES} (copy-engine transfers are pulls: p2p.get)")
+    _check_peer(world, peer)
     src_ptr, nbytes = _device_ptr(src)
     if nbytes > dst.nbytes:
         raise ValueError(f"put of {nbytes} bytes into a {dst.nbytes}-byte destination")
@@ -104,17 +114,6 @@ def put(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None, f
     dst_ptr = dst.peer_ptr(peer)
     if dst_ptr == 0:
         raise ValueError(f"rank {peer} is not reachable by NVLink pointers; use mode='nvshmem'")
-    if mode == "copy_engine":
-        import cupy
-
-        if nbytes:
-            cupy.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, h)
-        if flag_ptr:
-            # A kernel's fence.acq_rel.sys + st.release.sys, not cuStreamWriteValue64: on 2x/4x H200 the
-            # stream write became visible to the peer before the tail of a copy-engine put (seen with
-            # 4099- and 65549-byte puts), so the peer read poison.
-            signal(world, flag_ptr, flag_value, stream=h, via="kernel")
-        return
     st = state(world)
     grid = blocks or sm_grid(world, nbytes)
     st.put_signal((grid,), (_THREADS,), (_u64(dst_ptr), _u64(src_ptr), _u64(nbytes), _u64(flag_ptr),
@@ -122,12 +121,40 @@ def put(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None, f
                   stream=_cupy_stream(h))
 
 
+def get(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None) -> None:
+    """Copy `src`'s copy on `peer` (src: a symmetric array or view) into local `dst`, stream-ordered:
+    work after it on `stream` sees the data (a read completes only when the bytes are here).
+    'copy_engine' pulls with cudaMemcpyAsync over NVLink and leaves the SMs free; 'nvshmem' uses
+    nvshmemx_getmem_on_stream (any transport). Wait for the owner's 'ready' signal first."""
+    if mode not in GET_MODES:
+        raise ValueError(f"get mode {mode!r} not in {GET_MODES}")
+    _check_peer(world, peer)
+    dst_ptr, nbytes = _device_ptr(dst)
+    if nbytes > src.nbytes:
+        raise ValueError(f"get of {nbytes} bytes from a {src.nbytes}-byte source")
+    if not src.flags.c_contiguous:
+        raise ValueError("get source must be C-contiguous")
+    h = stream_handle(stream)
+    if mode == "nvshmem":
+        from nvshmem import bindings
+
+        bindings.getmem_on_stream(dst_ptr, src.data.ptr, nbytes, peer, h)
+        return
+    src_ptr = src.peer_ptr(peer)
+    if src_ptr == 0:
+        raise ValueError(f"rank {peer} is not reachable by NVLink pointers; use mode='nvshmem'")
+    if nbytes:
+        import cupy
+
+        cupy.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, h)
+
+
 def signal(world, flag_ptr: int, value: int, *, add: bool = False, stream=None, via: str = "kernel") -> None:
     """After prior work on the stream, set or add `value` at a (peer) flag address.
 
     via='kernel' (default): a one-thread kernel, fence.acq_rel.sys then st/red.release.sys.
-    via='stream_op': cuStreamWriteValue64 (set only; no SM used) -- orders after prior kernels' writes,
-    but not reliably after a copy-engine put to a peer (see put)."""
+    via='stream_op': cuStreamWriteValue64 (set only; no SM used). It orders after prior kernels'
+    writes; like any signal it must not follow a copy-engine write to a peer (see put)."""
     h = stream_handle(stream)
     if via not in ("kernel", "stream_op"):
         raise ValueError(f"signal via {via!r}: use 'kernel' or 'stream_op'")

@@ -1,9 +1,10 @@
 """Point-to-point sweep between rank 0 and rank 1 (other ranks idle), in the manner of NVSHMEM's
 shmem_put_bw and shmem_put_signal_ping_pong_latency.
 
-Bandwidth: `iters` puts of each size back to back on one stream, timed with CUDA events on the sender
-(uni: rank 0 -> rank 1; bidir: both at once, aggregate = 2 * bytes / slower time). Each size is checked
-once against the sender's bytes before timing when -c 1.
+Bandwidth: `iters` transfers of each size back to back on one stream, timed with CUDA events
+(uni: data flows rank 0 -> rank 1, pushed by rank 0 or pulled by rank 1 for the copy engine; bidir: both
+at once, aggregate = 2 * bytes / slower time). With -c 1 each size is first checked once, both ways,
+against a per-rank byte pattern made on the device.
 Latency: one thread per rank bounces a flag `rounds` times; one way = elapsed / (2 * rounds).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .sweep import SweepOptions, add_sweep_arguments, format_size, sizes
 
 log = logging.getLogger(__name__)
 
-MODES = {"sm_push": "sm", "copy_engine": "copy_engine", "nvshmem_put": "nvshmem"}
+MODES = ("sm_push", "copy_engine", "nvshmem_put")
 
 
 def _machine(world) -> dict:
@@ -31,45 +32,68 @@ def _machine(world) -> dict:
     return {"gpu_name": name, "gpu_count": world.size}
 
 
-def _time_puts(world, mode, dst, src, peer, nbytes, iters, warmup, stream) -> float:
-    """One timed loop of `iters` puts after `warmup` (as nccl-tests does); microseconds per put."""
-    import cupy
-
+def _transfer(world, mode, dst, src, other, nbytes, stream) -> None:
+    """Move nbytes between this rank and `other` (0 <-> 1). Push modes write this rank's src into
+    other's dst; the copy-engine mode pulls other's src into this rank's dst (the same data flow,
+    driven by the receiver)."""
     from .. import p2p
 
-    for _ in range(warmup):
-        p2p.put(world, dst[:nbytes], src[:nbytes], peer, mode=mode, stream=stream)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    for _ in range(iters):
-        p2p.put(world, dst[:nbytes], src[:nbytes], peer, mode=mode, stream=stream)
-    stop.record(stream)
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / iters
+    if mode == "copy_engine":
+        p2p.get(world, dst[:nbytes], src[:nbytes], other, mode="copy_engine", stream=stream)
+    else:
+        p2p.put(world, dst[:nbytes], src[:nbytes], other, mode="sm" if mode == "sm_push" else "nvshmem",
+                stream=stream)
 
 
-def _check(world, mode, dst, src, peer, nbytes, stream) -> int:
-    """Put once with fresh bytes into a poisoned buffer; the receiver counts wrong bytes."""
+def _acts(world, mode, direction) -> bool:
+    """Uni: data flows 0 -> 1, so rank 0 pushes or rank 1 pulls. Bidir: both ranks act."""
+    if world.rank > 1:
+        return False
+    if direction == "bidir":
+        return True
+    return world.rank == (1 if mode == "copy_engine" else 0)
+
+
+def _pattern(nbytes: int, rank: int):
+    """Bytes that differ per rank and position, made on the device (checks stay cheap at 1 GiB)."""
     import cupy
 
-    from .. import p2p
+    i = cupy.arange(nbytes, dtype=np.uint32)
+    return ((i * np.uint32(2654435761) + np.uint32(977 * (rank + 1))) >> np.uint32(24)).astype(np.uint8)
 
+
+def _check(world, mode, dst, src, nbytes, stream) -> int:
+    """Both ranks of the pair send fresh bytes once into poisoned buffers; count wrong bytes."""
     comm = world.comm
-    dst.fill(0xA5)
+    other = 1 - world.rank
+    if world.rank < 2:
+        src[:nbytes] = _pattern(nbytes, world.rank)
+        dst.fill(0xA5)
     world.synchronize()
     comm.Barrier()
     wrong = 0
-    if world.rank in (0, 1):
-        sent = np.random.default_rng(nbytes + world.rank).integers(0, 255, nbytes, dtype=np.uint8)
-        src[:nbytes].set(sent)
-        p2p.put(world, dst[:nbytes], src[:nbytes], peer, mode=mode, stream=stream)
+    if world.rank < 2:
+        _transfer(world, mode, dst, src, other, nbytes, stream)
         world.synchronize(stream)
-    comm.Barrier()
-    if world.rank in (0, 1):
-        expect = np.random.default_rng(nbytes + (1 - world.rank)).integers(0, 255, nbytes, dtype=np.uint8)
-        got = cupy.asnumpy(dst[: nbytes + 1])
-        wrong = int(np.count_nonzero(got[:nbytes] != expect)) + int(got[nbytes] != 0xA5)
+    comm.Barrier()  # pushes into my dst have completed on the sender's stream; pulls on mine
+    if world.rank < 2:
+        wrong = int((dst[:nbytes] != _pattern(nbytes, other)).sum()) + int(dst[nbytes].get() != 0xA5)
     return comm.allreduce(wrong)
+
+
+def _time(world, mode, dst, src, other, nbytes, iters, warmup, stream) -> float:
+    """One timed loop of `iters` transfers after `warmup` (as nccl-tests does); microseconds each."""
+    import cupy
+
+    for _ in range(warmup):
+        _transfer(world, mode, dst, src, other, nbytes, stream)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    for _ in range(iters):
+        _transfer(world, mode, dst, src, other, nbytes, stream)
+    stop.record(stream)
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / iters
 
 
 def bandwidth_rows(world, opts: SweepOptions, modes, directions) -> list[dict]:
@@ -78,25 +102,25 @@ def bandwidth_rows(world, opts: SweepOptions, modes, directions) -> list[dict]:
     comm = world.comm
     sweep = sizes(opts, align=1)
     dst = world.empty((sweep[-1] + 1,), np.uint8)
-    src = cupy.empty(sweep[-1], np.uint8)
+    src = world.empty((sweep[-1],), np.uint8)  # symmetric: the copy-engine mode pulls from it
     src.fill(1)
     stream = cupy.cuda.Stream(non_blocking=True)
-    peer = 1 - world.rank if world.rank < 2 else None
+    other = 1 - world.rank if world.rank < 2 else None
     rows = []
     combos = [(m, d, n) for m in modes for d in directions for n in sweep]
     for mode, direction, nbytes in progress(combos, total=len(combos), enabled=opts.progress and world.rank == 0,
                                             desc="p2p"):
-        wrong = _check(world, MODES[mode], dst, src, peer, nbytes, stream) if opts.check else None
+        wrong = _check(world, mode, dst, src, nbytes, stream) if opts.check else None
         comm.Barrier()
         t_us = 0.0
-        sending = world.rank == 0 or (direction == "bidir" and world.rank == 1)
-        if sending:
-            t_us = _time_puts(world, MODES[mode], dst, src, peer, nbytes, opts.iters, opts.warmup_iters, stream)
+        if _acts(world, mode, direction):
+            t_us = _time(world, mode, dst, src, other, nbytes, opts.iters, opts.warmup_iters, stream)
         t_us = comm.allreduce(t_us, op=_max_op())
         comm.Barrier()
         moved = nbytes * (2 if direction == "bidir" else 1)
         rows.append({"bytes": nbytes, "mode": mode, "direction": direction, "time_us": t_us,
                      "gbps": moved / (t_us * 1e3) if t_us > 0 else 0.0, "wrong": wrong})
+    world.free(src)
     world.free(dst)
     return rows
 

@@ -27,20 +27,22 @@ def _mpi_size() -> int:
 
 GPUS = _gpu_count()
 RANKS = _mpi_size()
-SKIP_REASON = None
-if GPUS == 0:
-    SKIP_REASON = "no CUDA GPU on this machine (GPU suite runs on a GPU node: launch/gpu-check.sh)"
-elif RANKS < 2:
-    SKIP_REASON = f"needs >= 2 MPI ranks (run: mpirun -n 2 python -m pytest tests/gpu); got {RANKS}"
+NO_GPU = "no CUDA GPU on this machine (the GPU suite runs on a GPU node: launch/gpu-check.sh)"
+FEW_RANKS = f"needs >= 2 MPI ranks, got {RANKS} (run: fluxrt-run -n 2 -- python -m pytest tests/gpu)"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "multirank: needs >= 2 MPI ranks with one GPU each")
 
 
 def pytest_collection_modifyitems(config, items):
-    if SKIP_REASON is None:
-        return
-    marker = pytest.mark.skip(reason=SKIP_REASON)
     for item in items:
-        if "tests/gpu" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(marker)
+        if "tests/gpu" not in str(item.fspath).replace(os.sep, "/"):
+            continue
+        if GPUS == 0:
+            item.add_marker(pytest.mark.skip(reason=NO_GPU))
+        elif RANKS < 2 and item.get_closest_marker("multirank"):
+            item.add_marker(pytest.mark.skip(reason=FEW_RANKS))
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ import pytest
 import fluxrt
 from fluxrt import p2p
 
+pytestmark = pytest.mark.multirank
+
 POISON = 0xA5
 SIZES = [4, 7, 1000, 4099, 65536 + 13, 1 << 20, 12_345_679, 256 << 20]
 
@@ -20,6 +22,16 @@ def bufs(world):
     dst = world.empty((max(SIZES) + 64,), np.uint8)
     pad = world.signal_pad(4)
     src = cupy.empty(max(SIZES), np.uint8)
+    return dst, pad, src
+
+
+@pytest.fixture(scope="module")
+def get_bufs(world):
+    import cupy
+
+    src = world.empty((max(SIZES),), np.uint8)  # pulled from: must be symmetric
+    pad = world.signal_pad(1)
+    dst = cupy.empty(max(SIZES) + 64, np.uint8)
     return dst, pad, src
 
 
@@ -50,6 +62,39 @@ def test_put_signal_wait_ring(world, bufs, mode, nbytes):
     bad = np.flatnonzero(got[:nbytes] != expected)
     assert bad.size == 0, f"{bad.size} wrong bytes from rank {left}, first at {bad[:5]}"
     assert np.all(got[nbytes:] == POISON), "put wrote past its end"
+
+
+@pytest.mark.parametrize("mode", p2p.GET_MODES)
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_ready_signal_then_get_ring(world, get_bufs, mode, nbytes):
+    """Owner writes its buffer and signals 'ready' to the rank that pulls from it; that rank waits,
+    then pulls (copy engine or NVSHMEM get) into poisoned local memory."""
+    import cupy
+
+    dst, pad, src = get_bufs
+    right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    stream = cupy.cuda.Stream(non_blocking=True)
+    epoch = pad.next_epoch()
+    try:
+        src[:nbytes].set(_payload(7 * nbytes + world.rank, nbytes), stream=stream)
+        dst.fill(POISON)
+        world.synchronize()
+        pad.signal(left, 0, epoch, stream=stream)      # my buffer is ready for the rank on my left
+        pad.wait(0, epoch, peer=right, op=f"test_get[{mode}]", stream=stream)
+        p2p.get(world, dst[:nbytes], src[:nbytes], right, mode=mode, stream=stream)
+        world.synchronize(stream)
+        got = cupy.asnumpy(dst[: nbytes + 64])
+    finally:
+        world.comm.Barrier()  # nobody rewrites its buffer before every pull is done
+    bad = np.flatnonzero(got[:nbytes] != _payload(7 * nbytes + right, nbytes))
+    assert bad.size == 0, f"{bad.size} wrong bytes pulled from rank {right}, first at {bad[:5]}"
+    assert np.all(got[nbytes:] == POISON), "get wrote past its end"
+
+
+def test_copy_engine_put_is_refused(world, bufs):
+    dst, _pad, src = bufs
+    with pytest.raises(ValueError, match="pulls"):
+        p2p.put(world, dst[:16], src[:16], (world.rank + 1) % world.size, mode="copy_engine")
 
 
 def test_signal_add_accumulates(world):

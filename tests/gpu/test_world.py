@@ -7,6 +7,8 @@ import pytest
 
 import fluxrt
 
+pytestmark = pytest.mark.multirank
+
 
 def test_repeated_init_finalize():
     from mpi4py import MPI
