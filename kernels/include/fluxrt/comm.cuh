@@ -107,8 +107,8 @@ __device__ inline bool wait_ge(const u64* flag, u64 target, u64 timeout_ns, Erro
 }
 
 // ---------------------------------------------------------------------------------------------
-// Signals. Call from one thread after the data it guards has been written (and, for data written
-// by other threads of the block, after a __syncthreads()).
+// Signals. Call from one thread after the data it guards has been written. Data written by other
+// threads needs each writer's own fence_acq_rel_sys() before the __syncthreads() that precedes this.
 __device__ __forceinline__ void signal_set(u64* flag, u64 value) {
     fence_acq_rel_sys();  // cumulative: every write this thread has observed is ordered before the flag
     st_release_sys(flag, value);
@@ -122,9 +122,11 @@ __device__ __forceinline__ void signal_add(u64* flag, u64 value) {
 // (remote) flag. The counter is reset by that last block, so the next launch on the stream starts at 0.
 // Call with all threads of the block.
 __device__ inline void grid_arrive_and_signal(u32* counter, u64* flag, u64 value, bool add) {
-    __syncthreads();  // all of this block's stores happen-before thread 0's fence below
+    // Every thread fences its own (peer) stores: thread 0's fence alone did not order the other
+    // threads' NVLink stores before the flag (seen on 4x H200: the peer read poison after the flag).
+    fence_acq_rel_sys();
+    __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
         const u32 arrived = atomicAdd(counter, 1u) + 1u;
         if (arrived == gridDim.x * gridDim.y * gridDim.z) {
             __threadfence_system();  // acquire side: the other blocks' fenced stores are visible here
@@ -170,7 +172,8 @@ __device__ inline void put_grid(char* __restrict__ dst, const char* __restrict__
 // array of `world` epoch words; peer_pads[p] points at rank p's copy of it. Returns false on timeout.
 __device__ inline bool barrier_block(u64* const* peer_pads, const u64* pad, u32 rank, u32 world,
                                      u64 epoch, u64 timeout_ns, ErrorRecord* err, u32 op) {
-    __syncthreads();  // the block's prior writes are ordered before the releases below
+    fence_acq_rel_sys();  // each thread's prior (peer) writes before any release below
+    __syncthreads();
     __shared__ int ok;
     if (threadIdx.x == 0) ok = 1;
     __syncthreads();
