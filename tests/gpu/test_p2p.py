@@ -60,9 +60,14 @@ def test_put_signal_wait_ring(world, bufs, mode, nbytes):
         world.comm.Barrier()  # nobody re-poisons before everyone has read, even after a failure here
     expected = _payload(1000 * nbytes + left, nbytes)
     bad = np.flatnonzero(got[:nbytes] != expected)
+    if bad.size:  # tell late data (ordering) from lost data (overwritten by the poison)
+        import time
+
+        time.sleep(0.2)
+        later = int(np.count_nonzero(cupy.asnumpy(dst[:nbytes]) != expected))
     assert bad.size == 0, (f"{bad.size} wrong bytes from rank {left}, first at {bad[:5]}, "
                            f"{int(np.count_nonzero(got[bad] == POISON))} of them still poison; flag "
-                           f"{int(pad.flags.get()[0])}, epoch {epoch}")
+                           f"{int(pad.flags.get()[0])}, epoch {epoch}; 0.2 s later {later} wrong")
     assert np.all(got[nbytes:] == POISON), "put wrote past its end"
 
 
