@@ -55,10 +55,11 @@ def test_put_signal_wait_ring(world, bufs, mode, nbytes):
                 flag_value=epoch)
         pad.wait(0, epoch, peer=left, op=f"test_put[{mode}]", stream=stream)
         world.synchronize(stream)
+        expected = _payload(1000 * nbytes + left, nbytes)
+        sm_wrong = int((dst[:nbytes] != cupy.asarray(expected)).sum())  # read by SMs, before the CE copy
         got = cupy.asnumpy(dst[: nbytes + 64])
     finally:
         world.comm.Barrier()  # nobody re-poisons before everyone has read, even after a failure here
-    expected = _payload(1000 * nbytes + left, nbytes)
     bad = np.flatnonzero(got[:nbytes] != expected)
     if bad.size:  # tell late data (ordering) from lost data (overwritten by the poison)
         import time
@@ -67,7 +68,7 @@ def test_put_signal_wait_ring(world, bufs, mode, nbytes):
         later = int(np.count_nonzero(cupy.asnumpy(dst[:nbytes]) != expected))
     assert bad.size == 0, (f"{bad.size} wrong bytes from rank {left}, first at {bad[:5]}, "
                            f"{int(np.count_nonzero(got[bad] == POISON))} of them still poison; flag "
-                           f"{int(pad.flags.get()[0])}, epoch {epoch}; 0.2 s later {later} wrong")
+                           f"{int(pad.flags.get()[0])}, epoch {epoch}; SM read {sm_wrong} wrong; 0.2 s later {later} wrong")
     assert np.all(got[nbytes:] == POISON), "put wrote past its end"
 
 
