@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -191,8 +190,11 @@ def main(argv=None) -> int:
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
+        from fluxrt.perf import results_document, write_json
+
+        machine = {"gpu_name": rows[0]["device"] if rows else "unknown", "gpu_count": 1}
+        write_json(args.json, results_document("gemm", rows, ["python3", "perf/bench_gemm.py", *sys.argv[1:]],
+                                               machine=machine))
         print(f"# wrote {len(rows)} rows to {args.json}")
     return 0
 
