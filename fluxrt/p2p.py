@@ -80,9 +80,19 @@ def _device_ptr(arr) -> tuple[int, int]:
     return a.data.ptr, a.nbytes
 
 
-def _check_peer(world, peer: int) -> None:
+def _check_transfer(world, verb: str, mode: str, modes: tuple, peer: int, *, local, remote) -> tuple[int, int]:
+    """Validate a put/get before anything is launched; returns (local pointer, bytes)."""
+    if mode not in modes:
+        hint = " (copy-engine transfers are pulls: p2p.get)" if verb == "put" and mode == "copy_engine" else ""
+        raise ValueError(f"{verb} mode {mode!r} not in {modes}{hint}")
     if not 0 <= peer < world.size:
-        raise ValueError(f"peer {peer} outside world of size {world.size}")
+        raise ValueError(f"{verb}: peer {peer} outside world of size {world.size}")
+    ptr, nbytes = _device_ptr(local)
+    if nbytes > remote.nbytes:
+        raise ValueError(f"{verb} of {nbytes} bytes, but the symmetric side has only {remote.nbytes}")
+    if not remote.flags.c_contiguous:
+        raise ValueError(f"{verb}: the symmetric side must be C-contiguous (strides {remote.strides})")
+    return ptr, nbytes
 
 
 def put(world, dst, src, peer: int, *, mode: str = "sm", stream=None, flag_ptr: int = 0,
@@ -94,14 +104,7 @@ def put(world, dst, src, peer: int, *, mode: str = "sm", stream=None, flag_ptr: 
 
     There is no copy-engine put: a flag released after a copy-engine write to a peer can reach the
     peer before the data does (seen on H200 NVLink), so copy-engine transfers are pulls (``get``)."""
-    if mode not in PUT_MODES:
-        raise ValueError(f"put mode {mode!r} not in {PUT_MODES} (copy-engine transfers are pulls: p2p.get)")
-    _check_peer(world, peer)
-    src_ptr, nbytes = _device_ptr(src)
-    if nbytes > dst.nbytes:
-        raise ValueError(f"put of {nbytes} bytes into a {dst.nbytes}-byte destination")
-    if not dst.flags.c_contiguous:
-        raise ValueError("put destination must be C-contiguous")
+    src_ptr, nbytes = _check_transfer(world, "put", mode, PUT_MODES, peer, local=src, remote=dst)
     h = stream_handle(stream)
     if mode == "nvshmem":
         from nvshmem import bindings
@@ -126,14 +129,7 @@ def get(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None) -
     work after it on `stream` sees the data (a read completes only when the bytes are here).
     'copy_engine' pulls with cudaMemcpyAsync over NVLink and leaves the SMs free; 'nvshmem' uses
     nvshmemx_getmem_on_stream (any transport). Wait for the owner's 'ready' signal first."""
-    if mode not in GET_MODES:
-        raise ValueError(f"get mode {mode!r} not in {GET_MODES}")
-    _check_peer(world, peer)
-    dst_ptr, nbytes = _device_ptr(dst)
-    if nbytes > src.nbytes:
-        raise ValueError(f"get of {nbytes} bytes from a {src.nbytes}-byte source")
-    if not src.flags.c_contiguous:
-        raise ValueError("get source must be C-contiguous")
+    dst_ptr, nbytes = _check_transfer(world, "get", mode, GET_MODES, peer, local=dst, remote=src)
     h = stream_handle(stream)
     if mode == "nvshmem":
         from nvshmem import bindings
