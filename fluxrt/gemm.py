@@ -320,19 +320,12 @@ def _as_device_array(x, name: str):
 
 
 def _stream(stream):
-    import cupy
+    from .streams import as_cupy_stream
 
-    if stream is None:
-        return cupy.cuda.get_current_stream()
-    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
-        return stream
-    if isinstance(stream, int):
-        return cupy.cuda.ExternalStream(stream)
-    if hasattr(stream, "__cuda_stream__"):
-        return cupy.cuda.ExternalStream(int(stream.__cuda_stream__()[1]))
-    if hasattr(stream, "ptr"):
-        return cupy.cuda.ExternalStream(int(stream.ptr))
-    raise GemmTypeError(f"gemm: stream must be a cupy stream, a raw cudaStream_t int or None, got {type(stream)}")
+    try:
+        return as_cupy_stream(stream)
+    except TypeError as e:
+        raise GemmTypeError(f"gemm: {e}") from e
 
 
 def _ptr(x) -> int:
