@@ -55,11 +55,9 @@ class _P2PState:
 
 
 def state(world) -> _P2PState:
-    st = getattr(world, "_p2p_state", None)
-    if st is None:
-        st = _P2PState(world)
-        world._p2p_state = st
-    return st
+    """The world's p2p kernels and scratch. Made collectively in World.__init__, never lazily: a lazy
+    first use would allocate symmetric memory on whichever rank happened to call first."""
+    return world._p2p_state
 
 
 def _u64(x: int) -> np.uint64:

@@ -188,7 +188,7 @@ class SymmetricHeap:
         if alloc is None:
             raise NotSymmetricError("free() needs the array returned by world.empty/zeros (not a view, "
                                     "not already freed)")
-        self.world.device_sync()  # no kernel may still touch it on any stream of this rank
+        self.world.device.synchronize()  # no kernel may still touch it on any stream of this rank
         del self._allocs[alloc.base]
         self.used -= alloc.nbytes + _ALIGN
         bindings.free(alloc.base)

@@ -225,9 +225,6 @@ class World:
             cupy.cuda.runtime.streamSynchronize(stream_handle(stream))
         self.check_errors()
 
-    def device_sync(self) -> None:
-        self.device.synchronize()
-
     def check_errors(self) -> None:
         """Raise (and clear) the error a bounded device wait recorded, if any. Does not synchronize."""
         err = decode_error_record(self._error_words)
