@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
 # One call on a GPU node (< 10 min): build every kernel, run the GPU test suite under MPI on 2 and 4 ranks
-# (as many as the node has GPUs), run the benchmarks, and leave logs and JSON results under $OUT.
+# (as many as the node has GPUs), the sanitizers and the benchmarks, and leave logs and results under $OUT:
+#   summary.txt  one block per step (rc, time, last lines of its log)
+#   logs.tgz     every step's full log
+#   results.tgz  JSON and PNG results (copy them to perf/results/ with the date, machine kind and commit)
+#
 #   offline lent node:  source .whl/prelude.sh && bash launch/gpu-check.sh
 #   elsewhere:          OUT=/tmp/gpu-check bash launch/gpu-check.sh
+#   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
+# Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
+# collectives ops. Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
-mkdir -p "$OUT/logs"
+RES="$OUT/results"
+mkdir -p "$OUT/logs" "$RES"
 export PATH=$PATH:/usr/local/cuda/bin PYTHONUNBUFFERED=1
 export FLUXRT_CACHE_DIR=${FLUXRT_CACHE_DIR:-/tmp/fluxrt-kernel-cache}
+CHECK=${FLUXRT_CHECK:-all}
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 summary="$OUT/summary.txt"
 : > "$summary"
 fail=0
+
+want() { [ "$CHECK" = all ] || [[ ",$CHECK," == *",$1,"* ]]; }
 
 step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/logs/NAME.log, record rc and the last lines
   local name=$1 limit=$2; shift 2
@@ -26,23 +37,41 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/logs/NAME.log, record r
 { echo "# gpu-check $(date -u +%FT%TZ) commit ${FLUXRT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}";
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } | tee -a "$summary"
 run=(python3 -m fluxrt.launch --oversubscribe -n)
+ranks=(); for n in 2 4; do [ "$ngpu" -ge "$n" ] && ranks+=("$n"); done
+[ ${#ranks[@]} -eq 0 ] && echo "== multi-rank steps skipped: $ngpu GPU(s)" | tee -a "$summary"
 
-step build 180 python3 -m fluxrt.toolchain
-for n in 2 4; do
-  if [ "$ngpu" -ge "$n" ]; then
-    step "tests-np$n" "${TESTS_LIMIT:-300}" "${run[@]}" "$n" -- python3 -m pytest tests/gpu -q -p no:cacheprovider -rs \
-      --ignore=tests/gpu/test_gemm.py
-  else
-    echo "== tests-np$n skipped: $ngpu GPU(s)" | tee -a "$summary"
-  fi
-done
-TAIL=40 step p2p "${P2P_LIMIT:-240}" "${run[@]}" 2 -- python3 -m fluxrt.perf.cli p2p -b 4 -e 1G -n 20 -w 5 --no-progress \
-  --json "$OUT/p2p.json" --plot "$OUT/p2p.png"
+want build && step build 240 python3 -m fluxrt.toolchain
+if want tests; then
+  for n in "${ranks[@]}"; do
+    TAIL=8 step "tests-np$n" "${TESTS_LIMIT:-300}" "${run[@]}" "$n" -- python3 -m pytest tests/gpu -q -p no:cacheprovider \
+      -rs --ignore=tests/gpu/test_gemm.py
+  done
+fi
+if want p2p && [ "$ngpu" -ge 2 ]; then
+  TAIL=40 step p2p "${BENCH_LIMIT:-240}" "${run[@]}" 2 -- python3 -m fluxrt.perf.cli p2p -b 4 -e 1G -n 20 -w 5 \
+    --no-progress --json "$RES/p2p.json" --plot "$RES/p2p.png"
+fi
+if want probe && [ "$ngpu" -ge 2 ]; then
+  TAIL=10 step probe 120 "${run[@]}" "${ranks[-1]}" -- python3 perf/ordering_probe.py --json "$RES/probe.json"
+fi
 # The GEMM engine is single-GPU: its tests and benchmark run once, outside MPI.
-if [ "${FLUXRT_SKIP_GEMM:-0}" != 1 ]; then
+if want gemm; then
   TAIL=15 step gemm-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -x
-  TAIL=25 step gemm-bench "${GEMM_LIMIT:-150}" python3 perf/bench_gemm.py ${GEMM_BENCH_ARGS:-} --json "$OUT/gemm.json"
+  TAIL=60 step gemm-bench "${GEMM_LIMIT:-150}" python3 perf/bench_gemm.py ${GEMM_BENCH_ARGS:-} --json "$RES/gemm.json"
+fi
+want sass && TAIL=5 step sass 120 python3 perf/sass_facts.py --json "$RES/sass.json"
+if want sanitize; then
+  small="test_bf16_shapes and 129 or test_tile_epilogue and set and bfloat16 and B_KxN or test_both_hooks"
+  for tool in memcheck racecheck; do
+    TAIL=12 step "sanitize-gemm-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
+      python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -k "$small"
+  done
+  if [ "$ngpu" -ge 2 ]; then
+    TAIL=12 step sanitize-p2p-memcheck "${SANITIZE_LIMIT:-180}" "${run[@]}" 2 -- compute-sanitizer --tool memcheck \
+      --error-exitcode 86 python3 -m pytest tests/gpu/test_p2p.py -q -p no:cacheprovider -k "ring and not 268435456"
+  fi
 fi
 tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"
+tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RES"
 echo "gpu-check: $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$summary"
 exit $fail

@@ -66,6 +66,43 @@ def time_fn(fn, sets, warmup: int, iters: int) -> float:
     return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in zip(starts, ends)]))
 
 
+def idle_hook_runs(plan, m, n, trans_b, dtype, ArrivalWait, TileEpilogue, gemm_with_hooks):
+    """Runs with the hooks compiled in but never waiting: arrival flags already past the epoch, and
+    (hooks-both) every tile routed to the local output through the storer warp, with per-tile signals.
+    Their time over the plain kernel is the price of having the hooks in the kernel."""
+    import cupy
+
+    chunk_rows = plan.block_m * max(1, (m // 4) // plan.block_m)      # ~4 chunks, as in a TP=4 AllGather
+    chunks = -(-m // chunk_rows)
+    n_tiles = -(-n // plan.block_n)
+    per_chunk = (chunk_rows // plan.block_m) * n_tiles
+    flags = cupy.ones(chunks, dtype=cupy.uint64)                       # epoch 1 already reached
+    tile_flags = cupy.zeros(chunks * per_chunk, dtype=cupy.uint64)
+    err = cupy.zeros(6, dtype=cupy.uint64)
+    wait = ArrivalWait(flags=flags, epoch=1, chunk_rows=chunk_rows, err=err)
+    flag_table = cupy.asarray(np.array([tile_flags.data.ptr + 8 * c * per_chunk for c in range(chunks)],
+                                       dtype=np.uint64))
+    item = 2 if dtype in ("bfloat16", "float16") else 4
+    tables = {}
+
+    def dst_table(c):
+        t = tables.get(c.data.ptr)
+        if t is None:
+            t = tables[c.data.ptr] = cupy.asarray(np.array(
+                [c.data.ptr + r * chunk_rows * n * item for r in range(chunks)], dtype=np.uint64))
+        return t
+
+    def run_wait(a, b, c):
+        gemm_with_hooks(a, b, c, trans_b=trans_b, plan=plan, wait=wait)
+
+    def run_both(a, b, c):
+        gemm_with_hooks(a, b, trans_b=trans_b, plan=plan, out_dtype=dtype, wait=wait,
+                        epilogue=TileEpilogue(dst_table=dst_table(c), chunk_rows=chunk_rows, dst_ld=n,
+                                              flag_table=flag_table, signal_value=1))
+
+    return {"hook-wait-idle": (plan, run_wait), "hooks-both-local": (plan, run_both)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", type=parse_shape, nargs="*", default=DEFAULT_SHAPES, help="M,K,N ...")
@@ -79,6 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", choices=["auto", "none"], default="auto",
                     help="auto: also time alternative plans (direct epilogue + 4 stages, hilbert, 128-wide "
                          "tiles, group sizes) so one run shows which default to pick")
+    ap.add_argument("--hooks", choices=["idle", "none"], default="idle",
+                    help="idle: also time the kernel with hook 1 compiled in and its flags already set "
+                         "(cost of the arrival check alone) and with hooks 1+2 routing tiles to the local "
+                         "output with per-tile signals (the storer-warp epilogue)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sets", type=int, default=4, help="rotating input sets")
@@ -89,7 +130,7 @@ def main(argv=None) -> int:
     import cupy
     import ml_dtypes
 
-    from fluxrt.gemm import gemm
+    from fluxrt.gemm import ArrivalWait, TileEpilogue, gemm, gemm_with_hooks
     from fluxrt.gemm_plan import plan_gemm
 
     np_dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
@@ -134,6 +175,9 @@ def main(argv=None) -> int:
             gemm(a, b, c, trans_b=args.trans_b, plan=plan)
 
         variants = {}
+        hooked = {}
+        if args.hooks == "idle":
+            hooked = idle_hook_runs(plan, m, n, args.trans_b, args.dtype, ArrivalWait, TileEpilogue, gemm_with_hooks)
         if args.variants == "auto":
             r = dataclasses.replace
             variants = {
@@ -165,6 +209,13 @@ def main(argv=None) -> int:
                          "plan": plan_s if impl == "fluxrt" else None, "device": name})
         print(f"{m:>6} {k:>6} {n:>6} | {t_cublas:9.3f} {flops / t_cublas / 1e9:8.1f} | {t_fluxrt:9.3f} "
               f"{flops / t_fluxrt / 1e9:8.1f} | {t_cublas / t_fluxrt:6.3f} | {plan_s}")
+        for hname, (hplan, hrun) in hooked.items():
+            t_h = time_fn(hrun, sets, args.warmup, args.iters)
+            rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": f"fluxrt:{hname}", "ms": t_h,
+                         "tflops": flops / t_h / 1e9, "trans_b": args.trans_b, "plan": plan_s, "device": name,
+                         "vs_no_hooks": t_h / t_fluxrt})
+            print(f"{'':>6} {'':>6} {'':>6} | {'':>9} {'':>8} | {t_h:9.3f} {flops / t_h / 1e9:8.1f} | "
+                  f"{t_cublas / t_h:6.3f} |   {hname}: {100 * (t_h / t_fluxrt - 1):+.2f}% vs no hooks")
         for vname, vplan in variants.items():
             try:
                 vplan.validate(args.dtype)

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""SASS facts of the fluxrt GEMM kernel: HGMMA instructions present, registers per thread, local memory
+(spills) and shared memory, for the default plan with and without the fused-op hooks.
+
+Needs ``cuobjdump`` (CUDA toolkit) on PATH; compiles with NVRTC through fluxrt.toolchain (no GPU needed).
+
+    python3 perf/sass_facts.py --json $OUT/sass.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CONFIGS = {            # name: (hook_wait, hook_epilogue)
+    "plain": (False, False),
+    "hook-wait": (True, False),
+    "hooks-both": (True, True),
+}
+_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+def facts(cubin: Path, cuobjdump: str) -> dict:
+    res = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    m = _RES.search(res)
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    lines = sass.splitlines()
+
+    def count(pattern: str) -> int:
+        return sum(1 for ln in lines if re.search(pattern, ln))
+
+    return {
+        "registers": int(m.group(1)) if m else None, "stack_bytes": int(m.group(2)) if m else None,
+        "static_shared_bytes": int(m.group(3)) if m else None, "local_bytes": int(m.group(4)) if m else None,
+        "hgmma": count(r"\bHGMMA\b"), "utmaldg": count(r"\bUTMALDG\b"), "utmastg": count(r"\bUTMASTG\b"),
+        "syncs_mbarrier": count(r"\bSYNCS\b"), "ldl_stl": count(r"\b(LDL|STL)\b"),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8192,8192,8192", help="M,K,N whose default plan is inspected")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        print("sass_facts: cuobjdump not on PATH (add the CUDA toolkit's bin directory)", file=sys.stderr)
+        return 2
+
+    from fluxrt.gemm import compile_options, kernel_defines
+    from fluxrt.gemm_plan import plan_gemm
+    from fluxrt.toolchain import compile_cubin
+
+    m, k, n = (int(x) for x in args.shape.split(","))
+    plan = plan_gemm(m, n, k)
+    rows = []
+    for name, (wait, epi) in CONFIGS.items():
+        defines = kernel_defines(plan, "bfloat16", "bfloat16", False, wait, epi)
+        cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(defines, arch="sm_90a"))
+        row = {"config": name, "plan": f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages}",
+               **facts(cubin, cuobjdump)}
+        rows.append(row)
+        print(json.dumps(row))
+    if args.json:
+        args.json.write_text(json.dumps({"bench": "gemm_sass", "shape_mkn": [m, k, n], "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
