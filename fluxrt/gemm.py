@@ -209,7 +209,8 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             ("FLUXRT_GEMM_OUT", str(_OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
             ("FLUXRT_GEMM_HOOK_EPILOGUE", "1" if hook_epilogue else "0"),
-            ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"))
+            ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"),
+            ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)))
 
 
 def compile_options(defines, arch: str | None = None):
@@ -282,8 +283,10 @@ _NULL_TMAP = np.zeros((1,), dtype=_TMAP_DTYPE)
 
 
 def _order_table(plan: GemmPlan, m_tiles: int, n_tiles: int, device_id: int):
+    """Hilbert order of the work items: [slot rows, n_tiles], a slot row = plan.cluster tile rows."""
     if plan.order != "hilbert":
         return None
+    m_tiles = -(-m_tiles // plan.cluster)
     key = (m_tiles, n_tiles, device_id)
     with _lock:
         t = _order_tables.get(key)
@@ -352,6 +355,27 @@ def _num_sms(device_id: int) -> int:
     return n
 
 
+_cluster_caps: dict = {}
+
+
+def _max_clusters(kern, plan: GemmPlan, smem_bytes: int, device_id: int) -> int | None:
+    """How many clusters of plan.cluster CTAs can be resident at once (GPCs may leave SMs unpaired);
+    None for plan.cluster == 1 or when the driver cannot say."""
+    if plan.cluster == 1:
+        return None
+    key = (kern.ptr, device_id)
+    if key not in _cluster_caps:
+        from cuda.bindings import driver as drv
+
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = plan.cluster * _num_sms(device_id), 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = plan.threads, 1, 1
+        cfg.sharedMemBytes = smem_bytes
+        err, n = drv.cuOccupancyMaxActiveClusters(drv.CUfunction(kern.ptr), cfg)
+        _cluster_caps[key] = int(n) if err == drv.CUresult.CUDA_SUCCESS and n > 0 else None
+    return _cluster_caps[key]
+
+
 def _check_hooks(wait: ArrivalWait | None, epilogue: TileEpilogue | None, plan: GemmPlan, m: int) -> None:
     for hook, what in ((wait, "ArrivalWait"), (epilogue, "TileEpilogue")):
         if hook is None:
@@ -406,8 +430,8 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         kern = _kernel(defines, dev, smem)
         mt, nt = plan.tiles(m, n)
         tmap_a = _tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m)
-        if trans_b:
-            tmap_b = _tensor_map(b.data.ptr, in_dt, n, k, plan.block_k, plan.block_n)
+        if trans_b:   # with a cluster each CTA loads (and multicasts) block_n / cluster rows of B
+            tmap_b = _tensor_map(b.data.ptr, in_dt, n, k, plan.block_k, plan.block_n // plan.cluster)
         else:
             tmap_b = _tensor_map(b.data.ptr, in_dt, k, n, 64, plan.block_k)
         c_cols = 128 // _ITEMSIZE[out_dt]
@@ -415,7 +439,7 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         tmap_c = _tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64) if staged_out else _NULL_TMAP
         c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
         table = _order_table(plan, mt, nt, dev)
-        grid = plan.grid(m, n, _num_sms(dev))
+        grid = plan.grid(m, n, _num_sms(dev), _max_clusters(kern, plan, smem, dev))
         args = (
             tmap_a, tmap_b, tmap_c, np.int32(m), np.int32(n), np.int32(k),
             np.uint64(_ptr(table)), np.int32(plan.group_m), np.int32(plan.m_tile_offset % mt),

@@ -11,7 +11,7 @@ block_n        tile columns = wgmma N (64, 128, 192, 256)
 block_k        64 (one 128-byte swizzled row of 16-bit inputs); fixed
 stages         depth of the shared-memory ring of (A, B) K blocks
 consumers      consumer warpgroups (1 or 2); the producer warpgroup is always one
-cluster        thread-block cluster size; 1 only (TMA multicast is not implemented yet)
+cluster        CTAs per thread-block cluster: 1, or 2 (the pair shares the B tile through TMA multicast)
 order          'grouped' (bands of group_m tile rows) or 'hilbert' (host-built curve table)
 group_m        band height in tiles for 'grouped'
 m_tile_offset  rank offset: m_tile = (m_tile + m_tile_offset) % m_tiles (a rank starts at its shard)
@@ -65,8 +65,8 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.block_n must be one of 64, 128, 192, 256, got {self.block_n}")
         if self.block_k != BLOCK_K:
             raise ValueError(f"GemmPlan.block_k must be {BLOCK_K} (one 128-byte swizzled row), got {self.block_k}")
-        if self.cluster != 1:
-            raise ValueError("GemmPlan.cluster > 1 (TMA multicast) is not implemented yet; use cluster=1")
+        if self.cluster not in (1, 2):
+            raise ValueError(f"GemmPlan.cluster must be 1 or 2 (CTAs sharing B by TMA multicast), got {self.cluster}")
         if self.order not in ORDERS:
             raise ValueError(f"GemmPlan.order must be one of {ORDERS}, got {self.order!r}")
         if self.group_m < 1:
@@ -105,10 +105,16 @@ class GemmPlan:
     def tiles(self, m: int, n: int) -> tuple[int, int]:
         return math.ceil(m / self.block_m), math.ceil(n / self.block_n)
 
-    def grid(self, m: int, n: int, num_sms: int = H100_H200_SMS) -> int:
+    def grid(self, m: int, n: int, num_sms: int = H100_H200_SMS, max_clusters: int | None = None) -> int:
+        """Persistent grid: CTAs = cluster * min(resident clusters, work items). A work item is one
+        tile per CTA of a cluster (the same N tile, consecutive M tiles)."""
         mt, nt = self.tiles(m, n)
+        items = -(-mt // self.cluster) * nt
         cap = num_sms if self.max_ctas is None else min(self.max_ctas, num_sms)
-        return max(1, min(cap, mt * nt))
+        clusters = max(1, cap // self.cluster)
+        if max_clusters is not None:
+            clusters = min(clusters, max_clusters)
+        return self.cluster * max(1, min(clusters, items))
 
 
 def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma") -> int:
@@ -214,11 +220,15 @@ def grouped_order(m_tiles: int, n_tiles: int, group_m: int) -> list[tuple[int, i
 
 
 def tile_order(plan: GemmPlan, m: int, n: int) -> list[tuple[int, int]]:
-    """The (m_tile, n_tile) sequence the kernel walks (linear tile index order), rank offset applied."""
+    """The (m_tile, n_tile) sequence the kernel walks (work item order; the CTAs of a cluster take the
+    consecutive tile rows of one item), rank offset applied."""
     mt, nt = plan.tiles(m, n)
-    base = hilbert_order(mt, nt) if plan.order == "hilbert" else grouped_order(mt, nt, plan.group_m)
+    slots = -(-mt // plan.cluster)
+    group = max(1, plan.group_m // plan.cluster)
+    base = hilbert_order(slots, nt) if plan.order == "hilbert" else grouped_order(slots, nt, group)
     off = plan.m_tile_offset % mt
-    return [((mm + off) % mt, nn) for mm, nn in base]
+    return [((row * plan.cluster + r + off) % mt, nn) for row, nn in base for r in range(plan.cluster)
+            if row * plan.cluster + r < mt]
 
 
 def replace(plan: GemmPlan, **changes) -> GemmPlan:

@@ -66,6 +66,11 @@ def time_fn(fn, sets, warmup: int, iters: int) -> float:
     return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in zip(starts, ends)]))
 
 
+def describe(plan) -> str:
+    return (f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages} {plan.order}"
+            f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue} x{plan.cluster}")
+
+
 def idle_hook_runs(plan, m, n, trans_b, dtype, ArrivalWait, TileEpilogue, gemm_with_hooks):
     """Runs with the hooks compiled in but never waiting: arrival flags already past the epoch, and
     (hooks-both) every tile routed to the local output through the storer warp, with per-tile signals.
@@ -114,8 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--epilogue", choices=["tma", "direct"], default=None)
     ap.add_argument("--variants", choices=["auto", "none"], default="auto",
-                    help="auto: also time alternative plans (direct epilogue + 4 stages, hilbert, 128-wide "
-                         "tiles, group sizes) so one run shows which default to pick")
+                    help="auto: also time alternative plans (clusters, orders, group sizes, direct epilogue) "
+                         "so one run shows which default to pick")
     ap.add_argument("--hooks", choices=["idle", "none"], default="idle",
                     help="idle: also time the kernel with hook 1 compiled in and its flags already set "
                          "(cost of the arrival check alone) and with hooks 1+2 routing tiles to the local "
@@ -181,12 +186,13 @@ def main(argv=None) -> int:
         if args.variants == "auto":
             r = dataclasses.replace
             variants = {
+                "cluster1": r(plan, cluster=1),
+                "cluster2": r(plan, cluster=2),
+                "cluster2-hilbert": r(plan, cluster=2, order="hilbert"),
+                "cluster2-group32": r(plan, cluster=2, group_m=32),
+                "cluster2-group8": r(plan, cluster=2, group_m=8),
                 "direct-s4": r(plan, epilogue="direct", stages=4),
-                "hilbert": r(plan, order="hilbert"),
-                "direct-s4-hilbert": r(plan, epilogue="direct", stages=4, order="hilbert"),
-                "group8": r(plan, group_m=8),
                 "group32": r(plan, group_m=32),
-                "bn128-s6": r(plan, block_n=128, stages=6),
             }
             variants = {k: v for k, v in variants.items() if v != plan}
 
@@ -201,8 +207,7 @@ def main(argv=None) -> int:
                 print(f"!! fluxrt disagrees with cuBLAS at M={m} K={k} N={n}: rel err {err:.3e}", file=sys.stderr)
         t_cublas = time_fn(run_cublas, sets, args.warmup, args.iters)
         t_fluxrt = time_fn(run_fluxrt, sets, args.warmup, args.iters)
-        plan_s = (f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages} {plan.order}"
-                  f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue}")
+        plan_s = describe(plan)
         for impl, ms in (("cublas", t_cublas), ("fluxrt", t_fluxrt)):
             rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": impl, "ms": ms,
                          "tflops": flops / ms / 1e9, "trans_b": args.trans_b,
@@ -232,8 +237,7 @@ def main(argv=None) -> int:
             except Exception as e:  # a variant that does not fit or fails must not stop the table
                 print(f"   variant {vname}: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
-            vs = (f"{vplan.block_m}x{vplan.block_n}x{vplan.block_k} s{vplan.stages} {vplan.order}"
-                  f"{'/g' + str(vplan.group_m) if vplan.order == 'grouped' else ''} epi={vplan.epilogue}")
+            vs = describe(vplan)
             rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": f"fluxrt:{vname}", "ms": t_v,
                          "tflops": flops / t_v / 1e9, "trans_b": args.trans_b, "plan": vs, "device": name})
             print(f"{'':>6} {'':>6} {'':>6} | {'':>9} {'':>8} | {t_v:9.3f} {flops / t_v / 1e9:8.1f} | "

@@ -33,6 +33,9 @@
 //   FLUXRT_GEMM_HOOK_EPILOGUE 1: hook 2 (per-chunk destination + tile flag) default 0
 //   FLUXRT_GEMM_EPI_DIRECT    1: consumers store C straight from registers (no staging, no storer;
 //                             frees the staging smem for one more stage). Not with hook 2.  default 0
+//   FLUXRT_GEMM_CLUSTER       CTAs per cluster (1 or 2). With 2, the pair computes two M tiles of the
+//                             same N tile, and each CTA loads half of the shared B tile and multicasts
+//                             it to both: L2 -> SM traffic per tile drops from A+B to A+B/2.  default 1
 // With both hooks 0 the hook code is not compiled (if constexpr), and the hook arguments are ignored.
 #include <fluxrt/comm.cuh>
 
@@ -69,6 +72,9 @@
 #ifndef FLUXRT_GEMM_EPI_DIRECT
 #define FLUXRT_GEMM_EPI_DIRECT 0
 #endif
+#ifndef FLUXRT_GEMM_CLUSTER
+#define FLUXRT_GEMM_CLUSTER 1
+#endif
 
 namespace fluxrt_sm90 {
 
@@ -87,6 +93,9 @@ constexpr bool kBKMajor = FLUXRT_GEMM_B_KMAJOR != 0;
 constexpr bool kHookWait = FLUXRT_GEMM_HOOK_WAIT != 0;
 constexpr bool kHookEpilogue = FLUXRT_GEMM_HOOK_EPILOGUE != 0;
 constexpr bool kEpiDirect = FLUXRT_GEMM_EPI_DIRECT != 0;
+constexpr int kCluster = FLUXRT_GEMM_CLUSTER;
+constexpr unsigned short kClusterMask = (1u << kCluster) - 1;  // multicast to every CTA of the cluster
+static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
 static_assert(!(kEpiDirect && kHookEpilogue), "hook 2 needs the staged (storer-warp) epilogue");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
@@ -128,37 +137,59 @@ constexpr u32 kSmemAlign = 1024;
 static_assert(kSmemBytes + kSmemAlign <= 232448, "tile config exceeds 227 KiB of shared memory");
 
 // ---------------------------------------------------------------------------------------------
-// Tile scheduler. Linear tile index t (a CTA takes t = blockIdx.x, +gridDim.x, ...) -> (m_tile, n_tile):
-//   order_table != nullptr: packed (m << 16 | n) per t (Hilbert curve, computed on the host);
-//   otherwise grouped order: bands of `group_m` tile rows, column by column inside a band.
-// Then the rank offset rotates the rows: m_tile = (m_tile + m_tile_offset) % m_tiles, so a rank starts
-// at its own shard of A (AllGather+GEMM) or at the rows the next peer owns (GEMM+ReduceScatter).
+// Tile scheduler. Work items are (slot row, n_tile) of a [m_slots, n_tiles] grid, one slot row = kCluster
+// consecutive M tiles (one per CTA of a cluster, which share the B tile). A cluster takes items
+// t = cluster id, + number of clusters, ...; item t -> (slot row, n_tile):
+//   order_table != nullptr: packed (row << 16 | n) per t (Hilbert curve, computed on the host);
+//   otherwise grouped order: bands of `group_m` slot rows, column by column inside a band.
+// The CTA's tile is m_tile = row * kCluster + cluster rank; then the rank offset rotates the rows:
+// m_tile = (m_tile + m_tile_offset) % m_tiles, so a rank starts at its own shard of A (AllGather+GEMM)
+// or at the rows the next peer owns (GEMM+ReduceScatter).
 struct Schedule {
-    int m_tiles, n_tiles, total;
+    int m_tiles, n_tiles, m_slots, total;
     int group_m, m_tile_offset;
+    int first, stride;          // this cluster's first item, number of clusters
+    int cta_rank;               // rank in the cluster
     const u32* order_table;
 
-    __device__ __forceinline__ void tile(int t, int& m_tile, int& n_tile) const {
-        int m, n;
+    // Returns false for the phantom tile of an odd m_tiles (cluster of 2, last slot row): that CTA still
+    // runs the pipeline on a real tile's rows, so that its half of B reaches the peer, but stores nothing.
+    __device__ __forceinline__ bool tile(int t, int& m_tile, int& n_tile) const {
+        int row, n;
         if (order_table != nullptr) {
             const u32 packed = __ldg(order_table + t);
-            m = (int)(packed >> 16);
+            row = (int)(packed >> 16);
             n = (int)(packed & 0xFFFFu);
         } else {
             const int per_group = group_m * n_tiles;
             const int g = t / per_group;
-            const int first_m = g * group_m;
-            const int rows = min(m_tiles - first_m, group_m);
+            const int first_row = g * group_m;
+            const int rows = min(m_slots - first_row, group_m);
             const int r = t - g * per_group;
-            m = first_m + r % rows;
+            row = first_row + r % rows;
             n = r / rows;
         }
+        int m = row * kCluster + cta_rank;
+        const bool real = m < m_tiles;
+        if (!real) m = row * kCluster;
         m += m_tile_offset;
         if (m >= m_tiles) m -= m_tiles;
         m_tile = m;
         n_tile = n;
+        return real;
     }
 };
+
+// Stage s of the ring is free again: every consumer warpgroup of every CTA of the cluster arrives,
+// because the next TMA into stage s (B multicast) writes the shared memory of all of them.
+__device__ __forceinline__ void release_stage(u32 bar_empty) {
+    if constexpr (kCluster == 1) {
+        mbar_arrive(bar_empty);
+    } else {
+#pragma unroll
+        for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(bar_empty, (u32)c);
+    }
+}
 
 // Hook arguments (ignored unless the matching FLUXRT_GEMM_HOOK_* is 1).
 struct HookArgs {
@@ -220,7 +251,7 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
     int stage = 0;
     u32 phase = 0;
     int waited_chunk = -1;
-    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+    for (int t = sched.first; t < sched.total; t += sched.stride) {
         int m_tile, n_tile;
         sched.tile(t, m_tile, n_tile);
         const int m0 = m_tile * kBM, n0 = n_tile * kBN;
@@ -245,11 +276,23 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
             tma_load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full);
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
-                tma_load_2d(b_dst, tmap_b, k0, n0, full);  // box {64 K, kBN rows of N}
+                // box {64 K, kBN / kCluster rows of N}: with a cluster, this CTA's share of the rows
+                if constexpr (kCluster == 1) {
+                    tma_load_2d(b_dst, tmap_b, k0, n0, full);
+                } else {
+                    const int part = (int)sched.cta_rank;
+                    tma_load_2d_multicast(b_dst + part * (kTileBBytes / kCluster), tmap_b, k0,
+                                          n0 + part * (kBN / kCluster), full, kClusterMask);
+                }
             } else {
 #pragma unroll
-                for (int j = 0; j < kBN / 64; ++j)  // boxes {64 N, 64 K}: one 128-byte wide slab each
-                    tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
+                for (int j = 0; j < kBN / 64; ++j) {  // boxes {64 N, 64 K}: one 128-byte wide slab each
+                    if constexpr (kCluster == 1)
+                        tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
+                    else if (j % kCluster == (int)sched.cta_rank)   // slab j comes from CTA j % kCluster
+                        tma_load_2d_multicast(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full,
+                                              kClusterMask);
+                }
             }
             if (++stage == kStages) {
                 stage = 0;
@@ -265,12 +308,17 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, int M, int N, 
                                            u32 bar_c_empty, const HookArgs& hooks) {
     const int lane = threadIdx.x & 31;
     u32 phase = 0;
-    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+    for (int t = sched.first; t < sched.total; t += sched.stride) {
         int m_tile, n_tile;
-        sched.tile(t, m_tile, n_tile);
+        const bool real = sched.tile(t, m_tile, n_tile);
         const int m0 = m_tile * kBM, n0 = n_tile * kBN;
         mbar_wait(bar_c_full, phase);  // acquire: every consumer's staging writes are visible
         phase ^= 1;
+        if (!real) {                   // phantom tile (see Schedule): nothing to store or signal
+            if (lane == 0) mbar_arrive(bar_c_empty);
+            __syncwarp();
+            continue;
+        }
         if constexpr (!kHookEpilogue) {
             // TMA store, one box per (consumer, 128-byte column slab); rows/cols outside C are clipped.
             // The consumers issued fence.proxy.async.shared::cta after writing staging, before arriving.
@@ -309,6 +357,9 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, int M, int N, 
                                               (long long)col * kOutBytes) = v;
                 }
             }
+            // Every lane fences its own (peer) stores before the flag: lane 0's fence alone did not
+            // order other threads' NVLink stores before a release (comm.cuh, grid_arrive_and_signal).
+            if (hooks.flag_table != nullptr) fluxrt::fence_acq_rel_sys();
             __syncwarp();  // all lanes' staging reads and global stores are ordered before lane 0 below
             if (lane == 0) {
                 mbar_arrive(bar_c_empty);
@@ -338,7 +389,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
     u32 phase = 0;
     u32 c_phase = 0;
     const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per consumer
-    for (int t = blockIdx.x; t < sched.total; t += gridDim.x) {
+    for (int t = sched.first; t < sched.total; t += sched.stride) {
         int prev_stage = 0;
         for (int kb = 0; kb < k_blocks; ++kb) {
             mbar_wait(bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
@@ -357,7 +408,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
             // smem is no longer read by the tensor cores and goes back to the loader.
             if (kb > 0) {
                 wgmma_wait<1>();
-                if (tid == 0) mbar_arrive(bars_empty + 8 * prev_stage);
+                if (tid == 0) release_stage(bars_empty + 8 * prev_stage);
             }
             prev_stage = stage;
             if (++stage == kStages) {
@@ -367,7 +418,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
         }
         wgmma_wait<0>();  // all MMAs of the tile retired: accumulators final
         reg_fence(acc);
-        if (tid == 0 && k_blocks > 0) mbar_arrive(bars_empty + 8 * prev_stage);
+        if (tid == 0 && k_blocks > 0) release_stage(bars_empty + 8 * prev_stage);
 
         // Fragment layout of m64nNk16 f32: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
         // column pairs 8g + 2(l%4), g < N/8.
@@ -375,7 +426,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
         if constexpr (kEpiDirect) {
             // Registers -> global, pairs of adjacent columns; two consecutive g fill a 32-byte sector.
             int m_tile, n_tile;
-            sched.tile(t, m_tile, n_tile);
+            const bool real = sched.tile(t, m_tile, n_tile);
             const int row0 = m_tile * kBM + wg * kRowsPerConsumer + warp * 16 + (lane >> 2);
             const int col0 = n_tile * kBN + (lane & 3) * 2;
 #pragma unroll
@@ -383,7 +434,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = row0 + 8 * h, col = col0 + 8 * g;
-                    if (row < M && col < N) {   // N is even: the pair is in or out as a whole
+                    if (real && row < M && col < N) {   // N is even: the pair is in or out as a whole
                         const float v0 = acc[4 * g + 2 * h], v1 = acc[4 * g + 2 * h + 1];
                         char* p = c_direct + ((long long)row * N + col) * kOutBytes;
                         if constexpr (FLUXRT_GEMM_OUT == 2) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
@@ -427,9 +478,15 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
 using namespace fluxrt_sm90;
 
 // ---------------------------------------------------------------------------------------------
-// Entry point. Launch with gridDim.x = min(#SMs, #tiles) (persistent), blockDim.x = fluxrt_gemm_threads,
+// Entry point. Launch with gridDim.x = kCluster * min(co-resident clusters, work items) (persistent),
+// blockDim.x = fluxrt_gemm_threads,
 // dynamic shared memory = fluxrt_gemm_smem_bytes (see the constants exported below).
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
+#if FLUXRT_GEMM_CLUSTER > 1
+#define FLUXRT_GEMM_CLUSTER_DIMS __cluster_dims__(FLUXRT_GEMM_CLUSTER, 1, 1)
+#else
+#define FLUXRT_GEMM_CLUSTER_DIMS
+#endif
+extern "C" __global__ void __launch_bounds__(kThreads, 1) FLUXRT_GEMM_CLUSTER_DIMS
 fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaDesc tmap_b,
             const __grid_constant__ TmaDesc tmap_c, int M, int N, int K,
             const u32* order_table, int group_m, int m_tile_offset,
@@ -451,9 +508,13 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
     Schedule sched;
     sched.m_tiles = (M + kBM - 1) / kBM;
     sched.n_tiles = (N + kBN - 1) / kBN;
-    sched.total = sched.m_tiles * sched.n_tiles;
-    sched.group_m = group_m > 0 ? group_m : 1;
+    sched.m_slots = (sched.m_tiles + kCluster - 1) / kCluster;
+    sched.total = sched.m_slots * sched.n_tiles;
+    sched.group_m = group_m >= kCluster ? group_m / kCluster : 1;   // group_m counts tile rows
     sched.m_tile_offset = m_tile_offset % sched.m_tiles;
+    sched.first = (int)(blockIdx.x / kCluster);
+    sched.stride = (int)(gridDim.x / kCluster);
+    sched.cta_rank = kCluster > 1 ? (int)cluster_ctarank() : 0;
     sched.order_table = order_table;
 
     HookArgs hooks;
@@ -475,7 +536,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bars_full + 8 * s, 1);               // the loader's arrive.expect_tx
-            mbar_init(bars_empty + 8 * s, kConsumers);     // one arrive per consumer warpgroup
+            mbar_init(bars_empty + 8 * s, kConsumers * kCluster);  // per consumer WG of the cluster
         }
         mbar_init(bar_c_full, 128 * kConsumers);           // every consumer thread
         mbar_init(bar_c_empty, 1);                         // storer lane 0
@@ -484,7 +545,9 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
         tma_prefetch_desc(&tmap_b);
         if constexpr (!kHookEpilogue && !kEpiDirect) tma_prefetch_desc(&tmap_c);
     }
-    __syncthreads();  // barriers initialised before anyone waits on or arrives at them
+    // Barriers initialised before anyone (in this CTA or, with a cluster, the peer CTA's TMA multicasts
+    // and stage releases) waits on or arrives at them.
+    if constexpr (kCluster > 1) cluster_sync(); else __syncthreads();
 
     if (warpgroup == 0) {
         if constexpr (kRebalanceRegs) regs_dealloc<kProducerRegs>();
@@ -495,11 +558,17 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
         } else if (warp == 1 && !kEpiDirect) {
             run_storer(sched, M, N, &tmap_c, smem, smem_generic, bar_c_full, bar_c_empty, hooks);
         }
-        // warps 2 and 3 of the producer warpgroup have no role and retire.
+        // warps 2 and 3 of the producer warpgroup have no role.
     } else {
         if constexpr (kRebalanceRegs) regs_alloc<kConsumerRegs>();
         run_consumer(sched, M, N, K, warpgroup - 1, smem, smem_generic, bars_full, bars_empty, bar_c_full,
                      bar_c_empty, static_cast<char*>(c_direct));
+    }
+    // With a cluster, no CTA may exit while its peer can still multicast into its shared memory or
+    // arrive on its barriers: every thread of both CTAs meets here once all work is done.
+    if constexpr (kCluster > 1) {
+        __syncwarp();
+        cluster_sync();
     }
 }
 

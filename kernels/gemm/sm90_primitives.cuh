@@ -40,6 +40,17 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
+// Arrive on the mbarrier at the same offset in cluster CTA `cta` (possibly this one). release.cluster:
+// this thread's prior reads of the stage (wgmma retired) are ordered before the peer's next TMA write.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "}\n" ::"r"(bar), "r"(cta)
+        : "memory");
+}
 // Wait until the phase with parity `parity` has completed (acquire.cta: the data it guards -- TMA bytes
 // or other threads' shared-memory writes -- is visible after this returns). try_wait suspends in hardware
 // for a bounded time per call; intra-CTA barriers only, so the loop ends as long as the protocol is kept.
@@ -69,6 +80,16 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* desc, int x,
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
         ::"r"(dst), "l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+// Multicast load: the box lands at the same shared-memory offset `dst` in every CTA of the cluster named
+// in `cta_mask`, and each of them gets the complete_tx of its bytes on its own mbarrier at offset `bar`.
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TmaDesc* desc, int x, int y, u32 bar,
+                                                      unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(dst), "l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y), "r"(bar), "h"(cta_mask)
         : "memory");
 }
 // Shared -> global, box at (x, y); elements outside the tensor are clipped (not written).
@@ -115,6 +136,17 @@ __device__ __forceinline__ void regs_dealloc() {
 template <int N>
 __device__ __forceinline__ void regs_alloc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+// Thread block clusters: this CTA's rank in its cluster, and a barrier over every thread of the cluster
+// (release/acquire: shared-memory writes and mbarrier inits before it are visible to the peers after it).
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // Named barrier among `threads` threads (ids 1..15; 0 is __syncthreads).

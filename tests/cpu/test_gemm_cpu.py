@@ -70,7 +70,7 @@ def test_plan_overrides_are_validated():
     with pytest.raises(ValueError, match="block_n"):
         dataclasses.replace(p, block_n=96).validate()
     with pytest.raises(ValueError, match="cluster"):
-        dataclasses.replace(p, cluster=2).validate()
+        dataclasses.replace(p, cluster=4).validate()
     with pytest.raises(ValueError, match="order"):
         dataclasses.replace(p, order="zigzag").validate()
     with pytest.raises(ValueError, match="shared memory"):
@@ -243,3 +243,19 @@ def test_generated_wgmma_header_is_current():
     assert current.startswith(expected)
     for n in mod.NS:
         assert f"m64n{n}k16.f32.bf16.bf16" in current and f"m64n{n}k16.f32.f16.f16" in current
+
+
+@pytest.mark.parametrize("mt", [1, 5, 16])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_cluster_order_covers_every_tile_once(mt, offset):
+    p = dataclasses.replace(GemmPlan(), cluster=2, group_m=4, m_tile_offset=offset)
+    order = tile_order(p, mt * 128, 3 * 256)
+    assert sorted(order) == [(m, n) for m in range(mt) for n in range(3)]
+    assert order[0] == (offset % mt, 0)
+
+
+def test_cluster_grid_is_a_multiple_of_the_cluster():
+    p = dataclasses.replace(GemmPlan(), cluster=2)
+    assert p.grid(8192, 8192, 132) == 132
+    assert p.grid(8192, 8192, 132, max_clusters=60) == 120
+    assert p.grid(3 * 128, 256, 132) == 4          # 2 work items (the second with a phantom tile)

@@ -129,14 +129,29 @@ PLANS = [
     GemmPlan(max_ctas=1),
     GemmPlan(epilogue="direct", stages=4),
     GemmPlan(epilogue="direct", block_n=128, stages=6, order="hilbert"),
+    GemmPlan(cluster=2),
+    GemmPlan(cluster=2, block_n=128, stages=6, order="hilbert", m_tile_offset=3),
+    GemmPlan(cluster=2, block_n=192, stages=3, group_m=3, max_ctas=6),
+    GemmPlan(cluster=2, block_n=64, stages=6),
+    GemmPlan(cluster=2, block_m=64, block_n=256, consumers=1, stages=4),
+    GemmPlan(cluster=2, epilogue="direct", stages=4),
 ]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.block_m}x{p.block_n}s{p.stages}-{p.order}"
-                                                      f"g{p.group_m}o{p.m_tile_offset}c{p.max_ctas}-{p.epilogue}")
+                                                      f"g{p.group_m}o{p.m_tile_offset}c{p.max_ctas}-{p.epilogue}"
+                                                      f"-x{p.cluster}")
 @pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 def test_plans(plan, trans_b):
     run_case(1000, 1000, 520, trans_b=trans_b, plan=plan, seed=3)
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("m,n,k", [(1100, 1000, 520), (129, 264, 72), (130, 72, 136)])
+def test_cluster_odd_tile_rows(m, n, k, trans_b):
+    # an odd number of M tiles leaves one CTA of the last cluster without a tile of its own
+    plan = dataclasses.replace(plan_gemm(m, n, k), cluster=2, m_tile_offset=1)
+    run_case(m, n, k, trans_b=trans_b, plan=plan, seed=13)
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
@@ -261,9 +276,10 @@ def test_arrival_wait_times_out_and_reports():
 @pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 @pytest.mark.parametrize("signal_add", [False, True], ids=["set", "add"])
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
-def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype):
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype, cluster):
     m, n, k, chunk_rows = 1000, 776, 264, 256
-    plan = plan_gemm(m, n, k, out_dtype=out_dtype)
+    plan = dataclasses.replace(plan_gemm(m, n, k, out_dtype=out_dtype), cluster=cluster)
     chunks = -(-m // chunk_rows)
     rng = np.random.default_rng(8)
     a = rand_matrix(rng, (m, k), "bfloat16")
@@ -303,7 +319,8 @@ def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype):
             assert (fv[lm] == want).all(), f"chunk {c} local m tile {lm}: flags {fv[lm]} (want {want})"
 
 
-def test_both_hooks_together(setter):
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_both_hooks_together(setter, cluster):
     m, n, k, chunk_rows = 768, 512, 256, 256
     chunks = m // chunk_rows
     rng = np.random.default_rng(9)
@@ -316,7 +333,7 @@ def test_both_hooks_together(setter):
     err = _err_record()
     dst = poisoned((m, n), "bfloat16")
     dst_table = cupy.asarray(np.array([dst.data.ptr + c * chunk_rows * n * 2 for c in range(chunks)], np.uint64))
-    plan = dataclasses.replace(plan_gemm(m, n, k), max_ctas=32, m_tile_offset=2)
+    plan = dataclasses.replace(plan_gemm(m, n, k), max_ctas=32, m_tile_offset=2, cluster=cluster)
     n_tiles = -(-n // plan.block_n)
     tile_flags = cupy.zeros(chunks * (chunk_rows // plan.block_m) * n_tiles, dtype=cupy.uint64)
     per_chunk = (chunk_rows // plan.block_m) * n_tiles
