@@ -6,15 +6,20 @@ Start here::
     with fluxrt.init() as world:            # MPI ranks -> GPUs -> NVSHMEM
         x = world.zeros((1024,), "bf16")     # symmetric: x.peer(r) is rank r's copy over NVLink
 """
+from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, allgather, allreduce, alltoall,
+                          alltoallv, barrier, broadcast, reduce_scatter)
 from .dtypes import bfloat16, normalize_dtype
-from .errors import (CollectiveMismatchError, CompileError, DeviceError, FluxrtError, HeapExhaustedError,
-                     NotSymmetricError, NvshmemInitError, WaitTimeoutError)
+from .errors import (CollectiveArgumentError, CollectiveMismatchError, CompileError, DeviceError, FluxrtError,
+                     HeapExhaustedError, NotSymmetricError, NvshmemInitError, WaitTimeoutError)
 from .world import World, WorldOptions, current, finalize, init
+from . import ops
 
 __version__ = "0.1.0"
 
 __all__ = [
     "init", "finalize", "current", "World", "WorldOptions", "bfloat16", "normalize_dtype",
     "FluxrtError", "DeviceError", "NvshmemInitError", "HeapExhaustedError", "CollectiveMismatchError",
-    "NotSymmetricError", "CompileError", "WaitTimeoutError",
+    "NotSymmetricError", "CompileError", "WaitTimeoutError", "CollectiveArgumentError",
+    "Collectives", "CollectivesOptions", "CollectiveHandle", "allreduce", "reduce_scatter", "allgather",
+    "alltoall", "alltoallv", "broadcast", "barrier",
 ]

@@ -1,0 +1,207 @@
+"""AllGather+GEMM (column-parallel linear): ``C = allgather(A) @ B`` with tile-granular overlap.
+
+A is sharded on M: rank r holds ``a_shard [M/world, K]``, rows ``[r*M/world, (r+1)*M/world)`` of A.
+Per call, on the caller's stream S and a fluxrt comm stream C:
+
+1. S  (pull mode) wait until every peer acknowledged the previous call's pull of my shard
+      (``done`` flags), so the next step cannot overwrite rows a peer is still reading.
+2. S  copy ``a_shard`` into my slot of the symmetric ``a_full`` (skipped when ``a_shard`` is that slot,
+      see :meth:`AllGatherGemm.shard_buffer`), then release my chunk flags and, in pull mode, my
+      ``ready`` flag on every peer.
+3. C  (after an event on S) pull mode: for each peer p (rank+1, rank+2, ...): bounded wait for p's
+      ``ready``, copy-engine pull of each chunk of p's shard, then release the local chunk flag (a local
+      flag after a pull: the kernel after the copy on the same stream sees it complete) and, after the
+      last chunk, p's ``done`` flag (the pull has finished reading p's memory).
+      Push mode: for each peer p: bounded wait until p's GEMM finished reading what I pushed last call
+      (``done``), then an SM kernel pushes each chunk into p's slot and releases p's chunk flag.
+4. S  the GEMM over ``a_full[:M]`` starting at my own shard; its loader waits per tile for the flag of
+      the chunk it reads (acquire.sys + fence.proxy.async before TMA). It leaves ``plan.comm_sms`` SMs
+      free, so step 3's kernels always find an SM while GEMM CTAs wait for them.
+5. S  (push mode) release ``done`` on every peer: my GEMM no longer reads their pushed rows.
+6. S  waits for C (event): the op is stream-ordered for the caller.
+
+Flags are compared with the call's epoch (one per call, growing in lockstep on every rank); nothing is
+reset between calls. Every wait is bounded: ``world.check_errors()`` after synchronizing raises
+WaitTimeoutError naming the op (``ag_gemm.ready``, ``ag_gemm.reuse``, ``ag_gemm.chunk``), the rank
+and the peer.
+"""
+from __future__ import annotations
+
+import logging
+
+from .. import p2p
+from ..errors import op_id
+from ..gemm import ArrivalWait, gemm_with_hooks
+from ..streams import as_cupy_stream
+from . import common
+from .plan import AgGemmPlan, MAX_WORLD, OpsArgumentError, ag_gemm_plan, ag_pad_layout, check_rows, \
+    plan_ag_gemm, pull_order
+
+log = logging.getLogger(__name__)
+
+OP = "AllGatherGemm"
+
+
+class AllGatherGemm:
+    """``forward(a_shard [M/world, K], b [K, N] or [N, K] with trans_b) -> C [M, N]``, C = allgather(A) @ B.
+
+    Collective: every rank constructs it with the same arguments and calls ``forward`` with the same
+    shapes in the same order. ``max_m`` bounds M (the gathered A lives in a symmetric ``[max_m, k]``
+    buffer); N and K are fixed. M must be a multiple of ``world * 128 * plan.chunks_per_rank``.
+    """
+
+    def __init__(self, world, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
+                 plan: AgGemmPlan | None = None):
+        import cupy
+
+        self.world = world
+        self.dtype = common.input_dtype(dtype, OP)
+        self.max_m, self.n, self.k, self.trans_b = int(max_m), int(n), int(k), bool(trans_b)
+        w = world.size
+        if w > MAX_WORLD:
+            raise OpsArgumentError(f"{OP}: at most {MAX_WORLD} ranks, got {w}")
+        if self.n <= 0 or self.k <= 0 or self.max_m <= 0:
+            raise OpsArgumentError(f"{OP}: max_m, n, k must be positive, got {max_m}, {n}, {k}")
+        if self.k % 8 or self.n % 8:
+            raise OpsArgumentError(f"{OP}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA)")
+        self.plan = (plan or plan_ag_gemm(self.max_m, self.n, self.k, w)).validate()
+        check_rows(OP, self.max_m, w, self.plan.row_multiple)
+        common.check_across_ranks(world, f"{OP}()", {"max_m": self.max_m, "n": self.n, "k": self.k,
+                                                     "dtype": self.dtype, "trans_b": self.trans_b,
+                                                     "plan": repr(self.plan)})
+        self.layout = ag_pad_layout(w, self.plan.chunks_per_rank)
+        self.a_full = world.empty((self.max_m, self.k), self.dtype)
+        self.pad = world.signal_pad(self.layout.slots)
+        self._sms = common.num_sms(world)
+        me, cpr, L, pad = world.rank, self.plan.chunks_per_rank, self.layout, self.pad
+        peers = pull_order(me, w)
+        pull = self.plan.comm_mode == "pull"
+        with world.device:
+            self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+            # step 2: my chunk flags (+ my ready flag on every peer when they pull)
+            self._own_signal = common.PointerList(
+                [pad.local_ptr(L.chunk(me, c)) for c in range(cpr)] +
+                ([pad.peer_ptr(p, L.ready(me)) for p in peers] if pull else []))
+            # pull step 1 / push step 3: the peers' done acks of the previous call
+            self._acks = {p: common.PointerList([pad.local_ptr(L.done(p))], [p]) for p in peers}
+            self._all_acks = common.PointerList([pad.local_ptr(L.done(p)) for p in peers], peers)
+            self._ready = {p: common.PointerList([pad.local_ptr(L.ready(p))], [p]) for p in peers}
+            # pull step 3: after pulling chunk c of p: my chunk flag, and p's done flag after the last chunk
+            self._after_pull = {(p, c): common.PointerList([pad.local_ptr(L.chunk(p, c))] +
+                                                           ([pad.peer_ptr(p, L.done(me))] if c == cpr - 1 else []))
+                                for p in peers for c in range(cpr)}
+            # push step 5: I finished reading what every peer pushed into my buffer
+            self._done_reading = common.PointerList([pad.peer_ptr(p, L.done(me)) for p in peers])
+            common.kernels(world)  # compile/load now, not inside the first timed call
+        self._peers = peers
+
+    # --- buffers ------------------------------------------------------------------------------------
+    def shard_buffer(self, m: int, stream=None):
+        """This rank's slot of the gathered A for an M-row call: write the shard there and pass the view
+        to ``forward`` to skip the copy. Enqueues (on `stream`) the wait that makes the slot writable:
+        peers have finished reading it in the previous call. Write after this call, on that stream."""
+        shard = check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
+        if self.plan.comm_mode == "pull" and self.pad.epoch > 0:
+            common.wait_list(self.world, self._all_acks, self.pad.epoch, "ag_gemm.reuse", as_cupy_stream(stream))
+        me = self.world.rank
+        return self.a_full[me * shard:(me + 1) * shard]
+
+    def gathered(self, m: int):
+        """The gathered A [m, K] of the last call (valid on the caller's stream until the next call)."""
+        check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
+        return self.a_full[:m]
+
+    # --- the op -------------------------------------------------------------------------------------
+    def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False):
+        """C [M, N] = allgather(a_shard) @ b (b.T with trans_b). Stream-ordered on `stream`.
+
+        out: optional [M, N] array of the input dtype. return_a: also return the gathered A [M, K] (a view
+        of the symmetric buffer, overwritten by the next call).
+        """
+        world, w, me = self.world, self.world.size, self.world.rank
+        a = common.as_device_array(a_shard, "a_shard", OP)
+        b = common.as_device_array(b, "b", OP)
+        if a.ndim != 2:
+            raise OpsArgumentError(f"{OP}: a_shard must be 2-D [M/world, K], got shape {tuple(a.shape)}")
+        shard = int(a.shape[0])
+        m = shard * w
+        check_rows(OP, m, w, self.plan.row_multiple, self.max_m)
+        common.check_matrix(a, "a_shard", OP, (shard, self.k), self.dtype, world)
+        common.check_matrix(b, "b", OP, (self.n, self.k) if self.trans_b else (self.k, self.n), self.dtype, world)
+        if out is not None:
+            out = common.as_device_array(out, "out", OP)
+            common.check_matrix(out, "out", OP, (m, self.n), self.dtype, world)
+        common.check_across_ranks(world, f"{OP}.forward", {"m": m, "b": tuple(b.shape), "dtype": self.dtype})
+        gplan = ag_gemm_plan(self.plan, m, self.n, self.k, me, w, self.dtype, self._sms)
+
+        import cupy
+
+        s = as_cupy_stream(stream)
+        c = self.comm_stream
+        cpr = self.plan.chunks_per_rank
+        chunk_rows = shard // cpr
+        row_bytes = self.k * self.a_full.itemsize
+        pull = self.plan.comm_mode == "pull"
+        with world.device:
+            if out is None:
+                out = common.alloc_like((m, self.n), self.dtype, world)
+            epoch = self.pad.next_epoch()
+            slot = self.a_full[me * shard:(me + 1) * shard]
+            # 1. peers finished pulling my previous shard (pull mode; epoch - 1 = 0 is already true)
+            if pull and epoch > 1:
+                common.wait_list(world, self._all_acks, epoch - 1, "ag_gemm.reuse", s)
+            # 2. my shard into my slot, then my chunk flags (+ ready on the peers)
+            if a.data.ptr != slot.data.ptr:
+                cupy.cuda.runtime.memcpyAsync(slot.data.ptr, a.data.ptr, shard * row_bytes,
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+            common.signal_list(world, self._own_signal, epoch, s)
+            # 3. the comm stream gathers the peers' shards
+            common.join(c, s)
+            for p in self._peers:
+                if pull:
+                    common.wait_list(world, self._ready[p], epoch, "ag_gemm.ready", c)
+                    src = self.a_full.peer_ptr(p)
+                    for ci in range(cpr):
+                        off = (p * shard + ci * chunk_rows) * row_bytes
+                        cupy.cuda.runtime.memcpyAsync(self.a_full.data.ptr + off, src + off, chunk_rows * row_bytes,
+                                                      cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
+                        common.signal_list(world, self._after_pull[(p, ci)], epoch, c)
+                else:
+                    if epoch > 1:
+                        common.wait_list(world, self._acks[p], epoch - 1, "ag_gemm.reuse", c)
+                    for ci in range(cpr):
+                        rows = slice(me * shard + ci * chunk_rows, me * shard + (ci + 1) * chunk_rows)
+                        view = self.a_full[rows]
+                        p2p.put(world, view, view, p, mode="sm", stream=c,
+                                flag_ptr=self.pad.peer_ptr(p, self.layout.chunk(me, ci)), flag_value=epoch,
+                                blocks=self.plan.push_blocks)
+            # 4. the GEMM, own shard first, each tile after its chunk's flag
+            wait = ArrivalWait(flags=self.pad.local_ptr(0), epoch=epoch, chunk_rows=chunk_rows,
+                               err=world.error_record, chunks_per_peer=cpr, timeout_ns=world.timeout_ns,
+                               op_id=op_id("ag_gemm.chunk"), rank=me)
+            gemm_with_hooks(self.a_full[:m], b, out, trans_b=self.trans_b, stream=s, plan=gplan, wait=wait)
+            # 5. push mode: the peers may push into my buffer again
+            if not pull:
+                common.signal_list(world, self._done_reading, epoch, s)
+            # 6. the caller's stream includes the comm stream's work
+            common.join(s, c)
+        if return_a:
+            return out, self.a_full[:m]
+        return out
+
+    __call__ = forward
+
+    def gemm_plan(self, m: int):
+        """The GemmPlan an M-row call uses (tile order starts at this rank's shard)."""
+        check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
+        return ag_gemm_plan(self.plan, m, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
+
+    def free(self) -> None:
+        """Collective: return the symmetric buffers."""
+        self.world.synchronize()
+        self.pad.free()
+        self.world.free(self.a_full)
+
+    def __repr__(self) -> str:
+        return (f"AllGatherGemm(max_m={self.max_m}, n={self.n}, k={self.k}, dtype={self.dtype}, "
+                f"trans_b={self.trans_b}, world={self.world.size}, plan={self.plan})")

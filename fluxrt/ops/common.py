@@ -1,0 +1,155 @@
+"""What both fused ops share: argument inspection, the cross-rank argument check, the small
+signal/wait kernels of kernels/ops/tp_ops.cu, device pointer tables and stream joins."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..dtypes import normalize_dtype, short_name
+from ..errors import CollectiveMismatchError, NO_PEER, op_id
+from .plan import OpsArgumentError
+
+KERNEL_SOURCE = "ops/tp_ops.cu"
+INPUT_DTYPES = ("bfloat16", "float16")
+_LIST_THREADS = 128
+
+_lock = threading.Lock()
+_modules: dict = {}
+
+
+def input_dtype(dtype, op: str) -> str:
+    name = normalize_dtype(dtype).name
+    if name not in INPUT_DTYPES:
+        raise OpsArgumentError(f"{op}: dtype {dtype!r} not supported; use bf16 or fp16")
+    return name
+
+
+def as_device_array(x, name: str, op: str):
+    """A cupy view of a CUDA array (cupy, __cuda_array_interface__ or DLPack), without copying."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if isinstance(x, np.ndarray):
+        raise OpsArgumentError(f"{op}: {name} is a host numpy array; pass a device array (cupy.asarray)")
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        return cupy.from_dlpack(x)
+    raise OpsArgumentError(f"{op}: {name} of type {type(x).__name__} is not a CUDA array "
+                           "(needs __cuda_array_interface__ or __dlpack__)")
+
+
+def check_matrix(x, name: str, op: str, shape: tuple, dtype: str, world) -> None:
+    """Shape, dtype, row-major layout and device of one operand, before any launch."""
+    if tuple(x.shape) != tuple(shape):
+        raise OpsArgumentError(f"{op}: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+    if x.dtype.name != dtype:
+        raise OpsArgumentError(f"{op}: {name} is {short_name(x.dtype)}, expected {short_name(dtype)}")
+    if not x.flags.c_contiguous:
+        raise OpsArgumentError(f"{op}: {name} {tuple(x.shape)} must be C-contiguous (strides {x.strides}); "
+                               "use cupy.ascontiguousarray")
+    if x.data.ptr % 16:
+        raise OpsArgumentError(f"{op}: {name} starts at 0x{x.data.ptr:x}, not 16-byte aligned")
+    if x.device.id != world.device_id:
+        raise OpsArgumentError(f"{op}: {name} is on device {x.device.id}, the world uses device {world.device_id}")
+
+
+def check_across_ranks(world, op: str, what: dict) -> None:
+    """Every rank must call with the same problem: compare `what` over MPI (when the world's
+    check_collective_args is on) so that a mismatch raises on every rank instead of hanging in a wait."""
+    if not world.options.check_collective_args or world.size == 1:
+        return
+    mine = tuple(sorted(what.items()))
+    every = world.comm.allgather(mine)
+    if any(e != mine for e in every):
+        detail = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in e) for r, e in enumerate(every))
+        raise CollectiveMismatchError(f"{op}: ranks called with different arguments ({detail}); every rank "
+                                      "must call the op with the same shapes and dtype, in the same order")
+
+
+class OpsKernels:
+    """The tp_ops.cu kernels of one device (the reduce kernel per partial/output type)."""
+
+    def __init__(self, device_id: int):
+        from ..toolchain import load_module
+
+        self.device_id = device_id
+        self.module = load_module(KERNEL_SOURCE)
+        self.signal_list = self.module.get_function("fluxrt_ops_signal_list")
+        self.wait_list = self.module.get_function("fluxrt_ops_wait_list")
+        self._reduce: dict = {}
+
+    def reduce(self, partial_dtype: str, out_dtype: str):
+        from ..toolchain import CompileOptions, load_module
+
+        key = (partial_dtype, out_dtype)
+        fn = self._reduce.get(key)
+        if fn is None:
+            defines = (("FLUXRT_RS_PARTIAL", str({"bfloat16": 0, "float16": 1, "float32": 2}[partial_dtype])),
+                       ("FLUXRT_RS_OUT", str({"bfloat16": 0, "float16": 1}[out_dtype])))
+            fn = load_module(KERNEL_SOURCE, CompileOptions(defines=defines)).get_function("fluxrt_rs_reduce")
+            self._reduce[key] = fn
+        return fn
+
+
+def kernels(world) -> OpsKernels:
+    with _lock:
+        k = _modules.get(world.device_id)
+    if k is None:
+        with world.device:
+            k = OpsKernels(world.device_id)
+        with _lock:
+            _modules[world.device_id] = k
+    return k
+
+
+class PointerList:
+    """A device list of flag addresses (and the peer each one belongs to) for the list kernels."""
+
+    def __init__(self, ptrs, peers=None):
+        import cupy
+
+        self.count = len(ptrs)
+        self.ptrs = cupy.asarray(np.asarray(ptrs, dtype=np.uint64)) if ptrs else None
+        peers = [NO_PEER] * len(ptrs) if peers is None else peers
+        self.peers = cupy.asarray(np.asarray(peers, dtype=np.uint64)) if ptrs else None
+
+
+def signal_list(world, plist: PointerList, value: int, stream) -> None:
+    """Stream-ordered: after prior work on `stream`, release every flag of `plist` to `value`."""
+    if plist.count == 0:
+        return
+    grid = (plist.count + _LIST_THREADS - 1) // _LIST_THREADS
+    kernels(world).signal_list((grid,), (_LIST_THREADS,), (np.uint64(plist.ptrs.data.ptr), np.uint32(plist.count),
+                                                           np.uint64(value)), stream=stream)
+
+
+def wait_list(world, plist: PointerList, target: int, op: str, stream) -> None:
+    """Stream-ordered bounded wait until every flag of `plist` is >= target (timeouts name the peer)."""
+    if plist.count == 0:
+        return
+    grid = (plist.count + _LIST_THREADS - 1) // _LIST_THREADS
+    kernels(world).wait_list((grid,), (_LIST_THREADS,),
+                             (np.uint64(plist.ptrs.data.ptr), np.uint64(plist.peers.data.ptr), np.uint32(plist.count),
+                              np.uint64(target), np.uint64(world.timeout_ns), np.uint64(world.error_record),
+                              np.uint32(op_id(op)), np.uint32(world.rank)), stream=stream)
+
+
+def join(waiter, signaller) -> None:
+    """`waiter` stream waits for everything enqueued so far on `signaller` (an event, no host sync)."""
+    waiter.wait_event(signaller.record())
+
+
+def num_sms(world) -> int:
+    return int(world.device.attributes["MultiProcessorCount"])
+
+
+def alloc_like(shape, dtype: str, world):
+    import cupy
+
+    from ..gemm import _np_dtype
+
+    with world.device:
+        return cupy.empty(shape, dtype=_np_dtype(dtype))

@@ -1,0 +1,304 @@
+"""Planners of the fused tensor-parallel ops: row rules, chunk and flag layout, tile order, comm mode.
+
+Pure Python, no CUDA: every choice an op makes is a frozen dataclass you can print, and a plan passed
+to the op's constructor overrides the default one.
+
+AllGather+GEMM (:class:`AgGemmPlan`)
+    A is gathered into a symmetric buffer ``a_full [M, K]``; rank r's shard is rows
+    ``[r * M/world, (r+1) * M/world)``, cut into ``chunks_per_rank`` chunks of ``chunk_rows`` rows, each
+    with one arrival flag. ``comm_mode='pull'``: a fluxrt stream pulls each peer's chunks with the copy
+    engine (nearest peers first, starting at rank+1) and raises the local chunk flag after each pull.
+    ``comm_mode='push'``: every rank pushes its chunks into every peer's buffer with SM kernels
+    (``push_blocks`` CTAs) and releases the peer's chunk flag. The GEMM starts at the rank's own shard
+    (``m_tile_offset``) and waits per tile for the chunk it needs.
+
+GEMM+ReduceScatter (:class:`GemmRsPlan`)
+    Each rank computes the partial ``A @ B`` for all M rows, starting with the rows of rank+1 and
+    ending with its own; each finished tile is stored into its owner's symmetric receive buffer
+    ``recv[parity][source]`` and releases one flag per (source, tile). The owner sums the world partials
+    in fixed source order in fp32 (deterministic). ``reduce_mode='after'``: the reduce kernel runs after
+    the GEMM on the caller's stream; ``'concurrent'``: on a second stream during the GEMM, which then
+    leaves ``reduce_blocks`` SMs free. Buffers alternate between two parities so that a call's tiles
+    never land in the buffer the owner may still be reducing (see gemm_rs.py for why two suffice).
+
+Row rule (both ops): ``M`` must be a multiple of ``world * 128`` (times ``chunks_per_rank`` for
+AllGather+GEMM): every rank's shard must be whole GEMM tiles of 128 rows, so that a tile never straddles
+two ranks' rows or chunks. Other M raise :class:`OpsArgumentError` naming the rule (no padding).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..errors import FluxrtError
+from ..gemm_plan import GemmPlan, H100_H200_SMS, plan_gemm
+
+__all__ = ["AgGemmPlan", "GemmRsPlan", "OpsArgumentError", "AG_COMM_MODES", "RS_REDUCE_MODES", "TILE_ROWS",
+           "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "pull_order", "ag_pad_layout",
+           "ag_gemm_plan", "rs_gemm_plan", "aligned_group_m", "rs_flag_layout", "rs_tile_offset", "ag_tile_offset",
+           "rs_reduce_grid"]
+
+TILE_ROWS = 128              # GEMM tile height (GemmPlan.block_m with two consumer warpgroups)
+MIN_TILE_COLS = 64           # narrowest GEMM tile: flag pads are sized for it
+MAX_WORLD = 64               # ranks a reduce block waits on (one thread per source)
+AG_COMM_MODES = ("pull", "push")
+RS_REDUCE_MODES = ("after", "concurrent")
+PARITIES = 2                 # GEMM+RS receive buffers alternate between two parities
+
+
+class OpsArgumentError(FluxrtError, ValueError):
+    """A fused op was called with shapes, dtypes or options it cannot run."""
+
+
+@dataclass(frozen=True)
+class AgGemmPlan:
+    """How AllGather+GEMM moves A and orders its tiles.
+
+    chunks_per_rank: arrival flags per rank shard (finer chunks let the GEMM start on a peer's rows
+        before the whole shard has arrived).
+    comm_mode: 'pull' (copy engine, no SMs) or 'push' (SM kernels on a fluxrt stream).
+    comm_sms: SMs the GEMM leaves free for the comm stream's kernels: pull mode's one-thread wait and
+        signal kernels, or push mode's push kernels. The GEMM's CTAs wait for flags these kernels
+        release, so they must always find a free SM. None: 1 for 'pull', push_blocks for 'push'.
+    push_blocks: CTAs of each push kernel (comm_mode='push').
+    gemm: a GemmPlan to use instead of planning per call (m_tile_offset and max_ctas are set per call).
+    """
+    chunks_per_rank: int = 1
+    comm_mode: str = "pull"
+    comm_sms: int | None = None
+    push_blocks: int = 8
+    gemm: GemmPlan | None = None
+
+    def validate(self) -> "AgGemmPlan":
+        if self.chunks_per_rank < 1:
+            raise OpsArgumentError(f"AgGemmPlan.chunks_per_rank must be >= 1, got {self.chunks_per_rank}")
+        if self.comm_mode not in AG_COMM_MODES:
+            raise OpsArgumentError(f"AgGemmPlan.comm_mode must be one of {AG_COMM_MODES}, got {self.comm_mode!r}")
+        if self.push_blocks < 1:
+            raise OpsArgumentError(f"AgGemmPlan.push_blocks must be >= 1, got {self.push_blocks}")
+        need = self.push_blocks if self.comm_mode == "push" else 1
+        if self.reserved_sms < need:
+            raise OpsArgumentError(f"AgGemmPlan.comm_sms={self.comm_sms} leaves too few SMs for the comm stream: "
+                                   f"comm_mode={self.comm_mode!r} needs >= {need} (a GEMM CTA waiting for a "
+                                   "chunk would otherwise hold the SM its producer needs)")
+        _check_gemm_override(self.gemm)
+        return self
+
+    @property
+    def reserved_sms(self) -> int:
+        """SMs the GEMM leaves to the comm stream (comm_sms resolved)."""
+        if self.comm_sms is not None:
+            return self.comm_sms
+        return self.push_blocks if self.comm_mode == "push" else 1
+
+    @property
+    def row_multiple(self) -> int:
+        """M per rank must be a multiple of this."""
+        return TILE_ROWS * self.chunks_per_rank
+
+
+@dataclass(frozen=True)
+class GemmRsPlan:
+    """How GEMM+ReduceScatter orders tiles and reduces.
+
+    reduce_mode: 'after' (reduce kernel after the GEMM on the caller's stream) or 'concurrent'
+        (reduce kernel on a fluxrt stream during the GEMM, which leaves reduce_blocks SMs free).
+    reduce_blocks: CTAs of the reduce kernel in 'concurrent' mode ('after' uses every SM).
+    partial_dtype: element type of the partials sent to owners: None (the input type) or 'float32'
+        (twice the traffic, no intermediate rounding).
+    gemm: a GemmPlan to use instead of planning per call (m_tile_offset and max_ctas are set per call).
+    """
+    reduce_mode: str = "after"
+    reduce_blocks: int = 8
+    partial_dtype: str | None = None
+    gemm: GemmPlan | None = None
+
+    def validate(self) -> "GemmRsPlan":
+        if self.reduce_mode not in RS_REDUCE_MODES:
+            raise OpsArgumentError(f"GemmRsPlan.reduce_mode must be one of {RS_REDUCE_MODES}, "
+                                   f"got {self.reduce_mode!r}")
+        if self.reduce_blocks < 1:
+            raise OpsArgumentError(f"GemmRsPlan.reduce_blocks must be >= 1, got {self.reduce_blocks}")
+        if self.partial_dtype not in (None, "float32"):
+            raise OpsArgumentError(f"GemmRsPlan.partial_dtype must be None (input type) or 'float32', "
+                                   f"got {self.partial_dtype!r}")
+        _check_gemm_override(self.gemm)
+        return self
+
+    @property
+    def row_multiple(self) -> int:
+        return TILE_ROWS
+
+
+def _check_gemm_override(plan: GemmPlan | None) -> None:
+    if plan is None:
+        return
+    if plan.block_m != TILE_ROWS:
+        raise OpsArgumentError(f"the fused ops need GEMM tiles of {TILE_ROWS} rows (two consumers), "
+                               f"got block_m={plan.block_m}")
+    if plan.epilogue != "tma":
+        raise OpsArgumentError("the fused ops need GemmPlan.epilogue='tma' (the storer-warp epilogue)")
+
+
+def plan_ag_gemm(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_H200_SMS) -> AgGemmPlan:
+    """Default AllGather+GEMM plan.
+
+    Heuristic: copy-engine pulls (no SMs taken from the GEMM; push mode is the alternative to
+    measure). Two chunks per rank once a shard holds >= 8 tile rows (>= 1024 rows): the first tiles of
+    a peer's rows can start after half of its shard has arrived, at one extra flag per chunk.
+    """
+    shard = max_m // max(world, 1)
+    cpr = 2 if shard >= 8 * TILE_ROWS and shard % (2 * TILE_ROWS) == 0 else 1
+    return AgGemmPlan(chunks_per_rank=cpr, comm_mode="pull").validate()
+
+
+def plan_gemm_rs(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_H200_SMS) -> GemmRsPlan:
+    """Default GEMM+ReduceScatter plan: partials in the input type, reduce after the GEMM (peers'
+    partials travel during the GEMM; only the local sum of world partials of M/world rows is exposed)."""
+    return GemmRsPlan(reduce_mode="after").validate()
+
+
+# --- rules and layouts ----------------------------------------------------------------------------
+
+def check_rows(op: str, m: int, world: int, row_multiple: int, max_m: int | None = None) -> int:
+    """Rows per rank of an M-row problem; raises OpsArgumentError naming the rule."""
+    if m <= 0:
+        raise OpsArgumentError(f"{op}: M must be positive, got {m}")
+    if max_m is not None and m > max_m:
+        raise OpsArgumentError(f"{op}: M={m} exceeds max_m={max_m} given at construction")
+    if m % (world * row_multiple):
+        raise OpsArgumentError(
+            f"{op}: M={m} must be a multiple of world * {row_multiple} = {world * row_multiple} (each rank's "
+            f"M/world rows must be whole {TILE_ROWS}-row GEMM tiles"
+            + (f" split into {row_multiple // TILE_ROWS} chunks" if row_multiple != TILE_ROWS else "")
+            + "); pad M or use another chunking")
+    return m // world
+
+
+def pull_order(rank: int, world: int) -> list[int]:
+    """Peers in the order their shards are pulled: rank+1, rank+2, ... (nearest first, wrapping), so
+    that no two ranks start by reading the same peer."""
+    return [(rank + d) % world for d in range(1, world)]
+
+
+@dataclass(frozen=True)
+class AgPadLayout:
+    """Slots of the AllGather+GEMM signal pad (one pad per op; values are call epochs).
+
+    chunk(r, c): local arrival flag of chunk c of rank r's shard (raised by this rank's comm stream in
+        pull mode, by rank r's push kernel in push mode); the GEMM waits on these.
+    ready(r): rank r released "my shard of this call is in my buffer" (pull mode).
+    done(r): rank r finished reading the slot it reads of mine (pull: r pulled my shard; push: r's GEMM
+        read the slot I pushed into), so my next call may overwrite it.
+    """
+    world: int
+    chunks_per_rank: int
+
+    @property
+    def chunks(self) -> int:
+        return self.world * self.chunks_per_rank
+
+    @property
+    def slots(self) -> int:
+        return self.chunks + 2 * self.world
+
+    def chunk(self, rank: int, c: int) -> int:
+        return rank * self.chunks_per_rank + c
+
+    def ready(self, rank: int) -> int:
+        return self.chunks + rank
+
+    def done(self, rank: int) -> int:
+        return self.chunks + self.world + rank
+
+
+def ag_pad_layout(world: int, chunks_per_rank: int) -> AgPadLayout:
+    return AgPadLayout(world, chunks_per_rank)
+
+
+def ag_tile_offset(rank: int, shard_rows: int) -> int:
+    """First m tile of AllGather+GEMM: the rank's own shard (present before any transfer)."""
+    return rank * shard_rows // TILE_ROWS
+
+
+def rs_tile_offset(rank: int, world: int, shard_rows: int) -> int:
+    """First m tile of GEMM+ReduceScatter: the rows of rank+1, so the rank's own rows come last and the
+    partials for peers leave first."""
+    return ((rank + 1) % world) * shard_rows // TILE_ROWS
+
+
+def aligned_group_m(group_m: int, band_tiles: int) -> int:
+    """The largest group_m <= `group_m` that divides `band_tiles`: grouped bands then never straddle two
+    chunks (AllGather+GEMM) or two owners (GEMM+ReduceScatter), so the own rows are strictly first/last."""
+    for g in range(max(1, min(group_m, band_tiles)), 0, -1):
+        if band_tiles % g == 0:
+            return g
+    return 1
+
+
+def _per_call_gemm(base: GemmPlan | None, m: int, n: int, k: int, dtype: str, out_dtype: str, offset: int,
+                   free_sms: int, num_sms: int, band_rows: int) -> GemmPlan:
+    if base is None:
+        plan = plan_gemm(m, n, k, in_dtype=dtype, out_dtype=out_dtype, num_sms=num_sms)
+        plan = dataclasses.replace(plan, group_m=aligned_group_m(plan.group_m, band_rows // TILE_ROWS))
+    else:
+        plan = base
+    cap = max(1, num_sms - free_sms) if free_sms else plan.max_ctas
+    if plan.max_ctas is not None and cap is not None:
+        cap = min(cap, plan.max_ctas)
+    plan = dataclasses.replace(plan, m_tile_offset=offset, max_ctas=cap)
+    _check_gemm_override(plan)
+    return plan.validate(out_dtype)
+
+
+def ag_gemm_plan(plan: AgGemmPlan, m: int, n: int, k: int, rank: int, world: int, dtype: str,
+                 num_sms: int = H100_H200_SMS) -> GemmPlan:
+    """The GemmPlan of one AllGather+GEMM call: own shard first, comm_sms SMs left free."""
+    shard = m // world
+    return _per_call_gemm(plan.gemm, m, n, k, dtype, dtype, ag_tile_offset(rank, shard), plan.reserved_sms, num_sms,
+                          shard // plan.chunks_per_rank)
+
+
+def rs_gemm_plan(plan: GemmRsPlan, m: int, n: int, k: int, rank: int, world: int, dtype: str,
+                 num_sms: int = H100_H200_SMS) -> GemmPlan:
+    """The GemmPlan of one GEMM+ReduceScatter call: rank+1's rows first, own rows last."""
+    shard = m // world
+    free = plan.reduce_blocks if plan.reduce_mode == "concurrent" else 0
+    out_dtype = plan.partial_dtype or dtype
+    return _per_call_gemm(plan.gemm, m, n, k, dtype, out_dtype, rs_tile_offset(rank, world, shard), free, num_sms,
+                          shard)
+
+
+@dataclass(frozen=True)
+class RsFlagLayout:
+    """Tile flags of GEMM+ReduceScatter on the owner: ``[parity][source][tile]`` with
+    ``tile = local_m_tile * n_tiles + n_tile`` (the GEMM epilogue's index), ``tiles_per_source`` slots per
+    source, sized for the largest shard and the narrowest tile."""
+    world: int
+    tiles_per_source: int
+
+    @property
+    def slots(self) -> int:
+        return PARITIES * self.world * self.tiles_per_source
+
+    def base(self, parity: int, source: int) -> int:
+        return (parity * self.world + source) * self.tiles_per_source
+
+    def slot(self, parity: int, source: int, local_m_tile: int, n_tile: int, n_tiles: int) -> int:
+        idx = local_m_tile * n_tiles + n_tile
+        if not 0 <= idx < self.tiles_per_source:
+            raise IndexError(f"tile ({local_m_tile}, {n_tile}) outside {self.tiles_per_source} flags per source")
+        return self.base(parity, source) + idx
+
+
+def rs_flag_layout(max_m: int, n: int, world: int) -> RsFlagLayout:
+    shard = max_m // world
+    return RsFlagLayout(world, math.ceil(shard / TILE_ROWS) * math.ceil(n / MIN_TILE_COLS))
+
+
+def rs_reduce_grid(plan: GemmRsPlan, shard_rows: int, n: int, block_n: int, num_sms: int = H100_H200_SMS) -> int:
+    """CTAs of the reduce kernel: every SM after the GEMM, reduce_blocks beside it."""
+    tiles = math.ceil(shard_rows / TILE_ROWS) * math.ceil(n / block_n)
+    cap = plan.reduce_blocks if plan.reduce_mode == "concurrent" else 2 * num_sms
+    return max(1, min(tiles, cap))

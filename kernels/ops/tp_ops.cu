@@ -1,0 +1,146 @@
+// Kernels of the fused tensor-parallel ops (fluxrt/ops): the small stream-ordered signal and wait
+// steps of AllGather+GEMM, and the owner-side reduction of GEMM+ReduceScatter.
+//
+//   fluxrt_ops_signal_list  release a list of (local or peer) flags to one value
+//   fluxrt_ops_wait_list    bounded acquire-wait until every flag of a list reaches a target
+//   fluxrt_rs_reduce        per tile: wait for every source's partial, sum them in fixed source order
+//                           in fp32, store this rank's slice of the result
+//
+// Compile-time configuration of fluxrt_rs_reduce (-D, set by fluxrt/ops/gemm_rs.py):
+//   FLUXRT_RS_PARTIAL  element type of the partials: 0 bf16, 1 fp16, 2 fp32      default 0
+//   FLUXRT_RS_OUT      element type of the result:   0 bf16, 1 fp16              default 0
+#include "fluxrt/comm.cuh"
+
+#ifndef FLUXRT_RS_PARTIAL
+#define FLUXRT_RS_PARTIAL 0
+#endif
+#ifndef FLUXRT_RS_OUT
+#define FLUXRT_RS_OUT 0
+#endif
+
+using fluxrt::ErrorRecord;
+using fluxrt::u32;
+using fluxrt::u64;
+
+namespace {
+
+constexpr int kVecElems = 8;                                   // elements per 16-byte output vector
+constexpr int kPartialBytes = FLUXRT_RS_PARTIAL == 2 ? 4 : 2;   // bytes per partial element
+constexpr int kPartialVecs = kVecElems * kPartialBytes / 16;    // 16-byte loads per 8 partial elements
+constexpr int kMaxWorld = 64;                                   // flags checked per tile (one thread each)
+
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u32 pack_out(float lo, float hi) {
+    u32 r;
+#if FLUXRT_RS_OUT == 0
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// acc[0..7] += the 8 partial elements at p (16-byte aligned). Plain (coherent) loads: the data was
+// written by peers during this kernel's lifetime, so the non-coherent __ldg path is not allowed.
+__device__ __forceinline__ void accumulate8(float (&acc)[kVecElems], const char* p) {
+    const uint4* v = reinterpret_cast<const uint4*>(p);
+#if FLUXRT_RS_PARTIAL == 2
+#pragma unroll
+    for (int i = 0; i < kPartialVecs; ++i) {
+        const uint4 x = v[i];
+        acc[4 * i + 0] += __uint_as_float(x.x);
+        acc[4 * i + 1] += __uint_as_float(x.y);
+        acc[4 * i + 2] += __uint_as_float(x.z);
+        acc[4 * i + 3] += __uint_as_float(x.w);
+    }
+#else
+    const uint4 x = v[0];
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#if FLUXRT_RS_PARTIAL == 0
+        acc[2 * i] += bf16_lo(w[i]);
+        acc[2 * i + 1] += bf16_hi(w[i]);
+#else
+        acc[2 * i] += f16_to_f32((unsigned short)(w[i] & 0xFFFFu));
+        acc[2 * i + 1] += f16_to_f32((unsigned short)(w[i] >> 16));
+#endif
+    }
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+// Thread i releases *ptrs[i] = value. Launched after the data the flags guard, on the same stream:
+// the kernel boundary completes that data; signal_set adds the system-scope fence and release.
+__global__ void fluxrt_ops_signal_list(u64* const* ptrs, u32 count, u64 value) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) fluxrt::signal_set(ptrs[i], value);
+}
+
+// Thread i waits (acquire.sys, bounded) until *ptrs[i] >= target; peers[i] is named on timeout.
+// Work after this kernel on the stream observes what the signallers wrote before their release.
+__global__ void fluxrt_ops_wait_list(const u64* const* ptrs, const u64* peers, u32 count, u64 target,
+                                     u64 timeout_ns, ErrorRecord* err, u32 op, u32 rank) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) fluxrt::wait_ge(ptrs[i], target, timeout_ns, err, op, rank, peers[i]);
+}
+
+// Owner-side reduction of GEMM+ReduceScatter.
+//   partials   this call's receive buffer: source s's partial of this rank's rows starts at
+//              partials + s * src_stride_bytes, row-major with `ld` elements per row
+//   flags      this call's tile flags: source s's flag of tile (m, n) at flags[s * flag_stride + m * n_tiles + n],
+//              released to >= epoch by the source's GEMM epilogue after the tile's stores
+//   out        [rows, cols] result, `out_ld` elements per row
+// One block per tile at a time (persistent over tiles); tile = block_m x block_n, the GEMM's tile.
+__global__ void fluxrt_rs_reduce(const char* partials, long long src_stride_bytes, long long ld,
+                                 char* out, long long out_ld, const u64* flags, long long flag_stride,
+                                 int rows, int cols, int block_m, int block_n, int n_tiles, u32 world,
+                                 u64 epoch, u64 timeout_ns, ErrorRecord* err, u32 op, u32 rank) {
+    const int m_tiles = (rows + block_m - 1) / block_m;
+    const int total = m_tiles * n_tiles;
+    const int vecs_per_row = block_n / kVecElems;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const int m_tile = t / n_tiles, n_tile = t % n_tiles;
+        const long long tile_flag = (long long)m_tile * n_tiles + n_tile;
+        // Stage 1, wait: one thread per source spins on that source's tile flag (bounded; on timeout
+        // the error record names the source and the tile is summed from whatever is there).
+        if (threadIdx.x < world && threadIdx.x < kMaxWorld)
+            fluxrt::wait_ge(flags + threadIdx.x * flag_stride + tile_flag, epoch, timeout_ns, err, op, rank,
+                            threadIdx.x);
+        __syncthreads();
+        // Every reader acquires the flags itself (they are already >= epoch, so no spin): its own
+        // acquire orders its partial loads after the sources' releases, independent of the barrier.
+        for (u32 s = 0; s < world; ++s) (void)fluxrt::ld_acquire_sys(flags + s * flag_stride + tile_flag);
+        // Stage 2, reduce: sources in fixed order 0..world-1 in fp32, so the result is bitwise the
+        // same whatever order the partials arrived in.
+        for (int v = threadIdx.x; v < block_m * vecs_per_row; v += blockDim.x) {
+            const int row = m_tile * block_m + v / vecs_per_row;
+            const int col = n_tile * block_n + (v % vecs_per_row) * kVecElems;
+            if (row >= rows || col >= cols) continue;
+            float acc[kVecElems];
+#pragma unroll
+            for (int e = 0; e < kVecElems; ++e) acc[e] = 0.f;
+            const long long elem = (long long)row * ld + col;
+            for (u32 s = 0; s < world; ++s)
+                accumulate8(acc, partials + s * src_stride_bytes + elem * kPartialBytes);
+            uint4 o;
+            o.x = pack_out(acc[0], acc[1]);
+            o.y = pack_out(acc[2], acc[3]);
+            o.z = pack_out(acc[4], acc[5]);
+            o.w = pack_out(acc[6], acc[7]);
+            *reinterpret_cast<uint4*>(out + ((long long)row * out_ld + col) * 2) = o;
+        }
+        __syncthreads();  // the flag-waiting threads of the next tile start after this tile's reads
+    }
+}
+
+}  // extern "C"

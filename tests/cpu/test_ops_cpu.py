@@ -1,0 +1,218 @@
+"""CPU tests of the fused ops' planners (tile order, chunk/flag layout, comm mode) and validation."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fluxrt.errors import FluxrtError
+from fluxrt.gemm_plan import GemmPlan, tile_order
+from fluxrt.ops import plan as P
+
+
+# --- row rule --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m, world, mult, shard", [(1024, 4, 128, 256), (8192, 4, 256, 2048), (256, 2, 128, 128)])
+def test_check_rows_accepts_whole_tiles(m, world, mult, shard):
+    assert P.check_rows("op", m, world, mult) == shard
+
+
+@pytest.mark.parametrize("m, world, mult", [(1000, 4, 128), (1536, 4, 256), (128, 2, 128), (4096 + 8, 2, 128)])
+def test_check_rows_names_the_rule(m, world, mult):
+    with pytest.raises(P.OpsArgumentError, match=rf"M={m} must be a multiple of world \* {mult}") as err:
+        P.check_rows("AllGatherGemm", m, world, mult)
+    assert isinstance(err.value, FluxrtError) and isinstance(err.value, ValueError)
+    assert "AllGatherGemm" in str(err.value)
+
+
+def test_check_rows_max_m_and_nonpositive():
+    with pytest.raises(P.OpsArgumentError, match="exceeds max_m=1024"):
+        P.check_rows("op", 2048, 2, 128, max_m=1024)
+    with pytest.raises(P.OpsArgumentError, match="positive"):
+        P.check_rows("op", 0, 2, 128)
+
+
+# --- AllGather+GEMM ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_pull_order_nearest_first_and_complete(world):
+    for rank in range(world):
+        order = P.pull_order(rank, world)
+        assert order == [(rank + d) % world for d in range(1, world)]
+        assert sorted(order + [rank]) == list(range(world))
+    # at each step, every rank reads a different peer (no hot spot)
+    for step in range(world - 1):
+        assert len({P.pull_order(r, world)[step] for r in range(world)}) == world
+
+
+@pytest.mark.parametrize("world, cpr", [(2, 1), (4, 2), (8, 4)])
+def test_ag_pad_layout_slots_are_distinct_and_match_gemm_chunks(world, cpr):
+    L = P.ag_pad_layout(world, cpr)
+    slots = ([L.chunk(r, c) for r in range(world) for c in range(cpr)] + [L.ready(r) for r in range(world)]
+             + [L.done(r) for r in range(world)])
+    assert sorted(slots) == list(range(L.slots))
+    # the GEMM's hook reads flags[m0 // chunk_rows] and names peer chunk // chunks_per_rank
+    shard = 128 * cpr * 3
+    chunk_rows = shard // cpr
+    for r in range(world):
+        for c in range(cpr):
+            m0 = r * shard + c * chunk_rows
+            assert m0 // chunk_rows == L.chunk(r, c)
+            assert L.chunk(r, c) // cpr == r
+
+
+def test_ag_gemm_plan_starts_at_own_shard_and_leaves_comm_sms():
+    plan = P.AgGemmPlan(chunks_per_rank=2, comm_mode="pull", comm_sms=1)
+    m, world = 4096, 4
+    for rank in range(world):
+        g = P.ag_gemm_plan(plan, m, 1024, 512, rank, world, "bfloat16", num_sms=132)
+        assert g.max_ctas == 131
+        order = tile_order(g, m, 1024)
+        first_rows = order[0][0] * g.block_m
+        assert first_rows == rank * m // world          # own rows first
+        assert g.block_m == P.TILE_ROWS
+
+
+def test_ag_gemm_plan_push_leaves_push_blocks():
+    plan = P.AgGemmPlan(comm_mode="push", push_blocks=8)
+    assert plan.reserved_sms == 8
+    assert P.ag_gemm_plan(plan, 2048, 1024, 512, 0, 2, "bfloat16", num_sms=132).max_ctas == 124
+    with pytest.raises(P.OpsArgumentError, match="comm_sms=1 leaves too few SMs"):
+        P.AgGemmPlan(comm_mode="push", push_blocks=8, comm_sms=1).validate()
+
+
+def test_ag_plan_override_keeps_its_tiles():
+    g = GemmPlan(block_n=128, stages=4, group_m=4)
+    plan = P.AgGemmPlan(gemm=g)
+    got = P.ag_gemm_plan(plan, 2048, 1024, 512, 1, 2, "bfloat16")
+    assert (got.block_n, got.stages, got.group_m, got.m_tile_offset) == (128, 4, 4, 1024 // 128)
+    with pytest.raises(P.OpsArgumentError, match="128 rows"):
+        P.AgGemmPlan(gemm=GemmPlan(block_m=64, consumers=1)).validate()
+    with pytest.raises(P.OpsArgumentError, match="epilogue='tma'"):
+        P.AgGemmPlan(gemm=GemmPlan(epilogue="direct")).validate()
+
+
+@pytest.mark.parametrize("bad", [dict(chunks_per_rank=0), dict(comm_mode="ce"), dict(push_blocks=0)])
+def test_ag_plan_validation(bad):
+    with pytest.raises(P.OpsArgumentError):
+        P.AgGemmPlan(**bad).validate()
+
+
+def test_default_ag_plan_chunking():
+    assert P.plan_ag_gemm(8192, 7168, 8192, 4).chunks_per_rank == 2      # 2048-row shards
+    assert P.plan_ag_gemm(1024, 1024, 1024, 4).chunks_per_rank == 1      # 256-row shards
+    assert P.plan_ag_gemm(8192, 7168, 8192, 4).row_multiple == 256
+
+
+# --- GEMM+ReduceScatter ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_rs_tile_order_peers_first_own_rows_last(world):
+    m, n = 128 * 4 * world, 1024
+    shard = m // world
+    for rank in range(world):
+        g = P.rs_gemm_plan(P.GemmRsPlan(), m, n, 256, rank, world, "bfloat16")
+        order = tile_order(g, m, n)
+        owners = [mt * g.block_m // shard for mt, _ in order]
+        assert owners[0] == (rank + 1) % world
+        n_own = (shard // g.block_m) * g.tiles(m, n)[1]
+        assert set(owners[-n_own:]) == {rank}                # own rows come last
+        assert sorted(order) == sorted({(a, b) for a, b in order})  # every tile exactly once
+
+
+def test_rs_concurrent_mode_leaves_reduce_sms():
+    g = P.rs_gemm_plan(P.GemmRsPlan(reduce_mode="concurrent", reduce_blocks=6), 1024, 1024, 256, 0, 2,
+                       "bfloat16", num_sms=132)
+    assert g.max_ctas == 126
+    assert P.rs_gemm_plan(P.GemmRsPlan(), 1024, 1024, 256, 0, 2, "bfloat16").max_ctas is None
+
+
+def test_rs_fp32_partials_plan_fits():
+    g = P.rs_gemm_plan(P.GemmRsPlan(partial_dtype="float32"), 2048, 2048, 256, 0, 2, "bfloat16")
+    g.validate("float32")
+    assert g.block_n == 128
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rs_flag_layout_covers_every_tile_without_overlap(world):
+    max_m, n = 128 * 4 * world, 1000 // 8 * 8
+    L = P.rs_flag_layout(max_m, n, world)
+    seen = set()
+    for block_n in (64, 128, 256):
+        for m in (128 * world, max_m):
+            shard = m // world
+            n_tiles = -(-n // block_n)
+            slots = {L.slot(q, s, mt, nt, n_tiles) for q in range(2) for s in range(world)
+                     for mt in range(shard // 128) for nt in range(n_tiles)}
+            assert len(slots) == 2 * world * (shard // 128) * n_tiles
+            assert max(slots) < L.slots
+            seen |= slots
+    # parities and sources are disjoint ranges
+    assert L.base(1, 0) == world * L.tiles_per_source
+    with pytest.raises(IndexError):
+        L.slot(0, 0, max_m // world // 128, 0, -(-n // 64))
+
+
+def test_rs_reduce_grid():
+    assert P.rs_reduce_grid(P.GemmRsPlan(), 256, 512, 256, num_sms=132) == 4
+    assert P.rs_reduce_grid(P.GemmRsPlan(), 4096, 8192, 256, num_sms=132) == 264
+    assert P.rs_reduce_grid(P.GemmRsPlan(reduce_mode="concurrent", reduce_blocks=8), 4096, 8192, 256) == 8
+
+
+@pytest.mark.parametrize("bad", [dict(reduce_mode="atomic"), dict(reduce_blocks=0), dict(partial_dtype="fp8")])
+def test_rs_plan_validation(bad):
+    with pytest.raises(P.OpsArgumentError):
+        P.GemmRsPlan(**bad).validate()
+
+
+def test_plans_are_frozen_and_printable():
+    plan = P.plan_gemm_rs(8192, 8192, 1792, 4)
+    assert "reduce_mode='after'" in repr(plan)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.reduce_mode = "concurrent"
+
+
+# --- op validation without a GPU ---------------------------------------------------------------------
+
+class _FakeWorld:
+    size, rank, device_id = 4, 0, 0
+
+    class options:
+        check_collective_args = False
+
+
+def test_ops_reject_bad_construction_before_touching_the_device():
+    from fluxrt.ops import AllGatherGemm, GemmReduceScatter
+
+    w = _FakeWorld()
+    with pytest.raises(P.OpsArgumentError, match="bf16 or fp16"):
+        AllGatherGemm(w, 1024, 1024, 1024, "float32")
+    with pytest.raises(P.OpsArgumentError, match="multiple of world"):
+        AllGatherGemm(w, 1000, 1024, 1024, "bf16")
+    with pytest.raises(P.OpsArgumentError, match="multiples of 8"):
+        GemmReduceScatter(w, 1024, 1020, 1024, "fp16")
+    with pytest.raises(P.OpsArgumentError, match="multiple of world"):
+        GemmReduceScatter(w, 1024 + 64, 1024, 1024, "bf16", plan=P.GemmRsPlan())
+
+
+@pytest.mark.parametrize("cpr", [1, 2])
+def test_ag_tile_order_own_chunk_first_bands_within_chunks(cpr):
+    world, m, n = 4, 128 * 12 * 4, 2048
+    shard = m // world
+    chunk_rows = shard // cpr
+    for rank in range(world):
+        g = P.ag_gemm_plan(P.AgGemmPlan(chunks_per_rank=cpr), m, n, 512, rank, world, "bfloat16")
+        order = tile_order(g, m, n)
+        chunks = [mt * g.block_m // chunk_rows for mt, _ in order]
+        n_chunk_tiles = (chunk_rows // g.block_m) * g.tiles(m, n)[1]
+        assert set(chunks[:n_chunk_tiles]) == {rank * cpr}    # the first chunk's tiles, nothing else
+        # chunks are visited in contiguous runs: each chunk's flag is waited for once
+        runs = [c for i, c in enumerate(chunks) if i == 0 or c != chunks[i - 1]]
+        assert len(runs) == world * cpr
+
+
+def test_aligned_group_m():
+    assert P.aligned_group_m(16, 32) == 16
+    assert P.aligned_group_m(16, 12) == 12
+    assert P.aligned_group_m(16, 18) == 9
+    assert P.aligned_group_m(16, 17) == 1

@@ -1,0 +1,351 @@
+"""GPU tests of the fused ops (AllGather+GEMM, GEMM+ReduceScatter) under mpirun on 2 or 4 GPUs.
+
+Random bf16/fp16 inputs that differ per rank, outputs poisoned with NaN, checked against a float64
+numpy reference built from every rank's inputs (gathered over MPI). Every rank runs the same tests in
+the same order; shapes are small (M = a few hundred rows per rank) so the module stays well under a
+minute on 4 ranks, apart from the one deliberate timeout (WorldOptions.timeout_s of the fixture).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+TOL = {"bfloat16": 1.5e-2, "float16": 4e-3}   # max |err| / max |ref|: output rounding + partial rounding
+
+
+def _np_dtype(name):
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(_np_dtype(dtype))
+
+
+def _dev(x):
+    import cupy
+
+    return cupy.asarray(x)
+
+
+def _poisoned(shape, dtype):
+    import cupy
+
+    out = cupy.empty(shape, dtype=_np_dtype(dtype))
+    out.fill(np.nan)
+    return out
+
+
+def _f64(x):
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        x = x.get()
+    return np.asarray(x).astype(np.float64)
+
+
+def _check(got, ref, dtype, what):
+    got = _f64(got)
+    assert got.shape == ref.shape, what
+    assert np.isfinite(got).all(), f"{what}: non-finite values (poison not overwritten?)"
+    err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert err < TOL[dtype], f"{what}: relative error {err:.3g} >= {TOL[dtype]}"
+
+
+def _allgather(world, x):
+    return world.comm.allgather(np.ascontiguousarray(x))
+
+
+# --- AllGather+GEMM ---------------------------------------------------------------------------------
+
+AG_CASES = [  # dtype, rows per rank, chunks per rank, comm mode, trans_b
+    ("bfloat16", 256, 1, "pull", False),
+    ("bfloat16", 256, 2, "pull", True),
+    ("float16", 384, 1, "push", False),
+    ("bfloat16", 512, 2, "push", True),
+]
+
+
+def _ag_reference(world, a_shard, b, trans_b):
+    a_full = np.concatenate([_f64(x) for x in _allgather(world, a_shard)], axis=0)
+    bb = _f64(b)
+    return a_full, a_full @ (bb.T if trans_b else bb)
+
+
+@pytest.mark.parametrize("dtype, shard, cpr, mode, trans_b", AG_CASES)
+def test_ag_gemm_matches_reference(world, rng, dtype, shard, cpr, mode, trans_b):
+    from fluxrt.ops import AgGemmPlan, AllGatherGemm
+
+    n, k = 384, 320
+    m = shard * world.size
+    plan = AgGemmPlan(chunks_per_rank=cpr, comm_mode=mode)
+    op = AllGatherGemm(world, m, n, k, dtype, trans_b=trans_b, plan=plan)
+    try:
+        a = _rand(rng, (shard, k), dtype)
+        b = _rand(rng, (n, k) if trans_b else (k, n), dtype)
+        out = _poisoned((m, n), dtype)
+        got, gathered = op.forward(_dev(a), _dev(b), out=out, return_a=True)
+        world.synchronize()
+        a_full, ref = _ag_reference(world, a, b, trans_b)
+        assert got is out
+        np.testing.assert_array_equal(_f64(gathered), a_full)
+        _check(got, ref, dtype, f"AG {mode} cpr={cpr} rank {world.rank}")
+    finally:
+        op.free()
+
+
+def test_ag_gemm_zero_copy_shard_buffer(world, rng):
+    from fluxrt.ops import AllGatherGemm
+
+    n, k, shard = 256, 256, 256
+    m = shard * world.size
+    op = AllGatherGemm(world, m, n, k, "bf16")
+    try:
+        for it in range(3):
+            a = _rand(rng, (shard, k), "bfloat16")
+            b = _rand(rng, (k, n), "bfloat16")
+            slot = op.shard_buffer(m)
+            slot[...] = _dev(a)
+            got = op.forward(slot, _dev(b))
+            world.synchronize()
+            _check(got, _ag_reference(world, a, b, False)[1], "bfloat16", f"AG zero-copy call {it}")
+    finally:
+        op.free()
+
+
+def _repeated(world, rng, op, make_inputs, reference, calls, dtype, what):
+    """`calls` forward calls cycling through a few input sets (data changes every call); every output
+    kept and checked at the end against the reference of its set."""
+    sets = [make_inputs() for _ in range(4)]
+    refs = [reference(*s) for s in sets]
+    dev = [tuple(_dev(x) for x in s) for s in sets]
+    outs = [op.forward(*dev[i % len(dev)]) for i in range(calls)]
+    world.synchronize()
+    for i, o in enumerate(outs):
+        _check(o, refs[i % len(refs)], dtype, f"{what} call {i}")
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_ag_gemm_repeated_calls(world, rng, mode):
+    from fluxrt.ops import AgGemmPlan, AllGatherGemm
+
+    n, k, shard = 256, 192, 256
+    m = shard * world.size
+    op = AllGatherGemm(world, m, n, k, "bf16", plan=AgGemmPlan(chunks_per_rank=2, comm_mode=mode))
+    try:
+        _repeated(world, rng, op, lambda: (_rand(rng, (shard, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")),
+                  lambda a, b: _ag_reference(world, a, b, False)[1], 120, "bfloat16", f"AG {mode}")
+    finally:
+        op.free()
+
+
+def test_ag_gemm_varying_m(world, rng):
+    from fluxrt.ops import AllGatherGemm
+
+    n, k = 256, 128
+    op = AllGatherGemm(world, 512 * world.size, n, k, "fp16")
+    try:
+        for shard in (512, 128, 384):
+            a, b = _rand(rng, (shard, k), "float16"), _rand(rng, (k, n), "float16")
+            got = op.forward(_dev(a), _dev(b))
+            world.synchronize()
+            _check(got, _ag_reference(world, a, b, False)[1], "float16", f"AG M={shard * world.size}")
+    finally:
+        op.free()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_ag_gemm_slow_peer(world, rng, mode):
+    from fluxrt.ops import AgGemmPlan, AllGatherGemm
+
+    n, k, shard = 256, 256, 256
+    m = shard * world.size
+    op = AllGatherGemm(world, m, n, k, "bf16", plan=AgGemmPlan(comm_mode=mode))
+    try:
+        a, b = _rand(rng, (shard, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")
+        world.synchronize()
+        world.comm.Barrier()
+        if world.rank == world.size - 1:
+            time.sleep(0.5)   # the others' GEMMs start on their own rows and wait for this rank's chunks
+        got = op.forward(_dev(a), _dev(b))
+        world.synchronize()
+        _check(got, _ag_reference(world, a, b, False)[1], "bfloat16", f"AG slow peer ({mode})")
+    finally:
+        op.free()
+
+
+# --- GEMM+ReduceScatter -----------------------------------------------------------------------------
+
+RS_CASES = [  # dtype, rows per rank, reduce mode, trans_b, partial dtype
+    ("bfloat16", 256, "after", False, None),
+    ("float16", 128, "concurrent", True, None),
+    ("bfloat16", 384, "after", True, "float32"),
+    ("bfloat16", 256, "concurrent", False, None),
+]
+
+
+def _rs_reference(world, a, b, trans_b):
+    parts = zip(_allgather(world, a), _allgather(world, b))
+    total = sum(_f64(x) @ (_f64(y).T if trans_b else _f64(y)) for x, y in parts)
+    shard = total.shape[0] // world.size
+    return total[world.rank * shard:(world.rank + 1) * shard]
+
+
+@pytest.mark.parametrize("dtype, shard, mode, trans_b, partial", RS_CASES)
+def test_gemm_rs_matches_reference(world, rng, dtype, shard, mode, trans_b, partial):
+    from fluxrt.ops import GemmReduceScatter, GemmRsPlan
+
+    n, k = 320, 192
+    m = shard * world.size
+    op = GemmReduceScatter(world, m, n, k, dtype, trans_b=trans_b,
+                           plan=GemmRsPlan(reduce_mode=mode, reduce_blocks=4, partial_dtype=partial))
+    try:
+        a = _rand(rng, (m, k), dtype)
+        b = _rand(rng, (n, k) if trans_b else (k, n), dtype)
+        out = _poisoned((shard, n), dtype)
+        got = op.forward(_dev(a), _dev(b), out=out)
+        world.synchronize()
+        assert got is out
+        _check(got, _rs_reference(world, a, b, trans_b), dtype, f"RS {mode} partial={partial} rank {world.rank}")
+    finally:
+        op.free()
+
+
+@pytest.mark.parametrize("mode", ["after", "concurrent"])
+def test_gemm_rs_repeated_calls_and_determinism(world, rng, mode):
+    from fluxrt.ops import GemmReduceScatter, GemmRsPlan
+
+    n, k, shard = 256, 128, 256
+    m = shard * world.size
+    op = GemmReduceScatter(world, m, n, k, "bf16", plan=GemmRsPlan(reduce_mode=mode, reduce_blocks=4))
+    try:
+        _repeated(world, rng, op, lambda: (_rand(rng, (m, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")),
+                  lambda a, b: _rs_reference(world, a, b, False), 120, "bfloat16", f"RS {mode}")
+        # deterministic: the same inputs give bitwise the same result, whatever the arrival order
+        a, b = _dev(_rand(rng, (m, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16"))
+        first = op.forward(a, b).copy()
+        again = [op.forward(a, b).copy() for _ in range(5)]
+        world.synchronize()
+        for x in again:
+            assert (x.view(np.uint16) == first.view(np.uint16)).all()
+    finally:
+        op.free()
+
+
+def test_gemm_rs_slow_peer(world, rng):
+    from fluxrt.ops import GemmReduceScatter
+
+    n, k, shard = 256, 256, 256
+    m = shard * world.size
+    op = GemmReduceScatter(world, m, n, k, "bf16")
+    try:
+        a, b = _rand(rng, (m, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")
+        world.synchronize()
+        world.comm.Barrier()
+        if world.rank == 0:
+            time.sleep(0.5)
+        got = op.forward(_dev(a), _dev(b))
+        world.synchronize()
+        _check(got, _rs_reference(world, a, b, False), "bfloat16", "RS slow peer")
+    finally:
+        op.free()
+
+
+# --- both ops in one stream sequence ----------------------------------------------------------------
+
+def test_mlp_block_ag_gemm_then_gemm_rs(world, rng):
+    """Column-parallel then row-parallel linear on one stream: y = (allgather(x) @ W1_r) summed over
+    ranks after @ W2_r, reduce-scattered on M."""
+    import cupy
+
+    from fluxrt.ops import AllGatherGemm, GemmReduceScatter
+
+    h, f_local, shard = 256, 384, 256
+    m = shard * world.size
+    ag = AllGatherGemm(world, m, f_local, h, "bf16")
+    rs = GemmReduceScatter(world, m, h, f_local, "bf16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        for it in range(5):
+            x = _rand(rng, (shard, h), "bfloat16")
+            w1 = (_rand(rng, (h, f_local), "bfloat16").astype(np.float32) / 16).astype(_np_dtype("bfloat16"))
+            w2 = (_rand(rng, (f_local, h), "bfloat16").astype(np.float32) / 16).astype(_np_dtype("bfloat16"))
+            with stream:
+                xd, w1d, w2d = _dev(x), _dev(w1), _dev(w2)
+            hid = ag.forward(xd, w1d, stream=stream)
+            y = rs.forward(hid, w2d, stream=stream)
+            stream.synchronize()
+            world.check_errors()
+            x_full = np.concatenate([_f64(v) for v in _allgather(world, x)], axis=0)
+            hid_ref = (x_full @ _f64(w1)).astype(np.float32).astype(_np_dtype("bfloat16"))  # the op's bf16 hidden
+            _check(hid, _f64(hid_ref), "bfloat16", f"MLP hidden, step {it}")
+            parts = world.comm.allgather(_f64(hid_ref) @ _f64(w2))
+            ref = sum(parts)[world.rank * shard:(world.rank + 1) * shard]
+            _check(y, ref, "bfloat16", f"MLP output, step {it}")
+    finally:
+        stream.synchronize()
+        rs.free()
+        ag.free()
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+def test_shape_mismatch_across_ranks_raises_everywhere(world, rng):
+    from fluxrt import CollectiveMismatchError
+    from fluxrt.ops import AllGatherGemm, GemmReduceScatter
+
+    n, k = 256, 128
+    ag = AllGatherGemm(world, 256 * world.size, n, k, "bf16")
+    rs = GemmReduceScatter(world, 256 * world.size, n, k, "bf16")
+    try:
+        shard = 256 if world.rank == 0 else 128
+        with pytest.raises(CollectiveMismatchError, match="rank 0: .*m=") as err:
+            ag.forward(_dev(_rand(rng, (shard, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16")))
+        assert "AllGatherGemm.forward" in str(err.value)
+        with pytest.raises(CollectiveMismatchError, match="GemmReduceScatter.forward"):
+            rs.forward(_dev(_rand(rng, (shard * world.size, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16")))
+        # still usable afterwards: nothing was launched
+        a, b = _rand(rng, (256, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")
+        got = ag.forward(_dev(a), _dev(b))
+        world.synchronize()
+        _check(got, _ag_reference(world, a, b, False)[1], "bfloat16", "AG after a rejected call")
+    finally:
+        rs.free()
+        ag.free()
+
+
+def test_constructor_mismatch_and_bad_m(world):
+    from fluxrt import CollectiveMismatchError
+    from fluxrt.ops import AllGatherGemm, OpsArgumentError
+
+    with pytest.raises(CollectiveMismatchError, match="AllGatherGemm"):
+        AllGatherGemm(world, 256 * world.size, 256 + 8 * world.rank, 128, "bf16")
+    with pytest.raises(OpsArgumentError, match="must be a multiple of world"):
+        AllGatherGemm(world, 200 * world.size, 256, 128, "bf16")
+
+
+def test_ag_gemm_missing_peer_times_out_naming_it(world, rng):
+    """Rank 0 skips the call: every other rank gets a WaitTimeoutError naming an ag_gemm wait and peer 0
+    after the world's timeout (5 s in these tests) instead of hanging."""
+    from fluxrt import WaitTimeoutError
+    from fluxrt.ops import AllGatherGemm
+
+    n, k, shard = 256, 128, 128
+    op = AllGatherGemm(world, shard * world.size, n, k, "bf16")
+    try:
+        world.synchronize()
+        world.comm.Barrier()
+        if world.rank != 0:
+            op.forward(_dev(_rand(rng, (shard, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16")))
+            with pytest.raises(WaitTimeoutError) as err:
+                world.synchronize()
+            assert err.value.peer == 0 and err.value.op.startswith("ag_gemm"), str(err.value)
+            assert err.value.rank == world.rank
+        world.comm.Barrier()
+    finally:
+        op.free()
