@@ -15,6 +15,7 @@ the shapes, and the checks run on CPU-only machines).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import numpy as np
 
 from .errors import FluxrtError
 from .gemm_plan import GemmPlan, hilbert_order, plan_gemm
+
+log = logging.getLogger(__name__)
 
 __all__ = ["gemm", "gemm_with_hooks", "ArrivalWait", "TileEpilogue", "GemmArgumentError", "GemmTypeError",
            "validate_gemm_args", "kernel_defines"]
@@ -363,7 +366,8 @@ def _max_clusters(kern, plan: GemmPlan, smem_bytes: int, device_id: int) -> int 
     None for plan.cluster == 1 or when the driver cannot say."""
     if plan.cluster == 1:
         return None
-    key = (kern.ptr, device_id)
+    func = kern.kernel.ptr   # cupy.RawKernel -> its loaded CUfunction
+    key = (func, device_id)
     if key not in _cluster_caps:
         from cuda.bindings import driver as drv
 
@@ -371,7 +375,9 @@ def _max_clusters(kern, plan: GemmPlan, smem_bytes: int, device_id: int) -> int 
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = plan.cluster * _num_sms(device_id), 1, 1
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = plan.threads, 1, 1
         cfg.sharedMemBytes = smem_bytes
-        err, n = drv.cuOccupancyMaxActiveClusters(drv.CUfunction(kern.ptr), cfg)
+        err, n = drv.cuOccupancyMaxActiveClusters(drv.CUfunction(func), cfg)
+        if err != drv.CUresult.CUDA_SUCCESS or n <= 0:
+            log.warning("cuOccupancyMaxActiveClusters failed (%s); assuming every SM pairs up", err)
         _cluster_caps[key] = int(n) if err == drv.CUresult.CUDA_SUCCESS and n > 0 else None
     return _cluster_caps[key]
 
