@@ -79,6 +79,7 @@ class OpsKernels:
         self.module = load_module(KERNEL_SOURCE)
         self.signal_list = self.module.get_function("fluxrt_ops_signal_list")
         self.wait_list = self.module.get_function("fluxrt_ops_wait_list")
+        self.delay = self.module.get_function("fluxrt_ops_delay")
         self._reduce: dict = {}
 
     def reduce(self, partial_dtype: str, out_dtype: str):
@@ -135,6 +136,11 @@ def wait_list(world, plist: PointerList, target: int, op: str, stream) -> None:
                              (np.uint64(plist.ptrs.data.ptr), np.uint64(plist.peers.data.ptr), np.uint32(plist.count),
                               np.uint64(target), np.uint64(world.timeout_ns), np.uint64(world.error_record),
                               np.uint32(op_id(op)), np.uint32(world.rank)), stream=stream)
+
+
+def delay(world, seconds: float, stream) -> None:
+    """Stream-ordered: hold `stream` back for `seconds` on the GPU (one spinning thread)."""
+    kernels(world).delay((1,), (1,), (np.uint64(int(seconds * 1e9)),), stream=stream)
 
 
 def join(waiter, signaller) -> None:

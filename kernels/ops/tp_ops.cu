@@ -3,6 +3,7 @@
 //
 //   fluxrt_ops_signal_list  release a list of (local or peer) flags to one value
 //   fluxrt_ops_wait_list    bounded acquire-wait until every flag of a list reaches a target
+//   fluxrt_ops_delay        one thread spins for a given time (benchmarks, slow-peer tests)
 //   fluxrt_rs_reduce        per tile: wait for every source's partial, sum them in fixed source order
 //                           in fp32, store this rank's slice of the result
 //
@@ -92,6 +93,14 @@ __global__ void fluxrt_ops_wait_list(const u64* const* ptrs, const u64* peers, u
                                      u64 timeout_ns, ErrorRecord* err, u32 op, u32 rank) {
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) fluxrt::wait_ge(ptrs[i], target, timeout_ns, err, op, rank, peers[i]);
+}
+
+// One thread spins for `ns` nanoseconds of %globaltimer: holds a stream back so that the host can enqueue
+// a whole op behind it before the GPU starts (benchmarks), or makes one rank late (slow-peer tests).
+__global__ void fluxrt_ops_delay(u64 ns) {
+    const u64 t0 = fluxrt::globaltimer_ns();
+    while (fluxrt::globaltimer_ns() - t0 < ns) {
+    }
 }
 
 // Owner-side reduction of GEMM+ReduceScatter.

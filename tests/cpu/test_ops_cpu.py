@@ -216,3 +216,37 @@ def test_aligned_group_m():
     assert P.aligned_group_m(16, 12) == 12
     assert P.aligned_group_m(16, 18) == 9
     assert P.aligned_group_m(16, 17) == 1
+
+
+# --- perf: tp_ops sweep helpers ----------------------------------------------------------------------
+
+def test_tp_ops_shapes_and_parser():
+    from fluxrt.perf import tp_ops
+
+    assert tp_ops.parse_shapes("8192x7168x8192, 4096X7168x8192") == [(8192, 7168, 8192), (4096, 7168, 8192)]
+    for bad in ("8192x7168", "0x1x1", "axbxc"):
+        with pytest.raises(ValueError, match="MxNxK"):
+            tp_ops.parse_shapes(bad)
+    args = tp_ops.build_parser("ag_gemm").parse_args("-m 8192 -n 7168 -k 8192 -d bf16 --iters 7 -w 2".split())
+    assert tp_ops.shapes_from_args("ag_gemm", args) == [(8192, 7168, 8192)]
+    assert (args.iters, args.warmup_iters, args.datatype) == (7, 2, "bf16")
+    assert tp_ops.shapes_from_args("gemm_rs", tp_ops.build_parser("gemm_rs").parse_args([])) == \
+        list(tp_ops.DEFAULT_SHAPES["gemm_rs"])
+    with pytest.raises(ValueError, match="all of -m, -n and -k"):
+        tp_ops.shapes_from_args("ag_gemm", tp_ops.build_parser("ag_gemm").parse_args(["-m", "8192"]))
+
+
+def test_tp_ops_overlap_row_and_table():
+    from fluxrt.perf import tp_ops
+
+    # the numbers: torch async-TP at 1.386 ms has overlap 1 - (1.386-1.289)/(1.581-1.289) = 0.668
+    r = tp_ops.overlap_row("ag_gemm", 8192, 7168, 8192, 4, "bfloat16", fused_ms=1.386, gemm_fluxrt=1.30,
+                           gemm_cublas=1.289, comm_ms=0.368, sequential_ms=1.581, torch_ms=1.386)
+    assert r["overlap_eff"] == pytest.approx(1 - 0.097 / 0.292, rel=1e-9)
+    assert r["tflops"] == pytest.approx(2 * 8192 * 7168 * 8192 / 1.386e-3 / 1e12)
+    assert set(r) == {"op", "m", "n", "k", "world", "dtype", "fused_ms", "gemm_ms_fluxrt", "gemm_ms_cublas",
+                      "comm_ms_nccl", "sequential_ms", "torch_ms", "overlap_eff", "tflops"}
+    lines = tp_ops.format_table([r, dict(r, torch_ms=None)])
+    assert lines[0].startswith("#") and "overlap" in lines[0]
+    assert len({len(x) for x in lines}) == 1          # columns line up
+    assert "N/A" in lines[2] and "N/A" not in lines[1]

@@ -159,8 +159,20 @@ def test_ag_gemm_varying_m(world, rng):
         op.free()
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
-def test_ag_gemm_slow_peer(world, rng, mode):
+def _be_late(world, late: str, stream=None) -> None:
+    """Make this rank late: the host sleeps, or its stream is held back on the GPU."""
+    from fluxrt.ops import common
+
+    if late == "host":
+        time.sleep(0.5)
+    else:
+        import cupy
+
+        common.delay(world, 0.3, stream or cupy.cuda.get_current_stream())
+
+
+@pytest.mark.parametrize("mode, late", [("pull", "host"), ("push", "host"), ("pull", "gpu"), ("push", "gpu")])
+def test_ag_gemm_slow_peer(world, rng, mode, late):
     from fluxrt.ops import AgGemmPlan, AllGatherGemm
 
     n, k, shard = 256, 256, 256
@@ -171,7 +183,7 @@ def test_ag_gemm_slow_peer(world, rng, mode):
         world.synchronize()
         world.comm.Barrier()
         if world.rank == world.size - 1:
-            time.sleep(0.5)   # the others' GEMMs start on their own rows and wait for this rank's chunks
+            _be_late(world, late)   # the others' GEMMs start on their own rows and wait for this rank's chunks
         got = op.forward(_dev(a), _dev(b))
         world.synchronize()
         _check(got, _ag_reference(world, a, b, False)[1], "bfloat16", f"AG slow peer ({mode})")
@@ -237,7 +249,8 @@ def test_gemm_rs_repeated_calls_and_determinism(world, rng, mode):
         op.free()
 
 
-def test_gemm_rs_slow_peer(world, rng):
+@pytest.mark.parametrize("late", ["host", "gpu"])
+def test_gemm_rs_slow_peer(world, rng, late):
     from fluxrt.ops import GemmReduceScatter
 
     n, k, shard = 256, 256, 256
@@ -248,7 +261,7 @@ def test_gemm_rs_slow_peer(world, rng):
         world.synchronize()
         world.comm.Barrier()
         if world.rank == 0:
-            time.sleep(0.5)
+            _be_late(world, late)
         got = op.forward(_dev(a), _dev(b))
         world.synchronize()
         _check(got, _rs_reference(world, a, b, False), "bfloat16", "RS slow peer")

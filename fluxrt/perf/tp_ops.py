@@ -1,0 +1,433 @@
+"""Fused tensor-parallel op benchmarks: ``fluxrt-perf ag_gemm`` and ``fluxrt-perf gemm_rs``.
+
+Per shape (the GEMM each rank runs: M rows in total, N columns, K = the rank's inner dimension), under
+mpirun with one GPU per rank:
+
+    fused_ms        fluxrt.ops.AllGatherGemm / GemmReduceScatter
+    gemm_ms_fluxrt  fluxrt.gemm.gemm alone, same shape
+    gemm_ms_cublas  cupy.matmul (cuBLAS) alone
+    comm_ms_nccl    NCCL all-gather of A [M, K] / reduce-scatter of C [M, N] (cupy.cuda.nccl)
+    sequential_ms   NCCL then cuBLAS (AG) / cuBLAS then NCCL (RS) on one stream
+    torch_ms        torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter, when torch
+                    imports and sets up (never a dependency; skipped with a note otherwise)
+    overlap_eff     FLUX: ECT = t - best GEMM alone; E = 1 - ECT_fused / ECT_sequential
+    tflops          2 M N K / fused time, per GPU
+
+Timing: each measurement is warmed up, then each timed iteration starts with every rank synchronized
+(MPI barrier after a stream sync), a short GPU delay so the host can enqueue the whole call before the
+GPU starts it, and CUDA events around the call; the row reports the median per rank, max over ranks.
+Shapes: ``-m M -n N -k K`` or ``--shapes MxNxK,...`` (default: the shapes of the issue's targets).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+
+import numpy as np
+
+from .report import results_document, write_json
+from .sweep import normalize_datatype
+
+log = logging.getLogger(__name__)
+
+OPS = ("ag_gemm", "gemm_rs")
+DEFAULT_SHAPES = {   # M x N x K of the per-rank GEMM (AG: K full, N local; RS: K local, N full)
+    "ag_gemm": ((8192, 7168, 8192), (16384, 6144, 8192), (4096, 7168, 8192)),
+    "gemm_rs": ((8192, 8192, 7168), (16384, 6144, 8192), (4096, 7168, 8192)),
+}
+LAUNCH_SLACK_S = 200e-6   # GPU delay before each timed call: covers the host's enqueue of the whole call
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'8192x7168x8192,4096x7168x8192' -> [(M, N, K), ...]."""
+    out = []
+    for part in text.split(","):
+        dims = part.strip().lower().split("x")
+        if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise ValueError(f"shape {part!r}: expected MxNxK with positive integers, e.g. 8192x7168x8192")
+        out.append(tuple(int(d) for d in dims))
+    return out
+
+
+def build_parser(op: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"fluxrt-perf {op}", description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", type=int, help="rows of A (all ranks together)")
+    p.add_argument("-n", type=int, help="columns of B and C")
+    p.add_argument("-k", type=int, help="inner dimension of this rank's GEMM")
+    p.add_argument("--shapes", help="comma-separated MxNxK list (instead of -m -n -k)")
+    p.add_argument("-d", "--datatype", default="bf16", type=normalize_datatype, help="bf16|fp16 (default bf16)")
+    p.add_argument("--iters", "-i", type=int, default=20, help="timed iterations per measurement (default 20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed warm-up iterations (default 5)")
+    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                   help="check the fused result once against cuBLAS(+NCCL) (default 1)")
+    p.add_argument("--comm-mode", choices=("pull", "push"), default=None, help="AG: override the planner")
+    p.add_argument("--chunks", type=int, default=None, help="AG: chunks per rank (override the planner)")
+    p.add_argument("--reduce-mode", choices=("after", "concurrent"), default=None, help="RS: override the planner")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch async-TP baseline")
+    p.add_argument("--json", dest="json_path", default=None, help="write the rows as JSON to PATH")
+    p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG bar chart to PATH")
+    return p
+
+
+def shapes_from_args(op: str, args) -> list[tuple[int, int, int]]:
+    if args.shapes:
+        return parse_shapes(args.shapes)
+    given = [args.m, args.n, args.k]
+    if any(v is not None for v in given):
+        if not all(v is not None and v > 0 for v in given):
+            raise ValueError("give all of -m, -n and -k (positive), or --shapes")
+        return [tuple(given)]
+    return list(DEFAULT_SHAPES[op])
+
+
+def overlap_row(op: str, m: int, n: int, k: int, world: int, dtype: str, fused_ms: float, gemm_fluxrt: float,
+                gemm_cublas: float, comm_ms: float, sequential_ms: float, torch_ms: float | None) -> dict:
+    """One result row (the issue's keys), with ECT-based overlap efficiency and TFLOP/s per GPU."""
+    best = min(x for x in (gemm_fluxrt, gemm_cublas) if x is not None)
+    ect_fused, ect_seq = fused_ms - best, sequential_ms - best
+    eff = 1.0 - ect_fused / ect_seq if ect_seq > 0 else float("nan")
+    return {"op": op, "m": m, "n": n, "k": k, "world": world, "dtype": dtype, "fused_ms": fused_ms,
+            "gemm_ms_fluxrt": gemm_fluxrt, "gemm_ms_cublas": gemm_cublas, "comm_ms_nccl": comm_ms,
+            "sequential_ms": sequential_ms, "torch_ms": torch_ms, "overlap_eff": eff,
+            "tflops": 2.0 * m * n * k / (fused_ms * 1e-3) / 1e12}
+
+
+# (header, row key or a derived ratio, width, decimals)
+_COLUMNS = (("M", "m", 6, None), ("N", "n", 6, None), ("K", "k", 6, None), ("fused", "fused_ms", 8, 3),
+            ("gemm", "gemm_ms_fluxrt", 8, 3), ("cublas", "gemm_ms_cublas", 8, 3), ("nccl", "comm_ms_nccl", 8, 3),
+            ("seq", "sequential_ms", 8, 3), ("torch", "torch_ms", 8, 3), ("fused/cublas", "fused/cublas", 12, 3),
+            ("torch/fused", "torch/fused", 11, 3), ("overlap", "overlap_eff", 8, 3), ("TFLOP/s", "tflops", 8, 1))
+
+
+def _cell(r: dict, key: str):
+    if key == "fused/cublas":
+        return r["fused_ms"] / r["gemm_ms_cublas"] if r.get("gemm_ms_cublas") else None
+    if key == "torch/fused":
+        return r["torch_ms"] / r["fused_ms"] if r.get("torch_ms") else None
+    return r.get(key)
+
+
+def format_table(rows: list[dict]) -> list[str]:
+    """Header line + one line per row (times in ms; ratios > 1 in torch/fused mean fluxrt is faster)."""
+    lines = ["#" + " ".join(f"{name:>{w}}" for name, _, w, _ in _COLUMNS)]
+    for r in rows:
+        cells = []
+        for _, key, w, dec in _COLUMNS:
+            v = _cell(r, key)
+            if v is None or (isinstance(v, float) and v != v):
+                cells.append(f"{'N/A':>{w}}")
+            else:
+                cells.append(f"{v:>{w}}" if dec is None else f"{v:>{w}.{dec}f}")
+        lines.append(" " + " ".join(cells))
+    return lines
+
+
+def plot_rows(path: str, rows: list[dict], title: str) -> None:
+    """Grouped bars per shape: fused, cuBLAS alone, NCCL+cuBLAS sequential, torch async-TP."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(6, 2.5 * len(rows)), 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    series = (("fluxrt fused", "fused_ms"), ("cuBLAS GEMM alone", "gemm_ms_cublas"),
+              ("NCCL+cuBLAS sequential", "sequential_ms"), ("torch async-TP", "torch_ms"))
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        xs = [j + i * width for j, r in enumerate(rows) if r.get(key)]
+        ys = [r[key] for r in rows if r.get(key)]
+        if xs:
+            ax.bar(xs, ys, width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['m']}x{r['n']}x{r['k']}" for r in rows])
+    ax.set_ylabel("ms")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --- measurement (GPU from here on) -------------------------------------------------------------------
+
+class Timer:
+    """Median time of a stream-ordered call, ranks synchronized before each timed iteration."""
+
+    def __init__(self, world, stream, warmup: int, iters: int):
+        self.world, self.stream, self.warmup, self.iters = world, stream, warmup, iters
+
+    def __call__(self, fn, stream=None) -> float:
+        import cupy
+
+        from ..ops import common
+
+        s = stream or self.stream
+        for _ in range(self.warmup):
+            fn()
+        s.synchronize()
+        self.world.check_errors()
+        times = []
+        for _ in range(self.iters):
+            s.synchronize()
+            self.world.comm.Barrier()
+            common.delay(self.world, LAUNCH_SLACK_S, s)
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(s)
+            fn()
+            end.record(s)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+        self.world.check_errors()
+        from mpi4py import MPI
+
+        return float(self.world.comm.allreduce(statistics.median(times), op=MPI.MAX))
+
+
+def _nccl_comm(world):
+    from cupy.cuda import nccl
+
+    uid = nccl.get_unique_id() if world.rank == 0 else None
+    uid = world.comm.bcast(uid, root=0)
+    return nccl.NcclCommunicator(world.size, uid, world.rank)
+
+
+def _nccl_type(dtype: str) -> int:
+    from cupy.cuda import nccl
+
+    if dtype == "bfloat16":
+        return getattr(nccl, "NCCL_BFLOAT16", 9)   # ncclBfloat16 since NCCL 2.10
+    return nccl.NCCL_FLOAT16
+
+
+class TorchBaseline:
+    """torch async-TP (symmetric-memory fused ops) on the same GPU, or a note saying why not."""
+
+    def __init__(self, world):
+        self.note = None
+        self.ok = False
+        try:
+            import torch
+            import torch.distributed as dist
+            import torch.distributed._symmetric_memory as symm_mem
+
+            addr = world.comm.bcast(os.uname().nodename if world.rank == 0 else None, root=0)
+            port = world.comm.bcast(29500 + (os.getpid() % 2000) if world.rank == 0 else None, root=0)
+            os.environ.setdefault("MASTER_ADDR", addr)
+            os.environ.setdefault("MASTER_PORT", str(port))
+            torch.cuda.set_device(world.device_id)
+            if not dist.is_initialized():
+                dist.init_process_group("nccl", rank=world.rank, world_size=world.size,
+                                        device_id=torch.device("cuda", world.device_id))
+            self.group = dist.group.WORLD.group_name
+            symm_mem.enable_symm_mem_for_group(self.group)
+            self.torch = torch
+            self.ok = True
+        except Exception as e:  # optional baseline: say why it is missing, never fail the bench
+            self.note = f"torch async-TP skipped: {type(e).__name__}: {e}"
+
+    def stream(self):
+        from ..streams import as_cupy_stream
+
+        return as_cupy_stream(self.torch.cuda.current_stream().cuda_stream)
+
+    def tensor(self, x):
+        return self.torch.from_dlpack(x)
+
+    def ag(self, a_shard, b):
+        return self.torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], gather_dim=0, group_name=self.group)
+
+    def rs(self, a, b):
+        return self.torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name=self.group)
+
+
+def _rand(shape, dtype, seed):
+    import cupy
+
+    from ..gemm import _np_dtype
+
+    g = cupy.random.default_rng(seed)
+    return (g.standard_normal(shape, dtype=np.float32) / 8).astype(_np_dtype(dtype))
+
+
+def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, timer, nccl_comm, torch_base) -> dict:
+    import cupy
+
+    from .. import gemm as fgemm
+    from ..ops import AgGemmPlan, AllGatherGemm, GemmReduceScatter, GemmRsPlan, plan_ag_gemm, plan_gemm_rs
+
+    w, me = world.size, world.rank
+    s = timer.stream
+    nt = _nccl_type(dtype)
+    shard = m // w
+    with s:
+        if op == "ag_gemm":
+            plan = plan_ag_gemm(m, n, k, w)
+            if args.comm_mode or args.chunks:
+                plan = AgGemmPlan(chunks_per_rank=args.chunks or plan.chunks_per_rank,
+                                  comm_mode=args.comm_mode or plan.comm_mode)
+            fused_op = AllGatherGemm(world, m, n, k, dtype, plan=plan)
+            a_shard = _rand((shard, k), dtype, 1 + me)
+            a_full = cupy.empty((m, k), dtype=a_shard.dtype)
+            b = _rand((k, n), dtype, 100 + me)
+            c = cupy.empty((m, n), dtype=a_shard.dtype)
+
+            def fused():
+                fused_op.forward(a_shard, b, out=c, stream=s)
+
+            def comm():
+                nccl_comm.allGather(a_shard.data.ptr, a_full.data.ptr, a_shard.size, nt, s.ptr)
+
+            def gemm_cublas():
+                cupy.matmul(a_full, b, out=c)
+
+            def gemm_fluxrt():
+                fgemm.gemm(a_full, b, out=c, stream=s)
+
+            def sequential():
+                comm()
+                gemm_cublas()
+        else:
+            plan = plan_gemm_rs(m, n, k, w)
+            if args.reduce_mode:
+                plan = GemmRsPlan(reduce_mode=args.reduce_mode)
+            fused_op = GemmReduceScatter(world, m, n, k, dtype, plan=plan)
+            a_full = _rand((m, k), dtype, 1 + me)
+            b = _rand((k, n), dtype, 100 + me)
+            c = cupy.empty((m, n), dtype=a_full.dtype)
+            out = cupy.empty((shard, n), dtype=a_full.dtype)
+
+            def fused():
+                fused_op.forward(a_full, b, out=out, stream=s)
+
+            def comm():
+                nccl_comm.reduceScatter(c.data.ptr, out.data.ptr, out.size, nt, 0, s.ptr)   # 0 = ncclSum
+
+            def gemm_cublas():
+                cupy.matmul(a_full, b, out=c)
+
+            def gemm_fluxrt():
+                fgemm.gemm(a_full, b, out=c, stream=s)
+
+            def sequential():
+                gemm_cublas()
+                comm()
+    cublas_ok = True
+    try:
+        with s:
+            gemm_cublas()
+        s.synchronize()
+    except Exception as e:   # cuBLAS without this dtype: the sequential baseline uses the fluxrt GEMM
+        log.warning("cupy.matmul %s failed (%s); sequential baseline uses the fluxrt GEMM", dtype, e)
+        cublas_ok = False
+        gemm_cublas = gemm_fluxrt  # noqa: F811 (sequential() picks this up)
+    s.synchronize()
+    world.comm.Barrier()
+    if args.check:
+        _check_once(op, world, fused, sequential, c if op == "ag_gemm" else out, s)
+    with s:
+        t_fused = timer(fused)
+        t_fl = timer(gemm_fluxrt)
+        t_cb = timer(gemm_cublas) if cublas_ok else None
+        t_comm = timer(comm)
+        t_seq = timer(sequential)
+    t_torch = None
+    if torch_base is not None and torch_base.ok:
+        try:
+            ts = torch_base.stream()
+            with ts:
+                if op == "ag_gemm":
+                    ta, tb = torch_base.tensor(a_shard), torch_base.tensor(b)
+                    t_torch = timer(lambda: torch_base.ag(ta, tb), stream=ts)
+                else:
+                    ta, tb = torch_base.tensor(a_full), torch_base.tensor(b)
+                    t_torch = timer(lambda: torch_base.rs(ta, tb), stream=ts)
+        except Exception as e:
+            torch_base.note = f"torch async-TP failed at {m}x{n}x{k}: {type(e).__name__}: {e}"
+            log.warning("%s", torch_base.note)
+    fused_op.free()
+    return overlap_row(op, m, n, k, w, dtype, t_fused, t_fl, t_cb, t_comm, t_seq, t_torch)
+
+
+def _check_once(op, world, fused, sequential, result, s) -> None:
+    """The fused result equals NCCL + GEMM within bf16/fp16 rounding (relative to the largest value)."""
+    import cupy
+    from mpi4py import MPI
+
+    fused()
+    s.synchronize()
+    got = result.astype(np.float32)
+    sequential()
+    s.synchronize()
+    world.check_errors()
+    ref = result.astype(np.float32)
+    err = float(cupy.abs(got - ref).max()) / max(float(cupy.abs(ref).max()), 1e-30)
+    worst = world.comm.allreduce(err, op=MPI.MAX)
+    if not worst < 3e-2:
+        raise RuntimeError(f"{op}: fused result differs from NCCL + GEMM: relative error {worst:.3g}")
+
+
+def main(argv=None, bench: str | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in OPS:
+        bench = argv.pop(0)
+    if bench is None:   # `fluxrt-perf ag_gemm ...`: the command line names the bench
+        bench = next((a for a in sys.argv[1:2] if a in OPS), None) or next((a for a in sys.argv if a in OPS), "ag_gemm")
+    args = build_parser(bench).parse_args(argv)
+    dtype = _DTYPES.get(args.datatype)
+    if dtype is None:
+        print(f"fluxrt-perf {bench}: datatype {args.datatype} not supported (bf16 or fp16)", file=sys.stderr)
+        return 2
+    shapes = shapes_from_args(bench, args)
+
+    import cupy
+
+    import fluxrt
+
+    heap = 0
+    for m, n, k in shapes:
+        heap = max(heap, m * k * 2 + 4096 if bench == "ag_gemm" else 2 * m * n * 2 + 4096)
+    world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G"))
+    try:
+        for m, n, k in shapes:
+            if m % (world.size * 128):
+                raise SystemExit(f"fluxrt-perf {bench}: M={m} must be a multiple of world * 128 = {world.size * 128}")
+        stream = cupy.cuda.Stream(non_blocking=True)
+        timer = Timer(world, stream, args.warmup_iters, args.iters)
+        nccl_comm = _nccl_comm(world)
+        torch_base = None if args.no_torch else TorchBaseline(world)
+        rows = []
+        if world.rank == 0:
+            print(f"# fluxrt-perf {bench}: world={world.size} dtype={args.datatype} iters={args.iters} "
+                  f"warmup={args.warmup_iters}; times in ms (median per rank, max over ranks)")
+            if torch_base is not None and torch_base.note:
+                print(f"# {torch_base.note}")
+            for line in format_table([]):
+                print(line, flush=True)
+        for m, n, k in shapes:
+            row = measure_shape(bench, world, m, n, k, dtype, args, timer, nccl_comm, torch_base)
+            rows.append(row)
+            if world.rank == 0:
+                print(format_table([row])[1], flush=True)
+        if world.rank == 0:
+            if torch_base is not None and torch_base.note and torch_base.ok:
+                print(f"# {torch_base.note}")
+            if args.json_path:
+                props = cupy.cuda.runtime.getDeviceProperties(world.device_id)
+                name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+                doc = results_document(bench, rows, ["fluxrt-perf", bench] + argv,
+                                       machine={"gpu_name": name, "gpu_count": world.size})
+                if torch_base is not None and torch_base.note:
+                    doc["notes"] = [torch_base.note]
+                write_json(args.json_path, doc)
+            if args.plot_path:
+                plot_rows(args.plot_path, rows, f"fluxrt {bench}, {world.size} GPUs, {args.datatype}")
+    finally:
+        world.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
