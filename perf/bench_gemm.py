@@ -100,7 +100,7 @@ def idle_hook_runs(plan, m, n, trans_b, dtype, ArrivalWait, TileEpilogue, gemm_w
     def run_wait(a, b, c):
         gemm_with_hooks(a, b, c, trans_b=trans_b, plan=plan, wait=wait)
 
-    def run_both(a, b, c):
+    def run_both(a, b, c, _keep=(tile_flags, flags, err)):   # the kernel writes these: keep them alive
         gemm_with_hooks(a, b, trans_b=trans_b, plan=plan, out_dtype=dtype, wait=wait,
                         epilogue=TileEpilogue(dst_table=dst_table(c), chunk_rows=chunk_rows, dst_ld=n,
                                               flag_table=flag_table, signal_value=1))
