@@ -29,6 +29,10 @@ class CollectiveMismatchError(FluxrtError, ValueError):
     """Ranks passed different arguments (shape, dtype, count, op) to a collective call."""
 
 
+class CollectiveArgumentError(FluxrtError, ValueError):
+    """A collective's arguments are unusable on this rank (dtype, device, layout, sizes, out too small)."""
+
+
 class NotSymmetricError(FluxrtError, ValueError):
     """An array that must live on the symmetric heap does not."""
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 import logging
 import sys
 
+# name -> "module" (module.main(argv)) or "module:variant" (module.main(argv, variant)).
 BENCHES = {
     "p2p": "fluxrt.perf.p2p",
+    "allreduce": "fluxrt.perf.collectives:allreduce",
+    "allgather": "fluxrt.perf.collectives:allgather",
+    "reduce_scatter": "fluxrt.perf.collectives:reduce_scatter",
+    "alltoall": "fluxrt.perf.collectives:alltoall",
+    "alltoallv": "fluxrt.perf.collectives:alltoallv",
+    "broadcast": "fluxrt.perf.collectives:broadcast",
+    "ag_gemm": "fluxrt.perf.tp_ops:ag_gemm",
+    "gemm_rs": "fluxrt.perf.tp_ops:gemm_rs",
 }
 
 
@@ -20,7 +29,9 @@ def main(argv=None) -> int:
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    module, _, variant = BENCHES[argv[0]].partition(":")
+    bench_main = importlib.import_module(module).main
+    return bench_main(argv[1:], variant) if variant else bench_main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,609 @@
+"""Collectives over NVLink: allreduce, reduce_scatter, allgather, alltoall, alltoallv, broadcast, barrier.
+
+    import fluxrt
+    with fluxrt.init() as world:
+        y = fluxrt.allreduce(world, x)                       # x: any CuPy / DLPack GPU array
+        h = fluxrt.allgather(world, x, out, async_op=True)   # runs on a side stream
+        ...                                                  # overlap compute on other streams
+        h.wait()                                             # the current stream waits for it
+
+Calls are collective: every rank makes the same calls, in the same order, with matching arguments.
+With ``WorldOptions.check_collective_args`` (the default) each call first compares its arguments across
+ranks over MPI and raises the same error on every rank (CollectiveMismatchError, CollectiveArgumentError)
+instead of launching mismatched kernels; turn it off for the lowest latency once a program is known good.
+
+Data is staged through a per-world symmetric workspace (``Collectives``, made collectively on the first
+call or explicitly): each launch pushes this rank's data into the peers' workspace slots with SM stores
+over NVLink, releases per-block flags, waits for the peers' flags (bounded by the world's timeout) and
+reduces or copies locally. Messages larger than a workspace half go in several launches. Epochs live on
+the device, so calls can be captured in a CUDA graph and replayed. Algorithms per size are chosen in
+``fluxrt.collectives_plan`` (``algo=`` forces one).
+
+Calls of one context are serialized in issue order, also across streams (a call on another stream waits
+for the previous call), because they share the workspace and the epoch counter.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import collectives_plan as plan
+from .dtypes import bfloat16, normalize_dtype
+from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, op_id
+from .streams import as_cupy_stream
+
+log = logging.getLogger(__name__)
+
+KERNEL_SOURCE = "comm/collectives.cu"
+_REDUCE_DTYPES = {bfloat16: "bf16", np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
+_TABLE_DTYPE = np.dtype([("words", "<u8", (4 * plan.MAX_WORLD,))])  # struct ExchangeTable, by value
+_u64, _u32 = np.uint64, np.uint32
+_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class CollectivesOptions:
+    """workspace_bytes: symmetric staging memory per rank (two halves alternate between launches);
+    a message larger than about half of it (allreduce one-shot: half / ranks) goes in several launches."""
+
+    workspace_bytes: int = 64 << 20
+
+
+class CollectiveHandle:
+    """An in-flight ``async_op=True`` collective. ``wait(stream)`` makes `stream` (default: the current
+    one) wait for it and returns the result; ``is_done()`` polls. Both raise a recorded device timeout."""
+
+    def __init__(self, world, event, result, keep):
+        self._world, self._event, self.result, self._keep = world, event, result, keep
+
+    def wait(self, stream=None):
+        as_cupy_stream(stream).wait_event(self._event)
+        self._world.check_errors()
+        return self.result
+
+    def is_done(self) -> bool:
+        done = self._event.done
+        if done:
+            self._world.check_errors()
+            self._keep = None
+        return done
+
+
+# ------------------------------------------------------------------------------------------ validation
+def _as_array(x, name: str, device_id: int):
+    """A C-contiguous CuPy array on the world's GPU, from a CuPy array or any DLPack GPU array."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        a = x
+    elif hasattr(x, "__dlpack__"):
+        try:
+            a = cupy.from_dlpack(x)
+        except Exception as e:
+            raise CollectiveArgumentError(f"{name}: cannot import it through DLPack as GPU memory ({e})") from e
+    else:
+        raise CollectiveArgumentError(f"{name}: expected a CuPy array or a DLPack GPU array, got "
+                                      f"{type(x).__name__}")
+    if a.device.id != device_id:
+        raise CollectiveArgumentError(f"{name} is on GPU {a.device.id}, but this rank's world uses GPU {device_id}")
+    if not a.flags.c_contiguous:
+        raise CollectiveArgumentError(f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides}); "
+                                      "pass a contiguous copy (cupy.ascontiguousarray)")
+    return a
+
+
+def _reduce_dtype(dtype) -> str:
+    d = normalize_dtype(dtype)
+    if d not in _REDUCE_DTYPES:
+        raise CollectiveArgumentError(f"reductions support bf16, fp16 and fp32, got {d}")
+    return _REDUCE_DTYPES[d]
+
+
+def _move_dtype(dtype) -> np.dtype:
+    d = normalize_dtype(dtype)
+    if d != bfloat16 and d.kind not in "fiub":
+        raise CollectiveArgumentError(f"unsupported dtype {d}: use bf16, fp16, fp32, int32 or another numeric type")
+    return d
+
+
+def _redop(op: str) -> str:
+    name = str(op).lower()
+    if name not in plan.REDUCE_OPS:
+        raise CollectiveArgumentError(f"reduction op {op!r} not in {plan.REDUCE_OPS}")
+    return name
+
+
+def _span(a) -> tuple[int, int]:
+    return a.data.ptr, a.data.ptr + a.nbytes
+
+
+def _check_alias(op: str, x, out, allowed_offsets: tuple[int, ...]) -> None:
+    """out may overlap x only exactly in the in-place layouts of `op` (out.ptr - x.ptr in allowed_offsets)."""
+    (x0, x1), (o0, o1) = _span(x), _span(out)
+    if x.nbytes == 0 or out.nbytes == 0 or x1 <= o0 or o1 <= x0:
+        return
+    if x0 - o0 in allowed_offsets:
+        return
+    raise CollectiveArgumentError(f"{op}: out overlaps the input in an unsupported way (input at +{x0 - o0} bytes "
+                                  "into out); use disjoint buffers or the documented in-place layout")
+
+
+def _signature_text(sig: tuple) -> str:
+    return " ".join(f"{k}={v}" for k, v in sig)
+
+
+def _agree(world, name: str, sig: tuple, error: Exception | None, extra=None) -> list:
+    """Compare the call across ranks (when the world checks collective arguments) and make every rank
+    raise the same way on a local error or a mismatch. Returns every rank's `extra` (gathered only when
+    extra is not None or checks are on)."""
+    if not world.options.check_collective_args and extra is None or world.size == 1:
+        if error is not None:
+            raise error
+        return [extra]
+    local = None if error is None else f"{type(error).__name__}: {error}"
+    every = world.comm.allgather((sig, local, extra))
+    failed = [(r, e) for r, (_, e, _) in enumerate(every) if e]
+    if failed:
+        if error is not None:
+            raise error
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise CollectiveArgumentError(f"{name}: other ranks rejected the call ({detail})")
+    if world.options.check_collective_args:
+        groups: dict = {}
+        for r, (s, _, _) in enumerate(every):
+            groups.setdefault(s, []).append(r)
+        if len(groups) > 1:
+            detail = "; ".join(f"ranks {rs}: {_signature_text(s)}" for s, rs in groups.items())
+            raise CollectiveMismatchError(f"{name} called with different arguments across ranks ({detail}); "
+                                          "every rank must pass the same count, dtype, op and root")
+    return [e for _, _, e in every]
+
+
+def _local(fn):
+    """Run local validation; return (result, None) or (None, the error) so that every rank reaches _agree."""
+    try:
+        return fn(), None
+    except (CollectiveArgumentError, TypeError, ValueError) as e:
+        return None, e if isinstance(e, FluxrtError) else CollectiveArgumentError(str(e))
+
+
+# ------------------------------------------------------------------------------------------ the context
+class Collectives:
+    """Per-world collectives state: the symmetric workspace, per-block flags, the device epoch counter,
+    the side stream of async calls. Collective to create (every rank, same options). The first one made
+    for a world becomes the one the module-level functions use; ``free()`` (collective) or the world's
+    finalize releases the symmetric memory."""
+
+    def __init__(self, world, options: CollectivesOptions | None = None):
+        import cupy
+
+        from .toolchain import load_module
+
+        world._check_active()
+        options = options or CollectivesOptions()
+        plan.check_world(world.size)
+        ws = plan.VEC_BYTES * (int(options.workspace_bytes) // plan.VEC_BYTES)
+        if ws < 4 * plan.VEC_BYTES * world.size:
+            raise CollectiveArgumentError(f"workspace_bytes={options.workspace_bytes} is too small for "
+                                          f"{world.size} ranks")
+        self.world, self.options = world, options
+        n = world.size
+        self.module = load_module(KERNEL_SOURCE)
+        self.epoch = cupy.zeros(2, dtype=np.uint64)  # [epoch of the last finished launch, arrivals]
+        self.workspace = world.empty((ws,), np.uint8)
+        self.flags = world.zeros((2 * n * plan.MAX_BLOCKS,), np.uint64)  # syncs and barriers: all zero
+        unreachable = [r for r in range(n) if self.workspace.peer_ptr(r) == 0]
+        every = world.comm.allgather(unreachable)
+        if any(every):
+            self.free()
+            detail = "; ".join(f"rank {r} cannot reach {u}" for r, u in enumerate(every) if u)
+            raise FluxrtError(f"collectives need NVLink/P2P load-store access between all ranks ({detail})")
+        self.half_bytes = plan.VEC_BYTES * ((ws // 2) // plan.VEC_BYTES)
+        self.side_stream = cupy.cuda.Stream(non_blocking=True)
+        self._order_event = cupy.cuda.Event(disable_timing=True)
+        self._last_stream = None
+        self._kernels: dict = {}
+        self._team_base = (_u64(self.epoch.data.ptr), _u64(self.workspace.data.ptr),
+                           _u64(self.workspace.peer_table.data.ptr), _u64(self.flags.data.ptr),
+                           _u64(self.flags.peer_table.data.ptr), _u64(self.half_bytes), _u32(world.rank),
+                           _u32(n), _u64(world.timeout_ns), _u64(world.error_record))
+        self._teams = {name: self._team_base + (_u32(op_id(name)),) for name in plan.ALGOS}
+        world.device.synchronize()
+        if world not in _contexts:
+            _contexts[world] = self
+
+    def free(self) -> None:
+        """Collective: release the workspace and flags (the world's finalize does it otherwise)."""
+        if self.world.active:
+            self.world.free(self.flags)
+            self.world.free(self.workspace)
+        if _contexts.get(self.world) is self:
+            del _contexts[self.world]
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    def _kernel(self, name: str):
+        fn = self._kernels.get(name)
+        if fn is None:
+            fn = self._kernels[name] = self.module.get_function(name)
+        return fn
+
+    def _order_after_previous(self, s) -> None:
+        """Make stream `s` wait for the previous call when it ran on another stream (shared workspace)."""
+        last = self._last_stream
+        if last is not None and last.ptr != s.ptr:
+            if last.is_capturing() == s.is_capturing():
+                self._order_event.record(last)
+                s.wait_event(self._order_event)
+            else:
+                log.debug("collectives: not ordering across a capture boundary (stream 0x%x after 0x%x)",
+                          s.ptr, last.ptr)
+        self._last_stream = s
+
+    def _run(self, stream, async_op: bool, launch, result, keep):
+        import cupy
+
+        self.world._check_active()
+        self.world.check_errors()
+        caller = as_cupy_stream(stream)
+        if async_op:
+            ready = cupy.cuda.Event(disable_timing=True)
+            ready.record(caller)
+            s = self.side_stream
+            s.wait_event(ready)
+        else:
+            s = caller
+        self._order_after_previous(s)
+        launch(s)
+        if not async_op:
+            return result
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(s)
+        return CollectiveHandle(self.world, done, result, keep)
+
+    def _output(self, out, name: str, dtype, count: int, default_shape):
+        import cupy
+
+        if out is None:
+            return cupy.empty(default_shape, dtype=dtype)
+        o = _as_array(out, name, self.world.device_id)
+        if o.dtype != dtype:
+            raise CollectiveArgumentError(f"{name} has dtype {o.dtype}, the input {dtype}")
+        if o.size < count:
+            raise CollectiveArgumentError(f"{name} too small: {o.size} elements, the result needs {count}")
+        return o
+
+    def _exchange(self, s, op: str, pieces, table_fn, slot_bytes: int) -> None:
+        fn = self._kernel("fluxrt_exchange")
+        team = self._teams[op]
+        for p in pieces:
+            tab = np.zeros(1, _TABLE_DTYPE)
+            table_fn(p, tab.view(np.uint64).reshape(4, plan.MAX_WORLD))
+            fn((p.grid,), (plan.THREADS,), team + (tab, _u64(slot_bytes)), stream=s)
+
+    # --- reductions -------------------------------------------------------------------------------
+    def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+        """out = x[rank 0] op x[rank 1] op ... (elementwise; fp32 accumulation in rank order, so every rank
+        gets bitwise the same result). out=None allocates; out=x is in place."""
+        world = self.world
+
+        def prepare():
+            a = _as_array(x, "x", world.device_id)
+            dt, red = _reduce_dtype(a.dtype), _redop(op)
+            chosen = plan.choose_algo("allreduce", a.nbytes, world.size, algo)
+            o = self._output(out, "out", a.dtype, a.size, a.shape)
+            _check_alias("allreduce", a, o, (0,))
+            return a, o, dt, red, chosen
+
+        got, err = _local(prepare)
+        sig = (("count", None if got is None else got[0].size), ("dtype", None if got is None else got[2]),
+               ("op", str(op)), ("algo", None if got is None else got[4]))
+        _agree(world, "allreduce", sig, err)
+        a, o, dt, red, chosen = got
+        lay, pieces = _allreduce_plan(a.size, a.itemsize, world.size, chosen, self.half_bytes)
+        fn = self._kernel(f"fluxrt_allreduce_{chosen}_{dt}_{red}")
+        team = self._teams["allreduce"]
+        isz = a.itemsize
+
+        def launch(s):
+            for p in pieces:
+                xp, op_ = _u64(a.data.ptr + p.start * isz), _u64(o.data.ptr + p.start * isz)
+                if chosen == "oneshot":
+                    args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
+                else:
+                    args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes))
+                fn((p.grid,), (plan.THREADS,), args, stream=s)
+
+        return self._run(stream, async_op, launch, o, (a, o))
+
+    def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
+                       algo: str = "auto"):
+        """x holds world.size chunks of equal size; rank r gets the reduction of every rank's chunk r.
+        In place: out = x[r * chunk : (r + 1) * chunk] (flattened)."""
+        world = self.world
+        n = world.size
+
+        def prepare():
+            a = _as_array(x, "x", world.device_id)
+            dt, red = _reduce_dtype(a.dtype), _redop(op)
+            plan.choose_algo("reduce_scatter", a.nbytes, n, algo)
+            if a.size % n:
+                raise CollectiveArgumentError(f"reduce_scatter: x has {a.size} elements, not a multiple of "
+                                              f"{n} ranks")
+            c = a.size // n
+            shape = (a.shape[0] // n, *a.shape[1:]) if a.ndim and a.shape[0] % n == 0 else (c,)
+            o = self._output(out, "out", a.dtype, c, shape)
+            _check_alias("reduce_scatter", a, o, (-world.rank * c * a.itemsize,))
+            return a, o, dt, red, c
+
+        got, err = _local(prepare)
+        sig = (("count", None if got is None else got[0].size), ("dtype", None if got is None else got[2]),
+               ("op", str(op)))
+        _agree(world, "reduce_scatter", sig, err)
+        a, o, dt, red, c = got
+        lay = plan.layout("reduce_scatter", "push", self.half_bytes, n, a.itemsize)
+        pieces = _chunked_plan(c, a.itemsize, lay)
+        fn = self._kernel(f"fluxrt_reduce_scatter_{dt}_{red}")
+        team = self._teams["reduce_scatter"]
+        isz = a.itemsize
+
+        def launch(s):
+            for p in pieces:
+                fn((p.grid,), (plan.THREADS,),
+                   team + (_u64(a.data.ptr + p.start * isz), _u64(c), _u64(o.data.ptr + p.start * isz),
+                           _u64(p.count), _u64(lay.slot_bytes)), stream=s)
+
+        return self._run(stream, async_op, launch, o, (a, o))
+
+    # --- data movement ----------------------------------------------------------------------------
+    def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+        """out = concat(x of rank 0, x of rank 1, ...) (out=None: shape (n * x.shape[0], ...)). In place:
+        x = out[r * x.size : (r + 1) * x.size] (flattened)."""
+        world = self.world
+        n = world.size
+
+        def prepare():
+            a = _as_array(x, "x", world.device_id)
+            _move_dtype(a.dtype)
+            plan.choose_algo("allgather", a.nbytes, n, algo)
+            shape = (n * a.shape[0], *a.shape[1:]) if a.ndim else (n,)
+            o = self._output(out, "out", a.dtype, n * a.size, shape)
+            _check_alias("allgather", a, o, (world.rank * a.nbytes,))
+            return a, o
+
+        got, err = _local(prepare)
+        sig = (("count", None if got is None else got[0].size),
+               ("dtype", None if got is None else got[0].dtype.str))
+        _agree(world, "allgather", sig, err)
+        a, o = got
+        isz, c = a.itemsize, a.size
+        lay = plan.layout("allgather", "push", self.half_bytes, n, isz)
+
+        def table(p, t):
+            t[0, :n] = a.data.ptr + p.start * isz
+            t[1, :n] = p.count * isz
+            t[2, :n] = o.data.ptr + (np.arange(n, dtype=np.uint64) * c + p.start) * isz
+            t[3, :n] = p.count * isz
+
+        pieces = _chunked_plan(c, isz, lay)
+        return self._run(stream, async_op, lambda s: self._exchange(s, "allgather", pieces, table, lay.slot_bytes),
+                         o, (a, o))
+
+    def alltoall(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+        """x holds world.size equal chunks; chunk q goes to rank q, and out's chunk p comes from rank p.
+        out=None: same shape as x; out=x is in place."""
+        world = self.world
+        n = world.size
+
+        def prepare():
+            a = _as_array(x, "x", world.device_id)
+            _move_dtype(a.dtype)
+            plan.choose_algo("alltoall", a.nbytes, n, algo)
+            if a.size % n:
+                raise CollectiveArgumentError(f"alltoall: x has {a.size} elements, not a multiple of {n} ranks")
+            o = self._output(out, "out", a.dtype, a.size, a.shape)
+            _check_alias("alltoall", a, o, (0,))
+            return a, o
+
+        got, err = _local(prepare)
+        sig = (("count", None if got is None else got[0].size),
+               ("dtype", None if got is None else got[0].dtype.str))
+        _agree(world, "alltoall", sig, err)
+        a, o = got
+        isz, c = a.itemsize, a.size // n
+        lay = plan.layout("alltoall", "push", self.half_bytes, n, isz)
+        offsets = np.arange(n, dtype=np.uint64) * c
+
+        def table(p, t):
+            t[0, :n] = a.data.ptr + (offsets + p.start) * isz
+            t[1, :n] = p.count * isz
+            t[2, :n] = o.data.ptr + (offsets + p.start) * isz
+            t[3, :n] = p.count * isz
+
+        pieces = _chunked_plan(c, isz, lay)
+        return self._run(stream, async_op, lambda s: self._exchange(s, "alltoall", pieces, table, lay.slot_bytes),
+                         o, (a, o))
+
+    def alltoallv(self, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
+                  stream=None, async_op: bool = False, algo: str = "auto"):
+        """Rank r sends send_counts[q] elements (from x at send_displs[q], default: packed in rank order)
+        to every rank q and receives recv_counts[p] from every p into out at recv_displs[p]. Zeros are
+        allowed. recv_counts=None derives them from the peers' send counts. Always exchanges the counts
+        over MPI (every rank needs the largest pair to agree on the number of launches) and checks that
+        each pair agrees. Not in place."""
+        world = self.world
+        n = world.size
+
+        def prepare():
+            a = _as_array(x, "x", world.device_id)
+            _move_dtype(a.dtype)
+            plan.choose_algo("alltoallv", a.nbytes, n, algo)
+            sc = _counts(send_counts, n, "send_counts")
+            sd = _displs(send_displs, sc, "send_displs")
+            if (sd + sc).max(initial=0) > a.size:
+                raise CollectiveArgumentError(f"alltoallv: send counts/displacements reach element "
+                                              f"{int((sd + sc).max())}, x has {a.size}")
+            rc = None if recv_counts is None else _counts(recv_counts, n, "recv_counts")
+            return a, sc, sd, rc
+
+        got, err = _local(prepare)
+        sig = (("dtype", None if got is None else got[0].dtype.str),)
+        extra = None if got is None else (got[1].tolist(), None if got[3] is None else got[3].tolist())
+        every = _agree(world, "alltoallv", sig, err, extra=extra if extra is not None else ([], None))
+        a, sc, sd, rc_given = got
+        matrix = np.array([e[0] for e in every], dtype=np.int64)  # matrix[p][q]: elements p sends to q
+        bad = [(p, r, int(matrix[p][r]), e[1][p]) for r, e in enumerate(every) if e[1] is not None
+               for p in range(n) if e[1][p] != matrix[p][r]]
+        if bad:
+            detail = "; ".join(f"rank {p} sends {s} to rank {r}, which expects {e}" for p, r, s, e in bad[:8])
+            raise CollectiveMismatchError(f"alltoallv counts do not match across ranks ({detail})")
+        rc = matrix[:, world.rank].copy()
+
+        def prepare_out():
+            rd = _displs(recv_displs, rc, "recv_displs")
+            need = int((rd + rc).max(initial=0))
+            o = self._output(out, "out", a.dtype, need, (need,))
+            _check_alias("alltoallv", a, o, ())
+            return rd, o
+
+        got2, err2 = _local(prepare_out)
+        _agree(world, "alltoallv", sig, err2)
+        rd, o = got2
+        isz = a.itemsize
+        lay = plan.layout("alltoallv", "push", self.half_bytes, n, isz)
+        pieces = _alltoallv_plan(int(matrix.max(initial=0)), isz, lay)
+        sd_u, rd_u = sd.astype(np.uint64), rd.astype(np.uint64)
+
+        def table(p, t):
+            send = np.clip(sc - p.start, 0, p.count).astype(np.uint64)
+            recv = np.clip(rc - p.start, 0, p.count).astype(np.uint64)
+            t[0, :n] = a.data.ptr + (sd_u + np.uint64(p.start)) * np.uint64(isz)
+            t[1, :n] = send * np.uint64(isz)
+            t[2, :n] = o.data.ptr + (rd_u + np.uint64(p.start)) * np.uint64(isz)
+            t[3, :n] = recv * np.uint64(isz)
+
+        return self._run(stream, async_op, lambda s: self._exchange(s, "alltoallv", pieces, table, lay.slot_bytes),
+                         o, (a, o))
+
+    def broadcast(self, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
+        """Every rank gets root's x. out=None: in place (x is overwritten on the other ranks), as
+        torch.distributed.broadcast; otherwise out receives it on every rank, root included."""
+        world = self.world
+        n = world.size
+
+        def prepare():
+            if not 0 <= int(root) < n:
+                raise CollectiveArgumentError(f"broadcast: root {root} outside world of size {n}")
+            a = _as_array(x, "x", world.device_id)
+            _move_dtype(a.dtype)
+            plan.choose_algo("broadcast", a.nbytes, n, algo)
+            o = a if out is None else self._output(out, "out", a.dtype, a.size, a.shape)
+            _check_alias("broadcast", a, o, (0,))
+            return a, o
+
+        got, err = _local(prepare)
+        sig = (("count", None if got is None else got[0].size),
+               ("dtype", None if got is None else got[0].dtype.str), ("root", root))
+        _agree(world, "broadcast", sig, err)
+        a, o = got
+        isz, c, root = a.itemsize, a.size, int(root)
+        lay = plan.layout("broadcast", "push", self.half_bytes, n, isz)
+
+        def table(p, t):
+            nbytes = p.count * isz
+            t[0, :n] = a.data.ptr + p.start * isz
+            t[1, :n] = nbytes if world.rank == root else 0
+            t[2, root] = o.data.ptr + p.start * isz
+            t[3, root] = nbytes
+
+        pieces = _chunked_plan(c, isz, lay)
+        return self._run(stream, async_op, lambda s: self._exchange(s, "broadcast", pieces, table, lay.slot_bytes),
+                         o, (a, o))
+
+
+# ------------------------------------------------------------------------------------------ plans (cached)
+@functools.lru_cache(maxsize=1024)
+def _allreduce_plan(count: int, itemsize: int, world_size: int, algo: str, half_bytes: int):
+    lay = plan.layout("allreduce", algo, half_bytes, world_size, itemsize)
+    return lay, tuple(plan.allreduce_pieces(count, itemsize, world_size, algo, lay))
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunked_plan(per_peer: int, itemsize: int, lay: plan.Layout):
+    return tuple(plan.chunked_pieces(per_peer, itemsize, lay))
+
+
+def _alltoallv_plan(max_pair: int, itemsize: int, lay: plan.Layout):
+    return tuple(plan.alltoallv_pieces(max_pair, itemsize, lay))
+
+
+def _counts(counts, n: int, name: str) -> np.ndarray:
+    c = np.asarray(counts.get() if hasattr(counts, "get") else counts, dtype=np.int64).reshape(-1)
+    if c.shape != (n,):
+        raise CollectiveArgumentError(f"alltoallv: {name} needs {n} entries (one per rank), got {c.size}")
+    if (c < 0).any():
+        raise CollectiveArgumentError(f"alltoallv: {name} has negative entries: {c.tolist()}")
+    return c
+
+
+def _displs(displs, counts: np.ndarray, name: str) -> np.ndarray:
+    if displs is None:
+        return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    d = np.asarray(displs.get() if hasattr(displs, "get") else displs, dtype=np.int64).reshape(-1)
+    if d.shape != counts.shape or (d < 0).any():
+        raise CollectiveArgumentError(f"alltoallv: {name} needs {counts.size} non-negative entries, got {d.tolist()}")
+    return d
+
+
+# ------------------------------------------------------------------------------------------ functional API
+def context(world) -> Collectives:
+    """The world's default collectives context; made (collectively) on the first call."""
+    ctx = _contexts.get(world)
+    if ctx is None:
+        ctx = Collectives(world)
+    return ctx
+
+
+def allreduce(world, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+    return context(world).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
+
+
+def reduce_scatter(world, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+    return context(world).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
+
+
+def allgather(world, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+    return context(world).allgather(x, out, stream=stream, async_op=async_op, algo=algo)
+
+
+def alltoall(world, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+    return context(world).alltoall(x, out, stream=stream, async_op=async_op, algo=algo)
+
+
+def alltoallv(world, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
+              stream=None, async_op: bool = False, algo: str = "auto"):
+    return context(world).alltoallv(x, send_counts, recv_counts, out, send_displs=send_displs,
+                                    recv_displs=recv_displs, stream=stream, async_op=async_op, algo=algo)
+
+
+def broadcast(world, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
+    return context(world).broadcast(x, out, root=root, stream=stream, async_op=async_op, algo=algo)
+
+
+def barrier(world, stream=None) -> None:
+    """Stream-ordered barrier across every rank (bounded; a timeout surfaces at the next check)."""
+    world.barrier(stream)
+
+
+allreduce.__doc__ = Collectives.allreduce.__doc__
+reduce_scatter.__doc__ = Collectives.reduce_scatter.__doc__
+allgather.__doc__ = Collectives.allgather.__doc__
+alltoall.__doc__ = Collectives.alltoall.__doc__
+alltoallv.__doc__ = Collectives.alltoallv.__doc__
+broadcast.__doc__ = Collectives.broadcast.__doc__
+
+__all__ = ["Collectives", "CollectivesOptions", "CollectiveHandle", "context", "allreduce", "reduce_scatter",
+           "allgather", "alltoall", "alltoallv", "broadcast", "barrier"]

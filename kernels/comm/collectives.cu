@@ -1,0 +1,387 @@
+// Collectives over NVLink peer pointers, staged through a symmetric workspace (fluxrt/collectives.py).
+//
+// Every launch is one "round" of one collective:
+//   stage push    each block copies its slice of the data this rank sends to peer q into q's workspace
+//                 slot [rank] (16-byte vectors where alignment allows),
+//   stage signal  every writer fences, then one thread per peer releases flag [phase][rank][block] on q,
+//   stage wait    one thread per peer acquires flag [phase][p][block] locally (bounded),
+//   stage consume the block reduces or copies what the peers pushed into its slice of the output.
+// A block only ever touches its own slice (the same partition on every rank: it depends only on the
+// sizes and the grid, which every rank computes identically), so blocks never wait for each other.
+//
+// Epochs: the round's flag value is read from a device counter, not from a kernel argument, so a CUDA
+// graph that captured the launch replays with fresh epochs. The last block to read the counter
+// advances it. Flags are never reset; waits compare with >=.
+//
+// Workspace reuse: round e uses workspace half (e & 1). Two halves suffice: before a rank can write
+// half h in round e+2 it must finish round e+1, which needs every peer's round-(e+1) signal, and a
+// peer signals round e+1 only after its round-e kernel (and so all its reads of half h) completed
+// (rounds of one context run in stream order on every rank; the host serializes them).
+//
+// Compiled with NVRTC: builtin types only; 16-bit floats converted with PTX cvt.
+#include "fluxrt/comm.cuh"
+
+using fluxrt::ErrorRecord;
+using fluxrt::u32;
+using fluxrt::u64;
+
+namespace {
+
+constexpr u32 kMaxBlocks = 128;  // flag slots per (phase, source rank); launches use <= this many blocks
+constexpr u32 kMaxWorld = 32;    // ranks an exchange table describes (one NVLink domain)
+constexpr u32 kVecBytes = 16;    // one vector load/store
+
+enum ReduceOp { kSum = 0, kMax = 1, kMin = 2 };
+
+// Everything a round needs to find peers, flags and the epoch (identical for every launch of a context).
+struct Team {
+    u64* epoch;               // [0]: epoch of the last finished round, [1]: blocks that read it this round
+    char* ws;                 // this rank's workspace
+    const u64* ws_peers;      // [world]: each rank's workspace, mapped here
+    u64* flags;               // this rank's flags [2 phases][world][kMaxBlocks]
+    const u64* flags_peers;   // [world]: each rank's flags, mapped here
+    u64 half_bytes;           // bytes of one workspace half
+    u32 rank, world;
+    u64 timeout_ns;
+    ErrorRecord* err;
+    u32 op;
+};
+
+// Per-peer byte ranges of one exchange round (by value: no upload, graph-capturable).
+struct ExchangeTable {
+    u64 send_ptr[kMaxWorld];    // local source of what goes to peer q
+    u64 send_bytes[kMaxWorld];
+    u64 recv_ptr[kMaxWorld];    // local destination of what came from peer p
+    u64 recv_bytes[kMaxWorld];
+};
+
+// ----------------------------------------------------------------------------------------- epochs
+// All threads call; returns the round's flag value. The counter is advanced by the last block to read
+// it, so no block can read the advanced value within this launch.
+__device__ __forceinline__ u64 begin_round(u64* epoch) {
+    __shared__ u64 e;
+    if (threadIdx.x == 0) {
+        e = *reinterpret_cast<volatile u64*>(epoch) + 1ull;
+        __threadfence();  // the read above happens before this block's arrival
+        const u64 arrived = atomicAdd(epoch + 1, 1ull) + 1ull;
+        if (arrived == gridDim.x) {
+            __threadfence();  // every other block's read happened before their arrivals, seen above
+            epoch[1] = 0ull;
+            *reinterpret_cast<volatile u64*>(epoch) = e;
+        }
+    }
+    __syncthreads();
+    return e;
+}
+
+__device__ __forceinline__ u64 half_offset(const Team& t, u64 e) { return (e & 1ull) * t.half_bytes; }
+
+__device__ __forceinline__ u64 flag_index(const Team& t, u32 phase, u32 src) {
+    return ((u64)phase * t.world + src) * kMaxBlocks + blockIdx.x;
+}
+
+// ----------------------------------------------------------------------------------------- signal / wait
+// After this block's pushes: each thread fences its own peer stores, the block meets, then thread q
+// releases this block's flag on peer q.
+__device__ __forceinline__ void signal_peers(const Team& t, u32 phase, u64 e) {
+    fluxrt::fence_acq_rel_sys();  // every writer orders its own NVLink stores before the release below
+    __syncthreads();
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) {
+        u64* flag = reinterpret_cast<u64*>(t.flags_peers[q]) + flag_index(t, phase, t.rank);
+        fluxrt::st_release_sys(flag, e);
+    }
+}
+
+// Thread p acquires peer p's flag for this block; false (for the whole block) if any wait timed out.
+__device__ __forceinline__ bool wait_peers(const Team& t, u32 phase, u64 e) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    for (u32 p = threadIdx.x; p < t.world; p += blockDim.x) {
+        if (!fluxrt::wait_ge(t.flags + flag_index(t, phase, p), e, t.timeout_ns, t.err, t.op, t.rank, p))
+            ok = 0;
+        fluxrt::fence_acq_rel_sys();  // the acquire covers the block's later reads (same SM, bar.sync)
+    }
+    __syncthreads();
+    return ok != 0;
+}
+
+// ----------------------------------------------------------------------------------------- copies
+// Loads of pushed workspace data bypass L1 (.cv): a stale line of an earlier round must never be hit.
+__device__ __forceinline__ uint4 ld_cv(const uint4* p) { return __ldcv(p); }
+
+// The block copies `bytes` from src to dst: 16-byte vectors when both share 16-byte alignment, 4-byte
+// words when they share 4-byte alignment, bytes otherwise. `fresh_src`: src holds pushed data.
+__device__ void copy_block(char* __restrict__ dst, const char* __restrict__ src, u64 bytes, bool fresh_src) {
+    const u64 a = reinterpret_cast<u64>(dst), b = reinterpret_cast<u64>(src);
+    if (((a ^ b) & 15ull) == 0) {
+        u64 head = (16ull - (a & 15ull)) & 15ull;
+        if (head > bytes) head = bytes;
+        for (u64 i = threadIdx.x; i < head; i += blockDim.x) dst[i] = fresh_src ? __ldcv(src + i) : src[i];
+        const u64 nvec = (bytes - head) / kVecBytes;
+        const uint4* s = reinterpret_cast<const uint4*>(src + head);
+        uint4* d = reinterpret_cast<uint4*>(dst + head);
+        constexpr u32 kUnroll = 4;  // loads in flight per thread before the first store
+        u64 i = threadIdx.x;
+        for (; i + (kUnroll - 1) * blockDim.x < nvec; i += kUnroll * blockDim.x) {
+            uint4 r[kUnroll];
+#pragma unroll
+            for (u32 u = 0; u < kUnroll; ++u) r[u] = fresh_src ? ld_cv(s + i + u * blockDim.x) : s[i + u * blockDim.x];
+#pragma unroll
+            for (u32 u = 0; u < kUnroll; ++u) d[i + u * blockDim.x] = r[u];
+        }
+        for (; i < nvec; i += blockDim.x) d[i] = fresh_src ? ld_cv(s + i) : s[i];
+        for (u64 j = head + nvec * kVecBytes + threadIdx.x; j < bytes; j += blockDim.x)
+            dst[j] = fresh_src ? __ldcv(src + j) : src[j];
+    } else if (((a ^ b) & 3ull) == 0) {
+        u64 head = (4ull - (a & 3ull)) & 3ull;
+        if (head > bytes) head = bytes;
+        for (u64 i = threadIdx.x; i < head; i += blockDim.x) dst[i] = fresh_src ? __ldcv(src + i) : src[i];
+        const u64 nw = (bytes - head) / 4ull;
+        const u32* s = reinterpret_cast<const u32*>(src + head);
+        u32* d = reinterpret_cast<u32*>(dst + head);
+        for (u64 i = threadIdx.x; i < nw; i += blockDim.x) d[i] = fresh_src ? __ldcv(s + i) : s[i];
+        for (u64 j = head + nw * 4ull + threadIdx.x; j < bytes; j += blockDim.x)
+            dst[j] = fresh_src ? __ldcv(src + j) : src[j];
+    } else {
+        for (u64 i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = fresh_src ? __ldcv(src + i) : src[i];
+    }
+}
+
+// [lo, hi) of `total` units split over the grid in pieces of whole `align` units (same on every rank).
+__device__ __forceinline__ void block_range(u64 total, u64 align, u64* lo, u64* hi) {
+    u64 per = (total + gridDim.x - 1) / gridDim.x;
+    per = (per + align - 1) / align * align;
+    const u64 l = (u64)blockIdx.x * per;
+    *lo = l < total ? l : total;
+    *hi = l + per < total ? l + per : total;
+}
+
+// ----------------------------------------------------------------------------------------- element types
+struct F32 {
+    typedef float T;
+    static constexpr u32 kPerVec = 4;
+    static __device__ __forceinline__ float to_f(float v) { return v; }
+    static __device__ __forceinline__ float from_f(float v) { return v; }
+};
+struct F16 {
+    typedef unsigned short T;
+    static constexpr u32 kPerVec = 8;
+    static __device__ __forceinline__ float to_f(unsigned short v) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+        return f;
+    }
+    static __device__ __forceinline__ unsigned short from_f(float f) {
+        unsigned short v;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(f));
+        return v;
+    }
+};
+struct BF16 {
+    typedef unsigned short T;
+    static constexpr u32 kPerVec = 8;
+    static __device__ __forceinline__ float to_f(unsigned short v) { return __uint_as_float((u32)v << 16); }
+    static __device__ __forceinline__ unsigned short from_f(float f) {
+        unsigned short v;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(f));
+        return v;
+    }
+};
+
+template <int OP>
+__device__ __forceinline__ float combine(float a, float b) {
+    if (OP == kSum) return a + b;
+    if (OP == kMax) return fmaxf(a, b);
+    return fminf(a, b);
+}
+
+// out[i] = slot_0[i] op slot_1[i] op ... op slot_{n-1}[i] for i in [lo, hi), accumulated in fp32 in rank
+// order (every rank computes bitwise the same value). Slots are `slot_stride` bytes apart from `slots`.
+template <class E, int OP>
+__device__ void reduce_slots(typename E::T* out, const char* slots, u64 slot_stride, u32 n, u64 lo, u64 hi) {
+    typedef typename E::T T;
+    constexpr u32 V = E::kPerVec;
+    const bool vec_ok = ((reinterpret_cast<u64>(out) | reinterpret_cast<u64>(slots) | slot_stride) & 15ull) == 0 &&
+                        lo % V == 0;
+    u64 i = lo;
+    if (vec_ok) {
+        const u64 nvec = (hi - lo) / V;
+        for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
+            const u64 e0 = lo + v * V;
+            float acc[V];
+            for (u32 p = 0; p < n; ++p) {
+                uint4 raw = ld_cv(reinterpret_cast<const uint4*>(slots + p * slot_stride) + e0 / V);
+                const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (u32 k = 0; k < V; ++k) acc[k] = p == 0 ? E::to_f(x[k]) : combine<OP>(acc[k], E::to_f(x[k]));
+            }
+            uint4 res;
+            T* r = reinterpret_cast<T*>(&res);
+#pragma unroll
+            for (u32 k = 0; k < V; ++k) r[k] = E::from_f(acc[k]);
+            reinterpret_cast<uint4*>(out)[e0 / V] = res;
+        }
+        i = lo + nvec * V;
+    }
+    for (u64 j = i + threadIdx.x; j < hi; j += blockDim.x) {
+        float acc = 0.f;
+        for (u32 p = 0; p < n; ++p) {
+            const T x = *reinterpret_cast<const volatile T*>(reinterpret_cast<const T*>(slots + p * slot_stride) + j);
+            acc = p == 0 ? E::to_f(x) : combine<OP>(acc, E::to_f(x));
+        }
+        out[j] = E::from_f(acc);
+    }
+}
+
+__device__ __forceinline__ char* peer_ws(const Team& t, u32 q) { return reinterpret_cast<char*>(t.ws_peers[q]); }
+
+// Push elements [lo, hi) of each peer's chunk: chunk q starts at src + q * src_stride elements and lands
+// in q's slot [rank] at dst_off bytes into the workspace (slots `slot_bytes` apart). Peers are visited
+// starting after this rank so that the ranks do not all write to the same peer at once.
+template <class E>
+__device__ void push_chunks(const Team& t, const typename E::T* src, u64 src_stride, u64 dst_off,
+                            u64 slot_bytes, u64 lo, u64 hi) {
+    typedef typename E::T T;
+    for (u32 s = 0; s < t.world; ++s) {
+        const u32 q = (t.rank + 1 + s) % t.world;
+        char* dst = peer_ws(t, q) + dst_off + (u64)t.rank * slot_bytes + lo * sizeof(T);
+        copy_block(dst, reinterpret_cast<const char*>(src + q * src_stride + lo), (hi - lo) * sizeof(T), false);
+    }
+}
+
+// ----------------------------------------------------------------------------------------- rounds
+// One-shot allreduce of `count` elements: every rank pushes all of x into every peer's slot [rank]
+// and reduces all n slots locally. Slots are `slot_bytes` apart in the workspace half.
+template <class E, int OP>
+__device__ void allreduce_oneshot(Team t, const typename E::T* x, typename E::T* out, u64 count, u64 slot_bytes) {
+    const u64 e = begin_round(t.epoch);
+    const u64 base = half_offset(t, e);
+    u64 lo, hi;
+    block_range(count, E::kPerVec, &lo, &hi);
+    push_chunks<E>(t, x, 0, base, slot_bytes, lo, hi);                                   // stage push
+    signal_peers(t, 0, e);                                                               // stage signal
+    if (!wait_peers(t, 0, e)) return;                                                    // stage wait
+    reduce_slots<E, OP>(out, t.ws + base, slot_bytes, t.world, lo, hi);                 // stage consume
+}
+
+// Reduce-scatter of n chunks of `chunk` elements (chunk q of x starts at q * chunk_stride): rank r ends
+// with the reduction of every rank's chunk r in out[0, chunk).
+template <class E, int OP>
+__device__ void reduce_scatter_round(Team t, const typename E::T* x, u64 chunk_stride, typename E::T* out,
+                                     u64 chunk, u64 slot_bytes) {
+    const u64 e = begin_round(t.epoch);
+    const u64 base = half_offset(t, e);
+    u64 lo, hi;
+    block_range(chunk, E::kPerVec, &lo, &hi);
+    push_chunks<E>(t, x, chunk_stride, base, slot_bytes, lo, hi);                        // stage push
+    signal_peers(t, 0, e);                                                               // stage signal
+    if (!wait_peers(t, 0, e)) return;                                                    // stage wait
+    reduce_slots<E, OP>(out, t.ws + base, slot_bytes, t.world, lo, hi);                 // stage consume
+}
+
+// Two-shot allreduce of n chunks of `chunk` elements (the last ones may be shorter: `count` in all):
+// reduce-scatter into slots of the first quarter-half, then push the reduced chunk to every peer's
+// slot [rank] of the second area and copy all chunks out. Each block keeps its slice in both phases.
+template <class E, int OP>
+__device__ void allreduce_twoshot(Team t, const typename E::T* x, typename E::T* out, u64 count, u64 chunk,
+                                  u64 slot_bytes) {
+    typedef typename E::T T;
+    const u64 e = begin_round(t.epoch);
+    const u64 base = half_offset(t, e);
+    const u64 area2 = base + (u64)t.world * slot_bytes;
+    u64 lo, hi;
+    block_range(chunk, E::kPerVec, &lo, &hi);
+    // stage push (phase 0): slice [lo, hi) of chunk q goes to q, clipped to the message.
+    for (u32 s = 0; s < t.world; ++s) {
+        const u32 q = (t.rank + 1 + s) % t.world;
+        const u64 start = q * chunk;
+        const u64 l = start + lo < count ? start + lo : count, h = start + hi < count ? start + hi : count;
+        char* dst = peer_ws(t, q) + base + (u64)t.rank * slot_bytes + lo * sizeof(T);
+        copy_block(dst, reinterpret_cast<const char*>(x + l), (h - l) * sizeof(T), false);
+    }
+    signal_peers(t, 0, e);
+    if (!wait_peers(t, 0, e)) return;
+    // stage reduce: my chunk's slice, into my own area-2 slot (peers read nothing of mine: they get pushes).
+    const u64 mine = (u64)t.rank * chunk;
+    const u64 my_hi = mine + hi < count ? hi : (count > mine ? count - mine : 0);
+    const u64 my_lo = lo < my_hi ? lo : my_hi;
+    T* reduced = reinterpret_cast<T*>(t.ws + area2 + (u64)t.rank * slot_bytes);
+    reduce_slots<E, OP>(reduced, t.ws + base, slot_bytes, t.world, my_lo, my_hi);
+    __syncthreads();
+    // stage push (phase 1): the reduced slice to every other peer's slot [rank] of area 2.
+    for (u32 s = 1; s < t.world; ++s) {
+        const u32 q = (t.rank + s) % t.world;
+        char* dst = peer_ws(t, q) + area2 + (u64)t.rank * slot_bytes + my_lo * sizeof(T);
+        copy_block(dst, reinterpret_cast<const char*>(reduced + my_lo), (my_hi - my_lo) * sizeof(T), true);
+    }
+    signal_peers(t, 1, e);
+    if (!wait_peers(t, 1, e)) return;
+    // stage consume: every reduced chunk's slice into out.
+    for (u32 p = 0; p < t.world; ++p) {
+        const u64 start = p * chunk;
+        const u64 l = start + lo < count ? start + lo : count, h = start + hi < count ? start + hi : count;
+        const char* src = t.ws + area2 + (u64)p * slot_bytes + lo * sizeof(T);
+        copy_block(reinterpret_cast<char*>(out + l), src, (h - l) * sizeof(T), true);
+    }
+}
+
+// Exchange round (allgather, alltoall(v), broadcast): peer q receives tab.send_bytes[q] bytes from
+// tab.send_ptr[q] in its slot [rank]; what peer p sent lands at tab.recv_ptr[p]. Each pair's bytes are
+// split over the blocks in 16-byte units; sender and receiver agree on the byte count of their pair.
+__device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes) {
+    const u64 e = begin_round(t.epoch);
+    const u64 base = half_offset(t, e);
+    for (u32 s = 0; s < t.world; ++s) {                                                 // stage push
+        const u32 q = (t.rank + 1 + s) % t.world;
+        u64 lo, hi;
+        block_range(tab.send_bytes[q], kVecBytes, &lo, &hi);
+        char* dst = peer_ws(t, q) + base + (u64)t.rank * slot_bytes + lo;
+        copy_block(dst, reinterpret_cast<const char*>(tab.send_ptr[q]) + lo, hi - lo, false);
+    }
+    signal_peers(t, 0, e);                                                               // stage signal
+    if (!wait_peers(t, 0, e)) return;                                                    // stage wait
+    for (u32 p = 0; p < t.world; ++p) {                                                 // stage consume
+        u64 lo, hi;
+        block_range(tab.recv_bytes[p], kVecBytes, &lo, &hi);
+        const char* src = t.ws + base + (u64)p * slot_bytes + lo;
+        copy_block(reinterpret_cast<char*>(tab.recv_ptr[p]) + lo, src, hi - lo, true);
+    }
+}
+
+}  // namespace
+
+#define FLUXRT_TEAM_PARAMS                                                                              \
+    u64 *epoch, char *ws, const u64 *ws_peers, u64 *flags, const u64 *flags_peers, u64 half_bytes,     \
+        u32 rank, u32 world, u64 timeout_ns, ErrorRecord *err, u32 op
+#define FLUXRT_TEAM Team{epoch, ws, ws_peers, flags, flags_peers, half_bytes, rank, world, timeout_ns, err, op}
+
+#define FLUXRT_REDUCTIONS(NAME, E, OP)                                                                  \
+    extern "C" __global__ void fluxrt_allreduce_oneshot_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,      \
+                                                                 E::T* out, u64 count, u64 slot_bytes) { \
+        allreduce_oneshot<E, OP>(FLUXRT_TEAM, x, out, count, slot_bytes);                               \
+    }                                                                                                   \
+    extern "C" __global__ void fluxrt_allreduce_twoshot_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,      \
+                                                                 E::T* out, u64 count, u64 chunk,       \
+                                                                 u64 slot_bytes) {                      \
+        allreduce_twoshot<E, OP>(FLUXRT_TEAM, x, out, count, chunk, slot_bytes);                        \
+    }                                                                                                   \
+    extern "C" __global__ void fluxrt_reduce_scatter_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,         \
+                                                              u64 chunk_stride, E::T* out, u64 chunk,   \
+                                                              u64 slot_bytes) {                         \
+        reduce_scatter_round<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, slot_bytes);              \
+    }
+
+FLUXRT_REDUCTIONS(bf16_sum, BF16, kSum)
+FLUXRT_REDUCTIONS(bf16_max, BF16, kMax)
+FLUXRT_REDUCTIONS(bf16_min, BF16, kMin)
+FLUXRT_REDUCTIONS(fp16_sum, F16, kSum)
+FLUXRT_REDUCTIONS(fp16_max, F16, kMax)
+FLUXRT_REDUCTIONS(fp16_min, F16, kMin)
+FLUXRT_REDUCTIONS(fp32_sum, F32, kSum)
+FLUXRT_REDUCTIONS(fp32_max, F32, kMax)
+FLUXRT_REDUCTIONS(fp32_min, F32, kMin)
+
+extern "C" __global__ void fluxrt_exchange(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes) {
+    exchange(FLUXRT_TEAM, tab, slot_bytes);
+}

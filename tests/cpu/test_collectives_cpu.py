@@ -1,0 +1,253 @@
+"""CPU tests of the collectives: algorithm/piece planning, argument validation, cross-rank agreement,
+the perf sweep's command line and sizes, and that the kernels compile with every entry point the host uses."""
+from __future__ import annotations
+
+import io
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from fluxrt import collectives as coll
+from fluxrt import collectives_plan as plan
+from fluxrt.errors import CollectiveArgumentError, CollectiveMismatchError
+from fluxrt.perf import cli
+from fluxrt.perf import collectives as bench
+from fluxrt.perf.report import Row, Table
+from fluxrt.toolchain import kernel_root
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def test_plan_constants_mirror_the_kernel():
+    src = (kernel_root() / "comm" / "collectives.cu").read_text()
+    consts = {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr u32 (k\w+) = (\d+);", src)}
+    assert consts["kMaxBlocks"] == plan.MAX_BLOCKS
+    assert consts["kMaxWorld"] == plan.MAX_WORLD
+    assert consts["kVecBytes"] == plan.VEC_BYTES
+    assert plan.ONESHOT_MAX_GRID <= plan.MAX_BLOCKS and plan.BULK_MAX_GRID <= plan.MAX_BLOCKS
+
+
+def test_allreduce_switches_from_oneshot_to_twoshot_at_the_threshold():
+    t = plan.ONESHOT_MAX_BYTES
+    assert plan.choose_algo("allreduce", 8, 4) == "oneshot"
+    assert plan.choose_algo("allreduce", t, 4) == "oneshot"
+    assert plan.choose_algo("allreduce", t + 2, 4) == "twoshot"
+    assert plan.choose_algo("allreduce", 1 << 30, 1) == "oneshot"  # one rank: nothing to split
+    assert plan.choose_algo("allreduce", 8, 4, "twoshot") == "twoshot"
+    for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast"):
+        assert plan.choose_algo(op, 1 << 20, 4) == "push"
+
+
+def test_choose_algo_rejects_unknown_names():
+    with pytest.raises(ValueError, match="algo 'ring'"):
+        plan.choose_algo("allreduce", 8, 4, "ring")
+    with pytest.raises(ValueError, match="unknown collective"):
+        plan.choose_algo("allreduce_v", 8, 4)
+
+
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("count", [1, 7, 1023, 4099, 65536, 3_000_001])
+def test_allreduce_pieces_cover_the_message_and_fit_the_workspace(algo, itemsize, n, count):
+    half = 1 << 20
+    lay = plan.layout("allreduce", algo, half, n, itemsize)
+    assert lay.slot_bytes % plan.VEC_BYTES == 0
+    assert lay.slot_bytes * (2 * n if algo == "twoshot" else n) <= half
+    pieces = plan.allreduce_pieces(count, itemsize, n, algo, lay)
+    assert [p.start for p in pieces] == list(range(0, count, lay.max_elems))
+    assert sum(p.count for p in pieces) == count
+    vec = plan.VEC_BYTES // itemsize
+    for p in pieces:
+        assert 1 <= p.grid <= plan.MAX_BLOCKS
+        assert (p.start * itemsize) % plan.VEC_BYTES == 0  # every piece starts 16-byte aligned
+        if algo == "oneshot":
+            assert p.count * itemsize <= lay.slot_bytes
+        else:
+            assert p.chunk % vec == 0 and p.chunk * n >= p.count
+            assert p.chunk * itemsize <= lay.slot_bytes
+
+
+def test_chunked_and_alltoallv_pieces():
+    lay = plan.layout("allgather", "push", 1 << 16, 4, 4)
+    assert lay.slot_bytes == (1 << 14)
+    pieces = plan.chunked_pieces(10_000, 4, lay)
+    assert [(p.start, p.count) for p in pieces] == [(0, 4096), (4096, 4096), (8192, 1808)]
+    assert plan.chunked_pieces(0, 4, lay) == []
+    assert len(plan.alltoallv_pieces(0, 4, lay)) == 1  # every rank still takes part once
+    assert [p.start for p in plan.alltoallv_pieces(8193, 4, lay)] == [0, 4096, 8192]
+
+
+def test_layout_refuses_a_workspace_too_small():
+    with pytest.raises(ValueError, match="too small"):
+        plan.layout("allreduce", "twoshot", 64, 4, 2)
+
+
+def test_describe_reports_algo_and_launches():
+    d = plan.describe("allreduce", 1 << 24, 2, 4, 32 << 20)
+    assert d["algo"] == "twoshot" and d["launches"] == 2  # 32 MiB in pieces of half the 32 MiB half
+    assert plan.describe("allreduce", 8, 2, 4, 32 << 20)["launches"] == 1
+
+
+def test_world_size_limit():
+    plan.check_world(plan.MAX_WORLD)
+    with pytest.raises(ValueError, match="up to"):
+        plan.check_world(plan.MAX_WORLD + 1)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def test_reduce_dtypes_and_ops():
+    assert coll._reduce_dtype("bf16") == "bf16" and coll._reduce_dtype(np.float32) == "fp32"
+    assert coll._reduce_dtype("fp16") == "fp16"
+    with pytest.raises(CollectiveArgumentError, match="bf16, fp16 and fp32"):
+        coll._reduce_dtype(np.int32)
+    with pytest.raises(CollectiveArgumentError, match="prod"):
+        coll._redop("prod")
+    assert coll._redop("MAX") == "max"
+    assert coll._move_dtype("int32") == np.dtype(np.int32)
+    with pytest.raises(CollectiveArgumentError):
+        coll._move_dtype(np.dtype("U4"))
+
+
+def test_counts_and_displacements():
+    assert coll._counts([1, 0, 3], 3, "send_counts").tolist() == [1, 0, 3]
+    with pytest.raises(CollectiveArgumentError, match="needs 4 entries"):
+        coll._counts([1, 2, 3], 4, "send_counts")
+    with pytest.raises(CollectiveArgumentError, match="negative"):
+        coll._counts([1, -2], 2, "recv_counts")
+    assert coll._displs(None, np.array([2, 0, 5]), "d").tolist() == [0, 2, 2]
+    assert coll._displs([9, 0], np.array([1, 1]), "d").tolist() == [9, 0]
+    with pytest.raises(CollectiveArgumentError, match="non-negative"):
+        coll._displs([0, -1], np.array([1, 1]), "d")
+
+
+def _buf(ptr, nbytes):
+    return SimpleNamespace(data=SimpleNamespace(ptr=ptr), nbytes=nbytes)
+
+
+def test_alias_rules():
+    coll._check_alias("allreduce", _buf(0, 64), _buf(64, 64), (0,))       # disjoint
+    coll._check_alias("allreduce", _buf(0, 64), _buf(0, 64), (0,))        # in place
+    coll._check_alias("allgather", _buf(128, 64), _buf(0, 256), (128,))   # x is out's chunk 2
+    with pytest.raises(CollectiveArgumentError, match="overlaps"):
+        coll._check_alias("allreduce", _buf(0, 64), _buf(32, 64), (0,))
+    with pytest.raises(CollectiveArgumentError, match="overlaps"):
+        coll._check_alias("alltoallv", _buf(0, 64), _buf(0, 64), ())
+
+
+class _FakeComm:
+    def __init__(self, others):
+        self.others = others
+
+    def allgather(self, mine):
+        return [mine, *self.others]
+
+
+def _world(others, check=True):
+    return SimpleNamespace(size=1 + len(others), comm=_FakeComm(others),
+                           options=SimpleNamespace(check_collective_args=check))
+
+
+def test_agree_passes_matching_calls_and_returns_extras():
+    sig = (("count", 8), ("dtype", "bf16"))
+    w = _world([(sig, None, "b"), (sig, None, "c")])
+    assert coll._agree(w, "allreduce", sig, None, extra="a") == ["a", "b", "c"]
+
+
+def test_agree_names_the_ranks_that_differ():
+    sig = (("count", 8), ("dtype", "bf16"))
+    other = (("count", 9), ("dtype", "bf16"))
+    w = _world([(sig, None, None), (other, None, None)])
+    with pytest.raises(CollectiveMismatchError) as err:
+        coll._agree(w, "allreduce", sig, None)
+    assert "ranks [0, 1]: count=8" in str(err.value) and "ranks [2]: count=9" in str(err.value)
+
+
+def test_agree_turns_another_ranks_local_error_into_an_error_here():
+    sig = (("count", 8),)
+    w = _world([(sig, "CollectiveArgumentError: out too small", None)])
+    with pytest.raises(CollectiveArgumentError, match="rank 1: CollectiveArgumentError: out too small"):
+        coll._agree(w, "allreduce", sig, None)
+    mine = CollectiveArgumentError("x is on GPU 1")
+    with pytest.raises(CollectiveArgumentError, match="GPU 1"):
+        coll._agree(_world([(sig, None, None)]), "allreduce", sig, mine)
+
+
+def test_agree_without_checks_raises_local_errors_only():
+    w = _world([((("count", 9),), None, None)], check=False)
+    coll._agree(w, "allreduce", (("count", 8),), None)  # no MPI call, no comparison
+    with pytest.raises(CollectiveArgumentError):
+        coll._agree(w, "allreduce", (("count", 8),), CollectiveArgumentError("bad"))
+
+
+def test_local_wraps_value_errors():
+    got, err = coll._local(lambda: (_ for _ in ()).throw(ValueError("nope")))
+    assert got is None and isinstance(err, CollectiveArgumentError) and "nope" in str(err)
+    assert coll._local(lambda: 3) == (3, None)
+
+
+# ---------------------------------------------------------------------------------------------- perf sweep
+
+
+def test_cli_lists_every_collective():
+    for op in bench.OPS:
+        assert cli.BENCHES[op] == f"fluxrt.perf.collectives:{op}"
+
+
+def test_cli_passes_the_bench_name(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench, "main", lambda argv, op: seen.update(argv=argv, op=op) or 0)
+    assert cli.main(["alltoall", "-b", "8", "-e", "1M"]) == 0
+    assert seen == {"argv": ["-b", "8", "-e", "1M"], "op": "alltoall"}
+
+
+def test_parser_reads_nccl_tests_flags():
+    ns = bench.parser("allreduce").parse_args(
+        ["-b", "8", "-e", "1G", "-f", "2", "-n", "50", "-w", "10", "-c", "1", "-d", "bf16", "-o", "max", "-G", "1",
+         "--algo", "oneshot", "--json", "r.json", "--plot", "r.png"])
+    assert (ns.minbytes, ns.maxbytes, ns.iters, ns.warmup_iters, ns.graph_iters) == (8, 1 << 30, 50, 10, 1)
+    assert (ns.datatype, ns.op, ns.algo, ns.json_path, ns.plot_path) == ("bf16", "max", "oneshot", "r.json", "r.png")
+    assert ns.impls == "fluxrt,nccl" and not ns.check_args
+
+
+@pytest.mark.parametrize("op, nbytes, expected", [
+    ("allreduce", 64, (32, 32)), ("allgather", 64, (8, 32)), ("reduce_scatter", 64, (32, 8)),
+    ("alltoall", 64, (32, 32)), ("alltoallv", 64, (32, 32)), ("broadcast", 64, (32, 32)),
+])
+def test_buffer_elems_follow_nccl_tests_sizes(op, nbytes, expected):
+    assert bench.buffer_elems(op, nbytes, 2, 4) == expected
+    assert bench.size_align(op, 2, 4) == (8 if op in ("allgather", "reduce_scatter", "alltoall", "alltoallv") else 2)
+
+
+def test_table_line_with_algo_and_ratio():
+    out = io.StringIO()
+    t = Table(impls=("fluxrt", "nccl"), out=out, show_algo=True)
+    t.header()
+    rows = [Row.measured(nbytes=65536, count=32768, dtype="bf16", redop="sum", impl="fluxrt", algo="oneshot",
+                         time_us=4.0, busbw_factor=1.5, wrong=0),
+            Row.measured(nbytes=65536, count=32768, dtype="bf16", redop="sum", impl="nccl", algo="nccl",
+                         time_us=17.6, busbw_factor=1.5, wrong=0)]
+    line = t.add(rows).split()
+    assert line[:5] == ["65536", "32768", "bf16", "sum", "-1"]
+    assert line[5:10] == ["4.00", "16.38", "24.58", "0", "oneshot"]
+    assert line[-1] == "4.40"
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def test_kernels_compile_with_every_entry_point():
+    from fluxrt.toolchain import CompileOptions, compile_cubin
+
+    cubin = compile_cubin("comm/collectives.cu", CompileOptions(arch="sm_90a")).read_bytes()
+    names = ["fluxrt_exchange"]
+    for dt in ("bf16", "fp16", "fp32"):
+        for red in plan.REDUCE_OPS:
+            names += [f"fluxrt_allreduce_oneshot_{dt}_{red}", f"fluxrt_allreduce_twoshot_{dt}_{red}",
+                      f"fluxrt_reduce_scatter_{dt}_{red}"]
+    missing = [n for n in names if n.encode() + b"\0" not in cubin]
+    assert not missing

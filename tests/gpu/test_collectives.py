@@ -1,0 +1,412 @@
+"""GPU tests of the collectives against numpy float64 references (mpirun -n 2|4 python -m pytest tests/gpu).
+
+Every rank runs the same tests in the same order with the same parameters; inputs differ per rank. The
+reference gathers every rank's input to the host over MPI. Outputs are poisoned before each call."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+REDUCE_DTYPES = ("bf16", "fp16", "fp32")
+MOVE_DTYPES = ("bf16", "fp16", "fp32", "int32")
+REDOPS = ("sum", "max", "min")
+_EPS = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -10, "fp32": 2.0 ** -22}
+
+
+def _dtype(name):
+    import fluxrt
+
+    return fluxrt.normalize_dtype(name)
+
+
+def _data(seed: int, world, count: int, dtype: str):
+    """Per-rank random input on the device (uniform [-1, 1) floats, or integers)."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed * 1009 + world.rank)
+    if dtype == "int32":
+        return rng.integers(-1000, 1000, size=count, dtype=np.int64).astype(np.int32)
+    return rng.uniform(-1.0, 1.0, size=count).astype(_dtype(dtype))
+
+
+def _poisoned(count: int, dtype: str):
+    import cupy
+
+    out = cupy.empty(count, dtype=_dtype(dtype))
+    out.fill(-7777 if dtype == "int32" else np.nan)
+    return out
+
+
+def _gather(world, x) -> list[np.ndarray]:
+    import cupy
+
+    return [a.astype(np.float64).reshape(-1) for a in world.comm.allgather(cupy.asnumpy(x))]
+
+
+def _host(x) -> np.ndarray:
+    import cupy
+
+    return cupy.asnumpy(x).astype(np.float64).reshape(-1)
+
+
+def _assert_reduced(got: np.ndarray, inputs: list[np.ndarray], redop: str, dtype: str, what: str) -> None:
+    ref = inputs[0].copy()
+    if redop == "sum":
+        magnitude = np.abs(inputs[0])
+        for a in inputs[1:]:
+            ref += a
+            magnitude += np.abs(a)
+        bound = _EPS[dtype] * np.abs(ref) + len(inputs) * 2.0 ** -23 * magnitude + 1e-7
+    else:
+        for a in inputs[1:]:
+            (np.maximum if redop == "max" else np.minimum)(ref, a, out=ref)
+        bound = np.zeros_like(ref)  # max/min of exactly representable values is exact
+    err = np.abs(got - ref)
+    bad = ~(err <= bound)  # NaN (poison left behind) counts as wrong
+    if bad.any():
+        i = int(np.argmax(bad))
+        pytest.fail(f"{what}: {int(bad.sum())} of {ref.size} wrong; first at {i}: got {got[i]}, want {ref[i]} "
+                    f"(bound {bound[i]:.3g})")
+
+
+def _assert_same_on_every_rank(world, out, what: str) -> None:
+    import cupy
+
+    every = world.comm.allgather(cupy.asnumpy(out).tobytes())
+    assert all(b == every[0] for b in every), f"{what}: ranks got different bytes"
+
+
+def _assert_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    bad = ~(got == want)
+    if bad.any():
+        i = int(np.argmax(bad))
+        pytest.fail(f"{what}: {int(bad.sum())} of {want.size} wrong; first at {i}: got {got[i]}, want {want[i]}")
+
+
+def _symmetric_copy(world, x):
+    s = world.empty(x.shape, x.dtype)
+    s[...] = x
+    return s
+
+
+# ---------------------------------------------------------------------------------------------- allreduce
+def _allreduce_counts():
+    from fluxrt.collectives_plan import ONESHOT_MAX_BYTES
+
+    # 1 element, odd sizes on both algorithms, and sizes around the one-shot/two-shot threshold (bf16)
+    return [(1, "auto"), (1023, "oneshot"), (4099, "twoshot"), (1023, "twoshot"), (4099, "oneshot"),
+            (ONESHOT_MAX_BYTES // 2, "auto"), (ONESHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto")]
+
+
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES)
+@pytest.mark.parametrize("redop", REDOPS)
+@pytest.mark.parametrize("case", range(7))
+def test_allreduce(world, dtype, redop, case):
+    import fluxrt
+
+    count, algo = _allreduce_counts()[case]
+    x = _data(case, world, count, dtype)
+    inputs = _gather(world, x)
+    mode = case % 3  # out of place | in place | symmetric input
+    if mode == 1:
+        out = fluxrt.allreduce(world, x, x, op=redop, algo=algo)
+        assert out is x
+    else:
+        src = _symmetric_copy(world, x) if mode == 2 else x
+        out = _poisoned(count, dtype)
+        fluxrt.allreduce(world, src, out, op=redop, algo=algo)
+    world.synchronize()
+    what = f"allreduce {dtype} {redop} count={count} algo={algo} mode={mode}"
+    _assert_reduced(_host(out), inputs, redop, dtype, what)
+    _assert_same_on_every_rank(world, out, what)
+    if mode == 2:
+        world.free(src)
+
+
+# ---------------------------------------------------------------------------------------------- reduce_scatter
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES)
+@pytest.mark.parametrize("redop", REDOPS)
+@pytest.mark.parametrize("chunk, in_place", [(1, False), (1023, True), (4099, False), (70_001, True)])
+def test_reduce_scatter(world, dtype, redop, chunk, in_place):
+    import fluxrt
+
+    n, r = world.size, world.rank
+    x = _data(chunk, world, n * chunk, dtype)
+    inputs = [a[r * chunk:(r + 1) * chunk] for a in _gather(world, x)]
+    out = x[r * chunk:(r + 1) * chunk] if in_place else _poisoned(chunk, dtype)
+    fluxrt.reduce_scatter(world, x, out, op=redop)
+    world.synchronize()
+    _assert_reduced(_host(out), inputs, redop, dtype, f"reduce_scatter {dtype} {redop} chunk={chunk}")
+
+
+# ---------------------------------------------------------------------------------------------- allgather / alltoall
+@pytest.mark.parametrize("dtype", MOVE_DTYPES)
+@pytest.mark.parametrize("count, mode", [(1, 0), (1023, 1), (4099, 2), (300_001, 0)])
+def test_allgather(world, dtype, count, mode):
+    import fluxrt
+
+    n, r = world.size, world.rank
+    x = _data(count, world, count, dtype)
+    want = np.concatenate(_gather(world, x))
+    if mode == 1:  # in place: x is this rank's chunk of out
+        out = _poisoned(n * count, dtype)
+        out[r * count:(r + 1) * count] = x
+        fluxrt.allgather(world, out[r * count:(r + 1) * count], out)
+    else:
+        src = _symmetric_copy(world, x) if mode == 2 else x
+        out = _poisoned(n * count, dtype)
+        fluxrt.allgather(world, src, out)
+    world.synchronize()
+    _assert_equal(_host(out), want, f"allgather {dtype} count={count} mode={mode}")
+    if mode == 2:
+        world.free(src)
+
+
+@pytest.mark.parametrize("dtype", MOVE_DTYPES)
+@pytest.mark.parametrize("chunk, in_place", [(1, False), (1023, True), (4099, False)])
+def test_alltoall(world, dtype, chunk, in_place):
+    import fluxrt
+
+    n, r = world.size, world.rank
+    x = _data(chunk + 17, world, n * chunk, dtype)
+    every = _gather(world, x)
+    want = np.concatenate([every[p][r * chunk:(r + 1) * chunk] for p in range(n)])
+    out = x if in_place else _poisoned(n * chunk, dtype)
+    fluxrt.alltoall(world, x, out)
+    world.synchronize()
+    _assert_equal(_host(out), want, f"alltoall {dtype} chunk={chunk} in_place={in_place}")
+
+
+def _counts_matrix(n: int, seed: int, scale: int) -> np.ndarray:
+    """matrix[p][q]: elements rank p sends to rank q; the same on every rank; zeros included."""
+    m = np.random.default_rng(seed).integers(0, scale, size=(n, n))
+    m[np.random.default_rng(seed + 1).random((n, n)) < 0.25] = 0
+    return m
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "int32"))
+@pytest.mark.parametrize("seed, scale, given_recv, gaps", [(1, 7, True, False), (2, 5000, False, True),
+                                                            (3, 300_000, True, False)])
+def test_alltoallv(world, dtype, seed, scale, given_recv, gaps):
+    import fluxrt
+
+    n, r = world.size, world.rank
+    m = _counts_matrix(n, seed, scale)
+    send, recv = m[r], m[:, r]
+    pad = 3 if gaps else 0  # displacements with holes between the blocks
+    sd = np.concatenate(([0], np.cumsum(send + pad)[:-1]))
+    rd = np.concatenate(([0], np.cumsum(recv + pad)[:-1]))
+    x = _data(seed, world, int(send.sum() + pad * n), dtype)
+    every = _gather(world, x)
+    out = _poisoned(int(recv.sum() + pad * n), dtype)
+    fluxrt.alltoallv(world, x, send, recv if given_recv else None, out, send_displs=sd if gaps else None,
+                     recv_displs=rd if gaps else None)
+    world.synchronize()
+    got = _host(out)
+    for p in range(n):
+        psd = np.concatenate(([0], np.cumsum(m[p] + pad)[:-1]))
+        want = every[p][psd[r]:psd[r] + m[p][r]]
+        _assert_equal(got[rd[p]:rd[p] + recv[p]], want, f"alltoallv {dtype} seed={seed} from rank {p}")
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "int32"))
+@pytest.mark.parametrize("count, in_place", [(1, True), (4099, False), (200_003, True)])
+def test_broadcast(world, dtype, count, in_place):
+    import fluxrt
+
+    for root in sorted({0, world.size - 1}):
+        x = _data(count + root, world, count, dtype)
+        want = _gather(world, x)[root]
+        if in_place:
+            fluxrt.broadcast(world, x, root=root)
+            out = x
+        else:
+            out = _poisoned(count, dtype)
+            fluxrt.broadcast(world, x, out, root=root)
+        world.synchronize()
+        _assert_equal(_host(out), want, f"broadcast {dtype} count={count} root={root}")
+
+
+# ---------------------------------------------------------------------------------------------- large messages
+def test_allreduce_large_bf16(world):
+    import fluxrt
+
+    count = 32 << 20  # 64 MiB: several two-shot launches through the default 64 MiB workspace
+    x = _data(99, world, count, "bf16")
+    inputs = _gather(world, x)
+    out = _poisoned(count, "bf16")
+    fluxrt.allreduce(world, x, out)
+    world.synchronize()
+    _assert_reduced(_host(out), inputs, "sum", "bf16", "allreduce 64 MiB bf16")
+
+
+def test_allgather_large_fp32(world):
+    import fluxrt
+
+    n = world.size
+    count = (64 << 20) // 4 // n  # 64 MiB gathered
+    x = _data(98, world, count, "fp32")
+    want = np.concatenate(_gather(world, x))
+    out = _poisoned(n * count, "fp32")
+    fluxrt.allgather(world, x, out)
+    world.synchronize()
+    _assert_equal(_host(out), want, "allgather 64 MiB fp32")
+
+
+# ---------------------------------------------------------------------------------------------- async, repeat, graphs
+def test_async_allreduce_overlaps_a_matmul(world):
+    import cupy
+
+    import fluxrt
+
+    count = 1 << 20
+    x = _data(5, world, count, "fp32")
+    inputs = _gather(world, x)
+    out = _poisoned(count, "fp32")
+    a = cupy.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    compute = cupy.cuda.Stream(non_blocking=True)
+    world.device.synchronize()
+    handle = fluxrt.allreduce(world, x, out, async_op=True)
+    with compute:
+        c = a @ a
+    assert handle.wait() is out
+    world.synchronize()
+    assert handle.is_done()
+    _assert_reduced(_host(out), inputs, "sum", "fp32", "async allreduce")
+    ref = cupy.asnumpy(a).astype(np.float64)
+    assert np.allclose(cupy.asnumpy(c), ref @ ref, rtol=1e-3, atol=1e-2)
+
+
+def test_repeated_small_calls_do_not_drift(world):
+    """1000 small allreduces with fresh data each time, interleaved with allgathers (both workspace
+    halves, several ops sharing the epoch counter); every result is kept on the device and checked."""
+    import cupy
+
+    import fluxrt
+
+    n, r, count, calls = world.size, world.rank, 33, 1000
+    results = cupy.empty((calls, count), dtype=np.float32)
+    gathered = cupy.empty((calls // 3 + 1, n * count), dtype=np.float32)
+    x = cupy.empty(count, dtype=np.float32)
+    j = cupy.arange(count, dtype=np.float32)
+    for i in range(calls):
+        x[...] = (r + 1) * ((j + i) % 7)
+        fluxrt.allreduce(world, x, results[i])
+        if i % 3 == 0:
+            fluxrt.allgather(world, x, gathered[i // 3])
+    world.synchronize()
+    i = np.arange(calls)[:, None]
+    jj = np.arange(count)[None, :]
+    want = (n * (n + 1) / 2) * ((jj + i) % 7)
+    _assert_equal(cupy.asnumpy(results).astype(np.float64).reshape(-1), want.reshape(-1).astype(np.float64),
+                  "1000 allreduces")
+    k = np.arange(0, calls, 3)[:, None]
+    want_g = np.concatenate([(p + 1) * ((jj + k) % 7) for p in range(n)], axis=1)
+    _assert_equal(cupy.asnumpy(gathered).astype(np.float64).reshape(-1), want_g.reshape(-1).astype(np.float64),
+                  "interleaved allgathers")
+
+
+def test_graph_capture_and_replay(world):
+    import cupy
+
+    import fluxrt
+
+    n, r = world.size, world.rank
+    count = 5000
+    x = cupy.empty(count, dtype=fluxrt.bfloat16)
+    out = _poisoned(count, "bf16")
+    gathered = _poisoned(n * count, "bf16")
+    s = cupy.cuda.Stream(non_blocking=True)
+    world.device.synchronize()
+    fluxrt.allreduce(world, x, out, stream=s)  # an eager call on the capture stream first
+    s.synchronize()
+    s.begin_capture()
+    fluxrt.allreduce(world, x, out, stream=s)
+    fluxrt.allgather(world, x, gathered, stream=s)
+    graph = s.end_capture()
+    for replay in range(3):
+        x[...] = _data(replay, world, count, "bf16")
+        out.fill(np.nan)
+        gathered.fill(np.nan)
+        world.device.synchronize()
+        inputs = _gather(world, x)
+        graph.launch(s)
+        s.synchronize()
+        world.check_errors()
+        _assert_reduced(_host(out), inputs, "sum", "bf16", f"graph replay {replay}: allreduce")
+        _assert_equal(_host(gathered), np.concatenate(inputs), f"graph replay {replay}: allgather")
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_mismatched_count_raises_on_every_rank(world):
+    import fluxrt
+
+    count = 8 if world.rank == 0 else 16
+    x = _data(1, world, count, "fp32")
+    with pytest.raises(fluxrt.CollectiveMismatchError, match="count=8"):
+        fluxrt.allreduce(world, x)
+
+
+def test_mismatched_dtype_and_op_raise_on_every_rank(world):
+    import fluxrt
+
+    x = _data(1, world, 64, "fp32" if world.rank == 0 else "bf16")
+    with pytest.raises(fluxrt.CollectiveMismatchError, match="different arguments"):
+        fluxrt.allgather(world, x)
+    y = _data(1, world, 64, "fp32")
+    with pytest.raises(fluxrt.CollectiveMismatchError, match="op="):
+        fluxrt.allreduce(world, y, op="max" if world.rank == 0 else "sum")
+
+
+def test_local_error_on_one_rank_raises_on_every_rank(world):
+    import fluxrt
+
+    x = _data(1, world, 64, "fp32")
+    out = _poisoned(32 if world.rank == world.size - 1 else 64, "fp32")
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="too small"):
+        fluxrt.allreduce(world, x, out)
+    # nothing was launched anywhere: the next call still lines up
+    out = _poisoned(64, "fp32")
+    fluxrt.allreduce(world, x, out)
+    world.synchronize()
+    _assert_reduced(_host(out), _gather(world, x), "sum", "fp32", "allreduce after a rejected call")
+
+
+def test_alltoallv_count_mismatch(world):
+    import fluxrt
+
+    n, r = world.size, world.rank
+    send = np.full(n, 4)
+    recv = np.full(n, 4)
+    if r == 0:
+        recv[n - 1] = 5
+    x = _data(1, world, 4 * n, "int32")
+    with pytest.raises(fluxrt.CollectiveMismatchError, match=f"rank {n - 1} sends 4 to rank 0, which expects 5"):
+        fluxrt.alltoallv(world, x, send, recv, _poisoned(5 * n, "int32"))
+
+
+def test_bad_arguments(world):
+    import cupy
+
+    import fluxrt
+
+    x = _data(1, world, 64, "fp32")
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="C-contiguous"):
+        fluxrt.allreduce(world, x.reshape(8, 8)[:, ::2])
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="bf16, fp16 and fp32"):
+        fluxrt.allreduce(world, _data(1, world, 64, "int32"))
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="not a multiple"):
+        fluxrt.reduce_scatter(world, _data(1, world, world.size * 3 + 1, "fp32"))
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="root"):
+        fluxrt.broadcast(world, x, root=world.size)
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="overlaps"):
+        fluxrt.allreduce(world, x[:32], x[16:48])
+    if cupy.cuda.runtime.getDeviceCount() > 1:
+        other = (world.device_id + 1) % cupy.cuda.runtime.getDeviceCount()
+        with cupy.cuda.Device(other):
+            y = cupy.ones(64, dtype=np.float32)
+        with pytest.raises(fluxrt.CollectiveArgumentError, match="GPU"):
+            fluxrt.allreduce(world, y)
+    world.synchronize()
