@@ -48,24 +48,6 @@ def cublas_gemm_ex(a, b, c, trans_b: bool) -> None:
                   zero.ctypes.data, c.data.ptr, dt, n, 68, -1)   # CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
 
 
-def time_fn(fn, sets, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn(*set) over `iters` runs, cycling through the input sets."""
-    import cupy
-
-    for i in range(warmup):
-        fn(*sets[i % len(sets)])
-    cupy.cuda.get_current_stream().synchronize()
-    starts = [cupy.cuda.Event() for _ in range(iters)]
-    ends = [cupy.cuda.Event() for _ in range(iters)]
-    for i in range(iters):
-        s = sets[i % len(sets)]
-        starts[i].record()
-        fn(*s)
-        ends[i].record()
-    ends[-1].synchronize()
-    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in zip(starts, ends)]))
-
-
 def describe(plan) -> str:
     return (f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages} {plan.order}"
             f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue} x{plan.cluster}")
@@ -108,6 +90,30 @@ def idle_hook_runs(plan, m, n, trans_b, dtype, ArrivalWait, TileEpilogue, gemm_w
     return {"hook-wait-idle": (plan, run_wait), "hooks-both-local": (plan, run_both)}
 
 
+def time_interleaved(fns: dict, sets, warmup: int, iters: int, rounds: int) -> dict:
+    """Median milliseconds per fn, measured in `rounds` alternating blocks (A B C A B C ...), so that
+    the GPU's clock and thermal drift during the run weighs on every implementation alike."""
+    import cupy
+
+    for fn in fns.values():
+        for i in range(warmup):
+            fn(*sets[i % len(sets)])
+    cupy.cuda.get_current_stream().synchronize()
+    per_round = max(1, iters // rounds)
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            starts = [cupy.cuda.Event() for _ in range(per_round)]
+            ends = [cupy.cuda.Event() for _ in range(per_round)]
+            for i in range(per_round):
+                starts[i].record()
+                fn(*sets[i % len(sets)])
+                ends[i].record()
+            ends[-1].synchronize()
+            samples[name] += [cupy.cuda.get_elapsed_time(a, b) for a, b in zip(starts, ends)]
+    return {name: float(np.median(v)) for name, v in samples.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", type=parse_shape, nargs="*", default=DEFAULT_SHAPES, help="M,K,N ...")
@@ -128,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sets", type=int, default=4, help="rotating input sets")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating timing blocks per comparison")
     ap.add_argument("--no-check", action="store_true", help="skip the fluxrt-vs-cuBLAS agreement check")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list here")
     args = ap.parse_args(argv)
@@ -142,7 +149,7 @@ def main(argv=None) -> int:
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"# device {dev.id}: {name}, dtype {args.dtype}, trans_b={args.trans_b}, "
-          f"median of {args.iters} after {args.warmup} warm-up, {args.sets} rotating input sets")
+          f"median of {args.iters} after {args.warmup} warm-up in {args.rounds} alternating blocks, {args.sets} rotating input sets")
     hdr = f"{'M':>6} {'K':>6} {'N':>6} | {'cuBLAS ms':>9} {'TFLOP/s':>8} | {'fluxrt ms':>9} {'TFLOP/s':>8} | {'ratio':>6} | plan"
     print(hdr)
     print("-" * len(hdr))
@@ -205,8 +212,10 @@ def main(argv=None) -> int:
             err = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
             if not err < 1e-2:
                 print(f"!! fluxrt disagrees with cuBLAS at M={m} K={k} N={n}: rel err {err:.3e}", file=sys.stderr)
-        t_cublas = time_fn(run_cublas, sets, args.warmup, args.iters)
-        t_fluxrt = time_fn(run_fluxrt, sets, args.warmup, args.iters)
+        times = time_interleaved({"cublas": run_cublas, "fluxrt": run_fluxrt,
+                                  **{h: hrun for h, (_, hrun) in hooked.items()}},
+                                 sets, args.warmup, args.iters, args.rounds)
+        t_cublas, t_fluxrt = times["cublas"], times["fluxrt"]
         plan_s = describe(plan)
         for impl, ms in (("cublas", t_cublas), ("fluxrt", t_fluxrt)):
             rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": impl, "ms": ms,
@@ -215,7 +224,7 @@ def main(argv=None) -> int:
         print(f"{m:>6} {k:>6} {n:>6} | {t_cublas:9.3f} {flops / t_cublas / 1e9:8.1f} | {t_fluxrt:9.3f} "
               f"{flops / t_fluxrt / 1e9:8.1f} | {t_cublas / t_fluxrt:6.3f} | {plan_s}")
         for hname, (hplan, hrun) in hooked.items():
-            t_h = time_fn(hrun, sets, args.warmup, args.iters)
+            t_h = times[hname]
             rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": f"fluxrt:{hname}", "ms": t_h,
                          "tflops": flops / t_h / 1e9, "trans_b": args.trans_b, "plan": plan_s, "device": name,
                          "vs_no_hooks": t_h / t_fluxrt})
@@ -233,15 +242,19 @@ def main(argv=None) -> int:
                     verr = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
                     if not verr < 1e-2:
                         print(f"!! variant {vname} disagrees with cuBLAS: rel err {verr:.3e}", file=sys.stderr)
-                t_v = time_fn(lambda a, b, c: run_fluxrt(a, b, c, vplan), sets, args.warmup, args.iters)
+                vt = time_interleaved({"cublas": run_cublas,
+                                       "variant": lambda a, b, c: run_fluxrt(a, b, c, vplan)},
+                                      sets, args.warmup, args.iters, args.rounds)
+                t_v, t_vc = vt["variant"], vt["cublas"]
             except Exception as e:  # a variant that does not fit or fails must not stop the table
                 print(f"   variant {vname}: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
             vs = describe(vplan)
             rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": f"fluxrt:{vname}", "ms": t_v,
-                         "tflops": flops / t_v / 1e9, "trans_b": args.trans_b, "plan": vs, "device": name})
-            print(f"{'':>6} {'':>6} {'':>6} | {'':>9} {'':>8} | {t_v:9.3f} {flops / t_v / 1e9:8.1f} | "
-                  f"{t_cublas / t_v:6.3f} |   variant {vname}: {vs}")
+                         "tflops": flops / t_v / 1e9, "trans_b": args.trans_b, "plan": vs, "device": name,
+                         "cublas_ms_same_blocks": t_vc})
+            print(f"{'':>6} {'':>6} {'':>6} | {t_vc:9.3f} {flops / t_vc / 1e9:8.1f} | {t_v:9.3f} {flops / t_v / 1e9:8.1f} | "
+                  f"{t_vc / t_v:6.3f} |   variant {vname}: {vs}")
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
     if args.json:
