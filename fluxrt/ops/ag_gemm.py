@@ -133,6 +133,7 @@ class AllGatherGemm:
             common.check_matrix(out, "out", OP, (m, self.n), self.dtype, world)
         common.check_across_ranks(world, f"{OP}.forward", {"m": m, "b": tuple(b.shape), "dtype": self.dtype})
         gplan = ag_gemm_plan(self.plan, m, self.n, self.k, me, w, self.dtype, self._sms)
+        common.prepare_gemm(world, gplan, self.dtype, self.dtype, self.trans_b, True, False)
 
         import cupy
 
@@ -144,7 +145,7 @@ class AllGatherGemm:
         pull = self.plan.comm_mode == "pull"
         with world.device:
             if out is None:
-                out = common.alloc_like((m, self.n), self.dtype, world)
+                out = common.alloc_on((m, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             slot = self.a_full[me * shard:(me + 1) * shard]
             # 1. peers finished pulling my previous shard (pull mode; epoch - 1 = 0 is already true)

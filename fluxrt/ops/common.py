@@ -152,10 +152,21 @@ def num_sms(world) -> int:
     return int(world.device.attributes["MultiProcessorCount"])
 
 
-def alloc_like(shape, dtype: str, world):
+def alloc_on(shape, dtype: str, world, stream):
+    """An output array from CuPy's pool for `stream` (the stream that writes and first reads it)."""
     import cupy
 
     from ..gemm import _np_dtype
 
-    with world.device:
+    with world.device, stream:
         return cupy.empty(shape, dtype=_np_dtype(dtype))
+
+
+def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool, hook_epilogue: bool):
+    """Compile/load the GEMM instantiation a call will launch before anything of the call is enqueued:
+    a compile error then leaves no half-launched op behind for peers to wait on."""
+    from ..gemm import _kernel, kernel_defines
+
+    defines = kernel_defines(plan, in_dtype, out_dtype, trans_b, hook_wait, hook_epilogue)
+    with world.device:
+        _kernel(defines, world.device_id, plan.smem_bytes(out_dtype))

@@ -100,11 +100,12 @@ class GemmReduceScatter:
             common.check_matrix(out, "out", OP, (shard, self.n), self.dtype, world)
         common.check_across_ranks(world, f"{OP}.forward", {"m": m, "b": tuple(b.shape), "dtype": self.dtype})
         gplan = rs_gemm_plan(self.plan, m, self.n, self.k, me, w, self.dtype, self._sms)
+        common.prepare_gemm(world, gplan, self.dtype, self.partial_dtype, self.trans_b, False, True)
 
         s = as_cupy_stream(stream)
         with world.device:
             if out is None:
-                out = common.alloc_like((shard, self.n), self.dtype, world)
+                out = common.alloc_on((shard, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             q = (epoch - 1) % PARITIES
             epi = TileEpilogue(dst_table=self._dst[q], chunk_rows=shard, dst_ld=self.n, flag_table=self._flags[q],

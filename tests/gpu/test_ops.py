@@ -37,7 +37,7 @@ def _poisoned(shape, dtype):
     import cupy
 
     out = cupy.empty(shape, dtype=_np_dtype(dtype))
-    out.fill(np.nan)
+    out.view(np.uint16).fill(0x7FC0 if dtype == "bfloat16" else 0x7E00)   # quiet NaN bit patterns
     return out
 
 
@@ -186,7 +186,7 @@ def test_ag_gemm_slow_peer(world, rng, mode, late):
             _be_late(world, late)   # the others' GEMMs start on their own rows and wait for this rank's chunks
         got = op.forward(_dev(a), _dev(b))
         world.synchronize()
-        _check(got, _ag_reference(world, a, b, False)[1], "bfloat16", f"AG slow peer ({mode})")
+        _check(got, _ag_reference(world, a, b, False)[1], "bfloat16", f"AG slow peer ({mode}, late on {late})")
     finally:
         op.free()
 
@@ -264,7 +264,7 @@ def test_gemm_rs_slow_peer(world, rng, late):
             _be_late(world, late)
         got = op.forward(_dev(a), _dev(b))
         world.synchronize()
-        _check(got, _rs_reference(world, a, b, False), "bfloat16", "RS slow peer")
+        _check(got, _rs_reference(world, a, b, False), "bfloat16", f"RS slow peer (late on {late})")
     finally:
         op.free()
 
