@@ -294,11 +294,12 @@ def test_mlp_block_ag_gemm_then_gemm_rs(world, rng):
             y = rs.forward(hid, w2d, stream=stream)
             stream.synchronize()
             world.check_errors()
+            # every collective step of the reference first, so that a failed check cannot strand a peer
             x_full = np.concatenate([_f64(v) for v in _allgather(world, x)], axis=0)
             hid_ref = (x_full @ _f64(w1)).astype(np.float32).astype(_np_dtype("bfloat16"))  # the op's bf16 hidden
-            _check(hid, _f64(hid_ref), "bfloat16", f"MLP hidden, step {it}")
             parts = world.comm.allgather(_f64(hid_ref) @ _f64(w2))
             ref = sum(parts)[world.rank * shard:(world.rank + 1) * shard]
+            _check(hid, _f64(hid_ref), "bfloat16", f"MLP hidden, step {it}")
             _check(y, ref, "bfloat16", f"MLP output, step {it}")
     finally:
         stream.synchronize()
