@@ -49,12 +49,33 @@ def _f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def _check(got, ref, dtype, what):
+def _problem(got, ref, dtype, what) -> str | None:
+    """Why `got` does not match the float64 reference (None when it does)."""
     got = _f64(got)
-    assert got.shape == ref.shape, what
-    assert np.isfinite(got).all(), f"{what}: non-finite values (poison not overwritten?)"
+    if got.shape != ref.shape:
+        return f"{what}: shape {got.shape} != {ref.shape}"
+    if not np.isfinite(got).all():
+        return f"{what}: non-finite values (poison not overwritten?)"
     err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
-    assert err < TOL[dtype], f"{what}: relative error {err:.3g} >= {TOL[dtype]}"
+    return f"{what}: relative error {err:.3g} >= {TOL[dtype]}" if not err < TOL[dtype] else None
+
+
+def _check(got, ref, dtype, what):
+    problem = _problem(got, ref, dtype, what)
+    assert problem is None, problem
+
+
+class _Problems(list):
+    """Checks inside loops with collective steps: collect, assert once after the loop (a rank that
+    stopped early would leave its peers waiting in the next iteration's collective)."""
+
+    def check(self, got, ref, dtype, what):
+        problem = _problem(got, ref, dtype, what)
+        if problem:
+            self.append(problem)
+
+    def assert_none(self):
+        assert not self, "; ".join(self[:5]) + (f" (+{len(self) - 5} more)" if len(self) > 5 else "")
 
 
 def _allgather(world, x):
@@ -106,6 +127,7 @@ def test_ag_gemm_zero_copy_shard_buffer(world, rng):
     m = shard * world.size
     op = AllGatherGemm(world, m, n, k, "bf16")
     try:
+        problems = _Problems()
         for it in range(3):
             a = _rand(rng, (shard, k), "bfloat16")
             b = _rand(rng, (k, n), "bfloat16")
@@ -113,7 +135,8 @@ def test_ag_gemm_zero_copy_shard_buffer(world, rng):
             slot[...] = _dev(a)
             got = op.forward(slot, _dev(b))
             world.synchronize()
-            _check(got, _ag_reference(world, a, b, False)[1], "bfloat16", f"AG zero-copy call {it}")
+            problems.check(got, _ag_reference(world, a, b, False)[1], "bfloat16", f"AG zero-copy call {it}")
+        problems.assert_none()
     finally:
         op.free()
 
@@ -126,8 +149,10 @@ def _repeated(world, rng, op, make_inputs, reference, calls, dtype, what):
     dev = [tuple(_dev(x) for x in s) for s in sets]
     outs = [op.forward(*dev[i % len(dev)]) for i in range(calls)]
     world.synchronize()
+    problems = _Problems()
     for i, o in enumerate(outs):
-        _check(o, refs[i % len(refs)], dtype, f"{what} call {i}")
+        problems.check(o, refs[i % len(refs)], dtype, f"{what} call {i}")
+    problems.assert_none()
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -150,11 +175,13 @@ def test_ag_gemm_varying_m(world, rng):
     n, k = 256, 128
     op = AllGatherGemm(world, 512 * world.size, n, k, "fp16")
     try:
+        problems = _Problems()
         for shard in (512, 128, 384):
             a, b = _rand(rng, (shard, k), "float16"), _rand(rng, (k, n), "float16")
             got = op.forward(_dev(a), _dev(b))
             world.synchronize()
-            _check(got, _ag_reference(world, a, b, False)[1], "float16", f"AG M={shard * world.size}")
+            problems.check(got, _ag_reference(world, a, b, False)[1], "float16", f"AG M={shard * world.size}")
+        problems.assert_none()
     finally:
         op.free()
 
@@ -283,6 +310,7 @@ def test_mlp_block_ag_gemm_then_gemm_rs(world, rng):
     ag = AllGatherGemm(world, m, f_local, h, "bf16")
     rs = GemmReduceScatter(world, m, h, f_local, "bf16")
     stream = cupy.cuda.Stream(non_blocking=True)
+    problems = _Problems()
     try:
         for it in range(5):
             x = _rand(rng, (shard, h), "bfloat16")
@@ -299,8 +327,9 @@ def test_mlp_block_ag_gemm_then_gemm_rs(world, rng):
             hid_ref = (x_full @ _f64(w1)).astype(np.float32).astype(_np_dtype("bfloat16"))  # the op's bf16 hidden
             parts = world.comm.allgather(_f64(hid_ref) @ _f64(w2))
             ref = sum(parts)[world.rank * shard:(world.rank + 1) * shard]
-            _check(hid, _f64(hid_ref), "bfloat16", f"MLP hidden, step {it}")
-            _check(y, ref, "bfloat16", f"MLP output, step {it}")
+            problems.check(hid, _f64(hid_ref), "bfloat16", f"MLP hidden, step {it}")
+            problems.check(y, ref, "bfloat16", f"MLP output, step {it}")
+        problems.assert_none()
     finally:
         stream.synchronize()
         rs.free()
