@@ -33,16 +33,19 @@ import numpy as np
 
 from . import collectives_plan as plan
 from .dtypes import bfloat16, normalize_dtype
-from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, op_id
+from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, NotSymmetricError, op_id
 from .streams import as_cupy_stream
 
 log = logging.getLogger(__name__)
 
 KERNEL_SOURCE = "comm/collectives.cu"
 _REDUCE_DTYPES = {bfloat16: "bf16", np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
-_TABLE_DTYPE = np.dtype([("words", "<u8", (4 * plan.MAX_WORLD,))])  # struct ExchangeTable, by value
+_TABLE_ROWS = 5  # struct ExchangeTable: send_ptr, send_bytes, recv_ptr, recv_bytes, send_dst
+_TABLE_DTYPE = np.dtype([("words", "<u8", (_TABLE_ROWS * plan.MAX_WORLD,))])  # passed by value
 _u64, _u32 = np.uint64, np.uint32
 _contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_BLOCK = (plan.THREADS,)
+_FAST_CACHE_ENTRIES = 256  # validated launch lists kept per context (keyed by array addresses and arguments)
 
 
 @dataclass(frozen=True)
@@ -121,15 +124,51 @@ def _span(a) -> tuple[int, int]:
     return a.data.ptr, a.data.ptr + a.nbytes
 
 
-def _check_alias(op: str, x, out, allowed_offsets: tuple[int, ...]) -> None:
-    """out may overlap x only exactly in the in-place layouts of `op` (out.ptr - x.ptr in allowed_offsets)."""
+def _overlap(x, out) -> bool:
     (x0, x1), (o0, o1) = _span(x), _span(out)
-    if x.nbytes == 0 or out.nbytes == 0 or x1 <= o0 or o1 <= x0:
+    return x.nbytes > 0 and out.nbytes > 0 and x0 < o1 and o0 < x1
+
+
+def _symmetric_offset(world, a) -> int | None:
+    """Offset of `a` in its symmetric allocation of this world's heap, or None when it is not one."""
+    if getattr(a, "_heap", None) is not world.heap:
+        return None
+    try:
+        return a.offset_bytes
+    except NotSymmetricError:
+        return None
+
+
+def _peer_pointers(a, n: int) -> np.ndarray:
+    """uint64[n]: `a` as mapped from every rank's heap."""
+    return np.array([a.peer_ptr(q) for q in range(n)], dtype=np.uint64)
+
+
+def _algo_signature(got) -> tuple:
+    """The algorithm (and, for direct pushes, the output's heap offset) every rank must agree on."""
+    if got is None:
+        return (("algo", None),)
+    chosen, off = got[-2], got[-1]
+    return (("algo", chosen),) + ((("out_offset", off),) if chosen == "direct" else ())
+
+
+def _check_alias(op: str, x, out, allowed_offsets: tuple[int, ...]) -> None:
+    """out may overlap x only exactly in the in-place layouts of `op` (x.ptr - out.ptr in allowed_offsets)."""
+    if not _overlap(x, out) or x.data.ptr - out.data.ptr in allowed_offsets:
         return
-    if x0 - o0 in allowed_offsets:
-        return
-    raise CollectiveArgumentError(f"{op}: out overlaps the input in an unsupported way (input at +{x0 - o0} bytes "
-                                  "into out); use disjoint buffers or the documented in-place layout")
+    raise CollectiveArgumentError(f"{op}: out overlaps the input in an unsupported way (input at "
+                                  f"{x.data.ptr - out.data.ptr:+d} bytes from out); use disjoint buffers or the "
+                                  "documented in-place layout")
+
+
+def _fast_key(name: str, x, out, *args):
+    """Cache key of a call whose launch list depends only on these arrays' addresses and layouts and on
+    `args` (None: not cacheable, e.g. a DLPack object or an output to allocate)."""
+    import cupy
+
+    if out is None or not isinstance(x, cupy.ndarray) or not isinstance(out, cupy.ndarray):
+        return None
+    return (name, x.data.ptr, x.shape, x.strides, x.dtype, out.data.ptr, out.shape, out.strides, out.dtype, *args)
 
 
 def _signature_text(sig: tuple) -> str:
@@ -207,6 +246,7 @@ class Collectives:
         self._order_event = cupy.cuda.Event(disable_timing=True)
         self._last_stream = None
         self._kernels: dict = {}
+        self._fast: dict = {}
         self._team_base = (_u64(self.epoch.data.ptr), _u64(self.workspace.data.ptr),
                            _u64(self.workspace.peer_table.data.ptr), _u64(self.flags.data.ptr),
                            _u64(self.flags.peer_table.data.ptr), _u64(self.half_bytes), _u32(world.rank),
@@ -243,11 +283,14 @@ class Collectives:
                           s.ptr, last.ptr)
         self._last_stream = s
 
-    def _run(self, stream, async_op: bool, launch, result, keep):
+    def _run(self, stream, async_op: bool, launches, result, keep):
+        """Enqueue `launches` ((kernel, grid, args) each) on `stream`, or on the side stream after it."""
         import cupy
 
-        self.world._check_active()
-        self.world.check_errors()
+        world = self.world
+        if world._finalized:
+            world._check_active()
+        world.check_errors()
         caller = as_cupy_stream(stream)
         if async_op:
             ready = cupy.cuda.Event(disable_timing=True)
@@ -256,13 +299,28 @@ class Collectives:
             s.wait_event(ready)
         else:
             s = caller
-        self._order_after_previous(s)
-        launch(s)
+        if self._last_stream is not s:
+            self._order_after_previous(s)
+        for fn, grid, args in launches:
+            fn((grid,), _BLOCK, args, stream=s)
         if not async_op:
             return result
         done = cupy.cuda.Event(disable_timing=True)
         done.record(s)
-        return CollectiveHandle(self.world, done, result, keep)
+        return CollectiveHandle(world, done, result, keep)
+
+    def _call(self, key, plan_call, stream, async_op, result, keep):
+        """Launch a call: from the cache of validated launch lists (same arrays, same arguments, no
+        cross-rank check wanted), else validate, agree and plan through `plan_call` -> (launches, out)."""
+        launches = self._fast.get(key) if key is not None else None
+        if launches is None:
+            launches, out = plan_call()
+            result = out if result is None else result
+            if key is not None and not self.world.options.check_collective_args:
+                if len(self._fast) >= _FAST_CACHE_ENTRIES:
+                    self._fast.clear()
+                self._fast[key] = launches
+        return self._run(stream, async_op, launches, result, keep)
 
     def _output(self, out, name: str, dtype, count: int, default_shape):
         import cupy
@@ -276,18 +334,32 @@ class Collectives:
             raise CollectiveArgumentError(f"{name} too small: {o.size} elements, the result needs {count}")
         return o
 
-    def _exchange(self, s, op: str, pieces, table_fn, slot_bytes: int) -> None:
+    def _exchange_launches(self, op: str, algo: str, per_peer: int, itemsize: int, lay, table_fn) -> tuple:
+        """Launches of an exchange op moving `per_peer` elements per pair (alltoallv: the largest pair of
+        all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch."""
+        if algo == "direct":
+            pieces = plan.direct_pieces(per_peer, itemsize)
+        elif op == "alltoallv":
+            pieces = plan.alltoallv_pieces(per_peer, itemsize, lay)
+        else:
+            pieces = _chunked_plan(per_peer, itemsize, lay)
         fn = self._kernel("fluxrt_exchange")
-        team = self._teams[op]
+        tail = (_u64(lay.slot_bytes), np.int32(algo == "direct"))
+        launches = []
         for p in pieces:
             tab = np.zeros(1, _TABLE_DTYPE)
-            table_fn(p, tab.view(np.uint64).reshape(4, plan.MAX_WORLD))
-            fn((p.grid,), (plan.THREADS,), team + (tab, _u64(slot_bytes)), stream=s)
+            table_fn(p, tab.view(np.uint64).reshape(_TABLE_ROWS, plan.MAX_WORLD))
+            launches.append((fn, p.grid, self._teams[op] + (tab,) + tail))
+        return tuple(launches)
 
     # --- reductions -------------------------------------------------------------------------------
     def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
         """out = x[rank 0] op x[rank 1] op ... (elementwise; fp32 accumulation in rank order, so every rank
         gets bitwise the same result). out=None allocates; out=x is in place."""
+        return self._call(_fast_key("allreduce", x, out, op, algo), lambda: self._plan_allreduce(x, out, op, algo),
+                          stream, async_op, out, (x, out))
+
+    def _plan_allreduce(self, x, out, op, algo):
         world = self.world
 
         def prepare():
@@ -307,22 +379,24 @@ class Collectives:
         fn = self._kernel(f"fluxrt_allreduce_{chosen}_{dt}_{red}")
         team = self._teams["allreduce"]
         isz = a.itemsize
-
-        def launch(s):
-            for p in pieces:
-                xp, op_ = _u64(a.data.ptr + p.start * isz), _u64(o.data.ptr + p.start * isz)
-                if chosen == "oneshot":
-                    args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
-                else:
-                    args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes))
-                fn((p.grid,), (plan.THREADS,), args, stream=s)
-
-        return self._run(stream, async_op, launch, o, (a, o))
+        launches = []
+        for p in pieces:
+            xp, op_ = _u64(a.data.ptr + p.start * isz), _u64(o.data.ptr + p.start * isz)
+            if chosen == "oneshot":
+                args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
+            else:
+                args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes))
+            launches.append((fn, p.grid, args))
+        return tuple(launches), o
 
     def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
                        algo: str = "auto"):
         """x holds world.size chunks of equal size; rank r gets the reduction of every rank's chunk r.
         In place: out = x[r * chunk : (r + 1) * chunk] (flattened)."""
+        return self._call(_fast_key("reduce_scatter", x, out, op, algo),
+                          lambda: self._plan_reduce_scatter(x, out, op, algo), stream, async_op, out, (x, out))
+
+    def _plan_reduce_scatter(self, x, out, op, algo):
         world = self.world
         n = world.size
 
@@ -345,87 +419,99 @@ class Collectives:
         _agree(world, "reduce_scatter", sig, err)
         a, o, dt, red, c = got
         lay = plan.layout("reduce_scatter", "push", self.half_bytes, n, a.itemsize)
-        pieces = _chunked_plan(c, a.itemsize, lay)
         fn = self._kernel(f"fluxrt_reduce_scatter_{dt}_{red}")
         team = self._teams["reduce_scatter"]
         isz = a.itemsize
-
-        def launch(s):
-            for p in pieces:
-                fn((p.grid,), (plan.THREADS,),
-                   team + (_u64(a.data.ptr + p.start * isz), _u64(c), _u64(o.data.ptr + p.start * isz),
-                           _u64(p.count), _u64(lay.slot_bytes)), stream=s)
-
-        return self._run(stream, async_op, launch, o, (a, o))
+        launches = tuple((fn, p.grid, team + (_u64(a.data.ptr + p.start * isz), _u64(c),
+                                              _u64(o.data.ptr + p.start * isz), _u64(p.count),
+                                              _u64(lay.slot_bytes)))
+                         for p in _chunked_plan(c, isz, lay))
+        return launches, o
 
     # --- data movement ----------------------------------------------------------------------------
     def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
         """out = concat(x of rank 0, x of rank 1, ...) (out=None: shape (n * x.shape[0], ...)). In place:
         x = out[r * x.size : (r + 1) * x.size] (flattened)."""
+        return self._call(_fast_key("allgather", x, out, algo), lambda: self._plan_allgather(x, out, algo),
+                          stream, async_op, out, (x, out))
+
+    def _plan_allgather(self, x, out, algo):
         world = self.world
         n = world.size
 
         def prepare():
             a = _as_array(x, "x", world.device_id)
             _move_dtype(a.dtype)
-            plan.choose_algo("allgather", a.nbytes, n, algo)
             shape = (n * a.shape[0], *a.shape[1:]) if a.ndim else (n,)
             o = self._output(out, "out", a.dtype, n * a.size, shape)
             _check_alias("allgather", a, o, (world.rank * a.nbytes,))
-            return a, o
+            off = _symmetric_offset(world, o)
+            chosen = plan.choose_algo("allgather", n * a.nbytes, n, algo, direct_ok=off is not None)
+            return a, o, chosen, off
 
         got, err = _local(prepare)
         sig = (("count", None if got is None else got[0].size),
-               ("dtype", None if got is None else got[0].dtype.str))
+               ("dtype", None if got is None else got[0].dtype.str), *_algo_signature(got))
         _agree(world, "allgather", sig, err)
-        a, o = got
+        a, o, chosen, _ = got
         isz, c = a.itemsize, a.size
         lay = plan.layout("allgather", "push", self.half_bytes, n, isz)
+        mine = o.data.ptr + world.rank * a.nbytes
+        peers = _peer_pointers(o, n) if chosen == "direct" else None
 
         def table(p, t):
             t[0, :n] = a.data.ptr + p.start * isz
             t[1, :n] = p.count * isz
             t[2, :n] = o.data.ptr + (np.arange(n, dtype=np.uint64) * c + p.start) * isz
             t[3, :n] = p.count * isz
+            if peers is not None:
+                t[4, :n] = peers + (world.rank * c + p.start) * isz
+                if mine == a.data.ptr:  # in place: this rank's chunk is already there
+                    t[1, world.rank] = 0
 
-        pieces = _chunked_plan(c, isz, lay)
-        return self._run(stream, async_op, lambda s: self._exchange(s, "allgather", pieces, table, lay.slot_bytes),
-                         o, (a, o))
+        return self._exchange_launches("allgather", chosen, c, isz, lay, table), o
 
     def alltoall(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
         """x holds world.size equal chunks; chunk q goes to rank q, and out's chunk p comes from rank p.
         out=None: same shape as x; out=x is in place."""
+        return self._call(_fast_key("alltoall", x, out, algo), lambda: self._plan_alltoall(x, out, algo),
+                          stream, async_op, out, (x, out))
+
+    def _plan_alltoall(self, x, out, algo):
         world = self.world
         n = world.size
 
         def prepare():
             a = _as_array(x, "x", world.device_id)
             _move_dtype(a.dtype)
-            plan.choose_algo("alltoall", a.nbytes, n, algo)
             if a.size % n:
                 raise CollectiveArgumentError(f"alltoall: x has {a.size} elements, not a multiple of {n} ranks")
             o = self._output(out, "out", a.dtype, a.size, a.shape)
             _check_alias("alltoall", a, o, (0,))
-            return a, o
+            # direct pushes would overwrite chunks of an in-place buffer that this rank has still to send
+            off = _symmetric_offset(world, o) if not _overlap(a, o) else None
+            chosen = plan.choose_algo("alltoall", a.nbytes, n, algo, direct_ok=off is not None)
+            return a, o, chosen, off
 
         got, err = _local(prepare)
         sig = (("count", None if got is None else got[0].size),
-               ("dtype", None if got is None else got[0].dtype.str))
+               ("dtype", None if got is None else got[0].dtype.str), *_algo_signature(got))
         _agree(world, "alltoall", sig, err)
-        a, o = got
+        a, o, chosen, _ = got
         isz, c = a.itemsize, a.size // n
         lay = plan.layout("alltoall", "push", self.half_bytes, n, isz)
         offsets = np.arange(n, dtype=np.uint64) * c
+        peers = _peer_pointers(o, n) if chosen == "direct" else None
 
         def table(p, t):
             t[0, :n] = a.data.ptr + (offsets + p.start) * isz
             t[1, :n] = p.count * isz
             t[2, :n] = o.data.ptr + (offsets + p.start) * isz
             t[3, :n] = p.count * isz
+            if peers is not None:
+                t[4, :n] = peers + (world.rank * c + p.start) * isz
 
-        pieces = _chunked_plan(c, isz, lay)
-        return self._run(stream, async_op, lambda s: self._exchange(s, "alltoall", pieces, table, lay.slot_bytes),
-                         o, (a, o))
+        return self._exchange_launches("alltoall", chosen, c, isz, lay, table), o
 
     def alltoallv(self, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
                   stream=None, async_op: bool = False, algo: str = "auto"):
@@ -434,6 +520,10 @@ class Collectives:
         allowed. recv_counts=None derives them from the peers' send counts. Always exchanges the counts
         over MPI (every rank needs the largest pair to agree on the number of launches) and checks that
         each pair agrees. Not in place."""
+        return self._call(None, lambda: self._plan_alltoallv(x, send_counts, recv_counts, out, send_displs,
+                                                             recv_displs, algo), stream, async_op, None, (x, out))
+
+    def _plan_alltoallv(self, x, send_counts, recv_counts, out, send_displs, recv_displs, algo):
         world = self.world
         n = world.size
 
@@ -451,9 +541,9 @@ class Collectives:
 
         got, err = _local(prepare)
         sig = (("dtype", None if got is None else got[0].dtype.str),)
-        extra = None if got is None else (got[1].tolist(), None if got[3] is None else got[3].tolist())
-        every = _agree(world, "alltoallv", sig, err, extra=extra if extra is not None else ([], None))
-        a, sc, sd, rc_given = got
+        extra = ([], None) if got is None else (got[1].tolist(), None if got[3] is None else got[3].tolist())
+        every = _agree(world, "alltoallv", sig, err, extra=extra)
+        a, sc, sd, _ = got
         matrix = np.array([e[0] for e in every], dtype=np.int64)  # matrix[p][q]: elements p sends to q
         bad = [(p, r, int(matrix[p][r]), e[1][p]) for r, e in enumerate(every) if e[1] is not None
                for p in range(n) if e[1][p] != matrix[p][r]]
@@ -474,7 +564,6 @@ class Collectives:
         rd, o = got2
         isz = a.itemsize
         lay = plan.layout("alltoallv", "push", self.half_bytes, n, isz)
-        pieces = _alltoallv_plan(int(matrix.max(initial=0)), isz, lay)
         sd_u, rd_u = sd.astype(np.uint64), rd.astype(np.uint64)
 
         def table(p, t):
@@ -485,12 +574,16 @@ class Collectives:
             t[2, :n] = o.data.ptr + (rd_u + np.uint64(p.start)) * np.uint64(isz)
             t[3, :n] = recv * np.uint64(isz)
 
-        return self._run(stream, async_op, lambda s: self._exchange(s, "alltoallv", pieces, table, lay.slot_bytes),
-                         o, (a, o))
+        return self._exchange_launches("alltoallv", "push", int(matrix.max(initial=0)), isz, lay, table), o
 
     def broadcast(self, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
         """Every rank gets root's x. out=None: in place (x is overwritten on the other ranks), as
         torch.distributed.broadcast; otherwise out receives it on every rank, root included."""
+        return self._call(_fast_key("broadcast", x, x if out is None else out, root, algo),
+                          lambda: self._plan_broadcast(x, out, root, algo), stream, async_op,
+                          x if out is None else out, (x, out))
+
+    def _plan_broadcast(self, x, out, root, algo):
         world = self.world
         n = world.size
 
@@ -499,29 +592,33 @@ class Collectives:
                 raise CollectiveArgumentError(f"broadcast: root {root} outside world of size {n}")
             a = _as_array(x, "x", world.device_id)
             _move_dtype(a.dtype)
-            plan.choose_algo("broadcast", a.nbytes, n, algo)
             o = a if out is None else self._output(out, "out", a.dtype, a.size, a.shape)
             _check_alias("broadcast", a, o, (0,))
-            return a, o
+            off = _symmetric_offset(world, o)
+            chosen = plan.choose_algo("broadcast", a.nbytes, n, algo, direct_ok=off is not None)
+            return a, o, chosen, off
 
         got, err = _local(prepare)
         sig = (("count", None if got is None else got[0].size),
-               ("dtype", None if got is None else got[0].dtype.str), ("root", root))
+               ("dtype", None if got is None else got[0].dtype.str), ("root", root), *_algo_signature(got))
         _agree(world, "broadcast", sig, err)
-        a, o = got
-        isz, c, root = a.itemsize, a.size, int(root)
+        a, o, chosen, _ = got
+        isz, c, r0 = a.itemsize, a.size, int(root)
         lay = plan.layout("broadcast", "push", self.half_bytes, n, isz)
+        peers = _peer_pointers(o, n) if chosen == "direct" else None
 
         def table(p, t):
             nbytes = p.count * isz
             t[0, :n] = a.data.ptr + p.start * isz
-            t[1, :n] = nbytes if world.rank == root else 0
-            t[2, root] = o.data.ptr + p.start * isz
-            t[3, root] = nbytes
+            t[1, :n] = nbytes if world.rank == r0 else 0
+            t[2, r0] = o.data.ptr + p.start * isz
+            t[3, r0] = nbytes
+            if peers is not None:
+                t[4, :n] = peers + p.start * isz
+                if o.data.ptr == a.data.ptr:  # in place on the root: its own copy is already there
+                    t[1, world.rank] = 0
 
-        pieces = _chunked_plan(c, isz, lay)
-        return self._run(stream, async_op, lambda s: self._exchange(s, "broadcast", pieces, table, lay.slot_bytes),
-                         o, (a, o))
+        return self._exchange_launches("broadcast", chosen, c, isz, lay, table), o
 
 
 # ------------------------------------------------------------------------------------------ plans (cached)

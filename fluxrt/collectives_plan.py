@@ -22,15 +22,16 @@ ONESHOT_BYTES_PER_BLOCK = 8 << 10    # one-shot grid: a block per this many mess
 ONESHOT_MAX_GRID = 32                # ... up to this many blocks
 BULK_BYTES_PER_BLOCK = 16 << 10      # two-shot / reduce-scatter / exchange: a block per this many bytes per peer
 BULK_MAX_GRID = 64                   # ... up to this many blocks
+DIRECT_MIN_BYTES = 1 << 20           # exchange ops with a symmetric output: direct pushes from here up
 
 REDUCE_OPS = ("sum", "max", "min")
 ALGOS = {
     "allreduce": ("oneshot", "twoshot"),
     "reduce_scatter": ("push",),
-    "allgather": ("push",),
-    "alltoall": ("push",),
+    "allgather": ("push", "direct"),
+    "alltoall": ("push", "direct"),
     "alltoallv": ("push",),
-    "broadcast": ("push",),
+    "broadcast": ("push", "direct"),
 }
 
 
@@ -42,16 +43,25 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto") -> str:
-    """The algorithm `op` uses for an `nbytes` message (`algo` forces one, for measurement)."""
+def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direct_ok: bool = False) -> str:
+    """The algorithm `op` uses for an `nbytes` message (`algo` forces one, for measurement).
+
+    'push' stages through the workspace; 'direct' pushes straight into the peers' outputs and needs
+    `direct_ok`: the output is a symmetric array (at the same offset on every rank) that the op may write
+    while this rank still reads its input."""
     if op not in ALGOS:
         raise ValueError(f"unknown collective {op!r}: expected one of {', '.join(ALGOS)}")
     if algo != "auto":
         if algo not in ALGOS[op]:
             raise ValueError(f"{op}: algo {algo!r} not in {ALGOS[op] + ('auto',)}")
+        if algo == "direct" and not direct_ok:
+            raise ValueError(f"{op}: algo 'direct' needs a symmetric output (world.empty) that does not "
+                             "overlap the input")
         return algo
     if op == "allreduce":
         return "oneshot" if nbytes <= ONESHOT_MAX_BYTES or world_size == 1 else "twoshot"
+    if direct_ok and "direct" in ALGOS[op] and nbytes >= DIRECT_MIN_BYTES:
+        return "direct"
     return ALGOS[op][0]
 
 
@@ -106,6 +116,11 @@ def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay:
     return out
 
 
+def direct_pieces(per_peer: int, itemsize: int) -> list[Piece]:
+    """Direct rounds need no workspace: the whole message in one launch."""
+    return [Piece(0, per_peer, bulk_grid(per_peer * itemsize))] if per_peer else []
+
+
 def chunked_pieces(per_peer: int, itemsize: int, lay: Layout) -> list[Piece]:
     """Launches of a chunked op moving `per_peer` elements between each pair of ranks."""
     return [Piece(s, min(lay.max_elems, per_peer - s), bulk_grid(min(lay.max_elems, per_peer - s) * itemsize))
@@ -126,13 +141,17 @@ def check_world(world_size: int) -> None:
         raise ValueError(f"collectives support up to {MAX_WORLD} ranks (one NVLink domain), got {world_size}")
 
 
-def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: int, algo: str = "auto") -> dict:
-    """What a call would run, for logs and the perf table: algo, launches, grid of the first launch."""
-    nbytes = count * itemsize
-    a = choose_algo(op, nbytes, world_size, algo)
+def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: int, algo: str = "auto",
+             direct_ok: bool = False, nbytes: int | None = None) -> dict:
+    """What a call would run, for logs and the perf table: algo, launches, grid of the first launch.
+    `count`: elements of the message (allreduce) or per peer (the others); `nbytes`: the size the
+    algorithm is chosen by (default count * itemsize)."""
+    a = choose_algo(op, count * itemsize if nbytes is None else nbytes, world_size, algo, direct_ok)
     lay = layout(op, a, half_bytes, world_size, itemsize)
     if op == "allreduce":
         pieces = allreduce_pieces(count, itemsize, world_size, a, lay)
+    elif a == "direct":
+        pieces = direct_pieces(count, itemsize)
     else:
         pieces = chunked_pieces(count, itemsize, lay)
     return {"algo": a, "launches": len(pieces), "grid": pieces[0].grid if pieces else 0,
@@ -140,4 +159,5 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
 
 
 __all__ = ["ALGOS", "REDUCE_OPS", "Layout", "Piece", "allreduce_pieces", "alltoallv_pieces", "chunked_pieces",
+           "direct_pieces",
            "choose_algo", "layout", "describe", "bulk_grid", "oneshot_grid", "check_world", "MAX_WORLD"]

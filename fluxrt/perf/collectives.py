@@ -121,18 +121,22 @@ class Case:
 class FluxrtRunner:
     name = "fluxrt"
 
-    def __init__(self, world, op: str, algo: str, redop: str, root: int, workspace_bytes: int):
+    def __init__(self, world, op: str, algo: str, redop: str, root: int, workspace_bytes: int, symmetric: bool):
         import fluxrt
 
         self.ctx = fluxrt.Collectives(world, fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes))
         self.op, self.algo, self.redop, self.root, self.n = op, algo, redop, root, world.size
+        self.symmetric = symmetric
 
     def algo_name(self, case: Case) -> str:
         from ..collectives_plan import describe as plan_describe
 
         count = {"reduce_scatter": case.out_elems, "alltoall": case.chunk, "alltoallv": case.chunk}.get(
             self.op, case.in_elems)
-        d = plan_describe(self.op, count, case.dtype.itemsize, self.n, self.ctx.half_bytes, self.algo)
+        isz = case.dtype.itemsize
+        nbytes = (case.out_elems if self.op == "allgather" else case.in_elems) * isz
+        d = plan_describe(self.op, count, isz, self.n, self.ctx.half_bytes, self.algo,
+                          direct_ok=self.symmetric, nbytes=nbytes)
         return d["algo"] if d["launches"] <= 1 else f"{d['algo']}x{d['launches']}"
 
     def __call__(self, case: Case, stream) -> None:
@@ -249,7 +253,7 @@ def _check(world, run, case: Case, stream) -> int:
     return world.comm.allreduce(case.wrong(), op=MPI.SUM)
 
 
-def sweep(world, op: str, opts: SweepOptions, runners, root: int, out=None) -> list[Row]:
+def sweep(world, op: str, opts: SweepOptions, runners, root: int, out=None, symmetric: bool = False) -> list[Row]:
     import cupy
 
     n = world.size
@@ -258,13 +262,15 @@ def sweep(world, op: str, opts: SweepOptions, runners, root: int, out=None) -> l
     redop = opts.op if op in REDUCING else "none"
     sweep_sizes = sizes(opts, align=size_align(op, esize, n))
     max_in, max_out = buffer_elems(op, sweep_sizes[-1], esize, n)
-    x_full = cupy.empty(max(1, max_in), dtype=dtype)
-    out_full = cupy.empty(max(1, max_out), dtype=dtype)
+    alloc = world.empty if symmetric else cupy.empty
+    x_full = alloc(max(1, max_in), dtype=dtype)
+    out_full = alloc(max(1, max_out), dtype=dtype)
     stream = cupy.cuda.Stream(non_blocking=True)
     factor = bus_bandwidth_factor(op, n)
     table = Table(impls=tuple(r.name for r in runners), out=out if world.rank == 0 else io.StringIO(),
                   show_algo=True)
-    table.header([*describe(opts), f"# {op} on {n} ranks; fluxrt algo: {runners[0].algo}"])
+    table.header([*describe(opts), f"# {op} on {n} ranks; fluxrt algo: {runners[0].algo}; buffers: "
+                                   f"{'symmetric' if symmetric else 'plain cupy'}"])
     for nbytes in progress(sweep_sizes, enabled=opts.progress and world.rank == 0, desc=op):
         case = Case(op, world, x_full, out_full, nbytes, dtype, redop, root)
         case.fill_input()
@@ -278,6 +284,9 @@ def sweep(world, op: str, opts: SweepOptions, runners, root: int, out=None) -> l
                                      wrong=wrong, root=root if op == "broadcast" else -1))
         table.add(line)
     table.footer()
+    if symmetric:
+        world.free(out_full)
+        world.free(x_full)
     return table.rows
 
 
@@ -289,7 +298,10 @@ def parser(op: str) -> argparse.ArgumentParser:
     ap.add_argument("--impls", default="fluxrt,nccl", help="comma list of fluxrt,nccl (default: both)")
     ap.add_argument("--root", type=int, default=0, help="broadcast root (default: 0)")
     ap.add_argument("--workspace", default="64M", help="fluxrt collectives workspace per rank (default: 64M)")
-    ap.add_argument("--heap", default=None, help="symmetric heap per rank (default: NVSHMEM's)")
+    ap.add_argument("--heap", default=None,
+                    help="symmetric heap per rank (default: NVSHMEM's, or what --symmetric needs)")
+    ap.add_argument("--symmetric", action="store_true",
+                    help="allocate inputs and outputs on the symmetric heap (zero-copy 'direct' paths)")
     ap.add_argument("--check-args", action="store_true",
                     help="keep fluxrt's cross-rank argument check on (an MPI allgather per eager call)")
     return ap
@@ -310,22 +322,28 @@ def main(argv=None, op: str = "allreduce") -> int:
         ap.error("--impls must start with fluxrt, e.g. fluxrt,nccl or fluxrt")
     if args.algo != "auto" and args.algo not in ALGOS[op]:
         ap.error(f"--algo {args.algo!r}: {op} has {', '.join(ALGOS[op])} (or auto)")
+    if args.algo == "direct" and not args.symmetric:
+        ap.error("--algo direct pushes into symmetric outputs: add --symmetric")
     if op in REDUCING and opts.datatype == "int32":
         ap.error(f"{op} reduces bf16, fp16 or fp32 (-d), not int32")
-    options = fluxrt.WorldOptions(heap_size=args.heap, check_collective_args=args.check_args)
+    heap = args.heap
+    if heap is None and args.symmetric:
+        esize = np.dtype(normalize_dtype(opts.datatype)).itemsize
+        heap = 2 * opts.maxbytes + 2 * esize + parse_bytes(args.workspace) + (256 << 20)
+    options = fluxrt.WorldOptions(heap_size=heap, check_collective_args=args.check_args)
     with fluxrt.init(options=options) as world:
         if not 0 <= args.root < world.size:
             ap.error(f"--root {args.root} outside {world.size} ranks")
         redop = opts.op if op in REDUCING else "none"
         runners = [FluxrtRunner(world, op, args.algo, redop if op in REDUCING else "sum", args.root,
-                                parse_bytes(args.workspace))]
+                                parse_bytes(args.workspace), args.symmetric)]
         if "nccl" in impls:
             try:
                 runners.append(NcclRunner(world, op, opts.op, args.root))
             except Exception as e:  # the baseline is optional: say why it is missing and go on
                 if world.rank == 0:
                     print(f"# nccl baseline unavailable: {e}", file=sys.stderr)
-        rows = sweep(world, op, opts, runners, args.root, out=sys.stdout)
+        rows = sweep(world, op, opts, runners, args.root, out=sys.stdout, symmetric=args.symmetric)
         for r in runners:
             r.close()
         if world.rank == 0:

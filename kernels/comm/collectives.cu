@@ -6,6 +6,8 @@
 //   stage signal  every writer fences, then one thread per peer releases flag [phase][rank][block] on q,
 //   stage wait    one thread per peer acquires flag [phase][p][block] locally (bounded),
 //   stage consume the block reduces or copies what the peers pushed into its slice of the output.
+// Direct exchange rounds (symmetric outputs) push into the peers' outputs instead, after a "ready" flag
+// from each peer, and have no consume stage.
 // A block only ever touches its own slice (the same partition on every rank: it depends only on the
 // sizes and the grid, which every rank computes identically), so blocks never wait for each other.
 //
@@ -53,6 +55,7 @@ struct ExchangeTable {
     u64 send_bytes[kMaxWorld];
     u64 recv_ptr[kMaxWorld];    // local destination of what came from peer p
     u64 recv_bytes[kMaxWorld];
+    u64 send_dst[kMaxWorld];    // direct rounds: where peer q wants the data (in its output, mapped here)
 };
 
 // ----------------------------------------------------------------------------------------- epochs
@@ -327,20 +330,31 @@ __device__ void allreduce_twoshot(Team t, const typename E::T* x, typename E::T*
 }
 
 // Exchange round (allgather, alltoall(v), broadcast): peer q receives tab.send_bytes[q] bytes from
-// tab.send_ptr[q] in its slot [rank]; what peer p sent lands at tab.recv_ptr[p]. Each pair's bytes are
-// split over the blocks in 16-byte units; sender and receiver agree on the byte count of their pair.
-__device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes) {
+// tab.send_ptr[q]; what peer p sent lands at tab.recv_ptr[p]. Each pair's bytes are split over the blocks
+// in 16-byte units; sender and receiver agree on the byte count of their pair.
+// Staged rounds push into q's workspace slot [rank] and copy out after the wait. Direct rounds push
+// straight into q's output (tab.send_dst[q], a symmetric array) once q has said that it entered this
+// round, i.e. that its stream is done with whatever read that output before.
+__device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes, bool direct) {
     const u64 e = begin_round(t.epoch);
     const u64 base = half_offset(t, e);
+    if (direct) {                                                                       // stage ready
+        for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) {
+            u64* flag = reinterpret_cast<u64*>(t.flags_peers[q]) + flag_index(t, 1, t.rank);
+            fluxrt::st_release_sys(flag, e);  // orders this rank's earlier work on the output before it
+        }
+        if (!wait_peers(t, 1, e)) return;
+    }
     for (u32 s = 0; s < t.world; ++s) {                                                 // stage push
         const u32 q = (t.rank + 1 + s) % t.world;
         u64 lo, hi;
         block_range(tab.send_bytes[q], kVecBytes, &lo, &hi);
-        char* dst = peer_ws(t, q) + base + (u64)t.rank * slot_bytes + lo;
+        char* dst = direct ? reinterpret_cast<char*>(tab.send_dst[q]) + lo
+                           : peer_ws(t, q) + base + (u64)t.rank * slot_bytes + lo;
         copy_block(dst, reinterpret_cast<const char*>(tab.send_ptr[q]) + lo, hi - lo, false);
     }
     signal_peers(t, 0, e);                                                               // stage signal
-    if (!wait_peers(t, 0, e)) return;                                                    // stage wait
+    if (!wait_peers(t, 0, e) || direct) return;                                          // stage wait
     for (u32 p = 0; p < t.world; ++p) {                                                 // stage consume
         u64 lo, hi;
         block_range(tab.recv_bytes[p], kVecBytes, &lo, &hi);
@@ -382,6 +396,7 @@ FLUXRT_REDUCTIONS(fp32_sum, F32, kSum)
 FLUXRT_REDUCTIONS(fp32_max, F32, kMax)
 FLUXRT_REDUCTIONS(fp32_min, F32, kMin)
 
-extern "C" __global__ void fluxrt_exchange(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes) {
-    exchange(FLUXRT_TEAM, tab, slot_bytes);
+extern "C" __global__ void fluxrt_exchange(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes,
+                                           int direct) {
+    exchange(FLUXRT_TEAM, tab, slot_bytes, direct != 0);
 }

@@ -40,6 +40,23 @@ def test_allreduce_switches_from_oneshot_to_twoshot_at_the_threshold():
         assert plan.choose_algo(op, 1 << 20, 4) == "push"
 
 
+def test_direct_exchange_needs_a_symmetric_output_and_a_large_message():
+    big = plan.DIRECT_MIN_BYTES
+    for op in ("allgather", "alltoall", "broadcast"):
+        assert plan.choose_algo(op, big, 4, direct_ok=True) == "direct"
+        assert plan.choose_algo(op, big - 16, 4, direct_ok=True) == "push"
+        assert plan.choose_algo(op, big, 4, direct_ok=False) == "push"
+        assert plan.choose_algo(op, 16, 4, "direct", direct_ok=True) == "direct"
+        with pytest.raises(ValueError, match="symmetric output"):
+            plan.choose_algo(op, big, 4, "direct", direct_ok=False)
+    assert plan.choose_algo("alltoallv", big, 4, direct_ok=True) == "push"
+    assert plan.direct_pieces(0, 2) == []
+    (p,) = plan.direct_pieces(1 << 28, 2)  # no workspace limit: one launch
+    assert (p.start, p.count, p.grid) == (0, 1 << 28, plan.BULK_MAX_GRID)
+    d = plan.describe("allgather", 1 << 20, 4, 4, 1 << 20, direct_ok=True, nbytes=4 << 22)
+    assert d["algo"] == "direct" and d["launches"] == 1
+
+
 def test_choose_algo_rejects_unknown_names():
     with pytest.raises(ValueError, match="algo 'ring'"):
         plan.choose_algo("allreduce", 8, 4, "ring")
@@ -212,6 +229,18 @@ def test_parser_reads_nccl_tests_flags():
     assert (ns.minbytes, ns.maxbytes, ns.iters, ns.warmup_iters, ns.graph_iters) == (8, 1 << 30, 50, 10, 1)
     assert (ns.datatype, ns.op, ns.algo, ns.json_path, ns.plot_path) == ("bf16", "max", "oneshot", "r.json", "r.png")
     assert ns.impls == "fluxrt,nccl" and not ns.check_args
+
+
+@pytest.mark.parametrize("argv, op, message", [
+    (["--algo", "direct"], "allgather", "add --symmetric"),
+    (["--algo", "twoshot"], "allgather", "allgather has push, direct"),
+    (["-d", "int32"], "allreduce", "not int32"),
+    (["--impls", "nccl"], "allreduce", "must start with fluxrt"),
+])
+def test_sweep_rejects_bad_options_before_starting(argv, op, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv, op)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("op, nbytes, expected", [

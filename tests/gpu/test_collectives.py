@@ -179,6 +179,44 @@ def test_alltoall(world, dtype, chunk, in_place):
     _assert_equal(_host(out), want, f"alltoall {dtype} chunk={chunk} in_place={in_place}")
 
 
+@pytest.mark.parametrize("op", ("allgather", "alltoall", "broadcast"))
+@pytest.mark.parametrize("count, algo, in_place", [(1, "direct", False), (4099, "direct", True),
+                                                   (300_001, "auto", False), (1 << 20, "auto", True)])
+def test_direct_exchange_into_symmetric_outputs(world, op, count, algo, in_place):
+    """Symmetric outputs: pushes go straight into the peers' outputs ('direct'; 'auto' picks it from
+    DIRECT_MIN_BYTES up). In place where the op allows it with direct pushes (allgather, broadcast)."""
+    import fluxrt
+
+    n, r = world.size, world.rank
+    dtype = "bf16" if count % 2 else "int32"
+    total = n * count if op != "broadcast" else count
+    x = _data(count + 5, world, count if op == "allgather" else total, dtype)
+    every = _gather(world, x)
+    out = world.empty(total, _dtype(dtype))
+    out.fill(-7777 if dtype == "int32" else np.nan)
+    if op == "allgather":
+        want = np.concatenate(every)
+        if in_place:
+            out[r * count:(r + 1) * count] = x
+            fluxrt.allgather(world, out[r * count:(r + 1) * count], out, algo=algo)
+        else:
+            fluxrt.allgather(world, x, out, algo=algo)
+    elif op == "alltoall":
+        want = np.concatenate([every[p][r * count:(r + 1) * count] for p in range(n)])
+        fluxrt.alltoall(world, x, out, algo=algo)  # in place would need staging: not direct
+    else:
+        root = n - 1
+        want = every[root]
+        if in_place:
+            out[...] = x
+            fluxrt.broadcast(world, out, root=root, algo=algo)
+        else:
+            fluxrt.broadcast(world, x, out, root=root, algo=algo)
+    world.synchronize()
+    _assert_equal(_host(out), want, f"{op} direct count={count} algo={algo} in_place={in_place}")
+    world.free(out)
+
+
 def _counts_matrix(n: int, seed: int, scale: int) -> np.ndarray:
     """matrix[p][q]: elements rank p sends to rank q; the same on every rank; zeros included."""
     m = np.random.default_rng(seed).integers(0, scale, size=(n, n))
