@@ -45,6 +45,7 @@ MAX_WORLD = 64               # ranks a reduce block waits on (one thread per sou
 AG_COMM_MODES = ("pull", "push")
 RS_REDUCE_MODES = ("after", "concurrent")
 PARITIES = 2                 # GEMM+RS receive buffers alternate between two parities
+REDUCE_BLOCKS_PER_SM = 4     # 'after' reduce: 4 x 256 threads per SM keep enough loads in flight for HBM
 
 
 class OpsArgumentError(FluxrtError, ValueError):
@@ -300,5 +301,5 @@ def rs_flag_layout(max_m: int, n: int, world: int) -> RsFlagLayout:
 def rs_reduce_grid(plan: GemmRsPlan, shard_rows: int, n: int, block_n: int, num_sms: int = H100_H200_SMS) -> int:
     """CTAs of the reduce kernel: every SM after the GEMM, reduce_blocks beside it."""
     tiles = math.ceil(shard_rows / TILE_ROWS) * math.ceil(n / block_n)
-    cap = plan.reduce_blocks if plan.reduce_mode == "concurrent" else 2 * num_sms
+    cap = plan.reduce_blocks if plan.reduce_mode == "concurrent" else REDUCE_BLOCKS_PER_SM * num_sms
     return max(1, min(tiles, cap))

@@ -29,6 +29,7 @@ constexpr int kVecElems = 8;                                   // elements per 1
 constexpr int kPartialBytes = FLUXRT_RS_PARTIAL == 2 ? 4 : 2;   // bytes per partial element
 constexpr int kPartialVecs = kVecElems * kPartialBytes / 16;    // 16-byte loads per 8 partial elements
 constexpr int kMaxWorld = 64;                                   // flags checked per tile (one thread each)
+constexpr u32 kLoadBatch = 4;                                   // sources whose partials are loaded together
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
@@ -47,22 +48,30 @@ __device__ __forceinline__ u32 pack_out(float lo, float hi) {
     return r;
 }
 
-// acc[0..7] += the 8 partial elements at p (16-byte aligned). Plain (coherent) loads: the data was
-// written by peers during this kernel's lifetime, so the non-coherent __ldg path is not allowed.
-__device__ __forceinline__ void accumulate8(float (&acc)[kVecElems], const char* p) {
-    const uint4* v = reinterpret_cast<const uint4*>(p);
+// 8 partial elements (16 or 32 bytes). Plain (coherent) loads: the data was written by peers during
+// this kernel's lifetime, so the non-coherent __ldg path is not allowed.
+struct Partial8 {
+    uint4 v[kPartialVecs];
+};
+__device__ __forceinline__ Partial8 load8(const char* p) {
+    Partial8 r;
+#pragma unroll
+    for (int i = 0; i < kPartialVecs; ++i) r.v[i] = reinterpret_cast<const uint4*>(p)[i];
+    return r;
+}
+
+// acc[0..7] += x, element by element in fp32.
+__device__ __forceinline__ void accumulate8(float (&acc)[kVecElems], const Partial8& x) {
 #if FLUXRT_RS_PARTIAL == 2
 #pragma unroll
     for (int i = 0; i < kPartialVecs; ++i) {
-        const uint4 x = v[i];
-        acc[4 * i + 0] += __uint_as_float(x.x);
-        acc[4 * i + 1] += __uint_as_float(x.y);
-        acc[4 * i + 2] += __uint_as_float(x.z);
-        acc[4 * i + 3] += __uint_as_float(x.w);
+        acc[4 * i + 0] += __uint_as_float(x.v[i].x);
+        acc[4 * i + 1] += __uint_as_float(x.v[i].y);
+        acc[4 * i + 2] += __uint_as_float(x.v[i].z);
+        acc[4 * i + 3] += __uint_as_float(x.v[i].w);
     }
 #else
-    const uint4 x = v[0];
-    const u32 w[4] = {x.x, x.y, x.z, x.w};
+    const u32 w[4] = {x.v[0].x, x.v[0].y, x.v[0].z, x.v[0].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #if FLUXRT_RS_PARTIAL == 0
@@ -138,9 +147,17 @@ __global__ void fluxrt_rs_reduce(const char* partials, long long src_stride_byte
             float acc[kVecElems];
 #pragma unroll
             for (int e = 0; e < kVecElems; ++e) acc[e] = 0.f;
-            const long long elem = (long long)row * ld + col;
-            for (u32 s = 0; s < world; ++s)
-                accumulate8(acc, partials + s * src_stride_bytes + elem * kPartialBytes);
+            const char* src = partials + ((long long)row * ld + col) * kPartialBytes;
+            for (u32 s0 = 0; s0 < world; s0 += kLoadBatch) {
+                // kLoadBatch sources' loads in flight at once, then the adds in source order.
+                Partial8 x[kLoadBatch];
+#pragma unroll
+                for (u32 j = 0; j < kLoadBatch; ++j)
+                    if (s0 + j < world) x[j] = load8(src + (s0 + j) * src_stride_bytes);
+#pragma unroll
+                for (u32 j = 0; j < kLoadBatch; ++j)
+                    if (s0 + j < world) accumulate8(acc, x[j]);
+            }
             uint4 o;
             o.x = pack_out(acc[0], acc[1]);
             o.y = pack_out(acc[2], acc[3]);

@@ -155,7 +155,8 @@ def test_rs_flag_layout_covers_every_tile_without_overlap(world):
 
 def test_rs_reduce_grid():
     assert P.rs_reduce_grid(P.GemmRsPlan(), 256, 512, 256, num_sms=132) == 4
-    assert P.rs_reduce_grid(P.GemmRsPlan(), 4096, 8192, 256, num_sms=132) == 264
+    assert P.rs_reduce_grid(P.GemmRsPlan(), 4096, 8192, 256, num_sms=132) == 528
+    assert P.rs_reduce_grid(P.GemmRsPlan(), 2048, 8192, 256, num_sms=132) == 512
     assert P.rs_reduce_grid(P.GemmRsPlan(reduce_mode="concurrent", reduce_blocks=8), 4096, 8192, 256) == 8
 
 
