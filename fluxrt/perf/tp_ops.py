@@ -34,10 +34,11 @@ from .sweep import normalize_datatype
 log = logging.getLogger(__name__)
 
 OPS = ("ag_gemm", "gemm_rs")
-DEFAULT_SHAPES = {   # M x N x K of the per-rank GEMM (AG: K full, N local; RS: K local, N full)
+DEFAULT_SHAPES = {   # M x N x K of the per-rank GEMM at TP=4 (AG: K full, N local; RS: K local, N full)
     "ag_gemm": ((8192, 7168, 8192), (16384, 6144, 8192), (4096, 7168, 8192)),
     "gemm_rs": ((8192, 8192, 7168), (16384, 6144, 8192), (4096, 7168, 8192)),
 }
+DEFAULT_SHAPES_TP = 4   # other world sizes scale the sharded dimension (AG: N, RS: K) by 4 / world
 LAUNCH_SLACK_S = 500e-6   # GPU delay before each timed call: covers the host's enqueue of the whole call
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -73,7 +74,20 @@ def build_parser(op: str) -> argparse.ArgumentParser:
     return p
 
 
-def shapes_from_args(op: str, args) -> list[tuple[int, int, int]]:
+def default_shapes(op: str, world: int) -> list[tuple[int, int, int]]:
+    """The issue's shapes for a `world`-way tensor-parallel layer: the same model dimensions, so the
+    per-rank N (AllGather+GEMM) or K (GEMM+ReduceScatter) is scaled by 4 / world (doubled at TP=2)."""
+    out = []
+    for m, n, k in DEFAULT_SHAPES[op]:
+        if op == "ag_gemm":
+            n = n * DEFAULT_SHAPES_TP // world
+        else:
+            k = k * DEFAULT_SHAPES_TP // world
+        out.append((m, n, k))
+    return out
+
+
+def shapes_from_args(op: str, args, world: int = DEFAULT_SHAPES_TP) -> list[tuple[int, int, int]]:
     if args.shapes:
         return parse_shapes(args.shapes)
     given = [args.m, args.n, args.k]
@@ -81,7 +95,7 @@ def shapes_from_args(op: str, args) -> list[tuple[int, int, int]]:
         if not all(v is not None and v > 0 for v in given):
             raise ValueError("give all of -m, -n and -k (positive), or --shapes")
         return [tuple(given)]
-    return list(DEFAULT_SHAPES[op])
+    return default_shapes(op, world)
 
 
 def overlap_row(op: str, m: int, n: int, k: int, world: int, dtype: str, fused_ms: float, gemm_fluxrt: float,
@@ -388,17 +402,18 @@ def main(argv=None, bench: str | None = None) -> int:
     if dtype is None:
         print(f"fluxrt-perf {bench}: datatype {args.datatype} not supported (bf16 or fp16)", file=sys.stderr)
         return 2
-    shapes = shapes_from_args(bench, args)
+    shapes = shapes_from_args(bench, args)   # validated before the world starts (world size not known yet)
 
     import cupy
 
     import fluxrt
 
-    heap = 0
+    heap = 0   # symmetric bytes: AG's gathered A [M, K]; RS's two parities of partials [M, N] (neither scales with TP)
     for m, n, k in shapes:
         heap = max(heap, m * k * 2 + 4096 if bench == "ag_gemm" else 2 * m * n * 2 + 4096)
     world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G"))
     try:
+        shapes = shapes_from_args(bench, args, world.size)
         for m, n, k in shapes:
             if m % (world.size * 128):
                 raise SystemExit(f"fluxrt-perf {bench}: M={m} must be a multiple of world * 128 = {world.size * 128}")
