@@ -4,7 +4,16 @@
     GemmReduceScatter   out [M/world, N] = this rank's rows of sum_r A_r @ B_r   (row-parallel linear)
 
 Each op has a planner (fluxrt.ops.plan: chunking, flag layout, tile order, comm mode) whose plan is a
-printable dataclass and can be passed to the constructor to override the default.
+printable dataclass and can be passed to the constructor to override the default::
+
+    ag = fluxrt.ops.AllGatherGemm(world, max_m=8192, n=7168, k=8192, dtype="bf16")
+    rs = fluxrt.ops.GemmReduceScatter(world, max_m=8192, n=8192, k=7168, dtype="bf16")
+    h = ag.forward(x_shard, w1, stream=s)        # [8192, 7168] from x_shard [8192/world, 8192]
+    y = rs.forward(h_act, w2, stream=s)          # [8192/world, 8192]
+    world.synchronize(s)                         # raises WaitTimeoutError naming op, rank and peer
+
+Both are collective (same calls, same shapes, same order on every rank), reusable without re-allocation
+and stream-ordered; M must be a multiple of world * 128 (AllGatherGemm: times plan.chunks_per_rank).
 """
 from .ag_gemm import AllGatherGemm
 from .gemm_rs import GemmReduceScatter
