@@ -168,7 +168,8 @@ def _fast_key(name: str, x, out, *args):
 
     if out is None or not isinstance(x, cupy.ndarray) or not isinstance(out, cupy.ndarray):
         return None
-    return (name, x.data.ptr, x.shape, x.strides, x.dtype, out.data.ptr, out.shape, out.strides, out.dtype, *args)
+    return (name, x.data.ptr, x.shape, x.strides, x.dtype, type(out), out.data.ptr, out.shape, out.strides,
+            out.dtype, *args)
 
 
 def _signature_text(sig: tuple) -> str:
@@ -312,11 +313,13 @@ class Collectives:
     def _call(self, key, plan_call, stream, async_op, result, keep):
         """Launch a call: from the cache of validated launch lists (same arrays, same arguments, no
         cross-rank check wanted), else validate, agree and plan through `plan_call` -> (launches, out)."""
+        if self.world.options.check_collective_args:
+            key = None  # every call is compared across ranks
         launches = self._fast.get(key) if key is not None else None
         if launches is None:
             launches, out = plan_call()
             result = out if result is None else result
-            if key is not None and not self.world.options.check_collective_args:
+            if key is not None:
                 if len(self._fast) >= _FAST_CACHE_ENTRIES:
                     self._fast.clear()
                 self._fast[key] = launches
@@ -514,16 +517,27 @@ class Collectives:
         return self._exchange_launches("alltoall", chosen, c, isz, lay, table), o
 
     def alltoallv(self, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
-                  stream=None, async_op: bool = False, algo: str = "auto"):
+                  max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):
         """Rank r sends send_counts[q] elements (from x at send_displs[q], default: packed in rank order)
         to every rank q and receives recv_counts[p] from every p into out at recv_displs[p]. Zeros are
-        allowed. recv_counts=None derives them from the peers' send counts. Always exchanges the counts
-        over MPI (every rank needs the largest pair to agree on the number of launches) and checks that
-        each pair agrees. Not in place."""
-        return self._call(None, lambda: self._plan_alltoallv(x, send_counts, recv_counts, out, send_displs,
-                                                             recv_displs, algo), stream, async_op, None, (x, out))
+        allowed; not in place.
 
-    def _plan_alltoallv(self, x, send_counts, recv_counts, out, send_displs, recv_displs, algo):
+        Every rank must launch as many rounds as the largest pair needs, so by default the counts are
+        exchanged over MPI (which also derives recv_counts=None and checks that each pair agrees). With
+        ``max_count`` (a bound on every pair's count, the same on every rank), recv_counts given and the
+        world's cross-rank checks off, no MPI call is made and repeated calls reuse their launches."""
+        trusted = (max_count is not None and recv_counts is not None
+                   and not self.world.options.check_collective_args)
+        key = None
+        if trusted:
+            key = _fast_key("alltoallv", x, out, _as_tuple(send_counts), _as_tuple(recv_counts),
+                            _as_tuple(send_displs), _as_tuple(recv_displs), int(max_count), algo)
+        return self._call(key, lambda: self._plan_alltoallv(x, send_counts, recv_counts, out, send_displs,
+                                                            recv_displs, max_count, trusted, algo),
+                          stream, async_op, out, (x, out))
+
+    def _plan_alltoallv(self, x, send_counts, recv_counts, out, send_displs, recv_displs, max_count, trusted,
+                        algo):
         world = self.world
         n = world.size
 
@@ -537,20 +551,29 @@ class Collectives:
                 raise CollectiveArgumentError(f"alltoallv: send counts/displacements reach element "
                                               f"{int((sd + sc).max())}, x has {a.size}")
             rc = None if recv_counts is None else _counts(recv_counts, n, "recv_counts")
+            if max_count is not None and max(sc.max(initial=0), 0 if rc is None else rc.max(initial=0)) > max_count:
+                raise CollectiveArgumentError(f"alltoallv: a count exceeds max_count={max_count}")
             return a, sc, sd, rc
 
         got, err = _local(prepare)
-        sig = (("dtype", None if got is None else got[0].dtype.str),)
-        extra = ([], None) if got is None else (got[1].tolist(), None if got[3] is None else got[3].tolist())
-        every = _agree(world, "alltoallv", sig, err, extra=extra)
-        a, sc, sd, _ = got
-        matrix = np.array([e[0] for e in every], dtype=np.int64)  # matrix[p][q]: elements p sends to q
-        bad = [(p, r, int(matrix[p][r]), e[1][p]) for r, e in enumerate(every) if e[1] is not None
-               for p in range(n) if e[1][p] != matrix[p][r]]
-        if bad:
-            detail = "; ".join(f"rank {p} sends {s} to rank {r}, which expects {e}" for p, r, s, e in bad[:8])
-            raise CollectiveMismatchError(f"alltoallv counts do not match across ranks ({detail})")
-        rc = matrix[:, world.rank].copy()
+        sig = (("dtype", None if got is None else got[0].dtype.str), ("max_count", max_count))
+        if trusted:
+            if err is not None:
+                raise err
+            a, sc, sd, rc = got
+            largest = int(max_count)
+        else:
+            extra = ([], None) if got is None else (got[1].tolist(), None if got[3] is None else got[3].tolist())
+            every = _agree(world, "alltoallv", sig, err, extra=extra)
+            a, sc, sd, _ = got
+            matrix = np.array([e[0] for e in every], dtype=np.int64)  # matrix[p][q]: elements p sends to q
+            bad = [(p, r, int(matrix[p][r]), e[1][p]) for r, e in enumerate(every) if e[1] is not None
+                   for p in range(n) if e[1][p] != matrix[p][r]]
+            if bad:
+                detail = "; ".join(f"rank {p} sends {s} to rank {r}, which expects {e}" for p, r, s, e in bad[:8])
+                raise CollectiveMismatchError(f"alltoallv counts do not match across ranks ({detail})")
+            rc = matrix[:, world.rank].copy()
+            largest = int(matrix.max(initial=0)) if max_count is None else int(max_count)
 
         def prepare_out():
             rd = _displs(recv_displs, rc, "recv_displs")
@@ -574,7 +597,7 @@ class Collectives:
             t[2, :n] = o.data.ptr + (rd_u + np.uint64(p.start)) * np.uint64(isz)
             t[3, :n] = recv * np.uint64(isz)
 
-        return self._exchange_launches("alltoallv", "push", int(matrix.max(initial=0)), isz, lay, table), o
+        return self._exchange_launches("alltoallv", "push", largest, isz, lay, table), o
 
     def broadcast(self, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
         """Every rank gets root's x. out=None: in place (x is overwritten on the other ranks), as
@@ -637,6 +660,13 @@ def _alltoallv_plan(max_pair: int, itemsize: int, lay: plan.Layout):
     return tuple(plan.alltoallv_pieces(max_pair, itemsize, lay))
 
 
+def _as_tuple(values):
+    """Hashable form of a counts/displacements argument (None stays None)."""
+    if values is None:
+        return None
+    return tuple(int(v) for v in (values.get() if hasattr(values, "get") else np.asarray(values)).reshape(-1))
+
+
 def _counts(counts, n: int, name: str) -> np.ndarray:
     c = np.asarray(counts.get() if hasattr(counts, "get") else counts, dtype=np.int64).reshape(-1)
     if c.shape != (n,):
@@ -681,9 +711,10 @@ def alltoall(world, x, out=None, *, stream=None, async_op: bool = False, algo: s
 
 
 def alltoallv(world, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
-              stream=None, async_op: bool = False, algo: str = "auto"):
+              max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):
     return context(world).alltoallv(x, send_counts, recv_counts, out, send_displs=send_displs,
-                                    recv_displs=recv_displs, stream=stream, async_op=async_op, algo=algo)
+                                    recv_displs=recv_displs, max_count=max_count, stream=stream,
+                                    async_op=async_op, algo=algo)
 
 
 def broadcast(world, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):

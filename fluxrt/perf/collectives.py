@@ -151,7 +151,7 @@ class FluxrtRunner:
             c.alltoall(case.x, case.out, stream=stream, algo=self.algo)
         elif self.op == "alltoallv":
             counts = [case.chunk] * self.n
-            c.alltoallv(case.x, counts, counts, case.out, stream=stream, algo=self.algo)
+            c.alltoallv(case.x, counts, counts, case.out, max_count=case.chunk, stream=stream, algo=self.algo)
         else:
             c.broadcast(case.x, case.out, root=self.root, stream=stream, algo=self.algo)
 

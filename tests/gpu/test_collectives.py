@@ -346,6 +346,43 @@ def test_repeated_small_calls_do_not_drift(world):
                   "interleaved allgathers")
 
 
+def test_unchecked_calls_reuse_their_launches(world):
+    """With the cross-rank check off, repeated calls on the same arrays reuse cached launch lists and
+    alltoallv with max_count makes no MPI call; results stay right when the data changes."""
+    import dataclasses
+
+    import fluxrt
+
+    n, r = world.size, world.rank
+    saved = world.options
+    world.options = dataclasses.replace(saved, check_collective_args=False)
+    try:
+        x = _data(0, world, 3001, "fp16")
+        out = _poisoned(3001, "fp16")
+        counts = np.arange(1, n + 1) * 100 + r  # rank p sends (q + 1) * 100 + p to rank q
+        recv = (r + 1) * 100 + np.arange(n)
+        v = _data(0, world, int(counts.sum()), "int32")
+        vout = _poisoned(int(recv.sum()), "int32")
+        for step in range(3):
+            x[...] = _data(step + 1, world, 3001, "fp16")
+            v[...] = _data(step + 1, world, int(counts.sum()), "int32")
+            world.device.synchronize()
+            inputs, vin = _gather(world, x), _gather(world, v)
+            fluxrt.allreduce(world, x, out)
+            fluxrt.alltoallv(world, v, counts, recv, vout, max_count=100 * n + n)
+            world.synchronize()
+            _assert_reduced(_host(out), inputs, "sum", "fp16", f"cached allreduce, step {step}")
+            got = _host(vout)
+            for p in range(n):
+                p_counts = np.arange(1, n + 1) * 100 + p
+                start = int(p_counts[:r].sum())
+                want = vin[p][start:start + p_counts[r]]
+                rstart = int(recv[:p].sum())
+                _assert_equal(got[rstart:rstart + recv[p]], want, f"cached alltoallv from {p}, step {step}")
+    finally:
+        world.options = saved
+
+
 def test_graph_capture_and_replay(world):
     import cupy
 
