@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,8 +42,8 @@ _REDUCE_DTYPES = {bfloat16: "bf16", np.dtype(np.float16): "fp16", np.dtype(np.fl
 _TABLE_ROWS = 5  # struct ExchangeTable: send_ptr, send_bytes, recv_ptr, recv_bytes, send_dst
 _TABLE_DTYPE = np.dtype([("words", "<u8", (_TABLE_ROWS * plan.MAX_WORLD,))])  # passed by value
 _u64, _u32 = np.uint64, np.uint32
-_contexts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _BLOCK = (plan.THREADS,)
+_ATTR = "_collectives"  # the world's default context (its symmetric memory goes with the world's heap)
 _FAST_CACHE_ENTRIES = 256  # validated launch lists kept per context (keyed by array addresses and arguments)
 
 
@@ -231,6 +230,7 @@ class Collectives:
             raise CollectiveArgumentError(f"workspace_bytes={options.workspace_bytes} is too small for "
                                           f"{world.size} ranks")
         self.world, self.options = world, options
+        self._freed = False
         n = world.size
         self.module = load_module(KERNEL_SOURCE)
         self.epoch = cupy.zeros(2, dtype=np.uint64)  # [epoch of the last finished launch, arrivals]
@@ -254,16 +254,17 @@ class Collectives:
                            _u32(n), _u64(world.timeout_ns), _u64(world.error_record))
         self._teams = {name: self._team_base + (_u32(op_id(name)),) for name in plan.ALGOS}
         world.device.synchronize()
-        if world not in _contexts:
-            _contexts[world] = self
+        if getattr(world, _ATTR, None) is None:
+            setattr(world, _ATTR, self)
 
     def free(self) -> None:
         """Collective: release the workspace and flags (the world's finalize does it otherwise)."""
-        if self.world.active:
+        if self.world.active and not self._freed:
             self.world.free(self.flags)
             self.world.free(self.workspace)
-        if _contexts.get(self.world) is self:
-            del _contexts[self.world]
+        self._freed = True
+        if getattr(self.world, _ATTR, None) is self:
+            setattr(self.world, _ATTR, None)
 
     # --- plumbing ---------------------------------------------------------------------------------
     def _kernel(self, name: str):
@@ -289,8 +290,9 @@ class Collectives:
         import cupy
 
         world = self.world
-        if world._finalized:
+        if self._freed or world._finalized:
             world._check_active()
+            raise FluxrtError("this collectives context has been freed")
         world.check_errors()
         caller = as_cupy_stream(stream)
         if async_op:
@@ -688,7 +690,7 @@ def _displs(displs, counts: np.ndarray, name: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ functional API
 def context(world) -> Collectives:
     """The world's default collectives context; made (collectively) on the first call."""
-    ctx = _contexts.get(world)
+    ctx = getattr(world, _ATTR, None)
     if ctx is None:
         ctx = Collectives(world)
     return ctx

@@ -55,21 +55,33 @@ def _machine(world) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ data and checks
-def _pattern(count: int, key: int, dtype):
-    """Integers in [-8, 8) that differ by position and by `key` (rank, or sender/receiver pair)."""
+_pattern_kernel = None
+
+
+def _pattern(count: int, key: int, dtype, start: int = 0):
+    """Integers in [-8, 8) at positions start.. that differ by position and by `key` (rank, or sender and
+    receiver), made on the device without index temporaries (1 GiB sweeps must fit beside the buffers)."""
     import cupy
 
-    i = cupy.arange(count, dtype=np.int64)
-    return ((i * 7 + key * 3 + 1) % _PATTERN_PERIOD - _PATTERN_PERIOD // 2).astype(dtype)
+    global _pattern_kernel
+    if _pattern_kernel is None:
+        _pattern_kernel = cupy.ElementwiseKernel(
+            "int64 key, int64 start", "float32 y",
+            f"y = (float)((((i + start) % {_PATTERN_PERIOD}) * 7 + key * 3 + 1) % {_PATTERN_PERIOD} "
+            f"- {_PATTERN_PERIOD // 2})", "fluxrt_perf_pattern")
+    y = cupy.empty(count, dtype=np.float32)
+    _pattern_kernel(np.int64(key), np.int64(start), y)
+    return y if np.dtype(dtype) == np.float32 else y.astype(dtype)
 
 
-def _combine(values, redop: str):
+def _combine(keys, count: int, redop: str, start: int = 0):
+    """The reduction over ranks `keys` of their patterns, in fp32 (exact: small integers)."""
     import cupy
 
     fn = {"sum": cupy.add, "max": cupy.maximum, "min": cupy.minimum}[redop]
-    acc = values[0].astype(np.float32)
-    for v in values[1:]:
-        acc = fn(acc, v.astype(np.float32))
+    acc = _pattern(count, keys[0], np.float32, start)
+    for k in keys[1:]:
+        fn(acc, _pattern(count, k, np.float32, start), out=acc)
     return acc
 
 
@@ -99,16 +111,14 @@ class Case:
 
         n, r, c = self.world.size, self.world.rank, self.chunk
         if self.op == "allreduce":
-            return _combine([_pattern(self.in_elems, p, self.dtype) for p in range(n)], self.redop)
+            return _combine(range(n), self.in_elems, self.redop)
         if self.op == "reduce_scatter":
-            c = self.out_elems
-            return _combine([_pattern(self.in_elems, p, self.dtype)[r * c:(r + 1) * c] for p in range(n)],
-                            self.redop)
+            return _combine(range(n), self.out_elems, self.redop, start=r * self.out_elems)
         if self.op == "allgather":
-            return cupy.concatenate([_pattern(self.in_elems, p, self.dtype) for p in range(n)]).astype(np.float32)
+            return cupy.concatenate([_pattern(self.in_elems, p, np.float32) for p in range(n)])
         if self.op in ("alltoall", "alltoallv"):
-            return cupy.concatenate([_pattern(c, p * n + r, self.dtype) for p in range(n)]).astype(np.float32)
-        return _pattern(self.in_elems, self.root, self.dtype).astype(np.float32)
+            return cupy.concatenate([_pattern(c, p * n + r, np.float32) for p in range(n)])
+        return _pattern(self.in_elems, self.root, np.float32)
 
     def poison(self) -> None:
         self.out.fill(-12345 if self.dtype.kind in "iu" else np.nan)
