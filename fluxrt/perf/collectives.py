@@ -307,7 +307,7 @@ def parser(op: str) -> argparse.ArgumentParser:
     ap.add_argument("--algo", default="auto", help="force a fluxrt algorithm (see fluxrt.collectives_plan.ALGOS)")
     ap.add_argument("--impls", default="fluxrt,nccl", help="comma list of fluxrt,nccl (default: both)")
     ap.add_argument("--root", type=int, default=0, help="broadcast root (default: 0)")
-    ap.add_argument("--workspace", default="64M", help="fluxrt collectives workspace per rank (default: 64M)")
+    ap.add_argument("--workspace", default="256M", help="fluxrt collectives workspace per rank (default: 256M)")
     ap.add_argument("--heap", default=None,
                     help="symmetric heap per rank (default: NVSHMEM's, or what --symmetric needs)")
     ap.add_argument("--symmetric", action="store_true",
