@@ -15,9 +15,16 @@ instead of launching mismatched kernels; turn it off for the lowest latency once
 Data is staged through a per-world symmetric workspace (``Collectives``, made collectively on the first
 call or explicitly): each launch pushes this rank's data into the peers' workspace slots with SM stores
 over NVLink, releases per-block flags, waits for the peers' flags (bounded by the world's timeout) and
-reduces or copies locally. Messages larger than a workspace half go in several launches. Epochs live on
+reduces or copies locally. Messages larger than a workspace half go in several launches. Outputs that
+are symmetric arrays (``world.empty``, the same view on every rank) let allgather, alltoall and broadcast
+push straight into the peers' outputs instead ('direct': one launch, no staging copy). Epochs live on
 the device, so calls can be captured in a CUDA graph and replayed. Algorithms per size are chosen in
-``fluxrt.collectives_plan`` (``algo=`` forces one).
+``fluxrt.collectives_plan`` (``algo=`` forces one). With the cross-rank check off, repeated calls on the
+same arrays reuse their validated launch lists (the small-message path is one kernel launch).
+
+A bounded wait that expires (a peer crashed or skipped a call) is raised as WaitTimeoutError by the next
+call, ``handle.wait()`` or ``world.synchronize()``; the context's epochs are then out of step across ranks
+and the world should be torn down.
 
 Calls of one context are serialized in issue order, also across streams (a call on another stream waits
 for the previous call), because they share the workspace and the epoch counter.
