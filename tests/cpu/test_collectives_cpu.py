@@ -280,3 +280,30 @@ def test_kernels_compile_with_every_entry_point():
                       f"fluxrt_reduce_scatter_{dt}_{red}"]
     missing = [n for n in names if n.encode() + b"\0" not in cubin]
     assert not missing
+
+
+def _context_stub(check: bool):
+    c = object.__new__(coll.Collectives)
+    c.world = SimpleNamespace(options=SimpleNamespace(check_collective_args=check))
+    c._fast = {}
+    c._run = lambda stream, async_op, launches, result, keep: (launches, result)
+    return c
+
+
+def test_launch_lists_are_reused_only_without_cross_rank_checks():
+    planned = []
+
+    def plan_call():
+        planned.append(1)
+        return ("launches",), "out"
+
+    c = _context_stub(check=False)
+    assert c._call(("k",), plan_call, None, False, None, ()) == (("launches",), "out")
+    assert c._call(("k",), plan_call, None, False, "user out", ()) == (("launches",), "user out")
+    assert len(planned) == 1                      # second call: cached launches, the caller's out
+    c._call(None, plan_call, None, False, None, ())
+    assert len(planned) == 2                      # not cacheable: planned again
+    checked = _context_stub(check=True)
+    checked._call(("k",), plan_call, None, False, None, ())
+    checked._call(("k",), plan_call, None, False, None, ())
+    assert len(planned) == 4 and checked._fast == {}  # every checked call is compared across ranks
