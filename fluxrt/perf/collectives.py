@@ -147,7 +147,7 @@ class FluxrtRunner:
         nbytes = (case.out_elems if self.op == "allgather" else case.in_elems) * isz
         d = plan_describe(self.op, count, isz, self.n, self.ctx.half_bytes, self.algo,
                           direct_ok=self.symmetric, nbytes=nbytes)
-        return d["algo"] if d["launches"] <= 1 else f"{d['algo']}x{d['launches']}"
+        return d["algo"]
 
     def __call__(self, case: Case, stream) -> None:
         c = self.ctx
