@@ -41,10 +41,14 @@ ranks=(); for n in 2 4; do [ "$ngpu" -ge "$n" ] && ranks+=("$n"); done
 [ ${#ranks[@]} -eq 0 ] && echo "== multi-rank steps skipped: $ngpu GPU(s)" | tee -a "$summary"
 
 want build && step build 240 python3 -m fluxrt.toolchain
-if want tests; then
+if want tests; then   # one step per file, so that a hang or a cascade in one file leaves the others their time
   for n in "${ranks[@]}"; do
-    TAIL=8 step "tests-np$n" "${TESTS_LIMIT:-300}" "${run[@]}" "$n" -- python3 -m pytest tests/gpu -q -p no:cacheprovider \
-      -rs --ignore=tests/gpu/test_gemm.py
+    for f in tests/gpu/test_*.py; do
+      [ "$f" = tests/gpu/test_gemm.py ] && continue
+      name=$(basename "$f" .py)
+      TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-180}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider \
+        -rs --maxfail="${MAXFAIL:-5}"
+    done
   done
 fi
 if want p2p && [ "$ngpu" -ge 2 ]; then
@@ -70,6 +74,24 @@ if want sanitize; then
     TAIL=12 step sanitize-p2p-memcheck "${SANITIZE_LIMIT:-180}" "${run[@]}" 2 -- compute-sanitizer --tool memcheck \
       --error-exitcode 86 python3 -m pytest tests/gpu/test_p2p.py -q -p no:cacheprovider -k "ring and not 268435456"
   fi
+fi
+if want collectives; then
+  for n in "${ranks[@]}"; do
+    for op in allreduce allgather reduce_scatter alltoall; do
+      TAIL=40 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 -e 1G -f 2 \
+        -n 20 -w 5 -c 1 -d bf16 --heap 8G --no-progress --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
+    done
+    TAIL=25 step "allreduce-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli allreduce -b 8 \
+      -e 1M -f 2 -n 20 -w 5 -G 10 -c 1 -d bf16 --no-progress --json "$RES/allreduce-graph-np$n.json"
+  done
+fi
+if want ops; then
+  for n in "${ranks[@]}"; do
+    for op in ag_gemm gemm_rs; do
+      TAIL=20 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -d bf16 \
+        --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
+    done
+  done
 fi
 tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"
 tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RES"
