@@ -39,6 +39,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/logs/NAME.log, record r
 run=(python3 -m fluxrt.launch --oversubscribe -n)
 ranks=(); for n in 2 4; do [ "$ngpu" -ge "$n" ] && ranks+=("$n"); done
 [ ${#ranks[@]} -eq 0 ] && echo "== multi-rank steps skipped: $ngpu GPU(s)" | tee -a "$summary"
+read -ra bench_ranks <<< "${BENCH_RANKS:-${ranks[*]}}"   # e.g. BENCH_RANKS=4: sweeps on 4 ranks only
+py=$(command -v python3)   # compute-sanitizer resolves a bare name itself, outside any virtualenv
 
 want build && step build 240 python3 -m fluxrt.toolchain
 if want tests; then   # one step per file, so that a hang or a cascade in one file leaves the others their time
@@ -68,15 +70,19 @@ if want sanitize; then
   small="test_bf16_shapes and 129 or test_tile_epilogue and set and bfloat16 and B_KxN or test_both_hooks"
   for tool in memcheck racecheck; do
     TAIL=12 step "sanitize-gemm-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
-      python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -k "$small"
+      --report-api-errors no "$py" -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -k "$small"
   done
-  if [ "$ngpu" -ge 2 ]; then
-    TAIL=12 step sanitize-p2p-memcheck "${SANITIZE_LIMIT:-180}" "${run[@]}" 2 -- compute-sanitizer --tool memcheck \
-      --error-exitcode 86 python3 -m pytest tests/gpu/test_p2p.py -q -p no:cacheprovider -k "ring and not 268435456"
+  if [ "$ngpu" -ge 2 ]; then   # the communication kernels, small cases, 2 ranks
+    for t in "test_p2p.py:ring and not 268435456" \
+             "test_collectives.py:fp32 and sum or alltoall and 4099 or alltoallv or broadcast and 4099 or direct" \
+             "test_ops.py:zero_copy or mlp_block"; do
+      TAIL=12 step "sanitize-${t%%.py:*}" "${SANITIZE_LIMIT:-180}" "${run[@]}" 2 -- compute-sanitizer --tool memcheck \
+        --report-api-errors no --error-exitcode 86 "$py" -m pytest "tests/gpu/${t%%:*}" -q -p no:cacheprovider -k "${t#*:}"
+    done
   fi
 fi
 if want collectives; then
-  for n in "${ranks[@]}"; do
+  for n in "${bench_ranks[@]}"; do
     for op in allreduce allgather reduce_scatter alltoall; do
       TAIL=40 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 -e 1G -f 2 \
         -n 20 -w 5 -c 1 -d bf16 --heap 8G --no-progress --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
@@ -86,7 +92,7 @@ if want collectives; then
   done
 fi
 if want ops; then
-  for n in "${ranks[@]}"; do
+  for n in "${bench_ranks[@]}"; do
     for op in ag_gemm gemm_rs; do
       TAIL=20 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -d bf16 \
         --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
