@@ -9,7 +9,7 @@
 #   elsewhere:          OUT=/tmp/gpu-check bash launch/gpu-check.sh
 #   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
-# collectives ops. Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# collectives ops (TEST_FILES narrows the test step). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -45,7 +45,7 @@ py=$(command -v python3)   # compute-sanitizer resolves a bare name itself, outs
 want build && step build 240 python3 -m fluxrt.toolchain
 if want tests; then   # one step per file, so that a hang or a cascade in one file leaves the others their time
   for n in "${ranks[@]}"; do
-    for f in tests/gpu/test_*.py; do
+    for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
       [ "$f" = tests/gpu/test_gemm.py ] && continue
       name=$(basename "$f" .py)
       TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-180}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider \
@@ -59,6 +59,24 @@ if want p2p && [ "$ngpu" -ge 2 ]; then
 fi
 if want probe && [ "$ngpu" -ge 2 ]; then
   TAIL=10 step probe 120 "${run[@]}" "${ranks[-1]}" -- python3 perf/ordering_probe.py --json "$RES/probe.json"
+fi
+if want collectives; then
+  for n in "${bench_ranks[@]}"; do
+    for op in allreduce allgather reduce_scatter alltoall; do
+      TAIL=40 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 -e 1G -f 2 \
+        -n 20 -w 5 -c 1 -d bf16 --heap 8G --no-progress --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
+    done
+    TAIL=25 step "allreduce-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli allreduce -b 8 \
+      -e 1M -f 2 -n 20 -w 5 -G 10 -c 1 -d bf16 --no-progress --json "$RES/allreduce-graph-np$n.json"
+  done
+fi
+if want ops; then
+  for n in "${bench_ranks[@]}"; do
+    for op in ag_gemm gemm_rs; do
+      TAIL=20 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -d bf16 \
+        --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
+    done
+  done
 fi
 # The GEMM engine is single-GPU: its tests and benchmark run once, outside MPI.
 if want gemm; then
@@ -80,24 +98,6 @@ if want sanitize; then
         --report-api-errors no --error-exitcode 86 "$py" -m pytest "tests/gpu/${t%%:*}" -q -p no:cacheprovider -k "${t#*:}"
     done
   fi
-fi
-if want collectives; then
-  for n in "${bench_ranks[@]}"; do
-    for op in allreduce allgather reduce_scatter alltoall; do
-      TAIL=40 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 -e 1G -f 2 \
-        -n 20 -w 5 -c 1 -d bf16 --heap 8G --no-progress --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
-    done
-    TAIL=25 step "allreduce-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli allreduce -b 8 \
-      -e 1M -f 2 -n 20 -w 5 -G 10 -c 1 -d bf16 --no-progress --json "$RES/allreduce-graph-np$n.json"
-  done
-fi
-if want ops; then
-  for n in "${bench_ranks[@]}"; do
-    for op in ag_gemm gemm_rs; do
-      TAIL=20 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -d bf16 \
-        --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
-    done
-  done
 fi
 tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"
 tar -C "$OUT" -czf "$OUT/results.tgz" results && rm -rf "$RES"
