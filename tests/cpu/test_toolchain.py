@@ -62,3 +62,15 @@ def test_compile_error_carries_the_log(tmp_path):
 def test_missing_source_is_a_clear_error():
     with pytest.raises(CompileError, match="does not exist"):
         toolchain.compile_cubin("comm/no_such_kernel.cu")
+
+
+def test_every_python_subpackage_is_in_the_wheel():
+    """A subpackage missing from pyproject's package list imports from a checkout but not after
+    `pip install .`."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    root = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "fluxrt").rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
