@@ -34,7 +34,7 @@ from ..errors import op_id
 from ..gemm import ArrivalWait, gemm_with_hooks
 from ..streams import as_cupy_stream
 from . import common
-from .plan import AgGemmPlan, MAX_WORLD, OpsArgumentError, ag_gemm_plan, ag_pad_layout, check_rows, \
+from .plan import AgGemmPlan, OpsArgumentError, ag_gemm_plan, ag_pad_layout, check_rows, \
     plan_ag_gemm, pull_order
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,9 @@ class AllGatherGemm:
 
         self.world = world
         self.dtype = common.input_dtype(dtype, OP)
-        self.max_m, self.n, self.k, self.trans_b = int(max_m), int(n), int(k), bool(trans_b)
+        self.max_m, self.n, self.k = common.check_problem(world, OP, max_m, n, k)
+        self.trans_b = bool(trans_b)
         w = world.size
-        if w > MAX_WORLD:
-            raise OpsArgumentError(f"{OP}: at most {MAX_WORLD} ranks, got {w}")
-        if self.n <= 0 or self.k <= 0 or self.max_m <= 0:
-            raise OpsArgumentError(f"{OP}: max_m, n, k must be positive, got {max_m}, {n}, {k}")
-        if self.k % 8 or self.n % 8:
-            raise OpsArgumentError(f"{OP}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA)")
         self.plan = (plan or plan_ag_gemm(self.max_m, self.n, self.k, w)).validate()
         check_rows(OP, self.max_m, w, self.plan.row_multiple)
         common.check_across_ranks(world, f"{OP}()", {"max_m": self.max_m, "n": self.n, "k": self.k,

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..dtypes import normalize_dtype, short_name
 from ..errors import CollectiveMismatchError, NO_PEER, op_id
-from .plan import OpsArgumentError
+from .plan import MAX_WORLD, OpsArgumentError
 
 KERNEL_SOURCE = "ops/tp_ops.cu"
 INPUT_DTYPES = ("bfloat16", "float16")
@@ -54,6 +54,17 @@ def check_matrix(x, name: str, op: str, shape: tuple, dtype: str, world) -> None
         raise OpsArgumentError(f"{op}: {name} starts at 0x{x.data.ptr:x}, not 16-byte aligned")
     if x.device.id != world.device_id:
         raise OpsArgumentError(f"{op}: {name} is on device {x.device.id}, the world uses device {world.device_id}")
+
+
+def check_problem(world, op: str, max_m: int, n: int, k: int) -> tuple[int, int, int]:
+    """Constructor checks both fused ops share: world size, positive sizes, 16-byte rows for TMA."""
+    if world.size > MAX_WORLD:
+        raise OpsArgumentError(f"{op}: at most {MAX_WORLD} ranks, got {world.size}")
+    if n <= 0 or k <= 0 or max_m <= 0:
+        raise OpsArgumentError(f"{op}: max_m, n, k must be positive, got {max_m}, {n}, {k}")
+    if k % 8 or n % 8:
+        raise OpsArgumentError(f"{op}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA)")
+    return int(max_m), int(n), int(k)
 
 
 def check_across_ranks(world, op: str, what: dict) -> None:

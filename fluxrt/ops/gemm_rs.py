@@ -31,7 +31,7 @@ from ..errors import op_id
 from ..gemm import TileEpilogue, gemm_with_hooks
 from ..streams import as_cupy_stream
 from . import common
-from .plan import GemmRsPlan, MAX_WORLD, OpsArgumentError, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
+from .plan import GemmRsPlan, OpsArgumentError, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
     rs_flag_layout, rs_gemm_plan, rs_reduce_grid
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,9 @@ class GemmReduceScatter:
 
         self.world = world
         self.dtype = common.input_dtype(dtype, OP)
-        self.max_m, self.n, self.k, self.trans_b = int(max_m), int(n), int(k), bool(trans_b)
+        self.max_m, self.n, self.k = common.check_problem(world, OP, max_m, n, k)
+        self.trans_b = bool(trans_b)
         w = world.size
-        if w > MAX_WORLD:
-            raise OpsArgumentError(f"{OP}: at most {MAX_WORLD} ranks, got {w}")
-        if self.n <= 0 or self.k <= 0 or self.max_m <= 0:
-            raise OpsArgumentError(f"{OP}: max_m, n, k must be positive, got {max_m}, {n}, {k}")
-        if self.k % 8 or self.n % 8:
-            raise OpsArgumentError(f"{OP}: K={k} and N={n} must be multiples of 8 (16-byte rows)")
         self.plan = (plan or plan_gemm_rs(self.max_m, self.n, self.k, w)).validate()
         check_rows(OP, self.max_m, w, self.plan.row_multiple)
         self.partial_dtype = self.plan.partial_dtype or self.dtype
