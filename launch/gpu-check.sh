@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a GPU node (< 10 min): build every kernel, run the GPU test suite under MPI on 2 and 4 ranks
+# One call on a GPU node: build every kernel, run the GPU test suite under MPI on 2, 4 and 8 ranks
 # (as many as the node has GPUs), the sanitizers and the benchmarks, and leave logs and results under $OUT:
 #   summary.txt  one block per step (rc, time, last lines of its log)
 #   logs.tgz     every step's full log
@@ -37,7 +37,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/logs/NAME.log, record r
 { echo "# gpu-check $(date -u +%FT%TZ) commit ${FLUXRT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}";
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } | tee -a "$summary"
 run=(python3 -m fluxrt.launch --oversubscribe -n)
-ranks=(); for n in 2 4; do [ "$ngpu" -ge "$n" ] && ranks+=("$n"); done
+ranks=(); for n in 2 4 8; do [ "$ngpu" -ge "$n" ] && ranks+=("$n"); done
 [ ${#ranks[@]} -eq 0 ] && echo "== multi-rank steps skipped: $ngpu GPU(s)" | tee -a "$summary"
 read -ra bench_ranks <<< "${BENCH_RANKS:-${ranks[*]}}"   # e.g. BENCH_RANKS=4: sweeps on 4 ranks only
 py=$(command -v python3)   # compute-sanitizer resolves a bare name itself, outside any virtualenv
