@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -53,11 +54,13 @@ def describe(plan) -> str:
             f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue} x{plan.cluster}")
 
 
-def idle_hook_runs(plan, m, n, trans_b, dtype, ArrivalWait, TileEpilogue, gemm_with_hooks):
+def idle_hook_runs(plan, m, n, trans_b, dtype) -> dict:
     """Runs with the hooks compiled in but never waiting: arrival flags already past the epoch, and
     (hooks-both) every tile routed to the local output through the storer warp, with per-tile signals.
     Their time over the plain kernel is the price of having the hooks in the kernel."""
     import cupy
+
+    from fluxrt.gemm import ArrivalWait, TileEpilogue, gemm_with_hooks
 
     chunk_rows = plan.block_m * max(1, (m // 4) // plan.block_m)      # ~4 chunks, as in a TP=4 AllGather
     chunks = -(-m // chunk_rows)
@@ -69,25 +72,24 @@ def idle_hook_runs(plan, m, n, trans_b, dtype, ArrivalWait, TileEpilogue, gemm_w
     wait = ArrivalWait(flags=flags, epoch=1, chunk_rows=chunk_rows, err=err)
     flag_table = cupy.asarray(np.array([tile_flags.data.ptr + 8 * c * per_chunk for c in range(chunks)],
                                        dtype=np.uint64))
-    item = 2 if dtype in ("bfloat16", "float16") else 4
-    tables = {}
+    epilogues = {}   # per output array: its chunk table (made once, outside the timed calls)
 
-    def dst_table(c):
-        t = tables.get(c.data.ptr)
-        if t is None:
-            t = tables[c.data.ptr] = cupy.asarray(np.array(
-                [c.data.ptr + r * chunk_rows * n * item for r in range(chunks)], dtype=np.uint64))
-        return t
+    def epilogue_for(c):
+        if c.data.ptr not in epilogues:
+            rows = np.array([c.data.ptr + r * chunk_rows * c.strides[0] for r in range(chunks)], dtype=np.uint64)
+            epilogues[c.data.ptr] = TileEpilogue(dst_table=cupy.asarray(rows), chunk_rows=chunk_rows, dst_ld=n,
+                                                 flag_table=flag_table, signal_value=1)
+        return epilogues[c.data.ptr]
 
     def run_wait(a, b, c):
         gemm_with_hooks(a, b, c, trans_b=trans_b, plan=plan, wait=wait)
 
-    def run_both(a, b, c, _keep=(tile_flags, flags, err)):   # the kernel writes these: keep them alive
-        gemm_with_hooks(a, b, trans_b=trans_b, plan=plan, out_dtype=dtype, wait=wait,
-                        epilogue=TileEpilogue(dst_table=dst_table(c), chunk_rows=chunk_rows, dst_ld=n,
-                                              flag_table=flag_table, signal_value=1))
+    # flag_table holds raw pointers into tile_flags: the closure keeps tile_flags alive as long as the
+    # kernel may signal into it (a freed array was once reused and overwritten by those signals)
+    def run_both(a, b, c, tile_flags=tile_flags):
+        gemm_with_hooks(a, b, trans_b=trans_b, plan=plan, out_dtype=dtype, wait=wait, epilogue=epilogue_for(c))
 
-    return {"hook-wait-idle": (plan, run_wait), "hooks-both-local": (plan, run_both)}
+    return {"hook-wait-idle": run_wait, "hooks-both-local": run_both}
 
 
 def time_interleaved(fns: dict, sets, warmup: int, iters: int, rounds: int) -> dict:
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     import cupy
     import ml_dtypes
 
-    from fluxrt.gemm import ArrivalWait, TileEpilogue, gemm, gemm_with_hooks
+    from fluxrt.gemm import gemm
     from fluxrt.gemm_plan import plan_gemm
 
     np_dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
@@ -189,7 +191,7 @@ def main(argv=None) -> int:
         variants = {}
         hooked = {}
         if args.hooks == "idle":
-            hooked = idle_hook_runs(plan, m, n, args.trans_b, args.dtype, ArrivalWait, TileEpilogue, gemm_with_hooks)
+            hooked = idle_hook_runs(plan, m, n, args.trans_b, args.dtype)
         if args.variants == "auto":
             r = dataclasses.replace
             variants = {
@@ -203,17 +205,21 @@ def main(argv=None) -> int:
             }
             variants = {k: v for k, v in variants.items() if v != plan}
 
-        if not args.no_check:
+        def check(what, run):
+            """Relative difference to cuBLAS on the first input set (a sanity check; the tests hold
+            the float64 references)."""
             a, b, c = sets[0]
             ref = cupy.empty_like(c)
             run_cublas(a, b, ref)
-            run_fluxrt(a, b, c)
+            run(a, b, c)
             r64, c64 = ref.astype(cupy.float64), c.astype(cupy.float64)
             err = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
             if not err < 1e-2:
-                print(f"!! fluxrt disagrees with cuBLAS at M={m} K={k} N={n}: rel err {err:.3e}", file=sys.stderr)
-        times = time_interleaved({"cublas": run_cublas, "fluxrt": run_fluxrt,
-                                  **{h: hrun for h, (_, hrun) in hooked.items()}},
+                print(f"!! {what} disagrees with cuBLAS at M={m} K={k} N={n}: rel err {err:.3e}", file=sys.stderr)
+
+        if not args.no_check:
+            check("fluxrt", run_fluxrt)
+        times = time_interleaved({"cublas": run_cublas, "fluxrt": run_fluxrt, **hooked},
                                  sets, args.warmup, args.iters, args.rounds)
         t_cublas, t_fluxrt = times["cublas"], times["fluxrt"]
         plan_s = describe(plan)
@@ -223,7 +229,7 @@ def main(argv=None) -> int:
                          "plan": plan_s if impl == "fluxrt" else None, "device": name})
         print(f"{m:>6} {k:>6} {n:>6} | {t_cublas:9.3f} {flops / t_cublas / 1e9:8.1f} | {t_fluxrt:9.3f} "
               f"{flops / t_fluxrt / 1e9:8.1f} | {t_cublas / t_fluxrt:6.3f} | {plan_s}")
-        for hname, (hplan, hrun) in hooked.items():
+        for hname in hooked:
             t_h = times[hname]
             rows.append({"m": m, "n": n, "k": k, "dtype": args.dtype, "impl": f"fluxrt:{hname}", "ms": t_h,
                          "tflops": flops / t_h / 1e9, "trans_b": args.trans_b, "plan": plan_s, "device": name,
@@ -233,17 +239,10 @@ def main(argv=None) -> int:
         for vname, vplan in variants.items():
             try:
                 vplan.validate(args.dtype)
+                run_variant = functools.partial(run_fluxrt, plan=vplan)
                 if not args.no_check:
-                    a, b, c = sets[0]
-                    ref = cupy.empty_like(c)
-                    run_cublas(a, b, ref)
-                    run_fluxrt(a, b, c, vplan)
-                    r64, c64 = ref.astype(cupy.float64), c.astype(cupy.float64)
-                    verr = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
-                    if not verr < 1e-2:
-                        print(f"!! variant {vname} disagrees with cuBLAS: rel err {verr:.3e}", file=sys.stderr)
-                vt = time_interleaved({"cublas": run_cublas,
-                                       "variant": lambda a, b, c: run_fluxrt(a, b, c, vplan)},
+                    check(f"variant {vname}", run_variant)
+                vt = time_interleaved({"cublas": run_cublas, "variant": run_variant},
                                       sets, args.warmup, args.iters, args.rounds)
                 t_v, t_vc = vt["variant"], vt["cublas"]
             except Exception as e:  # a variant that does not fit or fails must not stop the table
