@@ -84,9 +84,11 @@ def _resolve_arch(options: CompileOptions) -> str:
 
 
 def _source_digest(source: Path, extra_dirs: tuple[str, ...]) -> str:
+    """Hash of the source and every header it can include: the shared include dir, the extra include
+    dirs, and the headers beside the source (kernels/gemm/*.cuh)."""
     h = hashlib.sha256()
     h.update(source.read_bytes())
-    for root in (include_dir(), *map(Path, extra_dirs)):
+    for root in (include_dir(), source.parent, *map(Path, extra_dirs)):
         for f in sorted(root.rglob("*.cuh")) + sorted(root.rglob("*.h")):
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())

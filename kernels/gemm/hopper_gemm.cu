@@ -40,8 +40,8 @@
 #include <fluxrt/comm.cuh>
 
 // Spelled relative to kernels/include (always on the include path) so that NVRTC, which compiles the
-// source from memory without its directory, finds them too; fluxrt.gemm also adds kernels/gemm to the
-// include path so that edits of these headers change the cubin cache key.
+// source from memory without its directory, finds them too. The cubin cache key covers the headers
+// beside a source (fluxrt.toolchain), so edits of these change it.
 #include "../gemm/sm90_primitives.cuh"
 #include "../gemm/wgmma_ops.cuh"
 
