@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import FluxrtError
+from .dtypes import normalize_dtype
+from .gemm_plan import ITEMSIZE as _ITEMSIZE
 from .gemm_plan import GemmPlan, hilbert_order, plan_gemm
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,6 @@ KERNEL_SOURCE = "gemm/hopper_gemm.cu"
 KERNEL_NAME = "fluxrt_gemm"
 _IN_IDS = {"bfloat16": 0, "float16": 1}
 _OUT_IDS = {"bfloat16": 0, "float16": 1, "float32": 2}
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _TMA_ALIGN = 16   # bytes: TMA global addresses and row strides must be multiples of 16
 DEFAULT_TIMEOUT_NS = 10_000_000_000
 
@@ -217,9 +218,9 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
 
 
 def compile_options(defines, arch: str | None = None):
-    from .toolchain import CompileOptions, kernel_root
+    from .toolchain import CompileOptions
 
-    return CompileOptions(arch=arch, defines=tuple(defines), include_dirs=(str(kernel_root() / "gemm"),))
+    return CompileOptions(arch=arch, defines=tuple(defines))
 
 
 # --- device-side helpers (CUDA from here on) ---------------------------------------------------------
@@ -303,14 +304,6 @@ def _order_table(plan: GemmPlan, m_tiles: int, n_tiles: int, device_id: int):
         with _lock:
             _order_tables[key] = t
     return t
-
-
-def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def _as_device_array(x, name: str):
@@ -398,6 +391,14 @@ def _check_hooks(wait: ArrivalWait | None, epilogue: TileEpilogue | None, plan: 
         raise GemmArgumentError("gemm: TileEpilogue needs GemmPlan.epilogue='tma' (the storer-warp epilogue)")
     if epilogue is not None and epilogue.dst_ld <= 0:
         raise GemmArgumentError(f"gemm: TileEpilogue.dst_ld must be > 0, got {epilogue.dst_ld}")
+    if wait is not None and epilogue is not None and wait.chunk_rows != epilogue.chunk_rows:
+        raise GemmArgumentError(f"gemm: ArrivalWait.chunk_rows={wait.chunk_rows} and TileEpilogue.chunk_rows="
+                                f"{epilogue.chunk_rows} must be equal (the kernel has one chunk size)")
+    if wait is not None and 0 in (_ptr(wait.flags), _ptr(wait.err)):
+        raise GemmArgumentError(f"gemm: ArrivalWait (op_id={wait.op_id}, rank={wait.rank}) needs non-null flags "
+                                "and err: the kernel writes its timeout report through err")
+    if epilogue is not None and _ptr(epilogue.dst_table) == 0:
+        raise GemmArgumentError("gemm: TileEpilogue.dst_table is null")
 
 
 def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | None,
@@ -410,24 +411,24 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
 
     import cupy
 
+    # an operand seen only through __dlpack__ has its pointer once imported: check those then
+    dlpack_only = any(x is not None and not isinstance(x, cupy.ndarray) and not hasattr(x, "__cuda_array_interface__")
+                      for x in (a, b, out))
     a = _as_device_array(a, "A")
     b = _as_device_array(b, "B")
+    if out is not None:
+        out = _as_device_array(out, "out")
+    if dlpack_only:
+        validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
     dev = a.device.id
     if b.device.id != dev:
         raise GemmArgumentError(f"gemm: A is on device {dev} but B on device {b.device.id}")
-    # re-check pointer alignment now that DLPack imports have pointers
-    validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
     if out is None:
         if epilogue is None:
             with cupy.cuda.Device(dev):
-                out = cupy.empty((m, n), dtype=_np_dtype(out_dt))
-    else:
-        out = _as_device_array(out, "out")
-        if out.device.id != dev:
-            raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
-    if wait is not None and epilogue is not None and wait.chunk_rows != epilogue.chunk_rows:
-        raise GemmArgumentError(f"gemm: ArrivalWait.chunk_rows={wait.chunk_rows} and TileEpilogue.chunk_rows="
-                                f"{epilogue.chunk_rows} must be equal (the kernel has one chunk size)")
+                out = cupy.empty((m, n), dtype=normalize_dtype(out_dt))
+    elif out.device.id != dev:
+        raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
     chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else 0)
 
     defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None)

@@ -23,6 +23,7 @@ epilogue       'tma': consumers stage C in smem, a storer warp TMA-stores it (ov
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -37,8 +38,11 @@ IN_DTYPES = ("bfloat16", "float16")
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 
 
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}   # bytes per element of each GEMM dtype
+
+
 def _bytes_of(dtype_name: str) -> int:
-    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype_name]
+    return ITEMSIZE[dtype_name]
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ def _wave_efficiency(tiles: int, ctas: int) -> float:
     return tiles / (waves * ctas)
 
 
+@functools.lru_cache(maxsize=1024)   # GemmPlan is frozen: the same problem gets the same object, fast
 def plan_gemm(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
               num_sms: int = H100_H200_SMS, order: str = "grouped", m_tile_offset: int = 0) -> GemmPlan:
     """Choose a plan for C[m, n] = A[m, k] @ B.

@@ -167,10 +167,9 @@ def alloc_on(shape, dtype: str, world, stream):
     """An output array from CuPy's pool for `stream` (the stream that writes and first reads it)."""
     import cupy
 
-    from ..gemm import _np_dtype
 
     with world.device, stream:
-        return cupy.empty(shape, dtype=_np_dtype(dtype))
+        return cupy.empty(shape, dtype=normalize_dtype(dtype))
 
 
 def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool, hook_epilogue: bool):

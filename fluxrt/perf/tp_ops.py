@@ -267,10 +267,10 @@ class TorchBaseline:
 def _rand(shape, dtype, seed):
     import cupy
 
-    from ..gemm import _np_dtype
+    from ..dtypes import normalize_dtype
 
     g = cupy.random.default_rng(seed)
-    return (g.standard_normal(shape, dtype=np.float32) / 8).astype(_np_dtype(dtype))
+    return (g.standard_normal(shape, dtype=np.float32) / 8).astype(normalize_dtype(dtype))
 
 
 def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, timer, nccl_comm, torch_base) -> dict:

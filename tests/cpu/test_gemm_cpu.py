@@ -173,6 +173,13 @@ def test_hook_arguments_validated_before_launch():
                         epilogue=TileEpilogue(dst_table=0, chunk_rows=128, dst_ld=256))
     with pytest.raises(GemmArgumentError, match="dst_ld"):
         gemm_with_hooks(a, b, plan=plan, epilogue=TileEpilogue(dst_table=0, chunk_rows=128, dst_ld=0))
+    with pytest.raises(GemmArgumentError, match="non-null flags and err"):
+        gemm_with_hooks(a, b, plan=plan, wait=ArrivalWait(flags=1 << 34, epoch=1, chunk_rows=128, err=0))
+    with pytest.raises(GemmArgumentError, match="dst_table is null"):
+        gemm_with_hooks(a, b, plan=plan, epilogue=TileEpilogue(dst_table=0, chunk_rows=128, dst_ld=256))
+    with pytest.raises(GemmArgumentError, match="must be equal"):
+        gemm_with_hooks(a, b, plan=plan, wait=ArrivalWait(flags=1 << 34, epoch=1, chunk_rows=128, err=1 << 35),
+                        epilogue=TileEpilogue(dst_table=1 << 36, chunk_rows=256, dst_ld=256))
 
 
 # --- kernel compiles for sm_90a -------------------------------------------------------------------
@@ -243,6 +250,7 @@ def test_generated_wgmma_header_is_current():
     assert current.startswith(expected)
     for n in mod.NS:
         assert f"m64n{n}k16.f32.bf16.bf16" in current and f"m64n{n}k16.f32.f16.f16" in current
+    assert current == mod.render(), "kernels/gemm/wgmma_ops.cuh is stale: run python kernels/gemm/gen_wgmma.py"
 
 
 @pytest.mark.parametrize("mt", [1, 5, 16])
