@@ -69,27 +69,34 @@ def sm_grid(world, nbytes: int, max_blocks: int | None = None) -> int:
     return max(1, min(blocks, max_blocks or 2 * state(world).sm_count))
 
 
-def _device_ptr(arr) -> tuple[int, int]:
+def _device_ptr(arr, what: str) -> tuple[int, int]:
     import cupy
 
+    if isinstance(arr, np.ndarray):   # cupy.asarray would copy it to a temporary the async copy outlives
+        raise ValueError(f"{what}: host numpy array of shape {arr.shape}; pass a device array")
     a = cupy.asarray(arr)
     if not a.flags.c_contiguous:
-        raise ValueError("put needs C-contiguous arrays (got strides %s)" % (a.strides,))
+        raise ValueError(f"{what}: needs a C-contiguous array (shape {a.shape}, strides {a.strides})")
     return a.data.ptr, a.nbytes
+
+
+def _what(world, verb: str, peer: int) -> str:
+    return f"p2p.{verb} (rank {world.rank}, peer {peer})"
 
 
 def _check_transfer(world, verb: str, mode: str, modes: tuple, peer: int, *, local, remote) -> tuple[int, int]:
     """Validate a put/get before anything is launched; returns (local pointer, bytes)."""
+    what = _what(world, verb, peer)
     if mode not in modes:
         hint = " (copy-engine transfers are pulls: p2p.get)" if verb == "put" and mode == "copy_engine" else ""
-        raise ValueError(f"{verb} mode {mode!r} not in {modes}{hint}")
+        raise ValueError(f"{what}: mode {mode!r} not in {modes}{hint}")
     if not 0 <= peer < world.size:
-        raise ValueError(f"{verb}: peer {peer} outside world of size {world.size}")
-    ptr, nbytes = _device_ptr(local)
+        raise ValueError(f"{what}: peer outside world of size {world.size}")
+    ptr, nbytes = _device_ptr(local, what)
     if nbytes > remote.nbytes:
-        raise ValueError(f"{verb} of {nbytes} bytes, but the symmetric side has only {remote.nbytes}")
+        raise ValueError(f"{what}: {nbytes} bytes, but the symmetric side {remote.shape} has only {remote.nbytes}")
     if not remote.flags.c_contiguous:
-        raise ValueError(f"{verb}: the symmetric side must be C-contiguous (strides {remote.strides})")
+        raise ValueError(f"{what}: the symmetric side must be C-contiguous (strides {remote.strides})")
     return ptr, nbytes
 
 
@@ -114,7 +121,7 @@ def put(world, dst, src, peer: int, *, mode: str = "sm", stream=None, flag_ptr: 
         return
     dst_ptr = dst.peer_ptr(peer)
     if dst_ptr == 0:
-        raise ValueError(f"rank {peer} is not reachable by NVLink pointers; use mode='nvshmem'")
+        raise ValueError(f"{_what(world, 'put', peer)}: not reachable by NVLink pointers; use mode='nvshmem'")
     st = state(world)
     grid = blocks or sm_grid(world, nbytes)
     st.put_signal((grid,), (_THREADS,), (_u64(dst_ptr), _u64(src_ptr), _u64(nbytes), _u64(flag_ptr),
@@ -136,7 +143,7 @@ def get(world, dst, src, peer: int, *, mode: str = "copy_engine", stream=None) -
         return
     src_ptr = src.peer_ptr(peer)
     if src_ptr == 0:
-        raise ValueError(f"rank {peer} is not reachable by NVLink pointers; use mode='nvshmem'")
+        raise ValueError(f"{_what(world, 'get', peer)}: not reachable by NVLink pointers; use mode='nvshmem'")
     if nbytes:
         import cupy
 
@@ -167,7 +174,7 @@ def wait(world, flag_ptr: int, value: int, *, peer: int | None = None, op: str =
     st = state(world)
     st.wait((1,), (1,), (_u64(flag_ptr), _u64(value), _u64(world.timeout_ns), _u64(world.error_record),
                          np.uint32(op_id(op)), np.uint32(world.rank), _u64(NO_PEER if peer is None else peer)),
-            stream=_cupy_stream(stream_handle(stream)))
+            stream=_cupy_stream(stream))
 
 
 def barrier(world, stream=None, op: str = "barrier") -> None:
@@ -179,4 +186,4 @@ def barrier(world, stream=None, op: str = "barrier") -> None:
     st.barrier((1,), (threads,), (_u64(pad.peer_table.data.ptr), _u64(pad.data.ptr), np.uint32(world.rank),
                                   np.uint32(world.size), _u64(st.barrier_epoch), _u64(world.timeout_ns),
                                   _u64(world.error_record), np.uint32(op_id(op))),
-               stream=_cupy_stream(stream_handle(stream)))
+               stream=_cupy_stream(stream))
