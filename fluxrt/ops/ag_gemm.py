@@ -55,15 +55,18 @@ class AllGatherGemm:
         import cupy
 
         self.world = world
-        self.dtype = common.input_dtype(dtype, OP)
-        self.max_m, self.n, self.k = common.check_problem(world, OP, max_m, n, k)
-        self.trans_b = bool(trans_b)
         w = world.size
-        self.plan = (plan or plan_ag_gemm(self.max_m, self.n, self.k, w)).validate()
-        check_rows(OP, self.max_m, w, self.plan.row_multiple)
-        common.check_across_ranks(world, f"{OP}()", {"max_m": self.max_m, "n": self.n, "k": self.k,
-                                                     "dtype": self.dtype, "trans_b": self.trans_b,
-                                                     "plan": repr(self.plan)})
+
+        def local_checks():
+            self.dtype = common.input_dtype(dtype, OP)
+            self.max_m, self.n, self.k = common.check_problem(world, OP, max_m, n, k)
+            self.trans_b = bool(trans_b)
+            self.plan = (plan or plan_ag_gemm(self.max_m, self.n, self.k, w)).validate()
+            check_rows(OP, self.max_m, w, self.plan.row_multiple)
+            return None, {"max_m": self.max_m, "n": self.n, "k": self.k, "dtype": self.dtype,
+                          "trans_b": self.trans_b, "plan": repr(self.plan)}
+
+        common.checked_on_every_rank(world, f"{OP}()", local_checks)
         self.layout = ag_pad_layout(w, self.plan.chunks_per_rank)
         self.a_full = world.empty((self.max_m, self.k), self.dtype)
         self.pad = world.signal_pad(self.layout.slots)
@@ -89,6 +92,8 @@ class AllGatherGemm:
             self._done_reading = common.PointerList([pad.peer_ptr(p, L.done(me)) for p in peers])
             common.kernels(world)  # compile/load now, not inside the first timed call
         self._peers = peers
+        self._gplans: dict = {}
+        self._op_chunk = op_id("ag_gemm.chunk")
 
     # --- buffers ------------------------------------------------------------------------------------
     def shard_buffer(self, m: int, stream=None):
@@ -114,21 +119,28 @@ class AllGatherGemm:
         of the symmetric buffer, overwritten by the next call).
         """
         world, w, me = self.world, self.world.size, self.world.rank
-        a = common.as_device_array(a_shard, "a_shard", OP)
-        b = common.as_device_array(b, "b", OP)
-        if a.ndim != 2:
-            raise OpsArgumentError(f"{OP}: a_shard must be 2-D [M/world, K], got shape {tuple(a.shape)}")
-        shard = int(a.shape[0])
-        m = shard * w
-        check_rows(OP, m, w, self.plan.row_multiple, self.max_m)
-        common.check_matrix(a, "a_shard", OP, (shard, self.k), self.dtype, world)
-        common.check_matrix(b, "b", OP, (self.n, self.k) if self.trans_b else (self.k, self.n), self.dtype, world)
-        if out is not None:
-            out = common.as_device_array(out, "out", OP)
-            common.check_matrix(out, "out", OP, (m, self.n), self.dtype, world)
-        common.check_across_ranks(world, f"{OP}.forward", {"m": m, "b": tuple(b.shape), "dtype": self.dtype})
-        gplan = ag_gemm_plan(self.plan, m, self.n, self.k, me, w, self.dtype, self._sms)
-        common.prepare_gemm(world, gplan, self.dtype, self.dtype, self.trans_b, True, False)
+
+        b_in, out_in = b, out
+
+        def local_checks():
+            a = common.as_device_array(a_shard, "a_shard", OP)
+            b = common.as_device_array(b_in, "b", OP)
+            if a.ndim != 2:
+                raise OpsArgumentError(f"{OP}: a_shard must be 2-D [M/world, K], got shape {tuple(a.shape)}")
+            shard = int(a.shape[0])
+            m = shard * w
+            check_rows(OP, m, w, self.plan.row_multiple, self.max_m)
+            common.check_matrix(a, "a_shard", OP, (shard, self.k), self.dtype, world)
+            common.check_matrix(b, "b", OP, (self.n, self.k) if self.trans_b else (self.k, self.n), self.dtype,
+                                world)
+            out = None
+            if out_in is not None:
+                out = common.as_device_array(out_in, "out", OP)
+                common.check_matrix(out, "out", OP, (m, self.n), self.dtype, world)
+            return (a, b, out, shard, m), {"m": m, "b": tuple(b.shape), "dtype": self.dtype}
+
+        a, b, out, shard, m = common.checked_on_every_rank(world, f"{OP}.forward", local_checks)
+        gplan = self._call_plan(m)
 
         import cupy
 
@@ -143,8 +155,9 @@ class AllGatherGemm:
                 out = common.alloc_on((m, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             slot = self.a_full[me * shard:(me + 1) * shard]
-            # 1. peers finished pulling my previous shard (pull mode; epoch - 1 = 0 is already true)
-            if pull and epoch > 1:
+            # 1. peers finished pulling my previous shard (pull mode; epoch - 1 = 0 is already true; a
+            #    shard written into shard_buffer() has had this wait enqueued there already)
+            if pull and epoch > 1 and a.data.ptr != slot.data.ptr:
                 common.wait_list(world, self._all_acks, epoch - 1, "ag_gemm.reuse", s)
             # 2. my shard into my slot, then my chunk flags (+ ready on the peers)
             if a.data.ptr != slot.data.ptr:
@@ -174,7 +187,7 @@ class AllGatherGemm:
             # 4. the GEMM, own shard first, each tile after its chunk's flag
             wait = ArrivalWait(flags=self.pad.local_ptr(0), epoch=epoch, chunk_rows=chunk_rows,
                                err=world.error_record, chunks_per_peer=cpr, timeout_ns=world.timeout_ns,
-                               op_id=op_id("ag_gemm.chunk"), rank=me)
+                               op_id=self._op_chunk, rank=me)
             gemm_with_hooks(self.a_full[:m], b, out, trans_b=self.trans_b, stream=s, plan=gplan, wait=wait)
             # 5. push mode: the peers may push into my buffer again
             if not pull:
@@ -192,9 +205,18 @@ class AllGatherGemm:
         check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
         return ag_gemm_plan(self.plan, m, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
 
+    def _call_plan(self, m: int):
+        """gemm_plan(m), made and its kernel loaded once per M: before anything of a call is enqueued, a
+        compile error leaves no half-launched op behind for peers to wait on."""
+        g = self._gplans.get(m)
+        if g is None:
+            g = self.gemm_plan(m)
+            common.prepare_gemm(self.world, g, self.dtype, self.dtype, self.trans_b, True, False)
+            self._gplans[m] = g
+        return g
+
     def free(self) -> None:
-        """Collective: return the symmetric buffers."""
-        self.world.synchronize()
+        """Collective: return the symmetric buffers (the heap synchronizes the device first)."""
         self.pad.free()
         self.world.free(self.a_full)
 

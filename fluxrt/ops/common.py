@@ -67,17 +67,33 @@ def check_problem(world, op: str, max_m: int, n: int, k: int) -> tuple[int, int,
     return int(max_m), int(n), int(k)
 
 
-def check_across_ranks(world, op: str, what: dict) -> None:
-    """Every rank must call with the same problem: compare `what` over MPI (when the world's
-    check_collective_args is on) so that a mismatch raises on every rank instead of hanging in a wait."""
+def checked_on_every_rank(world, op: str, local_checks):
+    """Run this rank's argument checks, ``local_checks() -> (result, signature dict)``, then (when the
+    world's check_collective_args is on) compare the signatures over MPI. A rank whose own checks failed
+    sends its error along, so every rank raises instead of the others waiting in the exchange or, later,
+    in a device wait; different signatures raise CollectiveMismatchError on every rank."""
+    try:
+        result, what = local_checks()
+        error = None
+    except (ValueError, TypeError) as e:   # OpsArgumentError is a ValueError
+        result, what, error = None, {}, e
     if not world.options.check_collective_args or world.size == 1:
-        return
+        if error is not None:
+            raise error
+        return result
     mine = tuple(sorted(what.items()))
-    every = world.comm.allgather(mine)
-    if any(e != mine for e in every):
-        detail = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in e) for r, e in enumerate(every))
+    every = world.comm.allgather((mine, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, (_, e) in enumerate(every) if e]
+    if failed:
+        raise OpsArgumentError(f"{op} on rank {world.rank}: other ranks rejected the call ("
+                               + "; ".join(f"rank {r}: {e}" for r, e in failed) + ")")
+    if any(s != mine for s, _ in every):
+        detail = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in s) for r, (s, _) in enumerate(every))
         raise CollectiveMismatchError(f"{op}: ranks called with different arguments ({detail}); every rank "
                                       "must call the op with the same shapes and dtype, in the same order")
+    return result
 
 
 class OpsKernels:
@@ -160,13 +176,14 @@ def join(waiter, signaller) -> None:
 
 
 def num_sms(world) -> int:
-    return int(world.device.attributes["MultiProcessorCount"])
+    from ..gemm import _num_sms
+
+    return _num_sms(world.device_id)
 
 
 def alloc_on(shape, dtype: str, world, stream):
     """An output array from CuPy's pool for `stream` (the stream that writes and first reads it)."""
     import cupy
-
 
     with world.device, stream:
         return cupy.empty(shape, dtype=normalize_dtype(dtype))

@@ -54,16 +54,19 @@ class GemmReduceScatter:
         import cupy
 
         self.world = world
-        self.dtype = common.input_dtype(dtype, OP)
-        self.max_m, self.n, self.k = common.check_problem(world, OP, max_m, n, k)
-        self.trans_b = bool(trans_b)
         w = world.size
-        self.plan = (plan or plan_gemm_rs(self.max_m, self.n, self.k, w)).validate()
-        check_rows(OP, self.max_m, w, self.plan.row_multiple)
+
+        def local_checks():
+            self.dtype = common.input_dtype(dtype, OP)
+            self.max_m, self.n, self.k = common.check_problem(world, OP, max_m, n, k)
+            self.trans_b = bool(trans_b)
+            self.plan = (plan or plan_gemm_rs(self.max_m, self.n, self.k, w)).validate()
+            check_rows(OP, self.max_m, w, self.plan.row_multiple)
+            return None, {"max_m": self.max_m, "n": self.n, "k": self.k, "dtype": self.dtype,
+                          "trans_b": self.trans_b, "plan": repr(self.plan)}
+
+        common.checked_on_every_rank(world, f"{OP}()", local_checks)
         self.partial_dtype = self.plan.partial_dtype or self.dtype
-        common.check_across_ranks(world, f"{OP}()", {"max_m": self.max_m, "n": self.n, "k": self.k,
-                                                     "dtype": self.dtype, "trans_b": self.trans_b,
-                                                     "plan": repr(self.plan)})
         self.max_shard = self.max_m // w
         self.layout = rs_flag_layout(self.max_m, self.n, w)
         self.recv = world.empty((PARITIES, w, self.max_shard, self.n), self.partial_dtype)
@@ -78,24 +81,32 @@ class GemmReduceScatter:
             self._flags = [cupy.asarray(np.asarray([self.pad.peer_ptr(o, self.layout.base(q, me)) for o in range(w)],
                                                    dtype=np.uint64)) for q in range(PARITIES)]
             self._reduce = common.kernels(world).reduce(self.partial_dtype, self.dtype)
+        self._gplans: dict = {}
+        self._op_reduce = op_id("gemm_rs.reduce")
 
     def forward(self, a, b, out=None, stream=None):
         """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered."""
-        world, w, me = self.world, self.world.size, self.world.rank
-        a = common.as_device_array(a, "a", OP)
-        b = common.as_device_array(b, "b", OP)
-        if a.ndim != 2:
-            raise OpsArgumentError(f"{OP}: a must be 2-D [M, K_local], got shape {tuple(a.shape)}")
-        m = int(a.shape[0])
-        shard = check_rows(OP, m, w, self.plan.row_multiple, self.max_m)
-        common.check_matrix(a, "a", OP, (m, self.k), self.dtype, world)
-        common.check_matrix(b, "b", OP, (self.n, self.k) if self.trans_b else (self.k, self.n), self.dtype, world)
-        if out is not None:
-            out = common.as_device_array(out, "out", OP)
-            common.check_matrix(out, "out", OP, (shard, self.n), self.dtype, world)
-        common.check_across_ranks(world, f"{OP}.forward", {"m": m, "b": tuple(b.shape), "dtype": self.dtype})
-        gplan = rs_gemm_plan(self.plan, m, self.n, self.k, me, w, self.dtype, self._sms)
-        common.prepare_gemm(world, gplan, self.dtype, self.partial_dtype, self.trans_b, False, True)
+        world, w = self.world, self.world.size
+        a_in, b_in, out_in = a, b, out
+
+        def local_checks():
+            a = common.as_device_array(a_in, "a", OP)
+            b = common.as_device_array(b_in, "b", OP)
+            if a.ndim != 2:
+                raise OpsArgumentError(f"{OP}: a must be 2-D [M, K_local], got shape {tuple(a.shape)}")
+            m = int(a.shape[0])
+            shard = check_rows(OP, m, w, self.plan.row_multiple, self.max_m)
+            common.check_matrix(a, "a", OP, (m, self.k), self.dtype, world)
+            common.check_matrix(b, "b", OP, (self.n, self.k) if self.trans_b else (self.k, self.n), self.dtype,
+                                world)
+            out = None
+            if out_in is not None:
+                out = common.as_device_array(out_in, "out", OP)
+                common.check_matrix(out, "out", OP, (shard, self.n), self.dtype, world)
+            return (a, b, out, shard, m), {"m": m, "b": tuple(b.shape), "dtype": self.dtype}
+
+        a, b, out, shard, m = common.checked_on_every_rank(world, f"{OP}.forward", local_checks)
+        gplan = self._call_plan(m)
 
         s = as_cupy_stream(stream)
         with world.device:
@@ -129,7 +140,7 @@ class GemmReduceScatter:
                 np.uint64(out.data.ptr), np.int64(self.n), np.uint64(self.pad.local_ptr(self.layout.base(q, 0))),
                 np.int64(self.layout.tiles_per_source), np.int32(shard), np.int32(self.n), np.int32(TILE_ROWS),
                 np.int32(block_n), np.int32(n_tiles), np.uint32(world.size), np.uint64(epoch),
-                np.uint64(world.timeout_ns), np.uint64(world.error_record), np.uint32(op_id("gemm_rs.reduce")),
+                np.uint64(world.timeout_ns), np.uint64(world.error_record), np.uint32(self._op_reduce),
                 np.uint32(world.rank))
         self._reduce((grid,), (_REDUCE_THREADS,), args, stream=stream)
 
@@ -138,9 +149,18 @@ class GemmReduceScatter:
         check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
         return rs_gemm_plan(self.plan, m, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
 
+    def _call_plan(self, m: int):
+        """gemm_plan(m), made and its kernel loaded once per M: before anything of a call is enqueued, a
+        compile error leaves no half-launched op behind for peers to wait on."""
+        g = self._gplans.get(m)
+        if g is None:
+            g = self.gemm_plan(m)
+            common.prepare_gemm(self.world, g, self.dtype, self.partial_dtype, self.trans_b, False, True)
+            self._gplans[m] = g
+        return g
+
     def free(self) -> None:
-        """Collective: return the symmetric buffers."""
-        self.world.synchronize()
+        """Collective: return the symmetric buffers (the heap synchronizes the device first)."""
         self.pad.free()
         self.world.free(self.recv)
 

@@ -254,3 +254,44 @@ def test_tp_ops_overlap_row_and_table():
     assert lines[0].startswith("#") and "overlap" in lines[0]
     assert len({len(x) for x in lines}) == 1          # columns line up
     assert "N/A" in lines[2] and "N/A" not in lines[1]
+
+
+class _FakeComm:
+    """allgather that returns what the other (simulated) ranks would send."""
+
+    def __init__(self, others):
+        self.others = others
+
+    def allgather(self, mine):
+        return [mine, *self.others]
+
+
+def _checked_world(others):
+    w = _FakeWorld()
+    w.size = 1 + len(others)
+    w.options = type("o", (), {"check_collective_args": True})
+    w.comm = _FakeComm(others)
+    return w
+
+
+def test_a_rank_rejecting_its_arguments_makes_every_rank_raise():
+    from fluxrt.errors import CollectiveMismatchError
+    from fluxrt.ops import common
+
+    ok = (("m", 1024),)
+    # another rank failed its local checks: this rank raises too instead of going on to wait for it
+    w = _checked_world([(ok, None), ((), "OpsArgumentError: AllGatherGemm: out has shape (3, 3)")])
+    with pytest.raises(P.OpsArgumentError, match=r"rank 2: OpsArgumentError: AllGatherGemm: out has shape"):
+        common.checked_on_every_rank(w, "AllGatherGemm.forward", lambda: ("result", {"m": 1024}))
+    # this rank failed: its own error, after the exchange the others take part in
+    w = _checked_world([(ok, None)])
+
+    def bad():
+        raise P.OpsArgumentError("AllGatherGemm: a_shard must be 2-D")
+
+    with pytest.raises(P.OpsArgumentError, match="must be 2-D"):
+        common.checked_on_every_rank(w, "AllGatherGemm.forward", bad)
+    # same problem everywhere: the local result comes back; a different one: a mismatch on every rank
+    assert common.checked_on_every_rank(_checked_world([(ok, None)]), "op", lambda: ("r", {"m": 1024})) == "r"
+    with pytest.raises(CollectiveMismatchError, match="rank 1: m=512"):
+        common.checked_on_every_rank(_checked_world([((("m", 512),), None)]), "op", lambda: ("r", {"m": 1024}))
