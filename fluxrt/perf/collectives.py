@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from ..dtypes import normalize_dtype
+from .baselines import machine, nccl_communicator, nccl_datatype
 from .report import Row, Table, plot, progress, results_document, write_json
 from .sweep import SweepOptions, add_sweep_arguments, bus_bandwidth_factor, describe, sizes
 
@@ -44,14 +45,6 @@ def buffer_elems(op: str, nbytes: int, element_size: int, nranks: int) -> tuple[
     if op in OPS:
         return total, total
     raise ValueError(f"unknown collective {op!r}: expected one of {', '.join(OPS)}")
-
-
-def _machine(world) -> dict:
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(world.device_id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return {"gpu_name": name, "gpu_count": world.size}
 
 
 # ------------------------------------------------------------------------------------------ data and checks
@@ -175,26 +168,16 @@ class NcclRunner:
     def __init__(self, world, op: str, redop: str, root: int):
         from cupy.cuda import nccl
 
-        if not nccl.available:
-            raise ImportError("cupy.cuda.nccl cannot load libnccl.so.2 (pip install nvidia-nccl-cu13)")
         self.nccl = nccl
-        uid = world.comm.bcast(nccl.get_unique_id() if world.rank == 0 else None, root=0)
-        self.comm = nccl.NcclCommunicator(world.size, uid, world.rank)
+        self.comm = nccl_communicator(world)
         self.op, self.root, self.n = op, root, world.size
         self.redop = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[redop]
-
-    def _dtype(self, dtype) -> int:
-        from ..dtypes import short_name
-
-        nc = self.nccl
-        return {"bf16": nc.NCCL_BFLOAT16, "fp16": nc.NCCL_FLOAT16, "fp32": nc.NCCL_FLOAT32,
-                "int32": nc.NCCL_INT32}[short_name(dtype)]
 
     def algo_name(self, case: Case) -> str:
         return "nccl"
 
     def __call__(self, case: Case, stream) -> None:
-        x, out, s, dt = case.x.data.ptr, case.out.data.ptr, stream.ptr, self._dtype(case.dtype)
+        x, out, s, dt = case.x.data.ptr, case.out.data.ptr, stream.ptr, nccl_datatype(case.dtype)
         if self.op == "allreduce":
             self.comm.allReduce(x, out, case.in_elems, dt, self.redop, s)
         elif self.op == "reduce_scatter":
@@ -358,7 +341,7 @@ def main(argv=None, op: str = "allreduce") -> int:
             r.close()
         if world.rank == 0:
             command = ["fluxrt-perf", op, *(sys.argv[2:] if argv is None else argv)]
-            doc = results_document(op, [dict(vars(r), op=op) for r in rows], command, machine=_machine(world))
+            doc = results_document(op, [dict(vars(r), op=op) for r in rows], command, machine=machine(world))
             if opts.json_path:
                 write_json(opts.json_path, doc)
             if opts.plot_path:

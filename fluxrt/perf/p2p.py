@@ -16,20 +16,13 @@ import sys
 
 import numpy as np
 
-from .report import progress, results_document, write_json
+from .baselines import machine
+from .report import algbw_gbps, progress, results_document, write_json
 from .sweep import SweepOptions, add_sweep_arguments, format_size, sizes
 
 log = logging.getLogger(__name__)
 
 MODES = ("sm_push", "copy_engine", "nvshmem_put")
-
-
-def _machine(world) -> dict:
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(world.device_id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    return {"gpu_name": name, "gpu_count": world.size}
 
 
 def _transfer(world, mode, dst, src, other, nbytes, stream) -> None:
@@ -119,7 +112,7 @@ def bandwidth_rows(world, opts: SweepOptions, modes, directions) -> list[dict]:
         comm.Barrier()
         moved = nbytes * (2 if direction == "bidir" else 1)
         rows.append({"bytes": nbytes, "mode": mode, "direction": direction, "time_us": t_us,
-                     "gbps": moved / (t_us * 1e3) if t_us > 0 else 0.0, "wrong": wrong})
+                     "gbps": algbw_gbps(moved, t_us), "wrong": wrong})
     world.free(src)
     world.free(dst)
     return rows
@@ -221,7 +214,7 @@ def main(argv=None) -> int:
         if world.rank == 0:
             _print_tables(bw, lat)
             doc = results_document("p2p", bw + lat, ["fluxrt-perf", "p2p", *(argv or sys.argv[1:])],
-                                   machine=_machine(world))
+                                   machine=machine(world))
             if opts.json_path:
                 write_json(opts.json_path, doc)
             if opts.plot_path:

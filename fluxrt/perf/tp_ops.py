@@ -28,6 +28,7 @@ import sys
 
 import numpy as np
 
+from .baselines import machine, nccl_communicator, nccl_datatype
 from .report import results_document, write_json
 from .sweep import normalize_datatype
 
@@ -69,6 +70,9 @@ def build_parser(op: str) -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=None, help="AG: chunks per rank (override the planner)")
     p.add_argument("--reduce-mode", choices=("after", "concurrent"), default=None, help="RS: override the planner")
     p.add_argument("--no-torch", action="store_true", help="skip the torch async-TP baseline")
+    p.add_argument("--check-args", action="store_true",
+                   help="keep the ops' cross-rank argument check on (an MPI allgather per call; off by default "
+                        "in the sweep, as in the collective sweeps)")
     p.add_argument("--json", dest="json_path", default=None, help="write the rows as JSON to PATH")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG bar chart to PATH")
     return p
@@ -202,23 +206,12 @@ class Timer:
 
 
 def _nccl_comm(world):
-    """An NCCL communicator over the world's ranks, or None when cupy cannot load NCCL."""
-    from cupy.cuda import nccl
-
-    if not getattr(nccl, "available", True):
-        log.warning("cupy.cuda.nccl cannot load libnccl (pip install nvidia-nccl-cu13): NCCL columns are N/A")
+    """An NCCL communicator over the world's ranks, or None (NCCL columns N/A) without NCCL."""
+    try:
+        return nccl_communicator(world)
+    except ImportError as e:
+        log.warning("%s: NCCL columns are N/A", e)
         return None
-    uid = nccl.get_unique_id() if world.rank == 0 else None
-    uid = world.comm.bcast(uid, root=0)
-    return nccl.NcclCommunicator(world.size, uid, world.rank)
-
-
-def _nccl_type(dtype: str) -> int:
-    from cupy.cuda import nccl
-
-    if dtype == "bfloat16":
-        return getattr(nccl, "NCCL_BFLOAT16", 9)   # ncclBfloat16 since NCCL 2.10
-    return getattr(nccl, "NCCL_FLOAT16", 6)
 
 
 class TorchBaseline:
@@ -281,7 +274,7 @@ def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, time
 
     w, me = world.size, world.rank
     s = timer.stream
-    nt = _nccl_type(dtype) if nccl_comm is not None else None
+    nt = nccl_datatype(dtype) if nccl_comm is not None else None
     shard = m // w
     with s:
         if op == "ag_gemm":
@@ -300,12 +293,6 @@ def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, time
 
             def comm():
                 nccl_comm.allGather(a_shard.data.ptr, a_full.data.ptr, a_shard.size, nt, s.ptr)
-
-            def gemm_cublas():
-                cupy.matmul(a_full, b, out=c)
-
-            def gemm_fluxrt():
-                fgemm.gemm(a_full, b, out=c, stream=s)
 
             def sequential():
                 comm()
@@ -326,15 +313,16 @@ def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, time
             def comm():
                 nccl_comm.reduceScatter(c.data.ptr, out.data.ptr, out.size, nt, 0, s.ptr)   # 0 = ncclSum
 
-            def gemm_cublas():
-                cupy.matmul(a_full, b, out=c)
-
-            def gemm_fluxrt():
-                fgemm.gemm(a_full, b, out=c, stream=s)
-
             def sequential():
                 gemm_cublas()
                 comm()
+
+        # both ops time the same local GEMM: C [M, N] = A_full [M, K] @ B
+        def gemm_cublas():
+            cupy.matmul(a_full, b, out=c)
+
+        def gemm_fluxrt():
+            fgemm.gemm(a_full, b, out=c, stream=s)
     cublas_ok = True
     try:
         with s:
@@ -411,12 +399,11 @@ def main(argv=None, bench: str | None = None) -> int:
     heap = 0   # symmetric bytes: AG's gathered A [M, K]; RS's two parities of partials [M, N] (neither scales with TP)
     for m, n, k in shapes:
         heap = max(heap, m * k * 2 + 4096 if bench == "ag_gemm" else 2 * m * n * 2 + 4096)
-    world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G"))
+    world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G",
+                                                    check_collective_args=args.check_args))
+    nccl_comm = None
     try:
-        shapes = shapes_from_args(bench, args, world.size)
-        for m, n, k in shapes:
-            if m % (world.size * 128):
-                raise SystemExit(f"fluxrt-perf {bench}: M={m} must be a multiple of world * 128 = {world.size * 128}")
+        shapes = shapes_from_args(bench, args, world.size)   # an M the op cannot split: OpsArgumentError
         stream = cupy.cuda.Stream(non_blocking=True)
         timer = Timer(world, stream, args.warmup_iters, args.iters)
         nccl_comm = _nccl_comm(world)
@@ -438,16 +425,15 @@ def main(argv=None, bench: str | None = None) -> int:
             if torch_base is not None and torch_base.note and torch_base.ok:
                 print(f"# {torch_base.note}")
             if args.json_path:
-                props = cupy.cuda.runtime.getDeviceProperties(world.device_id)
-                name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-                doc = results_document(bench, rows, ["fluxrt-perf", bench] + argv,
-                                       machine={"gpu_name": name, "gpu_count": world.size})
+                doc = results_document(bench, rows, ["fluxrt-perf", bench] + argv, machine=machine(world))
                 if torch_base is not None and torch_base.note:
                     doc["notes"] = [torch_base.note]
                 write_json(args.json_path, doc)
             if args.plot_path:
                 plot_rows(args.plot_path, rows, f"fluxrt {bench}, {world.size} GPUs, {args.datatype}")
     finally:
+        if nccl_comm is not None:
+            nccl_comm.destroy()
         world.finalize()
     return 0
 
