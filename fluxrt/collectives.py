@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import collectives_plan as plan
+from .agreement import agree as _agree
+from .agreement import local as _local
 from .dtypes import bfloat16, normalize_dtype
 from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, NotSymmetricError, op_id
 from .streams import as_cupy_stream
@@ -178,45 +180,6 @@ def _fast_key(name: str, x, out, *args):
             out.dtype, *args)
 
 
-def _signature_text(sig: tuple) -> str:
-    return " ".join(f"{k}={v}" for k, v in sig)
-
-
-def _agree(world, name: str, sig: tuple, error: Exception | None, extra=None) -> list:
-    """Compare the call across ranks (when the world checks collective arguments) and make every rank
-    raise the same way on a local error or a mismatch. Returns every rank's `extra` (gathered only when
-    extra is not None or checks are on)."""
-    if not world.options.check_collective_args and extra is None or world.size == 1:
-        if error is not None:
-            raise error
-        return [extra]
-    local = None if error is None else f"{type(error).__name__}: {error}"
-    every = world.comm.allgather((sig, local, extra))
-    failed = [(r, e) for r, (_, e, _) in enumerate(every) if e]
-    if failed:
-        if error is not None:
-            raise error
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-        raise CollectiveArgumentError(f"{name}: other ranks rejected the call ({detail})")
-    if world.options.check_collective_args:
-        groups: dict = {}
-        for r, (s, _, _) in enumerate(every):
-            groups.setdefault(s, []).append(r)
-        if len(groups) > 1:
-            detail = "; ".join(f"ranks {rs}: {_signature_text(s)}" for s, rs in groups.items())
-            raise CollectiveMismatchError(f"{name} called with different arguments across ranks ({detail}); "
-                                          "every rank must pass the same count, dtype, op and root")
-    return [e for _, _, e in every]
-
-
-def _local(fn):
-    """Run local validation; return (result, None) or (None, the error) so that every rank reaches _agree."""
-    try:
-        return fn(), None
-    except (CollectiveArgumentError, TypeError, ValueError) as e:
-        return None, e if isinstance(e, FluxrtError) else CollectiveArgumentError(str(e))
-
-
 # ------------------------------------------------------------------------------------------ the context
 class Collectives:
     """Per-world collectives state: the symmetric workspace, per-block flags, the device epoch counter,
@@ -251,6 +214,7 @@ class Collectives:
             raise FluxrtError(f"collectives need NVLink/P2P load-store access between all ranks ({detail})")
         self.half_bytes = plan.VEC_BYTES * ((ws // 2) // plan.VEC_BYTES)
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
+        self._ready_event = cupy.cuda.Event(disable_timing=True)
         self._order_event = cupy.cuda.Event(disable_timing=True)
         self._last_stream = None
         self._kernels: dict = {}
@@ -303,10 +267,10 @@ class Collectives:
         world.check_errors()
         caller = as_cupy_stream(stream)
         if async_op:
-            ready = cupy.cuda.Event(disable_timing=True)
-            ready.record(caller)
+            # wait_event takes the event's state at enqueue time, so one event serves every call
+            self._ready_event.record(caller)
             s = self.side_stream
-            s.wait_event(ready)
+            s.wait_event(self._ready_event)
         else:
             s = caller
         if self._last_stream is not s:
@@ -349,12 +313,7 @@ class Collectives:
     def _exchange_launches(self, op: str, algo: str, per_peer: int, itemsize: int, lay, table_fn) -> tuple:
         """Launches of an exchange op moving `per_peer` elements per pair (alltoallv: the largest pair of
         all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch."""
-        if algo == "direct":
-            pieces = plan.direct_pieces(per_peer, itemsize)
-        elif op == "alltoallv":
-            pieces = plan.alltoallv_pieces(per_peer, itemsize, lay)
-        else:
-            pieces = _chunked_plan(per_peer, itemsize, lay)
+        pieces = _pieces(op, algo, per_peer, itemsize, self.world.size, lay)
         fn = self._kernel("fluxrt_exchange")
         tail = (_u64(lay.slot_bytes), np.int32(algo == "direct"))
         launches = []
@@ -384,7 +343,7 @@ class Collectives:
 
         got, err = _local(prepare)
         sig = (("count", None if got is None else got[0].size), ("dtype", None if got is None else got[2]),
-               ("op", str(op)), ("algo", None if got is None else got[4]))
+               ("op", None if got is None else got[3]), ("algo", None if got is None else got[4]))
         _agree(world, "allreduce", sig, err)
         a, o, dt, red, chosen = got
         lay, pieces = _allreduce_plan(a.size, a.itemsize, world.size, chosen, self.half_bytes)
@@ -427,7 +386,7 @@ class Collectives:
 
         got, err = _local(prepare)
         sig = (("count", None if got is None else got[0].size), ("dtype", None if got is None else got[2]),
-               ("op", str(op)))
+               ("op", None if got is None else got[3]))
         _agree(world, "reduce_scatter", sig, err)
         a, o, dt, red, c = got
         lay = plan.layout("reduce_scatter", "push", self.half_bytes, n, a.itemsize)
@@ -437,7 +396,7 @@ class Collectives:
         launches = tuple((fn, p.grid, team + (_u64(a.data.ptr + p.start * isz), _u64(c),
                                               _u64(o.data.ptr + p.start * isz), _u64(p.count),
                                               _u64(lay.slot_bytes)))
-                         for p in _chunked_plan(c, isz, lay))
+                         for p in _pieces("reduce_scatter", "push", c, isz, n, lay))
         return launches, o
 
     # --- data movement ----------------------------------------------------------------------------
@@ -538,9 +497,11 @@ class Collectives:
         trusted = (max_count is not None and recv_counts is not None
                    and not self.world.options.check_collective_args)
         key = None
-        if trusted:
-            key = _fast_key("alltoallv", x, out, _as_tuple(send_counts), _as_tuple(recv_counts),
-                            _as_tuple(send_displs), _as_tuple(recv_displs), int(max_count), algo)
+        if trusted:  # one host copy of each (a device array costs a synchronizing .get())
+            send_counts, recv_counts, send_displs, recv_displs = (
+                _as_tuple(v) for v in (send_counts, recv_counts, send_displs, recv_displs))
+            key = _fast_key("alltoallv", x, out, send_counts, recv_counts, send_displs, recv_displs,
+                            int(max_count), algo)
         return self._call(key, lambda: self._plan_alltoallv(x, send_counts, recv_counts, out, send_displs,
                                                             recv_displs, max_count, trusted, algo),
                           stream, async_op, out, (x, out))
@@ -661,12 +622,8 @@ def _allreduce_plan(count: int, itemsize: int, world_size: int, algo: str, half_
 
 
 @functools.lru_cache(maxsize=1024)
-def _chunked_plan(per_peer: int, itemsize: int, lay: plan.Layout):
-    return tuple(plan.chunked_pieces(per_peer, itemsize, lay))
-
-
-def _alltoallv_plan(max_pair: int, itemsize: int, lay: plan.Layout):
-    return tuple(plan.alltoallv_pieces(max_pair, itemsize, lay))
+def _pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: plan.Layout):
+    return tuple(plan.pieces(op, algo, count, itemsize, world_size, lay))
 
 
 def _as_tuple(values):

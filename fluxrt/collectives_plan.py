@@ -141,6 +141,18 @@ def check_world(world_size: int) -> None:
         raise ValueError(f"collectives support up to {MAX_WORLD} ranks (one NVLink domain), got {world_size}")
 
 
+def pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: Layout) -> list:
+    """The launches of one call. `count`: elements of the message (allreduce) or per peer (alltoallv:
+    the largest pair of all ranks)."""
+    if op == "allreduce":
+        return allreduce_pieces(count, itemsize, world_size, algo, lay)
+    if algo == "direct":
+        return direct_pieces(count, itemsize)
+    if op == "alltoallv":
+        return alltoallv_pieces(count, itemsize, lay)
+    return chunked_pieces(count, itemsize, lay)
+
+
 def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: int, algo: str = "auto",
              direct_ok: bool = False, nbytes: int | None = None) -> dict:
     """What a call would run, for logs and the perf table: algo, launches, grid of the first launch.
@@ -148,16 +160,10 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
     algorithm is chosen by (default count * itemsize)."""
     a = choose_algo(op, count * itemsize if nbytes is None else nbytes, world_size, algo, direct_ok)
     lay = layout(op, a, half_bytes, world_size, itemsize)
-    if op == "allreduce":
-        pieces = allreduce_pieces(count, itemsize, world_size, a, lay)
-    elif a == "direct":
-        pieces = direct_pieces(count, itemsize)
-    else:
-        pieces = chunked_pieces(count, itemsize, lay)
-    return {"algo": a, "launches": len(pieces), "grid": pieces[0].grid if pieces else 0,
-            "slot_bytes": lay.slot_bytes}
+    ps = pieces(op, a, count, itemsize, world_size, lay)
+    return {"algo": a, "launches": len(ps), "grid": ps[0].grid if ps else 0, "slot_bytes": lay.slot_bytes}
 
 
 __all__ = ["ALGOS", "REDUCE_OPS", "Layout", "Piece", "allreduce_pieces", "alltoallv_pieces", "chunked_pieces",
-           "direct_pieces",
+           "direct_pieces", "pieces",
            "choose_algo", "layout", "describe", "bulk_grid", "oneshot_grid", "check_world", "MAX_WORLD"]

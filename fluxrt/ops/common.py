@@ -7,7 +7,8 @@ import threading
 import numpy as np
 
 from ..dtypes import normalize_dtype, short_name
-from ..errors import CollectiveMismatchError, NO_PEER, op_id
+from .. import agreement
+from ..errors import NO_PEER, op_id
 from .plan import MAX_WORLD, OpsArgumentError
 
 KERNEL_SOURCE = "ops/tp_ops.cu"
@@ -68,31 +69,12 @@ def check_problem(world, op: str, max_m: int, n: int, k: int) -> tuple[int, int,
 
 
 def checked_on_every_rank(world, op: str, local_checks):
-    """Run this rank's argument checks, ``local_checks() -> (result, signature dict)``, then (when the
-    world's check_collective_args is on) compare the signatures over MPI. A rank whose own checks failed
-    sends its error along, so every rank raises instead of the others waiting in the exchange or, later,
-    in a device wait; different signatures raise CollectiveMismatchError on every rank."""
-    try:
-        result, what = local_checks()
-        error = None
-    except (ValueError, TypeError) as e:   # OpsArgumentError is a ValueError
-        result, what, error = None, {}, e
-    if not world.options.check_collective_args or world.size == 1:
-        if error is not None:
-            raise error
-        return result
-    mine = tuple(sorted(what.items()))
-    every = world.comm.allgather((mine, None if error is None else f"{type(error).__name__}: {error}"))
-    if error is not None:
-        raise error
-    failed = [(r, e) for r, (_, e) in enumerate(every) if e]
-    if failed:
-        raise OpsArgumentError(f"{op} on rank {world.rank}: other ranks rejected the call ("
-                               + "; ".join(f"rank {r}: {e}" for r, e in failed) + ")")
-    if any(s != mine for s, _ in every):
-        detail = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in s) for r, (s, _) in enumerate(every))
-        raise CollectiveMismatchError(f"{op}: ranks called with different arguments ({detail}); every rank "
-                                      "must call the op with the same shapes and dtype, in the same order")
+    """Run this rank's argument checks, ``local_checks() -> (result, signature dict)``, and agree on the
+    call across ranks (fluxrt.agreement): a rank whose own checks failed makes every rank raise, and
+    different signatures raise CollectiveMismatchError on every rank. Returns the local result."""
+    got, error = agreement.local(local_checks)
+    result, what = got if got is not None else (None, {})
+    agreement.agree(world, op, tuple(sorted(what.items())), error, rejected=OpsArgumentError, by_rank=True)
     return result
 
 

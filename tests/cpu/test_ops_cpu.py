@@ -257,7 +257,7 @@ def test_tp_ops_overlap_row_and_table():
 
 
 class _FakeComm:
-    """allgather that returns what the other (simulated) ranks would send."""
+    """allgather that returns what the other (simulated) ranks would send: (signature, error, extra)."""
 
     def __init__(self, others):
         self.others = others
@@ -280,11 +280,11 @@ def test_a_rank_rejecting_its_arguments_makes_every_rank_raise():
 
     ok = (("m", 1024),)
     # another rank failed its local checks: this rank raises too instead of going on to wait for it
-    w = _checked_world([(ok, None), ((), "OpsArgumentError: AllGatherGemm: out has shape (3, 3)")])
+    w = _checked_world([(ok, None, None), ((), "OpsArgumentError: AllGatherGemm: out has shape (3, 3)", None)])
     with pytest.raises(P.OpsArgumentError, match=r"rank 2: OpsArgumentError: AllGatherGemm: out has shape"):
         common.checked_on_every_rank(w, "AllGatherGemm.forward", lambda: ("result", {"m": 1024}))
     # this rank failed: its own error, after the exchange the others take part in
-    w = _checked_world([(ok, None)])
+    w = _checked_world([(ok, None, None)])
 
     def bad():
         raise P.OpsArgumentError("AllGatherGemm: a_shard must be 2-D")
@@ -292,6 +292,6 @@ def test_a_rank_rejecting_its_arguments_makes_every_rank_raise():
     with pytest.raises(P.OpsArgumentError, match="must be 2-D"):
         common.checked_on_every_rank(w, "AllGatherGemm.forward", bad)
     # same problem everywhere: the local result comes back; a different one: a mismatch on every rank
-    assert common.checked_on_every_rank(_checked_world([(ok, None)]), "op", lambda: ("r", {"m": 1024})) == "r"
+    assert common.checked_on_every_rank(_checked_world([(ok, None, None)]), "op", lambda: ("r", {"m": 1024})) == "r"
     with pytest.raises(CollectiveMismatchError, match="rank 1: m=512"):
-        common.checked_on_every_rank(_checked_world([((("m", 512),), None)]), "op", lambda: ("r", {"m": 1024}))
+        common.checked_on_every_rank(_checked_world([((("m", 512),), None, None)]), "op", lambda: ("r", {"m": 1024}))
