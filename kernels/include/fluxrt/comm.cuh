@@ -1,4 +1,6 @@
-// fluxrt device primitives: the only place where kernels touch peers.
+// fluxrt device primitives for kernels that touch peers. kernels/comm/collectives.cu keeps block-scoped
+// variants of put/signal/wait (copy_block, signal_peers, wait_peers) with its own fence placement: a
+// change to the ordering here must be made there too.
 //
 //   put      16-byte vector stores from this GPU into a peer's symmetric buffer (NVLink, SM-driven)
 //   signal   release a flag at system scope (set or add), after the data it guards
