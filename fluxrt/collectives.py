@@ -12,7 +12,9 @@ With ``WorldOptions.check_collective_args`` (the default) each call first compar
 ranks over MPI and raises the same error on every rank (CollectiveMismatchError, CollectiveArgumentError)
 instead of launching mismatched kernels; turn it off for the lowest latency once a program is known good.
 
-Data is staged through a per-world symmetric workspace (``Collectives``, made collectively on the first
+Small messages take the LL path: every 8 message bytes travel with their flag in one 16-byte NVLink store,
+so a round is one kernel with no fence and no separate signal (``collectives_plan``). Larger ones are
+staged through a per-world symmetric workspace (``Collectives``, made collectively on the first
 call or explicitly): each launch pushes this rank's data into the peers' workspace slots with SM stores
 over NVLink, releases per-block flags, waits for the peers' flags (bounded by the world's timeout) and
 reduces or copies locally. Messages larger than a workspace half go in several launches. Outputs that
@@ -42,6 +44,7 @@ from .agreement import agree as _agree
 from .agreement import local as _local
 from .dtypes import bfloat16, normalize_dtype
 from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, NotSymmetricError, op_id
+from .packed_launch import PackedLaunch
 from .streams import as_cupy_stream
 
 log = logging.getLogger(__name__)
@@ -51,7 +54,6 @@ _REDUCE_DTYPES = {bfloat16: "bf16", np.dtype(np.float16): "fp16", np.dtype(np.fl
 _TABLE_ROWS = 5  # struct ExchangeTable: send_ptr, send_bytes, recv_ptr, recv_bytes, send_dst
 _TABLE_DTYPE = np.dtype([("words", "<u8", (_TABLE_ROWS * plan.MAX_WORLD,))])  # passed by value
 _u64, _u32 = np.uint64, np.uint32
-_BLOCK = (plan.THREADS,)
 _ATTR = "_collectives"  # the world's default context (its symmetric memory goes with the world's heap)
 _FAST_CACHE_ENTRIES = 256  # validated launch lists kept per context (keyed by array addresses and arguments)
 
@@ -59,9 +61,11 @@ _FAST_CACHE_ENTRIES = 256  # validated launch lists kept per context (keyed by a
 @dataclass(frozen=True)
 class CollectivesOptions:
     """workspace_bytes: symmetric staging memory per rank (two halves alternate between launches);
-    a message larger than about half of it (allreduce one-shot: half / ranks) goes in several launches."""
+    a message larger than about half of it (allreduce one-shot: half / ranks) goes in several launches.
+    tuning: algorithm thresholds and grid sizes (``collectives_plan.Tuning``; the same on every rank)."""
 
     workspace_bytes: int = 64 << 20
+    tuning: plan.Tuning = plan.DEFAULT_TUNING
 
 
 class CollectiveHandle:
@@ -206,6 +210,9 @@ class Collectives:
         self.epoch = cupy.zeros(2, dtype=np.uint64)  # [epoch of the last finished launch, arrivals]
         self.workspace = world.empty((ws,), np.uint8)
         self.flags = world.zeros((2 * n * plan.MAX_BLOCKS,), np.uint64)  # syncs and barriers: all zero
+        self.tuning = options.tuning
+        self.ll = world.zeros((self.tuning.ll_buffer_bytes(n),), np.uint8)  # LL lines: zero = empty
+        self.ll_half_bytes = self.ll.nbytes // 2
         unreachable = [r for r in range(n) if self.workspace.peer_ptr(r) == 0]
         every = world.comm.allgather(unreachable)
         if any(every):
@@ -221,8 +228,9 @@ class Collectives:
         self._fast: dict = {}
         self._team_base = (_u64(self.epoch.data.ptr), _u64(self.workspace.data.ptr),
                            _u64(self.workspace.peer_table.data.ptr), _u64(self.flags.data.ptr),
-                           _u64(self.flags.peer_table.data.ptr), _u64(self.half_bytes), _u32(world.rank),
-                           _u32(n), _u64(world.timeout_ns), _u64(world.error_record))
+                           _u64(self.flags.peer_table.data.ptr), _u64(self.half_bytes),
+                           _u64(self.ll.data.ptr), _u64(self.ll.peer_table.data.ptr), _u64(self.ll_half_bytes),
+                           _u32(world.rank), _u32(n), _u64(world.timeout_ns), _u64(world.error_record))
         self._teams = {name: self._team_base + (_u32(op_id(name)),) for name in plan.ALGOS}
         world.device.synchronize()
         if getattr(world, _ATTR, None) is None:
@@ -231,6 +239,7 @@ class Collectives:
     def free(self) -> None:
         """Collective: release the workspace and flags (the world's finalize does it otherwise)."""
         if self.world.active and not self._freed:
+            self.world.free(self.ll)
             self.world.free(self.flags)
             self.world.free(self.workspace)
         self._freed = True
@@ -243,6 +252,13 @@ class Collectives:
         if fn is None:
             fn = self._kernels[name] = self.module.get_function(name)
         return fn
+
+    def _launch(self, name: str, grid: int, args: tuple) -> PackedLaunch:
+        return PackedLaunch(self._kernel(name), grid, plan.THREADS, args)
+
+    def _half(self, algo: str) -> int:
+        """Bytes of the buffer half `algo` cuts into slots (LL rounds have their own buffer)."""
+        return self.ll_half_bytes if algo == "ll" else self.half_bytes
 
     def _order_after_previous(self, s) -> None:
         """Make stream `s` wait for the previous call when it ran on another stream (shared workspace)."""
@@ -257,7 +273,7 @@ class Collectives:
         self._last_stream = s
 
     def _run(self, stream, async_op: bool, launches, result, keep):
-        """Enqueue `launches` ((kernel, grid, args) each) on `stream`, or on the side stream after it."""
+        """Enqueue `launches` (PackedLaunch each) on `stream`, or on the side stream after it."""
         import cupy
 
         world = self.world
@@ -275,8 +291,9 @@ class Collectives:
             s = caller
         if self._last_stream is not s:
             self._order_after_previous(s)
-        for fn, grid, args in launches:
-            fn((grid,), _BLOCK, args, stream=s)
+        sp = s.ptr
+        for launch in launches:
+            launch.launch(sp)
         if not async_op:
             return result
         done = cupy.cuda.Event(disable_timing=True)
@@ -313,14 +330,16 @@ class Collectives:
     def _exchange_launches(self, op: str, algo: str, per_peer: int, itemsize: int, lay, table_fn) -> tuple:
         """Launches of an exchange op moving `per_peer` elements per pair (alltoallv: the largest pair of
         all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch."""
-        pieces = _pieces(op, algo, per_peer, itemsize, self.world.size, lay)
-        fn = self._kernel("fluxrt_exchange")
-        tail = (_u64(lay.slot_bytes), np.int32(algo == "direct"))
+        pieces = _pieces(op, algo, per_peer, itemsize, self.world.size, lay, self.tuning)
+        if algo == "ll":
+            name, tail = "fluxrt_exchange_ll", (_u64(lay.slot_bytes),)
+        else:
+            name, tail = "fluxrt_exchange", (_u64(lay.slot_bytes), np.int32(algo == "direct"))
         launches = []
         for p in pieces:
             tab = np.zeros(1, _TABLE_DTYPE)
             table_fn(p, tab.view(np.uint64).reshape(_TABLE_ROWS, plan.MAX_WORLD))
-            launches.append((fn, p.grid, self._teams[op] + (tab,) + tail))
+            launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + tail))
         return tuple(launches)
 
     # --- reductions -------------------------------------------------------------------------------
@@ -336,7 +355,7 @@ class Collectives:
         def prepare():
             a = _as_array(x, "x", world.device_id)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
-            chosen = plan.choose_algo("allreduce", a.nbytes, world.size, algo)
+            chosen = plan.choose_algo("allreduce", a.nbytes, world.size, algo, tuning=self.tuning)
             o = self._output(out, "out", a.dtype, a.size, a.shape)
             _check_alias("allreduce", a, o, (0,))
             return a, o, dt, red, chosen
@@ -346,18 +365,18 @@ class Collectives:
                ("op", None if got is None else got[3]), ("algo", None if got is None else got[4]))
         _agree(world, "allreduce", sig, err)
         a, o, dt, red, chosen = got
-        lay, pieces = _allreduce_plan(a.size, a.itemsize, world.size, chosen, self.half_bytes)
-        fn = self._kernel(f"fluxrt_allreduce_{chosen}_{dt}_{red}")
+        lay, pieces = _allreduce_plan(a.size, a.itemsize, world.size, chosen, self._half(chosen), self.tuning)
+        name = f"fluxrt_allreduce_{chosen}_{dt}_{red}"
         team = self._teams["allreduce"]
         isz = a.itemsize
         launches = []
         for p in pieces:
             xp, op_ = _u64(a.data.ptr + p.start * isz), _u64(o.data.ptr + p.start * isz)
-            if chosen == "oneshot":
-                args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
-            else:
+            if chosen == "twoshot":
                 args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes))
-            launches.append((fn, p.grid, args))
+            else:
+                args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
+            launches.append(self._launch(name, p.grid, args))
         return tuple(launches), o
 
     def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
@@ -374,7 +393,7 @@ class Collectives:
         def prepare():
             a = _as_array(x, "x", world.device_id)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
-            plan.choose_algo("reduce_scatter", a.nbytes, n, algo)
+            chosen = plan.choose_algo("reduce_scatter", a.nbytes, n, algo, tuning=self.tuning)
             if a.size % n:
                 raise CollectiveArgumentError(f"reduce_scatter: x has {a.size} elements, not a multiple of "
                                               f"{n} ranks")
@@ -382,21 +401,21 @@ class Collectives:
             shape = (a.shape[0] // n, *a.shape[1:]) if a.ndim and a.shape[0] % n == 0 else (c,)
             o = self._output(out, "out", a.dtype, c, shape)
             _check_alias("reduce_scatter", a, o, (-world.rank * c * a.itemsize,))
-            return a, o, dt, red, c
+            return a, o, dt, red, c, chosen
 
         got, err = _local(prepare)
         sig = (("count", None if got is None else got[0].size), ("dtype", None if got is None else got[2]),
-               ("op", None if got is None else got[3]))
+               ("op", None if got is None else got[3]), ("algo", None if got is None else got[5]))
         _agree(world, "reduce_scatter", sig, err)
-        a, o, dt, red, c = got
-        lay = plan.layout("reduce_scatter", "push", self.half_bytes, n, a.itemsize)
-        fn = self._kernel(f"fluxrt_reduce_scatter_{dt}_{red}")
+        a, o, dt, red, c, chosen = got
+        lay = plan.layout("reduce_scatter", chosen, self._half(chosen), n, a.itemsize)
+        name = f"fluxrt_reduce_scatter_{'ll_' if chosen == 'll' else ''}{dt}_{red}"
         team = self._teams["reduce_scatter"]
         isz = a.itemsize
-        launches = tuple((fn, p.grid, team + (_u64(a.data.ptr + p.start * isz), _u64(c),
-                                              _u64(o.data.ptr + p.start * isz), _u64(p.count),
-                                              _u64(lay.slot_bytes)))
-                         for p in _pieces("reduce_scatter", "push", c, isz, n, lay))
+        launches = tuple(self._launch(name, p.grid, team + (_u64(a.data.ptr + p.start * isz), _u64(c),
+                                                            _u64(o.data.ptr + p.start * isz), _u64(p.count),
+                                                            _u64(lay.slot_bytes)))
+                         for p in _pieces("reduce_scatter", chosen, c, isz, n, lay, self.tuning))
         return launches, o
 
     # --- data movement ----------------------------------------------------------------------------
@@ -417,7 +436,8 @@ class Collectives:
             o = self._output(out, "out", a.dtype, n * a.size, shape)
             _check_alias("allgather", a, o, (world.rank * a.nbytes,))
             off = _symmetric_offset(world, o)
-            chosen = plan.choose_algo("allgather", n * a.nbytes, n, algo, direct_ok=off is not None)
+            chosen = plan.choose_algo("allgather", n * a.nbytes, n, algo, direct_ok=off is not None,
+                                      tuning=self.tuning)
             return a, o, chosen, off
 
         got, err = _local(prepare)
@@ -426,7 +446,7 @@ class Collectives:
         _agree(world, "allgather", sig, err)
         a, o, chosen, _ = got
         isz, c = a.itemsize, a.size
-        lay = plan.layout("allgather", "push", self.half_bytes, n, isz)
+        lay = plan.layout("allgather", chosen, self._half(chosen), n, isz)
         mine = o.data.ptr + world.rank * a.nbytes
         peers = _peer_pointers(o, n) if chosen == "direct" else None
 
@@ -461,7 +481,7 @@ class Collectives:
             _check_alias("alltoall", a, o, (0,))
             # direct pushes would overwrite chunks of an in-place buffer that this rank has still to send
             off = _symmetric_offset(world, o) if not _overlap(a, o) else None
-            chosen = plan.choose_algo("alltoall", a.nbytes, n, algo, direct_ok=off is not None)
+            chosen = plan.choose_algo("alltoall", a.nbytes, n, algo, direct_ok=off is not None, tuning=self.tuning)
             return a, o, chosen, off
 
         got, err = _local(prepare)
@@ -470,7 +490,7 @@ class Collectives:
         _agree(world, "alltoall", sig, err)
         a, o, chosen, _ = got
         isz, c = a.itemsize, a.size // n
-        lay = plan.layout("alltoall", "push", self.half_bytes, n, isz)
+        lay = plan.layout("alltoall", chosen, self._half(chosen), n, isz)
         offsets = np.arange(n, dtype=np.uint64) * c
         peers = _peer_pointers(o, n) if chosen == "direct" else None
 
@@ -514,7 +534,7 @@ class Collectives:
         def prepare():
             a = _as_array(x, "x", world.device_id)
             _move_dtype(a.dtype)
-            plan.choose_algo("alltoallv", a.nbytes, n, algo)
+            plan.choose_algo("alltoallv", a.nbytes, n, algo, tuning=self.tuning)  # validates a forced algo
             sc = _counts(send_counts, n, "send_counts")
             sd = _displs(send_displs, sc, "send_displs")
             if (sd + sc).max(initial=0) > a.size:
@@ -526,7 +546,7 @@ class Collectives:
             return a, sc, sd, rc
 
         got, err = _local(prepare)
-        sig = (("dtype", None if got is None else got[0].dtype.str), ("max_count", max_count))
+        sig = (("dtype", None if got is None else got[0].dtype.str), ("max_count", max_count), ("algo", algo))
         if trusted:
             if err is not None:
                 raise err
@@ -556,7 +576,9 @@ class Collectives:
         _agree(world, "alltoallv", sig, err2)
         rd, o = got2
         isz = a.itemsize
-        lay = plan.layout("alltoallv", "push", self.half_bytes, n, isz)
+        # chosen from agreed values only: the largest pair (or max_count) stands for the message size
+        chosen = plan.choose_algo("alltoallv", largest * isz * n, n, algo, tuning=self.tuning)
+        lay = plan.layout("alltoallv", chosen, self._half(chosen), n, isz)
         sd_u, rd_u = sd.astype(np.uint64), rd.astype(np.uint64)
 
         def table(p, t):
@@ -567,7 +589,7 @@ class Collectives:
             t[2, :n] = o.data.ptr + (rd_u + np.uint64(p.start)) * np.uint64(isz)
             t[3, :n] = recv * np.uint64(isz)
 
-        return self._exchange_launches("alltoallv", "push", largest, isz, lay, table), o
+        return self._exchange_launches("alltoallv", chosen, largest, isz, lay, table), o
 
     def broadcast(self, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
         """Every rank gets root's x. out=None: in place (x is overwritten on the other ranks), as
@@ -588,7 +610,7 @@ class Collectives:
             o = a if out is None else self._output(out, "out", a.dtype, a.size, a.shape)
             _check_alias("broadcast", a, o, (0,))
             off = _symmetric_offset(world, o)
-            chosen = plan.choose_algo("broadcast", a.nbytes, n, algo, direct_ok=off is not None)
+            chosen = plan.choose_algo("broadcast", a.nbytes, n, algo, direct_ok=off is not None, tuning=self.tuning)
             return a, o, chosen, off
 
         got, err = _local(prepare)
@@ -597,7 +619,7 @@ class Collectives:
         _agree(world, "broadcast", sig, err)
         a, o, chosen, _ = got
         isz, c, r0 = a.itemsize, a.size, int(root)
-        lay = plan.layout("broadcast", "push", self.half_bytes, n, isz)
+        lay = plan.layout("broadcast", chosen, self._half(chosen), n, isz)
         peers = _peer_pointers(o, n) if chosen == "direct" else None
 
         def table(p, t):
@@ -616,14 +638,14 @@ class Collectives:
 
 # ------------------------------------------------------------------------------------------ plans (cached)
 @functools.lru_cache(maxsize=1024)
-def _allreduce_plan(count: int, itemsize: int, world_size: int, algo: str, half_bytes: int):
+def _allreduce_plan(count: int, itemsize: int, world_size: int, algo: str, half_bytes: int, tuning: plan.Tuning):
     lay = plan.layout("allreduce", algo, half_bytes, world_size, itemsize)
-    return lay, tuple(plan.allreduce_pieces(count, itemsize, world_size, algo, lay))
+    return lay, tuple(plan.allreduce_pieces(count, itemsize, world_size, algo, lay, tuning))
 
 
 @functools.lru_cache(maxsize=1024)
-def _pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: plan.Layout):
-    return tuple(plan.pieces(op, algo, count, itemsize, world_size, lay))
+def _pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: plan.Layout, tuning: plan.Tuning):
+    return tuple(plan.pieces(op, algo, count, itemsize, world_size, lay, tuning))
 
 
 def _as_tuple(values):

@@ -3,11 +3,19 @@
 Every rank derives the same plan from the same (agreed) arguments, which is what keeps the kernels'
 per-block flag slots and workspace slices consistent across ranks.
 
-The thresholds below are provisional: they are to be set from the measured crossover points of
-``fluxrt-perf allreduce --algo oneshot`` vs ``--algo twoshot`` (and the grid sizes likewise).
+Algorithms:
+  ll        small messages: data and flag travel together in 8-byte cells (no fence, one NVLink trip per
+            round, twice the bytes on the wire), through a dedicated zeroed LL buffer;
+  oneshot   allreduce: every rank pushes the whole message to every peer, reduces locally;
+  twoshot   allreduce: reduce-scatter then allgather of the reduced chunks;
+  push      the other ops, staged through the workspace;
+  direct    allgather / alltoall / broadcast into symmetric outputs: pushes straight into the peers' outputs.
+The thresholds and grid sizes are a ``Tuning`` (``CollectivesOptions.tuning``), to be set from measured
+crossover points (``fluxrt-perf allreduce --algo ll`` vs ``--algo oneshot`` ..., ``--tune key=value``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Mirrors of kernels/comm/collectives.cu.
@@ -16,22 +24,83 @@ MAX_WORLD = 32        # kMaxWorld: ranks an exchange table describes
 VEC_BYTES = 16        # kVecBytes
 THREADS = 512
 
-# Provisional, to be set from measurement (see module docstring).
-ONESHOT_MAX_BYTES = 256 << 10        # allreduce: one-shot up to here, two-shot above
-ONESHOT_BYTES_PER_BLOCK = 8 << 10    # one-shot grid: a block per this many message bytes ...
-ONESHOT_MAX_GRID = 32                # ... up to this many blocks
-BULK_BYTES_PER_BLOCK = 16 << 10      # two-shot / reduce-scatter / exchange: a block per this many bytes per peer
-BULK_MAX_GRID = 64                   # ... up to this many blocks
-DIRECT_MIN_BYTES = 1 << 20           # exchange ops with a symmetric output: direct pushes from here up
+LL_DATA_BYTES = 8     # kLLData: message bytes per LL line
+LL_LINE_BYTES = 16    # kLLLine: bytes of a line on the wire
+
+# Defaults of Tuning (see there).
+LL_MAX_BYTES = 64 << 10
+ONESHOT_MAX_BYTES = 256 << 10
+ONESHOT_BYTES_PER_BLOCK = 8 << 10
+ONESHOT_MAX_GRID = 32
+BULK_BYTES_PER_BLOCK = 16 << 10
+BULK_MAX_GRID = 64
+LL_MAX_GRID = 32
+DIRECT_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Size thresholds and grid sizes of the collectives (the same on every rank of a context).
+
+    ll_max_bytes: LL up to this message size (nccl-tests size: allreduce/broadcast the buffer, allgather
+    the gathered output, reduce_scatter/alltoall(v) the input); 0 turns LL off. It also sizes the LL buffer.
+    oneshot_max_bytes: allreduce one-shot up to here (above LL), two-shot above.
+    *_bytes_per_block / *_max_grid: a block per that many bytes (per peer for bulk rounds), up to that many
+    blocks (LL: a thread per 8 message bytes, so a block of THREADS threads per 4 KiB).
+    direct_min_bytes: exchange ops with a symmetric output push straight into it from this size up."""
+
+    ll_max_bytes: int = LL_MAX_BYTES
+    oneshot_max_bytes: int = ONESHOT_MAX_BYTES
+    oneshot_bytes_per_block: int = ONESHOT_BYTES_PER_BLOCK
+    oneshot_max_grid: int = ONESHOT_MAX_GRID
+    bulk_bytes_per_block: int = BULK_BYTES_PER_BLOCK
+    bulk_max_grid: int = BULK_MAX_GRID
+    ll_max_grid: int = LL_MAX_GRID
+    direct_min_bytes: int = DIRECT_MIN_BYTES
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
+        for name in ("oneshot_max_grid", "bulk_max_grid", "ll_max_grid"):
+            if not 1 <= getattr(self, name) <= MAX_BLOCKS:
+                raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
+        for name in ("oneshot_bytes_per_block", "bulk_bytes_per_block"):
+            if getattr(self, name) < VEC_BYTES:
+                raise ValueError(f"Tuning.{name} must be >= {VEC_BYTES}, got {getattr(self, name)}")
+
+    def ll_buffer_bytes(self, world_size: int) -> int:
+        """LL buffer per rank: two halves of a slot per source rank, each slot holding ll_max_bytes of data
+        (at least one line)."""
+        slot = max(LL_LINE_BYTES, _ceil_div(self.ll_max_bytes, LL_DATA_BYTES) * LL_LINE_BYTES)
+        return 2 * world_size * slot
+
+    @classmethod
+    def parse(cls, items, base: "Tuning | None" = None) -> "Tuning":
+        """Tuning from 'key=value' strings (values in bytes accept K/M/G suffixes), over `base`."""
+        from .symmetric import parse_bytes
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        changes = {}
+        for item in items:
+            key, sep, value = str(item).partition("=")
+            if not sep or key not in names:
+                raise ValueError(f"tuning {item!r}: expected key=value with key one of {', '.join(sorted(names))}")
+            changes[key] = int(parse_bytes(value))
+        return dataclasses.replace(base or cls(), **changes)
+
+
+DEFAULT_TUNING = Tuning()
 
 REDUCE_OPS = ("sum", "max", "min")
 ALGOS = {
-    "allreduce": ("oneshot", "twoshot"),
-    "reduce_scatter": ("push",),
-    "allgather": ("push", "direct"),
-    "alltoall": ("push", "direct"),
-    "alltoallv": ("push",),
-    "broadcast": ("push", "direct"),
+    "allreduce": ("ll", "oneshot", "twoshot"),
+    "reduce_scatter": ("ll", "push"),
+    "allgather": ("ll", "push", "direct"),
+    "alltoall": ("ll", "push", "direct"),
+    "alltoallv": ("ll", "push"),
+    "broadcast": ("ll", "push", "direct"),
 }
 
 
@@ -43,12 +112,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direct_ok: bool = False) -> str:
+def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direct_ok: bool = False,
+                tuning: Tuning = DEFAULT_TUNING) -> str:
     """The algorithm `op` uses for an `nbytes` message (`algo` forces one, for measurement).
 
     'push' stages through the workspace; 'direct' pushes straight into the peers' outputs and needs
     `direct_ok`: the output is a symmetric array (at the same offset on every rank) that the op may write
-    while this rank still reads its input."""
+    while this rank still reads its input. 'll' needs a context with an LL buffer (tuning.ll_max_bytes > 0)."""
     if op not in ALGOS:
         raise ValueError(f"unknown collective {op!r}: expected one of {', '.join(ALGOS)}")
     if algo != "auto":
@@ -57,20 +127,33 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         if algo == "direct" and not direct_ok:
             raise ValueError(f"{op}: algo 'direct' needs a symmetric output (world.empty) that does not "
                              "overlap the input")
+        if algo == "ll" and tuning.ll_max_bytes == 0:
+            raise ValueError(f"{op}: algo 'll' needs an LL buffer (Tuning.ll_max_bytes > 0)")
         return algo
+    if nbytes <= tuning.ll_max_bytes and world_size > 1:
+        return "ll"
     if op == "allreduce":
-        return "oneshot" if nbytes <= ONESHOT_MAX_BYTES or world_size == 1 else "twoshot"
-    if direct_ok and "direct" in ALGOS[op] and nbytes >= DIRECT_MIN_BYTES:
+        return "oneshot" if nbytes <= tuning.oneshot_max_bytes or world_size == 1 else "twoshot"
+    if direct_ok and "direct" in ALGOS[op] and nbytes >= tuning.direct_min_bytes:
         return "direct"
-    return ALGOS[op][0]
+    return "push"
 
 
-def oneshot_grid(piece_bytes: int) -> int:
-    return max(1, min(ONESHOT_MAX_GRID, _ceil_div(piece_bytes, ONESHOT_BYTES_PER_BLOCK)))
+def oneshot_grid(piece_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    return max(1, min(tuning.oneshot_max_grid, _ceil_div(piece_bytes, tuning.oneshot_bytes_per_block)))
 
 
-def bulk_grid(bytes_per_peer: int) -> int:
-    return max(1, min(BULK_MAX_GRID, _ceil_div(bytes_per_peer, BULK_BYTES_PER_BLOCK)))
+def bulk_grid(bytes_per_peer: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    return max(1, min(tuning.bulk_max_grid, _ceil_div(bytes_per_peer, tuning.bulk_bytes_per_block)))
+
+
+def ll_grid(bytes_per_peer: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """One thread per LL line of the largest pair."""
+    return max(1, min(tuning.ll_max_grid, _ceil_div(_ceil_div(bytes_per_peer, LL_DATA_BYTES), THREADS)))
+
+
+def _grid(algo: str, bytes_per_peer: int, tuning: Tuning) -> int:
+    return ll_grid(bytes_per_peer, tuning) if algo == "ll" else bulk_grid(bytes_per_peer, tuning)
 
 
 @dataclass(frozen=True)
@@ -92,47 +175,55 @@ class Layout:
 
 
 def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) -> Layout:
-    """Slots of one workspace half: n slots for one-shot / chunked ops, 2n for two-shot (two phases)."""
+    """Slots of one workspace half (LL: of one LL buffer half): n slots for one-shot / chunked ops / LL,
+    2n for two-shot (two phases). An LL slot carries half its bytes as data, in whole 8-byte lines."""
     slots = 2 * world_size if algo == "twoshot" else world_size
     slot = _floor(half_bytes // slots, VEC_BYTES)
     if slot < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slots} slots")
+    if algo == "ll":
+        return Layout(slot_bytes=slot, max_elems=max(1, _floor(slot // 2, LL_DATA_BYTES) // itemsize))
     per_slot = slot // itemsize
     max_elems = per_slot * world_size if algo == "twoshot" else per_slot
     return Layout(slot_bytes=slot, max_elems=max_elems)
 
 
-def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay: Layout) -> list[Piece]:
+def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay: Layout,
+                     tuning: Tuning = DEFAULT_TUNING) -> list[Piece]:
     """Launches of an allreduce of `count` elements (an empty list for count 0)."""
     vec = VEC_BYTES // itemsize
     out = []
     for start in range(0, count, lay.max_elems):
         n = min(lay.max_elems, count - start)
         if algo == "oneshot":
-            out.append(Piece(start, n, oneshot_grid(n * itemsize)))
+            out.append(Piece(start, n, oneshot_grid(n * itemsize, tuning)))
+        elif algo == "ll":
+            out.append(Piece(start, n, ll_grid(n * itemsize, tuning)))
         else:
             chunk = _ceil_div(_ceil_div(n, world_size), vec) * vec
-            out.append(Piece(start, n, bulk_grid(chunk * itemsize), chunk))
+            out.append(Piece(start, n, bulk_grid(chunk * itemsize, tuning), chunk))
     return out
 
 
-def direct_pieces(per_peer: int, itemsize: int) -> list[Piece]:
+def direct_pieces(per_peer: int, itemsize: int, tuning: Tuning = DEFAULT_TUNING) -> list[Piece]:
     """Direct rounds need no workspace: the whole message in one launch."""
-    return [Piece(0, per_peer, bulk_grid(per_peer * itemsize))] if per_peer else []
+    return [Piece(0, per_peer, bulk_grid(per_peer * itemsize, tuning))] if per_peer else []
 
 
-def chunked_pieces(per_peer: int, itemsize: int, lay: Layout) -> list[Piece]:
+def chunked_pieces(per_peer: int, itemsize: int, lay: Layout, algo: str = "push",
+                   tuning: Tuning = DEFAULT_TUNING) -> list[Piece]:
     """Launches of a chunked op moving `per_peer` elements between each pair of ranks."""
-    return [Piece(s, min(lay.max_elems, per_peer - s), bulk_grid(min(lay.max_elems, per_peer - s) * itemsize))
+    return [Piece(s, min(lay.max_elems, per_peer - s), _grid(algo, min(lay.max_elems, per_peer - s) * itemsize, tuning))
             for s in range(0, per_peer, lay.max_elems)]
 
 
-def alltoallv_pieces(max_pair_count: int, itemsize: int, lay: Layout) -> list[Piece]:
+def alltoallv_pieces(max_pair_count: int, itemsize: int, lay: Layout, algo: str = "push",
+                     tuning: Tuning = DEFAULT_TUNING) -> list[Piece]:
     """Launches of an alltoallv whose largest pair (over all ranks) moves `max_pair_count` elements: at
     least one (every rank takes part in every round, even with nothing to send)."""
     if max_pair_count == 0:
         return [Piece(0, 0, 1)]
-    return [Piece(s, lay.max_elems, bulk_grid(min(lay.max_elems, max_pair_count - s) * itemsize))
+    return [Piece(s, lay.max_elems, _grid(algo, min(lay.max_elems, max_pair_count - s) * itemsize, tuning))
             for s in range(0, max_pair_count, lay.max_elems)]
 
 
@@ -141,29 +232,32 @@ def check_world(world_size: int) -> None:
         raise ValueError(f"collectives support up to {MAX_WORLD} ranks (one NVLink domain), got {world_size}")
 
 
-def pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: Layout) -> list:
+def pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: Layout,
+           tuning: Tuning = DEFAULT_TUNING) -> list:
     """The launches of one call. `count`: elements of the message (allreduce) or per peer (alltoallv:
     the largest pair of all ranks)."""
     if op == "allreduce":
-        return allreduce_pieces(count, itemsize, world_size, algo, lay)
+        return allreduce_pieces(count, itemsize, world_size, algo, lay, tuning)
     if algo == "direct":
-        return direct_pieces(count, itemsize)
+        return direct_pieces(count, itemsize, tuning)
     if op == "alltoallv":
-        return alltoallv_pieces(count, itemsize, lay)
-    return chunked_pieces(count, itemsize, lay)
+        return alltoallv_pieces(count, itemsize, lay, algo, tuning)
+    return chunked_pieces(count, itemsize, lay, algo, tuning)
 
 
 def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: int, algo: str = "auto",
-             direct_ok: bool = False, nbytes: int | None = None) -> dict:
+             direct_ok: bool = False, nbytes: int | None = None, tuning: Tuning = DEFAULT_TUNING) -> dict:
     """What a call would run, for logs and the perf table: algo, launches, grid of the first launch.
     `count`: elements of the message (allreduce) or per peer (the others); `nbytes`: the size the
-    algorithm is chosen by (default count * itemsize)."""
-    a = choose_algo(op, count * itemsize if nbytes is None else nbytes, world_size, algo, direct_ok)
-    lay = layout(op, a, half_bytes, world_size, itemsize)
-    ps = pieces(op, a, count, itemsize, world_size, lay)
+    algorithm is chosen by (default count * itemsize); `half_bytes`: the workspace half (the LL buffer
+    half follows from `tuning`)."""
+    a = choose_algo(op, count * itemsize if nbytes is None else nbytes, world_size, algo, direct_ok, tuning)
+    half = tuning.ll_buffer_bytes(world_size) // 2 if a == "ll" else half_bytes
+    lay = layout(op, a, half, world_size, itemsize)
+    ps = pieces(op, a, count, itemsize, world_size, lay, tuning)
     return {"algo": a, "launches": len(ps), "grid": ps[0].grid if ps else 0, "slot_bytes": lay.slot_bytes}
 
 
-__all__ = ["ALGOS", "REDUCE_OPS", "Layout", "Piece", "allreduce_pieces", "alltoallv_pieces", "chunked_pieces",
-           "direct_pieces", "pieces",
-           "choose_algo", "layout", "describe", "bulk_grid", "oneshot_grid", "check_world", "MAX_WORLD"]
+__all__ = ["ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
+           "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
+           "bulk_grid", "ll_grid", "oneshot_grid", "check_world", "MAX_WORLD"]

@@ -9,7 +9,8 @@
 #   elsewhere:          OUT=/tmp/gpu-check bash launch/gpu-check.sh
 #   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
-# collectives ops (TEST_FILES narrows the test step). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# collectives ops tune (TEST_FILES narrows the test step; tune: perf/tune_collectives.py candidates,
+# not part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -68,6 +69,18 @@ if want collectives; then
     done
     TAIL=25 step "allreduce-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli allreduce -b 8 \
       -e 1M -f 2 -n 20 -w 5 -G 10 -c 1 -d bf16 --no-progress --json "$RES/allreduce-graph-np$n.json"
+  done
+fi
+if [[ ",$CHECK," == *",tune,"* ]]; then   # candidate thresholds and grids, fluxrt configs beside NCCL
+  n=${bench_ranks[-1]}
+  tune() { local name=$1; shift; TAIL=30 step "tune-$name-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- \
+    python3 perf/tune_collectives.py "$@" -d bf16 -n 20 -w 5 --no-progress --json "$RES/tune-$name-np$n.json"; }
+  tune allreduce-small allreduce -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=oneshot --config algo=auto
+  tune allreduce-large allreduce -b 1M -e 1G -f 4 --config algo=oneshot --config algo=twoshot \
+    --config algo=twoshot,bulk_max_grid=128 --config algo=twoshot,bulk_max_grid=128,bulk_bytes_per_block=64K
+  for op in allgather reduce_scatter alltoall; do
+    tune "$op-small" "$op" -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=push
+    tune "$op-large" "$op" -b 4M -e 1G -f 4 --config algo=push --config algo=push,bulk_max_grid=128
   done
 fi
 if want ops; then

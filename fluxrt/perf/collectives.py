@@ -124,10 +124,14 @@ class Case:
 class FluxrtRunner:
     name = "fluxrt"
 
-    def __init__(self, world, op: str, algo: str, redop: str, root: int, workspace_bytes: int, symmetric: bool):
+    def __init__(self, world, op: str, algo: str, redop: str, root: int, workspace_bytes: int, symmetric: bool,
+                 tuning=None):
         import fluxrt
 
-        self.ctx = fluxrt.Collectives(world, fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes))
+        options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes)
+        if tuning is not None:
+            options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes, tuning=tuning)
+        self.ctx = fluxrt.Collectives(world, options)
         self.op, self.algo, self.redop, self.root, self.n = op, algo, redop, root, world.size
         self.symmetric = symmetric
 
@@ -139,7 +143,7 @@ class FluxrtRunner:
         isz = case.dtype.itemsize
         nbytes = (case.out_elems if self.op == "allgather" else case.in_elems) * isz
         d = plan_describe(self.op, count, isz, self.n, self.ctx.half_bytes, self.algo,
-                          direct_ok=self.symmetric, nbytes=nbytes)
+                          direct_ok=self.symmetric, nbytes=nbytes, tuning=self.ctx.tuning)
         return d["algo"]
 
     def __call__(self, case: Case, stream) -> None:
@@ -262,8 +266,12 @@ def sweep(world, op: str, opts: SweepOptions, runners, root: int, out=None, symm
     factor = bus_bandwidth_factor(op, n)
     table = Table(impls=tuple(r.name for r in runners), out=out if world.rank == 0 else io.StringIO(),
                   show_algo=True)
+    tuned = runners[0].ctx.tuning
+    changed = {f: getattr(tuned, f) for f in tuned.__dataclass_fields__
+               if getattr(tuned, f) != getattr(type(tuned)(), f)}
     table.header([*describe(opts), f"# {op} on {n} ranks; fluxrt algo: {runners[0].algo}; buffers: "
-                                   f"{'symmetric' if symmetric else 'plain cupy'}"])
+                                   f"{'symmetric' if symmetric else 'plain cupy'}"
+                                   + (f"; tuning: {changed}" if changed else "")])
     for nbytes in progress(sweep_sizes, enabled=opts.progress and world.rank == 0, desc=op):
         case = Case(op, world, x_full, out_full, nbytes, dtype, redop, root)
         case.fill_input()
@@ -295,6 +303,9 @@ def parser(op: str) -> argparse.ArgumentParser:
                     help="symmetric heap per rank (default: NVSHMEM's, or what --symmetric needs)")
     ap.add_argument("--symmetric", action="store_true",
                     help="allocate inputs and outputs on the symmetric heap (zero-copy 'direct' paths)")
+    ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a collectives_plan.Tuning field, e.g. --tune ll_max_bytes=256K "
+                         "--tune bulk_max_grid=128 (repeatable)")
     ap.add_argument("--check-args", action="store_true",
                     help="keep fluxrt's cross-rank argument check on (an MPI allgather per eager call)")
     return ap
@@ -319,6 +330,12 @@ def main(argv=None, op: str = "allreduce") -> int:
         ap.error("--algo direct pushes into symmetric outputs: add --symmetric")
     if op in REDUCING and opts.datatype == "int32":
         ap.error(f"{op} reduces bf16, fp16 or fp32 (-d), not int32")
+    from ..collectives_plan import Tuning
+
+    try:
+        tuning = Tuning.parse(args.tune)
+    except ValueError as e:
+        ap.error(str(e))
     heap = args.heap
     if heap is None and args.symmetric:
         esize = np.dtype(normalize_dtype(opts.datatype)).itemsize
@@ -329,7 +346,7 @@ def main(argv=None, op: str = "allreduce") -> int:
             ap.error(f"--root {args.root} outside {world.size} ranks")
         redop = opts.op if op in REDUCING else "none"
         runners = [FluxrtRunner(world, op, args.algo, redop if op in REDUCING else "sum", args.root,
-                                parse_bytes(args.workspace), args.symmetric)]
+                                parse_bytes(args.workspace), args.symmetric, tuning)]
         if "nccl" in impls:
             try:
                 runners.append(NcclRunner(world, op, opts.op, args.root))

@@ -43,6 +43,9 @@ struct Team {
     u64* flags;               // this rank's flags [2 phases][world][kMaxBlocks]
     const u64* flags_peers;   // [world]: each rank's flags, mapped here
     u64 half_bytes;           // bytes of one workspace half
+    char* ll;                 // this rank's LL buffer (zeroed at allocation; LL rounds leave it zeroed)
+    const u64* ll_peers;      // [world]: each rank's LL buffer, mapped here
+    u64 ll_half_bytes;        // bytes of one LL buffer half
     u32 rank, world;
     u64 timeout_ns;
     ErrorRecord* err;
@@ -63,6 +66,14 @@ struct ExchangeTable {
 // it, so no block can read the advanced value within this launch.
 __device__ __forceinline__ u64 begin_round(u64* epoch) {
     __shared__ u64 e;
+    if (gridDim.x == 1) {  // one block: nobody else reads the counter in this launch, no arrival count
+        if (threadIdx.x == 0) {
+            e = *reinterpret_cast<volatile u64*>(epoch) + 1ull;
+            *reinterpret_cast<volatile u64*>(epoch) = e;
+        }
+        __syncthreads();
+        return e;
+    }
     if (threadIdx.x == 0) {
         e = *reinterpret_cast<volatile u64*>(epoch) + 1ull;
         __threadfence();  // the read above happens before this block's arrival
@@ -363,12 +374,191 @@ __device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes, bool 
     }
 }
 
+// ----------------------------------------------------------------------------------------- LL rounds
+// Low-latency rounds for small messages: the data carries its own flag. A sender stores each 8 bytes of
+// the message as one 16-byte line of two cells {4 data bytes | 4 flag bytes} in the receiver's LL slot
+// [sender]; an aligned 8-byte store is single-copy atomic, so a receiver that reads a cell holding this
+// round's flag also reads its data. No fence and no separate flag word: one NVLink trip per round, at
+// the price of twice the bytes on the wire.
+// The receiver zeroes every line after reading it, so between rounds the LL buffer holds only zeros
+// and a line can only ever match the current round's flag (never a stale one, whatever the epoch wrap).
+// Reuse: round e uses LL half (e & 1), by the argument of the workspace halves above. Every pair of
+// ranks exchanges at least one line per LL round (a pair with nothing to send sends one marker line),
+// so a peer finishes round e only after this rank has entered it.
+// One thread owns line j of every pair: it pushes line j to every peer, then takes line j from every
+// peer, so in-place layouts (the line it writes is one it has already sent) need no block barrier.
+constexpr u32 kLLLine = 16;  // bytes of one line on the wire (one 16-byte store: two cells)
+constexpr u32 kLLData = 8;   // message bytes per line
+
+__device__ __forceinline__ u32 ll_flag(u64 e) {
+    const u32 f = (u32)e;
+    return f ? f : 1u;  // zero means "empty line"
+}
+
+__device__ __forceinline__ u64 lines_of(u64 bytes) { return (bytes + kLLData - 1) / kLLData; }
+
+__device__ __forceinline__ char* peer_ll(const Team& t, u32 q) { return reinterpret_cast<char*>(t.ll_peers[q]); }
+
+// Message bytes [8j, 8j + 8) of src (`bytes` long; a short last line is padded with zeros).
+__device__ __forceinline__ u64 load_line(const char* src, u64 bytes, u64 j) {
+    const u64 at = j * kLLData;
+    if (at + kLLData <= bytes && (reinterpret_cast<u64>(src + at) & 7ull) == 0)
+        return *reinterpret_cast<const u64*>(src + at);
+    u64 v = 0;
+    for (u32 b = 0; b < kLLData && at + b < bytes; ++b) v |= (u64)(unsigned char)src[at + b] << (8 * b);
+    return v;
+}
+
+__device__ __forceinline__ void store_line(char* dst, u64 bytes, u64 j, u64 v) {
+    const u64 at = j * kLLData;
+    if (at + kLLData <= bytes && (reinterpret_cast<u64>(dst + at) & 7ull) == 0) {
+        *reinterpret_cast<u64*>(dst + at) = v;
+        return;
+    }
+    for (u32 b = 0; b < kLLData && at + b < bytes; ++b) dst[at + b] = (char)(v >> (8 * b));
+}
+
+// One line to a peer: both 8-byte cells in one 16-byte store, each cell atomic on its own.
+__device__ __forceinline__ void ll_put(char* line, u64 v, u32 f) {
+    const u64 c0 = (v & 0xffffffffull) | ((u64)f << 32), c1 = (v >> 32) | ((u64)f << 32);
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(line), "l"(c0), "l"(c1) : "memory");
+}
+
+__device__ __forceinline__ void ll_load(const char* line, u64* c0, u64* c1) {
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(*c0), "=l"(*c1) : "l"(line) : "memory");
+}
+
+// Spin (bounded) until both cells of a local line carry flag f, return its 8 data bytes and zero the
+// line. false when this wait, or another one of the same error record, timed out.
+__device__ __forceinline__ bool ll_take(const Team& t, char* line, u32 f, u32 peer, u64* v) {
+    u64 c0, c1;
+    ll_load(line, &c0, &c1);
+    if ((u32)(c0 >> 32) != f || (u32)(c1 >> 32) != f) {
+        const u64 start = fluxrt::globaltimer_ns();
+        for (u32 spins = 1;; ++spins) {
+            ll_load(line, &c0, &c1);
+            if ((u32)(c0 >> 32) == f && (u32)(c1 >> 32) == f) break;
+            if (spins % fluxrt::kTimeCheckInterval == 0) {
+                if (fluxrt::error_raised(t.err)) return false;
+                if (fluxrt::globaltimer_ns() - start > t.timeout_ns) {
+                    fluxrt::raise_timeout(t.err, t.op, t.rank, peer, f, (u32)(c0 >> 32));
+                    return false;
+                }
+            }
+        }
+    }
+    // Zero it for a later round: that round's sender writes this half only after this kernel ended.
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %1};" ::"l"(line), "l"(0ull) : "memory");
+    *v = (c0 & 0xffffffffull) | (c1 << 32);
+    return true;
+}
+
+// Lines of the LL slot that rank `src` fills for rank `dst` (the same on both sides, 16 bytes apart).
+__device__ __forceinline__ char* ll_line(char* ll, u64 half, u32 src, u64 slot_bytes, u64 j) {
+    return ll + half + (u64)src * slot_bytes + j * kLLLine;
+}
+
+// acc (op)= the V elements packed in one line; p == 0 starts the accumulation.
+template <class E, int OP, u32 V>
+__device__ __forceinline__ void accumulate_line(float (&acc)[V], u64 v, u32 p) {
+    const typename E::T* el = reinterpret_cast<const typename E::T*>(&v);
+#pragma unroll
+    for (u32 k = 0; k < V; ++k) acc[k] = p == 0 ? E::to_f(el[k]) : combine<OP>(acc[k], E::to_f(el[k]));
+}
+
+template <class E, u32 V>
+__device__ __forceinline__ u64 pack_line(const float (&acc)[V]) {
+    u64 r = 0;
+    typename E::T* el = reinterpret_cast<typename E::T*>(&r);
+#pragma unroll
+    for (u32 k = 0; k < V; ++k) el[k] = E::from_f(acc[k]);
+    return r;
+}
+
+// LL reduction round: rank r contributes the `bytes` at src_of(q) to the reduction that rank q keeps;
+// the reduction of every rank's contribution for this rank lands in out. Accumulated in fp32 in rank
+// order, as the other reductions (every rank computes bitwise the same value).
+// allreduce: src_of(q) = x for every q; reduce-scatter: src_of(q) = chunk q of x.
+template <class E, int OP>
+__device__ void reduce_ll(Team t, const typename E::T* x, u64 chunk_stride, typename E::T* out, u64 count,
+                          u64 slot_bytes) {
+    typedef typename E::T T;
+    constexpr u32 V = kLLData / sizeof(T);  // elements per line
+    const u64 e = begin_round(t.epoch);
+    const u32 f = ll_flag(e);
+    const u64 half = (e & 1ull) * t.ll_half_bytes;
+    const u64 bytes = count * sizeof(T), lines = lines_of(bytes);
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
+    for (u64 j = first; j < lines; j += stride) {                                       // stage push
+        for (u32 s = 1; s < t.world; ++s) {
+            const u32 q = (t.rank + s) % t.world;
+            const u64 v = load_line(reinterpret_cast<const char*>(x + q * chunk_stride), bytes, j);
+            ll_put(ll_line(peer_ll(t, q), half, t.rank, slot_bytes, j), v, f);
+        }
+    }
+    const char* own = reinterpret_cast<const char*>(x + t.rank * chunk_stride);
+    for (u64 j = first; j < lines; j += stride) {                                       // stage take
+        float acc[V];
+        for (u32 p = 0; p < t.world; ++p) {
+            u64 v;
+            if (p == t.rank) v = load_line(own, bytes, j);
+            else if (!ll_take(t, ll_line(t.ll, half, p, slot_bytes, j), f, p, &v)) return;
+            accumulate_line<E, OP, V>(acc, v, p);
+        }
+        store_line(reinterpret_cast<char*>(out), bytes, j, pack_line<E, V>(acc));     // stage store
+    }
+}
+
+// LL exchange round (allgather, alltoall(v), broadcast), the table as in exchange(): peer q gets
+// tab.send_bytes[q] bytes from tab.send_ptr[q]; what peer p sent lands at tab.recv_ptr[p]. This rank's
+// own pair is a local copy. A pair with no bytes still sends one (ignored) marker line.
+__device__ void exchange_ll(Team t, const ExchangeTable& tab, u64 slot_bytes) {
+    const u64 e = begin_round(t.epoch);
+    const u32 f = ll_flag(e);
+    const u64 half = (e & 1ull) * t.ll_half_bytes;
+    u64 lines = 1;
+    for (u32 q = 0; q < t.world; ++q) {
+        const u64 a = lines_of(tab.send_bytes[q]), b = lines_of(tab.recv_bytes[q]);
+        lines = a > lines ? a : lines;
+        lines = b > lines ? b : lines;
+    }
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
+    for (u64 j = first; j < lines; j += stride) {                                       // stage push
+        for (u32 s = 1; s < t.world; ++s) {
+            const u32 q = (t.rank + s) % t.world;
+            const u64 bytes = tab.send_bytes[q];
+            if (j >= (bytes ? lines_of(bytes) : 1)) continue;
+            const u64 v = load_line(reinterpret_cast<const char*>(tab.send_ptr[q]), bytes, j);
+            ll_put(ll_line(peer_ll(t, q), half, t.rank, slot_bytes, j), v, f);
+        }
+    }
+    for (u64 j = first; j < lines; j += stride) {                                       // stage take
+        for (u32 p = 0; p < t.world; ++p) {
+            const u64 bytes = tab.recv_bytes[p];
+            char* dst = reinterpret_cast<char*>(tab.recv_ptr[p]);
+            if (p == t.rank) {  // own pair: a local copy
+                const u64 own = bytes < tab.send_bytes[p] ? bytes : tab.send_bytes[p];
+                if (j < lines_of(own))
+                    store_line(dst, own, j, load_line(reinterpret_cast<const char*>(tab.send_ptr[p]), own, j));
+                continue;
+            }
+            if (j >= (bytes ? lines_of(bytes) : 1)) continue;
+            u64 v;
+            if (!ll_take(t, ll_line(t.ll, half, p, slot_bytes, j), f, p, &v)) return;
+            if (bytes) store_line(dst, bytes, j, v);
+        }
+    }
+}
+
 }  // namespace
 
 #define FLUXRT_TEAM_PARAMS                                                                              \
     u64 *epoch, char *ws, const u64 *ws_peers, u64 *flags, const u64 *flags_peers, u64 half_bytes,     \
-        u32 rank, u32 world, u64 timeout_ns, ErrorRecord *err, u32 op
-#define FLUXRT_TEAM Team{epoch, ws, ws_peers, flags, flags_peers, half_bytes, rank, world, timeout_ns, err, op}
+        char *ll, const u64 *ll_peers, u64 ll_half_bytes, u32 rank, u32 world, u64 timeout_ns,         \
+        ErrorRecord *err, u32 op
+#define FLUXRT_TEAM                                                                                     \
+    Team{epoch, ws, ws_peers, flags, flags_peers, half_bytes, ll, ll_peers, ll_half_bytes, rank, world, \
+         timeout_ns, err, op}
 
 #define FLUXRT_REDUCTIONS(NAME, E, OP)                                                                  \
     extern "C" __global__ void fluxrt_allreduce_oneshot_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,      \
@@ -384,6 +574,15 @@ __device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes, bool 
                                                               u64 chunk_stride, E::T* out, u64 chunk,   \
                                                               u64 slot_bytes) {                         \
         reduce_scatter_round<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, slot_bytes);              \
+    }                                                                                                   \
+    extern "C" __global__ void fluxrt_allreduce_ll_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, \
+                                                            u64 count, u64 slot_bytes) {                \
+        reduce_ll<E, OP>(FLUXRT_TEAM, x, 0, out, count, slot_bytes);                                    \
+    }                                                                                                   \
+    extern "C" __global__ void fluxrt_reduce_scatter_ll_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,      \
+                                                                 u64 chunk_stride, E::T* out, u64 chunk, \
+                                                                 u64 slot_bytes) {                      \
+        reduce_ll<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, slot_bytes);                         \
     }
 
 FLUXRT_REDUCTIONS(bf16_sum, BF16, kSum)
@@ -399,4 +598,8 @@ FLUXRT_REDUCTIONS(fp32_min, F32, kMin)
 extern "C" __global__ void fluxrt_exchange(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes,
                                            int direct) {
     exchange(FLUXRT_TEAM, tab, slot_bytes, direct != 0);
+}
+
+extern "C" __global__ void fluxrt_exchange_ll(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes) {
+    exchange_ll(FLUXRT_TEAM, tab, slot_bytes);
 }

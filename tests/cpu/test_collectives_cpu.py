@@ -26,18 +26,61 @@ def test_plan_constants_mirror_the_kernel():
     assert consts["kMaxBlocks"] == plan.MAX_BLOCKS
     assert consts["kMaxWorld"] == plan.MAX_WORLD
     assert consts["kVecBytes"] == plan.VEC_BYTES
+    assert consts["kLLData"] == plan.LL_DATA_BYTES and consts["kLLLine"] == plan.LL_LINE_BYTES
     assert plan.ONESHOT_MAX_GRID <= plan.MAX_BLOCKS and plan.BULK_MAX_GRID <= plan.MAX_BLOCKS
 
 
-def test_allreduce_switches_from_oneshot_to_twoshot_at_the_threshold():
-    t = plan.ONESHOT_MAX_BYTES
-    assert plan.choose_algo("allreduce", 8, 4) == "oneshot"
+def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
+    ll, t = plan.LL_MAX_BYTES, plan.ONESHOT_MAX_BYTES
+    assert plan.choose_algo("allreduce", 8, 4) == "ll"
+    assert plan.choose_algo("allreduce", ll, 4) == "ll"
+    assert plan.choose_algo("allreduce", ll + 2, 4) == "oneshot"
     assert plan.choose_algo("allreduce", t, 4) == "oneshot"
     assert plan.choose_algo("allreduce", t + 2, 4) == "twoshot"
-    assert plan.choose_algo("allreduce", 1 << 30, 1) == "oneshot"  # one rank: nothing to split
+    assert plan.choose_algo("allreduce", 8, 1) == "oneshot"          # one rank: nothing to exchange
+    assert plan.choose_algo("allreduce", 1 << 30, 1) == "oneshot"    # nothing to split
     assert plan.choose_algo("allreduce", 8, 4, "twoshot") == "twoshot"
     for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast"):
         assert plan.choose_algo(op, 1 << 20, 4) == "push"
+        assert plan.choose_algo(op, 8, 4) == "ll"
+
+
+def test_tuning_moves_the_thresholds_and_validates():
+    tuned = plan.Tuning.parse(["ll_max_bytes=1K", "oneshot_max_bytes=2M", "bulk_max_grid=128"])
+    assert (tuned.ll_max_bytes, tuned.oneshot_max_bytes, tuned.bulk_max_grid) == (1024, 2 << 20, 128)
+    assert plan.choose_algo("allreduce", 1024, 4, tuning=tuned) == "ll"
+    assert plan.choose_algo("allreduce", 1040, 4, tuning=tuned) == "oneshot"
+    assert plan.choose_algo("allreduce", 2 << 20, 4, tuning=tuned) == "oneshot"
+    assert plan.bulk_grid(1 << 30, tuned) == 128
+    off = plan.Tuning(ll_max_bytes=0)
+    assert plan.choose_algo("allreduce", 8, 4, tuning=off) == "oneshot"
+    with pytest.raises(ValueError, match="needs an LL buffer"):
+        plan.choose_algo("allreduce", 8, 4, "ll", tuning=off)
+    with pytest.raises(ValueError, match="key one of"):
+        plan.Tuning.parse(["ll_bytes=4"])
+    with pytest.raises(ValueError, match=r"in \[1, 128\]"):
+        plan.Tuning(bulk_max_grid=0)
+    with pytest.raises(ValueError, match="non-negative"):
+        plan.Tuning(ll_max_bytes=-1)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 32])
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_ll_buffer_holds_the_largest_ll_message_in_one_round(n, itemsize):
+    t = plan.DEFAULT_TUNING
+    half = t.ll_buffer_bytes(n) // 2
+    lay = plan.layout("allreduce", "ll", half, n, itemsize)
+    assert lay.slot_bytes * n <= half and lay.slot_bytes % plan.LL_LINE_BYTES == 0
+    assert lay.max_elems * itemsize >= t.ll_max_bytes                  # the whole message: one round
+    assert lay.max_elems * itemsize % plan.LL_DATA_BYTES == 0          # later pieces start on a line
+    lines = -(-lay.max_elems * itemsize // plan.LL_DATA_BYTES)
+    assert lines * plan.LL_LINE_BYTES <= lay.slot_bytes                 # two cells per 8 data bytes fit
+    (p,) = plan.allreduce_pieces(t.ll_max_bytes // itemsize, itemsize, n, "ll", lay)
+    assert p.grid == plan.ll_grid(t.ll_max_bytes)
+    assert p.grid * plan.THREADS * plan.LL_DATA_BYTES >= min(t.ll_max_bytes, t.ll_max_grid * plan.THREADS * 8)
+    assert plan.ll_grid(8) == 1 and plan.ll_grid(1 << 30) == plan.LL_MAX_GRID
+    d = plan.describe("allgather", 64, itemsize, n, 1 << 20, nbytes=64 * n * itemsize)
+    assert d["algo"] == ("ll" if 64 * n * itemsize <= t.ll_max_bytes else "push")
 
 
 def test_direct_exchange_needs_a_symmetric_output_and_a_large_message():
@@ -233,7 +276,8 @@ def test_parser_reads_nccl_tests_flags():
 
 @pytest.mark.parametrize("argv, op, message", [
     (["--algo", "direct"], "allgather", "add --symmetric"),
-    (["--algo", "twoshot"], "allgather", "allgather has push, direct"),
+    (["--algo", "twoshot"], "allgather", "allgather has ll, push, direct"),
+    (["--tune", "bogus=1"], "allreduce", "key one of"),
     (["-d", "int32"], "allreduce", "not int32"),
     (["--impls", "nccl"], "allreduce", "must start with fluxrt"),
 ])
@@ -273,11 +317,12 @@ def test_kernels_compile_with_every_entry_point():
     from fluxrt.toolchain import CompileOptions, compile_cubin
 
     cubin = compile_cubin("comm/collectives.cu", CompileOptions(arch="sm_90a")).read_bytes()
-    names = ["fluxrt_exchange"]
+    names = ["fluxrt_exchange", "fluxrt_exchange_ll"]
     for dt in ("bf16", "fp16", "fp32"):
         for red in plan.REDUCE_OPS:
-            names += [f"fluxrt_allreduce_oneshot_{dt}_{red}", f"fluxrt_allreduce_twoshot_{dt}_{red}",
-                      f"fluxrt_reduce_scatter_{dt}_{red}"]
+            names += [f"fluxrt_allreduce_ll_{dt}_{red}", f"fluxrt_allreduce_oneshot_{dt}_{red}",
+                      f"fluxrt_allreduce_twoshot_{dt}_{red}", f"fluxrt_reduce_scatter_{dt}_{red}",
+                      f"fluxrt_reduce_scatter_ll_{dt}_{red}"]
     missing = [n for n in names if n.encode() + b"\0" not in cubin]
     assert not missing
 
@@ -307,3 +352,35 @@ def test_launch_lists_are_reused_only_without_cross_rank_checks():
     checked._call(("k",), plan_call, None, False, None, ())
     checked._call(("k",), plan_call, None, False, None, ())
     assert len(planned) == 4 and checked._fast == {}  # every checked call is compared across ranks
+
+
+# ---------------------------------------------------------------------------------------------- packed launches
+
+
+def test_packed_launch_keeps_each_argument_at_its_declared_width():
+    from fluxrt.packed_launch import PackedLaunch
+
+    table = np.zeros(1, np.dtype([("words", "<u8", (3,))]))
+    table["words"] = [[1, 2, 3]]
+    launch = PackedLaunch(kernel=None, grid=4, block=512,
+                          args=(np.uint64(0x1122334455667788), np.uint32(7), np.int32(-1), table))
+    assert launch.packed_bytes() == (np.uint64(0x1122334455667788).tobytes() + np.uint32(7).tobytes()
+                                     + np.int32(-1).tobytes() + np.array([1, 2, 3], "<u8").tobytes())
+    table["words"] = [[9, 9, 9]]  # packed once: later changes to the caller's array do not leak in
+    assert launch.packed_bytes().endswith(np.array([1, 2, 3], "<u8").tobytes())
+    with pytest.raises(TypeError, match="argument 1: expected a numpy scalar"):
+        PackedLaunch(None, 1, 32, (np.uint64(1), 5))
+
+
+def test_collective_kernel_arguments_match_the_kernel_parameter_lists():
+    """The host's team tuple has the fields of FLUXRT_TEAM_PARAMS, in order and width."""
+    src = (kernel_root() / "comm" / "collectives.cu").read_text()
+    m = re.search(r"#define FLUXRT_TEAM_PARAMS\s*\\\n(.*?)\n#define", src, re.S)
+    params = [p.strip() for p in re.sub(r"\\\n", " ", m.group(1)).split(",")]
+    widths = [4 if p.startswith("u32") else 8 for p in params]
+    import inspect
+
+    init = inspect.getsource(coll.Collectives.__init__)
+    base = re.search(r"self\._team_base = \((.*?)\)\n", init, re.S).group(1)
+    host = [4 if w == "_u32" else 8 for w in re.findall(r"(_u64|_u32)\(", base)] + [4]  # + the op id (u32)
+    assert host == widths, (params, host)

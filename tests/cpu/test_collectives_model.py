@@ -1,7 +1,8 @@
 """The collectives' host side (validation, planning, launch arguments, exchange tables) driving a numpy
 model of kernels/comm/collectives.cu, on every rank of a simulated world (threads stand in for MPI ranks).
 
-The model mirrors each kernel's stages (block slices, workspace slots and halves, direct pushes); it checks
+The model mirrors each kernel's stages (block slices, workspace slots and halves, direct pushes, LL lines
+with their flags in the LL buffer); it checks
 that the arguments the host builds move every element to the right place, for odd sizes, several launches
 per message, in-place layouts and symmetric outputs. The kernels' memory ordering is the GPU suite's job.
 """
@@ -21,6 +22,7 @@ from fluxrt.errors import CollectiveMismatchError
 BASE = 1 << 20          # model addresses start here (0 stays an invalid pointer)
 RANK_BYTES = 1 << 24    # each rank's share of the model address space
 WORKSPACE = 1 << 16     # small, so that larger messages need several launches
+TUNING = plan.Tuning(ll_max_bytes=2048)  # a small LL buffer too: forced LL rounds come in several launches
 
 
 class Memory:
@@ -99,6 +101,8 @@ class Model:
         self.comm = ThreadComm(n)
         self.heap = object()
         self.ws = [self.mem.alloc(r, WORKSPACE) for r in range(n)]
+        self.ll_bytes = TUNING.ll_buffer_bytes(n)
+        self.ll = [self.mem.alloc(r, self.ll_bytes) for r in range(n)]
         self.epoch = [0] * n
         self.ctx = []
         for r in range(n):
@@ -107,8 +111,9 @@ class Model:
                                     comm=SimpleNamespace(allgather=lambda v, r=r: self.comm.allgather(r, v)))
             c = object.__new__(coll.Collectives)
             c.world, c.half_bytes, c._fast = world, WORKSPACE // 2, {}
+            c.tuning, c.ll_half_bytes = TUNING, self.ll_bytes // 2
             c._kernels = {}
-            c._kernel = Kernel
+            c._launch = lambda name, grid, args: SimpleNamespace(kernel=Kernel(name), grid=grid, args=args)
             c._teams = {name: ("team", r) for name in plan.ALGOS}
             c._output = lambda out, name, dtype, count, shape, r=r: (
                 out if out is not None else self.array(r, count, dtype))
@@ -153,8 +158,8 @@ class Model:
 
     # --- the kernels' model ---------------------------------------------------------------------------
     def run(self, launch_per_rank) -> None:
-        names = {fn.name for fn, _, _ in launch_per_rank}
-        grids = {g for _, g, _ in launch_per_rank}
+        names = {launch.kernel.name for launch in launch_per_rank}
+        grids = {launch.grid for launch in launch_per_rank}
         assert len(names) == 1 and len(grids) == 1, f"ranks launch different kernels: {names} {grids}"
         name, grid = names.pop(), grids.pop()
         assert 1 <= grid <= plan.MAX_BLOCKS
@@ -163,8 +168,10 @@ class Model:
         e = es.pop()
         self.epoch = [e] * self.n
         half = (e & 1) * (WORKSPACE // 2)
-        tails = [args[2:] for _, _, args in launch_per_rank]
-        if name == "fluxrt_exchange":
+        tails = [launch.args[2:] for launch in launch_per_rank]
+        if "_ll" in name:
+            self._ll_round(name, (e & 1) * (self.ll_bytes // 2), e & 0xFFFFFFFF or 1, tails)
+        elif name == "fluxrt_exchange":
             self._exchange(grid, half, tails)
         else:
             kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
@@ -206,6 +213,78 @@ class Model:
                 for p in range(n):
                     lo, hi = self._range(int(tabs[r][3][p]), plan.VEC_BYTES, grid, b)
                     self._copy(int(tabs[r][2][p]) + lo, self.ws[r] + half + p * slot + lo, hi - lo)
+
+    # --- LL rounds: lines of {4 data bytes, 4 flag bytes} x 2 in the receiver's LL slot [sender] -------------
+    def _ll_put(self, q: int, r: int, half: int, slot: int, src: int, nbytes: int, flag: int) -> None:
+        """Rank r's `nbytes` at src as lines into q's LL slot [r] (at least one line: a marker)."""
+        lines = max(1, -(-nbytes // plan.LL_DATA_BYTES))
+        assert lines * plan.LL_LINE_BYTES <= slot, f"{nbytes} B do not fit an LL slot of {slot} B"
+        data = np.zeros(lines * plan.LL_DATA_BYTES, np.uint8)
+        data[:nbytes] = self.mem.bytes[src - BASE:src - BASE + nbytes]
+        cells = np.zeros((lines * 2, 2), np.uint32)
+        cells[:, 0] = data.view(np.uint32)
+        cells[:, 1] = flag
+        at = self.ll[q] - BASE + half + r * slot
+        line_bytes = self.mem.bytes[at:at + lines * plan.LL_LINE_BYTES]
+        assert not line_bytes.any(), "an LL line was written twice in a round, or not cleared after a round"
+        line_bytes[...] = cells.view(np.uint8).reshape(-1)
+
+    def _ll_take(self, r: int, p: int, half: int, slot: int, dst: int, nbytes: int, flag: int) -> None:
+        lines = max(1, -(-nbytes // plan.LL_DATA_BYTES))
+        at = self.ll[r] - BASE + half + p * slot
+        raw = self.mem.bytes[at:at + lines * plan.LL_LINE_BYTES]
+        cells = raw.copy().view(np.uint32).reshape(-1, 2)
+        assert (cells[:, 1] == flag).all(), f"rank {r} waits forever for an LL line from rank {p}"
+        raw[...] = 0
+        if nbytes:
+            self.mem.bytes[dst - BASE:dst - BASE + nbytes] = cells[:, 0].copy().view(np.uint8)[:nbytes]
+
+    def _ll_round(self, name: str, half: int, flag: int, tails) -> None:
+        n = self.n
+        slot = int(tails[0][-1])
+        assert all(int(t[-1]) == slot for t in tails) and slot * n <= self.ll_bytes // 2
+        if name == "fluxrt_exchange_ll":
+            tabs = [t[0].view(np.uint64).reshape(5, plan.MAX_WORLD).astype(np.int64) for t in tails]
+            for r in range(n):
+                for q in range(n):
+                    if q != r:
+                        self._ll_put(q, r, half, slot, int(tabs[r][0][q]), int(tabs[r][1][q]), flag)
+            for r in range(n):
+                for p in range(n):
+                    if p == r:
+                        self._copy(int(tabs[r][2][r]), int(tabs[r][0][r]), min(int(tabs[r][1][r]), int(tabs[r][3][r])))
+                    else:
+                        self._ll_take(r, p, half, slot, int(tabs[r][2][p]), int(tabs[r][3][p]), flag)
+            return
+        kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
+        dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
+        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        isz = dtype.itemsize
+        if kind == "allreduce_ll":
+            srcs = [(int(x), 0, int(out), int(count)) for x, out, count, _ in tails]
+        else:
+            assert kind == "reduce_scatter_ll"
+            srcs = [(int(x), int(stride), int(out), int(chunk)) for x, stride, out, chunk, _ in tails]
+        staged = []  # what each rank receives, in scratch memory (the take writes whole lines)
+        for r, (x, stride, out, count) in enumerate(srcs):
+            for q in range(n):
+                if q != r:
+                    self._ll_put(q, r, half, slot, x + q * stride * isz, count * isz, flag)
+        for r, (x, stride, out, count) in enumerate(srcs):
+            parts = []
+            for p in range(n):
+                if p == r:
+                    parts.append(self.mem.view(x + r * stride * isz, count, dtype).astype(np.float32))
+                else:
+                    tmp = self.mem.alloc(r, count * isz + 16)
+                    self._ll_take(r, p, half, slot, tmp, count * isz, flag)
+                    parts.append(self.mem.view(tmp, count, dtype).astype(np.float32))
+            acc = parts[0]
+            for part in parts[1:]:
+                acc = fn(acc, part)
+            staged.append(acc)
+        for (x, stride, out, count), acc in zip(srcs, staged):
+            self.mem.view(out, count, dtype)[...] = acc.astype(dtype)
 
     def _reduction(self, kind, dt, red, grid, half, tails) -> None:
         n = self.n
@@ -294,7 +373,7 @@ def _fake_arrays(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("algo", ["ll", "oneshot", "twoshot"])
 @pytest.mark.parametrize("dtype, redop", [(bfloat16, "sum"), (np.float16, "max"), (np.float32, "min")])
 @pytest.mark.parametrize("count", [1, 13, 1023, 4099, 40_000])  # 40 000: several launches
 @pytest.mark.parametrize("in_place", [False, True])
@@ -312,12 +391,13 @@ def test_allreduce_model(n, algo, dtype, redop, count, in_place):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("chunk", [1, 1023, 9000])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_reduce_scatter_model(n, chunk, in_place):
+@pytest.mark.parametrize("algo", ["auto", "ll"])
+def test_reduce_scatter_model(n, chunk, in_place, algo):
     m = Model(n)
     ins = _inputs(n, n * chunk, np.float32, chunk)
     xs = [m.array(r, n * chunk, np.float32, ins[r]) for r in range(n)]
     outs = [xs[r][r * chunk:(r + 1) * chunk] if in_place else m.array(r, chunk, np.float32) for r in range(n)]
-    m.call("reduce_scatter", [(xs[r], outs[r]) for r in range(n)])
+    m.call("reduce_scatter", [(xs[r], outs[r]) for r in range(n)], algo=algo)
     want = _reference(ins, "sum")
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), want[r * chunk:(r + 1) * chunk])
@@ -325,7 +405,7 @@ def test_reduce_scatter_model(n, chunk, in_place):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("count", [1, 1023, 20_001])
-@pytest.mark.parametrize("layout", ["plain", "in_place", "direct", "direct_in_place"])
+@pytest.mark.parametrize("layout", ["plain", "in_place", "direct", "direct_in_place", "ll", "ll_in_place"])
 def test_allgather_model(n, count, layout):
     m = Model(n)
     ins = _inputs(n, count, np.int32, count)
@@ -337,7 +417,7 @@ def test_allgather_model(n, count, layout):
             xs[r].get()[...] = ins[r]
     else:
         xs = [m.array(r, count, np.int32, ins[r]) for r in range(n)]
-    algo = "direct" if layout.startswith("direct") else "auto"
+    algo = layout.split("_")[0] if layout.startswith(("direct", "ll")) else "auto"
     m.call("allgather", [(xs[r], outs[r]) for r in range(n)], algo=algo)
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), np.concatenate(ins))
@@ -345,14 +425,15 @@ def test_allgather_model(n, count, layout):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("chunk", [1, 777, 9001])
-@pytest.mark.parametrize("layout", ["plain", "in_place", "direct"])
+@pytest.mark.parametrize("layout", ["plain", "in_place", "direct", "ll", "ll_in_place"])
 def test_alltoall_model(n, chunk, layout):
     m = Model(n)
     ins = _inputs(n, n * chunk, bfloat16, chunk)
     xs = [m.array(r, n * chunk, bfloat16, ins[r]) for r in range(n)]
-    outs = xs if layout == "in_place" else m.symmetric(n * chunk, bfloat16) if layout == "direct" else \
+    outs = xs if layout.endswith("in_place") else m.symmetric(n * chunk, bfloat16) if layout == "direct" else \
         [m.array(r, n * chunk, bfloat16) for r in range(n)]
-    m.call("alltoall", [(xs[r], outs[r]) for r in range(n)], algo="direct" if layout == "direct" else "auto")
+    algo = layout.split("_")[0] if layout.startswith(("direct", "ll")) else "auto"
+    m.call("alltoall", [(xs[r], outs[r]) for r in range(n)], algo=algo)
     for r in range(n):
         want = np.concatenate([ins[p][r * chunk:(r + 1) * chunk] for p in range(n)])
         np.testing.assert_array_equal(outs[r].get().astype(np.float32), want.astype(np.float32))
@@ -360,23 +441,25 @@ def test_alltoall_model(n, chunk, layout):
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("count", [1, 40_001])
-@pytest.mark.parametrize("layout", ["in_place", "plain", "direct"])
+@pytest.mark.parametrize("layout", ["in_place", "plain", "direct", "ll", "ll_in_place"])
 def test_broadcast_model(n, count, layout):
     m = Model(n)
     root = n - 1
     ins = _inputs(n, count, np.int32, count)
     xs = [m.array(r, count, np.int32, ins[r]) for r in range(n)]
-    outs = xs if layout == "in_place" else m.symmetric(count, np.int32) if layout == "direct" else \
+    outs = xs if layout.endswith("in_place") else m.symmetric(count, np.int32) if layout == "direct" else \
         [m.array(r, count, np.int32) for r in range(n)]
-    args = [(xs[r],) if layout == "in_place" else (xs[r], outs[r]) for r in range(n)]
-    m.call("broadcast", args, root=root, algo="direct" if layout == "direct" else "auto")
+    args = [(xs[r],) if layout.endswith("in_place") else (xs[r], outs[r]) for r in range(n)]
+    algo = layout.split("_")[0] if layout.startswith(("direct", "ll")) else "auto"
+    m.call("broadcast", args, root=root, algo=algo)
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), ins[root])
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("scale, trusted", [(5, False), (30_000, False), (30_000, True)])
-def test_alltoallv_model(n, scale, trusted):
+@pytest.mark.parametrize("scale, trusted, algo", [(5, False, "auto"), (30_000, False, "auto"), (30_000, True, "auto"),
+                                                 (3_000, True, "ll"), (3_000, False, "ll")])
+def test_alltoallv_model(n, scale, trusted, algo):
     rng = np.random.default_rng(scale + n)
     matrix = rng.integers(0, scale, (n, n))
     matrix[rng.random((n, n)) < 0.3] = 0
@@ -391,7 +474,7 @@ def test_alltoallv_model(n, scale, trusted):
     # displacements differ per rank: call through a per-rank closure
     plans = []
     for r in range(n):
-        plans.append(dict(send_displs=sd[r], recv_displs=rd[r], **kw))
+        plans.append(dict(send_displs=sd[r], recv_displs=rd[r], algo=algo, **kw))
     _call_per_rank(m, "alltoallv", args, plans)
     for r in range(n):
         got = outs[r].get()

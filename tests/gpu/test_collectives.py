@@ -93,16 +93,18 @@ def _symmetric_copy(world, x):
 
 # ---------------------------------------------------------------------------------------------- allreduce
 def _allreduce_counts():
-    from fluxrt.collectives_plan import ONESHOT_MAX_BYTES
+    from fluxrt.collectives_plan import LL_MAX_BYTES, ONESHOT_MAX_BYTES
 
-    # 1 element, odd sizes on both algorithms, and sizes around the one-shot/two-shot threshold (bf16)
+    # 1 element, odd sizes on every algorithm, sizes around the LL/one-shot/two-shot thresholds (bf16),
+    # and a forced LL message of several LL rounds
     return [(1, "auto"), (1023, "oneshot"), (4099, "twoshot"), (1023, "twoshot"), (4099, "oneshot"),
-            (ONESHOT_MAX_BYTES // 2, "auto"), (ONESHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto")]
+            (ONESHOT_MAX_BYTES // 2, "auto"), (ONESHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto"),
+            (3, "ll"), (4099, "ll"), (LL_MAX_BYTES // 2, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll")]
 
 
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
 @pytest.mark.parametrize("redop", REDOPS)
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(12))
 def test_allreduce(world, dtype, redop, case):
     import fluxrt
 
@@ -128,23 +130,26 @@ def test_allreduce(world, dtype, redop, case):
 # ---------------------------------------------------------------------------------------------- reduce_scatter
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
 @pytest.mark.parametrize("redop", REDOPS)
-@pytest.mark.parametrize("chunk, in_place", [(1, False), (1023, True), (4099, False), (70_001, True)])
-def test_reduce_scatter(world, dtype, redop, chunk, in_place):
+@pytest.mark.parametrize("chunk, in_place, algo", [(1, False, "auto"), (1023, True, "auto"), (4099, False, "auto"),
+                                                  (70_001, True, "auto"), (4099, True, "ll"), (70_001, False, "ll"),
+                                                  (1023, False, "push")])
+def test_reduce_scatter(world, dtype, redop, chunk, in_place, algo):
     import fluxrt
 
     n, r = world.size, world.rank
     x = _data(chunk, world, n * chunk, dtype)
     inputs = [a[r * chunk:(r + 1) * chunk] for a in _gather(world, x)]
     out = x[r * chunk:(r + 1) * chunk] if in_place else _poisoned(chunk, dtype)
-    fluxrt.reduce_scatter(world, x, out, op=redop)
+    fluxrt.reduce_scatter(world, x, out, op=redop, algo=algo)
     world.synchronize()
-    _assert_reduced(_host(out), inputs, redop, dtype, f"reduce_scatter {dtype} {redop} chunk={chunk}")
+    _assert_reduced(_host(out), inputs, redop, dtype, f"reduce_scatter {dtype} {redop} chunk={chunk} algo={algo}")
 
 
 # ---------------------------------------------------------------------------------------------- allgather / alltoall
 @pytest.mark.parametrize("dtype", MOVE_DTYPES)
-@pytest.mark.parametrize("count, mode", [(1, 0), (1023, 1), (4099, 2), (300_001, 0)])
-def test_allgather(world, dtype, count, mode):
+@pytest.mark.parametrize("count, mode, algo", [(1, 0, "auto"), (1023, 1, "auto"), (4099, 2, "auto"),
+                                              (300_001, 0, "auto"), (1023, 0, "push"), (300_001, 1, "ll")])
+def test_allgather(world, dtype, count, mode, algo):
     import fluxrt
 
     n, r = world.size, world.rank
@@ -153,20 +158,21 @@ def test_allgather(world, dtype, count, mode):
     if mode == 1:  # in place: x is this rank's chunk of out
         out = _poisoned(n * count, dtype)
         out[r * count:(r + 1) * count] = x
-        fluxrt.allgather(world, out[r * count:(r + 1) * count], out)
+        fluxrt.allgather(world, out[r * count:(r + 1) * count], out, algo=algo)
     else:
         src = _symmetric_copy(world, x) if mode == 2 else x
         out = _poisoned(n * count, dtype)
-        fluxrt.allgather(world, src, out)
+        fluxrt.allgather(world, src, out, algo=algo)
     world.synchronize()
-    _assert_equal(_host(out), want, f"allgather {dtype} count={count} mode={mode}")
+    _assert_equal(_host(out), want, f"allgather {dtype} count={count} mode={mode} algo={algo}")
     if mode == 2:
         world.free(src)
 
 
 @pytest.mark.parametrize("dtype", MOVE_DTYPES)
-@pytest.mark.parametrize("chunk, in_place", [(1, False), (1023, True), (4099, False)])
-def test_alltoall(world, dtype, chunk, in_place):
+@pytest.mark.parametrize("chunk, in_place, algo", [(1, False, "auto"), (1023, True, "auto"), (4099, False, "auto"),
+                                                  (1023, True, "push"), (40_001, True, "ll")])
+def test_alltoall(world, dtype, chunk, in_place, algo):
     import fluxrt
 
     n, r = world.size, world.rank
@@ -174,9 +180,9 @@ def test_alltoall(world, dtype, chunk, in_place):
     every = _gather(world, x)
     want = np.concatenate([every[p][r * chunk:(r + 1) * chunk] for p in range(n)])
     out = x if in_place else _poisoned(n * chunk, dtype)
-    fluxrt.alltoall(world, x, out)
+    fluxrt.alltoall(world, x, out, algo=algo)
     world.synchronize()
-    _assert_equal(_host(out), want, f"alltoall {dtype} chunk={chunk} in_place={in_place}")
+    _assert_equal(_host(out), want, f"alltoall {dtype} chunk={chunk} in_place={in_place} algo={algo}")
 
 
 @pytest.mark.parametrize("op", ("allgather", "alltoall", "broadcast"))
@@ -225,9 +231,10 @@ def _counts_matrix(n: int, seed: int, scale: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", ("bf16", "int32"))
-@pytest.mark.parametrize("seed, scale, given_recv, gaps", [(1, 7, True, False), (2, 5000, False, True),
-                                                            (3, 300_000, True, False)])
-def test_alltoallv(world, dtype, seed, scale, given_recv, gaps):
+@pytest.mark.parametrize("seed, scale, given_recv, gaps, algo", [(1, 7, True, False, "auto"), (2, 5000, False, True, "auto"),
+                                                                  (3, 300_000, True, False, "auto"),
+                                                                  (4, 20_000, False, True, "ll")])
+def test_alltoallv(world, dtype, seed, scale, given_recv, gaps, algo):
     import fluxrt
 
     n, r = world.size, world.rank
@@ -240,7 +247,7 @@ def test_alltoallv(world, dtype, seed, scale, given_recv, gaps):
     every = _gather(world, x)
     out = _poisoned(int(recv.sum() + pad * n), dtype)
     fluxrt.alltoallv(world, x, send, recv if given_recv else None, out, send_displs=sd if gaps else None,
-                     recv_displs=rd if gaps else None)
+                     recv_displs=rd if gaps else None, algo=algo)
     world.synchronize()
     got = _host(out)
     for p in range(n):
@@ -250,19 +257,20 @@ def test_alltoallv(world, dtype, seed, scale, given_recv, gaps):
 
 
 @pytest.mark.parametrize("dtype", ("bf16", "int32"))
-@pytest.mark.parametrize("count, in_place", [(1, True), (4099, False), (200_003, True)])
-def test_broadcast(world, dtype, count, in_place):
+@pytest.mark.parametrize("count, in_place, algo", [(1, True, "auto"), (4099, False, "auto"), (200_003, True, "auto"),
+                                                  (4099, True, "push"), (200_003, False, "ll")])
+def test_broadcast(world, dtype, count, in_place, algo):
     import fluxrt
 
     for root in sorted({0, world.size - 1}):
         x = _data(count + root, world, count, dtype)
         want = _gather(world, x)[root]
         if in_place:
-            fluxrt.broadcast(world, x, root=root)
+            fluxrt.broadcast(world, x, root=root, algo=algo)
             out = x
         else:
             out = _poisoned(count, dtype)
-            fluxrt.broadcast(world, x, out, root=root)
+            fluxrt.broadcast(world, x, out, root=root, algo=algo)
         world.synchronize()
         _assert_equal(_host(out), want, f"broadcast {dtype} count={count} root={root}")
 
@@ -344,6 +352,38 @@ def test_repeated_small_calls_do_not_drift(world):
     want_g = np.concatenate([(p + 1) * ((jj + k) % 7) for p in range(n)], axis=1)
     _assert_equal(cupy.asnumpy(gathered).astype(np.float64).reshape(-1), want_g.reshape(-1).astype(np.float64),
                   "interleaved allgathers")
+
+
+def test_algorithms_interleaved_share_the_epochs(world):
+    """300 rounds cycling through every algorithm (LL, one-shot, two-shot, push, LL broadcasts from every
+    root: pairs with nothing to send still exchange a marker line), fresh data each time, all results
+    kept on the device and checked: LL lines left behind or a half reused too early would show."""
+    import cupy
+
+    import fluxrt
+
+    n, r, count, rounds = world.size, world.rank, 1001, 60
+    j = cupy.arange(count, dtype=np.float32)
+    x = cupy.empty(count, dtype=np.float32)
+    sums = cupy.empty((rounds, 3, count), dtype=np.float32)
+    gathered = cupy.empty((rounds, n * count), dtype=np.float32)
+    bcast = cupy.empty((rounds, count), dtype=np.float32)
+    for i in range(rounds):
+        x[...] = (r + 1) * ((j + i) % 5)
+        for k, algo in enumerate(("ll", "oneshot", "twoshot")):
+            fluxrt.allreduce(world, x, sums[i, k], algo=algo)
+        fluxrt.allgather(world, x, gathered[i], algo="push" if i % 2 else "ll")
+        bcast[i] = x
+        fluxrt.broadcast(world, bcast[i], root=i % n, algo="ll")
+    world.synchronize()
+    i = np.arange(rounds)[:, None]
+    pattern = (np.arange(count)[None, :] + i) % 5
+    want = np.repeat((n * (n + 1) / 2 * pattern)[:, None, :], 3, axis=1)
+    _assert_equal(_host(sums), want.reshape(-1), "interleaved allreduces")
+    want_g = np.concatenate([(p + 1) * pattern for p in range(n)], axis=1)
+    _assert_equal(_host(gathered), want_g.reshape(-1), "interleaved allgathers")
+    want_b = ((i % n) + 1) * pattern
+    _assert_equal(_host(bcast), want_b.reshape(-1), "interleaved LL broadcasts")
 
 
 def test_unchecked_calls_reuse_their_launches(world):

@@ -1,0 +1,56 @@
+"""Kernel launches whose arguments are packed once and enqueued with one driver call.
+
+CuPy's ``RawKernel.__call__`` converts every argument on every launch, which for a dozen scalars costs
+several microseconds of host time: most of the host cost of a small collective. A launch whose arguments
+do not change between calls (a cached collective call on the same arrays) is packed here once into a
+``cuLaunchKernel`` parameter array; enqueuing it is then one ``cuLaunchKernel`` through CuPy's driver
+binding.
+
+Arguments are numpy scalars (``np.uint64(ptr)``, ``np.uint32(n)``, ...) or numpy arrays passed by value
+(a size-1 structured array for a struct), exactly what the kernel's parameter list declares; anything
+else is refused, because a Python int has no declared width.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+
+def _arg_buffer(a, index: int) -> np.ndarray:
+    if isinstance(a, np.generic):
+        return np.array(a)  # 0-d array: owns the scalar's bytes
+    if isinstance(a, np.ndarray):
+        return np.ascontiguousarray(a).copy()
+    raise TypeError(f"kernel argument {index}: expected a numpy scalar or a numpy array passed by value, got "
+                    f"{type(a).__name__} (give scalars their declared width, e.g. np.uint64)")
+
+
+class PackedLaunch:
+    """One launch of `kernel` (a ``cupy.RawKernel``) with `grid` x `block` threads (1-D) and `args` packed.
+    ``launch(stream_ptr)`` enqueues it on a raw stream handle."""
+
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "args", "_buffers", "_params", "_params_ptr", "_func")
+
+    def __init__(self, kernel, grid: int, block: int, args: tuple, shared_mem: int = 0):
+        self.kernel, self.grid, self.block, self.shared_mem = kernel, int(grid), int(block), int(shared_mem)
+        self.args = tuple(args)
+        self._buffers = [_arg_buffer(a, i) for i, a in enumerate(self.args)]
+        self._params = (ctypes.c_void_p * max(1, len(self._buffers)))(*[b.ctypes.data for b in self._buffers])
+        self._params_ptr = ctypes.addressof(self._params)
+        self._func = None  # the CUfunction, resolved on the first launch (loading needs a GPU)
+
+    def packed_bytes(self) -> bytes:
+        """The argument bytes in order (each at its own address; for tests and logs)."""
+        return b"".join(b.tobytes() for b in self._buffers)
+
+    def launch(self, stream_ptr: int) -> None:
+        from cupy.cuda import driver
+
+        if self._func is None:
+            self._func = self.kernel.kernel.ptr
+        driver.launchKernel(self._func, self.grid, 1, 1, self.block, 1, 1, self.shared_mem, stream_ptr,
+                            self._params_ptr, 0)
+
+
+__all__ = ["PackedLaunch"]

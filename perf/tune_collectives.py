@@ -1,0 +1,118 @@
+"""Tune the collectives: time several fluxrt configurations (algorithm and Tuning overrides) and NCCL on
+the same buffers in one job, per message size, eager and graph-replayed, plus the host time of an eager call.
+What it prints picks the thresholds and grid sizes of ``fluxrt.collectives_plan.Tuning``.
+
+    fluxrt-run -n 4 -- python3 perf/tune_collectives.py allreduce -b 8 -e 4M \\
+        --config algo=ll --config algo=oneshot --config algo=twoshot,bulk_max_grid=128 -G 10 --json t.json
+
+A config is comma-separated key=value: ``algo`` (see collectives_plan.ALGOS) and any Tuning field.
+Every configuration is checked once per size against the expected values before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+
+def parse_config(text: str):
+    from fluxrt.collectives_plan import Tuning
+
+    items = [t for t in text.split(",") if t]
+    algo = "auto"
+    rest = []
+    for item in items:
+        key, _, value = item.partition("=")
+        if key == "algo":
+            algo = value
+        else:
+            rest.append(item)
+    return algo, Tuning.parse(rest)
+
+
+def host_us(run, case, stream, calls: int) -> float:
+    """Host microseconds per eager call (enqueue only), after a synchronize."""
+    stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        run(case, stream)
+    t = (time.perf_counter() - t0) / calls * 1e6
+    stream.synchronize()
+    return t
+
+
+def main(argv=None) -> int:
+    import cupy
+    from mpi4py import MPI
+
+    import fluxrt
+    from fluxrt.dtypes import normalize_dtype
+    from fluxrt.perf import collectives as bench
+    from fluxrt.perf.report import write_json
+    from fluxrt.perf.sweep import SweepOptions, add_sweep_arguments, bus_bandwidth_factor, sizes
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("op", choices=bench.OPS)
+    add_sweep_arguments(ap)
+    ap.add_argument("--config", action="append", default=[], help="algo=...,tuning_key=value (repeatable)")
+    ap.add_argument("--symmetric", action="store_true", help="symmetric inputs and outputs (direct paths)")
+    ap.add_argument("--no-nccl", action="store_true")
+    args = ap.parse_args(argv)
+    opts = SweepOptions.from_args(args)
+    configs = [(c, *parse_config(c)) for c in (args.config or ["algo=auto"])]
+    dtype = normalize_dtype(opts.datatype)
+    esize = dtype.itemsize
+    op = args.op
+    redop = opts.op if op in bench.REDUCING else "none"
+    heap = 3 * opts.maxbytes + (len(configs) + 1) * (80 << 20) + (512 << 20)
+    options = fluxrt.WorldOptions(heap_size=heap, check_collective_args=False)
+    rows = []
+    with fluxrt.init(options=options) as world:
+        n = world.size
+        runners = [bench.FluxrtRunner(world, op, algo, redop if op in bench.REDUCING else "sum", 0, 64 << 20,
+                                      args.symmetric, tuning) for _, algo, tuning in configs]
+        names = [c for c, _, _ in configs]
+        if not args.no_nccl:
+            runners.append(bench.NcclRunner(world, op, opts.op, 0))
+            names.append("nccl")
+        sweep_sizes = sizes(opts, align=bench.size_align(op, esize, n))
+        max_in, max_out = bench.buffer_elems(op, sweep_sizes[-1], esize, n)
+        alloc = world.empty if args.symmetric else cupy.empty
+        x_full, out_full = alloc(max(1, max_in), dtype=dtype), alloc(max(1, max_out), dtype=dtype)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        factor = bus_bandwidth_factor(op, n)
+        eager_opts = dataclasses.replace(opts, graph_iters=0)
+        if world.rank == 0:
+            print(f"# {op} {opts.datatype} on {n} ranks; eager us / graph us (per call) / host us per eager call")
+            print("# size " + " | ".join(f"{name}" for name in names))
+        for nbytes in sweep_sizes:
+            case = bench.Case(op, world, x_full, out_full, nbytes, dtype, redop, 0)
+            case.fill_input()
+            world.device.synchronize()
+            cells = []
+            for name, run in zip(names, runners):
+                wrong = bench._check(world, run, case, stream)
+                eager = bench._time_us(world, run, case, stream, eager_opts)
+                graph = bench._time_us(world, run, case, stream, opts) if opts.graph_iters else None
+                host = world.comm.allreduce(host_us(run, case, stream, opts.iters), op=MPI.MAX)
+                algo = run.algo_name(case)
+                rows.append({"op": op, "bytes": nbytes, "dtype": opts.datatype, "config": name, "algo": algo,
+                             "eager_us": eager, "graph_us": graph, "host_us": host, "wrong": wrong,
+                             "busbw_eager": nbytes / eager / 1e3 * factor if eager else None})
+                cells.append(f"{eager:8.2f}/{graph if graph is not None else float('nan'):7.2f}/{host:5.1f}"
+                             f"{'' if not wrong else ' WRONG=%d' % wrong}")
+            if world.rank == 0:
+                print(f"{nbytes:>11d} " + " | ".join(cells), flush=True)
+        for r in runners:
+            r.close()
+        if args.symmetric:
+            world.free(out_full)
+            world.free(x_full)
+        if world.rank == 0 and opts.json_path:
+            write_json(opts.json_path, {"bench": f"tune_{op}", "ranks": n, "command": sys.argv, "rows": rows})
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
