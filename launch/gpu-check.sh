@@ -49,7 +49,7 @@ if want tests; then   # one step per file, so that a hang or a cascade in one fi
     for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
       [ "$f" = tests/gpu/test_gemm.py ] && continue
       name=$(basename "$f" .py)
-      TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-180}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider \
+      TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-180}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider --color=no \
         -rs --maxfail="${MAXFAIL:-5}"
     done
   done

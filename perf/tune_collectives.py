@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from fluxrt.perf.sweep import SweepOptions, add_sweep_arguments, bus_bandwidth_factor, sizes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("op", choices=bench.OPS)
+    ap.add_argument("collective", choices=bench.OPS)
     add_sweep_arguments(ap)
     ap.add_argument("--config", action="append", default=[], help="algo=...,tuning_key=value (repeatable)")
     ap.add_argument("--symmetric", action="store_true", help="symmetric inputs and outputs (direct paths)")
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     configs = [(c, *parse_config(c)) for c in (args.config or ["algo=auto"])]
     dtype = normalize_dtype(opts.datatype)
     esize = dtype.itemsize
-    op = args.op
+    op = args.collective
     redop = opts.op if op in bench.REDUCING else "none"
     heap = 3 * opts.maxbytes + (len(configs) + 1) * (80 << 20) + (512 << 20)
     options = fluxrt.WorldOptions(heap_size=heap, check_collective_args=False)
