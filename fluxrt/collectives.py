@@ -207,7 +207,7 @@ class Collectives:
         self._freed = False
         n = world.size
         self.module = load_module(KERNEL_SOURCE)
-        self.epoch = cupy.zeros(2, dtype=np.uint64)  # [epoch of the last finished launch, arrivals]
+        self.epoch = cupy.zeros(1, dtype=np.uint64)  # round counter (kernels: begin_round)
         self.workspace = world.empty((ws,), np.uint8)
         self.flags = world.zeros((2 * n * plan.MAX_BLOCKS,), np.uint64)  # syncs and barriers: all zero
         self.tuning = options.tuning

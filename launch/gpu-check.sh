@@ -75,7 +75,10 @@ if [[ ",$CHECK," == *",tune,"* ]]; then   # candidate thresholds and grids, flux
   n=${bench_ranks[-1]}
   tune() { local name=$1; shift; TAIL=30 step "tune-$name-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- \
     python3 perf/tune_collectives.py "$@" -d bf16 -n 20 -w 5 --no-progress --json "$RES/tune-$name-np$n.json"; }
-  tune allreduce-small allreduce -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=oneshot --config algo=auto
+  TAIL=20 step "fabric-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 perf/fabric_probe.py \
+    --sizes 64M,256M --blocks 16,32,44 --json "$RES/fabric-np$n.json"
+  tune allreduce-small allreduce -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=ll,ll_max_grid=128 \
+    --config algo=oneshot --config algo=auto
   tune allreduce-large allreduce -b 1M -e 1G -f 4 --config algo=oneshot --config algo=twoshot \
     --config algo=twoshot,bulk_max_grid=128 --config algo=twoshot,bulk_max_grid=128,bulk_bytes_per_block=64K
   for op in allgather reduce_scatter alltoall; do

@@ -12,8 +12,8 @@
 // sizes and the grid, which every rank computes identically), so blocks never wait for each other.
 //
 // Epochs: the round's flag value is read from a device counter, not from a kernel argument, so a CUDA
-// graph that captured the launch replays with fresh epochs. The last block to read the counter
-// advances it. Flags are never reset; waits compare with >=.
+// graph that captured the launch replays with fresh epochs. Each block advances the counter by its share
+// of one round (begin_round). Flags are never reset; waits compare with >=.
 //
 // Workspace reuse: round e uses workspace half (e & 1). Two halves suffice: before a rank can write
 // half h in round e+2 it must finish round e+1, which needs every peer's round-(e+1) signal, and a
@@ -37,7 +37,7 @@ enum ReduceOp { kSum = 0, kMax = 1, kMin = 2 };
 
 // Everything a round needs to find peers, flags and the epoch (identical for every launch of a context).
 struct Team {
-    u64* epoch;               // [0]: epoch of the last finished round, [1]: blocks that read it this round
+    u64* epoch;               // round counter: kRoundUnit per launch (begin_round)
     char* ws;                 // this rank's workspace
     const u64* ws_peers;      // [world]: each rank's workspace, mapped here
     u64* flags;               // this rank's flags [2 phases][world][kMaxBlocks]
@@ -62,27 +62,20 @@ struct ExchangeTable {
 };
 
 // ----------------------------------------------------------------------------------------- epochs
-// All threads call; returns the round's flag value. The counter is advanced by the last block to read
-// it, so no block can read the advanced value within this launch.
-__device__ __forceinline__ u64 begin_round(u64* epoch) {
+// All threads call; returns the round's flag value. Every launch adds exactly kRoundUnit to the counter,
+// whatever its grid: block b adds its share (kRoundUnit / grid, block 0 also the remainder). Launches of
+// a context run one after another (stream order; the host orders calls across streams), so every block
+// of the k-th launch reads a value in [(k-1) kRoundUnit, k kRoundUnit) and all of them compute round k
+// from one atomic each, without waiting for each other. 44 bits of rounds: no wrap in any job's life.
+constexpr u64 kRoundShift = 20;
+constexpr u64 kRoundUnit = 1ull << kRoundShift;  // > kMaxBlocks: every block's share is at least 1
+
+__device__ __forceinline__ u64 begin_round(u64* counter) {
     __shared__ u64 e;
-    if (gridDim.x == 1) {  // one block: nobody else reads the counter in this launch, no arrival count
-        if (threadIdx.x == 0) {
-            e = *reinterpret_cast<volatile u64*>(epoch) + 1ull;
-            *reinterpret_cast<volatile u64*>(epoch) = e;
-        }
-        __syncthreads();
-        return e;
-    }
     if (threadIdx.x == 0) {
-        e = *reinterpret_cast<volatile u64*>(epoch) + 1ull;
-        __threadfence();  // the read above happens before this block's arrival
-        const u64 arrived = atomicAdd(epoch + 1, 1ull) + 1ull;
-        if (arrived == gridDim.x) {
-            __threadfence();  // every other block's read happened before their arrivals, seen above
-            epoch[1] = 0ull;
-            *reinterpret_cast<volatile u64*>(epoch) = e;
-        }
+        const u64 share = kRoundUnit / gridDim.x;
+        const u64 add = blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share;
+        e = (atomicAdd(counter, add) >> kRoundShift) + 1ull;
     }
     __syncthreads();
     return e;

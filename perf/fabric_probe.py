@@ -1,0 +1,105 @@
+"""All-to-all bandwidth of the NVLink fabric, the ceiling of the bulk collectives: every rank moves
+`size` bytes with every peer at once, one stream per peer, driven three ways:
+
+  sm_push   SM stores into the peer's memory (fluxrt_put_signal, `blocks` per peer)
+  sm_pull   SM loads from the peer's memory (the same kernel, pointers swapped)
+  ce_pull   copy engine (cudaMemcpyAsync peer -> local), no SM
+
+Prints per-GPU egress (push) / ingress (pull) GB/s = (n - 1) * size / time, the slowest rank's time.
+
+    fluxrt-run -n 4 -- python3 perf/fabric_probe.py --sizes 64M,256M --blocks 16,32,44 --json fabric.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    import cupy
+    from mpi4py import MPI
+
+    import fluxrt
+    from fluxrt import p2p
+    from fluxrt.perf.report import write_json
+    from fluxrt.perf.sweep import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64M,256M", help="bytes per peer, comma-separated")
+    ap.add_argument("--blocks", default="16,32,44", help="SM blocks per peer stream, comma-separated")
+    ap.add_argument("-n", "--iters", type=int, default=10)
+    ap.add_argument("-w", "--warmup", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    blocks = [int(b) for b in args.blocks.split(",")]
+    largest = max(sizes)
+    rows = []
+    with fluxrt.init(options=fluxrt.WorldOptions(heap_size=2 * 4 * largest + (1 << 30))) as world:
+        n, r = world.size, world.rank
+        peers = [q for q in range(n) if q != r]
+        src = world.empty((n * largest,), np.uint8)
+        dst = world.empty((n * largest,), np.uint8)
+        src.fill(r + 1)
+        streams = {q: cupy.cuda.Stream(non_blocking=True) for q in peers}
+        main_stream = cupy.cuda.Stream(non_blocking=True)
+        fork, joins = cupy.cuda.Event(disable_timing=True), {q: cupy.cuda.Event(disable_timing=True) for q in peers}
+        st = p2p.state(world)
+        world.device.synchronize()
+
+        def once(mode, size, grid):
+            fork.record(main_stream)
+            for q in peers:
+                s = streams[q]
+                s.wait_event(fork)
+                mine, theirs = slice(q * size, (q + 1) * size), slice(r * size, (r + 1) * size)
+                if mode == "ce_pull":  # q's chunk for me, from q's src into my dst
+                    p2p.get(world, dst[mine], src[theirs], q, stream=s)
+                else:
+                    if mode == "sm_push":   # my chunk for q into q's dst
+                        d, sp = dst.peer_ptr(q) + r * size, src.data.ptr + q * size
+                    else:                   # sm_pull: q's chunk for me into my dst
+                        d, sp = dst.data.ptr + q * size, src.peer_ptr(q) + r * size
+                    st.put_signal((grid,), (512,), (np.uint64(d), np.uint64(sp), np.uint64(size), np.uint64(0),
+                                                     np.uint64(0), np.int32(0), np.uint64(0)), stream=s)
+                joins[q].record(s)
+                main_stream.wait_event(joins[q])
+
+        for size in sizes:
+            for mode in ("sm_push", "sm_pull", "ce_pull"):
+                for grid in (blocks if mode != "ce_pull" else [0]):
+                    for _ in range(args.warmup):
+                        once(mode, size, grid)
+                    main_stream.synchronize()
+                    world.comm.Barrier()  # all ranks start together: every link carries traffic
+                    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                    start.record(main_stream)
+                    for _ in range(args.iters):
+                        once(mode, size, grid)
+                    stop.record(main_stream)
+                    stop.synchronize()
+                    ms = cupy.cuda.get_elapsed_time(start, stop) / args.iters
+                    ms = world.comm.allreduce(ms, op=MPI.MAX)
+                    gbps = (n - 1) * size / (ms * 1e-3) / 1e9
+                    rows.append({"mode": mode, "bytes_per_peer": size, "blocks_per_peer": grid, "ms": ms,
+                                 "gbps_per_gpu": gbps, "ranks": n})
+                    if r == 0:
+                        print(f"{mode:8s} {size >> 20:5d} MiB/peer blocks/peer {grid:3d}: {ms:8.3f} ms "
+                              f"{gbps:7.1f} GB/s per GPU", flush=True)
+        world.device.synchronize()
+        last = sizes[-1]  # the last pass (ce_pull of the last size) left every peer's bytes in dst
+        wrong = [q for q in peers if not bool((dst[q * last:(q + 1) * last] == q + 1).all())]
+        ok = not world.comm.allreduce(len(wrong), op=MPI.SUM)
+        if wrong:
+            print(f"rank {r}: wrong bytes from {wrong}", file=sys.stderr)
+        world.free(dst)
+        world.free(src)
+        if r == 0 and args.json:
+            write_json(args.json, {"bench": "fabric_probe", "ranks": n, "command": sys.argv, "rows": rows})
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
