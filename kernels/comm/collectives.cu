@@ -427,17 +427,11 @@ __device__ __forceinline__ bool ll_take(const Team& t, char* line, u32 f, u32 pe
     u64 c0, c1;
     ll_load(line, &c0, &c1);
     if ((u32)(c0 >> 32) != f || (u32)(c1 >> 32) != f) {
-        const u64 start = fluxrt::globaltimer_ns();
-        for (u32 spins = 1;; ++spins) {
+        fluxrt::SpinBound bound;
+        for (;;) {
             ll_load(line, &c0, &c1);
             if ((u32)(c0 >> 32) == f && (u32)(c1 >> 32) == f) break;
-            if (spins % fluxrt::kTimeCheckInterval == 0) {
-                if (fluxrt::error_raised(t.err)) return false;
-                if (fluxrt::globaltimer_ns() - start > t.timeout_ns) {
-                    fluxrt::raise_timeout(t.err, t.op, t.rank, peer, f, (u32)(c0 >> 32));
-                    return false;
-                }
-            }
+            if (bound.expired(t.err, t.timeout_ns, t.op, t.rank, peer, f, (u32)(c0 >> 32))) return false;
         }
     }
     // Zero it for a later round: that round's sender writes this half only after this kernel ended.

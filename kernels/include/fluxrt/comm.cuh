@@ -40,6 +40,10 @@ struct ErrorRecord {
 
 constexpr u64 kNoPeer = ~0ull;
 constexpr u32 kTimeCheckInterval = 64;  // spins between %globaltimer reads (a read costs ~100 ns)
+// Time between reads of the error record, which lives in host memory: a read crosses PCIe, and
+// thousands of waiting threads reading it every few spins queue behind each other for milliseconds
+// (seen on 4x H200 with LL rounds, where every thread waits on its own line).
+constexpr u64 kErrorCheckNs = 1ull << 20;  // ~1 ms
 
 // ---------------------------------------------------------------------------------------------
 // Scalar memory-model building blocks (PTX ISA 8.x, sm_70+).
@@ -88,23 +92,43 @@ __device__ inline void raise_timeout(ErrorRecord* err, u32 op, u32 rank, u64 pee
     st_relaxed_sys(&err->status, 2ull);
 }
 
-// Spin until *flag >= target (acquire, system scope). Returns false after timeout_ns, or as soon as
-// another waiter has already reported an error (no point waiting out a second bound).
+// The bound of one spin-wait: construct it when the first poll failed, call expired() after every
+// further failed poll. It reads the clock every kTimeCheckInterval spins; it is expired after
+// timeout_ns (the timeout is then recorded with `observed`), or once another waiter has reported an
+// error (no point waiting out a second bound; checked about every kErrorCheckNs).
+struct SpinBound {
+    u64 start, next_error_check;
+    u32 spins;
+    __device__ __forceinline__ SpinBound() : start(globaltimer_ns()), next_error_check(0), spins(0) {
+        next_error_check = start + kErrorCheckNs;
+    }
+    __device__ __forceinline__ bool expired(ErrorRecord* err, u64 timeout_ns, u32 op, u32 rank, u64 peer,
+                                            u64 expected, u64 observed) {
+        if (++spins % kTimeCheckInterval != 0) return false;
+        const u64 now = globaltimer_ns();
+        if (now - start > timeout_ns) {
+            raise_timeout(err, op, rank, peer, expected, observed);
+            return true;
+        }
+        if (now >= next_error_check) {
+            next_error_check = now + kErrorCheckNs;
+            return error_raised(err);
+        }
+        return false;
+    }
+};
+
+// Spin until *flag >= target (acquire, system scope). Returns false after timeout_ns, or soon after
+// another waiter has reported an error.
 __device__ inline bool wait_ge(const u64* flag, u64 target, u64 timeout_ns, ErrorRecord* err,
                                u32 op, u32 rank, u64 peer) {
     u64 v = ld_acquire_sys(flag);
     if (v >= target) return true;
-    const u64 start = globaltimer_ns();
-    for (u32 spins = 1;; ++spins) {
+    SpinBound bound;
+    for (;;) {
         v = ld_acquire_sys(flag);
         if (v >= target) return true;
-        if (spins % kTimeCheckInterval == 0) {
-            if (error_raised(err)) return false;
-            if (globaltimer_ns() - start > timeout_ns) {
-                raise_timeout(err, op, rank, peer, target, v);
-                return false;
-            }
-        }
+        if (bound.expired(err, timeout_ns, op, rank, peer, target, v)) return false;
     }
 }
 
@@ -198,20 +222,14 @@ __device__ __forceinline__ void nvshmem_put_signal_block(void* dst, const void* 
 }
 __device__ inline bool nvshmem_wait_ge(u64* sig, u64 target, u64 timeout_ns, ErrorRecord* err,
                                        u32 op, u32 rank, u64 peer) {
-    const u64 start = globaltimer_ns();
-    for (u32 spins = 1;; ++spins) {
+    SpinBound bound;
+    for (;;) {
         const u64 v = nvshmem_signal_fetch(reinterpret_cast<uint64_t*>(sig));
         if (v >= target) {
             fence_acq_rel_sys();
             return true;
         }
-        if (spins % kTimeCheckInterval == 0) {
-            if (error_raised(err)) return false;
-            if (globaltimer_ns() - start > timeout_ns) {
-                raise_timeout(err, op, rank, peer, target, v);
-                return false;
-            }
-        }
+        if (bound.expired(err, timeout_ns, op, rank, peer, target, v)) return false;
     }
 }
 #endif
