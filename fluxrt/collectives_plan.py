@@ -29,7 +29,7 @@ LL_LINE_BYTES = 16    # kLLLine: bytes of a line on the wire
 
 # Defaults of Tuning (see there).
 LL_MAX_BYTES = 64 << 10
-ONESHOT_MAX_BYTES = 256 << 10
+ONESHOT_MAX_BYTES = 1 << 20
 ONESHOT_BYTES_PER_BLOCK = 8 << 10
 ONESHOT_MAX_GRID = 32
 BULK_BYTES_PER_BLOCK = 16 << 10

@@ -67,8 +67,10 @@ if want collectives; then
       TAIL=40 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 -e 1G -f 2 \
         -n 20 -w 5 -c 1 -d bf16 --heap 8G --no-progress --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
     done
-    TAIL=25 step "allreduce-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli allreduce -b 8 \
-      -e 1M -f 2 -n 20 -w 5 -G 10 -c 1 -d bf16 --no-progress --json "$RES/allreduce-graph-np$n.json"
+    for op in allreduce allgather reduce_scatter alltoall; do
+      TAIL=25 step "$op-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 \
+        -e "${GRAPH_MAX:-64M}" -f 8 -n 20 -w 5 -G 10 -c 1 -d bf16 --heap 4G --no-progress --json "$RES/$op-graph-np$n.json"
+    done
   done
 fi
 if [[ ",$CHECK," == *",tune,"* ]]; then   # candidate thresholds and grids, fluxrt configs beside NCCL
