@@ -68,8 +68,8 @@ if want collectives; then
         -n 20 -w 5 -c 1 -d bf16 --heap 8G --no-progress --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
     done
     for op in allreduce allgather reduce_scatter alltoall; do
-      TAIL=25 step "$op-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 \
-        -e "${GRAPH_MAX:-64M}" -f 8 -n 20 -w 5 -G 10 -c 1 -d bf16 --heap 4G --no-progress --json "$RES/$op-graph-np$n.json"
+      TAIL=25 step "$op-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 16 \
+        -e "${GRAPH_MAX:-64M}" -f 4 -n 20 -w 5 -G 10 -c 1 -d bf16 --heap 4G --no-progress --json "$RES/$op-graph-np$n.json"
     done
   done
 fi
