@@ -42,8 +42,9 @@ DIRECT_MIN_BYTES = 1 << 20
 class Tuning:
     """Size thresholds and grid sizes of the collectives (the same on every rank of a context).
 
-    ll_max_bytes: LL up to this message size (nccl-tests size: allreduce/broadcast the buffer, allgather
-    the gathered output, reduce_scatter/alltoall(v) the input); 0 turns LL off. It also sizes the LL buffer.
+    ll_max_bytes: LL while each pair of ranks exchanges at most this many bytes (allreduce, broadcast: the
+    whole message; allgather, reduce_scatter, alltoall: a 1/n chunk; alltoallv: the largest pair); 0 turns
+    LL off. It also sizes the LL buffer (one slot per source rank holds that much).
     oneshot_max_bytes: allreduce one-shot up to here (above LL), two-shot above.
     *_bytes_per_block / *_max_grid: a block per that many bytes (per peer for bulk rounds), up to that many
     blocks (LL: a thread per 8 message bytes, so a block of THREADS threads per 4 KiB).
@@ -130,13 +131,19 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         if algo == "ll" and tuning.ll_max_bytes == 0:
             raise ValueError(f"{op}: algo 'll' needs an LL buffer (Tuning.ll_max_bytes > 0)")
         return algo
-    if nbytes <= tuning.ll_max_bytes and world_size > 1:
+    if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
         return "ll"
     if op == "allreduce":
         return "oneshot" if nbytes <= tuning.oneshot_max_bytes or world_size == 1 else "twoshot"
     if direct_ok and "direct" in ALGOS[op] and nbytes >= tuning.direct_min_bytes:
         return "direct"
     return "push"
+
+
+def pair_bytes(op: str, nbytes: int, world_size: int) -> int:
+    """Bytes one pair of ranks exchanges for an nccl-tests size of `nbytes` (alltoallv: pass the largest
+    pair times world_size)."""
+    return nbytes if op in ("allreduce", "broadcast") else -(-nbytes // world_size)
 
 
 def oneshot_grid(piece_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
@@ -260,4 +267,4 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
 
 __all__ = ["ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
            "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
-           "bulk_grid", "ll_grid", "oneshot_grid", "check_world", "MAX_WORLD"]
+           "bulk_grid", "ll_grid", "oneshot_grid", "pair_bytes", "check_world", "MAX_WORLD"]

@@ -45,6 +45,18 @@ def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
         assert plan.choose_algo(op, 8, 4) == "ll"
 
 
+def test_ll_threshold_is_per_pair_of_ranks():
+    ll = plan.LL_MAX_BYTES
+    for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv"):  # each pair moves a 1/n chunk
+        assert plan.pair_bytes(op, 4 * ll, 4) == ll
+        assert plan.choose_algo(op, 4 * ll, 4) == "ll"
+        assert plan.choose_algo(op, 4 * ll + 16, 4) == "push"
+        assert plan.choose_algo(op, 2 * ll + 2, 2) == "push"
+    for op in ("allreduce", "broadcast"):                                   # each pair moves the message
+        assert plan.pair_bytes(op, ll, 4) == ll
+        assert plan.choose_algo(op, ll + 2, 4) != "ll"
+
+
 def test_tuning_moves_the_thresholds_and_validates():
     tuned = plan.Tuning.parse(["ll_max_bytes=1K", "oneshot_max_bytes=2M", "bulk_max_grid=128"])
     assert (tuned.ll_max_bytes, tuned.oneshot_max_bytes, tuned.bulk_max_grid) == (1024, 2 << 20, 128)
@@ -80,7 +92,10 @@ def test_ll_buffer_holds_the_largest_ll_message_in_one_round(n, itemsize):
     assert p.grid * plan.THREADS * plan.LL_DATA_BYTES >= min(t.ll_max_bytes, t.ll_max_grid * plan.THREADS * 8)
     assert plan.ll_grid(8) == 1 and plan.ll_grid(1 << 30) == plan.LL_MAX_GRID
     d = plan.describe("allgather", 64, itemsize, n, 1 << 20, nbytes=64 * n * itemsize)
-    assert d["algo"] == ("ll" if 64 * n * itemsize <= t.ll_max_bytes else "push")
+    assert d["algo"] == "ll"
+    big = t.ll_max_bytes // itemsize + 1  # one element past the LL slot per pair
+    d = plan.describe("allgather", big, itemsize, n, 1 << 20, nbytes=big * n * itemsize)
+    assert d["algo"] == "push"
 
 
 def test_direct_exchange_needs_a_symmetric_output_and_a_large_message():
