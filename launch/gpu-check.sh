@@ -9,8 +9,8 @@
 #   elsewhere:          OUT=/tmp/gpu-check bash launch/gpu-check.sh
 #   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
-# collectives ops tune (TEST_FILES narrows the test step; tune: perf/tune_collectives.py candidates,
-# not part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# collectives ops tune (TEST_FILES narrows the test step, SWEEP_OPS the collective sweeps; tune runs
+# perf/tune_collectives.py candidates and is not part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -63,11 +63,11 @@ if want probe && [ "$ngpu" -ge 2 ]; then
 fi
 if want collectives; then
   for n in "${bench_ranks[@]}"; do
-    for op in allreduce allgather reduce_scatter alltoall; do
+    for op in ${SWEEP_OPS:-allreduce allgather reduce_scatter alltoall}; do
       TAIL=40 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 -e 1G -f 2 \
         -n 20 -w 5 -c 1 -d bf16 --heap 8G --no-progress --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
     done
-    for op in allreduce allgather reduce_scatter alltoall; do
+    for op in ${SWEEP_OPS:-allreduce allgather reduce_scatter alltoall}; do
       TAIL=25 step "$op-graph-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 16 \
         -e "${GRAPH_MAX:-64M}" -f 4 -n 20 -w 5 -G 10 -c 1 -d bf16 --heap 4G --no-progress --json "$RES/$op-graph-np$n.json"
     done

@@ -23,7 +23,8 @@ def main(argv=None) -> int:
 
     import fluxrt
     from fluxrt import p2p
-    from fluxrt.perf.report import write_json
+    from fluxrt.perf.baselines import machine
+    from fluxrt.perf.report import results_document, write_json
     from fluxrt.perf.sweep import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         world.free(dst)
         world.free(src)
         if r == 0 and args.json:
-            write_json(args.json, {"bench": "fabric_probe", "ranks": n, "command": sys.argv, "rows": rows})
+            write_json(args.json, results_document("fabric_probe", rows, sys.argv, machine=machine(world)))
     return 0 if ok else 1
 
 

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     import fluxrt
     from fluxrt.dtypes import normalize_dtype
     from fluxrt.perf import collectives as bench
-    from fluxrt.perf.report import write_json
+    from fluxrt.perf.baselines import machine
+    from fluxrt.perf.report import results_document, write_json
     from fluxrt.perf.sweep import SweepOptions, add_sweep_arguments, bus_bandwidth_factor, sizes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
             world.free(out_full)
             world.free(x_full)
         if world.rank == 0 and opts.json_path:
-            write_json(opts.json_path, {"bench": f"tune_{op}", "ranks": n, "command": sys.argv, "rows": rows})
+            write_json(opts.json_path, results_document(f"tune_{op}", rows, sys.argv, machine=machine(world)))
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
