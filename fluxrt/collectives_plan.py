@@ -28,7 +28,7 @@ LL_DATA_BYTES = 8     # kLLData: message bytes per LL line
 LL_LINE_BYTES = 16    # kLLLine: bytes of a line on the wire
 
 # Defaults of Tuning (see there).
-LL_MAX_BYTES = 64 << 10
+LL_MAX_BYTES = 128 << 10
 ONESHOT_MAX_BYTES = 1 << 20
 ONESHOT_BYTES_PER_BLOCK = 8 << 10
 ONESHOT_MAX_GRID = 32
