@@ -256,8 +256,11 @@ class Collectives:
     def _launch(self, name: str, grid: int, args: tuple) -> PackedLaunch:
         return PackedLaunch(self._kernel(name), grid, plan.THREADS, args)
 
+    def _layout(self, op: str, algo: str, itemsize: int) -> plan.Layout:
+        """Slots of the buffer half `algo` uses (LL rounds have their own buffer)."""
+        return plan.layout(op, algo, self._half(algo), self.world.size, itemsize)
+
     def _half(self, algo: str) -> int:
-        """Bytes of the buffer half `algo` cuts into slots (LL rounds have their own buffer)."""
         return self.ll_half_bytes if algo == "ll" else self.half_bytes
 
     def _order_after_previous(self, s) -> None:
@@ -408,7 +411,7 @@ class Collectives:
                ("op", None if got is None else got[3]), ("algo", None if got is None else got[5]))
         _agree(world, "reduce_scatter", sig, err)
         a, o, dt, red, c, chosen = got
-        lay = plan.layout("reduce_scatter", chosen, self._half(chosen), n, a.itemsize)
+        lay = self._layout("reduce_scatter", chosen, a.itemsize)
         name = f"fluxrt_reduce_scatter_{'ll_' if chosen == 'll' else ''}{dt}_{red}"
         team = self._teams["reduce_scatter"]
         isz = a.itemsize
@@ -446,7 +449,7 @@ class Collectives:
         _agree(world, "allgather", sig, err)
         a, o, chosen, _ = got
         isz, c = a.itemsize, a.size
-        lay = plan.layout("allgather", chosen, self._half(chosen), n, isz)
+        lay = self._layout("allgather", chosen, isz)
         mine = o.data.ptr + world.rank * a.nbytes
         peers = _peer_pointers(o, n) if chosen == "direct" else None
 
@@ -490,7 +493,7 @@ class Collectives:
         _agree(world, "alltoall", sig, err)
         a, o, chosen, _ = got
         isz, c = a.itemsize, a.size // n
-        lay = plan.layout("alltoall", chosen, self._half(chosen), n, isz)
+        lay = self._layout("alltoall", chosen, isz)
         offsets = np.arange(n, dtype=np.uint64) * c
         peers = _peer_pointers(o, n) if chosen == "direct" else None
 
@@ -578,7 +581,7 @@ class Collectives:
         isz = a.itemsize
         # chosen from agreed values only: the largest pair (or max_count) stands for the message size
         chosen = plan.choose_algo("alltoallv", largest * isz * n, n, algo, tuning=self.tuning)
-        lay = plan.layout("alltoallv", chosen, self._half(chosen), n, isz)
+        lay = self._layout("alltoallv", chosen, isz)
         sd_u, rd_u = sd.astype(np.uint64), rd.astype(np.uint64)
 
         def table(p, t):
@@ -619,7 +622,7 @@ class Collectives:
         _agree(world, "broadcast", sig, err)
         a, o, chosen, _ = got
         isz, c, r0 = a.itemsize, a.size, int(root)
-        lay = plan.layout("broadcast", chosen, self._half(chosen), n, isz)
+        lay = self._layout("broadcast", chosen, isz)
         peers = _peer_pointers(o, n) if chosen == "direct" else None
 
         def table(p, t):

@@ -30,7 +30,8 @@ class PackedLaunch:
     """One launch of `kernel` (a ``cupy.RawKernel``) with `grid` x `block` threads (1-D) and `args` packed.
     ``launch(stream_ptr)`` enqueues it on a raw stream handle."""
 
-    __slots__ = ("kernel", "grid", "block", "shared_mem", "args", "_buffers", "_params", "_params_ptr", "_func")
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "args", "_buffers", "_params", "_params_ptr", "_func",
+                 "_driver_launch")
 
     def __init__(self, kernel, grid: int, block: int, args: tuple, shared_mem: int = 0):
         self.kernel, self.grid, self.block, self.shared_mem = kernel, int(grid), int(block), int(shared_mem)
@@ -38,18 +39,18 @@ class PackedLaunch:
         self._buffers = [_arg_buffer(a, i) for i, a in enumerate(self.args)]
         self._params = (ctypes.c_void_p * max(1, len(self._buffers)))(*[b.ctypes.data for b in self._buffers])
         self._params_ptr = ctypes.addressof(self._params)
-        self._func = None  # the CUfunction, resolved on the first launch (loading needs a GPU)
+        self._func = self._driver_launch = None  # resolved on the first launch (loading needs a GPU)
 
     def packed_bytes(self) -> bytes:
         """The argument bytes in order (each at its own address; for tests and logs)."""
         return b"".join(b.tobytes() for b in self._buffers)
 
     def launch(self, stream_ptr: int) -> None:
-        from cupy.cuda import driver
-
         if self._func is None:
-            self._func = self.kernel.kernel.ptr
-        driver.launchKernel(self._func, self.grid, 1, 1, self.block, 1, 1, self.shared_mem, stream_ptr,
+            from cupy.cuda import driver
+
+            self._func, self._driver_launch = self.kernel.kernel.ptr, driver.launchKernel
+        self._driver_launch(self._func, self.grid, 1, 1, self.block, 1, 1, self.shared_mem, stream_ptr,
                             self._params_ptr, 0)
 
 

@@ -56,15 +56,15 @@ def main(argv=None) -> int:
                 s = streams[q]
                 s.wait_event(fork)
                 mine, theirs = slice(q * size, (q + 1) * size), slice(r * size, (r + 1) * size)
-                if mode == "ce_pull":  # q's chunk for me, from q's src into my dst
+                if mode == "ce_pull":    # q's chunk for me, from q's src into my dst
                     p2p.get(world, dst[mine], src[theirs], q, stream=s)
-                else:
-                    if mode == "sm_push":   # my chunk for q into q's dst
-                        d, sp = dst.peer_ptr(q) + r * size, src.data.ptr + q * size
-                    else:                   # sm_pull: q's chunk for me into my dst
-                        d, sp = dst.data.ptr + q * size, src.peer_ptr(q) + r * size
-                    st.put_signal((grid,), (512,), (np.uint64(d), np.uint64(sp), np.uint64(size), np.uint64(0),
-                                                     np.uint64(0), np.int32(0), np.uint64(0)), stream=s)
+                elif mode == "sm_push":  # my chunk for q into q's dst
+                    p2p.put(world, dst[theirs], src[mine], q, stream=s, blocks=grid)
+                else:  # sm_pull: the put kernel reading q's chunk for me (p2p has no SM get) into my dst
+                    st.put_signal((grid,), (512,), (np.uint64(dst.data.ptr + q * size),
+                                                     np.uint64(src.peer_ptr(q) + r * size), np.uint64(size),
+                                                     np.uint64(0), np.uint64(0), np.int32(0), np.uint64(0)),
+                                  stream=s)
                 joins[q].record(s)
                 main_stream.wait_event(joins[q])
 

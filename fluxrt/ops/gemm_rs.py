@@ -150,14 +150,7 @@ class GemmReduceScatter:
         return rs_gemm_plan(self.plan, m, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
 
     def _call_plan(self, m: int):
-        """gemm_plan(m), made and its kernel loaded once per M: before anything of a call is enqueued, a
-        compile error leaves no half-launched op behind for peers to wait on."""
-        g = self._gplans.get(m)
-        if g is None:
-            g = self.gemm_plan(m)
-            common.prepare_gemm(self.world, g, self.dtype, self.partial_dtype, self.trans_b, False, True)
-            self._gplans[m] = g
-        return g
+        return common.call_plan(self, m, self.partial_dtype, wait_hook=False, epilogue_hook=True)
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""

@@ -12,6 +12,7 @@ fluxrt's calls skip the cross-rank argument check (WorldOptions.check_collective
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import logging
 import sys
@@ -128,9 +129,9 @@ class FluxrtRunner:
                  tuning=None):
         import fluxrt
 
-        options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes)
-        if tuning is not None:
-            options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes, tuning=tuning)
+        from ..collectives_plan import DEFAULT_TUNING
+
+        options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes, tuning=tuning or DEFAULT_TUNING)
         self.ctx = fluxrt.Collectives(world, options)
         self.op, self.algo, self.redop, self.root, self.n = op, algo, redop, root, world.size
         self.symmetric = symmetric
@@ -267,8 +268,8 @@ def sweep(world, op: str, opts: SweepOptions, runners, root: int, out=None, symm
     table = Table(impls=tuple(r.name for r in runners), out=out if world.rank == 0 else io.StringIO(),
                   show_algo=True)
     tuned = runners[0].ctx.tuning
-    changed = {f: getattr(tuned, f) for f in tuned.__dataclass_fields__
-               if getattr(tuned, f) != getattr(type(tuned)(), f)}
+    changed = {f.name: getattr(tuned, f.name) for f in dataclasses.fields(tuned)
+               if getattr(tuned, f.name) != f.default}
     table.header([*describe(opts), f"# {op} on {n} ranks; fluxrt algo: {runners[0].algo}; buffers: "
                                    f"{'symmetric' if symmetric else 'plain cupy'}"
                                    + (f"; tuning: {changed}" if changed else "")])
