@@ -476,10 +476,12 @@ __device__ void reduce_ll(Team t, const typename E::T* x, u64 chunk_stride, type
     const u64 half = (e & 1ull) * t.ll_half_bytes;
     const u64 bytes = count * sizeof(T), lines = lines_of(bytes);
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
+    const bool one_source = chunk_stride == 0;  // allreduce: every peer gets the same line
     for (u64 j = first; j < lines; j += stride) {                                       // stage push
+        const u64 shared = one_source ? load_line(reinterpret_cast<const char*>(x), bytes, j) : 0;
         for (u32 s = 1; s < t.world; ++s) {
             const u32 q = (t.rank + s) % t.world;
-            const u64 v = load_line(reinterpret_cast<const char*>(x + q * chunk_stride), bytes, j);
+            const u64 v = one_source ? shared : load_line(reinterpret_cast<const char*>(x + q * chunk_stride), bytes, j);
             ll_put(ll_line(peer_ll(t, q), half, t.rank, slot_bytes, j), v, f);
         }
     }

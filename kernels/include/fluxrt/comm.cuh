@@ -99,9 +99,8 @@ __device__ inline void raise_timeout(ErrorRecord* err, u32 op, u32 rank, u64 pee
 struct SpinBound {
     u64 start, next_error_check;
     u32 spins;
-    __device__ __forceinline__ SpinBound() : start(globaltimer_ns()), next_error_check(0), spins(0) {
-        next_error_check = start + kErrorCheckNs;
-    }
+    __device__ __forceinline__ SpinBound()
+        : start(globaltimer_ns()), next_error_check(start + kErrorCheckNs), spins(0) {}
     __device__ __forceinline__ bool expired(ErrorRecord* err, u64 timeout_ns, u32 op, u32 rank, u64 peer,
                                             u64 expected, u64 observed) {
         if (++spins % kTimeCheckInterval != 0) return false;
