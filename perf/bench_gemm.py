@@ -201,6 +201,7 @@ def main(argv=None) -> int:
                 "cluster2-group32": r(plan, cluster=2, group_m=32),
                 "cluster2-group8": r(plan, cluster=2, group_m=8),
                 "direct-s4": r(plan, epilogue="direct", stages=4),
+                "cluster2-direct-s4": r(plan, cluster=2, epilogue="direct", stages=4),
                 "group32": r(plan, group_m=32),
             }
             variants = {k: v for k, v in variants.items() if v != plan}

@@ -181,13 +181,14 @@ struct Schedule {
 };
 
 // Stage s of the ring is free again: every consumer warpgroup of every CTA of the cluster arrives,
-// because the next TMA into stage s (B multicast) writes the shared memory of all of them.
-__device__ __forceinline__ void release_stage(u32 bar_empty) {
+// because the next TMA into stage s (B multicast) writes the shared memory of all of them. Called by
+// every thread of a consumer warpgroup; thread c arrives on CTA c's barrier (one arrive per thread, in
+// parallel, so no thread serialises remote arrives before the next wgmma).
+__device__ __forceinline__ void release_stage(u32 bar_empty, int tid) {
     if constexpr (kCluster == 1) {
-        mbar_arrive(bar_empty);
+        if (tid == 0) mbar_arrive(bar_empty);
     } else {
-#pragma unroll
-        for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(bar_empty, (u32)c);
+        if (tid < kCluster) mbar_arrive_cluster(bar_empty, (u32)tid);
     }
 }
 
@@ -408,7 +409,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
             // smem is no longer read by the tensor cores and goes back to the loader.
             if (kb > 0) {
                 wgmma_wait<1>();
-                if (tid == 0) release_stage(bars_empty + 8 * prev_stage);
+                release_stage(bars_empty + 8 * prev_stage, tid);
             }
             prev_stage = stage;
             if (++stage == kStages) {
@@ -418,7 +419,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
         }
         wgmma_wait<0>();  // all MMAs of the tile retired: accumulators final
         reg_fence(acc);
-        if (tid == 0 && k_blocks > 0) release_stage(bars_empty + 8 * prev_stage);
+        if (k_blocks > 0) release_stage(bars_empty + 8 * prev_stage, tid);
 
         // Fragment layout of m64nNk16 f32: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
         // column pairs 8g + 2(l%4), g < N/8.
