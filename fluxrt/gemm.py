@@ -214,7 +214,9 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
             ("FLUXRT_GEMM_HOOK_EPILOGUE", "1" if hook_epilogue else "0"),
             ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"),
-            ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)))
+            ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)),
+            # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
+            ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_turns > 1 else "0"))
 
 
 def compile_options(defines, arch: str | None = None):

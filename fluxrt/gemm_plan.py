@@ -18,6 +18,10 @@ m_tile_offset  rank offset: m_tile = (m_tile + m_tile_offset) % m_tiles (a rank 
 max_ctas       cap on the persistent grid (None = one CTA per SM)
 epilogue       'tma': consumers stage C in smem, a storer warp TMA-stores it (overlaps the next tile);
                'direct': consumers store from registers (no staging smem, so one more stage fits)
+c_staging      with epilogue 'tma': 'per_consumer' (one staging region per consumer, the storer drains
+               the whole tile at once) or 'shared' (FLUXRT_GEMM_C_SHARED=1: one consumer-sized region
+               the consumers fill in turn, the storer drains it once per consumer; half the staging
+               with 2 consumers, e.g. 4 stages at 128x256 bf16). No effect with one consumer.
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ MAX_STAGES = 8
 H100_H200_SMS = 132
 ORDERS = ("grouped", "hilbert")
 EPILOGUES = ("tma", "direct")
+C_STAGINGS = ("per_consumer", "shared")
 IN_DTYPES = ("bfloat16", "float16")
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -58,6 +63,7 @@ class GemmPlan:
     m_tile_offset: int = 0
     max_ctas: int | None = None
     epilogue: str = "tma"
+    c_staging: str = "per_consumer"
 
     def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
         """Raise ValueError when the kernel cannot be instantiated with this plan."""
@@ -81,25 +87,37 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.max_ctas must be >= 1 or None, got {self.max_ctas}")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"GemmPlan.epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if self.c_staging not in C_STAGINGS:
+            raise ValueError(f"GemmPlan.c_staging must be one of {C_STAGINGS}, got {self.c_staging!r}")
+        if self.c_staging == "shared" and self.epilogue != "tma":
+            raise ValueError(f"GemmPlan.c_staging='shared' needs epilogue='tma' (the '{self.epilogue}' epilogue "
+                             "has no C staging)")
         if self.stages < 2:
             raise ValueError(f"GemmPlan.stages must be >= 2, got {self.stages}")
         need = self.smem_bytes(out_dtype)
         if need > SMEM_LIMIT_BYTES:
-            raise ValueError(f"GemmPlan {self.block_m}x{self.block_n}x{self.block_k} with {self.stages} stages and "
-                             f"{out_dtype} output needs {need} B of shared memory > {SMEM_LIMIT_BYTES} B")
+            raise ValueError(f"GemmPlan {self.block_m}x{self.block_n}x{self.block_k} with {self.stages} stages, "
+                             f"{out_dtype} output and {self.epilogue}/{self.c_staging} C staging needs {need} B of "
+                             f"shared memory > {SMEM_LIMIT_BYTES} B")
         return self
 
     # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
     def stage_bytes(self) -> int:
         return (self.block_m + self.block_n) * self.block_k * 2
 
+    @property
+    def c_turns(self) -> int:
+        """Storer turns per tile (= c_full/c_empty barrier pairs, kCTurns in the kernel): one per consumer
+        with shared staging, else one. A single consumer is the same either way."""
+        return self.consumers if self.c_staging == "shared" else 1
+
     def c_staging_bytes(self, out_dtype: str) -> int:
         if self.epilogue == "direct":
             return 0
-        return self.block_m * self.block_n * _bytes_of(out_dtype)
+        return self.block_m // self.c_turns * self.block_n * _bytes_of(out_dtype)
 
     def smem_bytes(self, out_dtype: str = "bfloat16") -> int:
-        barriers = 8 * (2 * self.stages + 2)
+        barriers = 8 * (2 * self.stages + 2 * self.c_turns)
         return self.stages * self.stage_bytes() + self.c_staging_bytes(out_dtype) + barriers + SMEM_ALIGN_BYTES
 
     @property
@@ -121,12 +139,13 @@ class GemmPlan:
         return self.cluster * max(1, min(clusters, items))
 
 
-def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma") -> int:
-    """Deepest ring that fits next to the C staging buffer."""
-    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=block_m // 64, stages=1, epilogue=epilogue)
-    free = SMEM_LIMIT_BYTES - probe.c_staging_bytes(out_dtype) - SMEM_ALIGN_BYTES
+def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma",
+               c_staging: str = "per_consumer") -> int:
+    """Deepest ring that fits next to the C staging buffer (and the barriers), up to MAX_STAGES."""
+    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=block_m // 64, stages=1, epilogue=epilogue,
+                     c_staging=c_staging)
     s = 0
-    while s + 1 <= MAX_STAGES and (s + 1) * probe.stage_bytes() + 8 * (2 * (s + 1) + 2) <= free:
+    while s + 1 <= MAX_STAGES and dataclasses.replace(probe, stages=s + 1).smem_bytes(out_dtype) <= SMEM_LIMIT_BYTES:
         s += 1
     return s
 

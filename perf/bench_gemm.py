@@ -50,8 +50,11 @@ def cublas_gemm_ex(a, b, c, trans_b: bool) -> None:
 
 
 def describe(plan) -> str:
+    """One-line plan text of the table and the JSON rows. The C staging mode shows as a suffix of the
+    epilogue ("epi=tma/shared"); per-consumer staging (the default) keeps the older "epi=tma"."""
+    staging = "/shared" if plan.c_staging == "shared" else ""
     return (f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages} {plan.order}"
-            f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue} x{plan.cluster}")
+            f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue}{staging} x{plan.cluster}")
 
 
 def idle_hook_runs(plan, m, n, trans_b, dtype) -> dict:
@@ -126,8 +129,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--epilogue", choices=["tma", "direct"], default=None)
+    ap.add_argument("--c-staging", choices=["per_consumer", "shared"], default=None,
+                    help="C staging of the tma epilogue: one region per consumer, or one shared in turns")
     ap.add_argument("--variants", choices=["auto", "none"], default="auto",
-                    help="auto: also time alternative plans (clusters, orders, group sizes, direct epilogue) "
+                    help="auto: also time alternative plans (clusters, orders, group sizes, direct epilogue, "
+                         "shared C staging) "
                          "so one run shows which default to pick")
     ap.add_argument("--hooks", choices=["idle", "none"], default="idle",
                     help="idle: also time the kernel with hook 1 compiled in and its flags already set "
@@ -159,7 +165,8 @@ def main(argv=None) -> int:
     for (m, k, n) in args.shapes:
         plan = plan_gemm(m, n, k, in_dtype=args.dtype, out_dtype=args.dtype)
         over = {f: v for f, v in (("order", args.order), ("group_m", args.group_m), ("block_n", args.block_n),
-                                  ("stages", args.stages), ("epilogue", args.epilogue)) if v is not None}
+                                  ("stages", args.stages), ("epilogue", args.epilogue),
+                                  ("c_staging", args.c_staging)) if v is not None}
         if over:
             plan = dataclasses.replace(plan, **over).validate(args.dtype)
         rng = cupy.random.default_rng(0)
@@ -200,8 +207,10 @@ def main(argv=None) -> int:
                 "cluster2-hilbert": r(plan, cluster=2, order="hilbert"),
                 "cluster2-group32": r(plan, cluster=2, group_m=32),
                 "cluster2-group8": r(plan, cluster=2, group_m=8),
-                "direct-s4": r(plan, epilogue="direct", stages=4),
-                "cluster2-direct-s4": r(plan, cluster=2, epilogue="direct", stages=4),
+                "direct-s4": r(plan, epilogue="direct", c_staging="per_consumer", stages=4),
+                "cluster2-direct-s4": r(plan, cluster=2, epilogue="direct", c_staging="per_consumer", stages=4),
+                "shared-s4": r(plan, epilogue="tma", c_staging="shared", stages=4),
+                "cluster2-shared-s4": r(plan, cluster=2, epilogue="tma", c_staging="shared", stages=4),
                 "group32": r(plan, group_m=32),
             }
             variants = {k: v for k, v in variants.items() if v != plan}

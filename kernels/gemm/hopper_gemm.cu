@@ -17,6 +17,8 @@
 //   empty[s]  math -> loader    stage s may be overwritten         (1 arrival per consumer WG)
 //   c_full    math -> storer    C staging holds a finished tile     (every consumer thread arrives)
 //   c_empty   storer -> math    C staging may be overwritten        (1 arrival, storer lane 0)
+//   With FLUXRT_GEMM_C_SHARED=1 the consumers share one staging region and take turns: one c_full[c] /
+//   c_empty[c] pair per consumer c, passing a single token (see kCTurns and the consumer's epilogue).
 // Every barrier follows the phase-parity protocol: the k-th completion of a barrier flips its phase;
 // a waiter for "completion number k" waits on parity (k & 1). Producers of a free slot start by waiting
 // on parity 1, which a freshly initialised barrier reports as already complete.
@@ -33,6 +35,9 @@
 //   FLUXRT_GEMM_HOOK_EPILOGUE 1: hook 2 (per-chunk destination + tile flag) default 0
 //   FLUXRT_GEMM_EPI_DIRECT    1: consumers store C straight from registers (no staging, no storer;
 //                             frees the staging smem for one more stage). Not with hook 2.  default 0
+//   FLUXRT_GEMM_C_SHARED      1: the consumers share ONE consumer's C staging region and take turns
+//                             (frees kCConsumerBytes, e.g. room for a 4th stage at 128x256 bf16).
+//                             No effect with one consumer; not with FLUXRT_GEMM_EPI_DIRECT.  default 0
 //   FLUXRT_GEMM_CLUSTER       CTAs per cluster (1 or 2). With 2, the pair computes two M tiles of the
 //                             same N tile, and each CTA loads half of the shared B tile and multicasts
 //                             it to both: L2 -> SM traffic per tile drops from A+B to A+B/2.  default 1
@@ -75,6 +80,9 @@
 #ifndef FLUXRT_GEMM_CLUSTER
 #define FLUXRT_GEMM_CLUSTER 1
 #endif
+#ifndef FLUXRT_GEMM_C_SHARED
+#define FLUXRT_GEMM_C_SHARED 0
+#endif
 
 namespace fluxrt_sm90 {
 
@@ -111,7 +119,20 @@ constexpr u32 kBAtomBytes = 64 * kBK * kInBytes;            // MN-major B: one 6
 constexpr int kCCols = 128 / kOutBytes;                     // columns per 128-byte slab
 constexpr u32 kCSlabBytes = kRowsPerConsumer * 128;         // 8 KiB
 constexpr u32 kCConsumerBytes = (kBN / kCCols) * kCSlabBytes;
-constexpr u32 kCBytes = kEpiDirect ? 0u : kConsumers * kCConsumerBytes;
+// Shared C staging (FLUXRT_GEMM_C_SHARED=1 with 2 consumers): ONE consumer-sized region, which the
+// consumers fill in turn and the storer drains once per consumer ("turn") per tile, each turn with its
+// own c_full[turn] / c_empty[turn] pair. Otherwise: one region per consumer, one turn per tile covering
+// every consumer, one barrier pair. With one consumer the two layouts are the same: the option is a no-op.
+static_assert(!(FLUXRT_GEMM_C_SHARED && kEpiDirect), "shared C staging needs the staged (storer-warp) epilogue");
+constexpr bool kCShared = FLUXRT_GEMM_C_SHARED != 0 && kConsumers > 1;
+constexpr int kCSlots = kCShared ? 1 : kConsumers;            // consumer-sized staging regions
+constexpr int kCTurns = kCShared ? kConsumers : 1;            // storer turns per tile = c_full/c_empty pairs
+constexpr int kConsumersPerTurn = kConsumers / kCTurns;
+constexpr int kTurnRows = kConsumersPerTurn * kRowsPerConsumer;
+constexpr u32 kCBytes = kEpiDirect ? 0u : kCSlots * kCConsumerBytes;
+// Consumer wg: its storer turn (index of its c_full / c_empty pair) and its staging region.
+__host__ __device__ constexpr int c_turn_of(int wg) { return kCShared ? wg : 0; }
+__host__ __device__ constexpr int c_slot_of(int wg) { return kCShared ? 0 : wg; }
 
 // Register split (setmaxnreg): the producer warpgroup keeps few, the math warpgroups get the rest of
 // the 64K-register file. Both must be multiples of 8.
@@ -131,7 +152,7 @@ constexpr u32 kOffA = 0;
 constexpr u32 kOffB = kOffA + kStages * kTileABytes;
 constexpr u32 kOffC = kOffB + kStages * kTileBBytes;
 constexpr u32 kOffBars = kOffC + kCBytes;
-constexpr u32 kNumBars = 2 * kStages + 2;
+constexpr u32 kNumBars = 2 * kStages + 2 * kCTurns;        // full[], empty[], c_full[], c_empty[]
 constexpr u32 kSmemBytes = kOffBars + kNumBars * 8;
 constexpr u32 kSmemAlign = 1024;
 static_assert(kSmemBytes + kSmemAlign <= 232448, "tile config exceeds 227 KiB of shared memory");
@@ -303,7 +324,10 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
     }
 }
 
-// Storer: moves finished tiles from C staging to global memory.
+// Storer: moves finished tiles from C staging to global memory, in kCTurns turns per tile (turn k drains
+// the staging of consumers [k * kConsumersPerTurn, (k + 1) * kConsumersPerTurn), i.e. tile rows
+// [k * kTurnRows, (k + 1) * kTurnRows)), then hands the staging to the next turn's consumers: c_empty of
+// turn k + 1, or of turn 0 (the next tile) after the last turn. One turn: today's single handshake.
 __device__ __forceinline__ void run_storer(const Schedule& sched, int M, int N, const TmaDesc* tmap_c,
                                            u32 smem, const char* smem_generic, u32 bar_c_full,
                                            u32 bar_c_empty, const HookArgs& hooks) {
@@ -313,73 +337,86 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, int M, int N, 
         int m_tile, n_tile;
         const bool real = sched.tile(t, m_tile, n_tile);
         const int m0 = m_tile * kBM, n0 = n_tile * kBN;
-        mbar_wait(bar_c_full, phase);  // acquire: every consumer's staging writes are visible
+#pragma unroll
+        for (int turn = 0; turn < kCTurns; ++turn) {
+            const bool last_turn = turn == kCTurns - 1;
+            const u32 bar_next_empty = bar_c_empty + 8 * ((turn + 1) % kCTurns);
+            const int row0 = turn * kTurnRows;     // first tile row of this turn
+            mbar_wait(bar_c_full + 8 * turn, phase);  // acquire: this turn's staging writes are visible
+            if (!real) {                   // phantom tile (see Schedule): nothing to store or signal
+                if (lane == 0) mbar_arrive(bar_next_empty);
+                __syncwarp();
+                continue;
+            }
+            if constexpr (!kHookEpilogue) {
+                // TMA store, one box per (consumer, 128-byte column slab); rows/cols outside C are clipped.
+                // The consumers issued fence.proxy.async.shared::cta after writing staging, before arriving.
+                if (lane == 0) {
+#pragma unroll
+                    for (int c = 0; c < kConsumersPerTurn; ++c)
+#pragma unroll
+                        for (int j = 0; j < kBN / kCCols; ++j)
+                            tma_store_2d(tmap_c, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes,
+                                         n0 + j * kCCols, m0 + row0 + c * kRowsPerConsumer);
+                    bulk_commit();
+                    bulk_wait_read_all();   // staging has been read: consumers may overwrite it
+                    mbar_arrive(bar_next_empty);
+                }
+                __syncwarp();
+            } else {
+                // Hook 2: the destination of this tile is chosen per chunk of rows (e.g. the symmetric
+                // buffer of the peer that owns the rows). 16-byte vectors; a warp covers 512 contiguous
+                // bytes of a row per step. Tails clipped here (N * kOutBytes is a multiple of 16).
+                const int chunk = m0 / hooks.chunk_rows;
+                const int local_row0 = m0 - chunk * hooks.chunk_rows;
+                char* dst = static_cast<char*>(hooks.dst_table[chunk]);
+                const long long dst_row_bytes = hooks.dst_ld * kOutBytes;
+                constexpr int kUnitsPerRow = kBN * kOutBytes / 16;
+                constexpr int kUnitsPerSlab = 128 / 16;
+                constexpr int kElemsPerUnit = 16 / kOutBytes;
+                // Unrolled by 2 with per-consumer staging (what the compiler picks by itself there). Not with
+                // shared staging: the storer runs under setmaxnreg 40, and this loop unrolled in each of its
+                // turns made ptxas spill (4 bytes, fp32 output or 128-wide tiles).
+#pragma unroll(kCShared ? 1 : 2)
+                for (int idx = row0 * kUnitsPerRow + lane; idx < (row0 + kTurnRows) * kUnitsPerRow; idx += 32) {
+                    const int r = idx / kUnitsPerRow, u = idx % kUnitsPerRow;   // r: row of the tile
+                    const int col = n0 + u * kElemsPerUnit;
+                    if (m0 + r < M && col < N) {
+                        const int c = c_slot_of(r / kRowsPerConsumer), rr = r % kRowsPerConsumer;
+                        const u32 off = c * kCConsumerBytes + (u32)(u / kUnitsPerSlab) * kCSlabBytes +
+                                        (u32)rr * 128u + ((u32)((u % kUnitsPerSlab) ^ (rr & 7)) << 4);
+                        const uint4 v = *reinterpret_cast<const uint4*>(smem_generic + kOffC + off);
+                        *reinterpret_cast<uint4*>(dst + (local_row0 + r) * dst_row_bytes +
+                                                  (long long)col * kOutBytes) = v;
+                    }
+                }
+                // The tile flag covers every row of the tile: signalled after the last turn only. Every
+                // lane fences its own (peer) stores -- of all turns -- before the flag: lane 0's fence
+                // alone did not order other threads' NVLink stores before a release (comm.cuh,
+                // grid_arrive_and_signal).
+                if (last_turn && hooks.flag_table != nullptr) fluxrt::fence_acq_rel_sys();
+                __syncwarp();  // all lanes' staging reads and global stores are ordered before lane 0 below
+                if (lane == 0) {
+                    mbar_arrive(bar_next_empty);
+                    // Per-tile release: fence.acq_rel.sys (cumulative over the warp's stores) + release store.
+                    if (last_turn && hooks.flag_table != nullptr) {
+                        const int local_m_tile = local_row0 / kBM;
+                        u64* flag = hooks.flag_table[chunk] + (long long)local_m_tile * sched.n_tiles + n_tile;
+                        if (hooks.signal_add) fluxrt::signal_add(flag, hooks.signal_value);
+                        else fluxrt::signal_set(flag, hooks.signal_value);
+                    }
+                }
+            }
+        }
         phase ^= 1;
-        if (!real) {                   // phantom tile (see Schedule): nothing to store or signal
-            if (lane == 0) mbar_arrive(bar_c_empty);
-            __syncwarp();
-            continue;
-        }
-        if constexpr (!kHookEpilogue) {
-            // TMA store, one box per (consumer, 128-byte column slab); rows/cols outside C are clipped.
-            // The consumers issued fence.proxy.async.shared::cta after writing staging, before arriving.
-            if (lane == 0) {
-#pragma unroll
-                for (int c = 0; c < kConsumers; ++c)
-#pragma unroll
-                    for (int j = 0; j < kBN / kCCols; ++j)
-                        tma_store_2d(tmap_c, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes,
-                                     n0 + j * kCCols, m0 + c * kRowsPerConsumer);
-                bulk_commit();
-                bulk_wait_read_all();   // staging has been read: consumers may overwrite it
-                mbar_arrive(bar_c_empty);
-            }
-            __syncwarp();
-        } else {
-            // Hook 2: the destination of this tile is chosen per chunk of rows (e.g. the symmetric
-            // buffer of the peer that owns the rows). 16-byte vectors; a warp covers 512 contiguous
-            // bytes of a row per step. Tails clipped here (N * kOutBytes is a multiple of 16).
-            const int chunk = m0 / hooks.chunk_rows;
-            const int local_row0 = m0 - chunk * hooks.chunk_rows;
-            char* dst = static_cast<char*>(hooks.dst_table[chunk]);
-            const long long dst_row_bytes = hooks.dst_ld * kOutBytes;
-            constexpr int kUnitsPerRow = kBN * kOutBytes / 16;
-            constexpr int kUnitsPerSlab = 128 / 16;
-            constexpr int kElemsPerUnit = 16 / kOutBytes;
-            for (int idx = lane; idx < kBM * kUnitsPerRow; idx += 32) {
-                const int r = idx / kUnitsPerRow, u = idx % kUnitsPerRow;
-                const int col = n0 + u * kElemsPerUnit;
-                if (m0 + r < M && col < N) {
-                    const int c = r / kRowsPerConsumer, rr = r % kRowsPerConsumer;
-                    const u32 off = c * kCConsumerBytes + (u32)(u / kUnitsPerSlab) * kCSlabBytes +
-                                    (u32)rr * 128u + ((u32)((u % kUnitsPerSlab) ^ (rr & 7)) << 4);
-                    const uint4 v = *reinterpret_cast<const uint4*>(smem_generic + kOffC + off);
-                    *reinterpret_cast<uint4*>(dst + (local_row0 + r) * dst_row_bytes +
-                                              (long long)col * kOutBytes) = v;
-                }
-            }
-            // Every lane fences its own (peer) stores before the flag: lane 0's fence alone did not
-            // order other threads' NVLink stores before a release (comm.cuh, grid_arrive_and_signal).
-            if (hooks.flag_table != nullptr) fluxrt::fence_acq_rel_sys();
-            __syncwarp();  // all lanes' staging reads and global stores are ordered before lane 0 below
-            if (lane == 0) {
-                mbar_arrive(bar_c_empty);
-                // Per-tile release: fence.acq_rel.sys (cumulative over the warp's stores) + release store.
-                if (hooks.flag_table != nullptr) {
-                    const int local_m_tile = local_row0 / kBM;
-                    u64* flag = hooks.flag_table[chunk] + (long long)local_m_tile * sched.n_tiles + n_tile;
-                    if (hooks.signal_add) fluxrt::signal_add(flag, hooks.signal_value);
-                    else fluxrt::signal_set(flag, hooks.signal_value);
-                }
-            }
-        }
     }
     if constexpr (!kHookEpilogue) {
         if (lane == 0) bulk_wait_all();  // the last stores are complete before the CTA retires
     }
 }
 
-// Math: one consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile.
+// Math: one consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile. bar_c_full / bar_c_empty:
+// the pair of its storer turn (c_turn_of(wg)).
 __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N, int K, int wg, u32 smem,
                                              char* smem_generic, u32 bars_full, u32 bars_empty,
                                              u32 bar_c_full, u32 bar_c_empty, char* c_direct) {
@@ -388,7 +425,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
     float acc[kAccRegs];
     int stage = 0;
     u32 phase = 0;
-    u32 c_phase = 0;
+    u32 c_phase = c_turn_of(wg) == 0 ? 0u : 1u;   // see the parities at the epilogue below
     const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per consumer
     for (int t = sched.first; t < sched.total; t += sched.stride) {
         int prev_stage = 0;
@@ -446,10 +483,23 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
             }
             continue;
         }
-        // Epilogue: registers -> C staging (this consumer's 64 rows).
-        mbar_wait(bar_c_empty, c_phase ^ 1);  // the storer finished reading the previous tile
+        // Epilogue: registers -> C staging (this consumer's 64 rows), in storer turn k = c_turn_of(wg).
+        // Parities, for this CTA's i-th tile (i = 0, 1, ...; protocol at the top of the file):
+        //   c_full[k] completes once per tile (completion i: turn k's consumers wrote tile i);
+        //   c_empty[k] completes once per tile when the storer has drained the turn BEFORE k (turn k - 1 of
+        //   tile i, or for k = 0 the last turn of tile i - 1): it passes the staging token to turn k.
+        //   Turn 0 writes tile i after completion i - 1 of c_empty[0]: parity (i - 1) & 1 = (i & 1) ^ 1;
+        //   for i = 0 that is parity 1, which a fresh barrier reports complete (turn 0 starts with the token).
+        //   Turn k > 0 (shared staging only) writes tile i after completion i of c_empty[k]: parity i & 1;
+        //   for i = 0 parity 0, which a fresh barrier does NOT report: it waits until turn k - 1 is drained.
+        //   Hence c_phase starts at 0 for turn 0 and at 1 for turns > 0, and the wait is on c_phase ^ 1.
+        //   No barrier runs two phases ahead of its waiter: the token is single, and each completion of the
+        //   ring c_empty[0] -> c_full[0] -> c_empty[1] -> c_full[1] -> c_empty[0] (next tile) needs the
+        //   previous one.
+        // With one turn (per-consumer staging) this is the single c_full / c_empty handshake.
+        mbar_wait(bar_c_empty, c_phase ^ 1);  // the storer finished reading the staging (token passed)
         c_phase ^= 1;
-        char* c_base = smem_generic + kOffC + wg * kCConsumerBytes;
+        char* c_base = smem_generic + kOffC + c_slot_of(wg) * kCConsumerBytes;
 #pragma unroll
         for (int g = 0; g < kBN / 8; ++g) {
 #pragma unroll
@@ -503,8 +553,8 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
     const u32 smem = raw + pad;
     const u32 bars_full = smem + kOffBars;
     const u32 bars_empty = bars_full + 8 * kStages;
-    const u32 bar_c_full = bars_empty + 8 * kStages;
-    const u32 bar_c_empty = bar_c_full + 8;
+    const u32 bar_c_full = bars_empty + 8 * kStages;     // c_full[kCTurns]
+    const u32 bar_c_empty = bar_c_full + 8 * kCTurns;    // c_empty[kCTurns]
 
     Schedule sched;
     sched.m_tiles = (M + kBM - 1) / kBM;
@@ -539,8 +589,10 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
             mbar_init(bars_full + 8 * s, 1);               // the loader's arrive.expect_tx
             mbar_init(bars_empty + 8 * s, kConsumers * kCluster);  // per consumer WG of the cluster
         }
-        mbar_init(bar_c_full, 128 * kConsumers);           // every consumer thread
-        mbar_init(bar_c_empty, 1);                         // storer lane 0
+        for (int k = 0; k < kCTurns; ++k) {
+            mbar_init(bar_c_full + 8 * k, 128 * kConsumersPerTurn);  // every thread of the turn's consumers
+            mbar_init(bar_c_empty + 8 * k, 1);                       // storer lane 0
+        }
         fence_mbar_init();                                 // inits visible to TMA (async proxy)
         tma_prefetch_desc(&tmap_a);
         tma_prefetch_desc(&tmap_b);
@@ -562,8 +614,9 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
         // warps 2 and 3 of the producer warpgroup have no role.
     } else {
         if constexpr (kRebalanceRegs) regs_alloc<kConsumerRegs>();
-        run_consumer(sched, M, N, K, warpgroup - 1, smem, smem_generic, bars_full, bars_empty, bar_c_full,
-                     bar_c_empty, static_cast<char*>(c_direct));
+        const int wg = warpgroup - 1;
+        run_consumer(sched, M, N, K, wg, smem, smem_generic, bars_full, bars_empty, bar_c_full + 8 * c_turn_of(wg),
+                     bar_c_empty + 8 * c_turn_of(wg), static_cast<char*>(c_direct));
     }
     // With a cluster, no CTA may exit while its peer can still multicast into its shared memory or
     // arrive on its barriers: every thread of both CTAs meets here once all work is done.

@@ -82,6 +82,58 @@ def test_plan_overrides_are_validated():
         dataclasses.replace(p, epilogue="smem").validate()
 
 
+def test_shared_c_staging_plan():
+    shared = GemmPlan(stages=4, c_staging="shared")
+    assert shared.validate("bfloat16") is shared
+    # one consumer's 64 x 256 bf16 rows instead of both: 4 x 48 KiB + 32 KiB + 12 barriers + alignment
+    assert shared.c_staging_bytes("bfloat16") == 32768 and GemmPlan().c_staging_bytes("bfloat16") == 65536
+    assert shared.c_turns == 2 and GemmPlan().c_turns == 1
+    assert shared.smem_bytes("bfloat16") == 4 * 49152 + 32768 + 8 * (2 * 4 + 2 * 2) + 1024 <= SMEM_LIMIT_BYTES
+    assert max_stages(128, 256, "bfloat16", c_staging="shared") == 4
+    assert max_stages(128, 256, "float16", c_staging="shared") == 4
+    assert max_stages(128, 256, "float32", c_staging="shared") == 3     # 64 KiB staging (per-consumer: 2)
+    assert max_stages(128, 256, "float32") == 2
+    assert max_stages(128, 128, "bfloat16", c_staging="shared") == 6    # MAX_STAGES-bounded either way
+    with pytest.raises(ValueError, match="shared memory"):
+        dataclasses.replace(shared, stages=5).validate("bfloat16")
+    with pytest.raises(ValueError, match="shared memory"):
+        dataclasses.replace(shared, stages=4).validate("float32")
+    GemmPlan(stages=3, c_staging="shared").validate("float32")
+    # one consumer: the staging is one consumer's already, the option changes nothing
+    one = GemmPlan(block_m=64, consumers=1, stages=4)
+    one_shared = dataclasses.replace(one, c_staging="shared")
+    assert one_shared.c_turns == 1
+    assert one_shared.smem_bytes("bfloat16") == one.smem_bytes("bfloat16")
+    assert kernel_defines(one_shared, "bfloat16", "bfloat16", False) == kernel_defines(one, "bfloat16", "bfloat16",
+                                                                                       False)
+    with pytest.raises(ValueError, match="c_staging"):
+        dataclasses.replace(shared, c_staging="turns").validate()
+    with pytest.raises(ValueError, match="c_staging='shared' needs epilogue='tma'"):
+        dataclasses.replace(shared, epilogue="direct").validate()
+    # the planner's default is unchanged until the shared staging is measured on a GPU
+    assert plan_gemm(8192, 8192, 8192).c_staging == "per_consumer"
+
+
+def test_kernel_defines_c_staging():
+    per = dict(kernel_defines(GemmPlan(), "bfloat16", "bfloat16", False))
+    shared = dict(kernel_defines(GemmPlan(stages=4, c_staging="shared"), "bfloat16", "bfloat16", True, True, True))
+    assert per["FLUXRT_GEMM_C_SHARED"] == "0"
+    assert shared["FLUXRT_GEMM_C_SHARED"] == "1" and shared["FLUXRT_GEMM_STAGES"] == "4"
+    assert shared["FLUXRT_GEMM_HOOK_EPILOGUE"] == "1" and shared["FLUXRT_GEMM_EPI_DIRECT"] == "0"
+
+
+def test_bench_describe_shows_c_staging():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "perf" / "bench_gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_gemm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.describe(GemmPlan()) == "128x256x64 s3 grouped/g16 epi=tma x1"      # as in earlier results
+    assert mod.describe(GemmPlan(stages=4, c_staging="shared", cluster=2)) == "128x256x64 s4 grouped/g16 epi=tma/shared x2"
+
+
 @pytest.mark.parametrize("mt,nt", [(1, 1), (3, 5), (64, 32), (7, 1), (1, 9), (17, 13)])
 def test_tile_orders_are_permutations(mt, nt):
     every = {(i, j) for i in range(mt) for j in range(nt)}
@@ -213,12 +265,45 @@ COMPILE_CONFIGS = [
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, True, False),
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", True, False, True),
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, True, True),
+    (GemmPlan(cluster=2), "bfloat16", "bfloat16", True, False, False),
+    # shared C staging (the consumers take turns on one consumer's region): 4 stages at 128x256
+    (GemmPlan(stages=4, c_staging="shared"), "bfloat16", "bfloat16", False, False, False),
+    (GemmPlan(stages=4, c_staging="shared"), "float16", "float16", True, False, False),
+    (GemmPlan(stages=4, c_staging="shared", cluster=2), "bfloat16", "bfloat16", False, False, False),
+    (GemmPlan(stages=4, c_staging="shared", cluster=2), "bfloat16", "bfloat16", True, False, True),
+    (GemmPlan(stages=4, c_staging="shared"), "bfloat16", "bfloat16", True, False, True),
+    (GemmPlan(stages=4, c_staging="shared"), "bfloat16", "bfloat16", False, True, True),
+    (GemmPlan(stages=3, c_staging="shared"), "bfloat16", "float32", False, False, False),
+    (GemmPlan(stages=3, c_staging="shared"), "float16", "float32", True, False, True),
+    (GemmPlan(block_n=128, stages=6, c_staging="shared"), "bfloat16", "bfloat16", False, False, True),
+    (GemmPlan(block_m=64, consumers=1, stages=4, c_staging="shared"), "bfloat16", "bfloat16", False, False, False),
 ]
 
 
+def _cubin_u32(data: bytes, name: str) -> int:
+    """Initial value of a 4-byte __device__ variable of a cubin (ELF64): the kernel's exported constants
+    read without a GPU."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    for _, sh_type, _, _, offset, size, link, _, _, entsize in sections:
+        if sh_type != 2:   # SHT_SYMTAB
+            continue
+        strtab = sections[link]
+        for pos in range(offset, offset + size, entsize):
+            st_name, _, _, st_shndx, st_value, _ = struct.unpack_from("<IBBHQQ", data, pos)
+            start = strtab[4] + st_name
+            if data[start:data.index(b"\0", start)] == name.encode():
+                return struct.unpack_from("<I", data, sections[st_shndx][4] + st_value)[0]
+    raise KeyError(name)
+
+
 @pytest.mark.parametrize("cfg", COMPILE_CONFIGS,
-                         ids=lambda c: f"{c[0].block_m}x{c[0].block_n}s{c[0].stages}{c[0].epilogue}-{c[1]}-{c[2]}"
-                                       f"-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}")
+                         ids=lambda c: f"{c[0].block_m}x{c[0].block_n}s{c[0].stages}{c[0].epilogue}"
+                                       f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
+                                       f"-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:
@@ -232,6 +317,11 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     data = cubin.read_bytes()
     assert b"fluxrt_gemm" in data
     assert len(data) > 10_000
+    # the kernel's own layout constants agree with the planner's (launch size and dynamic smem)
+    assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt)
+    assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
+    assert (_cubin_u32(data, "fluxrt_gemm_block_m"), _cubin_u32(data, "fluxrt_gemm_block_n")) == \
+        (plan.block_m, plan.block_n)
 
 
 def test_generated_wgmma_header_is_current():

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 from fluxrt.errors import decode_error_record, op_id  # noqa: E402
 from fluxrt.gemm import (ArrivalWait, GemmArgumentError, TileEpilogue, gemm,  # noqa: E402
                          gemm_with_hooks)
-from fluxrt.gemm_plan import GemmPlan, plan_gemm  # noqa: E402
+from fluxrt.gemm_plan import GemmPlan, max_stages, plan_gemm  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NP_DT = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
@@ -74,6 +74,15 @@ def rel_err(c, ref: np.ndarray) -> float:
     c64 = cupy.asnumpy(c).astype(np.float64)
     assert not np.isnan(c64).any(), f"{np.isnan(c64).sum()} output elements never written (still NaN)"
     return float(np.linalg.norm(c64 - ref) / np.linalg.norm(ref))
+
+
+def with_staging(plan: GemmPlan, c_staging: str, out_dtype: str = "bfloat16") -> GemmPlan:
+    """`plan` with the given C staging; shared staging gets the deepest ring (<= 6) that its smaller
+    staging buffer makes room for (4 stages at 128x256 bf16)."""
+    if c_staging == "per_consumer":
+        return plan
+    stages = min(6, max_stages(plan.block_m, plan.block_n, out_dtype, c_staging=c_staging))
+    return dataclasses.replace(plan, c_staging=c_staging, stages=stages).validate(out_dtype)
 
 
 def run_case(m, n, k, *, in_dtype="bfloat16", out_dtype=None, trans_b=False, plan=None, seed=0, stream=None):
@@ -135,22 +144,30 @@ PLANS = [
     GemmPlan(cluster=2, block_n=64, stages=6),
     GemmPlan(cluster=2, block_m=64, block_n=256, consumers=1, stages=4),
     GemmPlan(cluster=2, epilogue="direct", stages=4),
+    # shared C staging: the two consumers take turns on one consumer's staging region
+    GemmPlan(stages=4, c_staging="shared"),
+    GemmPlan(stages=4, c_staging="shared", order="hilbert", m_tile_offset=3, max_ctas=7),
+    GemmPlan(block_n=128, stages=6, c_staging="shared", group_m=3),
+    GemmPlan(cluster=2, stages=4, c_staging="shared"),
+    GemmPlan(cluster=2, block_n=128, stages=6, c_staging="shared", order="hilbert", m_tile_offset=3),
 ]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.block_m}x{p.block_n}s{p.stages}-{p.order}"
                                                       f"g{p.group_m}o{p.m_tile_offset}c{p.max_ctas}-{p.epilogue}"
-                                                      f"-x{p.cluster}")
+                                                      f"{'-sharedC' if p.c_staging == 'shared' else ''}-x{p.cluster}")
 @pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 def test_plans(plan, trans_b):
     run_case(1000, 1000, 520, trans_b=trans_b, plan=plan, seed=3)
 
 
+@pytest.mark.parametrize("c_staging", ["per_consumer", "shared"])
 @pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 @pytest.mark.parametrize("m,n,k", [(1100, 1000, 520), (129, 264, 72), (130, 72, 136)])
-def test_cluster_odd_tile_rows(m, n, k, trans_b):
-    # an odd number of M tiles leaves one CTA of the last cluster without a tile of its own
-    plan = dataclasses.replace(plan_gemm(m, n, k), cluster=2, m_tile_offset=1)
+def test_cluster_odd_tile_rows(m, n, k, trans_b, c_staging):
+    # an odd number of M tiles leaves one CTA of the last cluster without a tile of its own (its storer
+    # still passes the staging token from turn to turn with shared staging)
+    plan = with_staging(dataclasses.replace(plan_gemm(m, n, k), cluster=2, m_tile_offset=1), c_staging)
     run_case(m, n, k, trans_b=trans_b, plan=plan, seed=13)
 
 
@@ -160,6 +177,14 @@ def test_direct_epilogue_tails(out_dtype):
         GemmPlan(epilogue="direct", block_n=128, stages=6)
     run_case(129, 264, 72, out_dtype=out_dtype, plan=plan, seed=11)
     run_case(1000, 1000, 1000, out_dtype=out_dtype, trans_b=True, plan=plan, seed=12)
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_shared_staging_fp32_out_tails(cluster):
+    # 128x256 fp32: 64 KiB of shared staging leaves room for 3 stages (per-consumer staging: 2)
+    plan = GemmPlan(stages=3, c_staging="shared", cluster=cluster).validate("float32")
+    run_case(129, 264, 72, out_dtype="float32", plan=plan, seed=14)
+    run_case(1000, 1000, 1000, out_dtype="float32", trans_b=True, plan=plan, seed=15)
 
 
 def test_raw_stream_handle_and_cupy_stream():
@@ -277,9 +302,12 @@ def test_arrival_wait_times_out_and_reports():
 @pytest.mark.parametrize("signal_add", [False, True], ids=["set", "add"])
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("cluster", [1, 2])
-def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype, cluster):
+@pytest.mark.parametrize("c_staging", ["per_consumer", "shared"])
+def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype, cluster, c_staging):
+    # with shared staging the storer copies each tile in two turns; its flag rises after the second
     m, n, k, chunk_rows = 1000, 776, 264, 256
-    plan = dataclasses.replace(plan_gemm(m, n, k, out_dtype=out_dtype), cluster=cluster)
+    plan = with_staging(dataclasses.replace(plan_gemm(m, n, k, out_dtype=out_dtype), cluster=cluster), c_staging,
+                        out_dtype)
     chunks = -(-m // chunk_rows)
     rng = np.random.default_rng(8)
     a = rand_matrix(rng, (m, k), "bfloat16")
@@ -320,7 +348,8 @@ def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype, 
 
 
 @pytest.mark.parametrize("cluster", [1, 2])
-def test_both_hooks_together(setter, cluster):
+@pytest.mark.parametrize("c_staging", ["per_consumer", "shared"])
+def test_both_hooks_together(setter, cluster, c_staging):
     m, n, k, chunk_rows = 768, 512, 256, 256
     chunks = m // chunk_rows
     rng = np.random.default_rng(9)
@@ -333,7 +362,8 @@ def test_both_hooks_together(setter, cluster):
     err = _err_record()
     dst = poisoned((m, n), "bfloat16")
     dst_table = cupy.asarray(np.array([dst.data.ptr + c * chunk_rows * n * 2 for c in range(chunks)], np.uint64))
-    plan = dataclasses.replace(plan_gemm(m, n, k), max_ctas=32, m_tile_offset=2, cluster=cluster)
+    plan = with_staging(dataclasses.replace(plan_gemm(m, n, k), max_ctas=32, m_tile_offset=2, cluster=cluster),
+                        c_staging)
     n_tiles = -(-n // plan.block_n)
     tile_flags = cupy.zeros(chunks * (chunk_rows // plan.block_m) * n_tiles, dtype=cupy.uint64)
     per_chunk = (chunk_rows // plan.block_m) * n_tiles
