@@ -209,7 +209,7 @@ class Collectives:
         self.module = load_module(KERNEL_SOURCE)
         self.epoch = cupy.zeros(1, dtype=np.uint64)  # round counter (kernels: begin_round)
         self.workspace = world.empty((ws,), np.uint8)
-        self.flags = world.zeros((2 * n * plan.MAX_BLOCKS,), np.uint64)  # syncs and barriers: all zero
+        self.flags = world.zeros((plan.FLAG_PHASES * n * plan.MAX_BLOCKS,), np.uint64)  # all zero: no round yet
         self.tuning = options.tuning
         self.ll = world.zeros((self.tuning.ll_buffer_bytes(n),), np.uint8)  # LL lines: zero = empty
         self.ll_half_bytes = self.ll.nbytes // 2
@@ -334,12 +334,15 @@ class Collectives:
         """Launches of an exchange op moving `per_peer` elements per pair (alltoallv: the largest pair of
         all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch."""
         pieces = _pieces(op, algo, per_peer, itemsize, self.world.size, lay, self.tuning)
-        if algo == "ll":
-            name, tail = "fluxrt_exchange_ll", (_u64(lay.slot_bytes),)
-        else:
-            name, tail = "fluxrt_exchange", (_u64(lay.slot_bytes), np.int32(algo == "direct"))
         launches = []
         for p in pieces:
+            if algo == "ll":
+                name, tail = "fluxrt_exchange_ll", (_u64(lay.slot_bytes),)
+            elif algo == "pipe":
+                name, tail = "fluxrt_exchange_pipe", (_u64(lay.slot_bytes), _u64(p.step),
+                                                      _u32(self.tuning.pipe_depth))
+            else:
+                name, tail = "fluxrt_exchange", (_u64(lay.slot_bytes), np.int32(algo == "direct"))
             tab = np.zeros(1, _TABLE_DTYPE)
             table_fn(p, tab.view(np.uint64).reshape(_TABLE_ROWS, plan.MAX_WORLD))
             launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + tail))
@@ -377,6 +380,9 @@ class Collectives:
             xp, op_ = _u64(a.data.ptr + p.start * isz), _u64(o.data.ptr + p.start * isz)
             if chosen == "twoshot":
                 args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes))
+            elif chosen == "pipe":
+                args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes), _u64(p.step // isz),
+                               _u32(self.tuning.pipe_depth))
             else:
                 args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
             launches.append(self._launch(name, p.grid, args))
@@ -412,12 +418,17 @@ class Collectives:
         _agree(world, "reduce_scatter", sig, err)
         a, o, dt, red, c, chosen = got
         lay = self._layout("reduce_scatter", chosen, a.itemsize)
-        name = f"fluxrt_reduce_scatter_{'ll_' if chosen == 'll' else ''}{dt}_{red}"
+        prefix = {"ll": "ll_", "pipe": "pipe_"}.get(chosen, "")
+        name = f"fluxrt_reduce_scatter_{prefix}{dt}_{red}"
         team = self._teams["reduce_scatter"]
         isz = a.itemsize
-        launches = tuple(self._launch(name, p.grid, team + (_u64(a.data.ptr + p.start * isz), _u64(c),
-                                                            _u64(o.data.ptr + p.start * isz), _u64(p.count),
-                                                            _u64(lay.slot_bytes)))
+
+        def args(p):
+            tail = (_u64(p.step // isz), _u32(self.tuning.pipe_depth)) if chosen == "pipe" else ()
+            return team + (_u64(a.data.ptr + p.start * isz), _u64(c), _u64(o.data.ptr + p.start * isz),
+                           _u64(p.count), _u64(lay.slot_bytes)) + tail
+
+        launches = tuple(self._launch(name, p.grid, args(p))
                          for p in _pieces("reduce_scatter", chosen, c, isz, n, lay, self.tuning))
         return launches, o
 

@@ -9,6 +9,9 @@ Algorithms:
   oneshot   allreduce: every rank pushes the whole message to every peer, reduces locally;
   twoshot   allreduce: reduce-scatter then allgather of the reduced chunks;
   push      the other ops, staged through the workspace;
+  pipe      bulk messages in one launch: each block streams its slice through a ring of steps in the
+            peers' workspace slots, pushes of one step overlapping the consumption of earlier ones
+            (allreduce: reduce-scatter and allgather phases in the same pass);
   direct    allgather / alltoall / broadcast into symmetric outputs: pushes straight into the peers' outputs.
 The thresholds and grid sizes are a ``Tuning`` (``CollectivesOptions.tuning``), to be set from measured
 crossover points (``fluxrt-perf allreduce --algo ll`` vs ``--algo oneshot`` ..., ``--tune key=value``).
@@ -23,6 +26,9 @@ MAX_BLOCKS = 128      # kMaxBlocks: flag slots per (phase, source rank)
 MAX_WORLD = 32        # kMaxWorld: ranks an exchange table describes
 VEC_BYTES = 16        # kVecBytes
 THREADS = 512
+FLAG_PHASES = 6       # kFlagPhases: flag arrays per (source rank, block)
+PIPE_STEP_BITS = 24   # kStepBits: steps per (pair, slice) and round stay below 2**24
+PIPE_LINE_BYTES = 128 # kLineBytes: slices of a pipelined round start on whole lines
 
 LL_DATA_BYTES = 8     # kLLData: message bytes per LL line
 LL_LINE_BYTES = 16    # kLLLine: bytes of a line on the wire
@@ -36,6 +42,11 @@ BULK_BYTES_PER_BLOCK = 16 << 10
 BULK_MAX_GRID = 64
 LL_MAX_GRID = 32
 DIRECT_MIN_BYTES = 1 << 20
+PIPE_MIN_BYTES = 64 << 20
+PIPE_BYTES_PER_BLOCK = 64 << 10
+PIPE_MAX_GRID = 64
+PIPE_DEPTH = 2
+PIPE_STEP_ALIGN = 4 << 10
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,11 @@ class Tuning:
     oneshot_max_bytes: allreduce one-shot up to here (above LL), two-shot above.
     *_bytes_per_block / *_max_grid: a block per that many bytes (per peer for bulk rounds), up to that many
     blocks (LL: a thread per 8 message bytes, so a block of THREADS threads per 4 KiB).
-    direct_min_bytes: exchange ops with a symmetric output push straight into it from this size up."""
+    direct_min_bytes: exchange ops with a symmetric output push straight into it from this size up.
+    pipe_min_bytes: pipelined rounds from this message size up (allreduce above one-shot; the other ops
+    where they do not go direct); 0 turns them off. pipe_depth: ring entries per slice (>= 2);
+    pipe_bytes_per_block / pipe_max_grid: slices of the message (a block per slice and role).
+    pipe_max_step: cap on the bytes of a ring entry (0: as large as the workspace allows)."""
 
     ll_max_bytes: int = LL_MAX_BYTES
     oneshot_max_bytes: int = ONESHOT_MAX_BYTES
@@ -58,16 +73,24 @@ class Tuning:
     bulk_max_grid: int = BULK_MAX_GRID
     ll_max_grid: int = LL_MAX_GRID
     direct_min_bytes: int = DIRECT_MIN_BYTES
+    pipe_min_bytes: int = PIPE_MIN_BYTES
+    pipe_bytes_per_block: int = PIPE_BYTES_PER_BLOCK
+    pipe_max_grid: int = PIPE_MAX_GRID
+    pipe_depth: int = PIPE_DEPTH
+    pipe_max_step: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
-        for name in ("oneshot_max_grid", "bulk_max_grid", "ll_max_grid"):
+        for name in ("oneshot_max_grid", "bulk_max_grid", "ll_max_grid", "pipe_max_grid"):
             if not 1 <= getattr(self, name) <= MAX_BLOCKS:
                 raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
-        for name in ("oneshot_bytes_per_block", "bulk_bytes_per_block"):
+        if self.pipe_depth < 2:
+            raise ValueError(f"Tuning.pipe_depth must be >= 2 (a block sends step j while step j - 1 is "
+                             f"consumed), got {self.pipe_depth}")
+        for name in ("oneshot_bytes_per_block", "bulk_bytes_per_block", "pipe_bytes_per_block"):
             if getattr(self, name) < VEC_BYTES:
                 raise ValueError(f"Tuning.{name} must be >= {VEC_BYTES}, got {getattr(self, name)}")
 
@@ -96,12 +119,12 @@ DEFAULT_TUNING = Tuning()
 
 REDUCE_OPS = ("sum", "max", "min")
 ALGOS = {
-    "allreduce": ("ll", "oneshot", "twoshot"),
-    "reduce_scatter": ("ll", "push"),
-    "allgather": ("ll", "push", "direct"),
-    "alltoall": ("ll", "push", "direct"),
-    "alltoallv": ("ll", "push"),
-    "broadcast": ("ll", "push", "direct"),
+    "allreduce": ("ll", "oneshot", "twoshot", "pipe"),
+    "reduce_scatter": ("ll", "push", "pipe"),
+    "allgather": ("ll", "push", "direct", "pipe"),
+    "alltoall": ("ll", "push", "direct", "pipe"),
+    "alltoallv": ("ll", "push", "pipe"),
+    "broadcast": ("ll", "push", "direct", "pipe"),
 }
 
 
@@ -133,11 +156,14 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         return algo
     if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
         return "ll"
+    pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
     if op == "allreduce":
-        return "oneshot" if nbytes <= tuning.oneshot_max_bytes or world_size == 1 else "twoshot"
+        if nbytes <= tuning.oneshot_max_bytes or world_size == 1:
+            return "oneshot"
+        return "pipe" if pipe else "twoshot"
     if direct_ok and "direct" in ALGOS[op] and nbytes >= tuning.direct_min_bytes:
         return "direct"
-    return "push"
+    return "pipe" if pipe else "push"
 
 
 def pair_bytes(op: str, nbytes: int, world_size: int) -> int:
@@ -152,6 +178,32 @@ def oneshot_grid(piece_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
 
 def bulk_grid(bytes_per_peer: int, tuning: Tuning = DEFAULT_TUNING) -> int:
     return max(1, min(tuning.bulk_max_grid, _ceil_div(bytes_per_peer, tuning.bulk_bytes_per_block)))
+
+
+def pipe_roles(op: str) -> int:
+    """Blocks per slice of a pipelined round (kernel: sender, [reducer,] receiver)."""
+    return 3 if op == "allreduce" else 2
+
+
+def pipe_slices(bytes_per_peer: int, roles: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    return max(1, min(tuning.pipe_max_grid, MAX_BLOCKS // roles, _ceil_div(bytes_per_peer, tuning.pipe_bytes_per_block)))
+
+
+def pipe_step(slot_bytes: int, slices: int, depth: int, slice_bytes: int, max_step: int = 0) -> int:
+    """Bytes per ring entry of a pipelined round: a slot holds `depth` entries for each of `slices`
+    slices (16-byte multiples), at most `max_step` (if > 0). `slice_bytes`: the largest slice of one pair."""
+    step = slot_bytes // (slices * depth)
+    if max_step > 0:
+        step = min(step, max_step)
+    # whole 4 KiB pages where it can (with 128-byte slice starts every entry and copy is line-aligned)
+    step = _floor(step, PIPE_STEP_ALIGN) if step >= PIPE_STEP_ALIGN else _floor(step, VEC_BYTES)
+    if step < VEC_BYTES:
+        raise ValueError(f"workspace slot of {slot_bytes} bytes is too small for {slices} slices x {depth} "
+                         "pipelined steps")
+    if _ceil_div(slice_bytes, step) >= 1 << PIPE_STEP_BITS:
+        raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} steps or more of "
+                         f"{step} bytes: enlarge the workspace")
+    return step
 
 
 def ll_grid(bytes_per_peer: int, tuning: Tuning = DEFAULT_TUNING) -> int:
@@ -170,7 +222,8 @@ class Piece:
     start: int
     count: int
     grid: int
-    chunk: int = 0       # two-shot: elements per rank's chunk of this piece (a multiple of 16 bytes)
+    chunk: int = 0       # two-shot, pipe allreduce: elements per rank's chunk (a multiple of 16 bytes)
+    step: int = 0        # pipe: bytes per ring entry
 
 
 @dataclass(frozen=True)
@@ -183,13 +236,18 @@ class Layout:
 
 def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) -> Layout:
     """Slots of one workspace half (LL: of one LL buffer half): n slots for one-shot / chunked ops / LL,
-    2n for two-shot (two phases). An LL slot carries half its bytes as data, in whole 8-byte lines."""
+    2n for two-shot (two phases), n - 1 per ring for pipe (allreduce: two rings). An LL slot carries half
+    its bytes as data, in whole 8-byte lines."""
     slots = 2 * world_size if algo == "twoshot" else world_size
+    if algo == "pipe":  # no rank sends to itself: world - 1 slots per ring (allreduce: two rings)
+        slots = max(1, world_size - 1) * (2 if op == "allreduce" else 1)
     slot = _floor(half_bytes // slots, VEC_BYTES)
     if slot < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slots} slots")
     if algo == "ll":
         return Layout(slot_bytes=slot, max_elems=max(1, _floor(slot // 2, LL_DATA_BYTES) // itemsize))
+    if algo == "pipe":  # the ring recycles its entries: one launch moves any size
+        return Layout(slot_bytes=slot, max_elems=1 << 62)
     per_slot = slot // itemsize
     max_elems = per_slot * world_size if algo == "twoshot" else per_slot
     return Layout(slot_bytes=slot, max_elems=max_elems)
@@ -206,10 +264,23 @@ def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay:
             out.append(Piece(start, n, oneshot_grid(n * itemsize, tuning)))
         elif algo == "ll":
             out.append(Piece(start, n, ll_grid(n * itemsize, tuning)))
+        elif algo == "pipe":
+            chunk = _ceil_div(_ceil_div(n, world_size), vec) * vec
+            out.append(_pipe_piece("allreduce", start, n, chunk * itemsize, lay, tuning, chunk))
         else:
             chunk = _ceil_div(_ceil_div(n, world_size), vec) * vec
             out.append(Piece(start, n, bulk_grid(chunk * itemsize, tuning), chunk))
     return out
+
+
+def _pipe_piece(op: str, start: int, count: int, pair_bytes: int, lay: Layout, tuning: Tuning,
+                chunk: int = 0) -> Piece:
+    """One pipelined launch: `roles` blocks per slice (grid = roles x slices)."""
+    roles = pipe_roles(op)
+    slices = pipe_slices(pair_bytes, roles, tuning)
+    slice_bytes = _ceil_div(_ceil_div(pair_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
+    step = pipe_step(lay.slot_bytes, slices, tuning.pipe_depth, slice_bytes, tuning.pipe_max_step)
+    return Piece(start, count, roles * slices, chunk, step)
 
 
 def direct_pieces(per_peer: int, itemsize: int, tuning: Tuning = DEFAULT_TUNING) -> list[Piece]:
@@ -247,6 +318,8 @@ def pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: 
         return allreduce_pieces(count, itemsize, world_size, algo, lay, tuning)
     if algo == "direct":
         return direct_pieces(count, itemsize, tuning)
+    if algo == "pipe":  # alltoallv: `count` is the largest pair (0: marker steps only)
+        return [_pipe_piece(op, 0, count, count * itemsize, lay, tuning)] if count or op == "alltoallv" else []
     if op == "alltoallv":
         return alltoallv_pieces(count, itemsize, lay, algo, tuning)
     return chunked_pieces(count, itemsize, lay, algo, tuning)
@@ -267,4 +340,4 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
 
 __all__ = ["ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
            "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
-           "bulk_grid", "ll_grid", "oneshot_grid", "pair_bytes", "check_world", "MAX_WORLD"]
+           "bulk_grid", "ll_grid", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]

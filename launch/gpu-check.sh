@@ -10,7 +10,7 @@
 #   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
 # collectives ops tune (TEST_FILES narrows the test step, SWEEP_OPS the collective sweeps; tune runs
-# perf/tune_collectives.py candidates and is not part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# perf/tune_collectives.py candidates, TUNE_SETS of "fabric small large", and is not part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -75,18 +75,28 @@ if want collectives; then
 fi
 if [[ ",$CHECK," == *",tune,"* ]]; then   # candidate thresholds and grids, fluxrt configs beside NCCL
   n=${bench_ranks[-1]}
+  sets=" ${TUNE_SETS:-fabric small large} "   # which groups of tune runs
   tune() { local name=$1; shift; TAIL=30 step "tune-$name-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- \
     python3 perf/tune_collectives.py "$@" -d bf16 -n 20 -w 5 --no-progress --json "$RES/tune-$name-np$n.json"; }
-  TAIL=20 step "fabric-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 perf/fabric_probe.py \
-    --sizes 64M,256M --blocks 16,32,44 --json "$RES/fabric-np$n.json"
-  tune allreduce-small allreduce -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=ll,ll_max_grid=128 \
-    --config algo=oneshot --config algo=auto
-  tune allreduce-large allreduce -b 1M -e 1G -f 4 --config algo=oneshot --config algo=twoshot \
-    --config algo=twoshot,bulk_max_grid=128 --config algo=twoshot,bulk_max_grid=128,bulk_bytes_per_block=64K
-  for op in allgather reduce_scatter alltoall; do
-    tune "$op-small" "$op" -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=push
-    tune "$op-large" "$op" -b 4M -e 1G -f 4 --config algo=push --config algo=push,bulk_max_grid=128
-  done
+  if [[ $sets == *" fabric "* ]]; then
+    TAIL=20 step "fabric-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 perf/fabric_probe.py \
+      --sizes 64M,256M --blocks 16,32,44 --json "$RES/fabric-np$n.json"
+  fi
+  if [[ $sets == *" small "* ]]; then
+    tune allreduce-small allreduce -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=ll,ll_max_grid=128 \
+      --config algo=oneshot --config algo=auto
+    for op in allgather reduce_scatter alltoall; do
+      tune "$op-small" "$op" -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=push
+    done
+  fi
+  if [[ $sets == *" large "* ]]; then
+    tune allreduce-large allreduce -b 1M -e 1G -f 4 --config algo=twoshot --config algo=pipe \
+      --config algo=pipe,pipe_max_step=32K --config algo=pipe,pipe_max_step=16K
+    for op in allgather reduce_scatter alltoall; do
+      tune "$op-large" "$op" -b 1M -e 1G -f 4 --config algo=push --config algo=pipe --config algo=pipe,pipe_max_step=64K \
+        --config algo=pipe,pipe_max_step=32K
+    done
+  fi
 fi
 if want ops; then
   for n in "${bench_ranks[@]}"; do

@@ -32,6 +32,7 @@ namespace {
 constexpr u32 kMaxBlocks = 128;  // flag slots per (phase, source rank); launches use <= this many blocks
 constexpr u32 kMaxWorld = 32;    // ranks an exchange table describes (one NVLink domain)
 constexpr u32 kVecBytes = 16;    // one vector load/store
+constexpr u32 kFlagPhases = 6;   // flag arrays per (source rank, block): staged 0-1, pipelined 2-5
 
 enum ReduceOp { kSum = 0, kMax = 1, kMin = 2 };
 
@@ -40,7 +41,7 @@ struct Team {
     u64* epoch;               // round counter: kRoundUnit per launch (begin_round)
     char* ws;                 // this rank's workspace
     const u64* ws_peers;      // [world]: each rank's workspace, mapped here
-    u64* flags;               // this rank's flags [2 phases][world][kMaxBlocks]
+    u64* flags;               // this rank's flags [kFlagPhases][world][kMaxBlocks]
     const u64* flags_peers;   // [world]: each rank's flags, mapped here
     u64 half_bytes;           // bytes of one workspace half
     char* ll;                 // this rank's LL buffer (zeroed at allocation; LL rounds leave it zeroed)
@@ -367,6 +368,283 @@ __device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes, bool 
     }
 }
 
+// ----------------------------------------------------------------------------------------- pipelined rounds
+// Bulk messages in one launch, without the push-then-consume stall of the staged rounds. The message is
+// cut into `slices` (per pair, the same cut on both sides); each slice streams in steps of `step` bytes
+// through a ring of `depth` entries in the receiver's workspace slot [sender]. Each slice has one block
+// per role, so pushing never waits for consuming:
+//   sender    pushes step j of its slice of every pair into the peers' rings, then raises their ready flag
+//   reducer   (allreduce) waits for every peer's step j of its own chunk, reduces it with its own data
+//             into out and, in the same pass, pushes the result into every peer's second ring
+//   receiver  copies (reduce-scatter: reduces) what the peers pushed out of the ring, then returns the
+//             entry to its sender with a credit flag
+// Roles interleave by block index (block = slice * roles + role), so any prefix of resident blocks holds
+// whole slices. Flags, per (phase, peer, slice):
+//   ready  [kReady*][src][slice] on the receiver: src has pushed step j of this round
+//   credit [kCredit*][dst][slice] on the sender: dst has finished reading step j
+// A sender refills ring entry j % depth only after the credit of step j - depth. Flag values
+// pipe_value(e, j) = (e << kStepBits) + j + 1 grow across rounds, so nothing is reset and waits compare
+// with >=; they have flag phases of their own (the staged rounds' flags carry plain epochs).
+// Every (pair, slice) moves at least one step per round (an empty slice sends a marker step), so the
+// workspace-halves argument above holds: a peer's first ready flag of round e + 1 means that its round-e
+// kernel, and so its reads of the other half, completed.
+constexpr u32 kReady0 = 2, kReady1 = 3, kCredit0 = 4, kCredit1 = 5;  // flag phases (kFlagPhases in all)
+constexpr u64 kStepBits = 24;  // steps per (pair, slice) and round: < 2^24 (the host checks)
+constexpr u64 kLineBytes = 128;  // slices start on whole cache lines (full-line NVLink writes)
+static_assert(kCredit1 < kFlagPhases, "the pipelined rounds' flag phases");
+
+__device__ __forceinline__ u64 pipe_value(u64 e, u64 j) { return (e << kStepBits) + j + 1ull; }
+
+// This block's part in a pipelined round.
+struct Pipe {
+    u64 e;           // round
+    u32 role, slice, slices;
+    u64 base;        // offset of ring 0 in the workspace (ring 1, allreduce: world - 1 slots further)
+    u64 slot_bytes;  // per source rank and ring
+    u64 step;        // bytes per ring entry
+    u32 depth;       // entries per slice
+
+    // Ring entry of step j that rank `src` fills in rank `owner`'s workspace (the same offset on both
+    // sides of a pair). A rank never sends to itself, so a ring has world - 1 slots: src's slot is its
+    // distance after the owner, minus one.
+    __device__ __forceinline__ u64 entry(const Team& t, u32 ring, u32 owner, u32 src, u64 j) const {
+        const u32 slot = (src + t.world - owner - 1) % t.world;
+        return base + ((u64)ring * (t.world - 1) + slot) * slot_bytes + ((u64)slice * depth + j % depth) * step;
+    }
+    __device__ __forceinline__ u64 flag(const Team& t, u32 phase, u32 src) const {
+        return ((u64)phase * t.world + src) * kMaxBlocks + slice;
+    }
+};
+
+__device__ __forceinline__ Pipe begin_pipe(const Team& t, u32 roles, u64 slot_bytes, u64 step, u32 depth) {
+    Pipe pp;
+    pp.e = begin_round(t.epoch);
+    pp.role = blockIdx.x % roles;
+    pp.slice = blockIdx.x / roles;
+    pp.slices = gridDim.x / roles;
+    pp.base = half_offset(t, pp.e);
+    pp.slot_bytes = slot_bytes;
+    pp.step = step;
+    pp.depth = depth;
+    return pp;
+}
+
+// [lo, hi) of `total` units: this block's slice, in pieces of whole `align` units.
+__device__ __forceinline__ void pipe_range(const Pipe& pp, u64 total, u64 align, u64* lo, u64* hi) {
+    u64 per = (total + pp.slices - 1) / pp.slices;
+    per = (per + align - 1) / align * align;
+    const u64 l = (u64)pp.slice * per;
+    *lo = l < total ? l : total;
+    *hi = l + per < total ? l + per : total;
+}
+
+__device__ __forceinline__ u64 steps_of(u64 len, u64 step) { return len ? (len + step - 1) / step : 1; }
+
+// Units of step j within a slice of `len` units (0 past its end: a marker step).
+__device__ __forceinline__ u64 step_len(u64 len, u64 step, u64 j) {
+    const u64 at = j * step;
+    return at < len ? (len - at < step ? len - at : step) : 0;
+}
+
+// Thread p acquires flag [phase][p][slice] >= v for every peer p in `mask`; false (for the whole block)
+// if any of these waits timed out.
+__device__ __forceinline__ bool pipe_wait(const Team& t, const Pipe& pp, u32 phase, u64 v, u32 mask) {
+    int ok = 1;
+    const u32 p = threadIdx.x;
+    if (p < t.world && ((mask >> p) & 1u)) {
+        ok = fluxrt::wait_ge(t.flags + pp.flag(t, phase, p), v, t.timeout_ns, t.err, t.op, t.rank, p);
+        fluxrt::fence_acq_rel_sys();  // the acquire covers the block's later accesses (bar.sync below)
+    }
+    return __syncthreads_and(ok) != 0;
+}
+
+// After the block's stores to (or reads of) step j: every thread fences its own accesses, the block
+// meets, then thread q releases flag [phase][rank][slice] on each peer q in `mask`.
+__device__ __forceinline__ void pipe_signal(const Team& t, const Pipe& pp, u32 phase, u64 v, u32 mask) {
+    fluxrt::fence_acq_rel_sys();
+    __syncthreads();
+    const u32 q = threadIdx.x;
+    if (q < t.world && ((mask >> q) & 1u))
+        fluxrt::st_release_sys(reinterpret_cast<u64*>(t.flags_peers[q]) + pp.flag(t, phase, t.rank), v);
+}
+
+// Peers (not this rank) whose slice of `len[q]` units has a step j.
+__device__ __forceinline__ u32 peers_with_step(const Team& t, const u64* len, u64 step, u64 j) {
+    u32 mask = 0;
+    for (u32 q = 0; q < t.world; ++q)
+        if (q != t.rank && j < steps_of(len[q], step)) mask |= 1u << q;
+    return mask;
+}
+
+// Pipelined exchange round (the table as in exchange(); staged through the ring, never direct).
+// Roles: 0 sender, 1 receiver (which also copies this rank's own pair). The sender also raises its own
+// rank's ready flag, and the receiver waits for it before it writes step j: an in-place alltoall's
+// receiver overwrites x only where this rank's sender has already pushed from.
+__device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, u64 step, u32 depth) {
+    const Pipe pp = begin_pipe(t, 2, slot_bytes, step, depth);
+    const bool sender = pp.role == 0;
+    const u32 self = 1u << t.rank;
+    u64 lo[kMaxWorld], len[kMaxWorld];
+    u64 steps = 1, send_steps = 1;
+    for (u32 q = 0; q < t.world; ++q) {  // this slice of every pair (the same cut on both sides)
+        u64 l, h;
+        pipe_range(pp, tab.send_bytes[q], kLineBytes, &l, &h);
+        const u64 ss = steps_of(h - l, step);
+        send_steps = ss > send_steps ? ss : send_steps;
+        if (!sender) pipe_range(pp, tab.recv_bytes[q], kLineBytes, &l, &h);
+        lo[q] = l, len[q] = h - l;
+        const u64 s = steps_of(len[q], step);
+        steps = s > steps ? s : steps;
+    }
+    for (u64 j = 0; j < steps; ++j) {
+        const u32 mask = peers_with_step(t, len, step, j);
+        if (sender) {
+            if (j >= depth && !pipe_wait(t, pp, kCredit0, pipe_value(pp.e, j - depth), mask)) return;
+            for (u32 s = 1; s < t.world; ++s) {                                        // stage push
+                const u32 q = (t.rank + s) % t.world;
+                if (!((mask >> q) & 1u)) continue;
+                copy_block(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j),
+                           reinterpret_cast<const char*>(tab.send_ptr[q]) + lo[q] + j * step,
+                           step_len(len[q], step, j), false);
+            }
+            pipe_signal(t, pp, kReady0, pipe_value(pp.e, j), mask | self);            // stage ready
+        } else {
+            const u64 mine = j < send_steps ? j : send_steps - 1;  // this rank's sender is past step j
+            if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, mine), self)) return;
+            if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), mask)) return;
+            for (u32 p = 0; p < t.world; ++p) {                                        // stage consume
+                const u64 n = step_len(len[p], step, j);
+                char* dst = reinterpret_cast<char*>(tab.recv_ptr[p]) + lo[p] + j * step;
+                if ((mask >> p) & 1u) {
+                    copy_block(dst, t.ws + pp.entry(t, 0, t.rank, p, j), n, true);
+                } else if (p == t.rank) {  // own pair: sender and receiver cut it alike (no copy in place)
+                    const char* src = reinterpret_cast<const char*>(tab.send_ptr[p]) + lo[p] + j * step;
+                    const u64 own = tab.send_bytes[p] < tab.recv_bytes[p] ? tab.send_bytes[p] : tab.recv_bytes[p];
+                    const u64 at = lo[p] + j * step;
+                    if (src != dst) copy_block(dst, src, at < own ? (own - at < n ? own - at : n) : 0, false);
+                }
+            }
+            pipe_signal(t, pp, kCredit0, pipe_value(pp.e, j), mask);                  // stage credit
+        }
+    }
+}
+
+// dst_d[k] = src_0[k] op src_1[k] op ... op src_{n-1}[k] for k < count and every d < ndst, accumulated in
+// fp32 in rank order (the same bits on every rank). Pointers in shared memory, set by the caller.
+template <class E, int OP>
+__device__ void reduce_sources(char* const* dst, u32 ndst, const char* const* src, u32 n, u64 count) {
+    typedef typename E::T T;
+    constexpr u32 V = E::kPerVec;
+    u64 any = 0;
+    for (u32 p = 0; p < n; ++p) any |= reinterpret_cast<u64>(src[p]);
+    for (u32 d = 0; d < ndst; ++d) any |= reinterpret_cast<u64>(dst[d]);
+    const u64 nvec = (any & 15ull) == 0 ? count / V : 0;
+    for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
+        float acc[V];
+        for (u32 p = 0; p < n; ++p) {
+            uint4 raw = ld_cv(reinterpret_cast<const uint4*>(src[p]) + v);
+            const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (u32 k = 0; k < V; ++k) acc[k] = p == 0 ? E::to_f(x[k]) : combine<OP>(acc[k], E::to_f(x[k]));
+        }
+        uint4 res;
+        T* r = reinterpret_cast<T*>(&res);
+#pragma unroll
+        for (u32 k = 0; k < V; ++k) r[k] = E::from_f(acc[k]);
+        for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dst[d])[v] = res;
+    }
+    for (u64 k = nvec * V + threadIdx.x; k < count; k += blockDim.x) {
+        float acc = 0.f;
+        for (u32 p = 0; p < n; ++p) {
+            const T x = *reinterpret_cast<const volatile T*>(reinterpret_cast<const T*>(src[p]) + k);
+            acc = p == 0 ? E::to_f(x) : combine<OP>(acc, E::to_f(x));
+        }
+        for (u32 d = 0; d < ndst; ++d) reinterpret_cast<T*>(dst[d])[k] = E::from_f(acc);
+    }
+}
+
+// Pipelined reduction round, `step` elements per ring entry.
+//   reduce-scatter (two_phase false; roles sender, reducer): rank r pushes the slice steps of chunk q of
+//     x (at q * chunk_stride) to q; each rank reduces its own chunk into out[0, chunk) (count == chunk).
+//   allreduce (two_phase true; roles sender, reducer, receiver): chunk q = x[q * chunk, ...) clipped to
+//     count; its owner reduces it into out and pushes the result into every peer's ring 1 in the same
+//     pass; the receivers copy the other chunks out.
+template <class E, int OP>
+__device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, typename E::T* out, u64 count,
+                            u64 chunk, u64 slot_bytes, u64 step, u32 depth, bool two_phase) {
+    typedef typename E::T T;
+    __shared__ const char* srcs[kMaxWorld];
+    __shared__ char* dsts[kMaxWorld];
+    const Pipe pp = begin_pipe(t, two_phase ? 3 : 2, slot_bytes, step * sizeof(T), depth);
+    u64 lo, hi;
+    pipe_range(pp, chunk, kLineBytes / sizeof(T), &lo, &hi);
+    u64 len[kMaxWorld];  // elements of chunk q in this slice
+    u64 steps = 1;
+    for (u32 q = 0; q < t.world; ++q) {
+        u64 n = hi - lo;
+        if (two_phase) {  // clip to the message: the last chunks may be short or empty
+            const u64 valid = count > q * chunk ? count - q * chunk : 0;
+            const u64 h = hi < valid ? hi : valid;
+            n = lo < h ? h - lo : 0;
+        }
+        len[q] = n;
+        const u64 s = steps_of(n, step);
+        steps = s > steps ? s : steps;
+    }
+    const u32 peers = ((t.world == 32 ? 0u : 1u << t.world) - 1u) & ~(1u << t.rank);
+    if (pp.role == 0) {                                                                 // sender
+        for (u64 j = 0; j < steps; ++j) {
+            const u32 mask = peers_with_step(t, len, step, j);
+            if (j >= depth && !pipe_wait(t, pp, kCredit0, pipe_value(pp.e, j - depth), mask)) return;
+            for (u32 s = 1; s < t.world; ++s) {
+                const u32 q = (t.rank + s) % t.world;
+                if (!((mask >> q) & 1u)) continue;
+                const u64 src = (two_phase ? q * chunk : q * chunk_stride) + lo + j * step;
+                copy_block(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j), reinterpret_cast<const char*>(x + src),
+                           step_len(len[q], step, j) * sizeof(T), false);
+            }
+            pipe_signal(t, pp, kReady0, pipe_value(pp.e, j), mask);
+        }
+    } else if (pp.role == 1) {                                                          // reducer
+        T* my_out = (two_phase ? out + t.rank * chunk : out) + lo;
+        const u64 own = (two_phase ? t.rank * chunk : t.rank * chunk_stride) + lo;
+        for (u64 j = 0; j < steps_of(len[t.rank], step); ++j) {
+            if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), peers)) return;
+            if (two_phase && j >= depth && !pipe_wait(t, pp, kCredit1, pipe_value(pp.e, j - depth), peers)) return;
+            const u32 p = threadIdx.x;
+            if (p < t.world) {
+                srcs[p] = p == t.rank ? reinterpret_cast<const char*>(x + own + j * step) : t.ws + pp.entry(t, 0, t.rank, p, j);
+                // destination 0: this rank's out; 1..n-1 (two-phase): the peers' ring 1
+                if (p == 0) dsts[0] = reinterpret_cast<char*>(my_out + j * step);
+                else if (two_phase) {
+                    const u32 q = (t.rank + p) % t.world;
+                    dsts[p] = peer_ws(t, q) + pp.entry(t, 1, q, t.rank, j);
+                }
+            }
+            __syncthreads();
+            reduce_sources<E, OP>(dsts, two_phase ? t.world : 1u, srcs, t.world, step_len(len[t.rank], step, j));
+            pipe_signal(t, pp, kCredit0, pipe_value(pp.e, j), peers);                  // ring-0 reads done
+            if (two_phase) {  // the fence in pipe_signal also ordered this block's ring-1 pushes
+                const u32 q = threadIdx.x;
+                if (q < t.world && ((peers >> q) & 1u))
+                    fluxrt::st_release_sys(reinterpret_cast<u64*>(t.flags_peers[q]) + pp.flag(t, kReady1, t.rank),
+                                           pipe_value(pp.e, j));
+            }
+        }
+    } else {                                                                            // receiver (allreduce)
+        for (u64 j = 0; j < steps; ++j) {
+            const u32 mask = peers_with_step(t, len, step, j);
+            if (!pipe_wait(t, pp, kReady1, pipe_value(pp.e, j), mask)) return;
+            for (u32 p = 0; p < t.world; ++p) {
+                if (!((mask >> p) & 1u)) continue;
+                copy_block(reinterpret_cast<char*>(out + p * chunk + lo + j * step), t.ws + pp.entry(t, 1, t.rank, p, j),
+                           step_len(len[p], step, j) * sizeof(T), true);
+            }
+            pipe_signal(t, pp, kCredit1, pipe_value(pp.e, j), mask);
+        }
+    }
+}
+
 // ----------------------------------------------------------------------------------------- LL rounds
 // Low-latency rounds for small messages: the data carries its own flag. A sender stores each 8 bytes of
 // the message as one 16-byte line of two cells {4 data bytes | 4 flag bytes} in the receiver's LL slot
@@ -572,6 +850,18 @@ __device__ void exchange_ll(Team t, const ExchangeTable& tab, u64 slot_bytes) {
                                                                  u64 chunk_stride, E::T* out, u64 chunk, \
                                                                  u64 slot_bytes) {                      \
         reduce_ll<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, slot_bytes);                         \
+    }                                                                                                   \
+    extern "C" __global__ void fluxrt_allreduce_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,         \
+                                                              E::T* out, u64 count, u64 chunk,          \
+                                                              u64 slot_bytes, u64 step, u32 depth) {    \
+        reduce_pipe<E, OP>(FLUXRT_TEAM, x, 0, out, count, chunk, slot_bytes, step, depth, true);        \
+    }                                                                                                   \
+    extern "C" __global__ void fluxrt_reduce_scatter_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,    \
+                                                                   u64 chunk_stride, E::T* out,         \
+                                                                   u64 chunk, u64 slot_bytes, u64 step, \
+                                                                   u32 depth) {                         \
+        reduce_pipe<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, chunk, slot_bytes, step, depth,    \
+                           false);                                                                      \
     }
 
 FLUXRT_REDUCTIONS(bf16_sum, BF16, kSum)
@@ -591,4 +881,9 @@ extern "C" __global__ void fluxrt_exchange(FLUXRT_TEAM_PARAMS, const ExchangeTab
 
 extern "C" __global__ void fluxrt_exchange_ll(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes) {
     exchange_ll(FLUXRT_TEAM, tab, slot_bytes);
+}
+
+extern "C" __global__ void fluxrt_exchange_pipe(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes,
+                                                u64 step, u32 depth) {
+    exchange_pipe(FLUXRT_TEAM, tab, slot_bytes, step, depth);
 }

@@ -27,6 +27,10 @@ def test_plan_constants_mirror_the_kernel():
     assert consts["kMaxWorld"] == plan.MAX_WORLD
     assert consts["kVecBytes"] == plan.VEC_BYTES
     assert consts["kLLData"] == plan.LL_DATA_BYTES and consts["kLLLine"] == plan.LL_LINE_BYTES
+    assert consts["kFlagPhases"] == plan.FLAG_PHASES
+    assert re.search(rf"constexpr u64 kStepBits = {plan.PIPE_STEP_BITS};", src)
+    assert re.search(rf"constexpr u64 kLineBytes = {plan.PIPE_LINE_BYTES};", src)
+    assert plan.PIPE_MAX_GRID <= plan.MAX_BLOCKS
     assert plan.ONESHOT_MAX_GRID <= plan.MAX_BLOCKS and plan.BULK_MAX_GRID <= plan.MAX_BLOCKS
 
 
@@ -36,13 +40,18 @@ def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
     assert plan.choose_algo("allreduce", ll, 4) == "ll"
     assert plan.choose_algo("allreduce", ll + 2, 4) == "oneshot"
     assert plan.choose_algo("allreduce", t, 4) == "oneshot"
-    assert plan.choose_algo("allreduce", t + 2, 4) == "twoshot"
+    assert plan.choose_algo("allreduce", t + 2, 4) == ("twoshot" if t + 2 < plan.PIPE_MIN_BYTES else "pipe")
+    assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4) == "pipe"
+    assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4, tuning=plan.Tuning(pipe_min_bytes=0)) == "twoshot"
     assert plan.choose_algo("allreduce", 8, 1) == "oneshot"          # one rank: nothing to exchange
     assert plan.choose_algo("allreduce", 1 << 30, 1) == "oneshot"    # nothing to split
     assert plan.choose_algo("allreduce", 8, 4, "twoshot") == "twoshot"
     for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast"):
         assert plan.choose_algo(op, 1 << 20, 4) == "push"
         assert plan.choose_algo(op, 8, 4) == "ll"
+        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == "pipe"
+        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (
+            "pipe" if op in ("reduce_scatter", "alltoallv") else "direct")
 
 
 def test_ll_threshold_is_per_pair_of_ranks():
@@ -95,7 +104,7 @@ def test_ll_buffer_holds_the_largest_ll_message_in_one_round(n, itemsize):
     assert d["algo"] == "ll"
     big = t.ll_max_bytes // itemsize + 1  # one element past the LL slot per pair
     d = plan.describe("allgather", big, itemsize, n, 1 << 20, nbytes=big * n * itemsize)
-    assert d["algo"] == "push"
+    assert d["algo"] == ("pipe" if big * n * itemsize >= t.pipe_min_bytes else "push")
 
 
 def test_direct_exchange_needs_a_symmetric_output_and_a_large_message():
@@ -155,14 +164,56 @@ def test_chunked_and_alltoallv_pieces():
     assert [p.start for p in plan.alltoallv_pieces(8193, 4, lay)] == [0, 4096, 8192]
 
 
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather", "alltoallv"])
+@pytest.mark.parametrize("n", [2, 4, 8, 32])
+@pytest.mark.parametrize("count", [0, 1, 4099, 3_000_001, 1 << 28])
+def test_pipe_rounds_fit_their_ring_in_the_workspace(op, n, count):
+    """One launch of roles x slices blocks (<= the flag slots); `slices` x `depth` entries of `step` bytes
+    fit a slot; ring 1 of the allreduce follows ring 0 inside the half; a slice needs < 2**24 steps."""
+    half, itemsize, t = 32 << 20, 2, plan.DEFAULT_TUNING
+    lay = plan.layout(op, "pipe", half, n, itemsize)
+    slots = (n - 1) * (2 if op == "allreduce" else 1)  # a ring has no slot for its own rank
+    assert lay.slot_bytes * slots <= half < (lay.slot_bytes + plan.VEC_BYTES) * slots
+    ps = plan.pieces(op, "pipe", count, itemsize, n, lay)
+    if count == 0 and op != "alltoallv":
+        assert ps == []
+        return
+    (p,) = ps
+    roles = plan.pipe_roles(op)
+    assert roles == (3 if op == "allreduce" else 2)
+    slices = p.grid // roles
+    assert p.grid % roles == 0 and p.grid <= plan.MAX_BLOCKS and 1 <= slices <= t.pipe_max_grid
+    assert p.start == 0 and p.count == count
+    assert p.step % plan.VEC_BYTES == 0 and p.step >= plan.VEC_BYTES
+    assert slices * t.pipe_depth * p.step <= lay.slot_bytes
+    per_pair = (p.chunk if op == "allreduce" else count) * itemsize
+    if op == "allreduce":
+        assert p.chunk * n >= count and p.chunk * itemsize % plan.VEC_BYTES == 0
+    slice_bytes = -(-per_pair // slices)
+    assert -(-slice_bytes // p.step) < 1 << plan.PIPE_STEP_BITS
+    assert p.step % plan.PIPE_STEP_ALIGN == 0 or p.step < plan.PIPE_STEP_ALIGN
+
+
+def test_pipe_tuning_validates_depth_and_grid():
+    with pytest.raises(ValueError, match="pipe_depth"):
+        plan.Tuning(pipe_depth=1)
+    with pytest.raises(ValueError, match="pipe_max_grid"):
+        plan.Tuning(pipe_max_grid=plan.MAX_BLOCKS + 1)
+    with pytest.raises(ValueError, match="too small"):
+        plan.pipe_step(1 << 10, 64, 4, 1 << 20)
+    assert plan.Tuning.parse(["pipe_depth=3", "pipe_min_bytes=1M"]).pipe_min_bytes == 1 << 20
+
+
 def test_layout_refuses_a_workspace_too_small():
     with pytest.raises(ValueError, match="too small"):
         plan.layout("allreduce", "twoshot", 64, 4, 2)
 
 
 def test_describe_reports_algo_and_launches():
-    d = plan.describe("allreduce", 1 << 24, 2, 4, 32 << 20)
+    d = plan.describe("allreduce", 1 << 24, 2, 4, 32 << 20, algo="twoshot")
     assert d["algo"] == "twoshot" and d["launches"] == 2  # 32 MiB in pieces of half the 32 MiB half
+    d = plan.describe("allreduce", 1 << 29, 2, 4, 32 << 20)
+    assert d["algo"] == "pipe" and d["launches"] == 1     # 1 GiB: the ring recycles, one launch
     assert plan.describe("allreduce", 8, 2, 4, 32 << 20)["launches"] == 1
 
 
@@ -332,12 +383,13 @@ def test_kernels_compile_with_every_entry_point():
     from fluxrt.toolchain import CompileOptions, compile_cubin
 
     cubin = compile_cubin("comm/collectives.cu", CompileOptions(arch="sm_90a")).read_bytes()
-    names = ["fluxrt_exchange", "fluxrt_exchange_ll"]
+    names = ["fluxrt_exchange", "fluxrt_exchange_ll", "fluxrt_exchange_pipe"]
     for dt in ("bf16", "fp16", "fp32"):
         for red in plan.REDUCE_OPS:
             names += [f"fluxrt_allreduce_ll_{dt}_{red}", f"fluxrt_allreduce_oneshot_{dt}_{red}",
                       f"fluxrt_allreduce_twoshot_{dt}_{red}", f"fluxrt_reduce_scatter_{dt}_{red}",
-                      f"fluxrt_reduce_scatter_ll_{dt}_{red}"]
+                      f"fluxrt_reduce_scatter_ll_{dt}_{red}", f"fluxrt_allreduce_pipe_{dt}_{red}",
+                      f"fluxrt_reduce_scatter_pipe_{dt}_{red}"]
     missing = [n for n in names if n.encode() + b"\0" not in cubin]
     assert not missing
 

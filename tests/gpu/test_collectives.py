@@ -99,12 +99,13 @@ def _allreduce_counts():
     # and a forced LL message of several LL rounds
     return [(1, "auto"), (1023, "oneshot"), (4099, "twoshot"), (1023, "twoshot"), (4099, "oneshot"),
             (ONESHOT_MAX_BYTES // 2, "auto"), (ONESHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto"),
-            (3, "ll"), (4099, "ll"), (LL_MAX_BYTES // 2, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll")]
+            (3, "ll"), (4099, "ll"), (LL_MAX_BYTES // 2, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll"),
+            (1, "pipe"), (4099, "pipe"), (300_001, "pipe")]
 
 
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
 @pytest.mark.parametrize("redop", REDOPS)
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(15))
 def test_allreduce(world, dtype, redop, case):
     import fluxrt
 
@@ -132,7 +133,7 @@ def test_allreduce(world, dtype, redop, case):
 @pytest.mark.parametrize("redop", REDOPS)
 @pytest.mark.parametrize("chunk, in_place, algo", [(1, False, "auto"), (1023, True, "auto"), (4099, False, "auto"),
                                                   (70_001, True, "auto"), (4099, True, "ll"), (70_001, False, "ll"),
-                                                  (1023, False, "push")])
+                                                  (1023, False, "push"), (1, False, "pipe"), (70_001, True, "pipe")])
 def test_reduce_scatter(world, dtype, redop, chunk, in_place, algo):
     import fluxrt
 
@@ -148,7 +149,8 @@ def test_reduce_scatter(world, dtype, redop, chunk, in_place, algo):
 # ---------------------------------------------------------------------------------------------- allgather / alltoall
 @pytest.mark.parametrize("dtype", MOVE_DTYPES)
 @pytest.mark.parametrize("count, mode, algo", [(1, 0, "auto"), (1023, 1, "auto"), (4099, 2, "auto"),
-                                              (300_001, 0, "auto"), (1023, 0, "push"), (300_001, 1, "ll")])
+                                              (300_001, 0, "auto"), (1023, 0, "push"), (300_001, 1, "ll"),
+                                              (1023, 1, "pipe"), (300_001, 2, "pipe")])
 def test_allgather(world, dtype, count, mode, algo):
     import fluxrt
 
@@ -171,7 +173,8 @@ def test_allgather(world, dtype, count, mode, algo):
 
 @pytest.mark.parametrize("dtype", MOVE_DTYPES)
 @pytest.mark.parametrize("chunk, in_place, algo", [(1, False, "auto"), (1023, True, "auto"), (4099, False, "auto"),
-                                                  (1023, True, "push"), (40_001, True, "ll")])
+                                                  (1023, True, "push"), (40_001, True, "ll"), (1, False, "pipe"),
+                                                  (40_001, True, "pipe")])
 def test_alltoall(world, dtype, chunk, in_place, algo):
     import fluxrt
 
@@ -233,7 +236,9 @@ def _counts_matrix(n: int, seed: int, scale: int) -> np.ndarray:
 @pytest.mark.parametrize("dtype", ("bf16", "int32"))
 @pytest.mark.parametrize("seed, scale, given_recv, gaps, algo", [(1, 7, True, False, "auto"), (2, 5000, False, True, "auto"),
                                                                   (3, 300_000, True, False, "auto"),
-                                                                  (4, 20_000, False, True, "ll")])
+                                                                  (4, 20_000, False, True, "ll"),
+                                                                  (5, 20_000, True, True, "pipe"),
+                                                                  (6, 7, False, False, "pipe")])
 def test_alltoallv(world, dtype, seed, scale, given_recv, gaps, algo):
     import fluxrt
 
@@ -258,7 +263,8 @@ def test_alltoallv(world, dtype, seed, scale, given_recv, gaps, algo):
 
 @pytest.mark.parametrize("dtype", ("bf16", "int32"))
 @pytest.mark.parametrize("count, in_place, algo", [(1, True, "auto"), (4099, False, "auto"), (200_003, True, "auto"),
-                                                  (4099, True, "push"), (200_003, False, "ll")])
+                                                  (4099, True, "push"), (200_003, False, "ll"),
+                                                  (4099, True, "pipe"), (200_003, False, "pipe")])
 def test_broadcast(world, dtype, count, in_place, algo):
     import fluxrt
 
@@ -276,16 +282,69 @@ def test_broadcast(world, dtype, count, in_place, algo):
 
 
 # ---------------------------------------------------------------------------------------------- large messages
-def test_allreduce_large_bf16(world):
+@pytest.mark.parametrize("algo", ["auto", "twoshot"])
+def test_allreduce_large_bf16(world, algo):
     import fluxrt
 
-    count = 32 << 20  # 64 MiB: several two-shot launches through the default 64 MiB workspace
+    count = 32 << 20  # 64 MiB: one pipelined launch (auto), or several two-shot launches through the 64 MiB workspace
     x = _data(99, world, count, "bf16")
     inputs = _gather(world, x)
     out = _poisoned(count, "bf16")
-    fluxrt.allreduce(world, x, out)
+    fluxrt.allreduce(world, x, out, algo=algo)
     world.synchronize()
-    _assert_reduced(_host(out), inputs, "sum", "bf16", "allreduce 64 MiB bf16")
+    _assert_reduced(_host(out), inputs, "sum", "bf16", f"allreduce 64 MiB bf16 algo={algo}")
+
+
+def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
+    """A 256 KiB workspace, 8 blocks and 2 ring entries: every block steps through its ring tens of times
+    per call, for every pipelined op, 20 calls in a row mixed with staged and LL calls on the same
+    context; checked against numpy each time."""
+    import cupy
+
+    from fluxrt.collectives import Collectives, CollectivesOptions
+    from fluxrt.collectives_plan import Tuning
+
+    n, r = world.size, world.rank
+    ctx = Collectives(world, CollectivesOptions(workspace_bytes=256 << 10,
+                                                tuning=Tuning(pipe_max_grid=8, pipe_depth=2)))
+    try:
+        for i in range(20):
+            count = 200_003 + 8 * i  # odd: the last chunk and the last steps are short
+            x = _data(500 + i, world, count, "bf16" if i % 2 else "fp32")
+            dt = "bf16" if i % 2 else "fp32"
+            inputs = _gather(world, x)
+            out = _poisoned(count, dt)
+            ctx.allreduce(x, out, algo="pipe")
+            ctx.allreduce(x, _poisoned(count, dt), algo="ll" if i % 3 == 0 else "twoshot")
+            chunk = count // n
+            rs = _poisoned(chunk, dt)
+            ctx.reduce_scatter(x[:chunk * n], rs, algo="pipe")
+            ag = _poisoned(n * count, dt)
+            ctx.allgather(x, ag, algo="pipe")
+            a2a = _poisoned(chunk * n, dt)
+            ctx.alltoall(x[:chunk * n], a2a, algo="pipe")
+            counts = [(7 * (r + 1) * (q + 2) + i) % 5000 * (q != (r + i) % n) for q in range(n)]
+            v = cupy.arange(sum(counts), dtype=cupy.float32) + 1000 * r
+            rc = [(7 * (p + 1) * (r + 2) + i) % 5000 * (r != (p + i) % n) for p in range(n)]
+            vout = ctx.alltoallv(v, counts, rc, algo="pipe")
+            world.synchronize()
+            what = f"call {i} {dt} count={count}"
+            _assert_reduced(_host(out), inputs, "sum", dt, f"pipe allreduce {what}")
+            _assert_same_on_every_rank(world, out, f"pipe allreduce {what}")
+            _assert_reduced(_host(rs), [a[r * chunk:(r + 1) * chunk] for a in inputs], "sum", dt,
+                            f"pipe reduce_scatter {what}")
+            _assert_equal(_host(ag), np.concatenate(inputs), f"pipe allgather {what}")
+            _assert_equal(_host(a2a), np.concatenate([a[r * chunk:(r + 1) * chunk] for a in inputs]),
+                          f"pipe alltoall {what}")
+            sent = world.comm.allgather(cupy.asnumpy(v))
+            want = []
+            for p in range(n):
+                pc = [(7 * (p + 1) * (q + 2) + i) % 5000 * (q != (p + i) % n) for q in range(n)]
+                start = sum(pc[:r])
+                want.append(sent[p][start:start + pc[r]])
+            _assert_equal(_host(vout), np.concatenate(want).astype(np.float64), f"pipe alltoallv {what}")
+    finally:
+        ctx.free()
 
 
 def test_allgather_large_fp32(world):
@@ -437,14 +496,17 @@ def test_graph_capture_and_replay(world):
     world.device.synchronize()
     fluxrt.allreduce(world, x, out, stream=s)  # an eager call on the capture stream first
     s.synchronize()
+    piped = _poisoned(count, "bf16")
     s.begin_capture()
     fluxrt.allreduce(world, x, out, stream=s)
     fluxrt.allgather(world, x, gathered, stream=s)
+    fluxrt.allreduce(world, x, piped, stream=s, algo="pipe")
     graph = s.end_capture()
     for replay in range(3):
         x[...] = _data(replay, world, count, "bf16")
         out.fill(np.nan)
         gathered.fill(np.nan)
+        piped.fill(np.nan)
         world.device.synchronize()
         inputs = _gather(world, x)
         graph.launch(s)
@@ -452,6 +514,7 @@ def test_graph_capture_and_replay(world):
         world.check_errors()
         _assert_reduced(_host(out), inputs, "sum", "bf16", f"graph replay {replay}: allreduce")
         _assert_equal(_host(gathered), np.concatenate(inputs), f"graph replay {replay}: allgather")
+        _assert_reduced(_host(piped), inputs, "sum", "bf16", f"graph replay {replay}: pipelined allreduce")
 
 
 # ---------------------------------------------------------------------------------------------- errors
