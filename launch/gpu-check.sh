@@ -10,7 +10,7 @@
 #   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
 # collectives ops tune (TEST_FILES narrows the test step, SWEEP_OPS the collective sweeps; tune runs
-# perf/tune_collectives.py candidates, TUNE_SETS of "fabric small large", and is not part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# perf/tune_collectives.py candidates, TUNE_SETS of "fabric small mid large", and is not part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -87,6 +87,15 @@ if [[ ",$CHECK," == *",tune,"* ]]; then   # candidate thresholds and grids, flux
       --config algo=oneshot --config algo=auto
     for op in allgather reduce_scatter alltoall; do
       tune "$op-small" "$op" -b 8 -e 1M -f 4 -G 10 --config algo=ll --config algo=push
+    done
+  fi
+  if [[ $sets == *" mid "* ]]; then
+    tune allreduce-mid allreduce -b 256K -e 4M -f 2 -G 10 --config algo=oneshot --config algo=oneshot,oneshot_max_grid=64 \
+      --config algo=oneshot,oneshot_max_grid=128,oneshot_bytes_per_block=4K \
+      --config algo=twoshot,bulk_max_grid=128,bulk_bytes_per_block=4K --config algo=ll,ll_max_bytes=4M
+    for op in allgather reduce_scatter alltoall; do
+      tune "$op-mid" "$op" -b 512K -e 8M -f 2 -G 10 --config algo=push --config algo=push,bulk_bytes_per_block=4K \
+        --config algo=push,bulk_bytes_per_block=4K,bulk_max_grid=128 --config algo=ll,ll_max_bytes=2M
     done
   fi
   if [[ $sets == *" large "* ]]; then

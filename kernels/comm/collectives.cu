@@ -204,6 +204,37 @@ __device__ __forceinline__ float combine(float a, float b) {
     return fminf(a, b);
 }
 
+// One 16-byte vector of the reduction over n sources: vector *at(p) of each source p, fp32 in rank order
+// (every rank computes bitwise the same value). Loads bypass L1 (.cv): sources may hold pushed data.
+template <class E, int OP, class At>
+__device__ __forceinline__ uint4 reduce_vec(u32 n, At at) {
+    typedef typename E::T T;
+    constexpr u32 V = E::kPerVec;
+    float acc[V];
+    for (u32 p = 0; p < n; ++p) {
+        uint4 raw = ld_cv(at(p));
+        const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (u32 k = 0; k < V; ++k) acc[k] = p == 0 ? E::to_f(x[k]) : combine<OP>(acc[k], E::to_f(x[k]));
+    }
+    uint4 res;
+    T* r = reinterpret_cast<T*>(&res);
+#pragma unroll
+    for (u32 k = 0; k < V; ++k) r[k] = E::from_f(acc[k]);
+    return res;
+}
+
+// The same for one element *at(p) of each source.
+template <class E, int OP, class At>
+__device__ __forceinline__ typename E::T reduce_elem(u32 n, At at) {
+    float acc = 0.f;
+    for (u32 p = 0; p < n; ++p) {
+        const typename E::T x = *at(p);
+        acc = p == 0 ? E::to_f(x) : combine<OP>(acc, E::to_f(x));
+    }
+    return E::from_f(acc);
+}
+
 // out[i] = slot_0[i] op slot_1[i] op ... op slot_{n-1}[i] for i in [lo, hi), accumulated in fp32 in rank
 // order (every rank computes bitwise the same value). Slots are `slot_stride` bytes apart from `slots`.
 template <class E, int OP>
@@ -216,30 +247,15 @@ __device__ void reduce_slots(typename E::T* out, const char* slots, u64 slot_str
     if (vec_ok) {
         const u64 nvec = (hi - lo) / V;
         for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
-            const u64 e0 = lo + v * V;
-            float acc[V];
-            for (u32 p = 0; p < n; ++p) {
-                uint4 raw = ld_cv(reinterpret_cast<const uint4*>(slots + p * slot_stride) + e0 / V);
-                const T* x = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-                for (u32 k = 0; k < V; ++k) acc[k] = p == 0 ? E::to_f(x[k]) : combine<OP>(acc[k], E::to_f(x[k]));
-            }
-            uint4 res;
-            T* r = reinterpret_cast<T*>(&res);
-#pragma unroll
-            for (u32 k = 0; k < V; ++k) r[k] = E::from_f(acc[k]);
-            reinterpret_cast<uint4*>(out)[e0 / V] = res;
+            const u64 at = (lo + v * V) / V;
+            reinterpret_cast<uint4*>(out)[at] = reduce_vec<E, OP>(
+                n, [&](u32 p) { return reinterpret_cast<const uint4*>(slots + p * slot_stride) + at; });
         }
         i = lo + nvec * V;
     }
-    for (u64 j = i + threadIdx.x; j < hi; j += blockDim.x) {
-        float acc = 0.f;
-        for (u32 p = 0; p < n; ++p) {
-            const T x = *reinterpret_cast<const volatile T*>(reinterpret_cast<const T*>(slots + p * slot_stride) + j);
-            acc = p == 0 ? E::to_f(x) : combine<OP>(acc, E::to_f(x));
-        }
-        out[j] = E::from_f(acc);
-    }
+    for (u64 j = i + threadIdx.x; j < hi; j += blockDim.x)
+        out[j] = reduce_elem<E, OP>(
+            n, [&](u32 p) { return reinterpret_cast<const volatile T*>(slots + p * slot_stride) + j; });
 }
 
 __device__ __forceinline__ char* peer_ws(const Team& t, u32 q) { return reinterpret_cast<char*>(t.ws_peers[q]); }
@@ -540,26 +556,12 @@ __device__ void reduce_sources(char* const* dst, u32 ndst, const char* const* sr
     for (u32 d = 0; d < ndst; ++d) any |= reinterpret_cast<u64>(dst[d]);
     const u64 nvec = (any & 15ull) == 0 ? count / V : 0;
     for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
-        float acc[V];
-        for (u32 p = 0; p < n; ++p) {
-            uint4 raw = ld_cv(reinterpret_cast<const uint4*>(src[p]) + v);
-            const T* x = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-            for (u32 k = 0; k < V; ++k) acc[k] = p == 0 ? E::to_f(x[k]) : combine<OP>(acc[k], E::to_f(x[k]));
-        }
-        uint4 res;
-        T* r = reinterpret_cast<T*>(&res);
-#pragma unroll
-        for (u32 k = 0; k < V; ++k) r[k] = E::from_f(acc[k]);
+        const uint4 res = reduce_vec<E, OP>(n, [&](u32 p) { return reinterpret_cast<const uint4*>(src[p]) + v; });
         for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dst[d])[v] = res;
     }
     for (u64 k = nvec * V + threadIdx.x; k < count; k += blockDim.x) {
-        float acc = 0.f;
-        for (u32 p = 0; p < n; ++p) {
-            const T x = *reinterpret_cast<const volatile T*>(reinterpret_cast<const T*>(src[p]) + k);
-            acc = p == 0 ? E::to_f(x) : combine<OP>(acc, E::to_f(x));
-        }
-        for (u32 d = 0; d < ndst; ++d) reinterpret_cast<T*>(dst[d])[k] = E::from_f(acc);
+        const T r = reduce_elem<E, OP>(n, [&](u32 p) { return reinterpret_cast<const volatile T*>(src[p]) + k; });
+        for (u32 d = 0; d < ndst; ++d) reinterpret_cast<T*>(dst[d])[k] = r;
     }
 }
 
