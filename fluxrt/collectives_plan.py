@@ -34,10 +34,10 @@ LL_DATA_BYTES = 8     # kLLData: message bytes per LL line
 LL_LINE_BYTES = 16    # kLLLine: bytes of a line on the wire
 
 # Defaults of Tuning (see there).
-LL_MAX_BYTES = 128 << 10
+LL_MAX_BYTES = 256 << 10
 ONESHOT_MAX_BYTES = 1 << 20
 ONESHOT_BYTES_PER_BLOCK = 8 << 10
-ONESHOT_MAX_GRID = 32
+ONESHOT_MAX_GRID = 64
 BULK_BYTES_PER_BLOCK = 16 << 10
 BULK_MAX_GRID = 64
 LL_MAX_GRID = 32

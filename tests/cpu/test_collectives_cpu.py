@@ -47,7 +47,7 @@ def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
     assert plan.choose_algo("allreduce", 1 << 30, 1) == "oneshot"    # nothing to split
     assert plan.choose_algo("allreduce", 8, 4, "twoshot") == "twoshot"
     for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast"):
-        assert plan.choose_algo(op, 1 << 20, 4) == "push"
+        assert plan.choose_algo(op, 4 << 20, 4) == "push"
         assert plan.choose_algo(op, 8, 4) == "ll"
         assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == "pipe"
         assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (
@@ -109,14 +109,16 @@ def test_ll_buffer_holds_the_largest_ll_message_in_one_round(n, itemsize):
 
 def test_direct_exchange_needs_a_symmetric_output_and_a_large_message():
     big = plan.DIRECT_MIN_BYTES
+    no_ll = plan.Tuning(ll_max_bytes=0)  # LL, where it applies, comes first
     for op in ("allgather", "alltoall", "broadcast"):
-        assert plan.choose_algo(op, big, 4, direct_ok=True) == "direct"
-        assert plan.choose_algo(op, big - 16, 4, direct_ok=True) == "push"
-        assert plan.choose_algo(op, big, 4, direct_ok=False) == "push"
+        assert plan.choose_algo(op, big, 4, direct_ok=True, tuning=no_ll) == "direct"
+        assert plan.choose_algo(op, big - 16, 4, direct_ok=True, tuning=no_ll) == "push"
+        assert plan.choose_algo(op, big, 4, direct_ok=False, tuning=no_ll) == "push"
+        assert plan.choose_algo(op, 8 * big, 4, direct_ok=True) == "direct"
         assert plan.choose_algo(op, 16, 4, "direct", direct_ok=True) == "direct"
         with pytest.raises(ValueError, match="symmetric output"):
             plan.choose_algo(op, big, 4, "direct", direct_ok=False)
-    assert plan.choose_algo("alltoallv", big, 4, direct_ok=True) == "push"
+    assert plan.choose_algo("alltoallv", big, 4, direct_ok=True, tuning=no_ll) == "push"
     assert plan.direct_pieces(0, 2) == []
     (p,) = plan.direct_pieces(1 << 28, 2)  # no workspace limit: one launch
     assert (p.start, p.count, p.grid) == (0, 1 << 28, plan.BULK_MAX_GRID)
