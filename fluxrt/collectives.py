@@ -17,7 +17,10 @@ so a round is one kernel with no fence and no separate signal (``collectives_pla
 staged through a per-world symmetric workspace (``Collectives``, made collectively on the first
 call or explicitly): each launch pushes this rank's data into the peers' workspace slots with SM stores
 over NVLink, releases per-block flags, waits for the peers' flags (bounded by the world's timeout) and
-reduces or copies locally. Messages larger than a workspace half go in several launches. Outputs that
+reduces or copies locally. Messages larger than a workspace half go in several launches, except on the
+pipelined path for bulk messages ('pipe'): one launch streams each slice of the message through a small
+ring of steps in the peers' workspace, with a sender, [reducer,] and receiver block per slice, so the
+NVLink pushes of one step overlap the local copies of earlier ones. Outputs that
 are symmetric arrays (``world.empty``, the same view on every rank) let allgather, alltoall and broadcast
 push straight into the peers' outputs instead ('direct': one launch, no staging copy). Epochs live on
 the device, so calls can be captured in a CUDA graph and replayed. Algorithms per size are chosen in
