@@ -204,6 +204,12 @@ def test_pipe_tuning_validates_depth_and_grid():
     with pytest.raises(ValueError, match="too small"):
         plan.pipe_step(1 << 10, 64, 4, 1 << 20)
     assert plan.Tuning.parse(["pipe_depth=3", "pipe_min_bytes=1M"]).pipe_min_bytes == 1 << 20
+    assert plan.pipe_step(1 << 20, 4, 2, 1 << 20) == 128 << 10                    # slot / (slices x depth)
+    assert plan.pipe_step(1 << 20, 4, 2, 1 << 20, max_step=32 << 10) == 32 << 10  # capped
+    assert plan.pipe_step(100_000, 3, 2, 1 << 20) == 16 << 10                      # whole 4 KiB pages
+    assert plan.pipe_step(3000, 3, 2, 1 << 10) == 496                             # small: 16-byte units
+    with pytest.raises(ValueError, match=r"2\*\*24"):
+        plan.pipe_step(1 << 20, 1, 2, 16 << 30, max_step=16)
 
 
 def test_layout_refuses_a_workspace_too_small():
