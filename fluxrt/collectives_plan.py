@@ -27,7 +27,7 @@ MAX_WORLD = 32        # kMaxWorld: ranks an exchange table describes
 VEC_BYTES = 16        # kVecBytes
 THREADS = 512
 FLAG_PHASES = 6       # kFlagPhases: flag arrays per (source rank, block)
-PIPE_STEP_BITS = 24   # kStepBits: steps per (pair, slice) and round stay below 2**24
+PIPE_STEP_BITS = 20   # kStepBits: steps per (pair, slice) and round stay below 2**20 - 1
 PIPE_LINE_BYTES = 128 # kLineBytes: slices of a pipelined round start on whole lines
 
 LL_DATA_BYTES = 8     # kLLData: message bytes per LL line
@@ -200,8 +200,8 @@ def pipe_step(slot_bytes: int, slices: int, depth: int, slice_bytes: int, max_st
     if step < VEC_BYTES:
         raise ValueError(f"workspace slot of {slot_bytes} bytes is too small for {slices} slices x {depth} "
                          "pipelined steps")
-    if _ceil_div(slice_bytes, step) >= 1 << PIPE_STEP_BITS:
-        raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} steps or more of "
+    if _ceil_div(slice_bytes, step) >= (1 << PIPE_STEP_BITS) - 1:
+        raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} - 1 steps or more of "
                          f"{step} bytes: enlarge the workspace")
     return step
 
@@ -242,6 +242,8 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
     if algo == "pipe":  # no rank sends to itself: world - 1 slots per ring (allreduce: two rings)
         slots = max(1, world_size - 1) * (2 if op == "allreduce" else 1)
     slot = _floor(half_bytes // slots, VEC_BYTES)
+    if algo == "pipe" and slot >= PIPE_STEP_ALIGN:  # every slot, and so every entry, starts on a page
+        slot = _floor(slot, PIPE_STEP_ALIGN)
     if slot < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slots} slots")
     if algo == "ll":

@@ -405,9 +405,12 @@ __device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes, bool 
 // workspace-halves argument above holds: a peer's first ready flag of round e + 1 means that its round-e
 // kernel, and so its reads of the other half, completed.
 constexpr u32 kReady0 = 2, kReady1 = 3, kCredit0 = 4, kCredit1 = 5;  // flag phases (kFlagPhases in all)
-constexpr u64 kStepBits = 24;  // steps per (pair, slice) and round: < 2^24 (the host checks)
+// Rounds have 44 bits (begin_round), steps the other 20: values never wrap. Steps per (pair, slice) and
+// round stay below 2^20 - 1 (the host checks; 4 GiB per slice with 4 KiB steps).
+constexpr u64 kStepBits = 20;
 constexpr u64 kLineBytes = 128;  // slices start on whole cache lines (full-line NVLink writes)
 static_assert(kCredit1 < kFlagPhases, "the pipelined rounds' flag phases");
+static_assert(kStepBits <= kRoundShift, "pipe_value(e, j): 64 - kRoundShift round bits + kStepBits must fit 64");
 
 __device__ __forceinline__ u64 pipe_value(u64 e, u64 j) { return (e << kStepBits) + j + 1ull; }
 

@@ -175,7 +175,7 @@ def test_pipe_rounds_fit_their_ring_in_the_workspace(op, n, count):
     half, itemsize, t = 32 << 20, 2, plan.DEFAULT_TUNING
     lay = plan.layout(op, "pipe", half, n, itemsize)
     slots = (n - 1) * (2 if op == "allreduce" else 1)  # a ring has no slot for its own rank
-    assert lay.slot_bytes * slots <= half < (lay.slot_bytes + plan.VEC_BYTES) * slots
+    assert lay.slot_bytes * slots <= half < (lay.slot_bytes + plan.PIPE_STEP_ALIGN) * slots
     ps = plan.pieces(op, "pipe", count, itemsize, n, lay)
     if count == 0 and op != "alltoallv":
         assert ps == []
@@ -192,8 +192,9 @@ def test_pipe_rounds_fit_their_ring_in_the_workspace(op, n, count):
     if op == "allreduce":
         assert p.chunk * n >= count and p.chunk * itemsize % plan.VEC_BYTES == 0
     slice_bytes = -(-per_pair // slices)
-    assert -(-slice_bytes // p.step) < 1 << plan.PIPE_STEP_BITS
+    assert -(-slice_bytes // p.step) < (1 << plan.PIPE_STEP_BITS) - 1
     assert p.step % plan.PIPE_STEP_ALIGN == 0 or p.step < plan.PIPE_STEP_ALIGN
+    assert lay.slot_bytes % plan.PIPE_STEP_ALIGN == 0  # slots (and so entries) start on whole pages
 
 
 def test_pipe_tuning_validates_depth_and_grid():
@@ -208,7 +209,7 @@ def test_pipe_tuning_validates_depth_and_grid():
     assert plan.pipe_step(1 << 20, 4, 2, 1 << 20, max_step=32 << 10) == 32 << 10  # capped
     assert plan.pipe_step(100_000, 3, 2, 1 << 20) == 16 << 10                      # whole 4 KiB pages
     assert plan.pipe_step(3000, 3, 2, 1 << 10) == 496                             # small: 16-byte units
-    with pytest.raises(ValueError, match=r"2\*\*24"):
+    with pytest.raises(ValueError, match=r"2\*\*20 - 1"):
         plan.pipe_step(1 << 20, 1, 2, 16 << 30, max_step=16)
 
 

@@ -373,6 +373,8 @@ class PipeRound:
         if name == "fluxrt_exchange_pipe":
             tabs = [t[0].view(np.uint64).reshape(5, plan.MAX_WORLD).astype(np.int64) for t in tails]
             self.slot, self.step, self.depth = int(tails[0][1]), int(tails[0][2]), int(tails[0][3])
+            assert all((int(t[1]), int(t[2]), int(t[3])) == (self.slot, self.step, self.depth) for t in tails), \
+                "ranks disagree on the ring geometry"
             self.roles = 2
             for r in range(self.n):
                 for b in range(grid):
@@ -383,6 +385,8 @@ class PipeRound:
             self.fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
             two = kind == "allreduce_pipe"
             self.roles = 3 if two else 2
+            geometry = {tuple(int(v) for v in t[-3:]) for t in tails}
+            assert len(geometry) == 1, f"ranks disagree on the ring geometry: {geometry}"
             for r, t in enumerate(tails):
                 if two:
                     x, out, count, chunk, slot, step, depth = (int(v) for v in t)
@@ -398,6 +402,12 @@ class PipeRound:
         rings = 2 if self.roles == 3 else 1
         assert rings * max(1, self.n - 1) * self.slot <= WORKSPACE // 2, "the rings overflow the workspace half"
         assert (grid // self.roles) * self.depth * self.step <= self.slot, "a slot is too small for its entries"
+        # by byte address: no two ring entries overlap, and all lie inside this round's workspace half
+        spans = sorted(self.entry(ring, 0, src, sl, k)[0] - self.m.ws[0]
+                       for ring in range(rings) for src in range(1, max(2, self.n))
+                       for sl in range(grid // self.roles) for k in range(self.depth))
+        assert all(b - a >= self.step for a, b in zip(spans, spans[1:])), "ring entries overlap"
+        assert self.half <= spans[0] and spans[-1] + self.step <= self.half + WORKSPACE // 2
 
     # --- shared pieces (as in the kernel) --------------------------------------------------------------
     def value(self, j: int) -> int:
