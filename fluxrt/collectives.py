@@ -266,6 +266,11 @@ class Collectives:
     def _half(self, algo: str) -> int:
         return self.ll_half_bytes if algo == "ll" else self.half_bytes
 
+    def _pipe_tail(self, p: plan.Piece, unit: int) -> tuple:
+        """The last two arguments of a pipelined kernel: the ring step (in `unit`-byte units: bytes for the
+        exchange, elements for the reductions) and the ring depth."""
+        return _u64(p.step // unit), _u32(self.tuning.pipe_depth)
+
     def _order_after_previous(self, s) -> None:
         """Make stream `s` wait for the previous call when it ran on another stream (shared workspace)."""
         last = self._last_stream
@@ -337,18 +342,14 @@ class Collectives:
         """Launches of an exchange op moving `per_peer` elements per pair (alltoallv: the largest pair of
         all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch."""
         pieces = _pieces(op, algo, per_peer, itemsize, self.world.size, lay, self.tuning)
+        name = {"ll": "fluxrt_exchange_ll", "pipe": "fluxrt_exchange_pipe"}.get(algo, "fluxrt_exchange")
+        slot = (_u64(lay.slot_bytes),)
         launches = []
         for p in pieces:
-            if algo == "ll":
-                name, tail = "fluxrt_exchange_ll", (_u64(lay.slot_bytes),)
-            elif algo == "pipe":
-                name, tail = "fluxrt_exchange_pipe", (_u64(lay.slot_bytes), _u64(p.step),
-                                                      _u32(self.tuning.pipe_depth))
-            else:
-                name, tail = "fluxrt_exchange", (_u64(lay.slot_bytes), np.int32(algo == "direct"))
+            tail = {"ll": (), "pipe": self._pipe_tail(p, 1)}.get(algo, (np.int32(algo == "direct"),))
             tab = np.zeros(1, _TABLE_DTYPE)
             table_fn(p, tab.view(np.uint64).reshape(_TABLE_ROWS, plan.MAX_WORLD))
-            launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + tail))
+            launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + slot + tail))
         return tuple(launches)
 
     # --- reductions -------------------------------------------------------------------------------
@@ -384,8 +385,7 @@ class Collectives:
             if chosen == "twoshot":
                 args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes))
             elif chosen == "pipe":
-                args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes), _u64(p.step // isz),
-                               _u32(self.tuning.pipe_depth))
+                args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes)) + self._pipe_tail(p, isz)
             else:
                 args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
             launches.append(self._launch(name, p.grid, args))
@@ -427,9 +427,8 @@ class Collectives:
         isz = a.itemsize
 
         def args(p):
-            tail = (_u64(p.step // isz), _u32(self.tuning.pipe_depth)) if chosen == "pipe" else ()
             return team + (_u64(a.data.ptr + p.start * isz), _u64(c), _u64(o.data.ptr + p.start * isz),
-                           _u64(p.count), _u64(lay.slot_bytes)) + tail
+                           _u64(p.count), _u64(lay.slot_bytes)) + (self._pipe_tail(p, isz) if chosen == "pipe" else ())
 
         launches = tuple(self._launch(name, p.grid, args(p))
                          for p in _pieces("reduce_scatter", chosen, c, isz, n, lay, self.tuning))

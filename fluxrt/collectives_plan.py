@@ -266,12 +266,10 @@ def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay:
             out.append(Piece(start, n, oneshot_grid(n * itemsize, tuning)))
         elif algo == "ll":
             out.append(Piece(start, n, ll_grid(n * itemsize, tuning)))
-        elif algo == "pipe":
+        else:  # two-shot and pipe: a chunk per rank, whole 16-byte vectors
             chunk = _ceil_div(_ceil_div(n, world_size), vec) * vec
-            out.append(_pipe_piece("allreduce", start, n, chunk * itemsize, lay, tuning, chunk))
-        else:
-            chunk = _ceil_div(_ceil_div(n, world_size), vec) * vec
-            out.append(Piece(start, n, bulk_grid(chunk * itemsize, tuning), chunk))
+            out.append(_pipe_piece("allreduce", start, n, chunk * itemsize, lay, tuning, chunk) if algo == "pipe"
+                       else Piece(start, n, bulk_grid(chunk * itemsize, tuning), chunk))
     return out
 
 
@@ -281,7 +279,10 @@ def _pipe_piece(op: str, start: int, count: int, pair_bytes: int, lay: Layout, t
     roles = pipe_roles(op)
     slices = pipe_slices(pair_bytes, roles, tuning)
     slice_bytes = _ceil_div(_ceil_div(pair_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
-    step = pipe_step(lay.slot_bytes, slices, tuning.pipe_depth, slice_bytes, tuning.pipe_max_step)
+    try:
+        step = pipe_step(lay.slot_bytes, slices, tuning.pipe_depth, slice_bytes, tuning.pipe_max_step)
+    except ValueError as e:
+        raise ValueError(f"{op} of {count} elements ({pair_bytes} bytes per pair), pipelined: {e}") from None
     return Piece(start, count, roles * slices, chunk, step)
 
 

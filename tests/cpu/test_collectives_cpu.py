@@ -209,6 +209,9 @@ def test_pipe_tuning_validates_depth_and_grid():
     assert plan.pipe_step(1 << 20, 4, 2, 1 << 20, max_step=32 << 10) == 32 << 10  # capped
     assert plan.pipe_step(100_000, 3, 2, 1 << 20) == 16 << 10                      # whole 4 KiB pages
     assert plan.pipe_step(3000, 3, 2, 1 << 10) == 496                             # small: 16-byte units
+    with pytest.raises(ValueError, match=r"allgather of 1048576 elements \(2097152 bytes per pair\), pipelined: "
+                                         r"workspace slot .* too small"):
+        plan.pieces("allgather", "pipe", 1 << 20, 2, 4, plan.layout("allgather", "pipe", 1 << 10, 4, 2))
     with pytest.raises(ValueError, match=r"2\*\*20 - 1"):
         plan.pipe_step(1 << 20, 1, 2, 16 << 30, max_step=16)
 
