@@ -5,10 +5,11 @@ Public entry point: :func:`gemm`. The fused ops (AllGather+GEMM, GEMM+ReduceScat
 
 * :class:`ArrivalWait`   -- before loading A for a tile, the producer waits (bounded, acquire.sys, then
   fence.proxy.async) until ``flags[m_block_start // chunk_rows] >= epoch``.
-* :class:`TileEpilogue`  -- finished tiles go to ``dst_table[chunk] + (row - chunk*chunk_rows)*dst_ld + col``
-  (e.g. a peer's symmetric buffer) and, when ``flag_table`` is given, raise
+* :class:`TileEpilogue`  -- finished tiles of chunk ``row // chunk_rows`` go by TMA store to that chunk's
+  destination (:class:`TileDestinations`: row ``row - chunk*chunk_rows`` of a row-major array, e.g. a
+  peer's symmetric buffer) and, when ``flag_table`` is given, raise
   ``flag_table[chunk][local_m_tile * n_tiles + n_tile]`` (set to / add ``signal_value``, release.sys),
-  issued from a storer warp of the producer warpgroup.
+  issued from the storer warp of the producer warpgroup.
 
 Every argument is validated before the first CUDA call (so mistakes surface as exceptions that name
 the shapes, and the checks run on CPU-only machines).
@@ -29,7 +30,8 @@ from .gemm_plan import GemmPlan, hilbert_order, plan_gemm
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gemm", "gemm_with_hooks", "ArrivalWait", "TileEpilogue", "GemmArgumentError", "GemmTypeError",
+__all__ = ["gemm", "gemm_with_hooks", "ArrivalWait", "TileEpilogue", "TileDestinations", "GemmArgumentError",
+           "GemmTypeError",
            "validate_gemm_args", "kernel_defines"]
 
 KERNEL_SOURCE = "gemm/hopper_gemm.cu"
@@ -67,17 +69,71 @@ class ArrivalWait:
     rank: int = 0
 
 
+class TileDestinations:
+    """Hook 2's per-chunk destinations: the tiles of chunk c (rows ``[c*chunk_rows, (c+1)*chunk_rows)`` of
+    C) go to the row-major array at ``ptrs[c]`` (row 0 = the chunk's first row, ``ld`` elements per row,
+    element type ``dtype``): local memory or a peer's symmetric buffer alike.
+
+    The kernel stores through one TMA descriptor per chunk, which this object builds per call geometry
+    (M, N, chunk_rows: each map holds exactly the rows and columns the call writes, so the TMA clips the
+    tails) and keeps in device memory for as long as it lives: build it once, reuse it for every call.
+    """
+
+    def __init__(self, ptrs, ld: int, dtype):
+        self.ptrs = tuple(int(p) for p in ptrs)
+        self.ld = int(ld)
+        self.dtype = normalize_dtype(dtype).name
+        if not self.ptrs:
+            raise GemmArgumentError("gemm: TileDestinations needs at least one destination")
+        if self.dtype not in _OUT_IDS:
+            raise GemmArgumentError(f"gemm: TileDestinations dtype {self.dtype} is not an output type "
+                                    f"({', '.join(_OUT_IDS)})")
+        for c, p in enumerate(self.ptrs):
+            if p == 0 or p % _TMA_ALIGN:
+                raise GemmArgumentError(f"gemm: TileDestinations destination {c} at 0x{p:x} must be non-null and "
+                                        f"{_TMA_ALIGN}-byte aligned (TMA)")
+        if self.ld <= 0 or (self.ld * _ITEMSIZE[self.dtype]) % _TMA_ALIGN:
+            raise GemmArgumentError(f"gemm: TileDestinations rows of ld={self.ld} {self.dtype} elements must be a "
+                                    f"positive multiple of {_TMA_ALIGN} bytes (TMA)")
+        self._tables: dict = {}
+
+    def check(self, m: int, n: int, chunk_rows: int, out_dtype: str) -> None:
+        """The call (M, N, chunk_rows, output type) fits these destinations; before any launch."""
+        chunks = -(-m // chunk_rows)
+        if chunks > len(self.ptrs):
+            raise GemmArgumentError(f"gemm: M={m} in chunks of {chunk_rows} rows needs {chunks} destinations, "
+                                    f"TileDestinations has {len(self.ptrs)}")
+        if n > self.ld:
+            raise GemmArgumentError(f"gemm: N={n} exceeds the destinations' row length ld={self.ld}")
+        if out_dtype != self.dtype:
+            raise GemmArgumentError(f"gemm: the GEMM writes {out_dtype}, the destinations hold {self.dtype}")
+
+    def tensor_maps(self, m: int, n: int, chunk_rows: int, device_id: int, box_cols: int, box_rows: int):
+        """Device array of the call's per-chunk tensor maps (one 128-byte CUtensorMap each), cached."""
+        key = (m, n, chunk_rows, device_id, box_cols, box_rows)
+        table = self._tables.get(key)
+        if table is None:
+            import cupy
+
+            maps = [_tensor_map(p, self.dtype, min(chunk_rows, m - c * chunk_rows), n, box_cols, box_rows, ld=self.ld,
+                                cache=False)
+                    for c, p in enumerate(self.ptrs[:-(-m // chunk_rows)])]
+            with cupy.cuda.Device(device_id):
+                table = cupy.asarray(np.concatenate(maps).view(np.uint64))   # 256-byte aligned allocation
+            self._tables[key] = table
+        return table
+
+
 @dataclass(frozen=True)
 class TileEpilogue:
     """Hook 2: per-chunk destination + per-tile release flag, written by the storer warp.
 
-    dst_table: device array (uint64) of per-chunk destination base pointers (row-major, ``dst_ld``
-    elements per row, row 0 = first row of the chunk). flag_table: device array (uint64) of per-chunk
-    flag-array pointers (or None for no signal).
+    destinations: :class:`TileDestinations` (chunk c's tiles go to its c-th array). flag_table: device
+    array (uint64) of per-chunk flag-array pointers (or None for no signal); tile (local_m_tile, n_tile)
+    of chunk c raises ``flag_table[c][local_m_tile * n_tiles + n_tile]`` once the tile is stored.
     """
-    dst_table: object
+    destinations: TileDestinations
     chunk_rows: int
-    dst_ld: int
     flag_table: object = None
     signal_value: int = 1
     signal_add: bool = False
@@ -253,12 +309,15 @@ def _kernel(defines, device_id: int, smem_bytes: int):
     return k
 
 
-def _tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_rows: int) -> np.ndarray:
-    """2-D row-major [rows, cols] tensor map, box {box_cols, box_rows}, 128B swizzle, zero OOB fill.
-    Returned as a 0-d 128-byte numpy void (CuPy passes it by value to the __grid_constant__ TmaDesc)."""
-    key = (ptr, dtype, rows, cols, box_cols, box_rows)
+def _tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_rows: int, *, ld: int | None = None,
+                cache: bool = True) -> np.ndarray:
+    """2-D row-major [rows, cols] tensor map (``ld`` elements per row, default cols), box {box_cols,
+    box_rows}, 128B swizzle, zero OOB fill. Returned as a size-1 array of one 128-byte record (CuPy passes
+    it by value to the __grid_constant__ TmaDesc). cache=False: not kept in the launch cache."""
+    ld = cols if ld is None else ld
+    key = (ptr, dtype, rows, cols, box_cols, box_rows, ld)
     with _lock:
-        hit = _tmaps.get(key)
+        hit = _tmaps.get(key) if cache else None
         if hit is not None:
             _tmaps.move_to_end(key)
             return hit
@@ -267,7 +326,7 @@ def _tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_r
     item = _ITEMSIZE[dtype]
     err, tmap = drv.cuTensorMapEncodeTiled(
         getattr(drv.CUtensorMapDataType, _TMAP_TYPES[dtype]), 2, ptr,
-        [drv.cuuint64_t(cols), drv.cuuint64_t(rows)], [drv.cuuint64_t(cols * item)],
+        [drv.cuuint64_t(cols), drv.cuuint64_t(rows)], [drv.cuuint64_t(ld * item)],
         [drv.cuuint32_t(box_cols), drv.cuuint32_t(box_rows)], [drv.cuuint32_t(1), drv.cuuint32_t(1)],
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
@@ -278,6 +337,8 @@ def _tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_r
                                 f"0x{ptr:x}, box [{box_rows}, {box_cols}]")
     words = np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
     arr = words.view(_TMAP_DTYPE).reshape((1,))  # size-1 structured array: by value
+    if not cache:
+        return arr
     with _lock:
         _tmaps[key] = arr
         while len(_tmaps) > _TMAP_CACHE_SIZE:
@@ -391,16 +452,15 @@ def _check_hooks(wait: ArrivalWait | None, epilogue: TileEpilogue | None, plan: 
             raise GemmArgumentError(f"gemm: ArrivalWait.chunks_per_peer must be >= 1, got {wait.chunks_per_peer}")
     if epilogue is not None and plan.epilogue != "tma":
         raise GemmArgumentError("gemm: TileEpilogue needs GemmPlan.epilogue='tma' (the storer-warp epilogue)")
-    if epilogue is not None and epilogue.dst_ld <= 0:
-        raise GemmArgumentError(f"gemm: TileEpilogue.dst_ld must be > 0, got {epilogue.dst_ld}")
+    if epilogue is not None and not isinstance(epilogue.destinations, TileDestinations):
+        raise GemmArgumentError("gemm: TileEpilogue.destinations must be a TileDestinations, got "
+                                f"{type(epilogue.destinations).__name__}")
     if wait is not None and epilogue is not None and wait.chunk_rows != epilogue.chunk_rows:
         raise GemmArgumentError(f"gemm: ArrivalWait.chunk_rows={wait.chunk_rows} and TileEpilogue.chunk_rows="
                                 f"{epilogue.chunk_rows} must be equal (the kernel has one chunk size)")
     if wait is not None and 0 in (_ptr(wait.flags), _ptr(wait.err)):
         raise GemmArgumentError(f"gemm: ArrivalWait (op_id={wait.op_id}, rank={wait.rank}) needs non-null flags "
                                 "and err: the kernel writes its timeout report through err")
-    if epilogue is not None and _ptr(epilogue.dst_table) == 0:
-        raise GemmArgumentError("gemm: TileEpilogue.dst_table is null")
 
 
 def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | None,
@@ -410,6 +470,8 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         plan = plan_gemm(m, n, k, in_dtype=in_dt, out_dtype=out_dt)
     plan.validate(out_dt)
     _check_hooks(wait, epilogue, plan, m)
+    if epilogue is not None:
+        epilogue.destinations.check(m, n, epilogue.chunk_rows, out_dt)
 
     import cupy
 
@@ -447,6 +509,8 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         staged_out = out is not None and epilogue is None and plan.epilogue == "tma"
         tmap_c = _tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64) if staged_out else _NULL_TMAP
         c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
+        dst_tmaps = (epilogue.destinations.tensor_maps(m, n, epilogue.chunk_rows, dev, c_cols, 64)
+                     if epilogue is not None else None)
         table = _order_table(plan, mt, nt, dev)
         grid = plan.grid(m, n, _num_sms(dev), _max_clusters(kern, plan, smem, dev))
         args = (
@@ -458,8 +522,7 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
             np.uint64(wait.timeout_ns if wait else 0), np.uint64(_ptr(wait.err) if wait else 0),
             np.uint32(wait.op_id if wait else 0), np.uint32(wait.rank if wait else 0),
             # hook 2
-            np.uint64(_ptr(epilogue.dst_table) if epilogue else 0), np.int64(epilogue.dst_ld if epilogue else 0),
-            np.uint64(_ptr(epilogue.flag_table) if epilogue else 0),
+            np.uint64(_ptr(dst_tmaps)), np.uint64(_ptr(epilogue.flag_table) if epilogue else 0),
             np.uint64(epilogue.signal_value if epilogue else 0), np.int32(1 if epilogue and epilogue.signal_add else 0),
             np.uint64(c_direct),
         )
@@ -487,7 +550,7 @@ def gemm_with_hooks(a, b, out=None, *, trans_b: bool = False, stream=None, plan:
                     epilogue: TileEpilogue | None = None):
     """Internal launch path of the fused ops: :func:`gemm` with hook 1 and/or hook 2 compiled in.
 
-    With ``epilogue`` set, ``out`` is not written (tiles go to ``epilogue.dst_table``); pass out=None and
+    With ``epilogue`` set, ``out`` is not written (tiles go to ``epilogue.destinations``); pass out=None and
     out_dtype for the element type of the destinations. Returns ``out`` (None with an epilogue and no out).
     """
     return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=wait,

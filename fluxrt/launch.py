@@ -8,6 +8,12 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1: multicast objects can take a shared host's G
 unbuffered Python output, the symmetric heap size and wait bound when given, and passes through the
 caller's PYTHONPATH and FLUXRT_* / NVSHMEM_* / NCCL_* / CUDA_* settings. Ranks map to GPUs by local rank
 inside ``fluxrt.init`` (one GPU per rank), so the launcher places ranks only.
+
+CPU binding: none by default (``--bind-to none``). A rank is several busy threads (Python enqueueing
+work, CUDA's and MPI's helpers); Open MPI binds each of 1 or 2 ranks to a single core by default, and on
+a 2-rank run that stalled a rank's host thread for milliseconds (fused-op timings on 2 GPUs read 2-4x
+too slow, and the peer waited). ``--bind-to core|socket|numa`` asks the launcher for that binding;
+``--bind-to launcher`` leaves the launcher's own default.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ SAFE_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_ME
             "PYTHONUNBUFFERED": "1"}
 PASS_PREFIXES = ("FLUXRT_", "NVSHMEM_", "NCCL_", "CUDA_", "CUPY_")
 PASS_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+BIND_CHOICES = ("none", "core", "socket", "numa", "launcher")
+_SRUN_BIND = {"none": "none", "core": "cores", "socket": "sockets", "numa": "ldoms"}
 
 
 @dataclass
@@ -73,6 +81,8 @@ def build(args, base_env=None, euid=None) -> Plan:
         if args.nodes:
             argv += ["-N", str(args.nodes)]
         argv += ["--mpi=" + args.srun_mpi] if args.srun_mpi else []
+        if args.bind_to != "launcher":
+            argv.append("--cpu-bind=" + _SRUN_BIND[args.bind_to])
     else:
         mpirun = args.mpirun or shutil.which("mpirun") or shutil.which("mpiexec")
         if not mpirun:
@@ -86,11 +96,15 @@ def build(args, base_env=None, euid=None) -> Plan:
                 argv.append("--oversubscribe")
             if args.nodes:
                 argv += ["--map-by", f"ppr:{-(-args.nprocs // args.nodes)}:node"]
+            if args.bind_to != "launcher":
+                argv += ["--bind-to", args.bind_to]
             for k in sorted(env):
                 argv += ["-x", k]
         else:
             if args.nodes:
                 argv += ["-ppn", str(-(-args.nprocs // args.nodes))]
+            if args.bind_to != "launcher":
+                argv += ["-bind-to", args.bind_to]
             argv += ["-genvlist", ",".join(sorted(env))]
         argv += args.mpi_args
     # Resolve the program here: remote daemons search their own PATH, which may pick another python3.
@@ -113,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=None, help="bound of device waits in seconds (FLUXRT_TIMEOUT_S)")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra variable for every rank")
     ap.add_argument("--oversubscribe", action="store_true", help="Open MPI: allow more ranks than slots")
+    ap.add_argument("--bind-to", choices=BIND_CHOICES, default="none",
+                    help="CPU binding of ranks (default none: a rank's host threads must not share one core; "
+                         "'launcher' keeps the launcher's default)")
     ap.add_argument("--mpi-args", action="append", default=[], metavar="ARG", help="extra argument for mpirun")
     ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")

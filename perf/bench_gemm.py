@@ -63,7 +63,7 @@ def idle_hook_runs(plan, m, n, trans_b, dtype) -> dict:
     Their time over the plain kernel is the price of having the hooks in the kernel."""
     import cupy
 
-    from fluxrt.gemm import ArrivalWait, TileEpilogue, gemm_with_hooks
+    from fluxrt.gemm import ArrivalWait, TileDestinations, TileEpilogue, gemm_with_hooks
 
     chunk_rows = plan.block_m * max(1, (m // 4) // plan.block_m)      # ~4 chunks, as in a TP=4 AllGather
     chunks = -(-m // chunk_rows)
@@ -79,9 +79,9 @@ def idle_hook_runs(plan, m, n, trans_b, dtype) -> dict:
 
     def epilogue_for(c):
         if c.data.ptr not in epilogues:
-            rows = np.array([c.data.ptr + r * chunk_rows * c.strides[0] for r in range(chunks)], dtype=np.uint64)
-            epilogues[c.data.ptr] = TileEpilogue(dst_table=cupy.asarray(rows), chunk_rows=chunk_rows, dst_ld=n,
-                                                 flag_table=flag_table, signal_value=1)
+            dests = TileDestinations([c.data.ptr + r * chunk_rows * c.strides[0] for r in range(chunks)], n, dtype)
+            epilogues[c.data.ptr] = TileEpilogue(destinations=dests, chunk_rows=chunk_rows, flag_table=flag_table,
+                                                 signal_value=1)
         return epilogues[c.data.ptr]
 
     def run_wait(a, b, c):

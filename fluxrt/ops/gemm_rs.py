@@ -6,7 +6,7 @@ Per call, with epoch e and parity q = (e - 1) % 2:
 1. The GEMM (caller's stream) walks the tiles starting at the rows of rank+1 and ending with its own.
    Its epilogue (the storer warp) stores each finished tile of owner o's rows into o's symmetric
    ``recv[q][my_rank]`` (the own partial stays local, same layout) and releases o's flag
-   ``[q][my_rank][tile]`` to e (every lane fences its stores, then one release.sys).
+   ``[q][my_rank][tile]`` to e (TMA stores complete, proxy fence, then fence + release.sys).
 2. The owner's reduce kernel waits (bounded) per tile for all world sources' flags, then sums the
    partials in fixed source order 0..world-1 in fp32 and stores the tile of ``out``: the result is
    bitwise independent of arrival order. 'after' mode runs it after the GEMM on the caller's stream;
@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from ..errors import op_id
-from ..gemm import TileEpilogue, gemm_with_hooks
+from ..gemm import TileDestinations, TileEpilogue, gemm_with_hooks
 from ..streams import as_cupy_stream
 from . import common
 from .plan import GemmRsPlan, OpsArgumentError, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
@@ -76,7 +76,7 @@ class GemmReduceScatter:
         with world.device:
             self.reduce_stream = cupy.cuda.Stream(non_blocking=True)
             # per parity: where my partial of owner o's rows goes, and o's flags for my tiles
-            self._dst = [cupy.asarray(np.asarray([self.recv[q, me].peer_ptr(o) for o in range(w)], dtype=np.uint64))
+            self._dst = [TileDestinations([self.recv[q, me].peer_ptr(o) for o in range(w)], self.n, self.partial_dtype)
                          for q in range(PARITIES)]
             self._flags = [cupy.asarray(np.asarray([self.pad.peer_ptr(o, self.layout.base(q, me)) for o in range(w)],
                                                    dtype=np.uint64)) for q in range(PARITIES)]
@@ -114,7 +114,7 @@ class GemmReduceScatter:
                 out = common.alloc_on((shard, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             q = (epoch - 1) % PARITIES
-            epi = TileEpilogue(dst_table=self._dst[q], chunk_rows=shard, dst_ld=self.n, flag_table=self._flags[q],
+            epi = TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._flags[q],
                                signal_value=epoch, signal_add=False)
             if self.plan.reduce_mode == "concurrent":
                 r = self.reduce_stream

@@ -7,8 +7,9 @@
 // One CTA = 1 producer warpgroup + FLUXRT_GEMM_CONSUMERS consumer warpgroups, persistent over tiles:
 //
 //   producer WG, warp 0, lane 0  "loader":  [hook 1: wait for A's chunk flag]  TMA A,B -> smem ring
-//   producer WG, warp 1          "storer":  C staging smem -> global (TMA store, or per-tile
-//                                           destination + per-tile flag when hook 2 is on)
+//   producer WG, warp 1, lane 0  "storer":  C staging smem -> global by TMA store: into C, or with hook 2
+//                                           into the tile's chunk destination (a peer's buffer), then
+//                                           a per-tile flag
 //   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile, then
 //                                           registers -> C staging smem
 //
@@ -32,7 +33,7 @@
 //   FLUXRT_GEMM_OUT           0 bf16, 1 fp16, 2 fp32                     default 0
 //   FLUXRT_GEMM_B_KMAJOR      1: B is [N,K]; 0: B is [K,N]               default 0
 //   FLUXRT_GEMM_HOOK_WAIT     1: hook 1 (arrival wait before A loads)    default 0
-//   FLUXRT_GEMM_HOOK_EPILOGUE 1: hook 2 (per-chunk destination + tile flag) default 0
+//   FLUXRT_GEMM_HOOK_EPILOGUE 1: hook 2 (per-chunk destination tensor map + tile flag) default 0
 //   FLUXRT_GEMM_EPI_DIRECT    1: consumers store C straight from registers (no staging, no storer;
 //                             frees the staging smem for one more stage). Not with hook 2.  default 0
 //   FLUXRT_GEMM_C_SHARED      1: the consumers share ONE consumer's C staging region and take turns
@@ -224,8 +225,8 @@ struct HookArgs {
     fluxrt::ErrorRecord* err;
     u32 op_id, rank;
     // hook 2: tile epilogue
-    void* const* dst_table;     // per chunk: base of a row-major [chunk_rows, >= N] destination
-    long long dst_ld;           // destination leading dimension, elements
+    const TmaDesc* dst_tmaps;   // per chunk: tensor map of its destination, row 0 = the chunk's first row
+                                //   (global memory, 64-byte aligned; box as tmap_c's)
     u64* const* flag_table;     // per chunk: one flag word per tile of the chunk (local_m_tile * n_tiles + n)
     u64 signal_value;
     int signal_add;             // 0: flag = signal_value (release store); 1: flag += signal_value
@@ -328,8 +329,7 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
 // the staging of consumers [k * kConsumersPerTurn, (k + 1) * kConsumersPerTurn), i.e. tile rows
 // [k * kTurnRows, (k + 1) * kTurnRows)), then hands the staging to the next turn's consumers: c_empty of
 // turn k + 1, or of turn 0 (the next tile) after the last turn. One turn: today's single handshake.
-__device__ __forceinline__ void run_storer(const Schedule& sched, int M, int N, const TmaDesc* tmap_c,
-                                           u32 smem, const char* smem_generic, u32 bar_c_full,
+__device__ __forceinline__ void run_storer(const Schedule& sched, const TmaDesc* tmap_c, u32 smem, u32 bar_c_full,
                                            u32 bar_c_empty, const HookArgs& hooks) {
     const int lane = threadIdx.x & 31;
     u32 phase = 0;
@@ -348,71 +348,48 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, int M, int N, 
                 __syncwarp();
                 continue;
             }
-            if constexpr (!kHookEpilogue) {
-                // TMA store, one box per (consumer, 128-byte column slab); rows/cols outside C are clipped.
-                // The consumers issued fence.proxy.async.shared::cta after writing staging, before arriving.
-                if (lane == 0) {
+            // Where this turn's rows go: C itself, or (hook 2) the destination of the tile's chunk of rows
+            // (e.g. the symmetric buffer of the peer that owns them), whose tensor map counts rows from
+            // the chunk's first row. TMA writes peer memory like local memory; it clips rows and columns
+            // outside the map, so tails need no code here.
+            const TmaDesc* dst = tmap_c;
+            int y0 = m0 + row0;
+            int chunk = 0;
+            if constexpr (kHookEpilogue) {
+                chunk = m0 / hooks.chunk_rows;
+                dst = hooks.dst_tmaps + chunk;
+                y0 = m0 - chunk * hooks.chunk_rows + row0;
+            }
+            if (lane == 0) {
+                // One box per (consumer, 128-byte column slab). The consumers issued
+                // fence.proxy.async.shared::cta after writing the staging, before arriving on c_full.
 #pragma unroll
-                    for (int c = 0; c < kConsumersPerTurn; ++c)
+                for (int c = 0; c < kConsumersPerTurn; ++c)
 #pragma unroll
-                        for (int j = 0; j < kBN / kCCols; ++j)
-                            tma_store_2d(tmap_c, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes,
-                                         n0 + j * kCCols, m0 + row0 + c * kRowsPerConsumer);
-                    bulk_commit();
-                    bulk_wait_read_all();   // staging has been read: consumers may overwrite it
-                    mbar_arrive(bar_next_empty);
-                }
-                __syncwarp();
-            } else {
-                // Hook 2: the destination of this tile is chosen per chunk of rows (e.g. the symmetric
-                // buffer of the peer that owns the rows). 16-byte vectors; a warp covers 512 contiguous
-                // bytes of a row per step. Tails clipped here (N * kOutBytes is a multiple of 16).
-                const int chunk = m0 / hooks.chunk_rows;
-                const int local_row0 = m0 - chunk * hooks.chunk_rows;
-                char* dst = static_cast<char*>(hooks.dst_table[chunk]);
-                const long long dst_row_bytes = hooks.dst_ld * kOutBytes;
-                constexpr int kUnitsPerRow = kBN * kOutBytes / 16;
-                constexpr int kUnitsPerSlab = 128 / 16;
-                constexpr int kElemsPerUnit = 16 / kOutBytes;
-                // Unrolled by 2 with per-consumer staging (what the compiler picks by itself there). Not with
-                // shared staging: the storer runs under setmaxnreg 40, and this loop unrolled in each of its
-                // turns made ptxas spill (4 bytes, fp32 output or 128-wide tiles).
-#pragma unroll(kCShared ? 1 : 2)
-                for (int idx = row0 * kUnitsPerRow + lane; idx < (row0 + kTurnRows) * kUnitsPerRow; idx += 32) {
-                    const int r = idx / kUnitsPerRow, u = idx % kUnitsPerRow;   // r: row of the tile
-                    const int col = n0 + u * kElemsPerUnit;
-                    if (m0 + r < M && col < N) {
-                        const int c = c_slot_of(r / kRowsPerConsumer), rr = r % kRowsPerConsumer;
-                        const u32 off = c * kCConsumerBytes + (u32)(u / kUnitsPerSlab) * kCSlabBytes +
-                                        (u32)rr * 128u + ((u32)((u % kUnitsPerSlab) ^ (rr & 7)) << 4);
-                        const uint4 v = *reinterpret_cast<const uint4*>(smem_generic + kOffC + off);
-                        *reinterpret_cast<uint4*>(dst + (local_row0 + r) * dst_row_bytes +
-                                                  (long long)col * kOutBytes) = v;
-                    }
-                }
-                // The tile flag covers every row of the tile: signalled after the last turn only. Every
-                // lane fences its own (peer) stores -- of all turns -- before the flag: lane 0's fence
-                // alone did not order other threads' NVLink stores before a release (comm.cuh,
-                // grid_arrive_and_signal).
-                if (last_turn && hooks.flag_table != nullptr) fluxrt::fence_acq_rel_sys();
-                __syncwarp();  // all lanes' staging reads and global stores are ordered before lane 0 below
-                if (lane == 0) {
-                    mbar_arrive(bar_next_empty);
-                    // Per-tile release: fence.acq_rel.sys (cumulative over the warp's stores) + release store.
+                    for (int j = 0; j < kBN / kCCols; ++j)
+                        tma_store_2d(dst, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes, n0 + j * kCCols,
+                                     y0 + c * kRowsPerConsumer);
+                bulk_commit();
+                bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
+                mbar_arrive(bar_next_empty);
+                if constexpr (kHookEpilogue) {
+                    // Per-tile release, after the last turn (the flag covers every row of the tile):
                     if (last_turn && hooks.flag_table != nullptr) {
-                        const int local_m_tile = local_row0 / kBM;
+                        bulk_wait_all();              // 1. every turn's stores of this tile have completed
+                        fluxrt::fence_proxy_async();  // 2. those async-proxy writes before generic ops below
+                        // 3. fence.acq_rel.sys + release store: a reader that acquires the flag sees the tile
+                        const int local_m_tile = (m0 - chunk * hooks.chunk_rows) / kBM;
                         u64* flag = hooks.flag_table[chunk] + (long long)local_m_tile * sched.n_tiles + n_tile;
                         if (hooks.signal_add) fluxrt::signal_add(flag, hooks.signal_value);
                         else fluxrt::signal_set(flag, hooks.signal_value);
                     }
                 }
             }
+            __syncwarp();
         }
         phase ^= 1;
     }
-    if constexpr (!kHookEpilogue) {
-        if (lane == 0) bulk_wait_all();  // the last stores are complete before the CTA retires
-    }
+    if (lane == 0) bulk_wait_all();  // the last stores are complete before the CTA retires
 }
 
 // Math: one consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile. bar_c_full / bar_c_empty:
@@ -517,9 +494,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
                 }
             }
         }
-        if constexpr (!kHookEpilogue) {
-            fence_proxy_async_smem();  // generic st.shared above -> visible to the TMA store (async proxy)
-        }
+        fence_proxy_async_smem();  // generic st.shared above -> visible to the TMA store (async proxy)
         mbar_arrive(bar_c_full);  // release.cta: staging writes visible to the storer after its wait
     }
 }
@@ -543,7 +518,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
             const u32* order_table, int group_m, int m_tile_offset,
             const u64* arrival_flags, u64 epoch, int chunk_rows, int chunks_per_peer, u64 timeout_ns,
             fluxrt::ErrorRecord* err, u32 op_id, u32 rank,
-            void* const* dst_table, long long dst_ld, u64* const* flag_table, u64 signal_value,
+            const TmaDesc* dst_tmaps, u64* const* flag_table, u64 signal_value,
             int signal_add, void* c_direct) {
     extern __shared__ char smem_raw[];
     // Align the dynamic smem base to 1024 B (128B-swizzle atoms; the host adds kSmemAlign bytes).
@@ -577,8 +552,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
     hooks.err = err;
     hooks.op_id = op_id;
     hooks.rank = rank;
-    hooks.dst_table = dst_table;
-    hooks.dst_ld = dst_ld;
+    hooks.dst_tmaps = dst_tmaps;
     hooks.flag_table = flag_table;
     hooks.signal_value = signal_value;
     hooks.signal_add = signal_add;
@@ -609,7 +583,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
             if (threadIdx.x == 0)
                 run_loader(sched, K, &tmap_a, &tmap_b, smem, bars_full, bars_empty, hooks);
         } else if (warp == 1 && !kEpiDirect) {
-            run_storer(sched, M, N, &tmap_c, smem, smem_generic, bar_c_full, bar_c_empty, hooks);
+            run_storer(sched, &tmap_c, smem, bar_c_full, bar_c_empty, hooks);
         }
         // warps 2 and 3 of the producer warpgroup have no role.
     } else {

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fluxrt.gemm import (GemmArgumentError, GemmTypeError, compile_options, gemm, gemm_with_hooks,
-                         kernel_defines, validate_gemm_args, ArrivalWait, TileEpilogue)
+                         kernel_defines, validate_gemm_args, ArrivalWait, TileDestinations, TileEpilogue)
 from fluxrt.gemm_plan import (SMEM_LIMIT_BYTES, GemmPlan, grouped_order, hilbert_order, max_stages, plan_gemm,
                               tile_order)
 
@@ -220,18 +220,44 @@ def test_hook_arguments_validated_before_launch():
         gemm_with_hooks(a, b, plan=plan, wait=ArrivalWait(flags=0, epoch=1, chunk_rows=100, err=0))
     with pytest.raises(GemmArgumentError, match="ErrorRecord"):
         gemm_with_hooks(a, b, plan=plan, wait=ArrivalWait(flags=0, epoch=1, chunk_rows=128, err=None))
+    dests = TileDestinations([1 << 36, (1 << 36) + 256 * 512], 256, "bfloat16")
     with pytest.raises(GemmArgumentError, match="epilogue='tma'"):
         gemm_with_hooks(a, b, plan=dataclasses.replace(plan, epilogue="direct"),
-                        epilogue=TileEpilogue(dst_table=0, chunk_rows=128, dst_ld=256))
-    with pytest.raises(GemmArgumentError, match="dst_ld"):
-        gemm_with_hooks(a, b, plan=plan, epilogue=TileEpilogue(dst_table=0, chunk_rows=128, dst_ld=0))
+                        epilogue=TileEpilogue(destinations=dests, chunk_rows=128))
     with pytest.raises(GemmArgumentError, match="non-null flags and err"):
         gemm_with_hooks(a, b, plan=plan, wait=ArrivalWait(flags=1 << 34, epoch=1, chunk_rows=128, err=0))
-    with pytest.raises(GemmArgumentError, match="dst_table is null"):
-        gemm_with_hooks(a, b, plan=plan, epilogue=TileEpilogue(dst_table=0, chunk_rows=128, dst_ld=256))
     with pytest.raises(GemmArgumentError, match="must be equal"):
         gemm_with_hooks(a, b, plan=plan, wait=ArrivalWait(flags=1 << 34, epoch=1, chunk_rows=128, err=1 << 35),
-                        epilogue=TileEpilogue(dst_table=1 << 36, chunk_rows=256, dst_ld=256))
+                        epilogue=TileEpilogue(destinations=dests, chunk_rows=256))
+    with pytest.raises(GemmArgumentError, match="must be a TileDestinations"):
+        gemm_with_hooks(a, b, plan=plan, epilogue=TileEpilogue(destinations=1 << 36, chunk_rows=128))
+    # the destinations must hold what the call writes: a destination per chunk, N columns, the output type
+    with pytest.raises(GemmArgumentError, match="M=256 in chunks of 128 rows needs 2 destinations, TileDestinations has 1"):
+        gemm_with_hooks(a, b, plan=plan, epilogue=TileEpilogue(
+            destinations=TileDestinations([1 << 36], 256, "bfloat16"), chunk_rows=128))
+    with pytest.raises(GemmArgumentError, match="exceeds the destinations' row length ld=128"):
+        gemm_with_hooks(a, b, plan=plan, epilogue=TileEpilogue(
+            destinations=TileDestinations([1 << 36, 1 << 37], 128, "bfloat16"), chunk_rows=128))
+    with pytest.raises(GemmArgumentError, match="writes float32, the destinations hold bfloat16"):
+        gemm_with_hooks(a, b, plan=plan_gemm(256, 256, 64, out_dtype="float32"), out_dtype="float32",
+                        epilogue=TileEpilogue(destinations=dests, chunk_rows=128))
+
+
+def test_tile_destinations_validated():
+    with pytest.raises(GemmArgumentError, match="at least one"):
+        TileDestinations([], 256, "bfloat16")
+    with pytest.raises(GemmArgumentError, match="destination 1 at 0x0 must be non-null"):
+        TileDestinations([1 << 36, 0], 256, "bfloat16")
+    with pytest.raises(GemmArgumentError, match="16-byte aligned"):
+        TileDestinations([(1 << 36) + 8], 256, "bfloat16")
+    with pytest.raises(GemmArgumentError, match="ld=0"):
+        TileDestinations([1 << 36], 0, "bfloat16")
+    with pytest.raises(GemmArgumentError, match="ld=4 bfloat16"):
+        TileDestinations([1 << 36], 4, "bfloat16")     # 8-byte rows: TMA needs 16-byte multiples
+    with pytest.raises(GemmArgumentError, match="not an output type"):
+        TileDestinations([1 << 36], 256, "int32")
+    d = TileDestinations([1 << 36], 256, "fp16")
+    assert d.dtype == "float16" and d.ptrs == (1 << 36,) and d.ld == 256
 
 
 # --- kernel compiles for sm_90a -------------------------------------------------------------------

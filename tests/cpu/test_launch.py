@@ -33,6 +33,19 @@ def test_openmpi_as_root_and_multinode():
     assert p.argv[i + 1] == "ppr:8:node"
 
 
+@pytest.mark.parametrize("flavor, flag", [("openmpi", "--bind-to"), ("mpich", "-bind-to")])
+def test_ranks_are_not_bound_to_one_core_by_default(flavor, flag):
+    # Open MPI binds 1-2 ranks to a core each by default, which stalled a rank's host thread
+    p = plan(["-n", "2", "--mpirun", "mpirun", "--mpi-flavor", flavor, "--", "x"])
+    assert p.argv[p.argv.index(flag) + 1] == "none"
+    p = plan(["-n", "2", "--mpirun", "mpirun", "--mpi-flavor", flavor, "--bind-to", "numa", "--", "x"])
+    assert p.argv[p.argv.index(flag) + 1] == "numa"
+    p = plan(["-n", "2", "--mpirun", "mpirun", "--mpi-flavor", flavor, "--bind-to", "launcher", "--", "x"])
+    assert flag not in p.argv
+    p = plan(["-n", "8", "--launcher", "srun", "--bind-to", "core", "--", "prog"], env={"SLURM_JOB_ID": "1"})
+    assert "--cpu-bind=cores" in p.argv
+
+
 def test_mpich_uses_genvlist():
     p = plan(["-n", "2", "--mpirun", "mpiexec", "--mpi-flavor", "mpich", "--env", "FOO=bar", "--", "x"])
     i = p.argv.index("-genvlist")
@@ -62,4 +75,4 @@ def test_bad_arguments_exit_with_a_reason(argv, message):
 def test_dry_run_prints_command(capsys):
     assert launch.main(["-n", "2", "--mpirun", "mpiexec", "--mpi-flavor", "mpich", "--dry-run", "--", "echo", "hi"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("mpiexec -n 2 -genvlist ") and out.rstrip().endswith("echo hi")
+    assert out.startswith("mpiexec -n 2 -bind-to none -genvlist ") and out.rstrip().endswith("echo hi")

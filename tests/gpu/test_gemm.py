@@ -30,7 +30,7 @@ _reason = _gpu_skip_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 
 from fluxrt.errors import decode_error_record, op_id  # noqa: E402
-from fluxrt.gemm import (ArrivalWait, GemmArgumentError, TileEpilogue, gemm,  # noqa: E402
+from fluxrt.gemm import (ArrivalWait, GemmArgumentError, TileDestinations, TileEpilogue, gemm,  # noqa: E402
                          gemm_with_hooks)
 from fluxrt.gemm_plan import GemmPlan, max_stages, plan_gemm  # noqa: E402
 
@@ -318,11 +318,10 @@ def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype, 
     n_tiles = -(-n // plan.block_n)
     tiles_per_chunk = (chunk_rows // plan.block_m) * n_tiles
     flag_arrays = [cupy.zeros(tiles_per_chunk, dtype=cupy.uint64) for _ in range(chunks)]
-    dst_table = cupy.asarray(np.array([d.data.ptr for d in dsts], dtype=np.uint64))
     flag_table = cupy.asarray(np.array([f.data.ptr for f in flag_arrays], dtype=np.uint64))
     local = poisoned((m, n), out_dtype)
-    epi = TileEpilogue(dst_table=dst_table, chunk_rows=chunk_rows, dst_ld=ld, flag_table=flag_table,
-                       signal_value=7, signal_add=signal_add)
+    epi = TileEpilogue(destinations=TileDestinations([d.data.ptr for d in dsts], ld, out_dtype), chunk_rows=chunk_rows,
+                       flag_table=flag_table, signal_value=7, signal_add=signal_add)
     for _ in range(2 if signal_add else 1):
         gemm_with_hooks(da, db, local, trans_b=trans_b, plan=plan, out_dtype=out_dtype, epilogue=epi)
     cupy.cuda.Device().synchronize()
@@ -332,9 +331,10 @@ def test_tile_epilogue_routes_tiles_and_signals(trans_b, signal_add, out_dtype, 
     assert not np.isnan(g64).any()
     e = float(np.linalg.norm(g64 - ref) / np.linalg.norm(ref))
     assert e < TOL[out_dtype], f"rel err {e:.3e}"
-    # padding columns and the local output are untouched
+    # padding columns, the last chunk's rows past M and the local output are untouched
     for d in dsts:
         assert np.isnan(cupy.asnumpy(d)[:, n:].astype(np.float64)).all()
+    assert np.isnan(cupy.asnumpy(dsts[-1])[m - (chunks - 1) * chunk_rows:].astype(np.float64)).all()
     assert np.isnan(cupy.asnumpy(local).astype(np.float64)).all()
     # one flag per tile that exists; tiles past M never signal
     m_tiles = -(-m // plan.block_m)
@@ -361,7 +361,7 @@ def test_both_hooks_together(setter, cluster, c_staging):
     arrival = cupy.zeros(chunks, dtype=cupy.uint64)
     err = _err_record()
     dst = poisoned((m, n), "bfloat16")
-    dst_table = cupy.asarray(np.array([dst.data.ptr + c * chunk_rows * n * 2 for c in range(chunks)], np.uint64))
+    dests = TileDestinations([dst.data.ptr + c * chunk_rows * n * 2 for c in range(chunks)], n, "bfloat16")
     plan = with_staging(dataclasses.replace(plan_gemm(m, n, k), max_ctas=32, m_tile_offset=2, cluster=cluster),
                         c_staging)
     n_tiles = -(-n // plan.block_n)
@@ -371,16 +371,16 @@ def test_both_hooks_together(setter, cluster, c_staging):
     side, main = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     # warm-up (compile/load; epoch 0 always satisfied): A is still NaN, so dst gets NaN and flags 1
     gemm_with_hooks(da, db, plan=plan, wait=ArrivalWait(flags=arrival, epoch=0, chunk_rows=chunk_rows, err=err),
-                    epilogue=TileEpilogue(dst_table=dst_table, chunk_rows=chunk_rows, dst_ld=n,
-                                          flag_table=flag_table, signal_value=1))
+                    epilogue=TileEpilogue(destinations=dests, chunk_rows=chunk_rows, flag_table=flag_table,
+                                          signal_value=1))
     cupy.cuda.Device().synchronize()
     with side:
         setter((1,), (256,), (da, staged, np.uint64(chunk_rows * k * 2), np.int32(chunks), arrival, np.uint64(3),
                               np.uint64(3_000_000)))
     gemm_with_hooks(da, db, plan=plan, stream=main,
                     wait=ArrivalWait(flags=arrival, epoch=3, chunk_rows=chunk_rows, err=err),
-                    epilogue=TileEpilogue(dst_table=dst_table, chunk_rows=chunk_rows, dst_ld=n,
-                                          flag_table=flag_table, signal_value=3))
+                    epilogue=TileEpilogue(destinations=dests, chunk_rows=chunk_rows, flag_table=flag_table,
+                                          signal_value=3))
     cupy.cuda.Device().synchronize()
     assert decode_error_record(cupy.asnumpy(err)) is None
     e = rel_err(dst, reference(a, b, False))
