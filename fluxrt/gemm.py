@@ -130,13 +130,16 @@ class TileEpilogue:
 
     destinations: :class:`TileDestinations` (chunk c's tiles go to its c-th array). flag_table: device
     array (uint64) of per-chunk flag-array pointers (or None for no signal); tile (local_m_tile, n_tile)
-    of chunk c raises ``flag_table[c][local_m_tile * n_tiles + n_tile]`` once the tile is stored.
+    of chunk c raises ``flag_table[c][local_m_tile * n_tiles + n_tile]`` once the tile is stored, or with
+    ``flag_group_n > 0`` ``flag_table[c][n_tile // flag_group_n]``: one counter per group of that many
+    n tiles, which every tile of the group in the chunk's rows raises (use ``signal_add``).
     """
     destinations: TileDestinations
     chunk_rows: int
     flag_table: object = None
     signal_value: int = 1
     signal_add: bool = False
+    flag_group_n: int = 0
 
 
 # --- argument inspection (no CUDA calls) -------------------------------------------------------------
@@ -452,6 +455,8 @@ def _check_hooks(wait: ArrivalWait | None, epilogue: TileEpilogue | None, plan: 
             raise GemmArgumentError(f"gemm: ArrivalWait.chunks_per_peer must be >= 1, got {wait.chunks_per_peer}")
     if epilogue is not None and plan.epilogue != "tma":
         raise GemmArgumentError("gemm: TileEpilogue needs GemmPlan.epilogue='tma' (the storer-warp epilogue)")
+    if epilogue is not None and epilogue.flag_group_n < 0:
+        raise GemmArgumentError(f"gemm: TileEpilogue.flag_group_n must be >= 0, got {epilogue.flag_group_n}")
     if epilogue is not None and not isinstance(epilogue.destinations, TileDestinations):
         raise GemmArgumentError("gemm: TileEpilogue.destinations must be a TileDestinations, got "
                                 f"{type(epilogue.destinations).__name__}")
@@ -523,6 +528,7 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
             np.uint32(wait.op_id if wait else 0), np.uint32(wait.rank if wait else 0),
             # hook 2
             np.uint64(_ptr(dst_tmaps)), np.uint64(_ptr(epilogue.flag_table) if epilogue else 0),
+            np.int32(epilogue.flag_group_n if epilogue else 0),
             np.uint64(epilogue.signal_value if epilogue else 0), np.int32(1 if epilogue and epilogue.signal_add else 0),
             np.uint64(c_direct),
         )

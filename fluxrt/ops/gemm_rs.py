@@ -1,24 +1,29 @@
 """GEMM+ReduceScatter (row-parallel linear): this rank's ``[M/world, N]`` slice of ``sum_r A_r @ B_r``.
 
 Every rank computes the partial ``A @ B`` for all M rows (A [M, K_local], B [K_local, N] or [N, K_local]).
-Per call, with epoch e and parity q = (e - 1) % 2:
+Per call, with epoch e and parity q = (e - 1) % 2, on the caller's stream S and a fluxrt comm stream C:
 
-1. The GEMM (caller's stream) walks the tiles starting at the rows of rank+1 and ending with its own.
-   Its epilogue (the storer warp) stores each finished tile of owner o's rows into o's symmetric
-   ``recv[q][my_rank]`` (the own partial stays local, same layout) and releases o's flag
-   ``[q][my_rank][tile]`` to e (TMA stores complete, proxy fence, then fence + release.sys).
-2. The owner's reduce kernel waits (bounded) per tile for all world sources' flags, then sums the
-   partials in fixed source order 0..world-1 in fp32 and stores the tile of ``out``: the result is
-   bitwise independent of arrival order. 'after' mode runs it after the GEMM on the caller's stream;
-   'concurrent' mode on a fluxrt stream during the GEMM (which leaves ``reduce_blocks`` SMs free), and
-   the caller's stream waits for it before returning.
+1. S  The GEMM walks the tiles starting at the rows of rank+1 and ending with its own. Its storer warp
+      TMA-stores each finished tile of owner o's rows:
+      comm_mode 'ce': into the local ``part[o]`` (own rows: straight into the local ``recv[q][me]``)
+      and adds 1 to the counter of (o, column group) (stores complete, proxy fence, release.sys);
+      'sm': into o's symmetric ``recv[q][me]`` over NVLink, then releases o's flag ``[q][me][tile]``.
+2. C  ('ce', enqueued before the GEMM so it runs beside it) for each owner o in the GEMM's order and
+      each column group g: bounded wait until the GEMM counted all of (o, g)'s tiles, copy-engine push
+      of ``part[o][:, g's columns]`` into o's ``recv[q][me]``, release o's flag ``[q][me][g]`` to e.
+3. The owner's reduce kernel waits (bounded) per tile for the other sources' flags (its own partial
+   precedes it in stream order), then sums the partials in fixed source order 0..world-1 in fp32 and
+   stores the tile of ``out``: the result is bitwise independent of arrival order. 'after' mode runs it
+   after the GEMM on S; 'concurrent' mode ('sm' only) on C during the GEMM (which leaves
+   ``reduce_blocks`` SMs free). S waits for C before returning.
 
-Why two parities are enough (no ack): the tiles source s writes into owner o's ``recv[q]`` in call
-i+2 are produced by s's GEMM, which on s's stream follows s's reduce of call i+1; that reduce waited
-for o's call-(i+1) tiles, which o's GEMM released after o's reduce of call i finished (stream order on
-o: reduce i completes before GEMM i+1 starts, in both modes). So o has read ``recv[q]`` of call i
-before any call-(i+2) tile lands there. Flags need no reset either: a parity's flags only ever see
-that parity's epochs, which grow.
+Why two parities are enough (no ack): source s writes into owner o's ``recv[q]`` in call i+2 only after
+s's reduce of call i+1 (stream order on s; in 'ce' mode C joins S at the start of each call); that
+reduce waited for o's call-(i+1) partials, which exist only once o's GEMM i+1 ran, after o's reduce of
+call i (stream order on o). So o has read ``recv[q]`` of call i before any call-(i+2) partial lands
+there. ``part`` needs one copy: call i+1's GEMM starts after S joined C's pushes of call i. Flags need no
+reset either: a parity's flags only ever see that parity's epochs, which grow; the tile counters grow by
+a known number of tiles per call.
 """
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ from ..errors import op_id
 from ..gemm import TileDestinations, TileEpilogue, gemm_with_hooks
 from ..streams import as_cupy_stream
 from . import common
-from .plan import GemmRsPlan, OpsArgumentError, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
-    rs_flag_layout, rs_gemm_plan, rs_reduce_grid
+from .plan import MIN_TILE_COLS, GemmRsPlan, OpsArgumentError, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
+    pull_order, rs_ce_groups, rs_flag_layout, rs_gemm_plan, rs_reduce_grid
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,8 @@ class GemmReduceScatter:
 
     Collective: every rank constructs it with the same arguments and calls ``forward`` with the same
     shapes in the same order. ``k`` is the local K. M must be a multiple of ``world * 128`` and at most
-    ``max_m``; N is fixed. Symmetric memory: ``2 * max_m * N`` partial elements per rank.
+    ``max_m``; N is fixed. Symmetric memory: ``2 * max_m * N`` partial elements per rank; comm_mode 'ce'
+    adds ``max_m * N`` local ones.
     """
 
     def __init__(self, world, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
@@ -73,16 +79,33 @@ class GemmReduceScatter:
         self.pad = world.signal_pad(self.layout.slots)
         self._sms = common.num_sms(world)
         me = world.rank
+        ce = self.plan.comm_mode == "ce"
         with world.device:
-            self.reduce_stream = cupy.cuda.Stream(non_blocking=True)
-            # per parity: where my partial of owner o's rows goes, and o's flags for my tiles
-            self._dst = [TileDestinations([self.recv[q, me].peer_ptr(o) for o in range(w)], self.n, self.partial_dtype)
-                         for q in range(PARITIES)]
-            self._flags = [cupy.asarray(np.asarray([self.pad.peer_ptr(o, self.layout.base(q, me)) for o in range(w)],
-                                                   dtype=np.uint64)) for q in range(PARITIES)]
+            self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+            if ce:
+                # my partials of peers' rows, pushed by the copy engine; own rows go straight to recv[q][me]
+                self.part = cupy.empty((w, self.max_shard, self.n), dtype=self.recv.dtype)
+                self._dst = [TileDestinations([self.recv[q, me].data.ptr if o == me else self.part[o].data.ptr
+                                               for o in range(w)], self.n, self.partial_dtype) for q in range(PARITIES)]
+                # per (owner, column group): tiles my GEMM finished, over all calls
+                self._groups_max = math.ceil(self.n / MIN_TILE_COLS)
+                self.counters = cupy.zeros((w, self._groups_max), dtype=cupy.uint64)
+                self._counted = np.zeros((w, self._groups_max), dtype=np.int64)
+                self._counter_table = cupy.asarray(np.asarray([self.counters[o].data.ptr for o in range(w)],
+                                                              dtype=np.uint64))
+                self._counter_lists = {(o, g): common.PointerList([self.counters[o, g].data.ptr])
+                                       for o in range(w) for g in range(self._groups_max)}
+            else:
+                # per parity: where my partial of owner o's rows goes, and o's flags for my tiles
+                self._dst = [TileDestinations([self.recv[q, me].peer_ptr(o) for o in range(w)], self.n,
+                                              self.partial_dtype) for q in range(PARITIES)]
+                self._flags = [cupy.asarray(np.asarray([self.pad.peer_ptr(o, self.layout.base(q, me))
+                                                        for o in range(w)], dtype=np.uint64)) for q in range(PARITIES)]
             self._reduce = common.kernels(world).reduce(self.partial_dtype, self.dtype)
+        self._pushed = {}   # (parity, owner, group) -> the PointerList of owner's flag for my group
         self._gplans: dict = {}
         self._op_reduce = op_id("gemm_rs.reduce")
+        self._op_tiles = "gemm_rs.tiles"
 
     def forward(self, a, b, out=None, stream=None):
         """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered."""
@@ -109,37 +132,78 @@ class GemmReduceScatter:
         gplan = self._call_plan(m)
 
         s = as_cupy_stream(stream)
+        c = self.comm_stream
         with world.device:
             if out is None:
                 out = common.alloc_on((shard, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             q = (epoch - 1) % PARITIES
-            epi = TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._flags[q],
-                               signal_value=epoch, signal_add=False)
-            if self.plan.reduce_mode == "concurrent":
-                r = self.reduce_stream
-                common.join(r, s)
-                self._launch_reduce(out, shard, gplan.block_n, q, epoch, r)
+
+            def gemm(epi):
                 gemm_with_hooks(a, b, None, trans_b=self.trans_b, stream=s, plan=gplan, out_dtype=self.partial_dtype,
                                 epilogue=epi)
-                common.join(s, r)
+
+            if self.plan.comm_mode == "ce":
+                group_n, groups = rs_ce_groups(self.plan, self.n, gplan.block_n)
+                common.join(c, s)
+                self._enqueue_pushes(shard, gplan.block_n, group_n, groups, q, epoch, c)   # 2., beside the GEMM
+                gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._counter_table,
+                                  signal_value=1, signal_add=True, flag_group_n=group_n))
+                self._launch_reduce(out, shard, gplan.block_n, q, epoch, s, group_n=group_n, skip=world.rank)
+                common.join(s, c)
+            elif self.plan.reduce_mode == "concurrent":
+                common.join(c, s)
+                self._launch_reduce(out, shard, gplan.block_n, q, epoch, c)
+                gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._flags[q],
+                                  signal_value=epoch))
+                common.join(s, c)
             else:
-                gemm_with_hooks(a, b, None, trans_b=self.trans_b, stream=s, plan=gplan, out_dtype=self.partial_dtype,
-                                epilogue=epi)
+                gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._flags[q],
+                                  signal_value=epoch))
                 self._launch_reduce(out, shard, gplan.block_n, q, epoch, s)
         return out
 
     __call__ = forward
 
-    def _launch_reduce(self, out, shard: int, block_n: int, q: int, epoch: int, stream) -> None:
+    def _enqueue_pushes(self, shard: int, block_n: int, group_n: int, groups: int, q: int, epoch: int, c) -> None:
+        """Step 2 on the comm stream: per owner (in the GEMM's order) and column group, wait for the group's
+        tiles, push them with the copy engine, release the owner's flag of the group."""
+        import cupy
+
+        world, w, me = self.world, self.world.size, self.world.rank
+        item = self.recv.itemsize
+        row_bytes = self.n * item
+        n_tiles = math.ceil(self.n / block_n)
+        m_tiles = shard // TILE_ROWS
+        for o in pull_order(me, w):   # rank+1, rank+2, ...: the order of the GEMM's tiles (rs_tile_offset)
+            for g in range(groups):
+                t0, t1 = g * group_n, min((g + 1) * group_n, n_tiles)
+                self._counted[o, g] += m_tiles * (t1 - t0)
+                common.wait_list(world, self._counter_lists[(o, g)], int(self._counted[o, g]), self._op_tiles, c)
+                c0, c1 = t0 * block_n, min(t1 * block_n, self.n)
+                cupy.cuda.runtime.memcpy2DAsync(self.recv[q, me].peer_ptr(o) + c0 * item, row_bytes,
+                                                self.part[o].data.ptr + c0 * item, row_bytes, (c1 - c0) * item, shard,
+                                                cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
+                common.signal_list(world, self._pushed_list(q, o, g), epoch, c)
+
+    def _pushed_list(self, q: int, o: int, g: int):
+        plist = self._pushed.get((q, o, g))
+        if plist is None:
+            me = self.world.rank
+            plist = self._pushed[(q, o, g)] = common.PointerList([self.pad.peer_ptr(o, self.layout.base(q, me) + g)])
+        return plist
+
+    def _launch_reduce(self, out, shard: int, block_n: int, q: int, epoch: int, stream, *, group_n: int = 0,
+                       skip: int | None = None) -> None:
         world = self.world
         item = self.recv.itemsize
         n_tiles = math.ceil(self.n / block_n)
         grid = rs_reduce_grid(self.plan, shard, self.n, block_n, self._sms)
         args = (np.uint64(self.recv[q, 0].data.ptr), np.int64(self.max_shard * self.n * item), np.int64(self.n),
                 np.uint64(out.data.ptr), np.int64(self.n), np.uint64(self.pad.local_ptr(self.layout.base(q, 0))),
-                np.int64(self.layout.tiles_per_source), np.int32(shard), np.int32(self.n), np.int32(TILE_ROWS),
-                np.int32(block_n), np.int32(n_tiles), np.uint32(world.size), np.uint64(epoch),
+                np.int64(self.layout.tiles_per_source), np.int32(group_n),
+                np.uint32(world.size if skip is None else skip), np.int32(shard), np.int32(self.n),
+                np.int32(TILE_ROWS), np.int32(block_n), np.int32(n_tiles), np.uint32(world.size), np.uint64(epoch),
                 np.uint64(world.timeout_ns), np.uint64(world.error_record), np.uint32(self._op_reduce),
                 np.uint32(world.rank))
         self._reduce((grid,), (_REDUCE_THREADS,), args, stream=stream)
@@ -156,6 +220,7 @@ class GemmReduceScatter:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""
         self.pad.free()
         self.world.free(self.recv)
+        self.part = self.counters = None
 
     def __repr__(self) -> str:
         return (f"GemmReduceScatter(max_m={self.max_m}, n={self.n}, k={self.k}, dtype={self.dtype}, "

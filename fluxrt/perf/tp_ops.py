@@ -21,6 +21,7 @@ Shapes: ``-m M -n N -k K`` or ``--shapes MxNxK,...`` (default: the shapes of the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import statistics
@@ -69,6 +70,9 @@ def build_parser(op: str) -> argparse.ArgumentParser:
     p.add_argument("--comm-mode", choices=("pull", "push"), default=None, help="AG: override the planner")
     p.add_argument("--chunks", type=int, default=None, help="AG: chunks per rank (override the planner)")
     p.add_argument("--reduce-mode", choices=("after", "concurrent"), default=None, help="RS: override the planner")
+    p.add_argument("--rs-comm", choices=("ce", "sm"), default=None,
+                   help="RS: how partials reach their owner (copy engine or SM stores; override the planner)")
+    p.add_argument("--ce-groups", type=int, default=None, help="RS 'ce': column groups per owner (override)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch async-TP baseline")
     p.add_argument("--check-args", action="store_true",
                    help="keep the ops' cross-rank argument check on (an MPI allgather per call; off by default "
@@ -299,8 +303,10 @@ def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, time
                 gemm_cublas()
         else:
             plan = plan_gemm_rs(m, n, k, w)
-            if args.reduce_mode:
-                plan = GemmRsPlan(reduce_mode=args.reduce_mode)
+            overrides = {k: v for k, v in (("reduce_mode", args.reduce_mode), ("comm_mode", args.rs_comm),
+                                           ("ce_groups", args.ce_groups)) if v is not None}
+            if overrides:
+                plan = dataclasses.replace(plan, **overrides).validate()
             fused_op = GemmReduceScatter(world, m, n, k, dtype, plan=plan)
             a_full = _rand((m, k), dtype, 1 + me)
             b = _rand((k, n), dtype, 100 + me)

@@ -227,7 +227,9 @@ struct HookArgs {
     // hook 2: tile epilogue
     const TmaDesc* dst_tmaps;   // per chunk: tensor map of its destination, row 0 = the chunk's first row
                                 //   (global memory, 64-byte aligned; box as tmap_c's)
-    u64* const* flag_table;     // per chunk: one flag word per tile of the chunk (local_m_tile * n_tiles + n)
+    u64* const* flag_table;     // per chunk: one flag word per tile (local_m_tile * n_tiles + n), or with
+    int flag_group_n;           //   flag_group_n > 0 one per group of that many n tiles (n / flag_group_n): a
+                                //   counter of the group's finished tiles across the chunk's rows (signal_add)
     u64 signal_value;
     int signal_add;             // 0: flag = signal_value (release store); 1: flag += signal_value
 };
@@ -379,7 +381,9 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const TmaDesc*
                         fluxrt::fence_proxy_async();  // 2. those async-proxy writes before generic ops below
                         // 3. fence.acq_rel.sys + release store: a reader that acquires the flag sees the tile
                         const int local_m_tile = (m0 - chunk * hooks.chunk_rows) / kBM;
-                        u64* flag = hooks.flag_table[chunk] + (long long)local_m_tile * sched.n_tiles + n_tile;
+                        const long long idx = hooks.flag_group_n > 0 ? n_tile / hooks.flag_group_n
+                                                                     : (long long)local_m_tile * sched.n_tiles + n_tile;
+                        u64* flag = hooks.flag_table[chunk] + idx;
                         if (hooks.signal_add) fluxrt::signal_add(flag, hooks.signal_value);
                         else fluxrt::signal_set(flag, hooks.signal_value);
                     }
@@ -518,7 +522,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
             const u32* order_table, int group_m, int m_tile_offset,
             const u64* arrival_flags, u64 epoch, int chunk_rows, int chunks_per_peer, u64 timeout_ns,
             fluxrt::ErrorRecord* err, u32 op_id, u32 rank,
-            const TmaDesc* dst_tmaps, u64* const* flag_table, u64 signal_value,
+            const TmaDesc* dst_tmaps, u64* const* flag_table, int flag_group_n, u64 signal_value,
             int signal_add, void* c_direct) {
     extern __shared__ char smem_raw[];
     // Align the dynamic smem base to 1024 B (128B-swizzle atoms; the host adds kSmemAlign bytes).
@@ -554,6 +558,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
     hooks.rank = rank;
     hooks.dst_tmaps = dst_tmaps;
     hooks.flag_table = flag_table;
+    hooks.flag_group_n = flag_group_n;
     hooks.signal_value = signal_value;
     hooks.signal_add = signal_add;
 

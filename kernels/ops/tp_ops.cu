@@ -115,29 +115,35 @@ __global__ void fluxrt_ops_delay(u64 ns) {
 // Owner-side reduction of GEMM+ReduceScatter.
 //   partials   this call's receive buffer: source s's partial of this rank's rows starts at
 //              partials + s * src_stride_bytes, row-major with `ld` elements per row
-//   flags      this call's tile flags: source s's flag of tile (m, n) at flags[s * flag_stride + m * n_tiles + n],
-//              released to >= epoch by the source's GEMM epilogue after the tile's stores
+//   flags      this call's flags: source s's flag of tile (m, n) at flags[s * flag_stride + m * n_tiles + n]
+//              (released to >= epoch by the source's GEMM epilogue after the tile's stores), or with
+//              flag_group_n > 0 at flags[s * flag_stride + n / flag_group_n]: one flag per group of
+//              flag_group_n tile columns, released after the copy engine delivered the group's partial
+//   skip_source  a source whose partial is already complete in stream order (this rank's own, written
+//              by the GEMM before this kernel): no flag; >= world for none
 //   out        [rows, cols] result, `out_ld` elements per row
 // One block per tile at a time (persistent over tiles); tile = block_m x block_n, the GEMM's tile.
 __global__ void fluxrt_rs_reduce(const char* partials, long long src_stride_bytes, long long ld,
                                  char* out, long long out_ld, const u64* flags, long long flag_stride,
-                                 int rows, int cols, int block_m, int block_n, int n_tiles, u32 world,
-                                 u64 epoch, u64 timeout_ns, ErrorRecord* err, u32 op, u32 rank) {
+                                 int flag_group_n, u32 skip_source, int rows, int cols, int block_m, int block_n,
+                                 int n_tiles, u32 world, u64 epoch, u64 timeout_ns, ErrorRecord* err, u32 op,
+                                 u32 rank) {
     const int m_tiles = (rows + block_m - 1) / block_m;
     const int total = m_tiles * n_tiles;
     const int vecs_per_row = block_n / kVecElems;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         const int m_tile = t / n_tiles, n_tile = t % n_tiles;
-        const long long tile_flag = (long long)m_tile * n_tiles + n_tile;
-        // Stage 1, wait: one thread per source spins on that source's tile flag (bounded; on timeout
-        // the error record names the source and the tile is summed from whatever is there).
-        if (threadIdx.x < world && threadIdx.x < kMaxWorld)
+        const long long tile_flag = flag_group_n > 0 ? n_tile / flag_group_n : (long long)m_tile * n_tiles + n_tile;
+        // Stage 1, wait: one thread per source spins on that source's flag (bounded; on timeout the
+        // error record names the source and the tile is summed from whatever is there).
+        if (threadIdx.x < world && threadIdx.x < kMaxWorld && threadIdx.x != skip_source)
             fluxrt::wait_ge(flags + threadIdx.x * flag_stride + tile_flag, epoch, timeout_ns, err, op, rank,
                             threadIdx.x);
         __syncthreads();
         // Every reader acquires the flags itself (they are already >= epoch, so no spin): its own
         // acquire orders its partial loads after the sources' releases, independent of the barrier.
-        for (u32 s = 0; s < world; ++s) (void)fluxrt::ld_acquire_sys(flags + s * flag_stride + tile_flag);
+        for (u32 s = 0; s < world; ++s)
+            if (s != skip_source) (void)fluxrt::ld_acquire_sys(flags + s * flag_stride + tile_flag);
         // Stage 2, reduce: sources in fixed order 0..world-1 in fp32, so the result is bitwise the
         // same whatever order the partials arrived in.
         for (int v = threadIdx.x; v < block_m * vecs_per_row; v += blockDim.x) {

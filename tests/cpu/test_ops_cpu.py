@@ -120,11 +120,29 @@ def test_rs_tile_order_peers_first_own_rows_last(world):
         assert sorted(order) == sorted({(a, b) for a, b in order})  # every tile exactly once
 
 
-def test_rs_concurrent_mode_leaves_reduce_sms():
-    g = P.rs_gemm_plan(P.GemmRsPlan(reduce_mode="concurrent", reduce_blocks=6), 1024, 1024, 256, 0, 2,
-                       "bfloat16", num_sms=132)
+def test_rs_gemm_leaves_the_sms_its_mode_needs():
+    g = P.rs_gemm_plan(P.GemmRsPlan(comm_mode="sm", reduce_mode="concurrent", reduce_blocks=6), 1024, 1024, 256, 0,
+                       2, "bfloat16", num_sms=132)
     assert g.max_ctas == 126
-    assert P.rs_gemm_plan(P.GemmRsPlan(), 1024, 1024, 256, 0, 2, "bfloat16").max_ctas is None
+    # 'ce': one SM for the comm stream's wait kernels beside the GEMM; 'sm' + 'after': every SM
+    assert P.rs_gemm_plan(P.GemmRsPlan(), 1024, 1024, 256, 0, 2, "bfloat16", num_sms=132).max_ctas == 131
+    assert P.rs_gemm_plan(P.GemmRsPlan(comm_mode="sm"), 1024, 1024, 256, 0, 2, "bfloat16").max_ctas is None
+
+
+@pytest.mark.parametrize("n, block_n, groups, want", [
+    (8192, 256, 4, (8, 4)),      # 32 tile columns in 4 groups of 8
+    (7168, 256, 4, (7, 4)),
+    (6144, 256, 5, (5, 5)),      # 24 columns: 5 groups of 5, the last of 4
+    (320, 128, 4, (1, 3)),       # fewer columns than groups: one per group
+    (8192, 256, 1, (32, 1)),
+])
+def test_rs_ce_groups_cover_every_column_once(n, block_n, groups, want):
+    group_n, count = P.rs_ce_groups(P.GemmRsPlan(ce_groups=groups), n, block_n)
+    assert (group_n, count) == want
+    n_tiles = -(-n // block_n)
+    covered = [t // group_n for t in range(n_tiles)]
+    assert sorted(set(covered)) == list(range(count)) and count <= groups
+    assert count <= P.rs_flag_layout(128 * 4, n, 4).tiles_per_source   # a flag slot per group
 
 
 def test_rs_fp32_partials_plan_fits():
@@ -157,18 +175,23 @@ def test_rs_reduce_grid():
     assert P.rs_reduce_grid(P.GemmRsPlan(), 256, 512, 256, num_sms=132) == 4
     assert P.rs_reduce_grid(P.GemmRsPlan(), 4096, 8192, 256, num_sms=132) == 528
     assert P.rs_reduce_grid(P.GemmRsPlan(), 2048, 8192, 256, num_sms=132) == 512
-    assert P.rs_reduce_grid(P.GemmRsPlan(reduce_mode="concurrent", reduce_blocks=8), 4096, 8192, 256) == 8
+    assert P.rs_reduce_grid(P.GemmRsPlan(comm_mode="sm", reduce_mode="concurrent", reduce_blocks=8), 4096, 8192,
+                            256) == 8
 
 
-@pytest.mark.parametrize("bad", [dict(reduce_mode="atomic"), dict(reduce_blocks=0), dict(partial_dtype="fp8")])
-def test_rs_plan_validation(bad):
-    with pytest.raises(P.OpsArgumentError):
+@pytest.mark.parametrize("bad, match", [
+    (dict(reduce_mode="atomic"), "reduce_mode"), (dict(reduce_blocks=0), "reduce_blocks"),
+    (dict(partial_dtype="fp8"), "partial_dtype"), (dict(comm_mode="nvls"), "comm_mode"),
+    (dict(ce_groups=0), "ce_groups"), (dict(reduce_mode="concurrent"), "needs comm_mode='sm'"),
+])
+def test_rs_plan_validation(bad, match):
+    with pytest.raises(P.OpsArgumentError, match=match):
         P.GemmRsPlan(**bad).validate()
 
 
 def test_plans_are_frozen_and_printable():
     plan = P.plan_gemm_rs(8192, 8192, 1792, 4)
-    assert "reduce_mode='after'" in repr(plan)
+    assert "comm_mode='ce'" in repr(plan) and "reduce_mode='after'" in repr(plan)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.reduce_mode = "concurrent"
 

@@ -220,12 +220,16 @@ def test_ag_gemm_slow_peer(world, rng, mode, late):
 
 # --- GEMM+ReduceScatter -----------------------------------------------------------------------------
 
-RS_CASES = [  # dtype, rows per rank, reduce mode, trans_b, partial dtype
-    ("bfloat16", 256, "after", False, None),
-    ("float16", 128, "concurrent", True, None),
-    ("bfloat16", 384, "after", True, "float32"),
-    ("bfloat16", 256, "concurrent", False, None),
+RS_CASES = [  # dtype, rows per rank, (comm mode, reduce mode, column groups), trans_b, partial dtype
+    ("bfloat16", 256, ("ce", "after", 4), False, None),
+    ("float16", 128, ("ce", "after", 2), True, None),
+    ("bfloat16", 384, ("ce", "after", 3), True, "float32"),
+    ("bfloat16", 256, ("sm", "after", 1), False, None),
+    ("float16", 128, ("sm", "concurrent", 1), True, None),
+    ("bfloat16", 384, ("sm", "after", 1), True, "float32"),
+    ("bfloat16", 256, ("sm", "concurrent", 1), False, None),
 ]
+RS_MODES = [("ce", "after"), ("sm", "after"), ("sm", "concurrent")]
 
 
 def _rs_reference(world, a, b, trans_b):
@@ -241,8 +245,10 @@ def test_gemm_rs_matches_reference(world, rng, dtype, shard, mode, trans_b, part
 
     n, k = 320, 192
     m = shard * world.size
+    comm, reduce, groups = mode
     op = GemmReduceScatter(world, m, n, k, dtype, trans_b=trans_b,
-                           plan=GemmRsPlan(reduce_mode=mode, reduce_blocks=4, partial_dtype=partial))
+                           plan=GemmRsPlan(comm_mode=comm, ce_groups=groups, reduce_mode=reduce, reduce_blocks=4,
+                                           partial_dtype=partial))
     try:
         a = _rand(rng, (m, k), dtype)
         b = _rand(rng, (n, k) if trans_b else (k, n), dtype)
@@ -255,13 +261,14 @@ def test_gemm_rs_matches_reference(world, rng, dtype, shard, mode, trans_b, part
         op.free()
 
 
-@pytest.mark.parametrize("mode", ["after", "concurrent"])
+@pytest.mark.parametrize("mode", RS_MODES, ids=["-".join(x) for x in RS_MODES])
 def test_gemm_rs_repeated_calls_and_determinism(world, rng, mode):
     from fluxrt.ops import GemmReduceScatter, GemmRsPlan
 
     n, k, shard = 256, 128, 256
     m = shard * world.size
-    op = GemmReduceScatter(world, m, n, k, "bf16", plan=GemmRsPlan(reduce_mode=mode, reduce_blocks=4))
+    op = GemmReduceScatter(world, m, n, k, "bf16", plan=GemmRsPlan(comm_mode=mode[0], ce_groups=2,
+                                                                   reduce_mode=mode[1], reduce_blocks=4))
     try:
         _repeated(world, rng, op, lambda: (_rand(rng, (m, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")),
                   lambda a, b: _rs_reference(world, a, b, False), 120, "bfloat16", f"RS {mode}")
@@ -272,6 +279,26 @@ def test_gemm_rs_repeated_calls_and_determinism(world, rng, mode):
         world.synchronize()
         for x in again:
             assert (x.view(np.uint16) == first.view(np.uint16)).all()
+    finally:
+        op.free()
+
+
+def test_gemm_rs_varying_m(world, rng):
+    # 'ce' counts finished tiles per (owner, column group) over all calls: calls of different M add
+    # different numbers of tiles, and each call's waits must target its own total
+    from fluxrt.ops import GemmReduceScatter
+
+    n, k = 1024, 128
+    op = GemmReduceScatter(world, 1024 * world.size, n, k, "bf16")
+    try:
+        problems = _Problems()
+        for shard in (1024, 128, 512, 128, 1024):
+            m = shard * world.size
+            a, b = _rand(rng, (m, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")
+            got = op.forward(_dev(a), _dev(b))
+            world.synchronize()
+            problems.check(got, _rs_reference(world, a, b, False), "bfloat16", f"RS M={m}")
+        problems.assert_none()
     finally:
         op.free()
 
