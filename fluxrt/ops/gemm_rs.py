@@ -8,7 +8,7 @@ Per call, with epoch e and parity q = (e - 1) % 2, on the caller's stream S and 
       comm_mode 'ce': into the local ``part[o]`` (own rows: straight into the local ``recv[q][me]``)
       and adds 1 to the counter of (o, column group) (stores complete, proxy fence, release.sys);
       'sm': into o's symmetric ``recv[q][me]`` over NVLink, then releases o's flag ``[q][me][tile]``.
-2. C  ('ce', enqueued before the GEMM so it runs beside it) for each owner o in the GEMM's order and
+2. C  ('ce', joined to S before the GEMM so it runs beside it) for each owner o in the GEMM's order and
       each column group g: bounded wait until the GEMM counted all of (o, g)'s tiles, copy-engine push
       of ``part[o][:, g's columns]`` into o's ``recv[q][me]``, release o's flag ``[q][me][g]`` to e.
 3. The owner's reduce kernel waits (bounded) per tile for the other sources' flags (its own partial
@@ -145,10 +145,11 @@ class GemmReduceScatter:
 
             if self.plan.comm_mode == "ce":
                 group_n, groups = rs_ce_groups(self.plan, self.n, gplan.block_n)
-                common.join(c, s)
-                self._enqueue_pushes(shard, gplan.block_n, group_n, groups, q, epoch, c)   # 2., beside the GEMM
+                common.join(c, s)   # C starts with the GEMM, not after it
                 gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._counter_table,
                                   signal_value=1, signal_add=True, flag_group_n=group_n))
+                # 2. enqueued after the GEMM's launch: the host's many small launches overlap the GEMM
+                self._enqueue_pushes(shard, gplan.block_n, group_n, groups, q, epoch, c)
                 self._launch_reduce(out, shard, gplan.block_n, q, epoch, s, group_n=group_n, skip=world.rank)
                 common.join(s, c)
             elif self.plan.reduce_mode == "concurrent":
