@@ -120,6 +120,8 @@ class TileDestinations:
                     for c, p in enumerate(self.ptrs[:-(-m // chunk_rows)])]
             with cupy.cuda.Device(device_id):
                 table = cupy.asarray(np.concatenate(maps).view(np.uint64))   # 256-byte aligned allocation
+                # the upload is ordered on the current stream, the kernels that read it may run on any
+                cupy.cuda.get_current_stream().synchronize()
             self._tables[key] = table
         return table
 
@@ -367,6 +369,7 @@ def _order_table(plan: GemmPlan, m_tiles: int, n_tiles: int, device_id: int):
             raise GemmArgumentError(f"gemm: hilbert order supports < 65536 tiles per side, got {m_tiles}x{n_tiles}")
         packed = np.array([(mm << 16) | nn for mm, nn in hilbert_order(m_tiles, n_tiles)], dtype=np.uint32)
         t = cupy.asarray(packed)
+        cupy.cuda.get_current_stream().synchronize()   # shared by launches on every stream
         with _lock:
             _order_tables[key] = t
     return t

@@ -95,6 +95,7 @@ def _symmetric_array_class():
             alloc = self._allocation()
             if alloc.peer_table is None:
                 alloc.peer_table = cupy.asarray(np.asarray(alloc.peer_bases, dtype=np.uint64))
+                cupy.cuda.get_current_stream().synchronize()   # uploaded on this stream, read on any
             return alloc.peer_table
 
         @property

@@ -125,6 +125,18 @@ class PointerList:
         self.ptrs = cupy.asarray(np.asarray(ptrs, dtype=np.uint64)) if ptrs else None
         peers = [NO_PEER] * len(ptrs) if peers is None else peers
         self.peers = cupy.asarray(np.asarray(peers, dtype=np.uint64)) if ptrs else None
+        # The uploads above are ordered on the current stream only; a kernel on another stream (a comm
+        # stream) may read the list at any time from now on, so wait for them here (once per list).
+        if ptrs:
+            cupy.cuda.get_current_stream().synchronize()
+
+    def sub(self, start: int, count: int = 1) -> "PointerList":
+        """Entries [start, start + count) as a list of their own (a view: no upload)."""
+        view = object.__new__(PointerList)
+        view.count = count
+        view.ptrs = self.ptrs[start:start + count]
+        view.peers = self.peers[start:start + count]
+        return view
 
 
 def signal_list(world, plist: PointerList, value: int, stream) -> None:

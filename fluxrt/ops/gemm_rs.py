@@ -93,8 +93,12 @@ class GemmReduceScatter:
                 self._counted = np.zeros((w, self._groups_max), dtype=np.int64)
                 self._counter_table = cupy.asarray(np.asarray([self.counters[o].data.ptr for o in range(w)],
                                                               dtype=np.uint64))
-                self._counter_lists = {(o, g): common.PointerList([self.counters[o, g].data.ptr])
-                                       for o in range(w) for g in range(self._groups_max)}
+                # wait lists of the comm stream (views of one upload each): my counters, the owners' flags
+                self._counter_list = common.PointerList([int(self.counters[o, g].data.ptr) for o in range(w)
+                                                         for g in range(self._groups_max)])
+                self._pushed_lists = [common.PointerList([self.pad.peer_ptr(o, self.layout.base(q, me) + g)
+                                                          for o in range(w) for g in range(self._groups_max)])
+                                      for q in range(PARITIES)]
             else:
                 # per parity: where my partial of owner o's rows goes, and o's flags for my tiles
                 self._dst = [TileDestinations([self.recv[q, me].peer_ptr(o) for o in range(w)], self.n,
@@ -102,7 +106,8 @@ class GemmReduceScatter:
                 self._flags = [cupy.asarray(np.asarray([self.pad.peer_ptr(o, self.layout.base(q, me))
                                                         for o in range(w)], dtype=np.uint64)) for q in range(PARITIES)]
             self._reduce = common.kernels(world).reduce(self.partial_dtype, self.dtype)
-        self._pushed = {}   # (parity, owner, group) -> the PointerList of owner's flag for my group
+            # the tables above were uploaded on the current stream; the op's streams read them from now on
+            cupy.cuda.get_current_stream().synchronize()
         self._gplans: dict = {}
         self._op_reduce = op_id("gemm_rs.reduce")
         self._op_tiles = "gemm_rs.tiles"
@@ -180,19 +185,13 @@ class GemmReduceScatter:
             for g in range(groups):
                 t0, t1 = g * group_n, min((g + 1) * group_n, n_tiles)
                 self._counted[o, g] += m_tiles * (t1 - t0)
-                common.wait_list(world, self._counter_lists[(o, g)], int(self._counted[o, g]), self._op_tiles, c)
+                at = o * self._groups_max + g
+                common.wait_list(world, self._counter_list.sub(at), int(self._counted[o, g]), self._op_tiles, c)
                 c0, c1 = t0 * block_n, min(t1 * block_n, self.n)
                 cupy.cuda.runtime.memcpy2DAsync(self.recv[q, me].peer_ptr(o) + c0 * item, row_bytes,
                                                 self.part[o].data.ptr + c0 * item, row_bytes, (c1 - c0) * item, shard,
                                                 cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
-                common.signal_list(world, self._pushed_list(q, o, g), epoch, c)
-
-    def _pushed_list(self, q: int, o: int, g: int):
-        plist = self._pushed.get((q, o, g))
-        if plist is None:
-            me = self.world.rank
-            plist = self._pushed[(q, o, g)] = common.PointerList([self.pad.peer_ptr(o, self.layout.base(q, me) + g)])
-        return plist
+                common.signal_list(world, self._pushed_lists[q].sub(at), epoch, c)
 
     def _launch_reduce(self, out, shard: int, block_n: int, q: int, epoch: int, stream, *, group_n: int = 0,
                        skip: int | None = None) -> None:
