@@ -5,25 +5,28 @@ Per call, with epoch e and parity q = (e - 1) % 2, on the caller's stream S and 
 
 1. S  The GEMM walks the tiles starting at the rows of rank+1 and ending with its own. Its storer warp
       TMA-stores each finished tile of owner o's rows:
-      comm_mode 'ce': into the local ``part[o]`` (own rows: straight into the local ``recv[q][me]``)
-      and adds 1 to the counter of (o, column group) (stores complete, proxy fence, release.sys);
+      comm_mode 'ce': into its own symmetric ``part[q][o]`` (own rows: straight into ``recv[q][me]``)
+      and adds 1 to its counter of (o, column group) (stores complete, proxy fence, release.sys);
       'sm': into o's symmetric ``recv[q][me]`` over NVLink, then releases o's flag ``[q][me][tile]``.
-2. C  ('ce', joined to S before the GEMM so it runs beside it) for each owner o in the GEMM's order and
-      each column group g: bounded wait until the GEMM counted all of (o, g)'s tiles, copy-engine push
-      of ``part[o][:, g's columns]`` into o's ``recv[q][me]``, release o's flag ``[q][me][g]`` to e.
+2. C  ('ce', joined to S before the GEMM so it runs beside it) for each source s, in the order the
+      sources produce my rows (rank-1 first), and each column group g: bounded wait until s's counter of
+      (me, g) reached the call's total, copy-engine pull of ``s.part[q][me][:, g's columns]`` into my
+      ``recv[q][s]``, then my local flag ``[q][s][g]`` := e. Pulls, not pushes: after a copy-engine
+      write into a peer, a flag released behind it was seen to reach the peer before the data (README,
+      memory-ordering notes); a pull has finished only when the bytes are local.
 3. The owner's reduce kernel waits (bounded) per tile for the other sources' flags (its own partial
    precedes it in stream order), then sums the partials in fixed source order 0..world-1 in fp32 and
    stores the tile of ``out``: the result is bitwise independent of arrival order. 'after' mode runs it
    after the GEMM on S; 'concurrent' mode ('sm' only) on C during the GEMM (which leaves
    ``reduce_blocks`` SMs free). S waits for C before returning.
 
-Why two parities are enough (no ack): source s writes into owner o's ``recv[q]`` in call i+2 only after
-s's reduce of call i+1 (stream order on s; in 'ce' mode C joins S at the start of each call); that
-reduce waited for o's call-(i+1) partials, which exist only once o's GEMM i+1 ran, after o's reduce of
-call i (stream order on o). So o has read ``recv[q]`` of call i before any call-(i+2) partial lands
-there. ``part`` needs one copy: call i+1's GEMM starts after S joined C's pushes of call i. Flags need no
-reset either: a parity's flags only ever see that parity's epochs, which grow; the tile counters grow by
-a known number of tiles per call.
+Why two parities are enough (no ack): a partial for call i+2 lands in owner o's ``recv[q]`` ('sm'), or
+overwrites source s's ``part[q]`` ('ce'), only after s's GEMM i+2 started, i.e. after s's reduce of
+call i+1 (stream order on s); that reduce waited for o's call-(i+1) partials, which exist only once o's
+GEMM i+1 ran, after o's reduce of call i (stream order on o), and that reduce waited for o's pulls of
+call i. So o has read ``recv[q]`` and pulled ``part[q]`` of call i first. Flags need no reset either: a
+parity's flags only ever see that parity's epochs, which grow; the tile counters grow by a known
+number of tiles per call.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from ..gemm import TileDestinations, TileEpilogue, gemm_with_hooks
 from ..streams import as_cupy_stream
 from . import common
 from .plan import MIN_TILE_COLS, GemmRsPlan, OpsArgumentError, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
-    pull_order, rs_ce_groups, rs_flag_layout, rs_gemm_plan, rs_reduce_grid
+    rs_ce_groups, rs_flag_layout, rs_gemm_plan, rs_reduce_grid
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,8 @@ class GemmReduceScatter:
 
     Collective: every rank constructs it with the same arguments and calls ``forward`` with the same
     shapes in the same order. ``k`` is the local K. M must be a multiple of ``world * 128`` and at most
-    ``max_m``; N is fixed. Symmetric memory: ``2 * max_m * N`` partial elements per rank; comm_mode 'ce'
-    adds ``max_m * N`` local ones.
+    ``max_m``; N is fixed. Symmetric memory: ``2 * max_m * N`` partial elements per rank, twice that with
+    comm_mode 'ce' (the partials the owners pull, in two parities).
     """
 
     def __init__(self, world, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
@@ -83,22 +86,24 @@ class GemmReduceScatter:
         with world.device:
             self.comm_stream = cupy.cuda.Stream(non_blocking=True)
             if ce:
-                # my partials of peers' rows, pushed by the copy engine; own rows go straight to recv[q][me]
-                self.part = cupy.empty((w, self.max_shard, self.n), dtype=self.recv.dtype)
-                self._dst = [TileDestinations([self.recv[q, me].data.ptr if o == me else self.part[o].data.ptr
+                # my partials of peers' rows, which the owners pull; own rows go straight to recv[q][me]
+                self.part = world.empty((PARITIES, w, self.max_shard, self.n), self.partial_dtype)
+                self._dst = [TileDestinations([self.recv[q, me].data.ptr if o == me else self.part[q, o].data.ptr
                                                for o in range(w)], self.n, self.partial_dtype) for q in range(PARITIES)]
-                # per (owner, column group): tiles my GEMM finished, over all calls
+                # per (owner, column group): tiles my GEMM finished, over all calls (owners poll them)
                 self._groups_max = math.ceil(self.n / MIN_TILE_COLS)
-                self.counters = cupy.zeros((w, self._groups_max), dtype=cupy.uint64)
-                self._counted = np.zeros((w, self._groups_max), dtype=np.int64)
-                self._counter_table = cupy.asarray(np.asarray([self.counters[o].data.ptr for o in range(w)],
-                                                              dtype=np.uint64))
-                # wait lists of the comm stream (views of one upload each): my counters, the owners' flags
-                self._counter_list = common.PointerList([int(self.counters[o, g].data.ptr) for o in range(w)
-                                                         for g in range(self._groups_max)])
-                self._pushed_lists = [common.PointerList([self.pad.peer_ptr(o, self.layout.base(q, me) + g)
-                                                          for o in range(w) for g in range(self._groups_max)])
-                                      for q in range(PARITIES)]
+                self.counters = world.signal_pad(w * self._groups_max)
+                self._counted = np.zeros((w, self._groups_max), dtype=np.int64)   # (source, group) for my rows
+                self._counter_table = cupy.asarray(np.asarray(
+                    [self.counters.local_ptr(o * self._groups_max) for o in range(w)], dtype=np.uint64))
+                # the comm stream's lists (one upload each, sliced per group): the sources' counters of my
+                # rows, and my flags of pulled (source, group)s
+                G = self._groups_max
+                self._source_counters = common.PointerList(
+                    [self.counters.peer_ptr(src, me * G + g) for src in range(w) for g in range(G)],
+                    [src for src in range(w) for g in range(G)])
+                self._pulled = [common.PointerList([self.pad.local_ptr(self.layout.base(q, src) + g)
+                                                    for src in range(w) for g in range(G)]) for q in range(PARITIES)]
             else:
                 # per parity: where my partial of owner o's rows goes, and o's flags for my tiles
                 self._dst = [TileDestinations([self.recv[q, me].peer_ptr(o) for o in range(w)], self.n,
@@ -154,7 +159,7 @@ class GemmReduceScatter:
                 gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._counter_table,
                                   signal_value=1, signal_add=True, flag_group_n=group_n))
                 # 2. enqueued after the GEMM's launch: the host's many small launches overlap the GEMM
-                self._enqueue_pushes(shard, gplan.block_n, group_n, groups, q, epoch, c)
+                self._enqueue_pulls(shard, gplan.block_n, group_n, groups, q, epoch, c)
                 self._launch_reduce(out, shard, gplan.block_n, q, epoch, s, group_n=group_n, skip=world.rank)
                 common.join(s, c)
             elif self.plan.reduce_mode == "concurrent":
@@ -171,9 +176,9 @@ class GemmReduceScatter:
 
     __call__ = forward
 
-    def _enqueue_pushes(self, shard: int, block_n: int, group_n: int, groups: int, q: int, epoch: int, c) -> None:
-        """Step 2 on the comm stream: per owner (in the GEMM's order) and column group, wait for the group's
-        tiles, push them with the copy engine, release the owner's flag of the group."""
+    def _enqueue_pulls(self, shard: int, block_n: int, group_n: int, groups: int, q: int, epoch: int, c) -> None:
+        """Step 2 on the comm stream: per source (in the order the sources produce my rows) and column
+        group, wait for the group's tiles on the source, pull them with the copy engine, raise my flag."""
         import cupy
 
         world, w, me = self.world, self.world.size, self.world.rank
@@ -181,17 +186,18 @@ class GemmReduceScatter:
         row_bytes = self.n * item
         n_tiles = math.ceil(self.n / block_n)
         m_tiles = shard // TILE_ROWS
-        for o in pull_order(me, w):   # rank+1, rank+2, ...: the order of the GEMM's tiles (rs_tile_offset)
+        for d in range(1, w):
+            src = (me - d) % w   # source me-d reaches my rows after d-1 other owners' (rs_tile_offset)
             for g in range(groups):
                 t0, t1 = g * group_n, min((g + 1) * group_n, n_tiles)
-                self._counted[o, g] += m_tiles * (t1 - t0)
-                at = o * self._groups_max + g
-                common.wait_list(world, self._counter_list.sub(at), int(self._counted[o, g]), self._op_tiles, c)
+                self._counted[src, g] += m_tiles * (t1 - t0)
+                at = src * self._groups_max + g
+                common.wait_list(world, self._source_counters.sub(at), int(self._counted[src, g]), self._op_tiles, c)
                 c0, c1 = t0 * block_n, min(t1 * block_n, self.n)
-                cupy.cuda.runtime.memcpy2DAsync(self.recv[q, me].peer_ptr(o) + c0 * item, row_bytes,
-                                                self.part[o].data.ptr + c0 * item, row_bytes, (c1 - c0) * item, shard,
-                                                cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
-                common.signal_list(world, self._pushed_lists[q].sub(at), epoch, c)
+                cupy.cuda.runtime.memcpy2DAsync(self.recv[q, src].data.ptr + c0 * item, row_bytes,
+                                                self.part[q, me].peer_ptr(src) + c0 * item, row_bytes,
+                                                (c1 - c0) * item, shard, cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
+                common.signal_list(world, self._pulled[q].sub(at), epoch, c)
 
     def _launch_reduce(self, out, shard: int, block_n: int, q: int, epoch: int, stream, *, group_n: int = 0,
                        skip: int | None = None) -> None:
@@ -220,7 +226,9 @@ class GemmReduceScatter:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""
         self.pad.free()
         self.world.free(self.recv)
-        self.part = self.counters = None
+        if self.plan.comm_mode == "ce":
+            self.counters.free()
+            self.world.free(self.part)
 
     def __repr__(self) -> str:
         return (f"GemmReduceScatter(max_m={self.max_m}, n={self.n}, k={self.k}, dtype={self.dtype}, "

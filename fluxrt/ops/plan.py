@@ -15,9 +15,9 @@ AllGather+GEMM (:class:`AgGemmPlan`)
 GEMM+ReduceScatter (:class:`GemmRsPlan`)
     Each rank computes the partial ``A @ B`` for all M rows, starting with the rows of rank+1 and
     ending with its own; the partials of owner o's rows reach o's symmetric receive buffer
-    ``recv[parity][source]``. ``comm_mode='ce'``: the GEMM stores tiles locally and counts them per
-    (owner, group of ``ce_groups`` tile columns); a fluxrt stream waits for each group's count, pushes
-    it with the copy engine and releases one flag per (source, group) on the owner. ``'sm'``: the GEMM's
+    ``recv[parity][source]``. ``comm_mode='ce'``: the GEMM stores tiles in its own symmetric buffer and
+    counts them per (owner, group of ``ce_groups`` tile columns); each owner's fluxrt stream waits for a
+    source's count, pulls the group with the copy engine and raises its own flag per (source, group). ``'sm'``: the GEMM's
     storer stores each tile straight into the owner's buffer and releases one flag per (source, tile).
     The owner sums the world partials in fixed source order in fp32 (deterministic).
     ``reduce_mode='after'``: the reduce kernel runs after the GEMM on the caller's stream;
@@ -108,11 +108,11 @@ class AgGemmPlan:
 class GemmRsPlan:
     """How GEMM+ReduceScatter orders tiles and reduces.
 
-    comm_mode: 'ce' (the GEMM stores partials locally; the copy engine pushes each finished group of
-        columns to its owner; the GEMM leaves 1 SM for the comm stream's wait kernels) or 'sm' (the GEMM's
-        storer writes each tile into the owner's buffer over NVLink).
-    ce_groups: column groups per owner in 'ce' mode (finer groups leave the GEMM sooner, at 3 small
-        launches per group and owner).
+    comm_mode: 'ce' (the GEMM stores partials in its own symmetric buffer; each owner pulls every
+        finished group of columns with the copy engine; the GEMM leaves 1 SM for the comm stream's wait
+        kernels) or 'sm' (the GEMM's storer writes each tile into the owner's buffer over NVLink).
+    ce_groups: column groups per source in 'ce' mode (finer groups arrive sooner, at 3 small launches
+        per group and source).
     reduce_mode: 'after' (reduce kernel after the GEMM on the caller's stream) or 'concurrent'
         (comm_mode 'sm' only: reduce kernel on a fluxrt stream during the GEMM, which leaves
         reduce_blocks SMs free).
@@ -183,10 +183,10 @@ def plan_ag_gemm(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_
 
 
 def plan_gemm_rs(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_H200_SMS) -> GemmRsPlan:
-    """Default GEMM+ReduceScatter plan: partials in the input type pushed by the copy engine per group of
-    columns, reduce after the GEMM (peers' partials travel during the GEMM; only the local sum of world
-    partials of M/world rows is exposed). Measured on 4x H200: SM stores to peers slowed the GEMM by
-    5-11 %; copy-engine pushes of the same bytes beside it by 1-2 %."""
+    """Default GEMM+ReduceScatter plan: partials in the input type, pulled by their owners with the copy
+    engine per group of columns, reduce after the GEMM (peers' partials travel during the GEMM; only the
+    local sum of world partials of M/world rows is exposed). Measured on 4x H200: SM stores to peers
+    slowed the GEMM by 5-11 %; copy-engine transfers of the same bytes beside it by 1-2 %."""
     return GemmRsPlan(comm_mode="ce", reduce_mode="after").validate()
 
 

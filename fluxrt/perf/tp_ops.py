@@ -402,9 +402,9 @@ def main(argv=None, bench: str | None = None) -> int:
 
     import fluxrt
 
-    heap = 0   # symmetric bytes: AG's gathered A [M, K]; RS's two parities of partials [M, N] (neither scales with TP)
-    for m, n, k in shapes:
-        heap = max(heap, m * k * 2 + 4096 if bench == "ag_gemm" else 2 * m * n * 2 + 4096)
+    heap = 0   # symmetric bytes: AG's gathered A [M, K]; RS's received and ('ce') pulled partials, two parities
+    for m, n, k in shapes:       # of [M, N] each (neither scales with TP)
+        heap = max(heap, m * k * 2 + 4096 if bench == "ag_gemm" else 4 * m * n * 2 + 4096)
     world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G",
                                                     check_collective_args=args.check_args))
     nccl_comm = None
