@@ -54,19 +54,8 @@ class AllGatherGemm:
                  plan: AgGemmPlan | None = None):
         import cupy
 
-        self.world = world
         w = world.size
-
-        def local_checks():
-            self.dtype = common.input_dtype(dtype, OP)
-            self.max_m, self.n, self.k = common.check_problem(world, OP, max_m, n, k)
-            self.trans_b = bool(trans_b)
-            self.plan = (plan or plan_ag_gemm(self.max_m, self.n, self.k, w)).validate()
-            check_rows(OP, self.max_m, w, self.plan.row_multiple)
-            return None, {"max_m": self.max_m, "n": self.n, "k": self.k, "dtype": self.dtype,
-                          "trans_b": self.trans_b, "plan": repr(self.plan)}
-
-        common.checked_on_every_rank(world, f"{OP}()", local_checks)
+        common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_ag_gemm)
         self.layout = ag_pad_layout(w, self.plan.chunks_per_rank)
         self.a_full = world.empty((self.max_m, self.k), self.dtype)
         self.pad = world.signal_pad(self.layout.slots)

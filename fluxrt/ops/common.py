@@ -68,6 +68,26 @@ def check_problem(world, op: str, max_m: int, n: int, k: int) -> tuple[int, int,
     return int(max_m), int(n), int(k)
 
 
+def construct(obj, world, op: str, max_m: int, n: int, k: int, dtype, trans_b: bool, plan, planner) -> None:
+    """Both fused ops' constructor checks, agreed across ranks (a mismatch or a local error raises on every
+    rank): sets obj.world, dtype, max_m, n, k, trans_b and plan (``plan`` or ``planner(max_m, n, k, world
+    size)``, validated; max_m checked against its row rule)."""
+    from .plan import check_rows
+
+    obj.world = world
+
+    def local_checks():
+        obj.dtype = input_dtype(dtype, op)
+        obj.max_m, obj.n, obj.k = check_problem(world, op, max_m, n, k)
+        obj.trans_b = bool(trans_b)
+        obj.plan = (plan or planner(obj.max_m, obj.n, obj.k, world.size)).validate()
+        check_rows(op, obj.max_m, world.size, obj.plan.row_multiple)
+        return None, {"max_m": obj.max_m, "n": obj.n, "k": obj.k, "dtype": obj.dtype, "trans_b": obj.trans_b,
+                      "plan": repr(obj.plan)}
+
+    checked_on_every_rank(world, f"{op}()", local_checks)
+
+
 def checked_on_every_rank(world, op: str, local_checks):
     """Run this rank's argument checks, ``local_checks() -> (result, signature dict)``, and agree on the
     call across ranks (fluxrt.agreement): a rank whose own checks failed makes every rank raise, and
@@ -116,26 +136,31 @@ def kernels(world) -> OpsKernels:
 
 
 class PointerList:
-    """A device list of flag addresses (and the peer each one belongs to) for the list kernels."""
+    """A device list of flag addresses (and the peer each one belongs to) for the list kernels.
+
+    ``ptrs_addr`` / ``peers_addr`` are the device addresses the kernels take; :meth:`sub` views a range of
+    a list by address arithmetic, so per-call slices cost no upload and no array object."""
 
     def __init__(self, ptrs, peers=None):
         import cupy
 
         self.count = len(ptrs)
-        self.ptrs = cupy.asarray(np.asarray(ptrs, dtype=np.uint64)) if ptrs else None
         peers = [NO_PEER] * len(ptrs) if peers is None else peers
-        self.peers = cupy.asarray(np.asarray(peers, dtype=np.uint64)) if ptrs else None
+        self._arrays = (cupy.asarray(np.asarray(ptrs, dtype=np.uint64)),
+                        cupy.asarray(np.asarray(peers, dtype=np.uint64))) if ptrs else None
+        self.ptrs_addr, self.peers_addr = (int(a.data.ptr) for a in self._arrays) if ptrs else (0, 0)
         # The uploads above are ordered on the current stream only; a kernel on another stream (a comm
         # stream) may read the list at any time from now on, so wait for them here (once per list).
         if ptrs:
             cupy.cuda.get_current_stream().synchronize()
 
     def sub(self, start: int, count: int = 1) -> "PointerList":
-        """Entries [start, start + count) as a list of their own (a view: no upload)."""
+        """Entries [start, start + count) as a list of their own (a view of this one's device arrays)."""
+        if not 0 <= start <= start + count <= self.count:
+            raise IndexError(f"PointerList.sub({start}, {count}) outside a list of {self.count}")
         view = object.__new__(PointerList)
-        view.count = count
-        view.ptrs = self.ptrs[start:start + count]
-        view.peers = self.peers[start:start + count]
+        view.count, view._arrays = count, self._arrays
+        view.ptrs_addr, view.peers_addr = self.ptrs_addr + 8 * start, self.peers_addr + 8 * start
         return view
 
 
@@ -144,7 +169,7 @@ def signal_list(world, plist: PointerList, value: int, stream) -> None:
     if plist.count == 0:
         return
     grid = (plist.count + _LIST_THREADS - 1) // _LIST_THREADS
-    kernels(world).signal_list((grid,), (_LIST_THREADS,), (np.uint64(plist.ptrs.data.ptr), np.uint32(plist.count),
+    kernels(world).signal_list((grid,), (_LIST_THREADS,), (np.uint64(plist.ptrs_addr), np.uint32(plist.count),
                                                            np.uint64(value)), stream=stream)
 
 
@@ -154,7 +179,7 @@ def wait_list(world, plist: PointerList, target: int, op: str, stream) -> None:
         return
     grid = (plist.count + _LIST_THREADS - 1) // _LIST_THREADS
     kernels(world).wait_list((grid,), (_LIST_THREADS,),
-                             (np.uint64(plist.ptrs.data.ptr), np.uint64(plist.peers.data.ptr), np.uint32(plist.count),
+                             (np.uint64(plist.ptrs_addr), np.uint64(plist.peers_addr), np.uint32(plist.count),
                               np.uint64(target), np.uint64(world.timeout_ns), np.uint64(world.error_record),
                               np.uint32(op_id(op)), np.uint32(world.rank)), stream=stream)
 

@@ -62,19 +62,8 @@ class GemmReduceScatter:
                  plan: GemmRsPlan | None = None):
         import cupy
 
-        self.world = world
         w = world.size
-
-        def local_checks():
-            self.dtype = common.input_dtype(dtype, OP)
-            self.max_m, self.n, self.k = common.check_problem(world, OP, max_m, n, k)
-            self.trans_b = bool(trans_b)
-            self.plan = (plan or plan_gemm_rs(self.max_m, self.n, self.k, w)).validate()
-            check_rows(OP, self.max_m, w, self.plan.row_multiple)
-            return None, {"max_m": self.max_m, "n": self.n, "k": self.k, "dtype": self.dtype,
-                          "trans_b": self.trans_b, "plan": repr(self.plan)}
-
-        common.checked_on_every_rank(world, f"{OP}()", local_checks)
+        common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_gemm_rs)
         self.partial_dtype = self.plan.partial_dtype or self.dtype
         self.max_shard = self.max_m // w
         self.layout = rs_flag_layout(self.max_m, self.n, w)
