@@ -10,6 +10,9 @@ Public entry point: :func:`gemm`. The fused ops (AllGather+GEMM, GEMM+ReduceScat
   peer's symmetric buffer) and, when ``flag_table`` is given, raise
   ``flag_table[chunk][local_m_tile * n_tiles + n_tile]`` (set to / add ``signal_value``, release.sys),
   issued from the storer warp of the producer warpgroup.
+* :class:`ChunkReduce`   -- (with TileEpilogue) the tiles of one chunk instead get the other sources'
+  partials of their rows added in the consumers' epilogue, each after its flag, and go to ``out``:
+  the reduce of GEMM+ReduceScatter fused into the GEMM that makes the last partial.
 
 Every argument is validated before the first CUDA call (so mistakes surface as exceptions that name
 the shapes, and the checks run on CPU-only machines).
@@ -30,7 +33,8 @@ from .gemm_plan import GemmPlan, hilbert_order, plan_gemm
 
 log = logging.getLogger(__name__)
 
-__all__ = ["gemm", "gemm_with_hooks", "ArrivalWait", "TileEpilogue", "TileDestinations", "GemmArgumentError",
+__all__ = ["gemm", "gemm_with_hooks", "ArrivalWait", "TileEpilogue", "TileDestinations", "ChunkReduce",
+           "GemmArgumentError",
            "GemmTypeError",
            "validate_gemm_args", "kernel_defines"]
 
@@ -127,6 +131,36 @@ class TileDestinations:
 
 
 @dataclass(frozen=True)
+class ChunkReduce:
+    """Hook 3: chunk ``chunk``'s tiles are summed with the other sources' partials of the same rows in the
+    consumers' epilogue and TMA-stored to ``out`` ([rows of the chunk, N], C's type), with no flag.
+
+    partials: device pointer of source 0's partial of the chunk's rows (row-major, ``ld`` elements per
+        row, C's element type); source s's at ``partials + s * source_bytes``. Source ``chunk`` is this
+        GEMM itself (its accumulator): never waited for nor read.
+    flags: device pointer of source 0's flags (uint64); source s's at ``flags + 8 * s * flag_stride``:
+        one per tile (``local_m_tile * n_tiles + n_tile``), or with ``group_n > 0`` one per group of that
+        many tile columns (``n_tile // group_n``). A partial is read once its flag is >= ``epoch``
+        (bounded wait; on timeout ``err`` names ``op_id``, ``rank`` and the source).
+    Sources are added in fixed order 0, 1, ... in fp32 after the accumulator: deterministic.
+    """
+    chunk: int
+    out: object
+    partials: int
+    source_bytes: int
+    ld: int
+    sources: int
+    flags: int
+    flag_stride: int
+    epoch: int
+    err: object
+    group_n: int = 0
+    timeout_ns: int = DEFAULT_TIMEOUT_NS
+    op_id: int = 0
+    rank: int = 0
+
+
+@dataclass(frozen=True)
 class TileEpilogue:
     """Hook 2: per-chunk destination + per-tile release flag, written by the storer warp.
 
@@ -135,6 +169,8 @@ class TileEpilogue:
     of chunk c raises ``flag_table[c][local_m_tile * n_tiles + n_tile]`` once the tile is stored, or with
     ``flag_group_n > 0`` ``flag_table[c][n_tile // flag_group_n]``: one counter per group of that many
     n tiles, which every tile of the group in the chunk's rows raises (use ``signal_add``).
+    reduce: optional :class:`ChunkReduce` (hook 3) for one chunk, whose tiles then skip their destination
+    and flag.
     """
     destinations: TileDestinations
     chunk_rows: int
@@ -142,6 +178,7 @@ class TileEpilogue:
     signal_value: int = 1
     signal_add: bool = False
     flag_group_n: int = 0
+    reduce: ChunkReduce | None = None
 
 
 # --- argument inspection (no CUDA calls) -------------------------------------------------------------
@@ -267,13 +304,14 @@ def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str 
 
 
 def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool = False,
-                   hook_epilogue: bool = False) -> tuple[tuple[str, str], ...]:
+                   hook_epilogue: bool = False, hook_reduce: bool = False) -> tuple[tuple[str, str], ...]:
     """-D macros that instantiate hopper_gemm.cu for one configuration."""
     return (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(_IN_IDS[in_dtype])),
             ("FLUXRT_GEMM_OUT", str(_OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
             ("FLUXRT_GEMM_HOOK_EPILOGUE", "1" if hook_epilogue else "0"),
+            ("FLUXRT_GEMM_HOOK_REDUCE", "1" if hook_reduce else "0"),
             ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"),
             ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)),
             # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
@@ -471,6 +509,43 @@ def _check_hooks(wait: ArrivalWait | None, epilogue: TileEpilogue | None, plan: 
                                 "and err: the kernel writes its timeout report through err")
 
 
+def _check_reduce(red: ChunkReduce, wait: ArrivalWait | None, m: int, n: int, chunk_rows: int, out_dt: str) -> None:
+    """Hook 3's arguments, before any CUDA call."""
+    if out_dt not in ("bfloat16", "float16"):
+        raise GemmArgumentError(f"gemm: ChunkReduce needs 16-bit partials and output (bfloat16, float16), got {out_dt}")
+    chunks = -(-m // chunk_rows)
+    if not 0 <= red.chunk < chunks:
+        raise GemmArgumentError(f"gemm: ChunkReduce.chunk={red.chunk} is not one of the call's {chunks} chunks")
+    if not 1 <= red.sources <= 128:
+        raise GemmArgumentError(f"gemm: ChunkReduce.sources={red.sources} must be 1..128 (one waiting thread each)")
+    if red.group_n < 0 or red.flag_stride < 0:
+        raise GemmArgumentError("gemm: ChunkReduce.group_n and flag_stride must be >= 0")
+    item = _ITEMSIZE[out_dt]
+    for what, v in (("partials", red.partials), ("source_bytes", red.source_bytes), ("ld * itemsize", red.ld * item)):
+        if int(v) % _TMA_ALIGN:
+            raise GemmArgumentError(f"gemm: ChunkReduce {what}={int(v)} must be a multiple of {_TMA_ALIGN} bytes "
+                                    "(bulk L2 prefetch of partial rows)")
+    if red.ld < n:
+        raise GemmArgumentError(f"gemm: ChunkReduce.ld={red.ld} is shorter than N={n}")
+    if 0 in (_ptr(red.partials), _ptr(red.flags), _ptr(red.err)):
+        raise GemmArgumentError(f"gemm: ChunkReduce (op_id={red.op_id}, rank={red.rank}) needs non-null partials, "
+                                "flags and err: the kernel writes its timeout report through err")
+    if wait is not None and (_ptr(wait.err), wait.timeout_ns, wait.rank) != (_ptr(red.err), red.timeout_ns, red.rank):
+        raise GemmArgumentError("gemm: ArrivalWait and ChunkReduce must share err, timeout_ns and rank "
+                                "(the kernel has one timeout report)")
+    rows = min(chunk_rows, m - red.chunk * chunk_rows)
+    o = _inspect(red.out, "ChunkReduce.out")
+    if o.shape != (rows, n):
+        raise GemmArgumentError(f"gemm: ChunkReduce.out must be [{rows}, {n}] (chunk {red.chunk}'s rows), "
+                                f"got {list(o.shape)}")
+    if o.dtype != out_dt:
+        raise GemmTypeError(f"gemm: ChunkReduce.out is {o.dtype}, the GEMM writes {out_dt}")
+    if o.strides is not None and o.strides != (n * item, item):
+        raise GemmArgumentError(f"gemm: ChunkReduce.out must be C-contiguous, got strides {o.strides}")
+    if o.ptr % _TMA_ALIGN:
+        raise GemmArgumentError(f"gemm: ChunkReduce.out at 0x{o.ptr:x} must be {_TMA_ALIGN}-byte aligned (TMA)")
+
+
 def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | None,
             epilogue: TileEpilogue | None):
     m, n, k, in_dt, out_dt = validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
@@ -478,8 +553,11 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         plan = plan_gemm(m, n, k, in_dtype=in_dt, out_dtype=out_dt)
     plan.validate(out_dt)
     _check_hooks(wait, epilogue, plan, m)
+    red = epilogue.reduce if epilogue is not None else None
     if epilogue is not None:
         epilogue.destinations.check(m, n, epilogue.chunk_rows, out_dt)
+    if red is not None:
+        _check_reduce(red, wait, m, n, epilogue.chunk_rows, out_dt)
 
     import cupy
 
@@ -490,6 +568,10 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
     b = _as_device_array(b, "B")
     if out is not None:
         out = _as_device_array(out, "out")
+    red_out = _as_device_array(red.out, "ChunkReduce.out") if red is not None else None
+
+    if red_out is not None and red_out.device.id != a.device.id:
+        raise GemmArgumentError(f"gemm: ChunkReduce.out is on device {red_out.device.id} but A on device {a.device.id}")
     if dlpack_only:
         validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
     dev = a.device.id
@@ -503,7 +585,7 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
     chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else 0)
 
-    defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None)
+    defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None, red is not None)
     with cupy.cuda.Device(dev):
         smem = plan.smem_bytes(out_dt)
         kern = _kernel(defines, dev, smem)
@@ -516,24 +598,34 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         c_cols = 128 // _ITEMSIZE[out_dt]
         staged_out = out is not None and epilogue is None and plan.epilogue == "tma"
         tmap_c = _tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64) if staged_out else _NULL_TMAP
+        if red is not None:   # hook 3: C is the reduced chunk's result
+            tmap_c = _tensor_map(red_out.data.ptr, out_dt, red_out.shape[0], n, c_cols, 64)
         c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
         dst_tmaps = (epilogue.destinations.tensor_maps(m, n, epilogue.chunk_rows, dev, c_cols, 64)
                      if epilogue is not None else None)
         table = _order_table(plan, mt, nt, dev)
         grid = plan.grid(m, n, _num_sms(dev), _max_clusters(kern, plan, smem, dev))
+        # one timeout report per kernel: hook 1's, else hook 3's (_check_reduce: equal when both)
+        timed = wait if wait is not None else red
         args = (
             tmap_a, tmap_b, tmap_c, np.int32(m), np.int32(n), np.int32(k),
             np.uint64(_ptr(table)), np.int32(plan.group_m), np.int32(plan.m_tile_offset % mt),
             # hook 1
             np.uint64(_ptr(wait.flags) if wait else 0), np.uint64(wait.epoch if wait else 0),
             np.int32(chunk_rows), np.int32(wait.chunks_per_peer if wait else 1),
-            np.uint64(wait.timeout_ns if wait else 0), np.uint64(_ptr(wait.err) if wait else 0),
-            np.uint32(wait.op_id if wait else 0), np.uint32(wait.rank if wait else 0),
+            np.uint64(timed.timeout_ns if timed else 0), np.uint64(_ptr(timed.err) if timed else 0),
+            np.uint32(wait.op_id if wait else 0), np.uint32(timed.rank if timed else 0),
             # hook 2
             np.uint64(_ptr(dst_tmaps)), np.uint64(_ptr(epilogue.flag_table) if epilogue else 0),
             np.int32(epilogue.flag_group_n if epilogue else 0),
             np.uint64(epilogue.signal_value if epilogue else 0), np.int32(1 if epilogue and epilogue.signal_add else 0),
             np.uint64(c_direct),
+            # hook 3
+            np.int32(red.chunk if red else -1), np.uint64(_ptr(red.partials) if red else 0),
+            np.int64(red.source_bytes if red else 0), np.int64(red.ld if red else 0),
+            np.uint32(red.sources if red else 0), np.uint64(_ptr(red.flags) if red else 0),
+            np.int64(red.flag_stride if red else 0), np.int32(red.group_n if red else 0),
+            np.uint64(red.epoch if red else 0), np.uint32(red.op_id if red else 0),
         )
         with _stream(stream):
             kern((grid,), (plan.threads,), args, shared_mem=smem)

@@ -4,25 +4,30 @@ Every rank computes the partial ``A @ B`` for all M rows (A [M, K_local], B [K_l
 Per call, with epoch e and parity q = (e - 1) % 2, on the caller's stream S and a fluxrt comm stream C:
 
 1. S  The GEMM walks the tiles starting at the rows of rank+1 and ending with its own. Its storer warp
-      TMA-stores each finished tile of owner o's rows:
-      comm_mode 'ce': into its own symmetric ``part[q][o]`` (own rows: straight into ``recv[q][me]``)
-      and adds 1 to its counter of (o, column group) (stores complete, proxy fence, release.sys);
+      TMA-stores each finished tile of a peer o's rows:
+      comm_mode 'ce': into its own symmetric ``part[q][o]`` and adds 1 to its counter of (o, column
+      group) (stores complete, proxy fence, release.sys);
       'sm': into o's symmetric ``recv[q][me]`` over NVLink, then releases o's flag ``[q][me][tile]``.
+      Own rows: reduce_mode 'epilogue' (default) adds the peers' partials to each own tile's
+      accumulators in the consumers' epilogue (step 3) and stores the result into ``out``; the other
+      modes store the own partial into ``recv[q][me]``.
 2. C  ('ce', joined to S before the GEMM so it runs beside it) for each source s, in the order the
       sources produce my rows (rank-1 first), and each column group g: bounded wait until s's counter of
       (me, g) reached the call's total, copy-engine pull of ``s.part[q][me][:, g's columns]`` into my
       ``recv[q][s]``, then my local flag ``[q][s][g]`` := e. Pulls, not pushes: after a copy-engine
       write into a peer, a flag released behind it was seen to reach the peer before the data (README,
       memory-ordering notes); a pull has finished only when the bytes are local.
-3. The owner's reduce kernel waits (bounded) per tile for the other sources' flags (its own partial
-   precedes it in stream order), then sums the partials in fixed source order 0..world-1 in fp32 and
-   stores the tile of ``out``: the result is bitwise independent of arrival order. 'after' mode runs it
-   after the GEMM on S; 'concurrent' mode ('sm' only) on C during the GEMM (which leaves
+3. The owner waits (bounded) per tile or column group for the other sources' flags and sums in fp32 in
+   a fixed source order, so the result is bitwise independent of arrival order. 'epilogue': inside the
+   GEMM (hook 3, :class:`fluxrt.gemm.ChunkReduce`), own accumulator first, then sources 0, 1, ...; the
+   own tiles come last, by when the peers' partials have long been produced (each source makes my rows
+   before its own) and pulled. 'after': a reduce kernel after the GEMM on S sums the world partials in
+   order 0..world-1; 'concurrent' ('sm' only): that kernel on C during the GEMM (which leaves
    ``reduce_blocks`` SMs free). S waits for C before returning.
 
 Why two parities are enough (no ack): a partial for call i+2 lands in owner o's ``recv[q]`` ('sm'), or
 overwrites source s's ``part[q]`` ('ce'), only after s's GEMM i+2 started, i.e. after s's reduce of
-call i+1 (stream order on s); that reduce waited for o's call-(i+1) partials, which exist only once o's
+call i+1 (stream order on s; with 'epilogue' that reduce is inside GEMM i+1); that reduce waited for o's call-(i+1) partials, which exist only once o's
 GEMM i+1 ran, after o's reduce of call i (stream order on o), and that reduce waited for o's pulls of
 call i. So o has read ``recv[q]`` and pulled ``part[q]`` of call i first. Flags need no reset either: a
 parity's flags only ever see that parity's epochs, which grow; the tile counters grow by a known
@@ -36,7 +41,7 @@ import math
 import numpy as np
 
 from ..errors import op_id
-from ..gemm import TileDestinations, TileEpilogue, gemm_with_hooks
+from ..gemm import ChunkReduce, TileDestinations, TileEpilogue, gemm_with_hooks
 from ..streams import as_cupy_stream
 from . import common
 from .plan import MIN_TILE_COLS, GemmRsPlan, OpsArgumentError, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
@@ -142,14 +147,17 @@ class GemmReduceScatter:
                 gemm_with_hooks(a, b, None, trans_b=self.trans_b, stream=s, plan=gplan, out_dtype=self.partial_dtype,
                                 epilogue=epi)
 
+            fused = self.plan.reduce_mode == "epilogue"
             if self.plan.comm_mode == "ce":
                 group_n, groups = rs_ce_groups(self.plan, self.n, gplan.block_n)
                 common.join(c, s)   # C starts with the GEMM, not after it
                 gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._counter_table,
-                                  signal_value=1, signal_add=True, flag_group_n=group_n))
+                                  signal_value=1, signal_add=True, flag_group_n=group_n,
+                                  reduce=self._epilogue_reduce(out, q, epoch, group_n) if fused else None))
                 # 2. enqueued after the GEMM's launch: the host's many small launches overlap the GEMM
                 self._enqueue_pulls(shard, gplan.block_n, group_n, groups, q, epoch, c)
-                self._launch_reduce(out, shard, gplan.block_n, q, epoch, s, group_n=group_n, skip=world.rank)
+                if not fused:
+                    self._launch_reduce(out, shard, gplan.block_n, q, epoch, s, group_n=group_n, skip=world.rank)
                 common.join(s, c)
             elif self.plan.reduce_mode == "concurrent":
                 common.join(c, s)
@@ -159,9 +167,20 @@ class GemmReduceScatter:
                 common.join(s, c)
             else:
                 gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._flags[q],
-                                  signal_value=epoch))
-                self._launch_reduce(out, shard, gplan.block_n, q, epoch, s)
+                                  signal_value=epoch, reduce=self._epilogue_reduce(out, q, epoch, 0) if fused else None))
+                if not fused:
+                    self._launch_reduce(out, shard, gplan.block_n, q, epoch, s)
         return out
+
+    def _epilogue_reduce(self, out, q: int, epoch: int, group_n: int) -> ChunkReduce:
+        """Hook 3 of a call: my rows (chunk `rank`) get the sources' partials of ``recv[q]``, each after its
+        flag ``[q][source]`` (per tile, or per column group with group_n > 0) reached the epoch."""
+        world = self.world
+        return ChunkReduce(chunk=world.rank, out=out, partials=self.recv[q, 0].data.ptr,
+                           source_bytes=self.max_shard * self.n * self.recv.itemsize, ld=self.n, sources=world.size,
+                           flags=self.pad.local_ptr(self.layout.base(q, 0)), flag_stride=self.layout.tiles_per_source,
+                           epoch=epoch, err=world.error_record, group_n=group_n, timeout_ns=world.timeout_ns,
+                           op_id=self._op_reduce, rank=world.rank)
 
     __call__ = forward
 
@@ -209,7 +228,8 @@ class GemmReduceScatter:
         return rs_gemm_plan(self.plan, m, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
 
     def _call_plan(self, m: int):
-        return common.call_plan(self, m, self.partial_dtype, wait_hook=False, epilogue_hook=True)
+        return common.call_plan(self, m, self.partial_dtype, wait_hook=False, epilogue_hook=True,
+                                reduce_hook=self.plan.reduce_mode == "epilogue")
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""

@@ -20,9 +20,11 @@ GEMM+ReduceScatter (:class:`GemmRsPlan`)
     source's count, pulls the group with the copy engine and raises its own flag per (source, group). ``'sm'``: the GEMM's
     storer stores each tile straight into the owner's buffer and releases one flag per (source, tile).
     The owner sums the world partials in fixed source order in fp32 (deterministic).
-    ``reduce_mode='after'``: the reduce kernel runs after the GEMM on the caller's stream;
-    ``'concurrent'`` (comm_mode 'sm'): on a second stream during the GEMM, which then leaves
-    ``reduce_blocks`` SMs free. Buffers alternate between two parities so that a call's partials never
+    ``reduce_mode='epilogue'``: the owner's GEMM, which makes its own rows last, adds the peers'
+    partials to those tiles' accumulators in its epilogue (waiting per tile or group for each) and
+    stores the sum: no reduce kernel, no own partial in memory. ``'after'``: a reduce kernel after the
+    GEMM on the caller's stream; ``'concurrent'`` (comm_mode 'sm'): a reduce kernel on a second stream
+    during the GEMM, which then leaves ``reduce_blocks`` SMs free. Buffers alternate between two parities so that a call's partials never
     land in the buffer the owner may still be reducing (see gemm_rs.py for why two suffice).
 
 Row rule (both ops): ``M`` must be a multiple of ``world * 128`` (times ``chunks_per_rank`` for
@@ -48,7 +50,7 @@ MIN_TILE_COLS = 64           # narrowest GEMM tile: flag pads are sized for it
 MAX_WORLD = 64               # ranks a reduce block waits on (one thread per source)
 AG_COMM_MODES = ("pull", "push")
 RS_COMM_MODES = ("ce", "sm")
-RS_REDUCE_MODES = ("after", "concurrent")
+RS_REDUCE_MODES = ("epilogue", "after", "concurrent")
 PARITIES = 2                 # GEMM+RS receive buffers alternate between two parities
 REDUCE_BLOCKS_PER_SM = 4     # 'after' reduce: 4 x 256 threads per SM keep enough loads in flight for HBM
 
@@ -113,9 +115,10 @@ class GemmRsPlan:
         kernels) or 'sm' (the GEMM's storer writes each tile into the owner's buffer over NVLink).
     ce_groups: column groups per source in 'ce' mode (finer groups arrive sooner, at 3 small launches
         per group and source).
-    reduce_mode: 'after' (reduce kernel after the GEMM on the caller's stream) or 'concurrent'
-        (comm_mode 'sm' only: reduce kernel on a fluxrt stream during the GEMM, which leaves
-        reduce_blocks SMs free).
+    reduce_mode: 'epilogue' (the GEMM's consumers add the peers' partials to the own rows' tiles, which
+        come last, and store the result: input-type partials only), 'after' (reduce kernel after the
+        GEMM on the caller's stream) or 'concurrent' (comm_mode 'sm' only: reduce kernel on a fluxrt
+        stream during the GEMM, which leaves reduce_blocks SMs free).
     reduce_blocks: CTAs of the reduce kernel in 'concurrent' mode ('after' uses every SM).
     partial_dtype: element type of the partials sent to owners: None (the input type) or 'float32'
         (twice the traffic, no intermediate rounding).
@@ -123,7 +126,7 @@ class GemmRsPlan:
     """
     comm_mode: str = "ce"
     ce_groups: int = 4
-    reduce_mode: str = "after"
+    reduce_mode: str = "epilogue"
     reduce_blocks: int = 8
     partial_dtype: str | None = None
     gemm: GemmPlan | None = None
@@ -142,6 +145,9 @@ class GemmRsPlan:
                                    "tiles of that group are all done)")
         if self.reduce_blocks < 1:
             raise OpsArgumentError(f"GemmRsPlan.reduce_blocks must be >= 1, got {self.reduce_blocks}")
+        if self.reduce_mode == "epilogue" and self.partial_dtype is not None:
+            raise OpsArgumentError("GemmRsPlan: reduce_mode='epilogue' adds partials of the input type in the GEMM's "
+                                   f"epilogue; partial_dtype={self.partial_dtype!r} needs reduce_mode='after'")
         if self.partial_dtype not in (None, "float32"):
             raise OpsArgumentError(f"GemmRsPlan.partial_dtype must be None (input type) or 'float32', "
                                    f"got {self.partial_dtype!r}")
@@ -184,10 +190,10 @@ def plan_ag_gemm(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_
 
 def plan_gemm_rs(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_H200_SMS) -> GemmRsPlan:
     """Default GEMM+ReduceScatter plan: partials in the input type, pulled by their owners with the copy
-    engine per group of columns, reduce after the GEMM (peers' partials travel during the GEMM; only the
-    local sum of world partials of M/world rows is exposed). Measured on 4x H200: SM stores to peers
-    slowed the GEMM by 5-11 %; copy-engine transfers of the same bytes beside it by 1-2 %."""
-    return GemmRsPlan(comm_mode="ce", reduce_mode="after").validate()
+    engine per group of columns during the GEMM, and added to the own rows' tiles in the GEMM's epilogue
+    (nothing runs after the GEMM). Measured on 4x H200: SM stores to peers slowed the GEMM by 5-11 %;
+    copy-engine transfers of the same bytes beside it by 1-2 %."""
+    return GemmRsPlan(comm_mode="ce", reduce_mode="epilogue").validate()
 
 
 # --- rules and layouts ----------------------------------------------------------------------------

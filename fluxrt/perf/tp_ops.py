@@ -16,6 +16,9 @@ mpirun with one GPU per rank:
 Timing: each measurement is warmed up, then each timed iteration starts with every rank synchronized
 (MPI barrier after a stream sync), a short GPU delay so the host can enqueue the whole call before the
 GPU starts it, and CUDA events around the call; the row reports the median per rank, max over ranks.
+The fluxrt, cuBLAS and NCCL calls of a shape are timed in turns (one of each per round), so that clock
+drift over the run (H200s under a sustained GEMM vary by several %) does not bias their ratios; torch
+is timed right after them.
 Shapes: ``-m M -n N -k K`` or ``--shapes MxNxK,...`` (default: the shapes of the issue's targets).
 """
 from __future__ import annotations
@@ -69,7 +72,8 @@ def build_parser(op: str) -> argparse.ArgumentParser:
                    help="check the fused result once against cuBLAS(+NCCL) (default 1)")
     p.add_argument("--comm-mode", choices=("pull", "push"), default=None, help="AG: override the planner")
     p.add_argument("--chunks", type=int, default=None, help="AG: chunks per rank (override the planner)")
-    p.add_argument("--reduce-mode", choices=("after", "concurrent"), default=None, help="RS: override the planner")
+    p.add_argument("--reduce-mode", choices=("epilogue", "after", "concurrent"), default=None,
+                   help="RS: override the planner")
     p.add_argument("--rs-comm", choices=("ce", "sm"), default=None,
                    help="RS: how partials reach their owner (copy engine or SM stores; override the planner)")
     p.add_argument("--ce-groups", type=int, default=None, help="RS 'ce': column groups per owner (override)")
@@ -183,30 +187,40 @@ class Timer:
         self.world, self.stream, self.warmup, self.iters = world, stream, warmup, iters
 
     def __call__(self, fn, stream=None) -> float:
+        return self.many({"t": fn}, {"t": stream} if stream is not None else None)["t"]
+
+    def many(self, fns: dict, streams: dict | None = None) -> dict:
+        """Median times of several calls measured in turns (each round times every call once), so that a
+        GPU clock drifting with temperature or power over the run shifts them alike and their ratios hold."""
+        from mpi4py import MPI
+
+        streams = streams or {}
+        for name, fn in fns.items():
+            for _ in range(self.warmup):
+                fn()
+            streams.get(name, self.stream).synchronize()
+        self.world.check_errors()
+        times: dict = {name: [] for name in fns}
+        for _ in range(self.iters):
+            for name, fn in fns.items():
+                times[name].append(self._once(fn, streams.get(name, self.stream)))
+        self.world.check_errors()
+        return {name: float(self.world.comm.allreduce(statistics.median(t), op=MPI.MAX)) for name, t in times.items()}
+
+    def _once(self, fn, s) -> float:
         import cupy
 
         from ..ops import common
 
-        s = stream or self.stream
-        for _ in range(self.warmup):
-            fn()
         s.synchronize()
-        self.world.check_errors()
-        times = []
-        for _ in range(self.iters):
-            s.synchronize()
-            self.world.comm.Barrier()
-            common.delay(self.world, LAUNCH_SLACK_S, s)
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(s)
-            fn()
-            end.record(s)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end))
-        self.world.check_errors()
-        from mpi4py import MPI
-
-        return float(self.world.comm.allreduce(statistics.median(times), op=MPI.MAX))
+        self.world.comm.Barrier()
+        common.delay(self.world, LAUNCH_SLACK_S, s)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(s)
+        fn()
+        end.record(s)
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end)
 
 
 def _nccl_comm(world):
@@ -343,12 +357,14 @@ def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, time
     if args.check and nccl_comm is not None:
         with s:
             _check_once(op, world, fused, sequential, c if op == "ag_gemm" else out, s)
+    calls = {"fused": fused, "fluxrt": gemm_fluxrt}
+    if cublas_ok:
+        calls["cublas"] = gemm_cublas
+    if nccl_comm is not None:
+        calls.update(comm=comm, sequential=sequential)
     with s:
-        t_fused = timer(fused)
-        t_fl = timer(gemm_fluxrt)
-        t_cb = timer(gemm_cublas) if cublas_ok else None
-        t_comm = timer(comm) if nccl_comm is not None else None
-        t_seq = timer(sequential) if nccl_comm is not None else None
+        t = timer.many(calls)
+    t_fused, t_fl, t_cb, t_comm, t_seq = (t.get(x) for x in ("fused", "fluxrt", "cublas", "comm", "sequential"))
     t_torch = None
     if torch_base is not None and torch_base.ok:
         try:

@@ -10,8 +10,8 @@
 //   producer WG, warp 1, lane 0  "storer":  C staging smem -> global by TMA store: into C, or with hook 2
 //                                           into the tile's chunk destination (a peer's buffer), then
 //                                           a per-tile flag
-//   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile, then
-//                                           registers -> C staging smem
+//   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile, [hook 3: + other
+//                                           sources' partials of the tile], then registers -> C staging smem
 //
 // Pipeline objects (all in shared memory):
 //   full[s]   loader -> math    stage s holds A,B of one K block   (1 arrival + TMA transaction bytes)
@@ -34,6 +34,10 @@
 //   FLUXRT_GEMM_B_KMAJOR      1: B is [N,K]; 0: B is [K,N]               default 0
 //   FLUXRT_GEMM_HOOK_WAIT     1: hook 1 (arrival wait before A loads)    default 0
 //   FLUXRT_GEMM_HOOK_EPILOGUE 1: hook 2 (per-chunk destination tensor map + tile flag) default 0
+//   FLUXRT_GEMM_HOOK_REDUCE   1: hook 3 (needs hook 2; 16-bit C): the tiles of one chunk get the other
+//                             sources' partials of their rows added in the consumers' epilogue (each
+//                             waited for by its flag) and go to C (tmap_c, [chunk rows, N]) instead of
+//                             the chunk's destination, without a flag                       default 0
 //   FLUXRT_GEMM_EPI_DIRECT    1: consumers store C straight from registers (no staging, no storer;
 //                             frees the staging smem for one more stage). Not with hook 2.  default 0
 //   FLUXRT_GEMM_C_SHARED      1: the consumers share ONE consumer's C staging region and take turns
@@ -75,6 +79,9 @@
 #ifndef FLUXRT_GEMM_HOOK_EPILOGUE
 #define FLUXRT_GEMM_HOOK_EPILOGUE 0
 #endif
+#ifndef FLUXRT_GEMM_HOOK_REDUCE
+#define FLUXRT_GEMM_HOOK_REDUCE 0
+#endif
 #ifndef FLUXRT_GEMM_EPI_DIRECT
 #define FLUXRT_GEMM_EPI_DIRECT 0
 #endif
@@ -101,11 +108,13 @@ constexpr int kOutBytes = FLUXRT_GEMM_OUT == 2 ? 4 : 2;
 constexpr bool kBKMajor = FLUXRT_GEMM_B_KMAJOR != 0;
 constexpr bool kHookWait = FLUXRT_GEMM_HOOK_WAIT != 0;
 constexpr bool kHookEpilogue = FLUXRT_GEMM_HOOK_EPILOGUE != 0;
+constexpr bool kHookReduce = FLUXRT_GEMM_HOOK_REDUCE != 0;
 constexpr bool kEpiDirect = FLUXRT_GEMM_EPI_DIRECT != 0;
 constexpr int kCluster = FLUXRT_GEMM_CLUSTER;
 constexpr unsigned short kClusterMask = (1u << kCluster) - 1;  // multicast to every CTA of the cluster
 static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
 static_assert(!(kEpiDirect && kHookEpilogue), "hook 2 needs the staged (storer-warp) epilogue");
+static_assert(!kHookReduce || (kHookEpilogue && FLUXRT_GEMM_OUT != 2), "hook 3 needs hook 2 and 16-bit partials");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread
@@ -232,7 +241,29 @@ struct HookArgs {
                                 //   counter of the group's finished tiles across the chunk's rows (signal_add)
     u64 signal_value;
     int signal_add;             // 0: flag = signal_value (release store); 1: flag += signal_value
+    // hook 3: reduce chunk `red_chunk` in the epilogue (timeouts use timeout_ns, err and rank above)
+    int red_chunk;              // the chunk reduced here; source red_chunk is this GEMM (the accumulator)
+    const char* red_partials;   // source s's partial of the chunk's rows at + s * red_source_bytes,
+    long long red_source_bytes; //   row-major, red_ld elements per row, C's element type
+    long long red_ld;
+    u32 red_sources;            // sources 0 .. red_sources - 1 (at most 128: one waiting thread each)
+    const u64* red_flags;       // source s's flags at + s * red_flag_stride: per tile (local_m_tile *
+    long long red_flag_stride;  //   n_tiles + n) or with red_group_n > 0 per group of n tiles (n / red_group_n)
+    int red_group_n;
+    u64 red_epoch;              // a partial is in place once its flag >= red_epoch
+    u32 red_op_id;
 };
+
+// Hook 3 prefetches the partials of a tile into L2 this many K blocks before the tile's last one: enough
+// to cover a DRAM round trip (8 x 64 K at ~0.5 us per 128x256 block), late enough to stay resident.
+constexpr int kReducePrefetchKBlocks = 8;
+// Column groups of 8 whose partial loads are in flight together (2 registers each; the accumulators hold
+// most of the 168 registers a thread may have).
+#ifndef FLUXRT_GEMM_REDUCE_BATCH
+#define FLUXRT_GEMM_REDUCE_BATCH 8
+#endif
+constexpr int kReduceBatchG = FLUXRT_GEMM_REDUCE_BATCH < kBN / 8 ? FLUXRT_GEMM_REDUCE_BATCH : kBN / 8;
+static_assert((kBN / 8) % kReduceBatchG == 0, "reduce batches tile the fragment");
 
 // ---------------------------------------------------------------------------------------------
 // wgmma dispatch for the configured N and input type.
@@ -263,6 +294,85 @@ __device__ __forceinline__ u32 c_stage_offset(int row, int col) {
     const u32 byte_in_row = (u32)(col % kCCols) * kOutBytes;
     const u32 unit = (byte_in_row >> 4) ^ (u32)(row & 7);
     return slab * kCSlabBytes + (u32)row * 128u + (unit << 4) + (byte_in_row & 15u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hook 3 (reduce one chunk in the epilogue). Partials are C's element type.
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ float partial_lo(u32 v) {
+    if constexpr (FLUXRT_GEMM_OUT == 1) return f16_to_f32((unsigned short)(v & 0xFFFFu));
+    else return __uint_as_float(v << 16);
+}
+__device__ __forceinline__ float partial_hi(u32 v) {
+    if constexpr (FLUXRT_GEMM_OUT == 1) return f16_to_f32((unsigned short)(v >> 16));
+    else return __uint_as_float(v & 0xFFFF0000u);
+}
+
+// Row of the partials (chunk-local) where consumer wg's 64 rows of global m tile m_tile start.
+__device__ __forceinline__ long long reduce_row0(const HookArgs& h, int m_tile, int wg) {
+    return (long long)m_tile * kBM - (long long)h.red_chunk * h.chunk_rows + wg * kRowsPerConsumer;
+}
+
+// Ahead of the epilogue: bring this consumer's rows of every other source's partial of the tile into L2
+// (bulk prefetch: no registers, nothing to wait for). Safe before the partial's flag is up: L2 is the
+// point of coherence of this GPU's memory, so a copy engine or peer writing the bytes later updates the
+// prefetched lines; it only saves the DRAM latency of the loads in reduce_into_acc.
+__device__ __forceinline__ void reduce_prefetch(const HookArgs& h, int m_tile, int n_tile, int N, int wg, int tid) {
+    const int n0 = n_tile * kBN;
+    const u32 bytes = (u32)(min(kBN, N - n0) * kOutBytes);   // N * kOutBytes % 16 == 0 (TMA rule): so is this
+    const long long row0 = reduce_row0(h, m_tile, wg);
+    for (int i = tid; i < kRowsPerConsumer * (int)h.red_sources; i += 128) {
+        const int s = i / kRowsPerConsumer, r = i % kRowsPerConsumer;
+        if (s != h.red_chunk)
+            prefetch_l2(h.red_partials + s * h.red_source_bytes + ((row0 + r) * h.red_ld + n0) * kOutBytes, bytes);
+    }
+}
+
+// In the epilogue: acc += every other source's partial of this thread's fragment (rows 16w + l/4 (+8),
+// column pairs 8g + 2(l%4), as in the staging writes).
+//   Stage 1, wait: thread s of the warpgroup spins (bounded, acquire.sys) on source s's flag of the tile;
+//     on timeout the error record names the source and the sum uses whatever is there (no hang).
+//   Stage 2, sum: each thread acquires the flags itself (already up: no spin), which orders its loads
+//     after the sources' releases independently of the barrier; then it adds the sources in fixed order
+//     0, 1, ... (its own accumulator first) in fp32: the same bits whatever order the partials arrived in.
+__device__ __forceinline__ void reduce_into_acc(float (&acc)[kAccRegs], const HookArgs& h, int m_tile, int n_tile,
+                                                int n_tiles, int N, int wg, int tid) {
+    const int local_m_tile = m_tile - h.red_chunk * (h.chunk_rows / kBM);
+    const long long flag = h.red_group_n > 0 ? n_tile / h.red_group_n : (long long)local_m_tile * n_tiles + n_tile;
+    if (tid < (int)h.red_sources && tid != h.red_chunk)
+        fluxrt::wait_ge(h.red_flags + tid * h.red_flag_stride + flag, h.red_epoch, h.timeout_ns, h.err, h.red_op_id,
+                        h.rank, (u64)tid);
+    named_bar_sync(1 + wg, 128);   // this consumer warpgroup only (ids 1, 2; 0 is __syncthreads)
+    const int warp = tid >> 5, lane = tid & 31;
+    const long long row = reduce_row0(h, m_tile, wg) + warp * 16 + (lane >> 2);
+    const int col = n_tile * kBN + (lane & 3) * 2;
+    for (u32 s = 0; s < h.red_sources; ++s) {
+        if ((int)s == h.red_chunk) continue;
+        (void)fluxrt::ld_acquire_sys(h.red_flags + s * h.red_flag_stride + flag);
+        // rows r and r + 8 of the fragment; column group g is 8 * g elements further (an immediate offset)
+        const char* rows[2] = {h.red_partials + s * h.red_source_bytes + (row * h.red_ld + col) * kOutBytes,
+                               h.red_partials + s * h.red_source_bytes + ((row + 8) * h.red_ld + col) * kOutBytes};
+#pragma unroll
+        for (int g0 = 0; g0 < kBN / 8; g0 += kReduceBatchG) {
+            u32 v[kReduceBatchG][2];   // a batch of loads in flight at once, then its adds
+#pragma unroll
+            for (int g = 0; g < kReduceBatchG; ++g)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)
+                    v[g][hh] = col + 8 * (g0 + g) < N ? ld_cg_u32(rows[hh] + 8 * (g0 + g) * kOutBytes) : 0u;
+#pragma unroll
+            for (int g = 0; g < kReduceBatchG; ++g)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    acc[4 * (g0 + g) + 2 * hh] += partial_lo(v[g][hh]);
+                    acc[4 * (g0 + g) + 2 * hh + 1] += partial_hi(v[g][hh]);
+                }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -357,10 +467,15 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const TmaDesc*
             const TmaDesc* dst = tmap_c;
             int y0 = m0 + row0;
             int chunk = 0;
+            bool reduced = false;   // hook 3's chunk: the reduced result goes to C, and no flag
             if constexpr (kHookEpilogue) {
                 chunk = m0 / hooks.chunk_rows;
                 dst = hooks.dst_tmaps + chunk;
                 y0 = m0 - chunk * hooks.chunk_rows + row0;
+                if constexpr (kHookReduce) {
+                    reduced = chunk == hooks.red_chunk;
+                    if (reduced) dst = tmap_c;
+                }
             }
             if (lane == 0) {
                 // One box per (consumer, 128-byte column slab). The consumers issued
@@ -376,7 +491,7 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const TmaDesc*
                 mbar_arrive(bar_next_empty);
                 if constexpr (kHookEpilogue) {
                     // Per-tile release, after the last turn (the flag covers every row of the tile):
-                    if (last_turn && hooks.flag_table != nullptr) {
+                    if (last_turn && hooks.flag_table != nullptr && !reduced) {
                         bulk_wait_all();              // 1. every turn's stores of this tile have completed
                         fluxrt::fence_proxy_async();  // 2. those async-proxy writes before generic ops below
                         // 3. fence.acq_rel.sys + release store: a reader that acquires the flag sees the tile
@@ -400,7 +515,8 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const TmaDesc*
 // the pair of its storer turn (c_turn_of(wg)).
 __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N, int K, int wg, u32 smem,
                                              char* smem_generic, u32 bars_full, u32 bars_empty,
-                                             u32 bar_c_full, u32 bar_c_empty, char* c_direct) {
+                                             u32 bar_c_full, u32 bar_c_empty, char* c_direct,
+                                             const HookArgs& hooks) {
     const int tid = threadIdx.x & 127;  // thread within the warpgroup
     const int k_blocks = (K + kBK - 1) / kBK;
     float acc[kAccRegs];
@@ -408,8 +524,13 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
     u32 phase = 0;
     u32 c_phase = c_turn_of(wg) == 0 ? 0u : 1u;   // see the parities at the epilogue below
     const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per consumer
+    const int prefetch_kb = k_blocks > kReducePrefetchKBlocks ? k_blocks - kReducePrefetchKBlocks : 0;
     for (int t = sched.first; t < sched.total; t += sched.stride) {
         int prev_stage = 0;
+        int m_tile = 0, n_tile = 0;
+        bool reduce_tile = false;   // hook 3: the tile belongs to the reduced chunk
+        if constexpr (kHookReduce)
+            reduce_tile = sched.tile(t, m_tile, n_tile) && m_tile * kBM / hooks.chunk_rows == hooks.red_chunk;
         for (int kb = 0; kb < k_blocks; ++kb) {
             mbar_wait(bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
             const u32 a_base = smem + kOffA + stage * kTileABytes + a_rows_offset;
@@ -423,6 +544,9 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
                 TileMma::run(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);  // first MMA of a tile: D = A*B
             }
             wgmma_commit();
+            if constexpr (kHookReduce) {
+                if (reduce_tile && kb == prefetch_kb) reduce_prefetch(hooks, m_tile, n_tile, N, wg, tid);
+            }
             // Keep one group in flight: when the previous K block's group has retired, its stage's
             // smem is no longer read by the tensor cores and goes back to the loader.
             if (kb > 0) {
@@ -478,6 +602,10 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
         //   ring c_empty[0] -> c_full[0] -> c_empty[1] -> c_full[1] -> c_empty[0] (next tile) needs the
         //   previous one.
         // With one turn (per-consumer staging) this is the single c_full / c_empty handshake.
+        // Hook 3 first: its loads overlap the storer draining the previous tile.
+        if constexpr (kHookReduce) {
+            if (reduce_tile) reduce_into_acc(acc, hooks, m_tile, n_tile, sched.n_tiles, N, wg, tid);
+        }
         mbar_wait(bar_c_empty, c_phase ^ 1);  // the storer finished reading the staging (token passed)
         c_phase ^= 1;
         char* c_base = smem_generic + kOffC + c_slot_of(wg) * kCConsumerBytes;
@@ -523,7 +651,9 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
             const u64* arrival_flags, u64 epoch, int chunk_rows, int chunks_per_peer, u64 timeout_ns,
             fluxrt::ErrorRecord* err, u32 op_id, u32 rank,
             const TmaDesc* dst_tmaps, u64* const* flag_table, int flag_group_n, u64 signal_value,
-            int signal_add, void* c_direct) {
+            int signal_add, void* c_direct,
+            int red_chunk, const char* red_partials, long long red_source_bytes, long long red_ld, u32 red_sources,
+            const u64* red_flags, long long red_flag_stride, int red_group_n, u64 red_epoch, u32 red_op_id) {
     extern __shared__ char smem_raw[];
     // Align the dynamic smem base to 1024 B (128B-swizzle atoms; the host adds kSmemAlign bytes).
     const u32 raw = smem_addr(smem_raw);
@@ -561,6 +691,16 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
     hooks.flag_group_n = flag_group_n;
     hooks.signal_value = signal_value;
     hooks.signal_add = signal_add;
+    hooks.red_chunk = red_chunk;
+    hooks.red_partials = red_partials;
+    hooks.red_source_bytes = red_source_bytes;
+    hooks.red_ld = red_ld;
+    hooks.red_sources = red_sources;
+    hooks.red_flags = red_flags;
+    hooks.red_flag_stride = red_flag_stride;
+    hooks.red_group_n = red_group_n;
+    hooks.red_epoch = red_epoch;
+    hooks.red_op_id = red_op_id;
 
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
@@ -575,7 +715,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
         fence_mbar_init();                                 // inits visible to TMA (async proxy)
         tma_prefetch_desc(&tmap_a);
         tma_prefetch_desc(&tmap_b);
-        if constexpr (!kHookEpilogue && !kEpiDirect) tma_prefetch_desc(&tmap_c);
+        if constexpr ((!kHookEpilogue || kHookReduce) && !kEpiDirect) tma_prefetch_desc(&tmap_c);
     }
     // Barriers initialised before anyone (in this CTA or, with a cluster, the peer CTA's TMA multicasts
     // and stage releases) waits on or arrives at them.
@@ -595,7 +735,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
         if constexpr (kRebalanceRegs) regs_alloc<kConsumerRegs>();
         const int wg = warpgroup - 1;
         run_consumer(sched, M, N, K, wg, smem, smem_generic, bars_full, bars_empty, bar_c_full + 8 * c_turn_of(wg),
-                     bar_c_empty + 8 * c_turn_of(wg), static_cast<char*>(c_direct));
+                     bar_c_empty + 8 * c_turn_of(wg), static_cast<char*>(c_direct), hooks);
     }
     // With a cluster, no CTA may exit while its peer can still multicast into its shared memory or
     // arrive on its barriers: every thread of both CTAs meets here once all work is done.

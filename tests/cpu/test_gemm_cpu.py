@@ -243,6 +243,47 @@ def test_hook_arguments_validated_before_launch():
                         epilogue=TileEpilogue(destinations=dests, chunk_rows=128))
 
 
+def test_chunk_reduce_validated_before_launch():
+    from fluxrt.gemm import ChunkReduce
+
+    a, b = arr((512, 64)), arr((64, 256), ptr=1 << 33)
+    plan = plan_gemm(512, 256, 64)
+    dests = TileDestinations([1 << 36] * 4, 256, "bfloat16")
+    out = arr((128, 256), ptr=1 << 37)
+    good = dict(chunk=1, out=out, partials=1 << 38, source_bytes=128 * 256 * 2, ld=256, sources=4, flags=1 << 39,
+                flag_stride=8, epoch=1, err=1 << 40, group_n=2)
+
+    def launch(out_dtype=None, wait=None, **changes):
+        p = plan if out_dtype is None else plan_gemm(512, 256, 64, out_dtype=out_dtype)
+        d = dests if out_dtype is None else TileDestinations([1 << 36] * 4, 256, out_dtype)
+        gemm_with_hooks(a, b, plan=p, out_dtype=out_dtype, wait=wait, epilogue=TileEpilogue(
+            destinations=d, chunk_rows=128, reduce=ChunkReduce(**{**good, **changes})))
+
+    for changes, match in [
+        (dict(chunk=4), "chunk=4 is not one of the call's 4 chunks"),
+        (dict(sources=0), "sources=0 must be 1..128"),
+        (dict(sources=129), "sources=129"),
+        (dict(group_n=-1), "group_n and flag_stride must be >= 0"),
+        (dict(partials=(1 << 38) + 8), "partials=.* multiple of 16 bytes"),
+        (dict(source_bytes=100), "source_bytes=100"),
+        (dict(ld=252), r"ld \* itemsize=504"),
+        (dict(ld=128), "ld=128 is shorter than N=256"),
+        (dict(flags=0), "non-null partials, flags and err"),
+        (dict(err=None), "non-null partials, flags and err"),
+        (dict(out=arr((256, 256))), r"out must be \[128, 256\] \(chunk 1's rows\)"),
+        (dict(out=arr((128, 256), strides=(1024, 2))), "C-contiguous"),
+        (dict(out=arr((128, 256), ptr=(1 << 37) + 8)), "16-byte aligned"),
+    ]:
+        with pytest.raises(GemmArgumentError, match=match):
+            launch(**changes)
+    with pytest.raises(GemmTypeError, match="ChunkReduce.out is float16"):
+        launch(out=arr((128, 256), np.float16))
+    with pytest.raises(GemmArgumentError, match="16-bit partials"):
+        launch(out_dtype="float32")
+    with pytest.raises(GemmArgumentError, match="share err, timeout_ns and rank"):
+        launch(wait=ArrivalWait(flags=1 << 41, epoch=1, chunk_rows=128, err=1 << 42))
+
+
 def test_tile_destinations_validated():
     with pytest.raises(GemmArgumentError, match="at least one"):
         TileDestinations([], 256, "bfloat16")
@@ -274,7 +315,7 @@ def _nvrtc_available() -> str | None:
 
 
 COMPILE_CONFIGS = [
-    # (plan, in, out, trans_b, hook_wait, hook_epilogue)
+    # (plan, in, out, trans_b, hook_wait, hook_epilogue[, hook_reduce])
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, False, False),
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", True, False, False),
     (plan_gemm(8192, 8192, 8192), "float16", "float16", False, False, False),
@@ -303,6 +344,12 @@ COMPILE_CONFIGS = [
     (GemmPlan(stages=3, c_staging="shared"), "float16", "float32", True, False, True),
     (GemmPlan(block_n=128, stages=6, c_staging="shared"), "bfloat16", "bfloat16", False, False, True),
     (GemmPlan(block_m=64, consumers=1, stages=4, c_staging="shared"), "bfloat16", "bfloat16", False, False, False),
+    # hook 3 (GEMM+ReduceScatter's reduce in the epilogue)
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, False, True, True),
+    (plan_gemm(8192, 8192, 8192), "float16", "float16", True, False, True, True),
+    (GemmPlan(cluster=2), "bfloat16", "bfloat16", True, False, True, True),
+    (GemmPlan(stages=4, c_staging="shared"), "bfloat16", "bfloat16", False, False, True, True),
+    (GemmPlan(block_n=128, stages=6), "float16", "float16", False, False, True, True),
 ]
 
 
@@ -329,7 +376,8 @@ def _cubin_u32(data: bytes, name: str) -> int:
 @pytest.mark.parametrize("cfg", COMPILE_CONFIGS,
                          ids=lambda c: f"{c[0].block_m}x{c[0].block_n}s{c[0].stages}{c[0].epilogue}"
                                        f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
-                                       f"-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}")
+                                       f"-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
+                                       f"{'-r1' if c[6:] and c[6] else ''}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:
@@ -337,9 +385,10 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     from fluxrt.toolchain import compile_cubin
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
-    plan, in_dt, out_dt, tb, hw, he = cfg
+    plan, in_dt, out_dt, tb, hw, he, *rest = cfg
     cubin = compile_cubin("gemm/hopper_gemm.cu",
-                          compile_options(kernel_defines(plan, in_dt, out_dt, tb, hw, he), arch="sm_90a"))
+                          compile_options(kernel_defines(plan, in_dt, out_dt, tb, hw, he, bool(rest and rest[0])),
+                                          arch="sm_90a"))
     data = cubin.read_bytes()
     assert b"fluxrt_gemm" in data
     assert len(data) > 10_000

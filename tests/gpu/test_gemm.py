@@ -30,8 +30,8 @@ _reason = _gpu_skip_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 
 from fluxrt.errors import decode_error_record, op_id  # noqa: E402
-from fluxrt.gemm import (ArrivalWait, GemmArgumentError, TileDestinations, TileEpilogue, gemm,  # noqa: E402
-                         gemm_with_hooks)
+from fluxrt.gemm import (ArrivalWait, ChunkReduce, GemmArgumentError, TileDestinations, TileEpilogue,  # noqa: E402
+                         gemm, gemm_with_hooks)
 from fluxrt.gemm_plan import GemmPlan, max_stages, plan_gemm  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -386,3 +386,103 @@ def test_both_hooks_together(setter, cluster, c_staging):
     e = rel_err(dst, reference(a, b, False))
     assert e < TOL["bfloat16"]
     assert (cupy.asnumpy(tile_flags) == 3).all()
+
+
+_LATE_FLAGS_SRC = r"""
+extern "C" __global__ void late_flags(unsigned long long* flags, int count, unsigned long long value,
+                                      unsigned long long delay_ns) {
+    // One thread: after a delay, releases each flag in turn (st.release.sys), as a peer's pull would.
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < delay_ns);
+    for (int i = 0; i < count; ++i)
+        asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(flags + i), "l"(value) : "memory");
+}
+"""
+
+
+def _reduce_case(m, n, k, chunk_rows, chunk, sources, group_n, plan, out_dtype, seed):
+    """Inputs of a hook-3 call: A, B, per-source partials of chunk `chunk`'s rows (padded rows; the GEMM's
+    own source poisoned: it must never be read), poisoned destinations, flags."""
+    rng = np.random.default_rng(seed)
+    a = rand_matrix(rng, (m, k), "bfloat16" if out_dtype == "bfloat16" else "float16")
+    b = rand_matrix(rng, (k, n), a.dtype.name if a.dtype != BF16 else "bfloat16")
+    ld = n + 8
+    parts = rand_matrix(rng, (sources, chunk_rows, ld), out_dtype)
+    dparts = to_device(parts)
+    dparts[chunk].view(cupy.uint16).fill(NAN_BITS[out_dtype])
+    n_tiles = -(-n // plan.block_n)
+    stride = -(-n_tiles // group_n) if group_n else (chunk_rows // plan.block_m) * n_tiles
+    flags = cupy.zeros((sources, stride), dtype=cupy.uint64)
+    ref_full = reference(a, b, False)
+    rows = slice(chunk * chunk_rows, (chunk + 1) * chunk_rows)
+    ref_chunk = ref_full[rows] + sum(parts[s, :, :n].astype(np.float64) for s in range(sources) if s != chunk)
+    return a, b, dparts, flags, ref_full, ref_chunk, ld
+
+
+@pytest.mark.parametrize("group_n", [0, 2], ids=["per_tile", "per_group"])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("c_staging", ["per_consumer", "shared"])
+def test_chunk_reduce_adds_late_partials_in_the_epilogue(group_n, out_dtype, cluster, c_staging):
+    m, n, k, chunk_rows, chunk, sources = 512, 776, 1024, 128, 2, 4   # 776: a partial last column tile
+    plan = with_staging(dataclasses.replace(plan_gemm(m, n, k), cluster=cluster, max_ctas=64, m_tile_offset=3),
+                        c_staging, out_dtype)
+    a, b, dparts, flags, ref_full, ref_chunk, ld = _reduce_case(m, n, k, chunk_rows, chunk, sources, group_n, plan,
+                                                                 out_dtype, seed=11)
+    chunks = m // chunk_rows
+    dsts = [poisoned((chunk_rows, n), out_dtype) for _ in range(chunks)]
+    n_tiles = -(-n // plan.block_n)
+    tile_flags = [cupy.zeros((chunk_rows // plan.block_m) * n_tiles, dtype=cupy.uint64) for _ in range(chunks)]
+    flag_table = cupy.asarray(np.array([f.data.ptr for f in tile_flags], dtype=np.uint64))
+    out = poisoned((chunk_rows, n), out_dtype)
+    err = _err_record()
+    late = cupy.RawKernel(_LATE_FLAGS_SRC, "late_flags")
+    side, main = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    epi = TileEpilogue(destinations=TileDestinations([d.data.ptr for d in dsts], n, out_dtype), chunk_rows=chunk_rows,
+                       flag_table=flag_table, signal_value=5, reduce=ChunkReduce(
+                           chunk=chunk, out=out, partials=dparts.data.ptr, source_bytes=chunk_rows * ld * dparts.itemsize,
+                           ld=ld, sources=sources, flags=flags.data.ptr, flag_stride=flags.shape[1], epoch=0, err=err,
+                           group_n=group_n, timeout_ns=5_000_000_000, op_id=op_id("test_gemm.reduce"), rank=1))
+    da, db = to_device(a), to_device(b)
+    gemm_with_hooks(da, db, plan=plan, out_dtype=out_dtype, epilogue=epi)   # compile/load (epoch 0: no wait)
+    cupy.cuda.Device().synchronize()
+    out.view(cupy.uint16).fill(NAN_BITS[out_dtype])
+    cupy.cuda.Device().synchronize()
+    with side:   # the partials' flags rise 20 ms after the GEMM started
+        late((1,), (1,), (flags, np.int32(flags.size), np.uint64(3), np.uint64(20_000_000)))
+    gemm_with_hooks(da, db, plan=plan, out_dtype=out_dtype, stream=main,
+                    epilogue=dataclasses.replace(epi, reduce=dataclasses.replace(epi.reduce, epoch=3)))
+    cupy.cuda.Device().synchronize()
+    assert decode_error_record(cupy.asnumpy(err)) is None
+    got = cupy.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all(), "reduced chunk: elements never written (or the GEMM's own partial was read)"
+    e = float(np.abs(got - ref_chunk).max() / np.abs(ref_chunk).max())
+    assert e < TOL[out_dtype], f"reduced chunk: rel err {e:.3e}"
+    for c, d in enumerate(dsts):
+        dv = cupy.asnumpy(d).astype(np.float64)
+        if c == chunk:   # the reduced chunk skips its destination and its flags
+            assert np.isnan(dv).all()
+            assert (cupy.asnumpy(tile_flags[c]) == 0).all()
+        else:
+            assert rel_err(d, ref_full[c * chunk_rows:(c + 1) * chunk_rows]) < TOL[out_dtype]
+            assert (cupy.asnumpy(tile_flags[c]) == 5).all()
+
+
+def test_chunk_reduce_times_out_naming_the_source():
+    m, n, k, chunk_rows, chunk, sources = 256, 256, 128, 128, 0, 3
+    plan = plan_gemm(m, n, k)
+    a, b, dparts, flags, _, _, ld = _reduce_case(m, n, k, chunk_rows, chunk, sources, 1, plan, "bfloat16", seed=12)
+    flags[1] = 9   # source 1 is in place, source 2 never comes
+    err = _err_record()
+    out = poisoned((chunk_rows, n), "bfloat16")
+    dsts = TileDestinations([poisoned((chunk_rows, n), "bfloat16").data.ptr for _ in range(2)], n, "bfloat16")
+    gemm_with_hooks(to_device(a), to_device(b), plan=plan, epilogue=TileEpilogue(
+        destinations=dsts, chunk_rows=chunk_rows, reduce=ChunkReduce(
+            chunk=chunk, out=out, partials=dparts.data.ptr, source_bytes=chunk_rows * ld * 2, ld=ld, sources=sources,
+            flags=flags.data.ptr, flag_stride=flags.shape[1], epoch=9, err=err, group_n=1, timeout_ns=2_000_000,
+            op_id=op_id("test_gemm.reduce_timeout"), rank=5)))
+    cupy.cuda.Device().synchronize()   # the kernel finishes despite the missing partial
+    exc = decode_error_record(cupy.asnumpy(err))
+    assert exc is not None and exc.op == "test_gemm.reduce_timeout" and exc.rank == 5 and exc.peer == 2
+    assert exc.expected == 9

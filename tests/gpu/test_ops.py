@@ -221,6 +221,10 @@ def test_ag_gemm_slow_peer(world, rng, mode, late):
 # --- GEMM+ReduceScatter -----------------------------------------------------------------------------
 
 RS_CASES = [  # dtype, rows per rank, (comm mode, reduce mode, column groups), trans_b, partial dtype
+    ("bfloat16", 256, ("ce", "epilogue", 4), False, None),
+    ("float16", 384, ("ce", "epilogue", 3), True, None),
+    ("bfloat16", 128, ("ce", "epilogue", 1), False, None),
+    ("float16", 256, ("sm", "epilogue", 1), True, None),
     ("bfloat16", 256, ("ce", "after", 4), False, None),
     ("float16", 128, ("ce", "after", 2), True, None),
     ("bfloat16", 384, ("ce", "after", 3), True, "float32"),
@@ -229,7 +233,7 @@ RS_CASES = [  # dtype, rows per rank, (comm mode, reduce mode, column groups), t
     ("bfloat16", 384, ("sm", "after", 1), True, "float32"),
     ("bfloat16", 256, ("sm", "concurrent", 1), False, None),
 ]
-RS_MODES = [("ce", "after"), ("sm", "after"), ("sm", "concurrent")]
+RS_MODES = [("ce", "epilogue"), ("sm", "epilogue"), ("ce", "after"), ("sm", "after"), ("sm", "concurrent")]
 
 
 def _rs_reference(world, a, b, trans_b):
