@@ -29,6 +29,7 @@ import logging
 import os
 import statistics
 import sys
+import warnings
 
 import numpy as np
 
@@ -252,9 +253,11 @@ class TorchBaseline:
                 dist.init_process_group("nccl", rank=world.rank, world_size=world.size,
                                         device_id=torch.device("cuda", world.device_id))
             self.group = dist.group.WORLD.group_name
-            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)   # not needed by newer torch
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)   # deprecated no-op in newer torch
             if enable is not None:
-                enable(self.group)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    enable(self.group)
             self.torch = torch
             self.ok = True
         except Exception as e:  # optional baseline: say why it is missing, never fail the bench
