@@ -8,9 +8,9 @@ Per call, with epoch e and parity q = (e - 1) % 2, on the caller's stream S and 
       comm_mode 'ce': into its own symmetric ``part[q][o]`` and adds 1 to its counter of (o, column
       group) (stores complete, proxy fence, release.sys);
       'sm': into o's symmetric ``recv[q][me]`` over NVLink, then releases o's flag ``[q][me][tile]``.
-      Own rows: reduce_mode 'epilogue' (default) adds the peers' partials to each own tile's
+      Own rows: reduce_mode 'epilogue' adds the peers' partials to each own tile's
       accumulators in the consumers' epilogue (step 3) and stores the result into ``out``; the other
-      modes store the own partial into ``recv[q][me]``.
+      modes (default 'after') store the own partial into ``recv[q][me]``.
 2. C  ('ce', joined to S before the GEMM so it runs beside it) for each source s, in the order the
       sources produce my rows (rank-1 first), and each column group g: bounded wait until s's counter of
       (me, g) reached the call's total, copy-engine pull of ``s.part[q][me][:, g's columns]`` into my

@@ -146,7 +146,7 @@ def test_rs_ce_groups_cover_every_column_once(n, block_n, groups, want):
 
 
 def test_rs_fp32_partials_plan_fits():
-    g = P.rs_gemm_plan(P.GemmRsPlan(partial_dtype="float32", reduce_mode="after"), 2048, 2048, 256, 0, 2, "bfloat16")
+    g = P.rs_gemm_plan(P.GemmRsPlan(partial_dtype="float32"), 2048, 2048, 256, 0, 2, "bfloat16")
     g.validate("float32")
     assert g.block_n == 128
 
@@ -183,7 +183,7 @@ def test_rs_reduce_grid():
     (dict(reduce_mode="atomic"), "reduce_mode"), (dict(reduce_blocks=0), "reduce_blocks"),
     (dict(partial_dtype="fp8"), "partial_dtype"), (dict(comm_mode="nvls"), "comm_mode"),
     (dict(ce_groups=0), "ce_groups"), (dict(reduce_mode="concurrent"), "needs comm_mode='sm'"),
-    (dict(partial_dtype="float32"), "needs reduce_mode='after'"),
+    (dict(partial_dtype="float32", reduce_mode="epilogue"), "needs reduce_mode='after'"),
 ])
 def test_rs_plan_validation(bad, match):
     with pytest.raises(P.OpsArgumentError, match=match):
@@ -192,7 +192,7 @@ def test_rs_plan_validation(bad, match):
 
 def test_plans_are_frozen_and_printable():
     plan = P.plan_gemm_rs(8192, 8192, 1792, 4)
-    assert "comm_mode='ce'" in repr(plan) and "reduce_mode='epilogue'" in repr(plan)
+    assert "comm_mode='ce'" in repr(plan) and "reduce_mode='after'" in repr(plan)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.reduce_mode = "concurrent"
 
