@@ -569,7 +569,6 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
     if out is not None:
         out = _as_device_array(out, "out")
     red_out = _as_device_array(red.out, "ChunkReduce.out") if red is not None else None
-
     if red_out is not None and red_out.device.id != a.device.id:
         raise GemmArgumentError(f"gemm: ChunkReduce.out is on device {red_out.device.id} but A on device {a.device.id}")
     if dlpack_only:

@@ -50,7 +50,7 @@ MIN_TILE_COLS = 64           # narrowest GEMM tile: flag pads are sized for it
 MAX_WORLD = 64               # ranks a reduce block waits on (one thread per source)
 AG_COMM_MODES = ("pull", "push")
 RS_COMM_MODES = ("ce", "sm")
-RS_REDUCE_MODES = ("epilogue", "after", "concurrent")
+RS_REDUCE_MODES = ("after", "epilogue", "concurrent")
 PARITIES = 2                 # GEMM+RS receive buffers alternate between two parities
 REDUCE_BLOCKS_PER_SM = 4     # 'after' reduce: 4 x 256 threads per SM keep enough loads in flight for HBM
 

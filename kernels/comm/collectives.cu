@@ -175,11 +175,7 @@ struct F32 {
 struct F16 {
     typedef unsigned short T;
     static constexpr u32 kPerVec = 8;
-    static __device__ __forceinline__ float to_f(unsigned short v) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-        return f;
-    }
+    static __device__ __forceinline__ float to_f(unsigned short v) { return fluxrt::f16_to_f32(v); }
     static __device__ __forceinline__ unsigned short from_f(float f) {
         unsigned short v;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(f));
@@ -189,7 +185,7 @@ struct F16 {
 struct BF16 {
     typedef unsigned short T;
     static constexpr u32 kPerVec = 8;
-    static __device__ __forceinline__ float to_f(unsigned short v) { return __uint_as_float((u32)v << 16); }
+    static __device__ __forceinline__ float to_f(unsigned short v) { return fluxrt::bf16_to_f32(v); }
     static __device__ __forceinline__ unsigned short from_f(float f) {
         unsigned short v;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(f));

@@ -258,11 +258,8 @@ struct HookArgs {
 // to cover a DRAM round trip (8 x 64 K at ~0.5 us per 128x256 block), late enough to stay resident.
 constexpr int kReducePrefetchKBlocks = 8;
 // Column groups of 8 whose partial loads are in flight together (2 registers each; the accumulators hold
-// most of the 168 registers a thread may have).
-#ifndef FLUXRT_GEMM_REDUCE_BATCH
-#define FLUXRT_GEMM_REDUCE_BATCH 8
-#endif
-constexpr int kReduceBatchG = FLUXRT_GEMM_REDUCE_BATCH < kBN / 8 ? FLUXRT_GEMM_REDUCE_BATCH : kBN / 8;
+// most of the 168 registers a thread may have: 16 and 32 groups spilled at 128x256, 8 did not).
+constexpr int kReduceBatchG = kBN / 8 < 8 ? kBN / 8 : 8;
 static_assert((kBN / 8) % kReduceBatchG == 0, "reduce batches tile the fragment");
 
 // ---------------------------------------------------------------------------------------------
@@ -298,19 +295,7 @@ __device__ __forceinline__ u32 c_stage_offset(int row, int col) {
 
 // ---------------------------------------------------------------------------------------------
 // Hook 3 (reduce one chunk in the epilogue). Partials are C's element type.
-__device__ __forceinline__ float f16_to_f32(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ float partial_lo(u32 v) {
-    if constexpr (FLUXRT_GEMM_OUT == 1) return f16_to_f32((unsigned short)(v & 0xFFFFu));
-    else return __uint_as_float(v << 16);
-}
-__device__ __forceinline__ float partial_hi(u32 v) {
-    if constexpr (FLUXRT_GEMM_OUT == 1) return f16_to_f32((unsigned short)(v >> 16));
-    else return __uint_as_float(v & 0xFFFF0000u);
-}
+constexpr bool kOutBf16 = FLUXRT_GEMM_OUT == 0;
 
 // Row of the partials (chunk-local) where consumer wg's 64 rows of global m tile m_tile start.
 __device__ __forceinline__ long long reduce_row0(const HookArgs& h, int m_tile, int wg) {
@@ -368,8 +353,8 @@ __device__ __forceinline__ void reduce_into_acc(float (&acc)[kAccRegs], const Ho
             for (int g = 0; g < kReduceBatchG; ++g)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    acc[4 * (g0 + g) + 2 * hh] += partial_lo(v[g][hh]);
-                    acc[4 * (g0 + g) + 2 * hh + 1] += partial_hi(v[g][hh]);
+                    acc[4 * (g0 + g) + 2 * hh] += fluxrt::pair_lo<kOutBf16>(v[g][hh]);
+                    acc[4 * (g0 + g) + 2 * hh + 1] += fluxrt::pair_hi<kOutBf16>(v[g][hh]);
                 }
         }
     }

@@ -31,13 +31,6 @@ constexpr int kPartialVecs = kVecElems * kPartialBytes / 16;    // 16-byte loads
 constexpr int kMaxWorld = 64;                                   // flags checked per tile (one thread each)
 constexpr u32 kLoadBatch = 4;                                   // sources whose partials are loaded together
 
-__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
-__device__ __forceinline__ float f16_to_f32(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 __device__ __forceinline__ u32 pack_out(float lo, float hi) {
     u32 r;
 #if FLUXRT_RS_OUT == 0
@@ -74,13 +67,8 @@ __device__ __forceinline__ void accumulate8(float (&acc)[kVecElems], const Parti
     const u32 w[4] = {x.v[0].x, x.v[0].y, x.v[0].z, x.v[0].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-#if FLUXRT_RS_PARTIAL == 0
-        acc[2 * i] += bf16_lo(w[i]);
-        acc[2 * i + 1] += bf16_hi(w[i]);
-#else
-        acc[2 * i] += f16_to_f32((unsigned short)(w[i] & 0xFFFFu));
-        acc[2 * i + 1] += f16_to_f32((unsigned short)(w[i] >> 16));
-#endif
+        acc[2 * i] += fluxrt::pair_lo<FLUXRT_RS_PARTIAL == 0>(w[i]);
+        acc[2 * i + 1] += fluxrt::pair_hi<FLUXRT_RS_PARTIAL == 0>(w[i]);
     }
 #endif
 }

@@ -405,8 +405,8 @@ def _reduce_case(m, n, k, chunk_rows, chunk, sources, group_n, plan, out_dtype, 
     """Inputs of a hook-3 call: A, B, per-source partials of chunk `chunk`'s rows (padded rows; the GEMM's
     own source poisoned: it must never be read), poisoned destinations, flags."""
     rng = np.random.default_rng(seed)
-    a = rand_matrix(rng, (m, k), "bfloat16" if out_dtype == "bfloat16" else "float16")
-    b = rand_matrix(rng, (k, n), a.dtype.name if a.dtype != BF16 else "bfloat16")
+    a = rand_matrix(rng, (m, k), out_dtype)   # inputs of the output's type: bf16 -> bf16, fp16 -> fp16
+    b = rand_matrix(rng, (k, n), out_dtype)
     ld = n + 8
     parts = rand_matrix(rng, (sources, chunk_rows, ld), out_dtype)
     dparts = to_device(parts)

@@ -46,6 +46,24 @@ constexpr u32 kTimeCheckInterval = 64;  // spins between %globaltimer reads (a r
 constexpr u64 kErrorCheckNs = 1ull << 20;  // ~1 ms
 
 // ---------------------------------------------------------------------------------------------
+// 16-bit floats -> fp32, for the reductions (collectives, GEMM+ReduceScatter's reduce kernel and hook 3).
+__device__ __forceinline__ float bf16_to_f32(unsigned short v) { return __uint_as_float((u32)v << 16); }
+__device__ __forceinline__ float f16_to_f32(unsigned short v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+// Element 0 (low half) and element 1 (high half) of a packed pair of bfloat16 (kBf16) or float16.
+template <bool kBf16>
+__device__ __forceinline__ float pair_lo(u32 v) {
+    return kBf16 ? bf16_to_f32((unsigned short)(v & 0xFFFFu)) : f16_to_f32((unsigned short)(v & 0xFFFFu));
+}
+template <bool kBf16>
+__device__ __forceinline__ float pair_hi(u32 v) {
+    return kBf16 ? __uint_as_float(v & 0xFFFF0000u) : f16_to_f32((unsigned short)(v >> 16));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Scalar memory-model building blocks (PTX ISA 8.x, sm_70+).
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
     u64 v;
