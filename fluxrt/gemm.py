@@ -29,12 +29,12 @@ import numpy as np
 from .errors import FluxrtError
 from .dtypes import normalize_dtype
 from .gemm_plan import ITEMSIZE as _ITEMSIZE
-from .gemm_plan import GemmPlan, hilbert_order, plan_gemm
+from .gemm_plan import SMEM_LIMIT_BYTES, GemmPlan, hilbert_order, plan_gemm
 
 log = logging.getLogger(__name__)
 
 __all__ = ["gemm", "gemm_with_hooks", "ArrivalWait", "TileEpilogue", "TileDestinations", "ChunkReduce",
-           "GemmArgumentError",
+           "ShardCopy", "GemmArgumentError",
            "GemmTypeError",
            "validate_gemm_args", "kernel_defines"]
 
@@ -158,6 +158,31 @@ class ChunkReduce:
     timeout_ns: int = DEFAULT_TIMEOUT_NS
     op_id: int = 0
     rank: int = 0
+
+
+@dataclass(frozen=True)
+class ShardCopy:
+    """Hook 4 (with hook 1): A's rows ``[row0, row0 + rows)`` are read from ``src`` ([rows, K], A's type,
+    C-contiguous) instead of A, and the GEMM copies them into A while it runs: a copier warp in every CTA
+    moves its share of {64 K x block_m rows} pieces from ``src`` into A by TMA, through a 16 KiB buffer
+    of its own (the GEMM's ring never waits for it), then adds the number it stored (release at system
+    scope, after the stores completed) to ``counters[chunk]``, chunk = the piece's rows' chunk of
+    ``chunk_rows`` counted from row0. Those rows need no arrival flag (hook 1 skips their chunks).
+
+    The fused AllGather+GEMM uses it for the rank's own shard: no copy into the gathered buffer before the
+    GEMM starts, and peers learn that a chunk of it is in place by polling its counter, which grows by
+    :meth:`pieces_per_chunk` per call.
+    row0 and rows: whole chunks (multiples of ``ArrivalWait.chunk_rows``). counters: device pointer of
+    uint64 words, one per chunk of these rows.
+    """
+    src: object
+    row0: int
+    counters: int
+
+    @staticmethod
+    def pieces_per_chunk(chunk_rows: int, k: int, block_m: int = 128, block_k: int = 64) -> int:
+        """What a call adds to each chunk's counter: its {block_k x block_m} pieces."""
+        return chunk_rows // block_m * -(-k // block_k)
 
 
 @dataclass(frozen=True)
@@ -304,9 +329,11 @@ def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str 
 
 
 def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool = False,
-                   hook_epilogue: bool = False, hook_reduce: bool = False) -> tuple[tuple[str, str], ...]:
+                   hook_epilogue: bool = False, hook_reduce: bool = False,
+                   hook_copy: bool = False) -> tuple[tuple[str, str], ...]:
     """-D macros that instantiate hopper_gemm.cu for one configuration."""
-    return (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
+    # hook 4 only when on: every configuration without it keeps its earlier macros (and cache key)
+    return (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(_IN_IDS[in_dtype])),
             ("FLUXRT_GEMM_OUT", str(_OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
@@ -546,8 +573,30 @@ def _check_reduce(red: ChunkReduce, wait: ArrivalWait | None, m: int, n: int, ch
         raise GemmArgumentError(f"gemm: ChunkReduce.out at 0x{o.ptr:x} must be {_TMA_ALIGN}-byte aligned (TMA)")
 
 
+def _check_copy(copy: ShardCopy, wait: ArrivalWait | None, m: int, k: int, in_dt: str) -> None:
+    """Hook 4's arguments, before any CUDA call."""
+    if wait is None:
+        raise GemmArgumentError("gemm: ShardCopy needs an ArrivalWait (hook 1): its chunk_rows sizes the counters")
+    rows_per_chunk = wait.chunk_rows
+    s = _inspect(copy.src, "ShardCopy.src")
+    rows = s.shape[0] if len(s.shape) == 2 else -1
+    if len(s.shape) != 2 or s.shape[1] != k or rows <= 0:
+        raise GemmArgumentError(f"gemm: ShardCopy.src must be [rows, K={k}], got {list(s.shape)}")
+    if copy.row0 < 0 or copy.row0 % rows_per_chunk or rows % rows_per_chunk or copy.row0 + rows > m:
+        raise GemmArgumentError(f"gemm: ShardCopy rows [{copy.row0}, {copy.row0 + rows}) must be whole chunks of "
+                                f"{rows_per_chunk} rows inside A's {m} rows")
+    if s.dtype != in_dt:
+        raise GemmTypeError(f"gemm: ShardCopy.src is {s.dtype}, A is {in_dt}")
+    if s.strides is not None and s.strides != (k * _ITEMSIZE[in_dt], _ITEMSIZE[in_dt]):
+        raise GemmArgumentError(f"gemm: ShardCopy.src must be C-contiguous, got strides {s.strides}")
+    if s.ptr % _TMA_ALIGN:
+        raise GemmArgumentError(f"gemm: ShardCopy.src at 0x{s.ptr:x} must be {_TMA_ALIGN}-byte aligned (TMA)")
+    if _ptr(copy.counters) == 0 or _ptr(copy.counters) % 8:
+        raise GemmArgumentError("gemm: ShardCopy.counters must be a non-null, 8-byte aligned device pointer")
+
+
 def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | None,
-            epilogue: TileEpilogue | None):
+            epilogue: TileEpilogue | None, copy: ShardCopy | None = None):
     m, n, k, in_dt, out_dt = validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
     if plan is None:
         plan = plan_gemm(m, n, k, in_dtype=in_dt, out_dtype=out_dt)
@@ -558,6 +607,12 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         epilogue.destinations.check(m, n, epilogue.chunk_rows, out_dt)
     if red is not None:
         _check_reduce(red, wait, m, n, epilogue.chunk_rows, out_dt)
+    if copy is not None:
+        _check_copy(copy, wait, m, k, in_dt)
+        if plan.smem_bytes(out_dt, shard_copy=True) > SMEM_LIMIT_BYTES:
+            raise GemmArgumentError(f"gemm: ShardCopy needs {plan.smem_bytes(out_dt, shard_copy=True)} B of shared "
+                                    f"memory with this plan (its copier's buffer), more than {SMEM_LIMIT_BYTES} B: "
+                                    "use fewer stages or per-consumer C staging")
 
     import cupy
 
@@ -571,6 +626,9 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
     red_out = _as_device_array(red.out, "ChunkReduce.out") if red is not None else None
     if red_out is not None and red_out.device.id != a.device.id:
         raise GemmArgumentError(f"gemm: ChunkReduce.out is on device {red_out.device.id} but A on device {a.device.id}")
+    own = _as_device_array(copy.src, "ShardCopy.src") if copy is not None else None
+    if own is not None and own.device.id != a.device.id:
+        raise GemmArgumentError(f"gemm: ShardCopy.src is on device {own.device.id} but A on device {a.device.id}")
     if dlpack_only:
         validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
     dev = a.device.id
@@ -584,12 +642,15 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
     chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else 0)
 
-    defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None, red is not None)
+    defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None, red is not None,
+                             copy is not None)
     with cupy.cuda.Device(dev):
-        smem = plan.smem_bytes(out_dt)
+        smem = plan.smem_bytes(out_dt, shard_copy=copy is not None)
         kern = _kernel(defines, dev, smem)
         mt, nt = plan.tiles(m, n)
         tmap_a = _tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m)
+        tmap_own = (_tensor_map(own.data.ptr, in_dt, own.shape[0], k, plan.block_k, plan.block_m)
+                    if own is not None else _NULL_TMAP)
         if trans_b:   # with a cluster each CTA loads (and multicasts) block_n / cluster rows of B
             tmap_b = _tensor_map(b.data.ptr, in_dt, n, k, plan.block_k, plan.block_n // plan.cluster)
         else:
@@ -625,6 +686,9 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
             np.uint32(red.sources if red else 0), np.uint64(_ptr(red.flags) if red else 0),
             np.int64(red.flag_stride if red else 0), np.int32(red.group_n if red else 0),
             np.uint64(red.epoch if red else 0), np.uint32(red.op_id if red else 0),
+            # hook 4
+            tmap_own, np.int32(copy.row0 if copy else 0), np.int32(own.shape[0] if copy else 0),
+            np.uint64(_ptr(copy.counters) if copy else 0),
         )
         with _stream(stream):
             kern((grid,), (plan.threads,), args, shared_mem=smem)
@@ -647,11 +711,12 @@ def gemm(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan |
 
 def gemm_with_hooks(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
                     out_dtype: str | None = None, wait: ArrivalWait | None = None,
-                    epilogue: TileEpilogue | None = None):
-    """Internal launch path of the fused ops: :func:`gemm` with hook 1 and/or hook 2 compiled in.
+                    epilogue: TileEpilogue | None = None, copy: ShardCopy | None = None):
+    """Internal launch path of the fused ops: :func:`gemm` with hooks 1 (``wait``), 2 (``epilogue``, with 3 as
+    its ``reduce``) and 4 (``copy``, needs ``wait``) compiled in.
 
     With ``epilogue`` set, ``out`` is not written (tiles go to ``epilogue.destinations``); pass out=None and
     out_dtype for the element type of the destinations. Returns ``out`` (None with an epilogue and no out).
     """
     return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=wait,
-                   epilogue=epilogue)
+                   epilogue=epilogue, copy=copy)

@@ -116,9 +116,13 @@ class GemmPlan:
             return 0
         return self.block_m // self.c_turns * self.block_n * _bytes_of(out_dtype)
 
-    def smem_bytes(self, out_dtype: str = "bfloat16") -> int:
-        barriers = 8 * (2 * self.stages + 2 * self.c_turns)
-        return self.stages * self.stage_bytes() + self.c_staging_bytes(out_dtype) + barriers + SMEM_ALIGN_BYTES
+    def smem_bytes(self, out_dtype: str = "bfloat16", shard_copy: bool = False) -> int:
+        """Dynamic shared memory of the kernel; shard_copy: with GEMM hook 4 (its copier's buffer of one
+        A piece and its barrier)."""
+        barriers = 8 * (2 * self.stages + 2 * self.c_turns + int(shard_copy))
+        copy = self.block_m * self.block_k * 2 if shard_copy else 0
+        return (self.stages * self.stage_bytes() + self.c_staging_bytes(out_dtype) + copy + barriers
+                + SMEM_ALIGN_BYTES)
 
     @property
     def threads(self) -> int:

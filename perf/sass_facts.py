@@ -18,11 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CONFIGS = {            # name: (hook_wait, hook_epilogue, hook_reduce)
-    "plain": (False, False, False),
-    "hook-wait": (True, False, False),
-    "hooks-both": (True, True, False),
-    "hooks-epilogue-reduce": (False, True, True),   # GEMM+ReduceScatter's reduce_mode='epilogue'
+CONFIGS = {            # name: (hook_wait, hook_epilogue, hook_reduce, hook_copy)
+    "plain": (False, False, False, False),
+    "hook-wait": (True, False, False, False),
+    "hooks-both": (True, True, False, False),
+    "hooks-epilogue-reduce": (False, True, True, False),   # GEMM+ReduceScatter's reduce_mode='epilogue'
+    "hooks-wait-copy": (True, False, False, True),         # AllGather+GEMM with its own shard copied by the GEMM
 }
 _RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 
@@ -61,8 +62,8 @@ def main(argv=None) -> int:
     m, k, n = (int(x) for x in args.shape.split(","))
     plan = plan_gemm(m, n, k)
     rows = []
-    for name, (wait, epi, red) in CONFIGS.items():
-        defines = kernel_defines(plan, "bfloat16", "bfloat16", False, wait, epi, red)
+    for name, (wait, epi, red, copy) in CONFIGS.items():
+        defines = kernel_defines(plan, "bfloat16", "bfloat16", False, wait, epi, red, copy)
         cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(defines, arch="sm_90a"))
         row = {"config": name, "plan": f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages}",
                **facts(cubin, cuobjdump)}

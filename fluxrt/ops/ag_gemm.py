@@ -4,26 +4,31 @@ A is sharded on M: rank r holds ``a_shard [M/world, K]``, rows ``[r*M/world, (r+
 Per call, on the caller's stream S and a fluxrt comm stream C:
 
 1. S  (pull mode) wait until every peer acknowledged the previous call's pull of my shard
-      (``done`` flags), so the next step cannot overwrite rows a peer is still reading.
-2. S  copy ``a_shard`` into my slot of the symmetric ``a_full`` (skipped when ``a_shard`` is that slot,
-      see :meth:`AllGatherGemm.shard_buffer`), then release my chunk flags and, in pull mode, my
-      ``ready`` flag on every peer.
-3. C  (after an event on S) pull mode: for each peer p (rank+1, rank+2, ...): bounded wait for p's
-      ``ready``, copy-engine pull of each chunk of p's shard, then release the local chunk flag (a local
-      flag after a pull: the kernel after the copy on the same stream sees it complete) and, after the
-      last chunk, p's ``done`` flag (the pull has finished reading p's memory).
+      (``done`` flags), so nothing below overwrites rows a peer is still reading.
+2. S  pull mode: nothing to copy before the GEMM. Its loader reads my rows straight from ``a_shard`` and
+      its copier warp stores them into my slot of the symmetric ``a_full`` from shared memory while the
+      GEMM runs (GEMM hook 4), adding 1 per tile row to my ``copied`` counter of the chunk. When
+      ``a_shard`` is that slot already (see :meth:`AllGatherGemm.shard_buffer`) the host sets the
+      counters to the call's totals instead.
+      Push mode: copy ``a_shard`` into my slot (unless it is the slot), then release my chunk flags.
+3. C  (after an event on S) pull mode: for each peer p (rank+1, rank+2, ...) and chunk c: bounded wait
+      until p's ``copied`` counter of c reached the call's total (polled over NVLink), copy-engine pull
+      of the chunk, then release the local chunk flag (a local flag after a pull: the kernel after the
+      copy on the same stream sees it complete) and, after the last chunk, p's ``done`` flag (the pull
+      has finished reading p's memory).
       Push mode: for each peer p: bounded wait until p's GEMM finished reading what I pushed last call
       (``done``), then an SM kernel pushes each chunk into p's slot and releases p's chunk flag.
 4. S  the GEMM over ``a_full[:M]`` starting at my own shard; its loader waits per tile for the flag of
-      the chunk it reads (acquire.sys + fence.proxy.async before TMA). It leaves ``plan.comm_sms`` SMs
-      free, so step 3's kernels always find an SM while GEMM CTAs wait for them.
+      the chunk it reads (acquire.sys + fence.proxy.async before TMA), except for my own rows. It leaves
+      ``plan.comm_sms`` SMs free, so step 3's kernels always find an SM while GEMM CTAs wait for them.
+      (Steps 3 and 4 run concurrently: the GEMM is enqueued on S right after the event of step 3.)
 5. S  (push mode) release ``done`` on every peer: my GEMM no longer reads their pushed rows.
 6. S  waits for C (event): the op is stream-ordered for the caller.
 
-Flags are compared with the call's epoch (one per call, growing in lockstep on every rank); nothing is
-reset between calls. Every wait is bounded: ``world.check_errors()`` after synchronizing raises
-WaitTimeoutError naming the op (``ag_gemm.ready``, ``ag_gemm.reuse``, ``ag_gemm.chunk``), the rank
-and the peer.
+Flags are compared with the call's epoch (one per call, growing in lockstep on every rank), the
+``copied`` counters with their running total; nothing is reset between calls. Every wait is bounded:
+``world.check_errors()`` after synchronizing raises WaitTimeoutError naming the op (``ag_gemm.copied``,
+``ag_gemm.reuse``, ``ag_gemm.chunk``), the rank and the peer.
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ import logging
 
 from .. import p2p
 from ..errors import op_id
-from ..gemm import ArrivalWait, gemm_with_hooks
+from ..gemm import ArrivalWait, ShardCopy, gemm_with_hooks
+from ..gemm_plan import SMEM_LIMIT_BYTES
 from ..streams import as_cupy_stream
 from . import common
 from .plan import AgGemmPlan, OpsArgumentError, ag_gemm_plan, ag_pad_layout, check_rows, \
@@ -65,14 +71,15 @@ class AllGatherGemm:
         pull = self.plan.comm_mode == "pull"
         with world.device:
             self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-            # step 2: my chunk flags (+ my ready flag on every peer when they pull)
-            self._own_signal = common.PointerList(
-                [pad.local_ptr(L.chunk(me, c)) for c in range(cpr)] +
-                ([pad.peer_ptr(p, L.ready(me)) for p in peers] if pull else []))
+            # step 2: push mode: my chunk flags; pull mode with no copy needed: my copied counters
+            self._own_signal = common.PointerList([pad.local_ptr(L.chunk(me, c)) for c in range(cpr)])
+            self._own_copied = common.PointerList([pad.local_ptr(L.copied(c)) for c in range(cpr)])
             # pull step 1 / push step 3: the peers' done acks of the previous call
             self._acks = {p: common.PointerList([pad.local_ptr(L.done(p))], [p]) for p in peers}
             self._all_acks = common.PointerList([pad.local_ptr(L.done(p)) for p in peers], peers)
-            self._ready = {p: common.PointerList([pad.local_ptr(L.ready(p))], [p]) for p in peers}
+            # pull step 3: peer p's copied counter of its chunk c
+            self._copied = {(p, c): common.PointerList([pad.peer_ptr(p, L.copied(c))], [p])
+                            for p in peers for c in range(cpr)}
             # pull step 3: after pulling chunk c of p: my chunk flag, and p's done flag after the last chunk
             self._after_pull = {(p, c): common.PointerList([pad.local_ptr(L.chunk(p, c))] +
                                                            ([pad.peer_ptr(p, L.done(me))] if c == cpr - 1 else []))
@@ -81,6 +88,7 @@ class AllGatherGemm:
             self._done_reading = common.PointerList([pad.peer_ptr(p, L.done(me)) for p in peers])
             common.kernels(world)  # compile/load now, not inside the first timed call
         self._peers = peers
+        self._copied_total = 0   # every rank's copied counters after the last call (the same everywhere)
         self._gplans: dict = {}
         self._op_chunk = op_id("ag_gemm.chunk")
 
@@ -144,40 +152,40 @@ class AllGatherGemm:
                 out = common.alloc_on((m, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             slot = self.a_full[me * shard:(me + 1) * shard]
+            in_slot = a.data.ptr == slot.data.ptr
             # 1. peers finished pulling my previous shard (pull mode; epoch - 1 = 0 is already true; a
             #    shard written into shard_buffer() has had this wait enqueued there already)
-            if pull and epoch > 1 and a.data.ptr != slot.data.ptr:
+            if pull and epoch > 1 and not in_slot:
                 common.wait_list(world, self._all_acks, epoch - 1, "ag_gemm.reuse", s)
-            # 2. my shard into my slot, then my chunk flags (+ ready on the peers)
-            if a.data.ptr != slot.data.ptr:
-                cupy.cuda.runtime.memcpyAsync(slot.data.ptr, a.data.ptr, shard * row_bytes,
-                                              cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
-            common.signal_list(world, self._own_signal, epoch, s)
-            # 3. the comm stream gathers the peers' shards
-            common.join(c, s)
-            for p in self._peers:
+            # 2. my shard: pull mode: the GEMM copies it into my slot (hook 4); else (push mode, a plan
+            #    without room for hook 4's buffer) copy it first; then my chunk flags (and copied counters)
+            self._copied_total += ShardCopy.pieces_per_chunk(chunk_rows, self.k)
+            copy = None
+            if pull and not in_slot and self._shard_copy_fits(gplan):
+                copy = ShardCopy(src=a, row0=me * shard, counters=self.pad.local_ptr(self.layout.copied(0)))
+            else:
+                if not in_slot:
+                    cupy.cuda.runtime.memcpyAsync(slot.data.ptr, a.data.ptr, shard * row_bytes,
+                                                  cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
                 if pull:
-                    common.wait_list(world, self._ready[p], epoch, "ag_gemm.ready", c)
-                    src = self.a_full.peer_ptr(p)
-                    for ci in range(cpr):
-                        off = (p * shard + ci * chunk_rows) * row_bytes
-                        cupy.cuda.runtime.memcpyAsync(self.a_full.data.ptr + off, src + off, chunk_rows * row_bytes,
-                                                      cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
-                        common.signal_list(world, self._after_pull[(p, ci)], epoch, c)
-                else:
-                    if epoch > 1:
-                        common.wait_list(world, self._acks[p], epoch - 1, "ag_gemm.reuse", c)
-                    for ci in range(cpr):
-                        rows = slice(me * shard + ci * chunk_rows, me * shard + (ci + 1) * chunk_rows)
-                        view = self.a_full[rows]
-                        p2p.put(world, view, view, p, mode="sm", stream=c,
-                                flag_ptr=self.pad.peer_ptr(p, self.layout.chunk(me, ci)), flag_value=epoch,
-                                blocks=self.plan.push_blocks)
-            # 4. the GEMM, own shard first, each tile after its chunk's flag
+                    common.signal_list(world, self._own_copied, self._copied_total, s)
+                common.signal_list(world, self._own_signal, epoch, s)
+            # 3. the comm stream gathers the peers' shards (pushes are enqueued before the GEMM so that
+            #    their blocks start first; pulls after it, so that the host enqueues their many small
+            #    launches while the GEMM runs)
+            common.join(c, s)
+            if not pull:
+                self._enqueue_pushes(epoch, shard, chunk_rows, c)
+            # 4. the GEMM, own shard first, each peer tile after its chunk's flag
+            # the GEMM's chunk waits are downstream of the comm stream's: twice the timeout, so that a
+            # missing peer is reported by the wait on it (ag_gemm.copied / .reuse), not by a chunk of
+            # another peer that the stalled comm stream would have pulled next
             wait = ArrivalWait(flags=self.pad.local_ptr(0), epoch=epoch, chunk_rows=chunk_rows,
-                               err=world.error_record, chunks_per_peer=cpr, timeout_ns=world.timeout_ns,
+                               err=world.error_record, chunks_per_peer=cpr, timeout_ns=2 * world.timeout_ns,
                                op_id=self._op_chunk, rank=me)
-            gemm_with_hooks(self.a_full[:m], b, out, trans_b=self.trans_b, stream=s, plan=gplan, wait=wait)
+            gemm_with_hooks(self.a_full[:m], b, out, trans_b=self.trans_b, stream=s, plan=gplan, wait=wait, copy=copy)
+            if pull:
+                self._enqueue_pulls(epoch, shard, chunk_rows, row_bytes, c)
             # 5. push mode: the peers may push into my buffer again
             if not pull:
                 common.signal_list(world, self._done_reading, epoch, s)
@@ -189,13 +197,45 @@ class AllGatherGemm:
 
     __call__ = forward
 
+    def _enqueue_pulls(self, epoch: int, shard: int, chunk_rows: int, row_bytes: int, c) -> None:
+        """Step 3, pull mode: per peer and chunk, wait for its copied counter, pull it, raise my flag."""
+        import cupy
+
+        for p in self._peers:
+            src = self.a_full.peer_ptr(p)
+            for ci in range(self.plan.chunks_per_rank):
+                common.wait_list(self.world, self._copied[(p, ci)], self._copied_total, "ag_gemm.copied", c)
+                off = (p * shard + ci * chunk_rows) * row_bytes
+                cupy.cuda.runtime.memcpyAsync(self.a_full.data.ptr + off, src + off, chunk_rows * row_bytes,
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
+                common.signal_list(self.world, self._after_pull[(p, ci)], epoch, c)
+
+    def _enqueue_pushes(self, epoch: int, shard: int, chunk_rows: int, c) -> None:
+        """Step 3, push mode: per peer, wait until it read my previous push, then push my chunks."""
+        me = self.world.rank
+        for p in self._peers:
+            if epoch > 1:
+                common.wait_list(self.world, self._acks[p], epoch - 1, "ag_gemm.reuse", c)
+            for ci in range(self.plan.chunks_per_rank):
+                view = self.a_full[me * shard + ci * chunk_rows:me * shard + (ci + 1) * chunk_rows]
+                p2p.put(self.world, view, view, p, mode="sm", stream=c,
+                        flag_ptr=self.pad.peer_ptr(p, self.layout.chunk(me, ci)), flag_value=epoch,
+                        blocks=self.plan.push_blocks)
+
     def gemm_plan(self, m: int):
         """The GemmPlan an M-row call uses (tile order starts at this rank's shard)."""
         check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
         return ag_gemm_plan(self.plan, m, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
 
+    def _shard_copy_fits(self, gplan) -> bool:
+        return gplan.smem_bytes(self.dtype, shard_copy=True) <= SMEM_LIMIT_BYTES
+
     def _call_plan(self, m: int):
-        return common.call_plan(self, m, self.dtype, wait_hook=True, epilogue_hook=False)
+        # pull mode: hook 4 copies the shard (when its buffer fits), except when it is passed in its slot
+        g = self._gplans.get(m) or self.gemm_plan(m)
+        copy = self.plan.comm_mode == "pull" and self._shard_copy_fits(g)
+        return common.call_plan(self, m, self.dtype, wait_hook=True, epilogue_hook=False,
+                                copy_hooks=(True, False) if copy else (False,))
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""

@@ -209,22 +209,25 @@ def alloc_on(shape, dtype: str, world, stream):
 
 
 def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool, hook_epilogue: bool,
-                 hook_reduce: bool = False):
+                 hook_reduce: bool = False, hook_copy: bool = False):
     """Compile/load the GEMM instantiation a call will launch before anything of the call is enqueued:
     a compile error then leaves no half-launched op behind for peers to wait on."""
     from ..gemm import _kernel, kernel_defines
 
-    defines = kernel_defines(plan, in_dtype, out_dtype, trans_b, hook_wait, hook_epilogue, hook_reduce)
+    defines = kernel_defines(plan, in_dtype, out_dtype, trans_b, hook_wait, hook_epilogue, hook_reduce, hook_copy)
     with world.device:
-        _kernel(defines, world.device_id, plan.smem_bytes(out_dtype))
+        _kernel(defines, world.device_id, plan.smem_bytes(out_dtype, shard_copy=hook_copy))
 
 
-def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, reduce_hook: bool = False):
-    """op.gemm_plan(m), made and its kernel loaded once per M (cached in op._gplans): before anything of a
-    call is enqueued, a compile error leaves no half-launched op behind for peers to wait on."""
+def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, reduce_hook: bool = False,
+              copy_hooks: tuple = (False,)):
+    """op.gemm_plan(m), made and its kernel(s) loaded once per M (cached in op._gplans): before anything of a
+    call is enqueued, a compile error leaves no half-launched op behind for peers to wait on. copy_hooks:
+    the hook-4 settings whose kernels a call may launch."""
     g = op._gplans.get(m)
     if g is None:
         g = op.gemm_plan(m)
-        prepare_gemm(op.world, g, op.dtype, out_dtype, op.trans_b, wait_hook, epilogue_hook, reduce_hook)
+        for copy in copy_hooks:
+            prepare_gemm(op.world, g, op.dtype, out_dtype, op.trans_b, wait_hook, epilogue_hook, reduce_hook, copy)
         op._gplans[m] = g
     return g

@@ -222,13 +222,16 @@ def pull_order(rank: int, world: int) -> list[int]:
 
 @dataclass(frozen=True)
 class AgPadLayout:
-    """Slots of the AllGather+GEMM signal pad (one pad per op; values are call epochs).
+    """Slots of the AllGather+GEMM signal pad (one pad per op).
 
     chunk(r, c): local arrival flag of chunk c of rank r's shard (raised by this rank's comm stream in
-        pull mode, by rank r's push kernel in push mode); the GEMM waits on these.
-    ready(r): rank r released "my shard of this call is in my buffer" (pull mode).
+        pull mode, by rank r's push kernel in push mode); the GEMM waits on these. Values: call epochs.
+    copied(c): chunk c of MY shard is in my slot of the gathered buffer, as a count that grows by the
+        chunk's ``ShardCopy.pieces_per_chunk`` every call (pull mode): the GEMM adds the pieces it copied
+        there (hook 4), or the host sets the call's total after its own copy or when the shard needed none.
+        Peers poll it before pulling.
     done(r): rank r finished reading the slot it reads of mine (pull: r pulled my shard; push: r's GEMM
-        read the slot I pushed into), so my next call may overwrite it.
+        read the slot I pushed into), so my next call may overwrite it. Values: call epochs.
     """
     world: int
     chunks_per_rank: int
@@ -239,16 +242,16 @@ class AgPadLayout:
 
     @property
     def slots(self) -> int:
-        return self.chunks + 2 * self.world
+        return self.chunks + self.chunks_per_rank + self.world
 
     def chunk(self, rank: int, c: int) -> int:
         return rank * self.chunks_per_rank + c
 
-    def ready(self, rank: int) -> int:
-        return self.chunks + rank
+    def copied(self, c: int) -> int:
+        return self.chunks + c
 
     def done(self, rank: int) -> int:
-        return self.chunks + self.world + rank
+        return self.chunks + self.chunks_per_rank + rank
 
 
 def ag_pad_layout(world: int, chunks_per_rank: int) -> AgPadLayout:

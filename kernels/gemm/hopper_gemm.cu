@@ -7,6 +7,8 @@
 // One CTA = 1 producer warpgroup + FLUXRT_GEMM_CONSUMERS consumer warpgroups, persistent over tiles:
 //
 //   producer WG, warp 0, lane 0  "loader":  [hook 1: wait for A's chunk flag]  TMA A,B -> smem ring
+//   producer WG, warp 2, lane 0  "copier":  [hook 4 only] copies A's own rows from their source into A,
+//                                           16 KiB at a time through its own smem buffer (not the ring)
 //   producer WG, warp 1, lane 0  "storer":  C staging smem -> global by TMA store: into C, or with hook 2
 //                                           into the tile's chunk destination (a peer's buffer), then
 //                                           a per-tile flag
@@ -38,6 +40,11 @@
 //                             sources' partials of their rows added in the consumers' epilogue (each
 //                             waited for by its flag) and go to C (tmap_c, [chunk rows, N]) instead of
 //                             the chunk's destination, without a flag                       default 0
+//   FLUXRT_GEMM_HOOK_COPY     1: hook 4 (needs hook 1): A's rows [own_row0, own_row0 + own_rows) are loaded
+//                             from tmap_a_own instead of tmap_a (no arrival wait: they are local), and
+//                             each CTA's copier warp copies its share of them into tmap_a's rows while
+//                             the GEMM runs, adding the number of {kBK x kBM} pieces it stored to
+//                             copy_counters[chunk of own rows] (a peer polls it)             default 0
 //   FLUXRT_GEMM_EPI_DIRECT    1: consumers store C straight from registers (no staging, no storer;
 //                             frees the staging smem for one more stage). Not with hook 2.  default 0
 //   FLUXRT_GEMM_C_SHARED      1: the consumers share ONE consumer's C staging region and take turns
@@ -82,6 +89,9 @@
 #ifndef FLUXRT_GEMM_HOOK_REDUCE
 #define FLUXRT_GEMM_HOOK_REDUCE 0
 #endif
+#ifndef FLUXRT_GEMM_HOOK_COPY
+#define FLUXRT_GEMM_HOOK_COPY 0
+#endif
 #ifndef FLUXRT_GEMM_EPI_DIRECT
 #define FLUXRT_GEMM_EPI_DIRECT 0
 #endif
@@ -109,12 +119,14 @@ constexpr bool kBKMajor = FLUXRT_GEMM_B_KMAJOR != 0;
 constexpr bool kHookWait = FLUXRT_GEMM_HOOK_WAIT != 0;
 constexpr bool kHookEpilogue = FLUXRT_GEMM_HOOK_EPILOGUE != 0;
 constexpr bool kHookReduce = FLUXRT_GEMM_HOOK_REDUCE != 0;
+constexpr bool kHookCopy = FLUXRT_GEMM_HOOK_COPY != 0;
 constexpr bool kEpiDirect = FLUXRT_GEMM_EPI_DIRECT != 0;
 constexpr int kCluster = FLUXRT_GEMM_CLUSTER;
 constexpr unsigned short kClusterMask = (1u << kCluster) - 1;  // multicast to every CTA of the cluster
 static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
 static_assert(!(kEpiDirect && kHookEpilogue), "hook 2 needs the staged (storer-warp) epilogue");
 static_assert(!kHookReduce || (kHookEpilogue && FLUXRT_GEMM_OUT != 2), "hook 3 needs hook 2 and 16-bit partials");
+static_assert(!kHookCopy || kHookWait, "hook 4 needs hook 1 (its chunk geometry)");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread
@@ -161,8 +173,11 @@ static_assert(kBN % kCCols == 0, "C staging slabs");
 constexpr u32 kOffA = 0;
 constexpr u32 kOffB = kOffA + kStages * kTileABytes;
 constexpr u32 kOffC = kOffB + kStages * kTileBBytes;
-constexpr u32 kOffBars = kOffC + kCBytes;
-constexpr u32 kNumBars = 2 * kStages + 2 * kCTurns;        // full[], empty[], c_full[], c_empty[]
+constexpr u32 kCopyBytes = kHookCopy ? kTileABytes : 0u;  // hook 4: the copier's buffer (one A piece)
+constexpr u32 kOffCopy = kOffC + kCBytes;
+constexpr u32 kOffBars = kOffCopy + kCopyBytes;
+// full[], empty[], c_full[], c_empty[], then (hook 4) copy_full
+constexpr u32 kNumBars = 2 * kStages + 2 * kCTurns + (kHookCopy ? 1 : 0);
 constexpr u32 kSmemBytes = kOffBars + kNumBars * 8;
 constexpr u32 kSmemAlign = 1024;
 static_assert(kSmemBytes + kSmemAlign <= 232448, "tile config exceeds 227 KiB of shared memory");
@@ -252,6 +267,15 @@ struct HookArgs {
     int red_group_n;
     u64 red_epoch;              // a partial is in place once its flag >= red_epoch
     u32 red_op_id;
+    // hook 4: own rows of A from a separate source, copied into A during the GEMM
+    const TmaDesc* tmap_a_own;  // [own_rows, K], row 0 = A's row own_row0 (box as tmap_a's)
+    int own_row0, own_rows;     // whole chunks of chunk_rows
+    u64* copy_counters;         // one per own chunk: += pieces of it stored into A (chunk_rows / kBM x
+                                //   K blocks in all per call)
+
+    __device__ __forceinline__ bool own_rows_of(int m0) const {
+        return kHookCopy && m0 >= own_row0 && m0 < own_row0 + own_rows;
+    }
 };
 
 // Hook 3 prefetches the partials of a tile into L2 this many K blocks before the tile's last one: enough
@@ -381,7 +405,7 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
             // filled and the tile is computed on whatever is there, so the CTA never hangs), then
             // fence.proxy.async so the TMA (async proxy) reads below observe the data the flag guards.
             const int chunk = m0 / hooks.chunk_rows;
-            if (chunk != waited_chunk) {
+            if (chunk != waited_chunk && !hooks.own_rows_of(m0)) {   // hook 4's own rows are local
                 fluxrt::wait_ge(hooks.arrival_flags + chunk, hooks.epoch, hooks.timeout_ns, hooks.err,
                                 hooks.op_id, hooks.rank, (u64)(chunk / hooks.chunks_per_peer));
                 fluxrt::fence_proxy_async();
@@ -393,7 +417,10 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol above)
             mbar_arrive_expect_tx(full, kStageBytes);
             const int k0 = kb * kBK;
-            tma_load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full);
+            if (hooks.own_rows_of(m0))   // hook 4: own rows from their own source, counted from its row 0
+                tma_load_2d(smem + kOffA + stage * kTileABytes, hooks.tmap_a_own, k0, m0 - hooks.own_row0, full);
+            else
+                tma_load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full);
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
                 // box {64 K, kBN / kCluster rows of N}: with a cluster, this CTA's share of the rows
@@ -418,6 +445,41 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
                 stage = 0;
                 phase ^= 1;
             }
+        }
+    }
+}
+
+// Copier (hook 4): copies A's own rows from their source (tmap_a_own) into A (tmap_a) beside the GEMM,
+// through a buffer of its own, so that the ring and the math never wait for it. The rows are cut into
+// {kBK x kBM} pieces, numbered chunk by chunk (m tile, then K block); CTA b copies pieces b, b + G, ...
+// (G CTAs), so every CTA takes part and chunk 0 is complete first. Per piece:
+//   1. arrive.expect_tx(copy_full) + TMA load into the buffer; wait copy_full: the bytes landed
+//   2. TMA store of the buffer into A; cp.async.bulk.wait_group.read 0: the buffer may be reloaded
+// When the next piece is in another chunk (or none is left): cp.async.bulk.wait_group 0 (the rows are
+// written) -> fence.proxy.async -> signal_add (fence.acq_rel.sys + red.release.sys) of this CTA's count
+// of pieces to the chunk's counter: a peer that acquires the counter at its total sees the chunk.
+__device__ __forceinline__ void run_copier(int K, const TmaDesc* tmap_a, u32 buf, u32 bar, const HookArgs& hooks) {
+    const int k_blocks = (K + kBK - 1) / kBK;
+    const int pieces_per_chunk = hooks.chunk_rows / kBM * k_blocks;
+    const int pieces = hooks.own_rows / kBM * k_blocks;
+    u32 phase = 0;
+    int count = 0;   // pieces of the current chunk stored by this CTA, not yet signalled
+    for (int i = (int)blockIdx.x; i < pieces; i += (int)gridDim.x) {
+        const int m0 = i / k_blocks * kBM, k0 = i % k_blocks * kBK;
+        mbar_arrive_expect_tx(bar, kTileABytes);                                       // 1
+        tma_load_2d(buf, hooks.tmap_a_own, k0, m0, bar);
+        mbar_wait(bar, phase);
+        phase ^= 1;
+        tma_store_2d(tmap_a, buf, k0, hooks.own_row0 + m0);                            // 2
+        bulk_commit();
+        bulk_wait_read_all();
+        ++count;
+        const int next = i + (int)gridDim.x;
+        if (next >= pieces || next / pieces_per_chunk != i / pieces_per_chunk) {
+            bulk_wait_all();
+            fluxrt::fence_proxy_async();
+            fluxrt::signal_add(hooks.copy_counters + i / pieces_per_chunk, (u64)count);
+            count = 0;
         }
     }
 }
@@ -638,7 +700,8 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
             const TmaDesc* dst_tmaps, u64* const* flag_table, int flag_group_n, u64 signal_value,
             int signal_add, void* c_direct,
             int red_chunk, const char* red_partials, long long red_source_bytes, long long red_ld, u32 red_sources,
-            const u64* red_flags, long long red_flag_stride, int red_group_n, u64 red_epoch, u32 red_op_id) {
+            const u64* red_flags, long long red_flag_stride, int red_group_n, u64 red_epoch, u32 red_op_id,
+            const __grid_constant__ TmaDesc tmap_a_own, int own_row0, int own_rows, u64* copy_counters) {
     extern __shared__ char smem_raw[];
     // Align the dynamic smem base to 1024 B (128B-swizzle atoms; the host adds kSmemAlign bytes).
     const u32 raw = smem_addr(smem_raw);
@@ -686,6 +749,10 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
     hooks.red_group_n = red_group_n;
     hooks.red_epoch = red_epoch;
     hooks.red_op_id = red_op_id;
+    hooks.tmap_a_own = &tmap_a_own;
+    hooks.own_row0 = own_row0;
+    hooks.own_rows = kHookCopy ? own_rows : 0;
+    hooks.copy_counters = copy_counters;
 
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
@@ -697,9 +764,11 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
             mbar_init(bar_c_full + 8 * k, 128 * kConsumersPerTurn);  // every thread of the turn's consumers
             mbar_init(bar_c_empty + 8 * k, 1);                       // storer lane 0
         }
+        if constexpr (kHookCopy) mbar_init(bar_c_empty + 8 * kCTurns, 1);   // copy_full: the copier's expect_tx
         fence_mbar_init();                                 // inits visible to TMA (async proxy)
         tma_prefetch_desc(&tmap_a);
         tma_prefetch_desc(&tmap_b);
+        if constexpr (kHookCopy) tma_prefetch_desc(&tmap_a_own);
         if constexpr ((!kHookEpilogue || kHookReduce) && !kEpiDirect) tma_prefetch_desc(&tmap_c);
     }
     // Barriers initialised before anyone (in this CTA or, with a cluster, the peer CTA's TMA multicasts
@@ -714,8 +783,10 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
                 run_loader(sched, K, &tmap_a, &tmap_b, smem, bars_full, bars_empty, hooks);
         } else if (warp == 1 && !kEpiDirect) {
             run_storer(sched, &tmap_c, smem, bar_c_full, bar_c_empty, hooks);
+        } else if (warp == 2 && kHookCopy) {
+            if (threadIdx.x == 64) run_copier(K, &tmap_a, smem + kOffCopy, bar_c_empty + 8 * kCTurns, hooks);
         }
-        // warps 2 and 3 of the producer warpgroup have no role.
+        // warp 3 of the producer warpgroup (and warp 2 without hook 4) has no role.
     } else {
         if constexpr (kRebalanceRegs) regs_alloc<kConsumerRegs>();
         const int wg = warpgroup - 1;

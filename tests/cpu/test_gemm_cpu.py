@@ -284,6 +284,40 @@ def test_chunk_reduce_validated_before_launch():
         launch(wait=ArrivalWait(flags=1 << 41, epoch=1, chunk_rows=128, err=1 << 42))
 
 
+def test_shard_copy_validated_before_launch():
+    from fluxrt.gemm import ShardCopy
+
+    a, b = arr((512, 64)), arr((64, 256), ptr=1 << 33)
+    wait = ArrivalWait(flags=1 << 41, epoch=1, chunk_rows=128, err=1 << 42)
+    good = dict(src=arr((256, 64), ptr=1 << 37), row0=128, counters=1 << 38)
+
+    def launch(wait=wait, **changes):
+        gemm_with_hooks(a, b, arr((512, 256), ptr=1 << 39), wait=wait, copy=ShardCopy(**{**good, **changes}))
+
+    for changes, match in [
+        (dict(wait=None), "ShardCopy needs an ArrivalWait"),
+        (dict(src=arr((256, 32), ptr=1 << 37)), r"src must be \[rows, K=64\]"),
+        (dict(src=arr((256,), ptr=1 << 37)), r"src must be \[rows, K=64\]"),
+        (dict(row0=64), r"rows \[64, 320\) must be whole chunks of 128 rows"),
+        (dict(src=arr((200, 64), ptr=1 << 37)), "must be whole chunks"),
+        (dict(row0=384), r"rows \[384, 640\) .* inside A's 512 rows"),
+        (dict(src=arr((256, 64), strides=(256, 2), ptr=1 << 37)), "C-contiguous"),
+        (dict(src=arr((256, 64), ptr=(1 << 37) + 8)), "16-byte aligned"),
+        (dict(counters=0), "non-null, 8-byte aligned"),
+        (dict(counters=(1 << 38) + 4), "non-null, 8-byte aligned"),
+    ]:
+        with pytest.raises(GemmArgumentError, match=match):
+            launch(**changes)
+    with pytest.raises(GemmTypeError, match="ShardCopy.src is float16, A is bfloat16"):
+        launch(src=arr((256, 64), np.float16, ptr=1 << 37))
+    # the copier's 16 KiB buffer must fit beside the plan's ring and staging
+    full = GemmPlan(stages=4, c_staging="shared")
+    with pytest.raises(GemmArgumentError, match="ShardCopy needs .* shared memory"):
+        gemm_with_hooks(a, b, arr((512, 256), ptr=1 << 39), plan=full, wait=wait, copy=ShardCopy(**good))
+    assert plan_gemm(8192, 8192, 8192).smem_bytes("bfloat16", shard_copy=True) <= SMEM_LIMIT_BYTES
+    assert ShardCopy.pieces_per_chunk(256, 520) == 2 * 9
+
+
 def test_tile_destinations_validated():
     with pytest.raises(GemmArgumentError, match="at least one"):
         TileDestinations([], 256, "bfloat16")
@@ -350,6 +384,11 @@ COMPILE_CONFIGS = [
     (GemmPlan(cluster=2), "bfloat16", "bfloat16", True, False, True, True),
     (GemmPlan(stages=4, c_staging="shared"), "bfloat16", "bfloat16", False, False, True, True),
     (GemmPlan(block_n=128, stages=6), "float16", "float16", False, False, True, True),
+    # hook 4 (AllGather+GEMM's own shard read from its source and copied into A by the GEMM)
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, True, False, False, True),
+    (plan_gemm(8192, 8192, 8192), "float16", "float16", True, True, False, False, True),
+    (GemmPlan(cluster=2), "bfloat16", "bfloat16", False, True, False, False, True),
+    (GemmPlan(stages=3, c_staging="shared"), "bfloat16", "bfloat16", True, True, False, False, True),
 ]
 
 
@@ -377,7 +416,7 @@ def _cubin_u32(data: bytes, name: str) -> int:
                          ids=lambda c: f"{c[0].block_m}x{c[0].block_n}s{c[0].stages}{c[0].epilogue}"
                                        f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
                                        f"-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
-                                       f"{'-r1' if c[6:] and c[6] else ''}")
+                                       f"{'-r1' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:
@@ -386,14 +425,14 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
     plan, in_dt, out_dt, tb, hw, he, *rest = cfg
+    hooks = dict(hook_reduce=bool(rest[0:1] and rest[0]), hook_copy=bool(rest[1:2] and rest[1]))
     cubin = compile_cubin("gemm/hopper_gemm.cu",
-                          compile_options(kernel_defines(plan, in_dt, out_dt, tb, hw, he, bool(rest and rest[0])),
-                                          arch="sm_90a"))
+                          compile_options(kernel_defines(plan, in_dt, out_dt, tb, hw, he, **hooks), arch="sm_90a"))
     data = cubin.read_bytes()
     assert b"fluxrt_gemm" in data
     assert len(data) > 10_000
     # the kernel's own layout constants agree with the planner's (launch size and dynamic smem)
-    assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt)
+    assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, shard_copy=hooks["hook_copy"])
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
     assert (_cubin_u32(data, "fluxrt_gemm_block_m"), _cubin_u32(data, "fluxrt_gemm_block_n")) == \
         (plan.block_m, plan.block_n)

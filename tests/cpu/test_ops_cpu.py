@@ -48,7 +48,7 @@ def test_pull_order_nearest_first_and_complete(world):
 @pytest.mark.parametrize("world, cpr", [(2, 1), (4, 2), (8, 4)])
 def test_ag_pad_layout_slots_are_distinct_and_match_gemm_chunks(world, cpr):
     L = P.ag_pad_layout(world, cpr)
-    slots = ([L.chunk(r, c) for r in range(world) for c in range(cpr)] + [L.ready(r) for r in range(world)]
+    slots = ([L.chunk(r, c) for r in range(world) for c in range(cpr)] + [L.copied(c) for c in range(cpr)]
              + [L.done(r) for r in range(world)])
     assert sorted(slots) == list(range(L.slots))
     # the GEMM's hook reads flags[m0 // chunk_rows] and names peer chunk // chunks_per_rank

@@ -30,8 +30,8 @@ _reason = _gpu_skip_reason()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 
 from fluxrt.errors import decode_error_record, op_id  # noqa: E402
-from fluxrt.gemm import (ArrivalWait, ChunkReduce, GemmArgumentError, TileDestinations, TileEpilogue,  # noqa: E402
-                         gemm, gemm_with_hooks)
+from fluxrt.gemm import (ArrivalWait, ChunkReduce, GemmArgumentError, ShardCopy, TileDestinations,  # noqa: E402
+                         TileEpilogue, gemm, gemm_with_hooks)
 from fluxrt.gemm_plan import GemmPlan, max_stages, plan_gemm  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -281,6 +281,39 @@ def test_arrival_wait_sees_late_chunks(setter, trans_b):
         assert decode_error_record(cupy.asnumpy(err)) is None
         e = rel_err(out, ref)
         assert e < TOL["bfloat16"], f"epoch {epoch}: rel err {e:.3e}"
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_shard_copy_reads_own_rows_from_source_and_copies_them(trans_b, cluster):
+    """Hook 4: the own rows come from their source (A's copy of them is poison, and their chunk flags are
+    never raised: a wait on them would time out), land in A bit for bit (K tail included), and every
+    piece is counted once per chunk."""
+    m, n, k, chunk_rows, row0, rows = 1024, 768, 520, 256, 256, 512   # K tail: 520 = 8 * 64 + 8
+    rng = np.random.default_rng(17)
+    a = rand_matrix(rng, (m, k), "bfloat16")
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), "bfloat16")
+    da, db = to_device(a), to_device(b)
+    src = to_device(a[row0:row0 + rows])
+    flags = cupy.asarray(np.array([7, 0, 0, 7], dtype=np.uint64))   # own chunks 1, 2: never raised
+    counters = cupy.asarray(np.array([5, 11], dtype=np.uint64))
+    err = _err_record()
+    plan = dataclasses.replace(plan_gemm(m, n, k), cluster=cluster)
+    ref = reference(a, b, trans_b)
+    for call in (1, 2):
+        da[row0:row0 + rows].view(cupy.uint16).fill(NAN_BITS["bfloat16"])
+        out = poisoned((m, n), "bfloat16")
+        gemm_with_hooks(da, db, out, trans_b=trans_b, plan=plan,
+                        wait=ArrivalWait(flags=flags, epoch=7, chunk_rows=chunk_rows, err=err, timeout_ns=500_000_000,
+                                         op_id=op_id("test_gemm.copy"), rank=0),
+                        copy=ShardCopy(src=src, row0=row0, counters=counters.data.ptr))
+        cupy.cuda.Device().synchronize()
+        assert decode_error_record(cupy.asnumpy(err)) is None
+        e = rel_err(out, ref)
+        assert e < TOL["bfloat16"], f"call {call}: rel err {e:.3e}"
+        assert cupy.array_equal(da[row0:row0 + rows].view(cupy.uint16), src.view(cupy.uint16))
+        pieces = ShardCopy.pieces_per_chunk(chunk_rows, k)   # 2 tile rows x 9 K blocks
+        assert cupy.asnumpy(counters).tolist() == [5 + call * pieces, 11 + call * pieces]
 
 
 def test_arrival_wait_times_out_and_reports():
