@@ -40,7 +40,7 @@ from ..gemm import ArrivalWait, ShardCopy, gemm_with_hooks
 from ..gemm_plan import SMEM_LIMIT_BYTES
 from ..streams import as_cupy_stream
 from . import common
-from .plan import AgGemmPlan, OpsArgumentError, ag_gemm_plan, ag_pad_layout, check_rows, \
+from .plan import AgGemmPlan, ag_gemm_plan, ag_pad_layout, check_rows, \
     plan_ag_gemm, pull_order
 
 log = logging.getLogger(__name__)
@@ -115,28 +115,8 @@ class AllGatherGemm:
         out: optional [M, N] array of the input dtype. return_a: also return the gathered A [M, K] (a view
         of the symmetric buffer, overwritten by the next call).
         """
-        world, w, me = self.world, self.world.size, self.world.rank
-
-        b_in, out_in = b, out
-
-        def local_checks():
-            a = common.as_device_array(a_shard, "a_shard", OP)
-            b = common.as_device_array(b_in, "b", OP)
-            if a.ndim != 2:
-                raise OpsArgumentError(f"{OP}: a_shard must be 2-D [M/world, K], got shape {tuple(a.shape)}")
-            shard = int(a.shape[0])
-            m = shard * w
-            check_rows(OP, m, w, self.plan.row_multiple, self.max_m)
-            common.check_matrix(a, "a_shard", OP, (shard, self.k), self.dtype, world)
-            common.check_matrix(b, "b", OP, (self.n, self.k) if self.trans_b else (self.k, self.n), self.dtype,
-                                world)
-            out = None
-            if out_in is not None:
-                out = common.as_device_array(out_in, "out", OP)
-                common.check_matrix(out, "out", OP, (m, self.n), self.dtype, world)
-            return (a, b, out, shard, m), {"m": m, "b": tuple(b.shape), "dtype": self.dtype}
-
-        a, b, out, shard, m = common.checked_on_every_rank(world, f"{OP}.forward", local_checks)
+        world, me = self.world, self.world.rank
+        a, b, out, shard, m = common.forward_operands(self, OP, a_shard, b, out, sharded_a=True)
         gplan = self._call_plan(m)
 
         import cupy
@@ -232,10 +212,9 @@ class AllGatherGemm:
 
     def _call_plan(self, m: int):
         # pull mode: hook 4 copies the shard (when its buffer fits), except when it is passed in its slot
-        g = self._gplans.get(m) or self.gemm_plan(m)
-        copy = self.plan.comm_mode == "pull" and self._shard_copy_fits(g)
+        pull = self.plan.comm_mode == "pull"
         return common.call_plan(self, m, self.dtype, wait_hook=True, epilogue_hook=False,
-                                copy_hooks=(True, False) if copy else (False,))
+                                copy_hooks=lambda g: (True, False) if pull and self._shard_copy_fits(g) else (False,))
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""

@@ -9,7 +9,7 @@ import numpy as np
 from ..dtypes import normalize_dtype, short_name
 from .. import agreement
 from ..errors import NO_PEER, op_id
-from .plan import MAX_WORLD, OpsArgumentError
+from .plan import MAX_WORLD, OpsArgumentError, check_rows
 
 KERNEL_SOURCE = "ops/tp_ops.cu"
 INPUT_DTYPES = ("bfloat16", "float16")
@@ -72,8 +72,6 @@ def construct(obj, world, op: str, max_m: int, n: int, k: int, dtype, trans_b: b
     """Both fused ops' constructor checks, agreed across ranks (a mismatch or a local error raises on every
     rank): sets obj.world, dtype, max_m, n, k, trans_b and plan (``plan`` or ``planner(max_m, n, k, world
     size)``, validated; max_m checked against its row rule)."""
-    from .plan import check_rows
-
     obj.world = world
 
     def local_checks():
@@ -86,6 +84,31 @@ def construct(obj, world, op: str, max_m: int, n: int, k: int, dtype, trans_b: b
                       "plan": repr(obj.plan)}
 
     checked_on_every_rank(world, f"{op}()", local_checks)
+
+
+def forward_operands(op, name: str, a_in, b_in, out_in, *, sharded_a: bool):
+    """Both fused ops' forward checks, agreed across ranks: A is ``a_shard [M/world, K]`` (sharded_a; out
+    is [M, N]) or ``a [M, K_local]`` (out is [M/world, N]); B is [K, N] or, with trans_b, [N, K]; out is
+    optional. Returns (a, b, out or None, shard rows, M) as cupy views."""
+    world, w = op.world, op.world.size
+    a_name, a_form = ("a_shard", "[M/world, K]") if sharded_a else ("a", "[M, K_local]")
+
+    def local_checks():
+        a = as_device_array(a_in, a_name, name)
+        b = as_device_array(b_in, "b", name)
+        if a.ndim != 2:
+            raise OpsArgumentError(f"{name}: {a_name} must be 2-D {a_form}, got shape {tuple(a.shape)}")
+        m = int(a.shape[0]) * (w if sharded_a else 1)
+        shard = check_rows(name, m, w, op.plan.row_multiple, op.max_m)
+        check_matrix(a, a_name, name, (shard if sharded_a else m, op.k), op.dtype, world)
+        check_matrix(b, "b", name, (op.n, op.k) if op.trans_b else (op.k, op.n), op.dtype, world)
+        out = None
+        if out_in is not None:
+            out = as_device_array(out_in, "out", name)
+            check_matrix(out, "out", name, (m if sharded_a else shard, op.n), op.dtype, world)
+        return (a, b, out, shard, m), {"m": m, "b": tuple(b.shape), "dtype": op.dtype}
+
+    return checked_on_every_rank(world, f"{name}.forward", local_checks)
 
 
 def checked_on_every_rank(world, op: str, local_checks):
@@ -220,14 +243,14 @@ def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook
 
 
 def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, reduce_hook: bool = False,
-              copy_hooks: tuple = (False,)):
+              copy_hooks=lambda plan: (False,)):
     """op.gemm_plan(m), made and its kernel(s) loaded once per M (cached in op._gplans): before anything of a
-    call is enqueued, a compile error leaves no half-launched op behind for peers to wait on. copy_hooks:
-    the hook-4 settings whose kernels a call may launch."""
+    call is enqueued, a compile error leaves no half-launched op behind for peers to wait on.
+    copy_hooks(plan): the hook-4 settings whose kernels a call with that plan may launch."""
     g = op._gplans.get(m)
     if g is None:
         g = op.gemm_plan(m)
-        for copy in copy_hooks:
+        for copy in copy_hooks(g):
             prepare_gemm(op.world, g, op.dtype, out_dtype, op.trans_b, wait_hook, epilogue_hook, reduce_hook, copy)
         op._gplans[m] = g
     return g

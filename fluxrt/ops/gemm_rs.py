@@ -44,7 +44,7 @@ from ..errors import op_id
 from ..gemm import ChunkReduce, TileDestinations, TileEpilogue, gemm_with_hooks
 from ..streams import as_cupy_stream
 from . import common
-from .plan import MIN_TILE_COLS, GemmRsPlan, OpsArgumentError, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
+from .plan import MIN_TILE_COLS, GemmRsPlan, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
     rs_ce_groups, rs_flag_layout, rs_gemm_plan, rs_reduce_grid
 
 log = logging.getLogger(__name__)
@@ -113,26 +113,8 @@ class GemmReduceScatter:
 
     def forward(self, a, b, out=None, stream=None):
         """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered."""
-        world, w = self.world, self.world.size
-        a_in, b_in, out_in = a, b, out
-
-        def local_checks():
-            a = common.as_device_array(a_in, "a", OP)
-            b = common.as_device_array(b_in, "b", OP)
-            if a.ndim != 2:
-                raise OpsArgumentError(f"{OP}: a must be 2-D [M, K_local], got shape {tuple(a.shape)}")
-            m = int(a.shape[0])
-            shard = check_rows(OP, m, w, self.plan.row_multiple, self.max_m)
-            common.check_matrix(a, "a", OP, (m, self.k), self.dtype, world)
-            common.check_matrix(b, "b", OP, (self.n, self.k) if self.trans_b else (self.k, self.n), self.dtype,
-                                world)
-            out = None
-            if out_in is not None:
-                out = common.as_device_array(out_in, "out", OP)
-                common.check_matrix(out, "out", OP, (shard, self.n), self.dtype, world)
-            return (a, b, out, shard, m), {"m": m, "b": tuple(b.shape), "dtype": self.dtype}
-
-        a, b, out, shard, m = common.checked_on_every_rank(world, f"{OP}.forward", local_checks)
+        world = self.world
+        a, b, out, shard, m = common.forward_operands(self, OP, a, b, out, sharded_a=False)
         gplan = self._call_plan(m)
 
         s = as_cupy_stream(stream)

@@ -412,15 +412,16 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
                 waited_chunk = chunk;
             }
         }
+        // hook 4: own rows come from their own source, counted from its row 0
+        const bool own = hooks.own_rows_of(m0);
+        const TmaDesc* a_map = own ? hooks.tmap_a_own : tmap_a;
+        const int a_row = own ? m0 - hooks.own_row0 : m0;
         for (int kb = 0; kb < k_blocks; ++kb) {
             const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol above)
             mbar_arrive_expect_tx(full, kStageBytes);
             const int k0 = kb * kBK;
-            if (hooks.own_rows_of(m0))   // hook 4: own rows from their own source, counted from its row 0
-                tma_load_2d(smem + kOffA + stage * kTileABytes, hooks.tmap_a_own, k0, m0 - hooks.own_row0, full);
-            else
-                tma_load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full);
+            tma_load_2d(smem + kOffA + stage * kTileABytes, a_map, k0, a_row, full);
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
                 // box {64 K, kBN / kCluster rows of N}: with a cluster, this CTA's share of the rows
