@@ -143,6 +143,16 @@ class ChunkReduce:
         many tile columns (``n_tile // group_n``). A partial is read once its flag is >= ``epoch``
         (bounded wait; on timeout ``err`` names ``op_id``, ``rank`` and the source).
     Sources are added in fixed order 0, 1, ... in fp32 after the accumulator: deterministic.
+
+    where: 'epilogue' (above) or 'tail': the chunk's tiles are stored like the others, into their
+        destination, which must be source ``chunk``'s slot of the partials, and each raises source
+        ``chunk``'s per-tile flag to ``epoch``. Every consumer warp that has no tile left then claims
+        16-row slabs of the chunk (in the order the schedule made their tiles) and sums all sources,
+        source ``chunk`` included, in order 0, 1, ... in fp32 into ``out``. The reduce then runs on the
+        SMs that the last wave of tiles leaves idle instead of after the GEMM. Needs ``counter``: the
+        device pointer of a uint32 that is 0 before the launch (the launch leaves it 0 again), one per
+        stream-ordered sequence of launches; and a cluster-1 plan in grouped order whose schedule makes
+        the chunk's tiles in one run (its first tile row after ``m_tile_offset`` a multiple of group_m).
     """
     chunk: int
     out: object
@@ -158,6 +168,16 @@ class ChunkReduce:
     timeout_ns: int = DEFAULT_TIMEOUT_NS
     op_id: int = 0
     rank: int = 0
+    where: str = "epilogue"
+    counter: int = 0
+
+    @property
+    def hook_id(self) -> int:
+        """FLUXRT_GEMM_HOOK_REDUCE of this reduce: 1 in the epilogue, 2 in the tail."""
+        return REDUCE_WHERE.index(self.where) + 1
+
+
+REDUCE_WHERE = ("epilogue", "tail")
 
 
 @dataclass(frozen=True)
@@ -329,16 +349,17 @@ def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str 
 
 
 def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool = False,
-                   hook_epilogue: bool = False, hook_reduce: bool = False,
+                   hook_epilogue: bool = False, hook_reduce: int = 0,
                    hook_copy: bool = False) -> tuple[tuple[str, str], ...]:
-    """-D macros that instantiate hopper_gemm.cu for one configuration."""
+    """-D macros that instantiate hopper_gemm.cu for one configuration. hook_reduce: 0 none, 1 (or True)
+    hook 3 in the epilogue, 2 hook 3 in the tail (:attr:`ChunkReduce.hook_id`)."""
     # hook 4 only when on: every configuration without it keeps its earlier macros (and cache key)
     return (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(_IN_IDS[in_dtype])),
             ("FLUXRT_GEMM_OUT", str(_OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
             ("FLUXRT_GEMM_HOOK_EPILOGUE", "1" if hook_epilogue else "0"),
-            ("FLUXRT_GEMM_HOOK_REDUCE", "1" if hook_reduce else "0"),
+            ("FLUXRT_GEMM_HOOK_REDUCE", str(int(hook_reduce))),
             ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"),
             ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)),
             # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
@@ -573,6 +594,34 @@ def _check_reduce(red: ChunkReduce, wait: ArrivalWait | None, m: int, n: int, ch
         raise GemmArgumentError(f"gemm: ChunkReduce.out at 0x{o.ptr:x} must be {_TMA_ALIGN}-byte aligned (TMA)")
 
 
+def _check_tail(red: ChunkReduce, epilogue: TileEpilogue, plan: GemmPlan, m: int, n: int) -> None:
+    """Hook 3 in the tail: the schedule and the chunk's destination fit the tail reducers."""
+    if red.where not in REDUCE_WHERE:
+        raise GemmArgumentError(f"gemm: ChunkReduce.where must be one of {REDUCE_WHERE}, got {red.where!r}")
+    if red.where != "tail":
+        return
+    if _ptr(red.counter) == 0 or _ptr(red.counter) % 4:
+        raise GemmArgumentError("gemm: ChunkReduce(where='tail') needs counter: a non-null, 4-byte aligned device "
+                                "pointer of a uint32 that is 0 (the tail reducers claim slabs with it)")
+    if plan.cluster != 1 or plan.order != "grouped":
+        raise GemmArgumentError(f"gemm: ChunkReduce(where='tail') needs a cluster-1 plan in grouped order, got "
+                                f"cluster={plan.cluster}, order={plan.order!r}")
+    mt, _ = plan.tiles(m, n)
+    chunk_tiles = epilogue.chunk_rows // plan.block_m
+    tiles = -(-min(epilogue.chunk_rows, m - red.chunk * epilogue.chunk_rows) // plan.block_m)
+    first = (red.chunk * chunk_tiles - plan.m_tile_offset) % mt    # the chunk's first tile row in schedule order
+    gm = max(1, plan.group_m)
+    if first % gm or first + tiles > mt or (tiles % gm and first + tiles != mt):
+        raise GemmArgumentError(f"gemm: ChunkReduce(where='tail'): chunk {red.chunk}'s tile rows are not one run of "
+                                f"the schedule (first row {first} after m_tile_offset={plan.m_tile_offset}, "
+                                f"{tiles} rows, group_m={gm}, {mt} tile rows)")
+    own = red.partials + red.chunk * red.source_bytes
+    if epilogue.destinations.ptrs[red.chunk] != own or epilogue.destinations.ld != red.ld:
+        raise GemmArgumentError(f"gemm: ChunkReduce(where='tail'): chunk {red.chunk}'s destination must be its own "
+                                f"source's slot of the partials (0x{own:x}, ld={red.ld}), got "
+                                f"0x{epilogue.destinations.ptrs[red.chunk]:x}, ld={epilogue.destinations.ld}")
+
+
 def _check_copy(copy: ShardCopy, wait: ArrivalWait | None, m: int, k: int, in_dt: str) -> None:
     """Hook 4's arguments, before any CUDA call."""
     if wait is None:
@@ -607,6 +656,7 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         epilogue.destinations.check(m, n, epilogue.chunk_rows, out_dt)
     if red is not None:
         _check_reduce(red, wait, m, n, epilogue.chunk_rows, out_dt)
+        _check_tail(red, epilogue, plan, m, n)
     if copy is not None:
         _check_copy(copy, wait, m, k, in_dt)
         if plan.smem_bytes(out_dt, shard_copy=True) > SMEM_LIMIT_BYTES:
@@ -642,7 +692,8 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
     chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else 0)
 
-    defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None, red is not None,
+    defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None,
+                             red.hook_id if red is not None else 0,
                              copy is not None)
     with cupy.cuda.Device(dev):
         smem = plan.smem_bytes(out_dt, shard_copy=copy is not None)
@@ -658,7 +709,7 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         c_cols = 128 // _ITEMSIZE[out_dt]
         staged_out = out is not None and epilogue is None and plan.epilogue == "tma"
         tmap_c = _tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64) if staged_out else _NULL_TMAP
-        if red is not None:   # hook 3: C is the reduced chunk's result
+        if red is not None and red.where == "epilogue":   # hook 3: C is the reduced chunk's result
             tmap_c = _tensor_map(red_out.data.ptr, out_dt, red_out.shape[0], n, c_cols, 64)
         c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
         dst_tmaps = (epilogue.destinations.tensor_maps(m, n, epilogue.chunk_rows, dev, c_cols, 64)
@@ -689,6 +740,9 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
             # hook 4
             tmap_own, np.int32(copy.row0 if copy else 0), np.int32(own.shape[0] if copy else 0),
             np.uint64(_ptr(copy.counters) if copy else 0),
+            # hook 3 in the tail
+            np.uint64(red_out.data.ptr if red is not None and red.where == "tail" else 0),
+            np.uint64(_ptr(red.counter) if red is not None and red.where == "tail" else 0),
         )
         with _stream(stream):
             kern((grid,), (plan.threads,), args, shared_mem=smem)

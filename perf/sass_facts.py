@@ -18,11 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CONFIGS = {            # name: (hook_wait, hook_epilogue, hook_reduce, hook_copy)
+CONFIGS = {            # name: (hook_wait, hook_epilogue, hook_reduce (0, 1 epilogue, 2 tail), hook_copy)
     "plain": (False, False, False, False),
     "hook-wait": (True, False, False, False),
     "hooks-both": (True, True, False, False),
-    "hooks-epilogue-reduce": (False, True, True, False),   # GEMM+ReduceScatter's reduce_mode='epilogue'
+    "hooks-epilogue-reduce": (False, True, 1, False),      # GEMM+ReduceScatter's reduce_mode='epilogue'
+    "hooks-tail-reduce": (False, True, 2, False),          # GEMM+ReduceScatter's reduce_mode='tail'
     "hooks-wait-copy": (True, False, False, True),         # AllGather+GEMM with its own shard copied by the GEMM
 }
 _RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")

@@ -232,7 +232,7 @@ def alloc_on(shape, dtype: str, world, stream):
 
 
 def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool, hook_epilogue: bool,
-                 hook_reduce: bool = False, hook_copy: bool = False):
+                 hook_reduce: int = 0, hook_copy: bool = False):
     """Compile/load the GEMM instantiation a call will launch before anything of the call is enqueued:
     a compile error then leaves no half-launched op behind for peers to wait on."""
     from ..gemm import _kernel, kernel_defines
@@ -242,7 +242,7 @@ def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook
         _kernel(defines, world.device_id, plan.smem_bytes(out_dtype, shard_copy=hook_copy))
 
 
-def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, reduce_hook: bool = False,
+def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, reduce_hook: int = 0,
               copy_hooks=lambda plan: (False,)):
     """op.gemm_plan(m), made and its kernel(s) loaded once per M (cached in op._gplans): before anything of a
     call is enqueued, a compile error leaves no half-launched op behind for peers to wait on.

@@ -10,7 +10,8 @@ Per call, with epoch e and parity q = (e - 1) % 2, on the caller's stream S and 
       'sm': into o's symmetric ``recv[q][me]`` over NVLink, then releases o's flag ``[q][me][tile]``.
       Own rows: reduce_mode 'epilogue' adds the peers' partials to each own tile's
       accumulators in the consumers' epilogue (step 3) and stores the result into ``out``; the other
-      modes (default 'after') store the own partial into ``recv[q][me]``.
+      modes store the own partial into ``recv[q][me]`` (default 'tail': with a per-tile flag
+      ``[q][me][tile]`` := e).
 2. C  ('ce', joined to S before the GEMM so it runs beside it) for each source s, in the order the
       sources produce my rows (rank-1 first), and each column group g: bounded wait until s's counter of
       (me, g) reached the call's total, copy-engine pull of ``s.part[q][me][:, g's columns]`` into my
@@ -22,12 +23,15 @@ Per call, with epoch e and parity q = (e - 1) % 2, on the caller's stream S and 
    GEMM (hook 3, :class:`fluxrt.gemm.ChunkReduce`), own accumulator first, then sources 0, 1, ...; the
    own tiles come last, by when the peers' partials have long been produced (each source makes my rows
    before its own) and pulled. 'after': a reduce kernel after the GEMM on S sums the world partials in
-   order 0..world-1; 'concurrent' ('sm' only): that kernel on C during the GEMM (which leaves
-   ``reduce_blocks`` SMs free). S waits for C before returning.
+   order 0..world-1; 'tail' (default): the same sum inside the GEMM (hook 3 in the tail,
+   :class:`fluxrt.gemm.ChunkReduce` with where='tail'): every consumer warp that has no tile left
+   claims 16-row slabs of my rows, waits for the slab's flags (mine per tile, the sources' per group)
+   and sums, on the SMs the GEMM's last wave leaves idle; 'concurrent' ('sm' only): the reduce kernel
+   on C during the GEMM (which leaves ``reduce_blocks`` SMs free). S waits for C before returning.
 
 Why two parities are enough (no ack): a partial for call i+2 lands in owner o's ``recv[q]`` ('sm'), or
 overwrites source s's ``part[q]`` ('ce'), only after s's GEMM i+2 started, i.e. after s's reduce of
-call i+1 (stream order on s; with 'epilogue' that reduce is inside GEMM i+1); that reduce waited for o's call-(i+1) partials, which exist only once o's
+call i+1 (stream order on s; with 'epilogue' and 'tail' that reduce is inside GEMM i+1); that reduce waited for o's call-(i+1) partials, which exist only once o's
 GEMM i+1 ran, after o's reduce of call i (stream order on o), and that reduce waited for o's pulls of
 call i. So o has read ``recv[q]`` and pulled ``part[q]`` of call i first. Flags need no reset either: a
 parity's flags only ever see that parity's epochs, which grow; the tile counters grow by a known
@@ -100,11 +104,13 @@ class GemmReduceScatter:
                                                     for src in range(w) for g in range(G)]) for q in range(PARITIES)]
             else:
                 # per parity: where my partial of owner o's rows goes, and o's flags for my tiles
-                self._dst = [TileDestinations([self.recv[q, me].peer_ptr(o) for o in range(w)], self.n,
-                                              self.partial_dtype) for q in range(PARITIES)]
+                self._dst = [TileDestinations([self.recv[q, me].data.ptr if o == me else self.recv[q, me].peer_ptr(o)
+                                               for o in range(w)], self.n, self.partial_dtype) for q in range(PARITIES)]
                 self._flags = [cupy.asarray(np.asarray([self.pad.peer_ptr(o, self.layout.base(q, me))
                                                         for o in range(w)], dtype=np.uint64)) for q in range(PARITIES)]
             self._reduce = common.kernels(world).reduce(self.partial_dtype, self.dtype)
+            # 'tail': the GEMM's reducers claim slabs with it; 0 between calls (each launch resets it)
+            self._tail_counter = cupy.zeros(1, dtype=cupy.uint32) if self.plan.reduce_mode == "tail" else None
             # the tables above were uploaded on the current stream; the op's streams read them from now on
             cupy.cuda.get_current_stream().synchronize()
         self._gplans: dict = {}
@@ -129,13 +135,13 @@ class GemmReduceScatter:
                 gemm_with_hooks(a, b, None, trans_b=self.trans_b, stream=s, plan=gplan, out_dtype=self.partial_dtype,
                                 epilogue=epi)
 
-            fused = self.plan.reduce_mode == "epilogue"
+            fused = self.plan.reduce_mode in ("epilogue", "tail")   # the reduce runs inside the GEMM
             if self.plan.comm_mode == "ce":
                 group_n, groups = rs_ce_groups(self.plan, self.n, gplan.block_n)
                 common.join(c, s)   # C starts with the GEMM, not after it
                 gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._counter_table,
                                   signal_value=1, signal_add=True, flag_group_n=group_n,
-                                  reduce=self._epilogue_reduce(out, q, epoch, group_n) if fused else None))
+                                  reduce=self._chunk_reduce(out, q, epoch, group_n) if fused else None))
                 # 2. enqueued after the GEMM's launch: the host's many small launches overlap the GEMM
                 self._enqueue_pulls(shard, gplan.block_n, group_n, groups, q, epoch, c)
                 if not fused:
@@ -149,20 +155,22 @@ class GemmReduceScatter:
                 common.join(s, c)
             else:
                 gemm(TileEpilogue(destinations=self._dst[q], chunk_rows=shard, flag_table=self._flags[q],
-                                  signal_value=epoch, reduce=self._epilogue_reduce(out, q, epoch, 0) if fused else None))
+                                  signal_value=epoch, reduce=self._chunk_reduce(out, q, epoch, 0) if fused else None))
                 if not fused:
                     self._launch_reduce(out, shard, gplan.block_n, q, epoch, s)
         return out
 
-    def _epilogue_reduce(self, out, q: int, epoch: int, group_n: int) -> ChunkReduce:
-        """Hook 3 of a call: my rows (chunk `rank`) get the sources' partials of ``recv[q]``, each after its
-        flag ``[q][source]`` (per tile, or per column group with group_n > 0) reached the epoch."""
+    def _chunk_reduce(self, out, q: int, epoch: int, group_n: int) -> ChunkReduce:
+        """Hook 3 of a call ('epilogue' or 'tail'): my rows (chunk `rank`) get the sources' partials of
+        ``recv[q]``, each after its flag ``[q][source]`` (per tile, or per column group with group_n > 0;
+        my own per tile in 'tail') reached the epoch."""
         world = self.world
         return ChunkReduce(chunk=world.rank, out=out, partials=self.recv[q, 0].data.ptr,
                            source_bytes=self.max_shard * self.n * self.recv.itemsize, ld=self.n, sources=world.size,
                            flags=self.pad.local_ptr(self.layout.base(q, 0)), flag_stride=self.layout.tiles_per_source,
                            epoch=epoch, err=world.error_record, group_n=group_n, timeout_ns=world.timeout_ns,
-                           op_id=self._op_reduce, rank=world.rank)
+                           op_id=self._op_reduce, rank=world.rank, where=self.plan.reduce_mode,
+                           counter=self._tail_counter.data.ptr if self._tail_counter is not None else 0)
 
     __call__ = forward
 
@@ -211,7 +219,7 @@ class GemmReduceScatter:
 
     def _call_plan(self, m: int):
         return common.call_plan(self, m, self.partial_dtype, wait_hook=False, epilogue_hook=True,
-                                reduce_hook=self.plan.reduce_mode == "epilogue")
+                                reduce_hook={"epilogue": 1, "tail": 2}.get(self.plan.reduce_mode, 0))
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""

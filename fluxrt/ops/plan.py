@@ -50,7 +50,7 @@ MIN_TILE_COLS = 64           # narrowest GEMM tile: flag pads are sized for it
 MAX_WORLD = 64               # ranks a reduce block waits on (one thread per source)
 AG_COMM_MODES = ("pull", "push")
 RS_COMM_MODES = ("ce", "sm")
-RS_REDUCE_MODES = ("after", "epilogue", "concurrent")
+RS_REDUCE_MODES = ("after", "tail", "epilogue", "concurrent")
 PARITIES = 2                 # GEMM+RS receive buffers alternate between two parities
 REDUCE_BLOCKS_PER_SM = 4     # 'after' reduce: 4 x 256 threads per SM keep enough loads in flight for HBM
 
@@ -115,9 +115,11 @@ class GemmRsPlan:
         kernels) or 'sm' (the GEMM's storer writes each tile into the owner's buffer over NVLink).
     ce_groups: column groups per source in 'ce' mode (finer groups arrive sooner, at 3 small launches
         per group and source).
-    reduce_mode: 'epilogue' (the GEMM's consumers add the peers' partials to the own rows' tiles, which
-        come last, and store the result: input-type partials only), 'after' (reduce kernel after the
-        GEMM on the caller's stream) or 'concurrent' (comm_mode 'sm' only: reduce kernel on a fluxrt
+    reduce_mode: 'after' (reduce kernel after the GEMM on the caller's stream), 'tail' (inside the GEMM:
+        every consumer warp that has no tile left sums slabs of the own rows, whose tiles come last, on
+        the SMs the last wave leaves idle; input-type partials only), 'epilogue' (the GEMM's consumers
+        add the peers' partials to the own rows' tiles in their epilogue and store the result:
+        input-type partials only) or 'concurrent' (comm_mode 'sm' only: reduce kernel on a fluxrt
         stream during the GEMM, which leaves reduce_blocks SMs free).
     reduce_blocks: CTAs of the reduce kernel in 'concurrent' mode ('after' uses every SM).
     partial_dtype: element type of the partials sent to owners: None (the input type) or 'float32'
@@ -126,7 +128,7 @@ class GemmRsPlan:
     """
     comm_mode: str = "ce"
     ce_groups: int = 4
-    reduce_mode: str = "after"
+    reduce_mode: str = "tail"
     reduce_blocks: int = 8
     partial_dtype: str | None = None
     gemm: GemmPlan | None = None
@@ -145,9 +147,13 @@ class GemmRsPlan:
                                    "tiles of that group are all done)")
         if self.reduce_blocks < 1:
             raise OpsArgumentError(f"GemmRsPlan.reduce_blocks must be >= 1, got {self.reduce_blocks}")
-        if self.reduce_mode == "epilogue" and self.partial_dtype is not None:
-            raise OpsArgumentError("GemmRsPlan: reduce_mode='epilogue' adds partials of the input type in the GEMM's "
-                                   f"epilogue; partial_dtype={self.partial_dtype!r} needs reduce_mode='after'")
+        if self.reduce_mode in ("epilogue", "tail") and self.partial_dtype is not None:
+            raise OpsArgumentError(f"GemmRsPlan: reduce_mode={self.reduce_mode!r} adds partials of the input type "
+                                   f"inside the GEMM; partial_dtype={self.partial_dtype!r} needs reduce_mode='after'")
+        if self.reduce_mode == "tail" and self.gemm is not None and (self.gemm.cluster != 1
+                                                                     or self.gemm.order != "grouped"):
+            raise OpsArgumentError("GemmRsPlan: reduce_mode='tail' needs a cluster-1 GEMM plan in grouped order "
+                                   f"(got cluster={self.gemm.cluster}, order={self.gemm.order!r})")
         if self.partial_dtype not in (None, "float32"):
             raise OpsArgumentError(f"GemmRsPlan.partial_dtype must be None (input type) or 'float32', "
                                    f"got {self.partial_dtype!r}")
@@ -190,11 +196,11 @@ def plan_ag_gemm(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_
 
 def plan_gemm_rs(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_H200_SMS) -> GemmRsPlan:
     """Default GEMM+ReduceScatter plan: partials in the input type, pulled by their owners with the copy
-    engine per group of columns during the GEMM, then a reduce kernel after it. Measured on 4x H200: SM
+    engine per group of columns during the GEMM, then summed in the GEMM's tail. Measured on 4x H200: SM
     stores to peers slowed the GEMM by 5-11 %, copy-engine transfers of the same bytes beside it by
     1-2 %; the reduce kernel after the GEMM beat the epilogue reduce by 2.3-3.2 % at TP=4 and tied with
-    it at TP=2 (timed in turns, same jobs)."""
-    return GemmRsPlan(comm_mode="ce", reduce_mode="after").validate()
+    it at TP=2; the tail reduce beat the kernel after by 2.1-2.3 % at TP=4 (timed in turns, same jobs)."""
+    return GemmRsPlan(comm_mode="ce", reduce_mode="tail").validate()
 
 
 # --- rules and layouts ----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import warnings
 
 import numpy as np
 
+from ..ops.plan import RS_REDUCE_MODES
 from .baselines import machine, nccl_communicator, nccl_datatype
 from .report import results_document, write_json
 from .sweep import normalize_datatype
@@ -73,7 +74,7 @@ def build_parser(op: str) -> argparse.ArgumentParser:
                    help="check the fused result once against cuBLAS(+NCCL) (default 1)")
     p.add_argument("--comm-mode", choices=("pull", "push"), default=None, help="AG: override the planner")
     p.add_argument("--chunks", type=int, default=None, help="AG: chunks per rank (override the planner)")
-    p.add_argument("--reduce-mode", choices=("epilogue", "after", "concurrent"), default=None,
+    p.add_argument("--reduce-mode", choices=RS_REDUCE_MODES, default=None,
                    help="RS: override the planner")
     p.add_argument("--rs-comm", choices=("ce", "sm"), default=None,
                    help="RS: how partials reach their owner (copy engine or SM stores; override the planner)")

@@ -13,7 +13,9 @@
 //                                           into the tile's chunk destination (a peer's buffer), then
 //                                           a per-tile flag
 //   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile, [hook 3: + other
-//                                           sources' partials of the tile], then registers -> C staging smem
+//                                           sources' partials of the tile], then registers -> C staging smem;
+//                                           [hook 3 tail: after its last tile, each warp reduces 16-row
+//                                           slabs of the reduced chunk, claimed one at a time]
 //
 // Pipeline objects (all in shared memory):
 //   full[s]   loader -> math    stage s holds A,B of one K block   (1 arrival + TMA transaction bytes)
@@ -40,6 +42,11 @@
 //                             sources' partials of their rows added in the consumers' epilogue (each
 //                             waited for by its flag) and go to C (tmap_c, [chunk rows, N]) instead of
 //                             the chunk's destination, without a flag                       default 0
+//                             2: hook 3 "tail": the chunk's tiles go to their destination (= the chunk's
+//                             own source slot of the partials) with a per-tile flag; then every consumer
+//                             warp that has no tile left claims 16-row slabs of the chunk (schedule order)
+//                             and sums all sources' partials into red_out. The reduce runs on the SMs
+//                             the last wave of tiles leaves idle, beside it, instead of after the GEMM.
 //   FLUXRT_GEMM_HOOK_COPY     1: hook 4 (needs hook 1): A's rows [own_row0, own_row0 + own_rows) are loaded
 //                             from tmap_a_own instead of tmap_a (no arrival wait: they are local), and
 //                             each CTA's copier warp copies its share of them into tmap_a's rows while
@@ -119,6 +126,8 @@ constexpr bool kBKMajor = FLUXRT_GEMM_B_KMAJOR != 0;
 constexpr bool kHookWait = FLUXRT_GEMM_HOOK_WAIT != 0;
 constexpr bool kHookEpilogue = FLUXRT_GEMM_HOOK_EPILOGUE != 0;
 constexpr bool kHookReduce = FLUXRT_GEMM_HOOK_REDUCE != 0;
+constexpr bool kReduceEpilogue = FLUXRT_GEMM_HOOK_REDUCE == 1;   // hook 3 in the epilogue
+constexpr bool kReduceTail = FLUXRT_GEMM_HOOK_REDUCE == 2;       // hook 3 after the tiles
 constexpr bool kHookCopy = FLUXRT_GEMM_HOOK_COPY != 0;
 constexpr bool kEpiDirect = FLUXRT_GEMM_EPI_DIRECT != 0;
 constexpr int kCluster = FLUXRT_GEMM_CLUSTER;
@@ -262,11 +271,13 @@ struct HookArgs {
     long long red_source_bytes; //   row-major, red_ld elements per row, C's element type
     long long red_ld;
     u32 red_sources;            // sources 0 .. red_sources - 1 (at most 128: one waiting thread each)
-    const u64* red_flags;       // source s's flags at + s * red_flag_stride: per tile (local_m_tile *
+    u64* red_flags;             // source s's flags at + s * red_flag_stride: per tile (local_m_tile *
     long long red_flag_stride;  //   n_tiles + n) or with red_group_n > 0 per group of n tiles (n / red_group_n)
     int red_group_n;
     u64 red_epoch;              // a partial is in place once its flag >= red_epoch
     u32 red_op_id;
+    char* red_out;              // tail mode: the reduced chunk, [chunk rows, N] row-major, C's type
+    u32* red_counter;           // tail mode: slab claims; 0 before the launch, reset to 0 by the last claim
     // hook 4: own rows of A from a separate source, copied into A during the GEMM
     const TmaDesc* tmap_a_own;  // [own_rows, K], row 0 = A's row own_row0 (box as tmap_a's)
     int own_row0, own_rows;     // whole chunks of chunk_rows
@@ -380,6 +391,114 @@ __device__ __forceinline__ void reduce_into_acc(float (&acc)[kAccRegs], const Ho
                     acc[4 * (g0 + g) + 2 * hh] += fluxrt::pair_lo<kOutBf16>(v[g][hh]);
                     acc[4 * (g0 + g) + 2 * hh + 1] += fluxrt::pair_hi<kOutBf16>(v[g][hh]);
                 }
+        }
+    }
+}
+
+// Hook 3, tail mode: after its last tile, every consumer warp reduces slabs of kTailSlabRows rows x kBN
+// columns of chunk red_chunk. A slab's tile is done by some CTA of this GEMM (its storer stored it into
+// source red_chunk's slot of the partials and released that source's per-tile flag); the other sources'
+// partials were delivered beside the GEMM (flags per tile, or per group of red_group_n tile columns).
+// Slabs are numbered in schedule order of their tiles (the chunk's tiles are one contiguous run of the
+// schedule; the host checks), so warps that run out of tiles first take the slabs of the earliest tiles.
+//   Claim: lane 0 takes the next slab number (atomicAdd on red_counter). Every warp claims until it draws
+//     a number past the last slab, once: the claims of a launch are slabs + claimers, and the warp that
+//     draws the very last number knows every other claim is done and resets the counter for the next
+//     launch (stream order publishes the reset).
+//   Wait: lane s spins (bounded, acquire.sys) on source s's flag of the slab's tile; on timeout the error
+//     record names the source and the slab is summed from whatever is there (no hang).
+//   Sum: each lane acquires every flag itself (already up), then adds the sources in fixed order 0, 1, ...
+//     in fp32 (own source included, read back from memory): bitwise the same result as a reduce kernel
+//     after the GEMM, whatever order the partials arrived in.
+constexpr int kTailSlabRows = 16;                              // rows per claimed slab
+constexpr int kTailSlabs = kBM / kTailSlabRows;                // slabs per tile
+constexpr int kTailRowVecs = kBN / 8;                          // 16-byte vectors (8 elements) per tile row
+constexpr int kTailVecBatch = 4;                               // vectors per lane whose loads fly together
+constexpr int kTailSrcBatch = 4;                               // ... times this many sources (16 x 16 B)
+static_assert(kBM % kTailSlabRows == 0 && (kTailSlabRows * kTailRowVecs) % (32 * kTailVecBatch) == 0,
+              "tail slabs split evenly over a warp");
+
+__device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, int N, const HookArgs& h) {
+    const int lane = threadIdx.x & 31;
+    const int chunk_tiles = h.chunk_rows / kBM;
+    const int first_tile = h.red_chunk * chunk_tiles;
+    const int rows = min(h.chunk_rows, M - h.red_chunk * h.chunk_rows);   // the chunk's rows inside C
+    const u32 slabs = (u32)(((rows + kBM - 1) / kBM) * sched.n_tiles * kTailSlabs);
+    const u32 claimers = gridDim.x * kConsumers * 4;                       // consumer warps of the grid
+    // schedule position of the chunk's first tile: rotated row (m_tile_offset) times the row's n tiles
+    int first_row = first_tile - sched.m_tile_offset;
+    if (first_row < 0) first_row += sched.m_tiles;
+    const int t0 = first_row * sched.n_tiles;
+    for (;;) {
+        u32 slab = 0;
+        if (lane == 0) slab = atomicAdd(h.red_counter, 1u);
+        slab = __shfl_sync(~0u, slab, 0);
+        if (slab >= slabs) {
+            if (lane == 0 && slab == slabs + claimers - 1) *h.red_counter = 0u;   // the launch's last claim
+            return;
+        }
+        int m_tile, n_tile;
+        sched.tile(t0 + (int)(slab / kTailSlabs), m_tile, n_tile);
+        const int local_m_tile = m_tile - first_tile;
+        const long long tile_flag = (long long)local_m_tile * sched.n_tiles + n_tile;
+        const long long group_flag = h.red_group_n > 0 ? n_tile / h.red_group_n : tile_flag;
+        auto flag_of = [&](u32 s) {
+            return h.red_flags + s * h.red_flag_stride + ((int)s == h.red_chunk ? tile_flag : group_flag);
+        };
+        for (u32 s = lane; s < h.red_sources; s += 32)                                  // wait
+            fluxrt::wait_ge(flag_of(s), h.red_epoch, h.timeout_ns, h.err, h.red_op_id, h.rank, (u64)s);
+        __syncwarp();
+        for (u32 s = 0; s < h.red_sources; ++s) (void)fluxrt::ld_acquire_sys(flag_of(s));
+        const int row0 = local_m_tile * kBM + (int)(slab % kTailSlabs) * kTailSlabRows;   // chunk-local
+        const int n0 = n_tile * kBN;
+#pragma unroll 1
+        for (int v0 = 0; v0 < kTailSlabRows * kTailRowVecs; v0 += 32 * kTailVecBatch) {   // sum
+            float acc[kTailVecBatch][8];
+            int row[kTailVecBatch], col[kTailVecBatch];   // chunk-local row, column of the lane's vector j
+            bool in_c[kTailVecBatch];                     // N % 8 == 0 (TMA rule): a vector is in or out whole
+#pragma unroll
+            for (int j = 0; j < kTailVecBatch; ++j) {
+                const int v = v0 + lane + 32 * j;   // a warp's 32 lanes read 512 contiguous bytes of one row
+                row[j] = row0 + v / kTailRowVecs;
+                col[j] = n0 + (v % kTailRowVecs) * 8;
+                in_c[j] = row[j] < rows && col[j] < N;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
+            }
+#pragma unroll 1
+            for (u32 s0 = 0; s0 < h.red_sources; s0 += kTailSrcBatch) {
+                uint4 x[kTailSrcBatch][kTailVecBatch];   // a batch of loads in flight, then the adds in order
+#pragma unroll
+                for (int i = 0; i < kTailSrcBatch; ++i)
+#pragma unroll
+                    for (int j = 0; j < kTailVecBatch; ++j)
+                        x[i][j] = s0 + i < h.red_sources && in_c[j]
+                                      ? ld_cg_v4(h.red_partials + (s0 + i) * h.red_source_bytes +
+                                                 ((long long)row[j] * h.red_ld + col[j]) * kOutBytes)
+                                      : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int i = 0; i < kTailSrcBatch; ++i)
+#pragma unroll
+                    for (int j = 0; j < kTailVecBatch; ++j) {
+                        const u32 w[4] = {x[i][j].x, x[i][j].y, x[i][j].z, x[i][j].w};
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            acc[j][2 * e] += fluxrt::pair_lo<kOutBf16>(w[e]);
+                            acc[j][2 * e + 1] += fluxrt::pair_hi<kOutBf16>(w[e]);
+                        }
+                    }
+            }
+#pragma unroll
+            for (int j = 0; j < kTailVecBatch; ++j) {
+                if (!in_c[j]) continue;
+                u32 o[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    o[e] = kOutBf16 ? pack_bf16x2(acc[j][2 * e], acc[j][2 * e + 1])
+                                    : pack_f16x2(acc[j][2 * e], acc[j][2 * e + 1]);
+                *reinterpret_cast<uint4*>(h.red_out + ((long long)row[j] * N + col[j]) * kOutBytes) =
+                    make_uint4(o[0], o[1], o[2], o[3]);
+            }
         }
     }
 }
@@ -522,7 +641,7 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const TmaDesc*
                 y0 = m0 - chunk * hooks.chunk_rows + row0;
                 if constexpr (kHookReduce) {
                     reduced = chunk == hooks.red_chunk;
-                    if (reduced) dst = tmap_c;
+                    if (reduced && kReduceEpilogue) dst = tmap_c;   // tail mode: to the chunk's destination
                 }
             }
             if (lane == 0) {
@@ -538,16 +657,23 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const TmaDesc*
                 bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
                 mbar_arrive(bar_next_empty);
                 if constexpr (kHookEpilogue) {
-                    // Per-tile release, after the last turn (the flag covers every row of the tile):
-                    if (last_turn && hooks.flag_table != nullptr && !reduced) {
+                    // Per-tile release, after the last turn (the flag covers every row of the tile): the
+                    // chunk's flag table, or in hook 3's tail mode for the reduced chunk its own source's
+                    // per-tile flag (the tail reducers wait for it); the epilogue-reduced chunk has none.
+                    const int local_m_tile = (m0 - chunk * hooks.chunk_rows) / kBM;
+                    const long long tile_idx = (long long)local_m_tile * sched.n_tiles + n_tile;
+                    u64* flag = nullptr;
+                    if (reduced) {
+                        if (kReduceTail) flag = hooks.red_flags + chunk * hooks.red_flag_stride + tile_idx;
+                    } else if (hooks.flag_table != nullptr) {
+                        flag = hooks.flag_table[chunk] + (hooks.flag_group_n > 0 ? n_tile / hooks.flag_group_n : tile_idx);
+                    }
+                    if (last_turn && flag != nullptr) {
                         bulk_wait_all();              // 1. every turn's stores of this tile have completed
                         fluxrt::fence_proxy_async();  // 2. those async-proxy writes before generic ops below
                         // 3. fence.acq_rel.sys + release store: a reader that acquires the flag sees the tile
-                        const int local_m_tile = (m0 - chunk * hooks.chunk_rows) / kBM;
-                        const long long idx = hooks.flag_group_n > 0 ? n_tile / hooks.flag_group_n
-                                                                     : (long long)local_m_tile * sched.n_tiles + n_tile;
-                        u64* flag = hooks.flag_table[chunk] + idx;
-                        if (hooks.signal_add) fluxrt::signal_add(flag, hooks.signal_value);
+                        if (reduced) fluxrt::signal_set(flag, hooks.red_epoch);
+                        else if (hooks.signal_add) fluxrt::signal_add(flag, hooks.signal_value);
                         else fluxrt::signal_set(flag, hooks.signal_value);
                     }
                 }
@@ -576,8 +702,8 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
     for (int t = sched.first; t < sched.total; t += sched.stride) {
         int prev_stage = 0;
         int m_tile = 0, n_tile = 0;
-        bool reduce_tile = false;   // hook 3: the tile belongs to the reduced chunk
-        if constexpr (kHookReduce)
+        bool reduce_tile = false;   // hook 3 (epilogue mode): the tile belongs to the reduced chunk
+        if constexpr (kReduceEpilogue)
             reduce_tile = sched.tile(t, m_tile, n_tile) && m_tile * kBM / hooks.chunk_rows == hooks.red_chunk;
         for (int kb = 0; kb < k_blocks; ++kb) {
             mbar_wait(bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
@@ -592,7 +718,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
                 TileMma::run(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);  // first MMA of a tile: D = A*B
             }
             wgmma_commit();
-            if constexpr (kHookReduce) {
+            if constexpr (kReduceEpilogue) {
                 if (reduce_tile && kb == prefetch_kb) reduce_prefetch(hooks, m_tile, n_tile, N, wg, tid);
             }
             // Keep one group in flight: when the previous K block's group has retired, its stage's
@@ -651,7 +777,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
         //   previous one.
         // With one turn (per-consumer staging) this is the single c_full / c_empty handshake.
         // Hook 3 first: its loads overlap the storer draining the previous tile.
-        if constexpr (kHookReduce) {
+        if constexpr (kReduceEpilogue) {
             if (reduce_tile) reduce_into_acc(acc, hooks, m_tile, n_tile, sched.n_tiles, N, wg, tid);
         }
         mbar_wait(bar_c_empty, c_phase ^ 1);  // the storer finished reading the staging (token passed)
@@ -677,6 +803,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int M, int N
         fence_proxy_async_smem();  // generic st.shared above -> visible to the TMA store (async proxy)
         mbar_arrive(bar_c_full);  // release.cta: staging writes visible to the storer after its wait
     }
+    if constexpr (kReduceTail) run_tail_reduce(sched, M, N, hooks);
 }
 
 }  // namespace fluxrt_sm90
@@ -701,8 +828,9 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
             const TmaDesc* dst_tmaps, u64* const* flag_table, int flag_group_n, u64 signal_value,
             int signal_add, void* c_direct,
             int red_chunk, const char* red_partials, long long red_source_bytes, long long red_ld, u32 red_sources,
-            const u64* red_flags, long long red_flag_stride, int red_group_n, u64 red_epoch, u32 red_op_id,
-            const __grid_constant__ TmaDesc tmap_a_own, int own_row0, int own_rows, u64* copy_counters) {
+            u64* red_flags, long long red_flag_stride, int red_group_n, u64 red_epoch, u32 red_op_id,
+            const __grid_constant__ TmaDesc tmap_a_own, int own_row0, int own_rows, u64* copy_counters,
+            char* red_out, u32* red_counter) {
     extern __shared__ char smem_raw[];
     // Align the dynamic smem base to 1024 B (128B-swizzle atoms; the host adds kSmemAlign bytes).
     const u32 raw = smem_addr(smem_raw);
@@ -750,6 +878,8 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
     hooks.red_group_n = red_group_n;
     hooks.red_epoch = red_epoch;
     hooks.red_op_id = red_op_id;
+    hooks.red_out = red_out;
+    hooks.red_counter = red_counter;
     hooks.tmap_a_own = &tmap_a_own;
     hooks.own_row0 = own_row0;
     hooks.own_rows = kHookCopy ? own_rows : 0;
@@ -770,7 +900,7 @@ fluxrt_gemm(const __grid_constant__ TmaDesc tmap_a, const __grid_constant__ TmaD
         tma_prefetch_desc(&tmap_a);
         tma_prefetch_desc(&tmap_b);
         if constexpr (kHookCopy) tma_prefetch_desc(&tmap_a_own);
-        if constexpr ((!kHookEpilogue || kHookReduce) && !kEpiDirect) tma_prefetch_desc(&tmap_c);
+        if constexpr ((!kHookEpilogue || kReduceEpilogue) && !kEpiDirect) tma_prefetch_desc(&tmap_c);
     }
     // Barriers initialised before anyone (in this CTA or, with a cluster, the peer CTA's TMA multicasts
     // and stage releases) waits on or arrives at them.

@@ -156,10 +156,12 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
-// 4-byte load cached in L2 only (ld.global.cg): for data other agents wrote during the kernel, read once.
+// Loads cached in L2 only (ld.global.cg), 4 and 16 bytes: for data other agents wrote during the kernel,
+// read once.
 // The intrinsic, not asm: the compiler keeps it after an acquire (a memory clobber) yet may batch a run
 // of them before their first use.
 __device__ __forceinline__ u32 ld_cg_u32(const void* p) { return __ldcg(reinterpret_cast<const unsigned int*>(p)); }
+__device__ __forceinline__ uint4 ld_cg_v4(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
 
 // Named barrier among `threads` threads (ids 1..15; 0 is __syncthreads).
 __device__ __forceinline__ void named_bar_sync(u32 id, u32 threads) {

@@ -284,6 +284,47 @@ def test_chunk_reduce_validated_before_launch():
         launch(wait=ArrivalWait(flags=1 << 41, epoch=1, chunk_rows=128, err=1 << 42))
 
 
+def test_tail_reduce_validated_before_launch():
+    from fluxrt.gemm import ChunkReduce, _check_tail
+
+    a, b = arr((512, 64)), arr((64, 256), ptr=1 << 33)
+    parts = 1 << 38
+    src = 128 * 256 * 2   # one source's partial of the chunk: 128 rows x 256 bf16
+    # 4 tile rows; group_m=1 and m_tile_offset=0: chunk 3 (the last 128 rows) is the schedule's last run
+    plan = dataclasses.replace(plan_gemm(512, 256, 64), group_m=1)
+    dests = TileDestinations([1 << 36] * 3 + [parts + 3 * src], 256, "bfloat16")
+    good = dict(chunk=3, out=arr((128, 256), ptr=1 << 37), partials=parts, source_bytes=src, ld=256, sources=4,
+                flags=1 << 39, flag_stride=8, epoch=1, err=1 << 40, group_n=1, where="tail", counter=1 << 41)
+
+    def epilogue(destinations=dests, **changes):
+        return TileEpilogue(destinations=destinations, chunk_rows=128, reduce=ChunkReduce(**{**good, **changes}))
+
+    _check_tail(ChunkReduce(**good), epilogue(), plan, 512, 256)   # accepted
+    for p, chunk in ((dataclasses.replace(plan, m_tile_offset=1), 0),   # rotated: chunk 0's row comes last
+                     (dataclasses.replace(plan, group_m=3), 3)):        # bands of 3 rows: chunk 3 is the short last
+        e = epilogue(destinations=TileDestinations([parts + c * src for c in range(4)], 256, "bfloat16"), chunk=chunk)
+        _check_tail(e.reduce, e, p, 512, 256)
+    for changes, match in [
+        (dict(where="after"), "where must be one of"),
+        (dict(counter=0), "needs counter"),
+        (dict(counter=(1 << 41) + 2), "4-byte aligned"),
+        (dict(plan=GemmPlan(cluster=2)), "cluster-1 plan in grouped order"),
+        (dict(plan=dataclasses.replace(plan, order="hilbert")), "cluster-1 plan in grouped order"),
+        # bands of 4 tile rows: chunk 3's single row shares its band with chunks 0-2
+        (dict(plan=dataclasses.replace(plan, group_m=4)), "not one run of the schedule"),
+        # m_tile_offset=1: chunk 0's row comes last, chunk 1's starts a band of 2 it shares with chunk 2
+        (dict(chunk=1, plan=dataclasses.replace(plan, group_m=2, m_tile_offset=1)), "not one run of the schedule"),
+        (dict(destinations=TileDestinations([1 << 36] * 4, 256, "bfloat16")), "own source's slot of the partials"),
+        (dict(destinations=TileDestinations([1 << 36] * 3 + [parts + 3 * src], 264, "bfloat16")),
+         "own source's slot of the partials"),
+    ]:
+        p = changes.pop("plan", plan)
+        with pytest.raises(GemmArgumentError, match=match):
+            gemm_with_hooks(a, b, plan=p, epilogue=epilogue(**changes))
+    assert ChunkReduce(**good).hook_id == 2 and ChunkReduce(**{**good, "where": "epilogue"}).hook_id == 1
+    assert dict(kernel_defines(plan, "bfloat16", "bfloat16", False, False, True, 2))["FLUXRT_GEMM_HOOK_REDUCE"] == "2"
+
+
 def test_shard_copy_validated_before_launch():
     from fluxrt.gemm import ShardCopy
 
@@ -349,7 +390,7 @@ def _nvrtc_available() -> str | None:
 
 
 COMPILE_CONFIGS = [
-    # (plan, in, out, trans_b, hook_wait, hook_epilogue[, hook_reduce])
+    # (plan, in, out, trans_b, hook_wait, hook_epilogue[, hook_reduce (True/1 epilogue, 2 tail)[, hook_copy]])
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, False, False),
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", True, False, False),
     (plan_gemm(8192, 8192, 8192), "float16", "float16", False, False, False),
@@ -384,6 +425,12 @@ COMPILE_CONFIGS = [
     (GemmPlan(cluster=2), "bfloat16", "bfloat16", True, False, True, True),
     (GemmPlan(stages=4, c_staging="shared"), "bfloat16", "bfloat16", False, False, True, True),
     (GemmPlan(block_n=128, stages=6), "float16", "float16", False, False, True, True),
+    # hook 3 in the tail (GEMM+ReduceScatter's reduce_mode='tail')
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, False, True, 2),
+    (plan_gemm(8192, 8192, 8192), "float16", "float16", True, False, True, 2),
+    (GemmPlan(stages=4, c_staging="shared"), "bfloat16", "bfloat16", False, False, True, 2),
+    (GemmPlan(block_n=128, stages=6), "bfloat16", "bfloat16", True, False, True, 2),
+    (GemmPlan(block_m=64, consumers=1, stages=4), "float16", "float16", False, False, True, 2),
     # hook 4 (AllGather+GEMM's own shard read from its source and copied into A by the GEMM)
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, True, False, False, True),
     (plan_gemm(8192, 8192, 8192), "float16", "float16", True, True, False, False, True),
@@ -416,7 +463,7 @@ def _cubin_u32(data: bytes, name: str) -> int:
                          ids=lambda c: f"{c[0].block_m}x{c[0].block_n}s{c[0].stages}{c[0].epilogue}"
                                        f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
                                        f"-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
-                                       f"{'-r1' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}")
+                                       f"{f'-r{int(c[6])}' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:
@@ -425,7 +472,7 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
     plan, in_dt, out_dt, tb, hw, he, *rest = cfg
-    hooks = dict(hook_reduce=bool(rest[0:1] and rest[0]), hook_copy=bool(rest[1:2] and rest[1]))
+    hooks = dict(hook_reduce=int(rest[0]) if rest else 0, hook_copy=bool(rest[1:2] and rest[1]))
     cubin = compile_cubin("gemm/hopper_gemm.cu",
                           compile_options(kernel_defines(plan, in_dt, out_dt, tb, hw, he, **hooks), arch="sm_90a"))
     data = cubin.read_bytes()

@@ -184,6 +184,8 @@ def test_rs_reduce_grid():
     (dict(partial_dtype="fp8"), "partial_dtype"), (dict(comm_mode="nvls"), "comm_mode"),
     (dict(ce_groups=0), "ce_groups"), (dict(reduce_mode="concurrent"), "needs comm_mode='sm'"),
     (dict(partial_dtype="float32", reduce_mode="epilogue"), "needs reduce_mode='after'"),
+    (dict(partial_dtype="float32", reduce_mode="tail"), "needs reduce_mode='after'"),
+    (dict(reduce_mode="tail", gemm=GemmPlan(cluster=2)), "tail' needs a cluster-1 GEMM plan in grouped order"),
 ])
 def test_rs_plan_validation(bad, match):
     with pytest.raises(P.OpsArgumentError, match=match):
@@ -192,7 +194,7 @@ def test_rs_plan_validation(bad, match):
 
 def test_plans_are_frozen_and_printable():
     plan = P.plan_gemm_rs(8192, 8192, 1792, 4)
-    assert "comm_mode='ce'" in repr(plan) and "reduce_mode='after'" in repr(plan)
+    assert "comm_mode='ce'" in repr(plan) and "reduce_mode='tail'" in repr(plan)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.reduce_mode = "concurrent"
 

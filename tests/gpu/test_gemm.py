@@ -502,6 +502,102 @@ def test_chunk_reduce_adds_late_partials_in_the_epilogue(group_n, out_dtype, clu
             assert (cupy.asnumpy(tile_flags[c]) == 5).all()
 
 
+@pytest.mark.parametrize("group_n", [0, 2], ids=["per_tile", "per_group"])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("c_staging", ["per_consumer", "shared"])
+def test_chunk_reduce_in_the_tail_sums_every_source_in_order(group_n, out_dtype, c_staging):
+    # 8 tile rows in chunks of 2; m_tile_offset=4 with bands of 2 makes chunk 1 (tile rows 2, 3) the
+    # schedule's 4th band; 776 columns: a partial last column tile. 48 CTAs: several tiles each.
+    m, n, k, chunk_rows, chunk, sources = 1024, 776, 512, 256, 1, 4
+    plan = with_staging(dataclasses.replace(plan_gemm(m, n, k), max_ctas=48, group_m=2, m_tile_offset=4),
+                        c_staging, out_dtype)
+    rng = np.random.default_rng(21)
+    a, b = rand_matrix(rng, (m, k), out_dtype), rand_matrix(rng, (k, n), out_dtype)
+    ld = n + 8
+    parts = rand_matrix(rng, (sources, chunk_rows, ld), out_dtype)
+    dparts = to_device(parts)
+    n_tiles = -(-n // plan.block_n)
+    stride = (chunk_rows // plan.block_m) * n_tiles   # per-tile flags (the GEMM's own source always)
+    flags = cupy.zeros((sources, stride), dtype=cupy.uint64)
+    chunks = m // chunk_rows
+    dsts = [poisoned((chunk_rows, ld), out_dtype) for _ in range(chunks)]
+    ptrs = [d.data.ptr for d in dsts]
+    ptrs[chunk] = dparts[chunk].data.ptr   # the chunk's tiles go to its own source's slot of the partials
+    tile_flags = [cupy.zeros(stride, dtype=cupy.uint64) for _ in range(chunks)]
+    flag_table = cupy.asarray(np.array([f.data.ptr for f in tile_flags], dtype=np.uint64))
+    out = poisoned((chunk_rows, n), out_dtype)
+    counter = cupy.zeros(1, dtype=cupy.uint32)
+    err = _err_record()
+    late = cupy.RawKernel(_LATE_FLAGS_SRC, "late_flags")
+    side, main = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    epi = TileEpilogue(destinations=TileDestinations(ptrs, ld, out_dtype), chunk_rows=chunk_rows,
+                       flag_table=flag_table, signal_value=5, reduce=ChunkReduce(
+                           chunk=chunk, out=out, partials=dparts.data.ptr, source_bytes=chunk_rows * ld * dparts.itemsize,
+                           ld=ld, sources=sources, flags=flags.data.ptr, flag_stride=stride, epoch=0, err=err,
+                           group_n=group_n, timeout_ns=5_000_000_000, op_id=op_id("test_gemm.tail"), rank=1,
+                           where="tail", counter=counter.data.ptr))
+    da, db = to_device(a), to_device(b)
+    gemm_with_hooks(da, db, plan=plan, out_dtype=out_dtype, epilogue=epi)   # compile/load (epoch 0: no wait)
+    cupy.cuda.Device().synchronize()
+    ref_full = reference(a, b, False)
+    rows = slice(chunk * chunk_rows, (chunk + 1) * chunk_rows)
+    for epoch, delay_ns in ((3, 20_000_000), (4, 0)):   # the other sources' flags rise 20 ms late, then at once
+        out.view(cupy.uint16).fill(NAN_BITS[out_dtype])
+        dparts[chunk].view(cupy.uint16).fill(NAN_BITS[out_dtype])
+        cupy.cuda.Device().synchronize()
+        with side:
+            for s in range(sources):
+                if s != chunk:
+                    late((1,), (1,), (flags[s], np.int32(stride), np.uint64(epoch), np.uint64(delay_ns)))
+        gemm_with_hooks(da, db, plan=plan, out_dtype=out_dtype, stream=main,
+                        epilogue=dataclasses.replace(epi, reduce=dataclasses.replace(epi.reduce, epoch=epoch)))
+        cupy.cuda.Device().synchronize()
+        assert decode_error_record(cupy.asnumpy(err)) is None
+        assert int(counter.get()[0]) == 0, "the last claim resets the slab counter for the next launch"
+        own = cupy.asnumpy(dparts[chunk])   # the GEMM's partial of the chunk, stored before the tail read it
+        assert rel_err(dparts[chunk][:, :n], ref_full[rows]) < TOL[out_dtype]
+        assert (cupy.asnumpy(flags[chunk]) == epoch).all(), "the chunk's tiles raise their own per-tile flags"
+        # bitwise: sources 0, 1, ... (own partial included) summed in fp32 in that order, rounded once
+        acc = np.zeros((chunk_rows, n), dtype=np.float32)
+        for s in range(sources):
+            acc += (own if s == chunk else parts[s])[:, :n].astype(np.float32)
+        got = cupy.asnumpy(out)
+        assert (got.view(np.uint16) == acc.astype(NP_DT[out_dtype]).view(np.uint16)).all(), \
+            "tail sum differs from the in-order fp32 sum"
+        ref_chunk = ref_full[rows] + sum(parts[s, :, :n].astype(np.float64) for s in range(sources) if s != chunk)
+        e = float(np.abs(got.astype(np.float64) - ref_chunk).max() / np.abs(ref_chunk).max())
+        assert e < TOL[out_dtype], f"reduced chunk: rel err {e:.3e}"
+        for c, d in enumerate(dsts):
+            if c != chunk:
+                assert rel_err(d[:, :n], ref_full[c * chunk_rows:(c + 1) * chunk_rows]) < TOL[out_dtype]
+                assert (cupy.asnumpy(tile_flags[c]) == 5).all()
+        assert (cupy.asnumpy(tile_flags[chunk]) == 0).all(), "the reduced chunk raises no flag-table flag"
+
+
+def test_chunk_reduce_in_the_tail_times_out_naming_the_source():
+    m, n, k, chunk_rows, chunk, sources = 256, 256, 128, 128, 1, 3
+    plan = dataclasses.replace(plan_gemm(m, n, k), group_m=1)
+    rng = np.random.default_rng(22)
+    dparts = to_device(rand_matrix(rng, (sources, chunk_rows, n), "bfloat16"))
+    flags = cupy.zeros((sources, 2), dtype=cupy.uint64)
+    flags[0] = 9   # source 0 is in place, source 2 never comes (source 1 is the GEMM itself)
+    err = _err_record()
+    counter = cupy.zeros(1, dtype=cupy.uint32)
+    out = poisoned((chunk_rows, n), "bfloat16")
+    dsts = TileDestinations([poisoned((chunk_rows, n), "bfloat16").data.ptr, dparts[chunk].data.ptr], n, "bfloat16")
+    gemm_with_hooks(to_device(rand_matrix(rng, (m, k), "bfloat16")), to_device(rand_matrix(rng, (k, n), "bfloat16")),
+                    plan=plan, epilogue=TileEpilogue(destinations=dsts, chunk_rows=chunk_rows, reduce=ChunkReduce(
+                        chunk=chunk, out=out, partials=dparts.data.ptr, source_bytes=chunk_rows * n * 2, ld=n,
+                        sources=sources, flags=flags.data.ptr, flag_stride=2, epoch=9, err=err, group_n=1,
+                        timeout_ns=2_000_000, op_id=op_id("test_gemm.tail_timeout"), rank=5, where="tail",
+                        counter=counter.data.ptr)))
+    cupy.cuda.Device().synchronize()   # the kernel finishes despite the missing partial
+    exc = decode_error_record(cupy.asnumpy(err))
+    assert exc is not None and exc.op == "test_gemm.tail_timeout" and exc.rank == 5 and exc.peer == 2
+    assert exc.expected == 9
+    assert int(counter.get()[0]) == 0
+
+
 def test_chunk_reduce_times_out_naming_the_source():
     m, n, k, chunk_rows, chunk, sources = 256, 256, 128, 128, 0, 3
     plan = plan_gemm(m, n, k)

@@ -237,8 +237,12 @@ RS_CASES = [  # dtype, rows per rank, (comm mode, reduce mode, column groups), t
     ("float16", 128, ("sm", "concurrent", 1), True, None),
     ("bfloat16", 384, ("sm", "after", 1), True, "float32"),
     ("bfloat16", 256, ("sm", "concurrent", 1), False, None),
+    ("bfloat16", 256, ("ce", "tail", 4), False, None),
+    ("float16", 384, ("ce", "tail", 3), True, None),
+    ("bfloat16", 128, ("sm", "tail", 1), True, None),
 ]
-RS_MODES = [("ce", "epilogue"), ("sm", "epilogue"), ("ce", "after"), ("sm", "after"), ("sm", "concurrent")]
+RS_MODES = [("ce", "epilogue"), ("sm", "epilogue"), ("ce", "after"), ("sm", "after"), ("sm", "concurrent"),
+            ("ce", "tail"), ("sm", "tail")]
 
 
 def _rs_reference(world, a, b, trans_b):
@@ -290,6 +294,27 @@ def test_gemm_rs_repeated_calls_and_determinism(world, rng, mode):
             assert (x.view(np.uint16) == first.view(np.uint16)).all()
     finally:
         op.free()
+
+
+@pytest.mark.parametrize("comm", ["ce", "sm"])
+def test_gemm_rs_tail_reduce_is_bitwise_the_reduce_kernel(world, rng, comm):
+    # both sum the world's partials in rank order in fp32: the reduce inside the GEMM's tail and the kernel
+    # after it must agree to the bit
+    from fluxrt.ops import GemmReduceScatter, GemmRsPlan
+
+    n, k, shard = 776, 256, 384
+    m = shard * world.size
+    ops = [GemmReduceScatter(world, m, n, k, "bf16", plan=GemmRsPlan(comm_mode=comm, ce_groups=2, reduce_mode=mode))
+           for mode in ("after", "tail")]
+    try:
+        a, b = _rand(rng, (m, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")
+        after, tail = (op.forward(_dev(a), _dev(b)) for op in ops)
+        world.synchronize()
+        _check(tail, _rs_reference(world, a, b, False), "bfloat16", f"RS tail {comm} rank {world.rank}")
+        assert (tail.get().view(np.uint16) == after.get().view(np.uint16)).all()
+    finally:
+        for op in ops:
+            op.free()
 
 
 def test_gemm_rs_varying_m(world, rng):
