@@ -256,15 +256,15 @@ class Collectives:
             fn = self._kernels[name] = self.module.get_function(name)
         return fn
 
-    def _launch(self, name: str, grid: int, args: tuple) -> PackedLaunch:
-        return PackedLaunch(self._kernel(name), grid, plan.THREADS, args)
+    def _launch(self, name: str, grid: int, args: tuple, block: int = plan.THREADS) -> PackedLaunch:
+        return PackedLaunch(self._kernel(name), grid, block, args)
 
     def _layout(self, op: str, algo: str, itemsize: int) -> plan.Layout:
         """Slots of the buffer half `algo` uses (LL rounds have their own buffer)."""
         return plan.layout(op, algo, self._half(algo), self.world.size, itemsize)
 
     def _half(self, algo: str) -> int:
-        return self.ll_half_bytes if algo == "ll" else self.half_bytes
+        return self.ll_half_bytes if algo in plan.LL_ALGOS else self.half_bytes
 
     def _pipe_tail(self, p: plan.Piece, unit: int) -> tuple:
         """The last two arguments of a pipelined kernel: the ring step (in `unit`-byte units: bytes for the
@@ -349,7 +349,8 @@ class Collectives:
             tail = {"ll": (), "pipe": self._pipe_tail(p, 1)}.get(algo, (np.int32(algo == "direct"),))
             tab = np.zeros(1, _TABLE_DTYPE)
             table_fn(p, tab.view(np.uint64).reshape(_TABLE_ROWS, plan.MAX_WORLD))
-            launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + slot + tail))
+            launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + slot + tail,
+                                         block=plan.block_threads(algo, self.tuning)))
         return tuple(launches)
 
     # --- reductions -------------------------------------------------------------------------------
@@ -388,7 +389,7 @@ class Collectives:
                 args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes)) + self._pipe_tail(p, isz)
             else:
                 args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
-            launches.append(self._launch(name, p.grid, args))
+            launches.append(self._launch(name, p.grid, args, block=plan.block_threads(chosen, self.tuning)))
         return tuple(launches), o
 
     def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
@@ -430,7 +431,7 @@ class Collectives:
             return team + (_u64(a.data.ptr + p.start * isz), _u64(c), _u64(o.data.ptr + p.start * isz),
                            _u64(p.count), _u64(lay.slot_bytes)) + (self._pipe_tail(p, isz) if chosen == "pipe" else ())
 
-        launches = tuple(self._launch(name, p.grid, args(p))
+        launches = tuple(self._launch(name, p.grid, args(p), block=plan.block_threads(chosen, self.tuning))
                          for p in _pieces("reduce_scatter", chosen, c, isz, n, lay, self.tuning))
         return launches, o
 

@@ -818,6 +818,175 @@ __device__ void exchange_ll(Team t, const ExchangeTable& tab, u64 slot_bytes) {
     }
 }
 
+// ----------------------------------------------------------------------------------------- LL12 allreduce
+// One-shot allreduce for small messages in a denser LL format ('ll12'). The contract is the LL rounds'
+// above: data and flag share one aligned 8-byte cell, which is single-copy atomic (the only atomicity
+// relied on: the 16-byte store of a line is two such cells, each atomic on its own), the receiver zeroes
+// every line it reads, round e uses LL half e & 1, every pair exchanges at least one line. A cell holds
+// 6 message bytes and a 16-bit flag instead of 4 + 4, so a 16-byte line carries 12 message bytes and
+// 4/3 of the message crosses NVLink instead of 2x.
+// 16 flag bits suffice because the lines are zeroed: between rounds the buffer holds only zeros, and a
+// line of half e & 1 is written in round e only by round e's sender (a round-(e+2) sender writes it only
+// after this rank's round-e kernel ended). The flag (e mod 65535) + 1 is never zero; comparing it with the
+// round's is the same extra check as the LL rounds' 32-bit flag.
+// Latency: the epoch atomic, the peer-table loads and this thread's first line of x do not depend on each
+// other and are issued together, before the block meets; the take loads one line from up to kTakeBatch
+// peers at once and then spins only on those that are not complete yet.
+// Slots are the LL rounds' (Layout of 'll', sized for 8 message bytes a line, so 12 a line fit).
+constexpr u32 kLL12Data = 12;  // message bytes per line (two cells of 6)
+constexpr u32 kTakeBatch = 8;  // peers whose line a thread loads before it checks any of them
+constexpr u64 kLL12FlagShift = 48;
+
+__device__ __forceinline__ u64 ll12_flag(u64 e) { return e % 0xFFFFull + 1ull; }  // 1 .. 65535
+
+__device__ __forceinline__ u64 lines12_of(u64 bytes) { return (bytes + kLL12Data - 1) / kLL12Data; }
+
+// Message bytes [12j, 12j + 12) of src (`bytes` long) as three little-endian words, zero past the end.
+// 12j is a multiple of 4: whole words whenever src is 4-byte aligned (always, for 4-byte-aligned arrays).
+__device__ __forceinline__ void load12(const char* src, u64 bytes, u64 j, u32 (&w)[3]) {
+    const u64 at = j * kLL12Data;
+    if (at + kLL12Data <= bytes && (reinterpret_cast<u64>(src + at) & 3ull) == 0) {
+        const u32* s = reinterpret_cast<const u32*>(src + at);
+        w[0] = s[0];
+        w[1] = s[1];
+        w[2] = s[2];
+        return;
+    }
+    w[0] = w[1] = w[2] = 0u;
+#pragma unroll
+    for (u32 b = 0; b < kLL12Data; ++b)
+        if (at + b < bytes) w[b / 4] |= (u32)(unsigned char)src[at + b] << (8 * (b % 4));
+}
+
+__device__ __forceinline__ void store12(char* dst, u64 bytes, u64 j, const u32 (&w)[3]) {
+    const u64 at = j * kLL12Data;
+    if (at + kLL12Data <= bytes && (reinterpret_cast<u64>(dst + at) & 3ull) == 0) {
+        u32* d = reinterpret_cast<u32*>(dst + at);
+        d[0] = w[0];
+        d[1] = w[1];
+        d[2] = w[2];
+        return;
+    }
+#pragma unroll
+    for (u32 b = 0; b < kLL12Data; ++b)
+        if (at + b < bytes) dst[at + b] = (char)(w[b / 4] >> (8 * (b % 4)));
+}
+
+// One line to a peer: cell 0 = bytes 0-5 | flag << 48, cell 1 = bytes 6-11 | flag << 48, in one 16-byte
+// store (each cell atomic on its own, as ll_put). flag_bits = flag << 48.
+__device__ __forceinline__ void ll12_put(char* line, const u32 (&w)[3], u64 flag_bits) {
+    const u64 c0 = (u64)w[0] | ((u64)(w[1] & 0xFFFFu) << 32) | flag_bits;
+    const u64 c1 = (u64)(w[1] >> 16) | ((u64)w[2] << 16) | flag_bits;
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(line), "l"(c0), "l"(c1) : "memory");
+}
+
+__device__ __forceinline__ bool ll12_complete(u64 c0, u64 c1, u64 f) {
+    return (c0 >> kLL12FlagShift) == f && (c1 >> kLL12FlagShift) == f;
+}
+
+__device__ __forceinline__ void ll12_unpack(u64 c0, u64 c1, u32 (&w)[3]) {
+    w[0] = (u32)c0;
+    w[1] = ((u32)(c0 >> 32) & 0xFFFFu) | ((u32)c1 << 16);
+    w[2] = (u32)(c1 >> 16);
+}
+
+// Spin (bounded) until both cells of a local line carry flag f; *c0, *c1: the last load. false when this
+// wait, or another one of the same error record, timed out.
+__device__ __forceinline__ bool ll12_wait(const Team& t, const char* line, u64 f, u32 peer, u64* c0, u64* c1) {
+    fluxrt::SpinBound bound;
+    for (;;) {
+        ll_load(line, c0, c1);
+        if (ll12_complete(*c0, *c1, f)) return true;
+        if (bound.expired(t.err, t.timeout_ns, t.op, t.rank, peer, f, *c0 >> kLL12FlagShift)) return false;
+    }
+}
+
+// acc (op)= the V elements of one line's 12 bytes; p == 0 starts the accumulation.
+template <class E, int OP, u32 V>
+__device__ __forceinline__ void accumulate12(float (&acc)[V], const u32 (&w)[3], u32 p) {
+    const typename E::T* el = reinterpret_cast<const typename E::T*>(&w[0]);
+#pragma unroll
+    for (u32 k = 0; k < V; ++k) acc[k] = p == 0 ? E::to_f(el[k]) : combine<OP>(acc[k], E::to_f(el[k]));
+}
+
+template <class E, u32 V>
+__device__ __forceinline__ void pack12(const float (&acc)[V], u32 (&w)[3]) {
+    w[0] = w[1] = w[2] = 0u;
+    typename E::T* el = reinterpret_cast<typename E::T*>(&w[0]);
+#pragma unroll
+    for (u32 k = 0; k < V; ++k) el[k] = E::from_f(acc[k]);
+}
+
+// Allreduce of `count` elements in LL12 lines: every rank pushes all of x into every peer's LL slot [rank]
+// and reduces the n contributions of each line in fp32 in rank order (every rank computes bitwise the
+// same value). One thread owns line j of every pair (in place: out == x is fine, the thread reads its own
+// line of x before it writes that line of out). Launch: any grid and block (blockDim >= 1); the host sizes
+// it a thread per line (collectives_plan.ll12_grid).
+template <class E, int OP>
+__device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* out, u64 count, u64 slot_bytes) {
+    typedef typename E::T T;
+    constexpr u32 V = kLL12Data / sizeof(T);  // elements per line
+    static_assert(kLL12Data % sizeof(T) == 0 && sizeof(T) <= 4, "whole elements per line, in 32-bit words");
+    __shared__ u64 s_round;
+    __shared__ u64 s_peer[kMaxWorld];
+    const char* src = reinterpret_cast<const char*>(x);
+    const u64 bytes = count * sizeof(T), lines = lines12_of(bytes);
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
+    // stage begin: begin_round's atomic, the peer table and the first line of x, all in flight at once
+    u64 old = 0;
+    if (threadIdx.x == 0) {  // this block's share of the round, as begin_round
+        const u64 share = kRoundUnit / gridDim.x;
+        old = atomicAdd(t.epoch, blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share);
+    }
+    u32 mine[3] = {0u, 0u, 0u};
+    if (first < lines) load12(src, bytes, first, mine);
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
+    if (threadIdx.x == 0) s_round = (old >> kRoundShift) + 1ull;
+    __syncthreads();
+    const u64 e = s_round;
+    const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
+    const u64 half = (e & 1ull) * t.ll_half_bytes;
+    for (u64 j = first; j < lines; j += stride) {                                       // stage push
+        u32 w[3] = {mine[0], mine[1], mine[2]};
+        if (j != first) load12(src, bytes, j, w);
+        for (u32 s = 1; s < t.world; ++s) {
+            const u32 q = (t.rank + s) % t.world;
+            ll12_put(ll_line(reinterpret_cast<char*>(s_peer[q]), half, t.rank, slot_bytes, j), w, flag_bits);
+        }
+    }
+    for (u64 j = first; j < lines; j += stride) {                                       // stage take
+        float acc[V];
+        for (u32 p0 = 0; p0 < t.world; p0 += kTakeBatch) {
+            u64 c0[kTakeBatch], c1[kTakeBatch];
+#pragma unroll
+            for (u32 b = 0; b < kTakeBatch; ++b) {  // every load of the batch in flight before any check
+                const u32 p = p0 + b;
+                c0[b] = c1[b] = 0ull;
+                if (p < t.world && p != t.rank) ll_load(ll_line(t.ll, half, p, slot_bytes, j), &c0[b], &c1[b]);
+            }
+#pragma unroll
+            for (u32 b = 0; b < kTakeBatch; ++b) {
+                const u32 p = p0 + b;
+                if (p >= t.world) break;
+                u32 w[3] = {mine[0], mine[1], mine[2]};
+                if (p == t.rank) {
+                    if (j != first) load12(src, bytes, j, w);
+                } else {
+                    char* line = ll_line(t.ll, half, p, slot_bytes, j);
+                    if (!ll12_complete(c0[b], c1[b], f) && !ll12_wait(t, line, f, p, &c0[b], &c1[b])) return;
+                    // zero it for a later round: that round's sender writes this half only after this kernel
+                    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %1};" ::"l"(line), "l"(0ull) : "memory");
+                    ll12_unpack(c0[b], c1[b], w);
+                }
+                accumulate12<E, OP>(acc, w, p);
+            }
+        }
+        u32 r[3];
+        pack12<E>(acc, r);
+        store12(reinterpret_cast<char*>(out), bytes, j, r);                              // stage store
+    }
+}
+
 }  // namespace
 
 #define FLUXRT_TEAM_PARAMS                                                                              \
@@ -846,6 +1015,10 @@ __device__ void exchange_ll(Team t, const ExchangeTable& tab, u64 slot_bytes) {
     extern "C" __global__ void fluxrt_allreduce_ll_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, \
                                                             u64 count, u64 slot_bytes) {                \
         reduce_ll<E, OP>(FLUXRT_TEAM, x, 0, out, count, slot_bytes);                                    \
+    }                                                                                                   \
+    extern "C" __global__ void fluxrt_allreduce_ll12_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,        \
+                                                              E::T* out, u64 count, u64 slot_bytes) {   \
+        allreduce_ll12<E, OP>(FLUXRT_TEAM, x, out, count, slot_bytes);                                  \
     }                                                                                                   \
     extern "C" __global__ void fluxrt_reduce_scatter_ll_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,      \
                                                                  u64 chunk_stride, E::T* out, u64 chunk, \

@@ -27,6 +27,7 @@ def test_plan_constants_mirror_the_kernel():
     assert consts["kMaxWorld"] == plan.MAX_WORLD
     assert consts["kVecBytes"] == plan.VEC_BYTES
     assert consts["kLLData"] == plan.LL_DATA_BYTES and consts["kLLLine"] == plan.LL_LINE_BYTES
+    assert consts["kLL12Data"] == plan.LL12_DATA_BYTES
     assert consts["kFlagPhases"] == plan.FLAG_PHASES
     assert re.search(rf"constexpr u64 kStepBits = {plan.PIPE_STEP_BITS};", src)
     assert re.search(rf"constexpr u64 kLineBytes = {plan.PIPE_LINE_BYTES};", src)
@@ -37,7 +38,9 @@ def test_plan_constants_mirror_the_kernel():
 def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
     ll, t = plan.LL_MAX_BYTES, plan.ONESHOT_MAX_BYTES
     assert plan.choose_algo("allreduce", 8, 4) == "ll"
-    assert plan.choose_algo("allreduce", ll, 4) == "ll"
+    assert plan.choose_algo("allreduce", plan.DEFAULT_TUNING.ll12_min_bytes - 2, 4) == "ll"
+    assert plan.choose_algo("allreduce", plan.DEFAULT_TUNING.ll12_min_bytes, 4) == "ll12"
+    assert plan.choose_algo("allreduce", ll, 4) == "ll12"
     assert plan.choose_algo("allreduce", ll + 2, 4) == "oneshot"
     assert plan.choose_algo("allreduce", t, 4) == "oneshot"
     assert plan.choose_algo("allreduce", t + 2, 4) == ("twoshot" if t + 2 < plan.PIPE_MIN_BYTES else "pipe")
@@ -69,7 +72,8 @@ def test_ll_threshold_is_per_pair_of_ranks():
 def test_tuning_moves_the_thresholds_and_validates():
     tuned = plan.Tuning.parse(["ll_max_bytes=1K", "oneshot_max_bytes=2M", "bulk_max_grid=128"])
     assert (tuned.ll_max_bytes, tuned.oneshot_max_bytes, tuned.bulk_max_grid) == (1024, 2 << 20, 128)
-    assert plan.choose_algo("allreduce", 1024, 4, tuning=tuned) == "ll"
+    assert plan.choose_algo("allreduce", 1024, 4, tuning=tuned) == "ll12"
+    assert plan.choose_algo("allreduce", 256, 4, tuning=tuned) == "ll"
     assert plan.choose_algo("allreduce", 1040, 4, tuning=tuned) == "oneshot"
     assert plan.choose_algo("allreduce", 2 << 20, 4, tuning=tuned) == "oneshot"
     assert plan.bulk_grid(1 << 30, tuned) == 128
@@ -105,6 +109,31 @@ def test_ll_buffer_holds_the_largest_ll_message_in_one_round(n, itemsize):
     big = t.ll_max_bytes // itemsize + 1  # one element past the LL slot per pair
     d = plan.describe("allgather", big, itemsize, n, 1 << 20, nbytes=big * n * itemsize)
     assert d["algo"] == ("pipe" if big * n * itemsize >= t.pipe_min_bytes else "push")
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 32])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_ll12_uses_the_ll_slots_and_a_thread_per_12_bytes(n, itemsize):
+    t = plan.Tuning(ll12_threads=128, ll12_max_grid=64)
+    assert plan.choose_algo("allreduce", 64 << 10, n, tuning=t) == "ll12"
+    assert plan.choose_algo("allreduce", 256, n) == "ll"                       # below ll12_min_bytes
+    assert plan.choose_algo("allreduce", 512, n) == "ll12"
+    assert plan.choose_algo("allgather", 64 << 10, n, tuning=t) == "ll"       # ll12: allreduce only
+    assert plan.choose_algo("allreduce", 64 << 10, n, tuning=plan.Tuning(ll12_min_bytes=0)) == "ll"   # off
+    half = t.ll_buffer_bytes(n) // 2
+    lay = plan.layout("allreduce", "ll12", half, n, itemsize)
+    assert lay == plan.layout("allreduce", "ll", half, n, itemsize)
+    lines = -(-lay.max_elems * itemsize // plan.LL12_DATA_BYTES)
+    assert lines * plan.LL_LINE_BYTES <= lay.slot_bytes                 # a whole piece fits the slot
+    assert lay.max_elems * itemsize % 4 == 0                            # later pieces start on a word
+    (p,) = plan.allreduce_pieces((64 << 10) // itemsize, itemsize, n, "ll12", lay, t)
+    assert p.grid == -(-(-(-(64 << 10) // 12)) // 128) == 43
+    assert plan.block_threads("ll12", t) == 128
+    assert plan.block_threads("ll", t) == plan.block_threads("oneshot", t) == plan.THREADS
+    for bad in (dict(ll12_threads=48), dict(ll12_threads=1024), dict(ll12_threads=0), dict(ll12_max_grid=0),
+                dict(ll12_min_bytes=-1)):
+        with pytest.raises(ValueError):
+            plan.Tuning(**bad)
 
 
 def test_direct_exchange_needs_a_symmetric_output_and_a_large_message():
@@ -398,7 +427,8 @@ def test_kernels_compile_with_every_entry_point():
     names = ["fluxrt_exchange", "fluxrt_exchange_ll", "fluxrt_exchange_pipe"]
     for dt in ("bf16", "fp16", "fp32"):
         for red in plan.REDUCE_OPS:
-            names += [f"fluxrt_allreduce_ll_{dt}_{red}", f"fluxrt_allreduce_oneshot_{dt}_{red}",
+            names += [f"fluxrt_allreduce_ll_{dt}_{red}", f"fluxrt_allreduce_ll12_{dt}_{red}",
+                      f"fluxrt_allreduce_oneshot_{dt}_{red}",
                       f"fluxrt_allreduce_twoshot_{dt}_{red}", f"fluxrt_reduce_scatter_{dt}_{red}",
                       f"fluxrt_reduce_scatter_ll_{dt}_{red}", f"fluxrt_allreduce_pipe_{dt}_{red}",
                       f"fluxrt_reduce_scatter_pipe_{dt}_{red}"]

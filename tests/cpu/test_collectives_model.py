@@ -119,7 +119,8 @@ class Model:
             c.world, c.half_bytes, c._fast = world, WORKSPACE // 2, {}
             c.tuning, c.ll_half_bytes = TUNING, self.ll_bytes // 2
             c._kernels = {}
-            c._launch = lambda name, grid, args: SimpleNamespace(kernel=Kernel(name), grid=grid, args=args)
+            c._launch = lambda name, grid, args, block=plan.THREADS: SimpleNamespace(
+                kernel=Kernel(name), grid=grid, args=args, block=block)
             c._teams = {name: ("team", r) for name in plan.ALGOS}
             c._output = lambda out, name, dtype, count, shape, r=r: (
                 out if out is not None else self.array(r, count, dtype))
@@ -177,6 +178,8 @@ class Model:
         tails = [launch.args[2:] for launch in launch_per_rank]
         if "_pipe" in name:
             PipeRound(self, name, grid, e, half, tails).run(np.random.default_rng(self.seed + e))
+        elif "_ll12_" in name:
+            self._ll12_round(name, (e & 1) * (self.ll_bytes // 2), e % 0xFFFF + 1, tails)
         elif "_ll" in name:
             self._ll_round(name, (e & 1) * (self.ll_bytes // 2), e & 0xFFFFFFFF or 1, tails)
         elif name == "fluxrt_exchange":
@@ -292,6 +295,64 @@ class Model:
                 acc = fn(acc, part)
             staged.append(acc)
         for (x, stride, out, count), acc in zip(srcs, staged):
+            self.mem.view(out, count, dtype)[...] = acc.astype(dtype)
+
+    # --- LL12 allreduce: lines of {6 data bytes | 16-bit flag} x 2 ------------------------------------------
+    def _ll12_cells(self, data: np.ndarray, flag: int) -> np.ndarray:
+        """12-byte groups of `data` as 16-byte lines: two little-endian 8-byte cells of 6 bytes + flag."""
+        six = data.reshape(-1, 6)
+        cells = np.zeros((six.shape[0], 8), np.uint8)
+        cells[:, :6] = six
+        cells[:, 6:] = np.frombuffer(np.uint16(flag).tobytes(), np.uint8)
+        return cells.reshape(-1)
+
+    def _ll12_round(self, name: str, half: int, flag: int, tails) -> None:
+        n = self.n
+        slot = int(tails[0][-1])
+        assert all(int(t[-1]) == slot for t in tails) and slot * n <= self.ll_bytes // 2
+        assert 1 <= flag <= 0xFFFF
+        kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
+        assert kind == "allreduce_ll12"
+        dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
+        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        isz = dtype.itemsize
+        srcs = [(int(x), int(out), int(count)) for x, out, count, _ in tails]
+        assert len({count for _, _, count in srcs}) == 1
+        for r, (x, _, count) in enumerate(srcs):  # push: rank r's message into every peer's slot [r]
+            nbytes = count * isz
+            lines = -(-nbytes // plan.LL12_DATA_BYTES)
+            data = np.zeros(lines * plan.LL12_DATA_BYTES, np.uint8)
+            data[:nbytes] = self.mem.bytes[x - BASE:x - BASE + nbytes]
+            for q in range(n):
+                if q == r:
+                    continue
+                assert lines * plan.LL_LINE_BYTES <= slot, f"{nbytes} B do not fit an LL slot of {slot} B"
+                at = self.ll[q] - BASE + half + r * slot
+                line_bytes = self.mem.bytes[at:at + lines * plan.LL_LINE_BYTES]
+                assert not line_bytes.any(), "an LL line was written twice in a round, or not cleared after a round"
+                line_bytes[...] = self._ll12_cells(data, flag)
+        staged = []
+        for r, (x, out, count) in enumerate(srcs):  # take: every peer's lines, zeroed after reading
+            nbytes = count * isz
+            lines = -(-nbytes // plan.LL12_DATA_BYTES)
+            parts = []
+            for p in range(n):
+                if p == r:
+                    parts.append(self.mem.view(x, count, dtype).astype(np.float32))
+                    continue
+                at = self.ll[r] - BASE + half + p * slot
+                raw = self.mem.bytes[at:at + lines * plan.LL_LINE_BYTES]
+                cells = raw.copy().reshape(-1, 8)
+                flags = cells[:, 6:].copy().view(np.uint16).reshape(-1)
+                assert (flags == flag).all(), f"rank {r} waits forever for an LL12 line from rank {p}"
+                raw[...] = 0
+                data = cells[:, :6].reshape(-1)[:nbytes].copy()
+                parts.append(data.view(dtype).astype(np.float32))
+            acc = parts[0]
+            for part in parts[1:]:
+                acc = fn(acc, part)
+            staged.append(acc)
+        for (x, out, count), acc in zip(srcs, staged):
             self.mem.view(out, count, dtype)[...] = acc.astype(dtype)
 
     def _reduction(self, kind, dt, red, grid, half, tails) -> None:
@@ -601,7 +662,7 @@ def _fake_arrays(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("algo", ["ll", "oneshot", "twoshot", "pipe"])
+@pytest.mark.parametrize("algo", ["ll", "ll12", "oneshot", "twoshot", "pipe"])
 @pytest.mark.parametrize("dtype, redop", [(bfloat16, "sum"), (np.float16, "max"), (np.float32, "min")])
 @pytest.mark.parametrize("count", [1, 13, 1023, 4099, 40_000])  # 40 000: several launches
 @pytest.mark.parametrize("in_place", [False, True])

@@ -100,12 +100,12 @@ def _allreduce_counts():
     return [(1, "auto"), (1023, "oneshot"), (4099, "twoshot"), (1023, "twoshot"), (4099, "oneshot"),
             (ONESHOT_MAX_BYTES // 2, "auto"), (ONESHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto"),
             (3, "ll"), (4099, "ll"), (LL_MAX_BYTES // 2, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll"),
-            (1, "pipe"), (4099, "pipe"), (300_001, "pipe")]
+            (1, "pipe"), (4099, "pipe"), (300_001, "pipe"), (3, "ll12"), (4099, "ll12"), (70_001, "ll12")]
 
 
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
 @pytest.mark.parametrize("redop", REDOPS)
-@pytest.mark.parametrize("case", range(15))
+@pytest.mark.parametrize("case", range(18))
 def test_allreduce(world, dtype, redop, case):
     import fluxrt
 
@@ -126,6 +126,25 @@ def test_allreduce(world, dtype, redop, case):
     _assert_same_on_every_rank(world, out, what)
     if mode == 2:
         world.free(src)
+
+
+def test_allreduce_ll12_past_the_16_bit_flag_wrap(world):
+    """LL12 lines carry a 16-bit flag, (round mod 65535) + 1: more rounds than that stay correct because
+    the receivers zero every line they read. Checks every 4096th round and the last 300."""
+    import fluxrt
+
+    count, rounds = 4099, 65_800
+    x = _data(11, world, count, "bf16")
+    inputs = _gather(world, x)
+    out = _poisoned(count, "bf16")
+    for k in range(rounds):
+        check = k % 4096 == 0 or k >= rounds - 300
+        if check:
+            out.fill(np.nan)
+        fluxrt.allreduce(world, x, out, op="sum", algo="ll12")
+        if check:
+            world.synchronize()
+            _assert_reduced(_host(out), inputs, "sum", "bf16", f"allreduce ll12 round {k}")
 
 
 # ---------------------------------------------------------------------------------------------- reduce_scatter
