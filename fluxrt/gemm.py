@@ -174,10 +174,15 @@ class ChunkReduce:
     @property
     def hook_id(self) -> int:
         """FLUXRT_GEMM_HOOK_REDUCE of this reduce: 1 in the epilogue, 2 in the tail."""
-        return REDUCE_WHERE.index(self.where) + 1
+        return reduce_hook_id(self.where)
 
 
 REDUCE_WHERE = ("epilogue", "tail")
+
+
+def reduce_hook_id(where: str | None) -> int:
+    """FLUXRT_GEMM_HOOK_REDUCE for a hook-3 reduce at `where` ('epilogue' 1, 'tail' 2; anything else 0)."""
+    return REDUCE_WHERE.index(where) + 1 if where in REDUCE_WHERE else 0
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ import math
 import numpy as np
 
 from ..errors import op_id
-from ..gemm import ChunkReduce, TileDestinations, TileEpilogue, gemm_with_hooks
+from ..gemm import ChunkReduce, TileDestinations, TileEpilogue, gemm_with_hooks, reduce_hook_id
 from ..streams import as_cupy_stream
 from . import common
 from .plan import MIN_TILE_COLS, GemmRsPlan, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
@@ -135,7 +135,7 @@ class GemmReduceScatter:
                 gemm_with_hooks(a, b, None, trans_b=self.trans_b, stream=s, plan=gplan, out_dtype=self.partial_dtype,
                                 epilogue=epi)
 
-            fused = self.plan.reduce_mode in ("epilogue", "tail")   # the reduce runs inside the GEMM
+            fused = reduce_hook_id(self.plan.reduce_mode) > 0   # the reduce runs inside the GEMM
             if self.plan.comm_mode == "ce":
                 group_n, groups = rs_ce_groups(self.plan, self.n, gplan.block_n)
                 common.join(c, s)   # C starts with the GEMM, not after it
@@ -219,7 +219,7 @@ class GemmReduceScatter:
 
     def _call_plan(self, m: int):
         return common.call_plan(self, m, self.partial_dtype, wait_hook=False, epilogue_hook=True,
-                                reduce_hook={"epilogue": 1, "tail": 2}.get(self.plan.reduce_mode, 0))
+                                reduce_hook=reduce_hook_id(self.plan.reduce_mode))
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""

@@ -700,6 +700,12 @@ __device__ __forceinline__ void ll_load(const char* line, u64* c0, u64* c1) {
     asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(*c0), "=l"(*c1) : "l"(line) : "memory");
 }
 
+// Zero a line that was read, for a later round: that round's sender writes this half only after this
+// kernel ended.
+__device__ __forceinline__ void ll_clear(char* line) {
+    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %1};" ::"l"(line), "l"(0ull) : "memory");
+}
+
 // Spin (bounded) until both cells of a local line carry flag f, return its 8 data bytes and zero the
 // line. false when this wait, or another one of the same error record, timed out.
 __device__ __forceinline__ bool ll_take(const Team& t, char* line, u32 f, u32 peer, u64* v) {
@@ -713,8 +719,7 @@ __device__ __forceinline__ bool ll_take(const Team& t, char* line, u32 f, u32 pe
             if (bound.expired(t.err, t.timeout_ns, t.op, t.rank, peer, f, (u32)(c0 >> 32))) return false;
         }
     }
-    // Zero it for a later round: that round's sender writes this half only after this kernel ended.
-    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %1};" ::"l"(line), "l"(0ull) : "memory");
+    ll_clear(line);
     *v = (c0 & 0xffffffffull) | (c1 << 32);
     return true;
 }
@@ -974,8 +979,7 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
                 } else {
                     char* line = ll_line(t.ll, half, p, slot_bytes, j);
                     if (!ll12_complete(c0[b], c1[b], f) && !ll12_wait(t, line, f, p, &c0[b], &c1[b])) return;
-                    // zero it for a later round: that round's sender writes this half only after this kernel
-                    asm volatile("st.volatile.global.v2.u64 [%0], {%1, %1};" ::"l"(line), "l"(0ull) : "memory");
+                    ll_clear(line);
                     ll12_unpack(c0[b], c1[b], w);
                 }
                 accumulate12<E, OP>(acc, w, p);
