@@ -8,6 +8,8 @@ Algorithms:
             round, twice the bytes on the wire), through a dedicated zeroed LL buffer;
   ll12      allreduce, the same with 6 data bytes and a 16-bit flag per cell: 12 message bytes per 16-byte
             line, 4/3 of the message on the wire (allreduce's LL rounds from ``Tuning.ll12_min_bytes``);
+  ll12_twoshot  allreduce above the LL rounds: reduce-scatter then allgather, both in LL12 lines, in one
+            launch (2 (n-1)/n of the message on the wire, times 4/3, for one more NVLink trip);
   oneshot   allreduce: every rank pushes the whole message to every peer, reduces locally;
   twoshot   allreduce: reduce-scatter then allgather of the reduced chunks;
   push      the other ops, staged through the workspace;
@@ -35,8 +37,8 @@ PIPE_LINE_BYTES = 128 # kLineBytes: slices of a pipelined round start on whole l
 LL_DATA_BYTES = 8     # kLLData: message bytes per LL line
 LL_LINE_BYTES = 16    # kLLLine: bytes of a line on the wire
 LL12_DATA_BYTES = 12  # kLL12Data: message bytes per line of the LL12 allreduce
-LL_ALGOS = ("ll", "ll12")  # algorithms that run through the LL buffer
-LL12_MAX_THREADS = 512  # the LL12 kernel's registers (93 on sm_90a) allow at most 512 threads a block
+LL_ALGOS = ("ll", "ll12", "ll12_twoshot")  # algorithms that run through the LL buffer
+LL12_MAX_THREADS = 512  # the LL12 kernels' registers (71 and 106 on sm_90a) allow at most 512 threads a block
 
 # Defaults of Tuning (see there).
 LL_MAX_BYTES = 256 << 10
@@ -52,6 +54,7 @@ PIPE_BYTES_PER_BLOCK = 64 << 10
 PIPE_MAX_GRID = 64
 PIPE_DEPTH = 2
 PIPE_STEP_ALIGN = 4 << 10
+LL12_TWOSHOT_MAX_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,11 @@ class Tuning:
     bytes per 16-byte line, 'll12'); 0: never. ll12_threads / ll12_max_grid: its blocks (a thread per
     line; a multiple of 32, at most LL12_MAX_THREADS threads). Graph replay on 4x H200 (bf16): from
     512 B to 256 KiB LL12 with 128 x up to 128 blocks took 3-13 % less than the 8-byte lines (4.16 ->
-    3.78 us at 16 KiB, 5.18 -> 4.59 at 64 KiB), below 512 B 0.1-0.3 us more."""
+    3.78 us at 16 KiB, 5.18 -> 4.59 at 64 KiB), below 512 B 0.1-0.3 us more.
+    ll12_twoshot_max_bytes: allreduce messages above the LL rounds and up to this size run the LL12
+    two-shot ('ll12_twoshot'); 0: never. It also sizes the LL buffer (two regions of n slots of a 1/n
+    chunk per half). ll12_twoshot_threads / ll12_twoshot_max_grid: its blocks (a thread per line of a
+    chunk)."""
 
     ll_max_bytes: int = LL_MAX_BYTES
     oneshot_max_bytes: int = ONESHOT_MAX_BYTES
@@ -91,18 +98,23 @@ class Tuning:
     ll12_min_bytes: int = 512
     ll12_threads: int = 128
     ll12_max_grid: int = 128
+    ll12_twoshot_max_bytes: int = LL12_TWOSHOT_MAX_BYTES
+    ll12_twoshot_threads: int = 128
+    ll12_twoshot_max_grid: int = 128
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
-        for name in ("oneshot_max_grid", "bulk_max_grid", "ll_max_grid", "ll12_max_grid", "pipe_max_grid"):
+        for name in ("oneshot_max_grid", "bulk_max_grid", "ll_max_grid", "ll12_max_grid", "ll12_twoshot_max_grid",
+                     "pipe_max_grid"):
             if not 1 <= getattr(self, name) <= MAX_BLOCKS:
                 raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
-        if not 32 <= self.ll12_threads <= LL12_MAX_THREADS or self.ll12_threads % 32:
-            raise ValueError(f"Tuning.ll12_threads must be a multiple of 32 in [32, {LL12_MAX_THREADS}], "
-                             f"got {self.ll12_threads}")
+        for name in ("ll12_threads", "ll12_twoshot_threads"):
+            v = getattr(self, name)
+            if not 32 <= v <= LL12_MAX_THREADS or v % 32:
+                raise ValueError(f"Tuning.{name} must be a multiple of 32 in [32, {LL12_MAX_THREADS}], got {v}")
         if self.pipe_depth < 2:
             raise ValueError(f"Tuning.pipe_depth must be >= 2 (a block sends step j while step j - 1 is "
                              f"consumed), got {self.pipe_depth}")
@@ -112,9 +124,14 @@ class Tuning:
 
     def ll_buffer_bytes(self, world_size: int) -> int:
         """LL buffer per rank: two halves of a slot per source rank, each slot holding ll_max_bytes of data
-        (at least one line)."""
+        (at least one line); with the LL12 two-shot on, a half also holds its two regions of a slot per
+        source rank for a 1/n chunk of ll12_twoshot_max_bytes."""
         slot = max(LL_LINE_BYTES, _ceil_div(self.ll_max_bytes, LL_DATA_BYTES) * LL_LINE_BYTES)
-        return 2 * world_size * slot
+        half = world_size * slot
+        if self.ll_max_bytes and self.ll12_twoshot_max_bytes and world_size > 1:
+            chunk_lines = _ceil_div(_ceil_div(self.ll12_twoshot_max_bytes, LL12_DATA_BYTES), world_size)
+            half = max(half, 2 * world_size * chunk_lines * LL_LINE_BYTES)
+        return 2 * half
 
     @classmethod
     def parse(cls, items, base: "Tuning | None" = None) -> "Tuning":
@@ -135,7 +152,7 @@ DEFAULT_TUNING = Tuning()
 
 REDUCE_OPS = ("sum", "max", "min")
 ALGOS = {
-    "allreduce": ("ll", "oneshot", "twoshot", "pipe", "ll12"),
+    "allreduce": ("ll", "oneshot", "twoshot", "pipe", "ll12", "ll12_twoshot"),
     "reduce_scatter": ("ll", "push", "pipe"),
     "allgather": ("ll", "push", "direct", "pipe"),
     "alltoall": ("ll", "push", "direct", "pipe"),
@@ -175,6 +192,8 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         return "ll12" if ll12 else "ll"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
     if op == "allreduce":
+        if world_size > 1 and tuning.ll_max_bytes > 0 and nbytes <= tuning.ll12_twoshot_max_bytes:
+            return "ll12_twoshot"
         if nbytes <= tuning.oneshot_max_bytes or world_size == 1:
             return "oneshot"
         return "pipe" if pipe else "twoshot"
@@ -233,9 +252,20 @@ def ll12_grid(nbytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
     return max(1, min(tuning.ll12_max_grid, _ceil_div(_ceil_div(nbytes, LL12_DATA_BYTES), tuning.ll12_threads)))
 
 
+def ll12_twoshot_chunk(nbytes: int, world_size: int) -> int:
+    """LL12 lines of each rank's chunk in the two-shot (the kernel's `chunk`; the last chunks may be short)."""
+    return _ceil_div(_ceil_div(nbytes, LL12_DATA_BYTES), world_size)
+
+
+def ll12_twoshot_grid(nbytes: int, world_size: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """One thread per LL12 line of a chunk."""
+    return max(1, min(tuning.ll12_twoshot_max_grid,
+                      _ceil_div(ll12_twoshot_chunk(nbytes, world_size), tuning.ll12_twoshot_threads)))
+
+
 def block_threads(algo: str, tuning: Tuning = DEFAULT_TUNING) -> int:
     """Threads per block of a launch of `algo`."""
-    return tuning.ll12_threads if algo == "ll12" else THREADS
+    return {"ll12": tuning.ll12_threads, "ll12_twoshot": tuning.ll12_twoshot_threads}.get(algo, THREADS)
 
 
 def _grid(algo: str, bytes_per_peer: int, tuning: Tuning) -> int:
@@ -265,7 +295,7 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
     """Slots of one workspace half (LL: of one LL buffer half): n slots for one-shot / chunked ops / LL,
     2n for two-shot (two phases), n - 1 per ring for pipe (allreduce: two rings). An LL slot carries half
     its bytes as data, in whole 8-byte lines."""
-    slots = 2 * world_size if algo == "twoshot" else world_size
+    slots = 2 * world_size if algo in ("twoshot", "ll12_twoshot") else world_size
     if algo == "pipe":  # no rank sends to itself: world - 1 slots per ring (allreduce: two rings)
         slots = max(1, world_size - 1) * (2 if op == "allreduce" else 1)
     slot = _floor(half_bytes // slots, VEC_BYTES)
@@ -273,6 +303,8 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
         slot = _floor(slot, PIPE_STEP_ALIGN)
     if slot < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slots} slots")
+    if algo == "ll12_twoshot":  # a slot holds one line per line of a chunk: n chunks of 12 bytes a line
+        return Layout(slot_bytes=slot, max_elems=max(1, slot // LL_LINE_BYTES * world_size * LL12_DATA_BYTES // itemsize))
     if algo in LL_ALGOS:  # ll12 lines carry 12 bytes: slots sized for 8 a line hold its pieces too
         return Layout(slot_bytes=slot, max_elems=max(1, _floor(slot // 2, LL_DATA_BYTES) // itemsize))
     if algo == "pipe":  # the ring recycles its entries: one launch moves any size
@@ -295,6 +327,8 @@ def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay:
             out.append(Piece(start, n, ll_grid(n * itemsize, tuning)))
         elif algo == "ll12":
             out.append(Piece(start, n, ll12_grid(n * itemsize, tuning)))
+        elif algo == "ll12_twoshot":
+            out.append(Piece(start, n, ll12_twoshot_grid(n * itemsize, world_size, tuning)))
         else:  # two-shot and pipe: a chunk per rank, whole 16-byte vectors
             chunk = _ceil_div(_ceil_div(n, world_size), vec) * vec
             out.append(_pipe_piece("allreduce", start, n, chunk * itemsize, lay, tuning, chunk) if algo == "pipe"
@@ -372,4 +406,4 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
 
 __all__ = ["ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
            "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
-           "bulk_grid", "ll_grid", "ll12_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]
+           "bulk_grid", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]

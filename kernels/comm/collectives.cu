@@ -922,6 +922,42 @@ __device__ __forceinline__ void pack12(const float (&acc)[V], u32 (&w)[3]) {
     for (u32 k = 0; k < V; ++k) el[k] = E::from_f(acc[k]);
 }
 
+__device__ __forceinline__ u32 everyone(const Team& t) { return t.world == 32 ? ~0u : (1u << t.world) - 1u; }
+
+// Line j of slot [p] of an LL region, for every rank p in `from`, in rank order: use(p, words). A peer's
+// line is taken (bounded wait for flag f, then zeroed); this rank's entry, if in `from`, is `own`. The
+// loads of up to kTakeBatch peers' lines are in flight before the first check. false on a timeout.
+template <class Use>
+__device__ __forceinline__ bool take12(const Team& t, char* region, u64 slot_bytes, u64 j, u64 f, u32 from,
+                                       const u32 (&own)[3], Use use) {
+    for (u32 p0 = 0; p0 < t.world; p0 += kTakeBatch) {
+        u64 c0[kTakeBatch], c1[kTakeBatch];
+#pragma unroll
+        for (u32 b = 0; b < kTakeBatch; ++b) {  // every load of the batch in flight before any check
+            const u32 p = p0 + b;
+            c0[b] = c1[b] = 0ull;
+            if (p < t.world && p != t.rank && ((from >> p) & 1u)) ll_load(ll_line(region, 0, p, slot_bytes, j), &c0[b], &c1[b]);
+        }
+#pragma unroll
+        for (u32 b = 0; b < kTakeBatch; ++b) {
+            const u32 p = p0 + b;
+            if (p >= t.world) break;
+            if (!((from >> p) & 1u)) continue;
+            if (p == t.rank) {
+                use(p, own);
+                continue;
+            }
+            char* line = ll_line(region, 0, p, slot_bytes, j);
+            if (!ll12_complete(c0[b], c1[b], f) && !ll12_wait(t, line, f, p, &c0[b], &c1[b])) return false;
+            ll_clear(line);
+            u32 w[3];
+            ll12_unpack(c0[b], c1[b], w);
+            use(p, w);
+        }
+    }
+    return true;
+}
+
 // Allreduce of `count` elements in LL12 lines: every rank pushes all of x into every peer's LL slot [rank]
 // and reduces the n contributions of each line in fp32 in rank order (every rank computes bitwise the
 // same value). One thread owns line j of every pair (in place: out == x is fine, the thread reads its own
@@ -960,34 +996,98 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
         }
     }
     for (u64 j = first; j < lines; j += stride) {                                       // stage take
+        u32 own[3] = {mine[0], mine[1], mine[2]};
+        if (j != first) load12(src, bytes, j, own);
         float acc[V];
-        for (u32 p0 = 0; p0 < t.world; p0 += kTakeBatch) {
-            u64 c0[kTakeBatch], c1[kTakeBatch];
-#pragma unroll
-            for (u32 b = 0; b < kTakeBatch; ++b) {  // every load of the batch in flight before any check
-                const u32 p = p0 + b;
-                c0[b] = c1[b] = 0ull;
-                if (p < t.world && p != t.rank) ll_load(ll_line(t.ll, half, p, slot_bytes, j), &c0[b], &c1[b]);
-            }
-#pragma unroll
-            for (u32 b = 0; b < kTakeBatch; ++b) {
-                const u32 p = p0 + b;
-                if (p >= t.world) break;
-                u32 w[3] = {mine[0], mine[1], mine[2]};
-                if (p == t.rank) {
-                    if (j != first) load12(src, bytes, j, w);
-                } else {
-                    char* line = ll_line(t.ll, half, p, slot_bytes, j);
-                    if (!ll12_complete(c0[b], c1[b], f) && !ll12_wait(t, line, f, p, &c0[b], &c1[b])) return;
-                    ll_clear(line);
-                    ll12_unpack(c0[b], c1[b], w);
-                }
-                accumulate12<E, OP>(acc, w, p);
-            }
-        }
+        const bool ok = take12(t, t.ll + half, slot_bytes, j, f, everyone(t), own,
+                               [&](u32 p, const u32 (&w)[3]) { accumulate12<E, OP>(acc, w, p); });
+        if (!ok) return;
         u32 r[3];
         pack12<E>(acc, r);
         store12(reinterpret_cast<char*>(out), bytes, j, r);                              // stage store
+    }
+}
+
+// ----------------------------------------------------------------------------------------- LL12 two-shot
+// Allreduce for mid-size messages: a reduce-scatter and an allgather in LL12 lines, in one launch. Each
+// rank sends 2 (n-1)/n of the message (times 4/3 for the flags) instead of one-shot's n - 1 times, at
+// the price of a second NVLink trip. The message's `lines` LL12 lines are cut into n chunks of
+// `chunk` = ceil(lines / n) lines (the last ones may be short or empty); rank q owns chunk q. Thread j
+// owns line j of every chunk:
+//   stage push     line j of chunk q of x to peer q's region 0, slot [rank]
+//   stage reduce   line j of this rank's chunk: its own line and every peer's (taken from region 0, slot
+//                  [p]) in fp32 in rank order, into out (every rank computes bitwise the same value)
+//   stage forward  the reduced line to every peer's region 1, slot [rank]
+//   stage gather   line j of chunk p from region 1, slot [p], into out
+// The LL rounds' contract holds (data and flag in one 8-byte cell, lines zeroed when read, round e in
+// LL half e & 1). An empty chunk still moves one marker line (j = 0) in both phases, so every pair
+// exchanges lines in every round, which the halves argument needs. In place is fine: thread j reads
+// line j of every chunk of x (push, reduce) before it writes any line of out.
+// Region 0 holds n slots of `slot_bytes` from the half's start, region 1 n more (Layout of 'll12_twoshot').
+template <class E, int OP>
+__device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename E::T* out, u64 count,
+                                       u64 slot_bytes) {
+    typedef typename E::T T;
+    constexpr u32 V = kLL12Data / sizeof(T);
+    __shared__ u64 s_round;
+    __shared__ u64 s_peer[kMaxWorld];
+    const char* src = reinterpret_cast<const char*>(x);
+    const u64 bytes = count * sizeof(T), lines = lines12_of(bytes);
+    const u64 chunk = (lines + t.world - 1) / t.world;
+    // lines of chunk q: its length, at least one (a marker line past the end of the message)
+    auto len = [&](u32 q) { const u64 at = (u64)q * chunk; return at < lines ? (lines - at < chunk ? lines - at : chunk) : 0ull; };
+    auto moved = [&](u32 q) { const u64 n = len(q); return n ? n : 1ull; };
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
+    // stage begin: the round's atomic, the peer table and this thread's first line of its own chunk
+    u64 old = 0;
+    if (threadIdx.x == 0) {
+        const u64 share = kRoundUnit / gridDim.x;
+        old = atomicAdd(t.epoch, blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share);
+    }
+    u32 mine[3] = {0u, 0u, 0u};
+    if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine);
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
+    if (threadIdx.x == 0) s_round = (old >> kRoundShift) + 1ull;
+    __syncthreads();
+    const u64 e = s_round;
+    const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
+    const u64 half = (e & 1ull) * t.ll_half_bytes;
+    const u64 region1 = (u64)t.world * slot_bytes;
+    for (u64 j = first; j < chunk; j += stride) {                                       // stage push
+        for (u32 s = 1; s < t.world; ++s) {
+            const u32 q = (t.rank + s) % t.world;
+            if (j >= moved(q)) continue;
+            u32 w[3] = {0u, 0u, 0u};
+            if (j < len(q)) load12(src, bytes, q * chunk + j, w);
+            ll12_put(ll_line(reinterpret_cast<char*>(s_peer[q]), half, t.rank, slot_bytes, j), w, flag_bits);
+        }
+    }
+    const u32 others = everyone(t) & ~(1u << t.rank);
+    for (u64 j = first; j < moved(t.rank); j += stride) {                               // stage reduce
+        u32 own[3] = {mine[0], mine[1], mine[2]};
+        if (j != first && j < len(t.rank)) load12(src, bytes, t.rank * chunk + j, own);
+        float acc[V];
+        const bool ok = take12(t, t.ll + half, slot_bytes, j, f, everyone(t), own,
+                               [&](u32 p, const u32 (&w)[3]) { accumulate12<E, OP>(acc, w, p); });
+        if (!ok) return;
+        u32 r[3];
+        pack12<E>(acc, r);
+        if (j < len(t.rank)) store12(reinterpret_cast<char*>(out), bytes, t.rank * chunk + j, r);
+        for (u32 s = 1; s < t.world; ++s) {                                             // stage forward
+            const u32 q = (t.rank + s) % t.world;
+            ll12_put(ll_line(reinterpret_cast<char*>(s_peer[q]) + region1, half, t.rank, slot_bytes, j), r, flag_bits);
+        }
+    }
+    for (u64 j = first; j < chunk; j += stride) {                                       // stage gather
+        u32 peers = 0;
+        for (u32 p = 0; p < t.world; ++p)
+            if (p != t.rank && j < moved(p)) peers |= 1u << p;
+        const u32 none[3] = {0u, 0u, 0u};
+        const bool ok = take12(t, t.ll + half + region1, slot_bytes, j, f, peers & others, none,
+                               [&](u32 p, const u32 (&w)[3]) {
+                                   if (j < len(p)) store12(reinterpret_cast<char*>(out), bytes, p * chunk + j, w);
+                               });
+        if (!ok) return;
     }
 }
 
@@ -1023,6 +1123,11 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
     extern "C" __global__ void fluxrt_allreduce_ll12_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,        \
                                                               E::T* out, u64 count, u64 slot_bytes) {   \
         allreduce_ll12<E, OP>(FLUXRT_TEAM, x, out, count, slot_bytes);                                  \
+    }                                                                                                   \
+    extern "C" __global__ void fluxrt_allreduce_ll12_twoshot_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, \
+                                                                      E::T* out, u64 count,            \
+                                                                      u64 slot_bytes) {                \
+        allreduce_ll12_twoshot<E, OP>(FLUXRT_TEAM, x, out, count, slot_bytes);                          \
     }                                                                                                   \
     extern "C" __global__ void fluxrt_reduce_scatter_ll_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,      \
                                                                  u64 chunk_stride, E::T* out, u64 chunk, \

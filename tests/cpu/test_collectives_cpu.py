@@ -3,6 +3,7 @@ the perf sweep's command line and sizes, and that the kernels compile with every
 from __future__ import annotations
 
 import io
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -36,13 +37,17 @@ def test_plan_constants_mirror_the_kernel():
 
 
 def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
-    ll, t = plan.LL_MAX_BYTES, plan.ONESHOT_MAX_BYTES
+    ll, t, ts = plan.LL_MAX_BYTES, plan.ONESHOT_MAX_BYTES, plan.LL12_TWOSHOT_MAX_BYTES
     assert plan.choose_algo("allreduce", 8, 4) == "ll"
     assert plan.choose_algo("allreduce", plan.DEFAULT_TUNING.ll12_min_bytes - 2, 4) == "ll"
     assert plan.choose_algo("allreduce", plan.DEFAULT_TUNING.ll12_min_bytes, 4) == "ll12"
     assert plan.choose_algo("allreduce", ll, 4) == "ll12"
-    assert plan.choose_algo("allreduce", ll + 2, 4) == "oneshot"
-    assert plan.choose_algo("allreduce", t, 4) == "oneshot"
+    assert plan.choose_algo("allreduce", ll + 2, 4) == "ll12_twoshot"
+    assert plan.choose_algo("allreduce", ts, 4) == "ll12_twoshot"
+    assert plan.choose_algo("allreduce", ts + 2, 4) == ("oneshot" if ts + 2 <= t else "twoshot")
+    no_ts = plan.Tuning(ll12_twoshot_max_bytes=0)
+    assert plan.choose_algo("allreduce", ll + 2, 4, tuning=no_ts) == "oneshot"
+    assert plan.choose_algo("allreduce", t, 4, tuning=no_ts) == "oneshot"
     assert plan.choose_algo("allreduce", t + 2, 4) == ("twoshot" if t + 2 < plan.PIPE_MIN_BYTES else "pipe")
     assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4) == "pipe"
     assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4, tuning=plan.Tuning(pipe_min_bytes=0)) == "twoshot"
@@ -74,7 +79,8 @@ def test_tuning_moves_the_thresholds_and_validates():
     assert (tuned.ll_max_bytes, tuned.oneshot_max_bytes, tuned.bulk_max_grid) == (1024, 2 << 20, 128)
     assert plan.choose_algo("allreduce", 1024, 4, tuning=tuned) == "ll12"
     assert plan.choose_algo("allreduce", 256, 4, tuning=tuned) == "ll"
-    assert plan.choose_algo("allreduce", 1040, 4, tuning=tuned) == "oneshot"
+    assert plan.choose_algo("allreduce", 1040, 4, tuning=tuned) == "ll12_twoshot"
+    assert plan.choose_algo("allreduce", 1040, 4, tuning=dataclasses.replace(tuned, ll12_twoshot_max_bytes=0)) == "oneshot"
     assert plan.choose_algo("allreduce", 2 << 20, 4, tuning=tuned) == "oneshot"
     assert plan.bulk_grid(1 << 30, tuned) == 128
     off = plan.Tuning(ll_max_bytes=0)
@@ -132,6 +138,36 @@ def test_ll12_uses_the_ll_slots_and_a_thread_per_12_bytes(n, itemsize):
     assert plan.block_threads("ll", t) == plan.block_threads("oneshot", t) == plan.THREADS
     for bad in (dict(ll12_threads=48), dict(ll12_threads=1024), dict(ll12_threads=0), dict(ll12_max_grid=0),
                 dict(ll12_min_bytes=-1)):
+        with pytest.raises(ValueError):
+            plan.Tuning(**bad)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 32])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_ll12_twoshot_fits_two_regions_of_chunks_in_an_ll_half(n, itemsize):
+    t = plan.Tuning(ll12_twoshot_max_bytes=1 << 20, ll12_twoshot_threads=256, ll12_twoshot_max_grid=64)
+    half = t.ll_buffer_bytes(n) // 2
+    lay = plan.layout("allreduce", "ll12_twoshot", half, n, itemsize)
+    assert 2 * n * lay.slot_bytes <= half and lay.slot_bytes % plan.LL_LINE_BYTES == 0
+    # the largest message of the two-shot is one launch, and its chunk's lines fit a slot
+    (p,) = plan.allreduce_pieces((1 << 20) // itemsize, itemsize, n, "ll12_twoshot", lay, t)
+    chunk = plan.ll12_twoshot_chunk(1 << 20, n)
+    assert chunk == -(-(-(-(1 << 20) // 12)) // n)
+    assert chunk * plan.LL_LINE_BYTES <= lay.slot_bytes
+    assert p.grid == min(64, -(-chunk // 256)) and plan.block_threads("ll12_twoshot", t) == 256
+    # larger (forced) messages come in pieces that each fit, and later pieces start on a whole line
+    count = 3 * half // itemsize + 7
+    pieces = plan.allreduce_pieces(count, itemsize, n, "ll12_twoshot", lay, t)
+    assert len(pieces) > 1 and sum(q.count for q in pieces) == count
+    for q in pieces:
+        assert plan.ll12_twoshot_chunk(q.count * itemsize, n) * plan.LL_LINE_BYTES <= lay.slot_bytes
+        assert q.start * itemsize % plan.LL12_DATA_BYTES == 0
+    # the buffer grows only with the two-shot on, and never below the LL rounds' slots
+    assert plan.Tuning(ll12_twoshot_max_bytes=0).ll_buffer_bytes(n) == 2 * n * 2 * plan.LL_MAX_BYTES
+    assert t.ll_buffer_bytes(n) >= plan.Tuning(ll12_twoshot_max_bytes=0).ll_buffer_bytes(n)
+    assert plan.Tuning(ll_max_bytes=0).ll_buffer_bytes(n) == 2 * n * plan.LL_LINE_BYTES
+    for bad in (dict(ll12_twoshot_threads=16), dict(ll12_twoshot_threads=1024), dict(ll12_twoshot_max_grid=129),
+                dict(ll12_twoshot_max_bytes=-1)):
         with pytest.raises(ValueError):
             plan.Tuning(**bad)
 
@@ -428,6 +464,7 @@ def test_kernels_compile_with_every_entry_point():
     for dt in ("bf16", "fp16", "fp32"):
         for red in plan.REDUCE_OPS:
             names += [f"fluxrt_allreduce_ll_{dt}_{red}", f"fluxrt_allreduce_ll12_{dt}_{red}",
+                      f"fluxrt_allreduce_ll12_twoshot_{dt}_{red}",
                       f"fluxrt_allreduce_oneshot_{dt}_{red}",
                       f"fluxrt_allreduce_twoshot_{dt}_{red}", f"fluxrt_reduce_scatter_{dt}_{red}",
                       f"fluxrt_reduce_scatter_ll_{dt}_{red}", f"fluxrt_allreduce_pipe_{dt}_{red}",

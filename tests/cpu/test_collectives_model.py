@@ -27,7 +27,9 @@ RANK_BYTES = 1 << 24    # each rank's share of the model address space
 WORKSPACE = 1 << 16     # small, so that larger messages need several launches
 # a small LL buffer too: forced LL rounds come in several launches; pipelined rounds with several slices
 # and many steps per slice (their ring wraps many times)
-TUNING = plan.Tuning(ll_max_bytes=2048, pipe_bytes_per_block=1024, pipe_max_grid=4)
+# the LL12 two-shot's share of the buffer is small as well (forced two-shots of larger messages take several
+# launches)
+TUNING = plan.Tuning(ll_max_bytes=2048, pipe_bytes_per_block=1024, pipe_max_grid=4, ll12_twoshot_max_bytes=6000)
 
 
 class Memory:
@@ -178,6 +180,8 @@ class Model:
         tails = [launch.args[2:] for launch in launch_per_rank]
         if "_pipe" in name:
             PipeRound(self, name, grid, e, half, tails).run(np.random.default_rng(self.seed + e))
+        elif "_ll12_twoshot_" in name:
+            self._ll12_twoshot_round(name, (e & 1) * (self.ll_bytes // 2), e % 0xFFFF + 1, tails)
         elif "_ll12_" in name:
             self._ll12_round(name, (e & 1) * (self.ll_bytes // 2), e % 0xFFFF + 1, tails)
         elif "_ll" in name:
@@ -354,6 +358,77 @@ class Model:
             staged.append(acc)
         for (x, out, count), acc in zip(srcs, staged):
             self.mem.view(out, count, dtype)[...] = acc.astype(dtype)
+
+    def _ll12_lines(self, rank: int, half: int, region: int, slot: int, src: int, lines: int) -> np.ndarray:
+        """Bytes of `lines` lines of slot [src] of an LL region of rank's buffer (a view)."""
+        at = self.ll[rank] - BASE + half + (region * self.n + src) * slot
+        assert lines * plan.LL_LINE_BYTES <= slot, f"{lines} lines do not fit an LL12 two-shot slot of {slot} B"
+        return self.mem.bytes[at:at + lines * plan.LL_LINE_BYTES]
+
+    def _ll12_put(self, rank: int, half: int, region: int, slot: int, src: int, data: np.ndarray, flag: int) -> None:
+        lines = len(data) // plan.LL12_DATA_BYTES
+        view = self._ll12_lines(rank, half, region, slot, src, lines)
+        assert not view.any(), "an LL line was written twice in a round, or not cleared after a round"
+        view[...] = self._ll12_cells(data, flag)
+
+    def _ll12_take(self, rank: int, half: int, region: int, slot: int, src: int, lines: int, flag: int) -> np.ndarray:
+        view = self._ll12_lines(rank, half, region, slot, src, lines)
+        cells = view.copy().reshape(-1, 8)
+        flags = cells[:, 6:].copy().view(np.uint16).reshape(-1)
+        assert (flags == flag).all(), f"rank {rank} waits forever for an LL12 line from rank {src}"
+        view[...] = 0
+        return cells[:, :6].reshape(-1).copy()
+
+    def _ll12_twoshot_round(self, name: str, half: int, flag: int, tails) -> None:
+        """Chunk q (`chunk` lines) is reduced by rank q from every rank's region-0 lines, then forwarded to
+        every peer's region 1; an empty chunk moves one marker line in both phases."""
+        n, L = self.n, plan.LL12_DATA_BYTES
+        slot = int(tails[0][-1])
+        assert all(int(t[-1]) == slot for t in tails) and 2 * n * slot <= self.ll_bytes // 2
+        kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
+        assert kind == "allreduce_ll12_twoshot"
+        dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
+        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        srcs = [(int(x), int(out), int(count)) for x, out, count, _ in tails]
+        assert len({count for _, _, count in srcs}) == 1
+        nbytes = srcs[0][2] * dtype.itemsize
+        lines = -(-nbytes // L)
+        chunk = plan.ll12_twoshot_chunk(nbytes, n)
+        length = [min(max(lines - q * chunk, 0), chunk) for q in range(n)]
+        moved = [max(1, m) for m in length]
+
+        def message(x):  # the message as whole lines, zero past its end, plus room for marker lines
+            data = np.zeros((n * chunk + 1) * L, np.uint8)
+            data[:nbytes] = self.mem.bytes[x - BASE:x - BASE + nbytes]
+            return data
+
+        def part(data, q):  # the `moved` lines of chunk q (a marker line reads zeros)
+            return data[q * chunk * L:(q * chunk + moved[q]) * L] if length[q] else np.zeros(L, np.uint8)
+
+        xs = [message(x) for x, _, _ in srcs]
+        for r in range(n):                                                   # push
+            for q in range(n):
+                if q != r:
+                    self._ll12_put(q, half, 0, slot, r, part(xs[r], q), flag)
+        reduced = []
+        for r in range(n):                                                   # reduce
+            acc = None
+            for p in range(n):
+                raw = part(xs[r], r) if p == r else self._ll12_take(r, half, 0, slot, p, moved[r], flag)
+                v = raw.view(dtype).astype(np.float32)
+                acc = v if acc is None else fn(acc, v)
+            reduced.append(acc.astype(dtype).view(np.uint8))
+        for r in range(n):                                                   # forward
+            for q in range(n):
+                if q != r:
+                    self._ll12_put(q, half, 1, slot, r, reduced[r], flag)
+        for r, (_, out, count) in enumerate(srcs):                           # gather (and own chunk)
+            result = np.zeros((n * chunk + 1) * L, np.uint8)
+            for p in range(n):
+                got = reduced[r] if p == r else self._ll12_take(r, half, 1, slot, p, moved[p], flag)
+                if length[p]:
+                    result[p * chunk * L:(p * chunk + length[p]) * L] = got
+            self.mem.bytes[out - BASE:out - BASE + nbytes] = result[:nbytes]
 
     def _reduction(self, kind, dt, red, grid, half, tails) -> None:
         n = self.n
@@ -662,7 +737,7 @@ def _fake_arrays(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("algo", ["ll", "ll12", "oneshot", "twoshot", "pipe"])
+@pytest.mark.parametrize("algo", ["ll", "ll12", "ll12_twoshot", "oneshot", "twoshot", "pipe"])
 @pytest.mark.parametrize("dtype, redop", [(bfloat16, "sum"), (np.float16, "max"), (np.float32, "min")])
 @pytest.mark.parametrize("count", [1, 13, 1023, 4099, 40_000])  # 40 000: several launches
 @pytest.mark.parametrize("in_place", [False, True])

@@ -100,12 +100,13 @@ def _allreduce_counts():
     return [(1, "auto"), (1023, "oneshot"), (4099, "twoshot"), (1023, "twoshot"), (4099, "oneshot"),
             (ONESHOT_MAX_BYTES // 2, "auto"), (ONESHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto"),
             (3, "ll"), (4099, "ll"), (LL_MAX_BYTES // 2, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll"),
-            (1, "pipe"), (4099, "pipe"), (300_001, "pipe"), (3, "ll12"), (4099, "ll12"), (70_001, "ll12")]
+            (1, "pipe"), (4099, "pipe"), (300_001, "pipe"), (3, "ll12"), (4099, "ll12"), (70_001, "ll12"),
+            (1, "ll12_twoshot"), (4099, "ll12_twoshot"), (300_001, "ll12_twoshot"), (700_001, "ll12_twoshot")]
 
 
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
 @pytest.mark.parametrize("redop", REDOPS)
-@pytest.mark.parametrize("case", range(18))
+@pytest.mark.parametrize("case", range(22))
 def test_allreduce(world, dtype, redop, case):
     import fluxrt
 
@@ -128,7 +129,8 @@ def test_allreduce(world, dtype, redop, case):
         world.free(src)
 
 
-def test_allreduce_ll12_past_the_16_bit_flag_wrap(world):
+@pytest.mark.parametrize("algo", ["ll12", "ll12_twoshot"])
+def test_allreduce_ll12_past_the_16_bit_flag_wrap(world, algo):
     """LL12 lines carry a 16-bit flag, (round mod 65535) + 1: more rounds than that stay correct because
     the receivers zero every line they read. Checks every 4096th round and the last 300."""
     import fluxrt
@@ -141,10 +143,28 @@ def test_allreduce_ll12_past_the_16_bit_flag_wrap(world):
         check = k % 4096 == 0 or k >= rounds - 300
         if check:
             out.fill(np.nan)
-        fluxrt.allreduce(world, x, out, op="sum", algo="ll12")
+        fluxrt.allreduce(world, x, out, op="sum", algo=algo)
         if check:
             world.synchronize()
-            _assert_reduced(_host(out), inputs, "sum", "bf16", f"allreduce ll12 round {k}")
+            _assert_reduced(_host(out), inputs, "sum", "bf16", f"allreduce {algo} round {k}")
+
+
+def test_allreduce_ll_algorithms_take_turns_on_one_buffer(world):
+    """LL, LL12 and the LL12 two-shot cut the LL buffer's halves differently; rounds of each, one after
+    another and of changing sizes, stay correct (every round leaves the buffer zeroed)."""
+    import fluxrt
+
+    turns = [("ll", 1000), ("ll12_twoshot", 100_003), ("ll12", 5001), ("ll12_twoshot", 7), ("ll", 77_777),
+             ("ll12", 120_001), ("ll12_twoshot", 500_000)]
+    xs = [(algo, _data(k, world, count, "bf16")) for k, (algo, count) in enumerate(turns)]
+    inputs = [_gather(world, x) for _, x in xs]
+    for rep in range(30):
+        for k, (algo, x) in enumerate(xs):
+            out = _poisoned(x.size, "bf16")
+            fluxrt.allreduce(world, x, out, op="sum", algo=algo)
+            if rep % 10 == 0 or rep == 29:
+                world.synchronize()
+                _assert_reduced(_host(out), inputs[k], "sum", "bf16", f"allreduce {algo} turn {k} repeat {rep}")
 
 
 # ---------------------------------------------------------------------------------------------- reduce_scatter
