@@ -8,7 +8,7 @@ Algorithms:
             round, twice the bytes on the wire), through a dedicated zeroed LL buffer;
   ll12      allreduce, the same with 6 data bytes and a 16-bit flag per cell: 12 message bytes per 16-byte
             line, 4/3 of the message on the wire (allreduce's LL rounds from ``Tuning.ll12_min_bytes``);
-  ll12_twoshot  allreduce above the LL rounds: reduce-scatter then allgather, both in LL12 lines, in one
+  ll12_twoshot  allreduce from 256 KiB to 4 MiB: reduce-scatter then allgather, both in LL12 lines, in one
             launch (2 (n-1)/n of the message on the wire, times 4/3, for one more NVLink trip);
   oneshot   allreduce: every rank pushes the whole message to every peer, reduces locally;
   twoshot   allreduce: reduce-scatter then allgather of the reduced chunks;
@@ -54,7 +54,8 @@ PIPE_BYTES_PER_BLOCK = 64 << 10
 PIPE_MAX_GRID = 64
 PIPE_DEPTH = 2
 PIPE_STEP_ALIGN = 4 << 10
-LL12_TWOSHOT_MAX_BYTES = 1 << 20
+LL12_TWOSHOT_MIN_BYTES = 256 << 10
+LL12_TWOSHOT_MAX_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,13 @@ class Tuning:
     line; a multiple of 32, at most LL12_MAX_THREADS threads). Graph replay on 4x H200 (bf16): from
     512 B to 256 KiB LL12 with 128 x up to 128 blocks took 3-13 % less than the 8-byte lines (4.16 ->
     3.78 us at 16 KiB, 5.18 -> 4.59 at 64 KiB), below 512 B 0.1-0.3 us more.
-    ll12_twoshot_max_bytes: allreduce messages above the LL rounds and up to this size run the LL12
-    two-shot ('ll12_twoshot'); 0: never. It also sizes the LL buffer (two regions of n slots of a 1/n
-    chunk per half). ll12_twoshot_threads / ll12_twoshot_max_grid: its blocks (a thread per line of a
-    chunk)."""
+    ll12_twoshot_min_bytes / ll12_twoshot_max_bytes: allreduce messages of this many bytes run the LL12
+    two-shot ('ll12_twoshot', ahead of the LL rounds); max 0: never. The max also sizes the LL buffer
+    (a half holds two regions of n slots of a 1/n chunk). ll12_twoshot_threads / ll12_twoshot_max_grid:
+    its blocks (a thread per line of a chunk). Graph replay on 4x H200 (bf16, one tuning job, b25e009):
+    against LL12 7.9 vs 9.8 us at 256 KiB (LL12 ahead at 128 KiB, 6.4 vs 7.2); against one-shot and
+    two-shot 10.4 vs 14.6 us at 512 KiB, 14.3 vs 19.7 at 1 MiB, 21.1 vs 26.8 at 2 MiB, 35.8 vs 36.0 at 4
+    MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB."""
 
     ll_max_bytes: int = LL_MAX_BYTES
     oneshot_max_bytes: int = ONESHOT_MAX_BYTES
@@ -98,8 +102,9 @@ class Tuning:
     ll12_min_bytes: int = 512
     ll12_threads: int = 128
     ll12_max_grid: int = 128
+    ll12_twoshot_min_bytes: int = LL12_TWOSHOT_MIN_BYTES
     ll12_twoshot_max_bytes: int = LL12_TWOSHOT_MAX_BYTES
-    ll12_twoshot_threads: int = 128
+    ll12_twoshot_threads: int = 512
     ll12_twoshot_max_grid: int = 128
 
     def __post_init__(self):
@@ -187,13 +192,14 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         if algo in LL_ALGOS and tuning.ll_max_bytes == 0:
             raise ValueError(f"{op}: algo {algo!r} needs an LL buffer (Tuning.ll_max_bytes > 0)")
         return algo
+    if (op == "allreduce" and world_size > 1 and tuning.ll_max_bytes > 0
+            and tuning.ll12_twoshot_min_bytes <= nbytes <= tuning.ll12_twoshot_max_bytes):
+        return "ll12_twoshot"
     if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
         ll12 = op == "allreduce" and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
         return "ll12" if ll12 else "ll"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
     if op == "allreduce":
-        if world_size > 1 and tuning.ll_max_bytes > 0 and nbytes <= tuning.ll12_twoshot_max_bytes:
-            return "ll12_twoshot"
         if nbytes <= tuning.oneshot_max_bytes or world_size == 1:
             return "oneshot"
         return "pipe" if pipe else "twoshot"

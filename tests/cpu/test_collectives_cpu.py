@@ -37,18 +37,24 @@ def test_plan_constants_mirror_the_kernel():
 
 
 def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
-    ll, t, ts = plan.LL_MAX_BYTES, plan.ONESHOT_MAX_BYTES, plan.LL12_TWOSHOT_MAX_BYTES
+    ll, t = plan.LL_MAX_BYTES, plan.ONESHOT_MAX_BYTES
+    ts_lo, ts_hi = plan.LL12_TWOSHOT_MIN_BYTES, plan.LL12_TWOSHOT_MAX_BYTES
+    assert ts_lo <= ll < ts_hi  # the two-shot takes over from LL12 inside the LL range
     assert plan.choose_algo("allreduce", 8, 4) == "ll"
     assert plan.choose_algo("allreduce", plan.DEFAULT_TUNING.ll12_min_bytes - 2, 4) == "ll"
     assert plan.choose_algo("allreduce", plan.DEFAULT_TUNING.ll12_min_bytes, 4) == "ll12"
-    assert plan.choose_algo("allreduce", ll, 4) == "ll12"
+    assert plan.choose_algo("allreduce", ts_lo - 2, 4) == "ll12"
+    assert plan.choose_algo("allreduce", ts_lo, 4) == "ll12_twoshot"
     assert plan.choose_algo("allreduce", ll + 2, 4) == "ll12_twoshot"
-    assert plan.choose_algo("allreduce", ts, 4) == "ll12_twoshot"
-    assert plan.choose_algo("allreduce", ts + 2, 4) == ("oneshot" if ts + 2 <= t else "twoshot")
+    assert plan.choose_algo("allreduce", ts_hi, 4) == "ll12_twoshot"
+    assert plan.choose_algo("allreduce", ts_lo, 1) == "oneshot"  # one rank
     no_ts = plan.Tuning(ll12_twoshot_max_bytes=0)
+    assert plan.choose_algo("allreduce", ll, 4, tuning=no_ts) == "ll12"
     assert plan.choose_algo("allreduce", ll + 2, 4, tuning=no_ts) == "oneshot"
     assert plan.choose_algo("allreduce", t, 4, tuning=no_ts) == "oneshot"
-    assert plan.choose_algo("allreduce", t + 2, 4) == ("twoshot" if t + 2 < plan.PIPE_MIN_BYTES else "pipe")
+    assert plan.choose_algo("allreduce", ll + 2, 4, tuning=plan.Tuning(ll_max_bytes=0)) == "oneshot"  # no LL buffer
+    assert plan.choose_algo("allreduce", t + 2, 4, tuning=no_ts) == ("twoshot" if t + 2 < plan.PIPE_MIN_BYTES else "pipe")
+    assert plan.choose_algo("allreduce", ts_hi + 2, 4) == ("twoshot" if ts_hi + 2 < plan.PIPE_MIN_BYTES else "pipe")
     assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4) == "pipe"
     assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4, tuning=plan.Tuning(pipe_min_bytes=0)) == "twoshot"
     assert plan.choose_algo("allreduce", 8, 1) == "oneshot"          # one rank: nothing to exchange
@@ -79,9 +85,12 @@ def test_tuning_moves_the_thresholds_and_validates():
     assert (tuned.ll_max_bytes, tuned.oneshot_max_bytes, tuned.bulk_max_grid) == (1024, 2 << 20, 128)
     assert plan.choose_algo("allreduce", 1024, 4, tuning=tuned) == "ll12"
     assert plan.choose_algo("allreduce", 256, 4, tuning=tuned) == "ll"
-    assert plan.choose_algo("allreduce", 1040, 4, tuning=tuned) == "ll12_twoshot"
-    assert plan.choose_algo("allreduce", 1040, 4, tuning=dataclasses.replace(tuned, ll12_twoshot_max_bytes=0)) == "oneshot"
-    assert plan.choose_algo("allreduce", 2 << 20, 4, tuning=tuned) == "oneshot"
+    assert plan.choose_algo("allreduce", 1040, 4, tuning=tuned) == "oneshot"
+    assert plan.choose_algo("allreduce", 1040, 4, tuning=dataclasses.replace(tuned, ll12_twoshot_min_bytes=1040)) == \
+        "ll12_twoshot"
+    assert plan.choose_algo("allreduce", 2 << 20, 4, tuning=tuned) == "ll12_twoshot"
+    assert plan.choose_algo("allreduce", 2 << 20, 4, tuning=dataclasses.replace(tuned, ll12_twoshot_max_bytes=0)) == \
+        "oneshot"
     assert plan.bulk_grid(1 << 30, tuned) == 128
     off = plan.Tuning(ll_max_bytes=0)
     assert plan.choose_algo("allreduce", 8, 4, tuning=off) == "oneshot"

@@ -93,15 +93,15 @@ def _symmetric_copy(world, x):
 
 # ---------------------------------------------------------------------------------------------- allreduce
 def _allreduce_counts():
-    from fluxrt.collectives_plan import LL_MAX_BYTES, ONESHOT_MAX_BYTES
+    from fluxrt.collectives_plan import LL12_TWOSHOT_MAX_BYTES, LL12_TWOSHOT_MIN_BYTES, LL_MAX_BYTES, ONESHOT_MAX_BYTES
 
-    # 1 element, odd sizes on every algorithm, sizes around the LL/one-shot/two-shot thresholds (bf16),
-    # and a forced LL message of several LL rounds
+    # 1 element, odd sizes on every algorithm, sizes around the LL/LL12 two-shot/two-shot thresholds (bf16),
+    # and forced LL and LL12 two-shot messages of several rounds
     return [(1, "auto"), (1023, "oneshot"), (4099, "twoshot"), (1023, "twoshot"), (4099, "oneshot"),
-            (ONESHOT_MAX_BYTES // 2, "auto"), (ONESHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto"),
-            (3, "ll"), (4099, "ll"), (LL_MAX_BYTES // 2, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll"),
+            (ONESHOT_MAX_BYTES // 2, "oneshot"), (LL12_TWOSHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto"),
+            (3, "ll"), (4099, "ll"), (LL12_TWOSHOT_MIN_BYTES // 4 - 1, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll"),
             (1, "pipe"), (4099, "pipe"), (300_001, "pipe"), (3, "ll12"), (4099, "ll12"), (70_001, "ll12"),
-            (1, "ll12_twoshot"), (4099, "ll12_twoshot"), (300_001, "ll12_twoshot"), (700_001, "ll12_twoshot")]
+            (1, "ll12_twoshot"), (4099, "ll12_twoshot"), (300_001, "ll12_twoshot"), (2_500_001, "ll12_twoshot")]
 
 
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
