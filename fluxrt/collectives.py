@@ -257,7 +257,7 @@ class Collectives:
         return fn
 
     def _launch(self, name: str, grid: int, args: tuple, block: int = plan.THREADS) -> PackedLaunch:
-        return PackedLaunch(self._kernel(name), grid, block, args)
+        return PackedLaunch(self._kernel(name), grid, block, args, pdl=bool(self.tuning.pdl))
 
     def _layout(self, op: str, algo: str, itemsize: int) -> plan.Layout:
         """Slots of the buffer half `algo` uses (LL rounds have their own buffer)."""

@@ -84,7 +84,10 @@ class Tuning:
     its blocks (a thread per line of a chunk). Graph replay on 4x H200 (bf16, one tuning job, b25e009):
     against LL12 7.9 vs 9.8 us at 256 KiB (LL12 ahead at 128 KiB, 6.4 vs 7.2); against one-shot and
     two-shot 10.4 vs 14.6 us at 512 KiB, 14.3 vs 19.7 at 1 MiB, 21.1 vs 26.8 at 2 MiB, 35.8 vs 36.0 at 4
-    MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB."""
+    MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB.
+    pdl: 1 launches every round with programmatic dependent launch (the round's grid is scheduled, and
+    takes its share of the round counter, while the kernel before it still runs; kernels/comm/
+    collectives.cu, "Programmatic dependent launch"); 0: plain launches."""
 
     ll_max_bytes: int = LL_MAX_BYTES
     oneshot_max_bytes: int = ONESHOT_MAX_BYTES
@@ -106,6 +109,7 @@ class Tuning:
     ll12_twoshot_max_bytes: int = LL12_TWOSHOT_MAX_BYTES
     ll12_twoshot_threads: int = 512
     ll12_twoshot_max_grid: int = 128
+    pdl: int = 1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -120,6 +124,8 @@ class Tuning:
             v = getattr(self, name)
             if not 32 <= v <= LL12_MAX_THREADS or v % 32:
                 raise ValueError(f"Tuning.{name} must be a multiple of 32 in [32, {LL12_MAX_THREADS}], got {v}")
+        if self.pdl not in (0, 1):
+            raise ValueError(f"Tuning.pdl must be 0 or 1, got {self.pdl}")
         if self.pipe_depth < 2:
             raise ValueError(f"Tuning.pipe_depth must be >= 2 (a block sends step j while step j - 1 is "
                              f"consumed), got {self.pipe_depth}")

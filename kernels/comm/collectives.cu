@@ -15,6 +15,14 @@
 // graph that captured the launch replays with fresh epochs. Each block advances the counter by its share
 // of one round (begin_round). Flags are never reset; waits compare with >=.
 //
+// Programmatic dependent launch (Tuning.pdl): launched with the attribute, a round's grid may be
+// scheduled while the kernel before it on the stream still runs, so the launch latency and the round's
+// atomic overlap that kernel's tail. Each block takes its share of the round counter, then lets the next
+// round's grid launch (griddepcontrol.launch_dependents, after the atomic returned), then waits for the
+// kernel before it to complete with its memory visible (griddepcontrol.wait) before it touches x, out,
+// the workspace, the LL buffer or a flag. The next round's atomics therefore follow all of this round's,
+// as the counter needs. Without the attribute both instructions do nothing.
+//
 // Workspace reuse: round e uses workspace half (e & 1). Two halves suffice: before a rank can write
 // half h in round e+2 it must finish round e+1, which needs every peer's round-(e+1) signal, and a
 // peer signals round e+1 only after its round-e kernel (and so all its reads of half h) completed
@@ -71,13 +79,24 @@ struct ExchangeTable {
 constexpr u64 kRoundShift = 20;
 constexpr u64 kRoundUnit = 1ull << kRoundShift;  // > kMaxBlocks: every block's share is at least 1
 
+// The first invocation by any thread of a block counts for the block: only the thread that took the
+// block's share of the round calls it, after the atomic's result came back.
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// This block's share of the round counter, as the old counter value (thread 0 only).
+__device__ __forceinline__ u64 take_round_share(u64* counter) {
+    const u64 share = kRoundUnit / gridDim.x;
+    return atomicAdd(counter, blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share);
+}
+
 __device__ __forceinline__ u64 begin_round(u64* counter) {
     __shared__ u64 e;
     if (threadIdx.x == 0) {
-        const u64 share = kRoundUnit / gridDim.x;
-        const u64 add = blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share;
-        e = (atomicAdd(counter, add) >> kRoundShift) + 1ull;
+        e = (take_round_share(counter) >> kRoundShift) + 1ull;
+        pdl_launch_dependents();  // after the share (e depends on the atomic's result)
     }
+    pdl_wait();                   // the kernel before this one on the stream has completed
     __syncthreads();
     return e;
 }
@@ -973,16 +992,18 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
     const char* src = reinterpret_cast<const char*>(x);
     const u64 bytes = count * sizeof(T), lines = lines12_of(bytes);
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
-    // stage begin: begin_round's atomic, the peer table and the first line of x, all in flight at once
+    // stage begin: begin_round's atomic, the peer table (set once, before any round) and the first line
+    // of x, all in flight at once (x after the PDL wait)
     u64 old = 0;
-    if (threadIdx.x == 0) {  // this block's share of the round, as begin_round
-        const u64 share = kRoundUnit / gridDim.x;
-        old = atomicAdd(t.epoch, blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share);
+    if (threadIdx.x == 0) old = take_round_share(t.epoch);
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
+    if (threadIdx.x == 0) {
+        s_round = (old >> kRoundShift) + 1ull;
+        pdl_launch_dependents();
     }
+    pdl_wait();
     u32 mine[3] = {0u, 0u, 0u};
     if (first < lines) load12(src, bytes, first, mine);
-    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-    if (threadIdx.x == 0) s_round = (old >> kRoundShift) + 1ull;
     __syncthreads();
     const u64 e = s_round;
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
@@ -1038,16 +1059,18 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
     auto len = [&](u32 q) { const u64 at = (u64)q * chunk; return at < lines ? (lines - at < chunk ? lines - at : chunk) : 0ull; };
     auto moved = [&](u32 q) { const u64 n = len(q); return n ? n : 1ull; };
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
-    // stage begin: the round's atomic, the peer table and this thread's first line of its own chunk
+    // stage begin: the round's atomic, the peer table and this thread's first line of its own chunk, as
+    // in allreduce_ll12
     u64 old = 0;
+    if (threadIdx.x == 0) old = take_round_share(t.epoch);
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
     if (threadIdx.x == 0) {
-        const u64 share = kRoundUnit / gridDim.x;
-        old = atomicAdd(t.epoch, blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share);
+        s_round = (old >> kRoundShift) + 1ull;
+        pdl_launch_dependents();
     }
+    pdl_wait();
     u32 mine[3] = {0u, 0u, 0u};
     if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine);
-    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-    if (threadIdx.x == 0) s_round = (old >> kRoundShift) + 1ull;
     __syncthreads();
     const u64 e = s_round;
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;

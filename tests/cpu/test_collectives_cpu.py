@@ -527,6 +527,44 @@ def test_packed_launch_keeps_each_argument_at_its_declared_width():
         PackedLaunch(None, 1, 32, (np.uint64(1), 5))
 
 
+def test_packed_launch_with_pdl_carries_the_programmatic_serialization_attribute():
+    from cuda.bindings import driver
+
+    from fluxrt.packed_launch import PackedLaunch
+
+    launch = PackedLaunch(None, grid=43, block=128, args=(np.uint64(1),), pdl=True)
+    config = launch._config
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (43, 1, 1)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ, config.sharedMemBytes) == (128, 1, 1, 0)
+    assert config.numAttrs == 1
+    (attr,) = config.attrs
+    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1
+    assert PackedLaunch(None, 1, 32, (np.uint64(1),))._config is None          # plain launch
+    assert plan.DEFAULT_TUNING.pdl == 1 and plan.Tuning.parse(["pdl=0"]).pdl == 0
+    with pytest.raises(ValueError, match="pdl"):
+        plan.Tuning(pdl=2)
+
+
+def test_every_collective_kernel_waits_for_the_previous_grid_before_touching_memory():
+    """PDL launches are only correct for kernels that take their round share, trigger the next launch and
+    wait (griddepcontrol.wait) before any access to x, out, the workspace, the LL buffer or flags: every
+    entry point goes through begin_round or the LL12 begin stage, and each of those has both."""
+    src = (kernel_root() / "comm" / "collectives.cu").read_text()
+    for m in re.finditer(r"__device__ (?:__forceinline__ )?u64 begin_round\(.*?\n}\n", src, re.S):
+        body = m.group(0)
+        assert body.index("take_round_share") < body.index("pdl_launch_dependents()") < body.index("pdl_wait()")
+    for fn in ("allreduce_ll12", "allreduce_ll12_twoshot"):
+        body = re.search(rf"__device__ void {fn}\(.*?\n}}\n", src, re.S).group(0)
+        share, trigger, wait = (body.index(k) for k in ("take_round_share", "pdl_launch_dependents()", "pdl_wait()"))
+        assert share < trigger < wait < body.index("load12(")
+    for device_fn in re.findall(r"^__device__ void (\w+)\(", src, re.M):
+        body = re.search(rf"__device__ void {device_fn}\(.*?\n}}\n", src, re.S).group(0)
+        if device_fn in ("copy_block", "reduce_slots", "reduce_sources", "push_chunks"):
+            continue  # helpers called after the begin stage
+        assert re.search(r"begin_round|begin_pipe|take_round_share", body), f"{device_fn} never begins a round"
+
+
 def test_collective_kernel_arguments_match_the_kernel_parameter_lists():
     """The host's team tuple has the fields of FLUXRT_TEAM_PARAMS, in order and width."""
     src = (kernel_root() / "comm" / "collectives.cu").read_text()

@@ -556,6 +556,65 @@ def test_graph_capture_and_replay(world):
         _assert_reduced(_host(piped), inputs, "sum", "bf16", f"graph replay {replay}: pipelined allreduce")
 
 
+@pytest.mark.parametrize("pdl", [1, 0])
+def test_rounds_chained_in_place_back_to_back_and_in_a_graph(world, pdl):
+    """Every round reads what the round before it wrote (in place, one stream, no host sync in between):
+    with programmatic dependent launch a round's grid is scheduled early and must still wait for the
+    previous kernel. Values stay exact in fp32: the first round gives n (n + 1) / 2, each later one
+    multiplies by n. Eager calls first, then the same chain captured in a graph and replayed."""
+    import fluxrt
+    from fluxrt.collectives_plan import Tuning
+
+    ctx = fluxrt.Collectives(world, fluxrt.CollectivesOptions(tuning=Tuning(pdl=pdl)))
+    try:
+        _chain_rounds(world, ctx, pdl)
+    finally:
+        ctx.free()
+
+
+def _chain_rounds(world, ctx, pdl):
+    import cupy
+
+    n, r = world.size, world.rank
+    algos = ["ll12_twoshot", "ll", "ll12", "oneshot", "twoshot", "ll12_twoshot", "pipe", "ll12", "auto"]
+    x = cupy.full(60_001, r + 1, dtype=cupy.float32)
+    s = cupy.cuda.Stream(non_blocking=True)
+    world.device.synchronize()
+    rounds = 0
+
+    def chain():
+        for algo in algos:
+            ctx.allreduce(x, x, stream=s, algo=algo)
+
+    def check(what):
+        want = n * (n + 1) / 2 * float(n) ** (rounds - 1)
+        got = _host(x)
+        bad = got != want
+        if bad.any():
+            i = int(np.argmax(bad))
+            pytest.fail(f"{what} after {rounds} rounds (pdl={pdl}): {int(bad.sum())} wrong; first at {i}: "
+                        f"got {got[i]}, want {want}")
+
+    chain()
+    rounds += len(algos)
+    s.synchronize()
+    world.check_errors()
+    check("eager chain")
+    s.begin_capture()
+    chain()
+    graph = s.end_capture()
+    for replay in range(2):
+        x.fill(r + 1)
+        rounds = 0
+        world.device.synchronize()
+        world.comm.Barrier()
+        graph.launch(s)
+        rounds += len(algos)
+        s.synchronize()
+        world.check_errors()
+        check(f"graph replay {replay}")
+
+
 # ---------------------------------------------------------------------------------------------- errors
 def test_mismatched_count_raises_on_every_rank(world):
     import fluxrt
