@@ -977,6 +977,38 @@ __device__ __forceinline__ bool take12(const Team& t, char* region, u64 slot_byt
     return true;
 }
 
+// Line j of this rank's reduction: `own` and line j of every peer's slot of `region` (taken), combined
+// in rank order in fp32 (every rank computes bitwise the same value), packed into r. false on a timeout.
+template <class E, int OP>
+__device__ __forceinline__ bool reduce_line12(const Team& t, char* region, u64 slot_bytes, u64 j, u64 f,
+                                              const u32 (&own)[3], u32 (&r)[3]) {
+    float acc[kLL12Data / sizeof(typename E::T)];
+    if (!take12(t, region, slot_bytes, j, f, everyone(t), own,
+                [&](u32 p, const u32 (&w)[3]) { accumulate12<E, OP>(acc, w, p); }))
+        return false;
+    pack12<E>(acc, r);
+    return true;
+}
+
+// Stage begin of the LL12 rounds: this block's share of the round counter (begin_round's, with its PDL
+// trigger and wait) and the peer table (set once, before any round) in flight together, then prefetch()
+// (a thread's first line of x: after the wait), then the block meets. Returns the round.
+template <class Prefetch>
+__device__ __forceinline__ u64 ll12_begin(const Team& t, u64 (&s_peer)[kMaxWorld], Prefetch prefetch) {
+    __shared__ u64 s_round;
+    u64 old = 0;
+    if (threadIdx.x == 0) old = take_round_share(t.epoch);
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
+    if (threadIdx.x == 0) {
+        s_round = (old >> kRoundShift) + 1ull;
+        pdl_launch_dependents();  // after the share (s_round depends on the atomic's result)
+    }
+    pdl_wait();
+    prefetch();
+    __syncthreads();
+    return s_round;
+}
+
 // Allreduce of `count` elements in LL12 lines: every rank pushes all of x into every peer's LL slot [rank]
 // and reduces the n contributions of each line in fp32 in rank order (every rank computes bitwise the
 // same value). One thread owns line j of every pair (in place: out == x is fine, the thread reads its own
@@ -985,27 +1017,13 @@ __device__ __forceinline__ bool take12(const Team& t, char* region, u64 slot_byt
 template <class E, int OP>
 __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* out, u64 count, u64 slot_bytes) {
     typedef typename E::T T;
-    constexpr u32 V = kLL12Data / sizeof(T);  // elements per line
     static_assert(kLL12Data % sizeof(T) == 0 && sizeof(T) <= 4, "whole elements per line, in 32-bit words");
-    __shared__ u64 s_round;
     __shared__ u64 s_peer[kMaxWorld];
     const char* src = reinterpret_cast<const char*>(x);
     const u64 bytes = count * sizeof(T), lines = lines12_of(bytes);
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
-    // stage begin: begin_round's atomic, the peer table (set once, before any round) and the first line
-    // of x, all in flight at once (x after the PDL wait)
-    u64 old = 0;
-    if (threadIdx.x == 0) old = take_round_share(t.epoch);
-    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-    if (threadIdx.x == 0) {
-        s_round = (old >> kRoundShift) + 1ull;
-        pdl_launch_dependents();
-    }
-    pdl_wait();
     u32 mine[3] = {0u, 0u, 0u};
-    if (first < lines) load12(src, bytes, first, mine);
-    __syncthreads();
-    const u64 e = s_round;
+    const u64 e = ll12_begin(t, s_peer, [&] { if (first < lines) load12(src, bytes, first, mine); });  // stage begin
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
     for (u64 j = first; j < lines; j += stride) {                                       // stage push
@@ -1019,12 +1037,8 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
     for (u64 j = first; j < lines; j += stride) {                                       // stage take
         u32 own[3] = {mine[0], mine[1], mine[2]};
         if (j != first) load12(src, bytes, j, own);
-        float acc[V];
-        const bool ok = take12(t, t.ll + half, slot_bytes, j, f, everyone(t), own,
-                               [&](u32 p, const u32 (&w)[3]) { accumulate12<E, OP>(acc, w, p); });
-        if (!ok) return;
         u32 r[3];
-        pack12<E>(acc, r);
+        if (!reduce_line12<E, OP>(t, t.ll + half, slot_bytes, j, f, own, r)) return;
         store12(reinterpret_cast<char*>(out), bytes, j, r);                              // stage store
     }
 }
@@ -1049,8 +1063,6 @@ template <class E, int OP>
 __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename E::T* out, u64 count,
                                        u64 slot_bytes) {
     typedef typename E::T T;
-    constexpr u32 V = kLL12Data / sizeof(T);
-    __shared__ u64 s_round;
     __shared__ u64 s_peer[kMaxWorld];
     const char* src = reinterpret_cast<const char*>(x);
     const u64 bytes = count * sizeof(T), lines = lines12_of(bytes);
@@ -1059,20 +1071,8 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
     auto len = [&](u32 q) { const u64 at = (u64)q * chunk; return at < lines ? (lines - at < chunk ? lines - at : chunk) : 0ull; };
     auto moved = [&](u32 q) { const u64 n = len(q); return n ? n : 1ull; };
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
-    // stage begin: the round's atomic, the peer table and this thread's first line of its own chunk, as
-    // in allreduce_ll12
-    u64 old = 0;
-    if (threadIdx.x == 0) old = take_round_share(t.epoch);
-    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-    if (threadIdx.x == 0) {
-        s_round = (old >> kRoundShift) + 1ull;
-        pdl_launch_dependents();
-    }
-    pdl_wait();
-    u32 mine[3] = {0u, 0u, 0u};
-    if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine);
-    __syncthreads();
-    const u64 e = s_round;
+    u32 mine[3] = {0u, 0u, 0u};  // stage begin, with this thread's first line of its own chunk
+    const u64 e = ll12_begin(t, s_peer, [&] { if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine); });
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
     const u64 region1 = (u64)t.world * slot_bytes;
@@ -1089,12 +1089,8 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
     for (u64 j = first; j < moved(t.rank); j += stride) {                               // stage reduce
         u32 own[3] = {mine[0], mine[1], mine[2]};
         if (j != first && j < len(t.rank)) load12(src, bytes, t.rank * chunk + j, own);
-        float acc[V];
-        const bool ok = take12(t, t.ll + half, slot_bytes, j, f, everyone(t), own,
-                               [&](u32 p, const u32 (&w)[3]) { accumulate12<E, OP>(acc, w, p); });
-        if (!ok) return;
         u32 r[3];
-        pack12<E>(acc, r);
+        if (!reduce_line12<E, OP>(t, t.ll + half, slot_bytes, j, f, own, r)) return;
         if (j < len(t.rank)) store12(reinterpret_cast<char*>(out), bytes, t.rank * chunk + j, r);
         for (u32 s = 1; s < t.world; ++s) {                                             // stage forward
             const u32 q = (t.rank + s) % t.world;
