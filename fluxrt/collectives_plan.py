@@ -38,7 +38,7 @@ LL_DATA_BYTES = 8     # kLLData: message bytes per LL line
 LL_LINE_BYTES = 16    # kLLLine: bytes of a line on the wire
 LL12_DATA_BYTES = 12  # kLL12Data: message bytes per line of the LL12 allreduce
 LL_ALGOS = ("ll", "ll12", "ll12_twoshot")  # algorithms that run through the LL buffer
-LL12_MAX_THREADS = 512  # the LL12 kernels' registers (71 and 106 on sm_90a) allow at most 512 threads a block
+LL12_MAX_THREADS = 512  # the LL12 kernels' registers (84 and 112 on sm_90a) allow at most 512 threads a block
 
 # Defaults of Tuning (see there).
 LL_MAX_BYTES = 256 << 10
@@ -316,7 +316,8 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
     if slot < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slots} slots")
     if algo == "ll12_twoshot":  # a slot holds one line per line of a chunk: n chunks of 12 bytes a line
-        return Layout(slot_bytes=slot, max_elems=max(1, slot // LL_LINE_BYTES * world_size * LL12_DATA_BYTES // itemsize))
+        lines = slot // LL_LINE_BYTES
+        return Layout(slot_bytes=slot, max_elems=max(1, lines * world_size * LL12_DATA_BYTES // itemsize))
     if algo in LL_ALGOS:  # ll12 lines carry 12 bytes: slots sized for 8 a line hold its pieces too
         return Layout(slot_bytes=slot, max_elems=max(1, _floor(slot // 2, LL_DATA_BYTES) // itemsize))
     if algo == "pipe":  # the ring recycles its entries: one launch moves any size

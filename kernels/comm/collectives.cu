@@ -84,21 +84,25 @@ constexpr u64 kRoundUnit = 1ull << kRoundShift;  // > kMaxBlocks: every block's 
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// This block's share of the round counter, as the old counter value (thread 0 only).
-__device__ __forceinline__ u64 take_round_share(u64* counter) {
-    const u64 share = kRoundUnit / gridDim.x;
-    return atomicAdd(counter, blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share);
-}
-
-__device__ __forceinline__ u64 begin_round(u64* counter) {
+// prefetch(): each thread's first loads (of x, of the peer tables), issued after the PDL wait and before
+// the block meets, so that they are in flight together.
+template <class Prefetch>
+__device__ __forceinline__ u64 begin_round(u64* counter, Prefetch prefetch) {
     __shared__ u64 e;
     if (threadIdx.x == 0) {
-        e = (take_round_share(counter) >> kRoundShift) + 1ull;
+        const u64 share = kRoundUnit / gridDim.x;
+        const u64 add = blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share;
+        e = (atomicAdd(counter, add) >> kRoundShift) + 1ull;
         pdl_launch_dependents();  // after the share (e depends on the atomic's result)
     }
     pdl_wait();                   // the kernel before this one on the stream has completed
+    prefetch();
     __syncthreads();
     return e;
+}
+
+__device__ __forceinline__ u64 begin_round(u64* counter) {
+    return begin_round(counter, [] {});
 }
 
 __device__ __forceinline__ u64 half_offset(const Team& t, u64 e) { return (e & 1ull) * t.half_bytes; }
@@ -853,9 +857,9 @@ __device__ void exchange_ll(Team t, const ExchangeTable& tab, u64 slot_bytes) {
 // line of half e & 1 is written in round e only by round e's sender (a round-(e+2) sender writes it only
 // after this rank's round-e kernel ended). The flag (e mod 65535) + 1 is never zero; comparing it with the
 // round's is the same extra check as the LL rounds' 32-bit flag.
-// Latency: the epoch atomic, the peer-table loads and this thread's first line of x do not depend on each
-// other and are issued together, before the block meets; the take loads one line from up to kTakeBatch
-// peers at once and then spins only on those that are not complete yet.
+// Latency: the peer-table loads and this thread's first line of x are begin_round's prefetch, in flight
+// together before the block meets (the round's atomic came before the PDL wait); the take loads one line
+// from up to kTakeBatch peers at once and then spins only on those that are not complete yet.
 // Slots are the LL rounds' (Layout of 'll', sized for 8 message bytes a line, so 12 a line fit).
 constexpr u32 kLL12Data = 12;  // message bytes per line (two cells of 6)
 constexpr u32 kTakeBatch = 8;  // peers whose line a thread loads before it checks any of them
@@ -990,25 +994,6 @@ __device__ __forceinline__ bool reduce_line12(const Team& t, char* region, u64 s
     return true;
 }
 
-// Stage begin of the LL12 rounds: this block's share of the round counter (begin_round's, with its PDL
-// trigger and wait) and the peer table (set once, before any round) in flight together, then prefetch()
-// (a thread's first line of x: after the wait), then the block meets. Returns the round.
-template <class Prefetch>
-__device__ __forceinline__ u64 ll12_begin(const Team& t, u64 (&s_peer)[kMaxWorld], Prefetch prefetch) {
-    __shared__ u64 s_round;
-    u64 old = 0;
-    if (threadIdx.x == 0) old = take_round_share(t.epoch);
-    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-    if (threadIdx.x == 0) {
-        s_round = (old >> kRoundShift) + 1ull;
-        pdl_launch_dependents();  // after the share (s_round depends on the atomic's result)
-    }
-    pdl_wait();
-    prefetch();
-    __syncthreads();
-    return s_round;
-}
-
 // Allreduce of `count` elements in LL12 lines: every rank pushes all of x into every peer's LL slot [rank]
 // and reduces the n contributions of each line in fp32 in rank order (every rank computes bitwise the
 // same value). One thread owns line j of every pair (in place: out == x is fine, the thread reads its own
@@ -1023,7 +1008,10 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
     const u64 bytes = count * sizeof(T), lines = lines12_of(bytes);
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
     u32 mine[3] = {0u, 0u, 0u};
-    const u64 e = ll12_begin(t, s_peer, [&] { if (first < lines) load12(src, bytes, first, mine); });  // stage begin
+    const u64 e = begin_round(t.epoch, [&] {                                            // stage begin
+        for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
+        if (first < lines) load12(src, bytes, first, mine);
+    });
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
     for (u64 j = first; j < lines; j += stride) {                                       // stage push
@@ -1071,8 +1059,11 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
     auto len = [&](u32 q) { const u64 at = (u64)q * chunk; return at < lines ? (lines - at < chunk ? lines - at : chunk) : 0ull; };
     auto moved = [&](u32 q) { const u64 n = len(q); return n ? n : 1ull; };
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
-    u32 mine[3] = {0u, 0u, 0u};  // stage begin, with this thread's first line of its own chunk
-    const u64 e = ll12_begin(t, s_peer, [&] { if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine); });
+    u32 mine[3] = {0u, 0u, 0u};  // this thread's first line of its own chunk
+    const u64 e = begin_round(t.epoch, [&] {                                            // stage begin
+        for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
+        if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine);
+    });
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
     const u64 region1 = (u64)t.world * slot_bytes;
@@ -1085,7 +1076,6 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
             ll12_put(ll_line(reinterpret_cast<char*>(s_peer[q]), half, t.rank, slot_bytes, j), w, flag_bits);
         }
     }
-    const u32 others = everyone(t) & ~(1u << t.rank);
     for (u64 j = first; j < moved(t.rank); j += stride) {                               // stage reduce
         u32 own[3] = {mine[0], mine[1], mine[2]};
         if (j != first && j < len(t.rank)) load12(src, bytes, t.rank * chunk + j, own);
@@ -1102,7 +1092,7 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
         for (u32 p = 0; p < t.world; ++p)
             if (p != t.rank && j < moved(p)) peers |= 1u << p;
         const u32 none[3] = {0u, 0u, 0u};
-        const bool ok = take12(t, t.ll + half + region1, slot_bytes, j, f, peers & others, none,
+        const bool ok = take12(t, t.ll + half + region1, slot_bytes, j, f, peers, none,
                                [&](u32 p, const u32 (&w)[3]) {
                                    if (j < len(p)) store12(reinterpret_cast<char*>(out), bytes, p * chunk + j, w);
                                });

@@ -549,22 +549,21 @@ def test_packed_launch_with_pdl_carries_the_programmatic_serialization_attribute
 def test_every_collective_kernel_waits_for_the_previous_grid_before_touching_memory():
     """PDL launches are only correct for kernels that take their round share, trigger the next launch and
     wait (griddepcontrol.wait) before any access to x, out, the workspace, the LL buffer or flags: every
-    entry point goes through begin_round or the LL12 begin stage, and each of those has both."""
+    entry point goes through begin_round, which has both, before its prefetch of the first loads."""
     src = (kernel_root() / "comm" / "collectives.cu").read_text()
-    for m in re.finditer(r"__device__ (?:__forceinline__ )?u64 begin_round\(.*?\n}\n", src, re.S):
-        body = m.group(0)
-        assert body.index("take_round_share") < body.index("pdl_launch_dependents()") < body.index("pdl_wait()")
-    begin = re.search(r"__device__ __forceinline__ u64 ll12_begin\(.*?\n}\n", src, re.S).group(0)
-    share, trigger, wait = (begin.index(k) for k in ("take_round_share", "pdl_launch_dependents()", "pdl_wait()"))
-    assert share < trigger < wait < begin.index("prefetch();")
-    for fn in ("allreduce_ll12", "allreduce_ll12_twoshot"):  # their first loads of x run as ll12_begin's prefetch
+    begins = re.findall(r"__device__ __forceinline__ u64 begin_round\(u64\* counter, Prefetch prefetch\) \{.*?\n}\n", src, re.S)
+    assert len(begins) == 1
+    share, trigger, wait = (begins[0].index(k) for k in ("atomicAdd(counter", "pdl_launch_dependents()", "pdl_wait()"))
+    assert share < trigger < wait < begins[0].index("prefetch();")
+    for fn in ("allreduce_ll12", "allreduce_ll12_twoshot"):  # their first loads of x run as begin_round's prefetch
         body = re.search(rf"__device__ void {fn}\(.*?\n}}\n", src, re.S).group(0)
-        assert "ll12_begin(t, s_peer, [&] {" in body and body.index("ll12_begin") < body.index("// stage push")
+        assert "begin_round(t.epoch, [&] {" in body and body.index("begin_round") < body.index("load12(")
+        assert body.index("begin_round") < body.index("// stage push")
     for device_fn in re.findall(r"^__device__ void (\w+)\(", src, re.M):
         body = re.search(rf"__device__ void {device_fn}\(.*?\n}}\n", src, re.S).group(0)
         if device_fn in ("copy_block", "reduce_slots", "reduce_sources", "push_chunks"):
             continue  # helpers called after the begin stage
-        assert re.search(r"begin_round|begin_pipe|ll12_begin", body), f"{device_fn} never begins a round"
+        assert re.search(r"begin_round|begin_pipe", body), f"{device_fn} never begins a round"
 
 
 def test_collective_kernel_arguments_match_the_kernel_parameter_lists():
