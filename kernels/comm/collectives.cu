@@ -1009,8 +1009,8 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
     u32 mine[3] = {0u, 0u, 0u};
     const u64 e = begin_round(t.epoch, [&] {                                            // stage begin
+        if (first < lines) load12(src, bytes, first, mine);  // first: the table's shared stores wait
         for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-        if (first < lines) load12(src, bytes, first, mine);
     });
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
@@ -1061,8 +1061,8 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
     u32 mine[3] = {0u, 0u, 0u};  // this thread's first line of its own chunk
     const u64 e = begin_round(t.epoch, [&] {                                            // stage begin
+        if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine);  // as allreduce_ll12
         for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-        if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine);
     });
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
