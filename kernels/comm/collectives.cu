@@ -84,15 +84,20 @@ constexpr u64 kRoundUnit = 1ull << kRoundShift;  // > kMaxBlocks: every block's 
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// prefetch(): each thread's first loads (of x, of the peer tables), issued after the PDL wait and before
-// the block meets, so that they are in flight together.
-template <class Prefetch>
-__device__ __forceinline__ u64 begin_round(u64* counter, Prefetch prefetch) {
+// Hooks for a kernel's first loads, in flight beside the round's atomic: constant() loads what was set
+// before any round (the peer tables), so it may run before the PDL wait; prefetch() (a first line of x)
+// runs after it. Both before the block meets.
+template <class Constant, class Prefetch>
+__device__ __forceinline__ u64 begin_round(u64* counter, Constant constant, Prefetch prefetch) {
     __shared__ u64 e;
+    u64 old = 0;
     if (threadIdx.x == 0) {
         const u64 share = kRoundUnit / gridDim.x;
-        const u64 add = blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share;
-        e = (atomicAdd(counter, add) >> kRoundShift) + 1ull;
+        old = atomicAdd(counter, blockIdx.x == 0 ? kRoundUnit - share * (gridDim.x - 1) : share);
+    }
+    constant();
+    if (threadIdx.x == 0) {
+        e = (old >> kRoundShift) + 1ull;
         pdl_launch_dependents();  // after the share (e depends on the atomic's result)
     }
     pdl_wait();                   // the kernel before this one on the stream has completed
@@ -102,7 +107,7 @@ __device__ __forceinline__ u64 begin_round(u64* counter, Prefetch prefetch) {
 }
 
 __device__ __forceinline__ u64 begin_round(u64* counter) {
-    return begin_round(counter, [] {});
+    return begin_round(counter, [] {}, [] {});
 }
 
 __device__ __forceinline__ u64 half_offset(const Team& t, u64 e) { return (e & 1ull) * t.half_bytes; }
@@ -857,8 +862,8 @@ __device__ void exchange_ll(Team t, const ExchangeTable& tab, u64 slot_bytes) {
 // line of half e & 1 is written in round e only by round e's sender (a round-(e+2) sender writes it only
 // after this rank's round-e kernel ended). The flag (e mod 65535) + 1 is never zero; comparing it with the
 // round's is the same extra check as the LL rounds' 32-bit flag.
-// Latency: the peer-table loads and this thread's first line of x are begin_round's prefetch, in flight
-// together before the block meets (the round's atomic came before the PDL wait); the take loads one line
+// Latency: the peer-table loads go beside the round's atomic (before the PDL wait) and this thread's first
+// line of x right after the wait, all before the block meets; the take loads one line
 // from up to kTakeBatch peers at once and then spins only on those that are not complete yet.
 // Slots are the LL rounds' (Layout of 'll', sized for 8 message bytes a line, so 12 a line fit).
 constexpr u32 kLL12Data = 12;  // message bytes per line (two cells of 6)
@@ -1008,10 +1013,9 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
     const u64 bytes = count * sizeof(T), lines = lines12_of(bytes);
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
     u32 mine[3] = {0u, 0u, 0u};
-    const u64 e = begin_round(t.epoch, [&] {                                            // stage begin
-        if (first < lines) load12(src, bytes, first, mine);  // first: the table's shared stores wait
-        for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-    });
+    const u64 e = begin_round(                                                           // stage begin
+        t.epoch, [&] { for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q]; },
+        [&] { if (first < lines) load12(src, bytes, first, mine); });
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
     for (u64 j = first; j < lines; j += stride) {                                       // stage push
@@ -1060,10 +1064,9 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
     auto moved = [&](u32 q) { const u64 n = len(q); return n ? n : 1ull; };
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
     u32 mine[3] = {0u, 0u, 0u};  // this thread's first line of its own chunk
-    const u64 e = begin_round(t.epoch, [&] {                                            // stage begin
-        if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine);  // as allreduce_ll12
-        for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q];
-    });
+    const u64 e = begin_round(                                                           // stage begin
+        t.epoch, [&] { for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) s_peer[q] = t.ll_peers[q]; },
+        [&] { if (first < len(t.rank)) load12(src, bytes, t.rank * chunk + first, mine); });
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
     const u64 region1 = (u64)t.world * slot_bytes;

@@ -551,13 +551,15 @@ def test_every_collective_kernel_waits_for_the_previous_grid_before_touching_mem
     wait (griddepcontrol.wait) before any access to x, out, the workspace, the LL buffer or flags: every
     entry point goes through begin_round, which has both, before its prefetch of the first loads."""
     src = (kernel_root() / "comm" / "collectives.cu").read_text()
-    begins = re.findall(r"__device__ __forceinline__ u64 begin_round\(u64\* counter, Prefetch prefetch\) \{.*?\n}\n", src, re.S)
+    begins = re.findall(r"__device__ __forceinline__ u64 begin_round\(u64\* counter, Constant constant, Prefetch "
+                        r"prefetch\) \{.*?\n}\n", src, re.S)
     assert len(begins) == 1
     share, trigger, wait = (begins[0].index(k) for k in ("atomicAdd(counter", "pdl_launch_dependents()", "pdl_wait()"))
     assert share < trigger < wait < begins[0].index("prefetch();")
     for fn in ("allreduce_ll12", "allreduce_ll12_twoshot"):  # their first loads of x run as begin_round's prefetch
         body = re.search(rf"__device__ void {fn}\(.*?\n}}\n", src, re.S).group(0)
-        assert "begin_round(t.epoch, [&] {" in body and body.index("begin_round") < body.index("load12(")
+        assert re.search(r"begin_round\(\s*// stage begin\s*t\.epoch, \[&\] \{", body)
+        assert body.index("begin_round") < body.index("load12(")
         assert body.index("begin_round") < body.index("// stage push")
     for device_fn in re.findall(r"^__device__ void (\w+)\(", src, re.M):
         body = re.search(rf"__device__ void {device_fn}\(.*?\n}}\n", src, re.S).group(0)
