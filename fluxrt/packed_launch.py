@@ -85,12 +85,13 @@ class PackedLaunch:
 
         func, config, params = driver.CUfunction(self.kernel.kernel.ptr), self._config, self._params_ptr
         launch_ex, stream, ok = driver.cuLaunchKernelEx, driver.CUstream, driver.CUresult.CUDA_SUCCESS
+        what = f"{getattr(self.kernel, 'name', 'kernel')} ({self.grid} x {self.block} threads)"
 
         def enqueue(stream_ptr: int) -> None:
             config.hStream = stream(stream_ptr)
             (err,) = launch_ex(config, func, params, 0)
             if err != ok:
-                raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: {err!r}")
+                raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) of {what} failed: {err!r}")
 
         self._func, self._driver_launch = func, enqueue
 
