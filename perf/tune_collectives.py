@@ -5,7 +5,8 @@ What it prints picks the thresholds and grid sizes of ``fluxrt.collectives_plan.
     fluxrt-run -n 4 -- python3 perf/tune_collectives.py allreduce -b 8 -e 4M \\
         --config algo=ll --config algo=oneshot --config algo=twoshot,bulk_max_grid=128 -G 10 --json t.json
 
-A config is comma-separated key=value: ``algo`` (see collectives_plan.ALGOS) and any Tuning field.
+A config is comma-separated key=value: ``algo`` (see collectives_plan.ALGOS), ``ws`` (the context's
+workspace bytes, default 64M) and any Tuning field.
 Every configuration is checked once per size against the expected values before it is timed.
 """
 from __future__ import annotations
@@ -16,19 +17,26 @@ import sys
 import time
 
 
+DEFAULT_WORKSPACE = 64 << 20
+
+
 def parse_config(text: str):
+    """(algo, workspace bytes, Tuning) of one --config."""
     from fluxrt.collectives_plan import Tuning
+    from fluxrt.symmetric import parse_bytes
 
     items = [t for t in text.split(",") if t]
-    algo = "auto"
+    algo, ws = "auto", DEFAULT_WORKSPACE
     rest = []
     for item in items:
         key, _, value = item.partition("=")
         if key == "algo":
             algo = value
+        elif key == "ws":
+            ws = int(parse_bytes(value))
         else:
             rest.append(item)
-    return algo, Tuning.parse(rest)
+    return algo, ws, Tuning.parse(rest)
 
 
 def host_us(run, case, stream, calls: int) -> float:
@@ -66,14 +74,14 @@ def main(argv=None) -> int:
     esize = dtype.itemsize
     op = args.collective
     redop = opts.op if op in bench.REDUCING else "none"
-    heap = 3 * opts.maxbytes + (len(configs) + 1) * (80 << 20) + (512 << 20)
+    heap = 3 * opts.maxbytes + sum(ws + (32 << 20) for _, _, ws, _ in configs) + (600 << 20)
     options = fluxrt.WorldOptions(heap_size=heap, check_collective_args=False)
     rows = []
     with fluxrt.init(options=options) as world:
         n = world.size
-        runners = [bench.FluxrtRunner(world, op, algo, redop if op in bench.REDUCING else "sum", 0, 64 << 20,
-                                      args.symmetric, tuning) for _, algo, tuning in configs]
-        names = [c for c, _, _ in configs]
+        runners = [bench.FluxrtRunner(world, op, algo, redop if op in bench.REDUCING else "sum", 0, ws,
+                                      args.symmetric, tuning) for _, algo, ws, tuning in configs]
+        names = [c for c, _, _, _ in configs]
         if not args.no_nccl:
             runners.append(bench.NcclRunner(world, op, opts.op, 0))
             names.append("nccl")

@@ -37,7 +37,7 @@ using fluxrt::u64;
 
 namespace {
 
-constexpr u32 kMaxBlocks = 128;  // flag slots per (phase, source rank); launches use <= this many blocks
+constexpr u32 kMaxBlocks = 256;  // flag slots per (phase, source rank); launches use <= this many blocks
 constexpr u32 kMaxWorld = 32;    // ranks an exchange table describes (one NVLink domain)
 constexpr u32 kVecBytes = 16;    // one vector load/store
 constexpr u32 kFlagPhases = 6;   // flag arrays per (source rank, block): staged 0-1, pipelined 2-5
