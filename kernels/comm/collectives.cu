@@ -41,6 +41,14 @@ constexpr u32 kMaxBlocks = 256;  // flag slots per (phase, source rank); launche
 constexpr u32 kMaxWorld = 32;    // ranks an exchange table describes (one NVLink domain)
 constexpr u32 kVecBytes = 16;    // one vector load/store
 constexpr u32 kFlagPhases = 6;   // flag arrays per (source rank, block): staged 0-1, pipelined 2-5
+#ifndef FLUXRT_PUSH_UNROLL
+#define FLUXRT_PUSH_UNROLL 4
+#endif
+#ifndef FLUXRT_REDUCE_UNROLL
+#define FLUXRT_REDUCE_UNROLL 1
+#endif
+constexpr u32 kPushUnroll = FLUXRT_PUSH_UNROLL;      // a sender's 16-byte loads in flight per thread
+constexpr u32 kReduceUnroll = FLUXRT_REDUCE_UNROLL;  // vectors a reducer thread reduces per pass
 
 enum ReduceOp { kSum = 0, kMax = 1, kMin = 2 };
 
@@ -147,7 +155,9 @@ __device__ __forceinline__ bool wait_peers(const Team& t, u32 phase, u64 e) {
 __device__ __forceinline__ uint4 ld_cv(const uint4* p) { return __ldcv(p); }
 
 // The block copies `bytes` from src to dst: 16-byte vectors when both share 16-byte alignment, 4-byte
-// words when they share 4-byte alignment, bytes otherwise. `fresh_src`: src holds pushed data.
+// words when they share 4-byte alignment, bytes otherwise. `fresh_src`: src holds pushed data. kUnroll:
+// 16-byte loads in flight per thread before the first store.
+template <u32 kUnroll = 4>
 __device__ void copy_block(char* __restrict__ dst, const char* __restrict__ src, u64 bytes, bool fresh_src) {
     const u64 a = reinterpret_cast<u64>(dst), b = reinterpret_cast<u64>(src);
     if (((a ^ b) & 15ull) == 0) {
@@ -157,7 +167,6 @@ __device__ void copy_block(char* __restrict__ dst, const char* __restrict__ src,
         const u64 nvec = (bytes - head) / kVecBytes;
         const uint4* s = reinterpret_cast<const uint4*>(src + head);
         uint4* d = reinterpret_cast<uint4*>(dst + head);
-        constexpr u32 kUnroll = 4;  // loads in flight per thread before the first store
         u64 i = threadIdx.x;
         for (; i + (kUnroll - 1) * blockDim.x < nvec; i += kUnroll * blockDim.x) {
             uint4 r[kUnroll];
@@ -228,24 +237,30 @@ __device__ __forceinline__ float combine(float a, float b) {
     return fminf(a, b);
 }
 
+// acc (op)= the elements of one 16-byte vector; p == 0 starts the accumulation.
+template <class E, int OP>
+__device__ __forceinline__ void accumulate_vec(float (&acc)[E::kPerVec], const uint4& raw, u32 p) {
+    const typename E::T* x = reinterpret_cast<const typename E::T*>(&raw);
+#pragma unroll
+    for (u32 k = 0; k < E::kPerVec; ++k) acc[k] = p == 0 ? E::to_f(x[k]) : combine<OP>(acc[k], E::to_f(x[k]));
+}
+
+template <class E>
+__device__ __forceinline__ uint4 pack_vec(const float (&acc)[E::kPerVec]) {
+    uint4 res;
+    typename E::T* r = reinterpret_cast<typename E::T*>(&res);
+#pragma unroll
+    for (u32 k = 0; k < E::kPerVec; ++k) r[k] = E::from_f(acc[k]);
+    return res;
+}
+
 // One 16-byte vector of the reduction over n sources: vector *at(p) of each source p, fp32 in rank order
 // (every rank computes bitwise the same value). Loads bypass L1 (.cv): sources may hold pushed data.
 template <class E, int OP, class At>
 __device__ __forceinline__ uint4 reduce_vec(u32 n, At at) {
-    typedef typename E::T T;
-    constexpr u32 V = E::kPerVec;
-    float acc[V];
-    for (u32 p = 0; p < n; ++p) {
-        uint4 raw = ld_cv(at(p));
-        const T* x = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-        for (u32 k = 0; k < V; ++k) acc[k] = p == 0 ? E::to_f(x[k]) : combine<OP>(acc[k], E::to_f(x[k]));
-    }
-    uint4 res;
-    T* r = reinterpret_cast<T*>(&res);
-#pragma unroll
-    for (u32 k = 0; k < V; ++k) r[k] = E::from_f(acc[k]);
-    return res;
+    float acc[E::kPerVec];
+    for (u32 p = 0; p < n; ++p) accumulate_vec<E, OP>(acc, ld_cv(at(p)), p);
+    return pack_vec<E>(acc);
 }
 
 // The same for one element *at(p) of each source.
@@ -259,6 +274,28 @@ __device__ __forceinline__ typename E::T reduce_elem(u32 n, At at) {
     return E::from_f(acc);
 }
 
+// store(v, vector v of the reduction) for v < nvec, source p's vectors from src(p). A thread takes
+// kReduceUnroll vectors at a time, the loads of one source for all of them in flight together.
+template <class E, int OP, class Src, class Store>
+__device__ __forceinline__ void reduce_vectors(u32 n, u64 nvec, Src src, Store store) {
+    constexpr u32 U = kReduceUnroll;
+    u64 v = threadIdx.x;
+    for (; v + (U - 1) * blockDim.x < nvec; v += U * blockDim.x) {
+        float acc[U][E::kPerVec];
+        for (u32 p = 0; p < n; ++p) {
+            const uint4* s = src(p) + v;
+            uint4 raw[U];
+#pragma unroll
+            for (u32 u = 0; u < U; ++u) raw[u] = ld_cv(s + u * blockDim.x);
+#pragma unroll
+            for (u32 u = 0; u < U; ++u) accumulate_vec<E, OP>(acc[u], raw[u], p);
+        }
+#pragma unroll
+        for (u32 u = 0; u < U; ++u) store(v + u * blockDim.x, pack_vec<E>(acc[u]));
+    }
+    for (; v < nvec; v += blockDim.x) store(v, reduce_vec<E, OP>(n, [&](u32 p) { return src(p) + v; }));
+}
+
 // out[i] = slot_0[i] op slot_1[i] op ... op slot_{n-1}[i] for i in [lo, hi), accumulated in fp32 in rank
 // order (every rank computes bitwise the same value). Slots are `slot_stride` bytes apart from `slots`.
 template <class E, int OP>
@@ -270,11 +307,9 @@ __device__ void reduce_slots(typename E::T* out, const char* slots, u64 slot_str
     u64 i = lo;
     if (vec_ok) {
         const u64 nvec = (hi - lo) / V;
-        for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
-            const u64 at = (lo + v * V) / V;
-            reinterpret_cast<uint4*>(out)[at] = reduce_vec<E, OP>(
-                n, [&](u32 p) { return reinterpret_cast<const uint4*>(slots + p * slot_stride) + at; });
-        }
+        reduce_vectors<E, OP>(
+            n, nvec, [&](u32 p) { return reinterpret_cast<const uint4*>(slots + p * slot_stride) + lo / V; },
+            [&](u64 v, const uint4& res) { reinterpret_cast<uint4*>(out)[lo / V + v] = res; });
         i = lo + nvec * V;
     }
     for (u64 j = i + threadIdx.x; j < hi; j += blockDim.x)
@@ -546,7 +581,7 @@ __device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, 
             for (u32 s = 1; s < t.world; ++s) {                                        // stage push
                 const u32 q = (t.rank + s) % t.world;
                 if (!((mask >> q) & 1u)) continue;
-                copy_block(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j),
+                copy_block<kPushUnroll>(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j),
                            reinterpret_cast<const char*>(tab.send_ptr[q]) + lo[q] + j * step,
                            step_len(len[q], step, j), false);
             }
@@ -582,10 +617,10 @@ __device__ void reduce_sources(char* const* dst, u32 ndst, const char* const* sr
     for (u32 p = 0; p < n; ++p) any |= reinterpret_cast<u64>(src[p]);
     for (u32 d = 0; d < ndst; ++d) any |= reinterpret_cast<u64>(dst[d]);
     const u64 nvec = (any & 15ull) == 0 ? count / V : 0;
-    for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
-        const uint4 res = reduce_vec<E, OP>(n, [&](u32 p) { return reinterpret_cast<const uint4*>(src[p]) + v; });
-        for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dst[d])[v] = res;
-    }
+    reduce_vectors<E, OP>(n, nvec, [&](u32 p) { return reinterpret_cast<const uint4*>(src[p]); },
+                          [&](u64 v, const uint4& res) {
+                              for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dst[d])[v] = res;
+                          });
     for (u64 k = nvec * V + threadIdx.x; k < count; k += blockDim.x) {
         const T r = reduce_elem<E, OP>(n, [&](u32 p) { return reinterpret_cast<const volatile T*>(src[p]) + k; });
         for (u32 d = 0; d < ndst; ++d) reinterpret_cast<T*>(dst[d])[k] = r;
@@ -629,7 +664,7 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
                 const u32 q = (t.rank + s) % t.world;
                 if (!((mask >> q) & 1u)) continue;
                 const u64 src = (two_phase ? q * chunk : q * chunk_stride) + lo + j * step;
-                copy_block(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j), reinterpret_cast<const char*>(x + src),
+                copy_block<kPushUnroll>(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j), reinterpret_cast<const char*>(x + src),
                            step_len(len[q], step, j) * sizeof(T), false);
             }
             pipe_signal(t, pp, kReady0, pipe_value(pp.e, j), mask);
