@@ -349,8 +349,7 @@ class Collectives:
             tail = {"ll": (), "pipe": self._pipe_tail(p, 1)}.get(algo, (np.int32(algo == "direct"),))
             tab = np.zeros(1, _TABLE_DTYPE)
             table_fn(p, tab.view(np.uint64).reshape(_TABLE_ROWS, plan.MAX_WORLD))
-            launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + slot + tail,
-                                         block=plan.block_threads(algo, self.tuning)))
+            launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + slot + tail))
         return tuple(launches)
 
     # --- reductions -------------------------------------------------------------------------------
@@ -431,7 +430,7 @@ class Collectives:
             return team + (_u64(a.data.ptr + p.start * isz), _u64(c), _u64(o.data.ptr + p.start * isz),
                            _u64(p.count), _u64(lay.slot_bytes)) + (self._pipe_tail(p, isz) if chosen == "pipe" else ())
 
-        launches = tuple(self._launch(name, p.grid, args(p), block=plan.block_threads(chosen, self.tuning))
+        launches = tuple(self._launch(name, p.grid, args(p))
                          for p in _pieces("reduce_scatter", chosen, c, isz, n, lay, self.tuning))
         return launches, o
 

@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 # Mirrors of kernels/comm/collectives.cu.
-MAX_BLOCKS = 256      # kMaxBlocks: flag slots per (phase, source rank)
+MAX_BLOCKS = 128      # kMaxBlocks: flag slots per (phase, source rank)
 MAX_WORLD = 32        # kMaxWorld: ranks an exchange table describes
 VEC_BYTES = 16        # kVecBytes
 THREADS = 512
@@ -72,8 +72,7 @@ class Tuning:
     pipe_min_bytes: pipelined rounds from this message size up (allreduce above one-shot; the other ops
     where they do not go direct); 0 turns them off. pipe_depth: ring entries per slice (>= 2);
     pipe_bytes_per_block / pipe_max_grid: slices of the message (a block per slice and role).
-    pipe_max_step: cap on the bytes of a ring entry (0: as large as the workspace allows). pipe_threads:
-    threads of a pipelined round's blocks (a multiple of 32, at most THREADS).
+    pipe_max_step: cap on the bytes of a ring entry (0: as large as the workspace allows).
     ll12_min_bytes: allreduce's LL rounds of at least this many bytes use the LL12 lines (12 message
     bytes per 16-byte line, 'll12'); 0: never. ll12_threads / ll12_max_grid: its blocks (a thread per
     line; a multiple of 32, at most LL12_MAX_THREADS threads). Graph replay on 4x H200 (bf16): from
@@ -103,7 +102,6 @@ class Tuning:
     pipe_max_grid: int = PIPE_MAX_GRID
     pipe_depth: int = PIPE_DEPTH
     pipe_max_step: int = 0
-    pipe_threads: int = THREADS
     ll12_min_bytes: int = 512
     ll12_threads: int = 128
     ll12_max_grid: int = 128
@@ -122,11 +120,10 @@ class Tuning:
                      "pipe_max_grid"):
             if not 1 <= getattr(self, name) <= MAX_BLOCKS:
                 raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
-        for name, most in (("ll12_threads", LL12_MAX_THREADS), ("ll12_twoshot_threads", LL12_MAX_THREADS),
-                           ("pipe_threads", THREADS)):
+        for name in ("ll12_threads", "ll12_twoshot_threads"):
             v = getattr(self, name)
-            if not 32 <= v <= most or v % 32:
-                raise ValueError(f"Tuning.{name} must be a multiple of 32 in [32, {most}], got {v}")
+            if not 32 <= v <= LL12_MAX_THREADS or v % 32:
+                raise ValueError(f"Tuning.{name} must be a multiple of 32 in [32, {LL12_MAX_THREADS}], got {v}")
         if self.pdl not in (0, 1):
             raise ValueError(f"Tuning.pdl must be 0 or 1, got {self.pdl}")
         if self.pipe_depth < 2:
@@ -280,8 +277,7 @@ def ll12_twoshot_grid(nbytes: int, world_size: int, tuning: Tuning = DEFAULT_TUN
 
 def block_threads(algo: str, tuning: Tuning = DEFAULT_TUNING) -> int:
     """Threads per block of a launch of `algo`."""
-    return {"ll12": tuning.ll12_threads, "ll12_twoshot": tuning.ll12_twoshot_threads,
-            "pipe": tuning.pipe_threads}.get(algo, THREADS)
+    return {"ll12": tuning.ll12_threads, "ll12_twoshot": tuning.ll12_twoshot_threads}.get(algo, THREADS)
 
 
 def _grid(algo: str, bytes_per_peer: int, tuning: Tuning) -> int:

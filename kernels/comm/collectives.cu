@@ -37,18 +37,13 @@ using fluxrt::u64;
 
 namespace {
 
-constexpr u32 kMaxBlocks = 256;  // flag slots per (phase, source rank); launches use <= this many blocks
+constexpr u32 kMaxBlocks = 128;  // flag slots per (phase, source rank); launches use <= this many blocks
 constexpr u32 kMaxWorld = 32;    // ranks an exchange table describes (one NVLink domain)
 constexpr u32 kVecBytes = 16;    // one vector load/store
 constexpr u32 kFlagPhases = 6;   // flag arrays per (source rank, block): staged 0-1, pipelined 2-5
-#ifndef FLUXRT_PUSH_UNROLL
-#define FLUXRT_PUSH_UNROLL 4
-#endif
-#ifndef FLUXRT_REDUCE_UNROLL
-#define FLUXRT_REDUCE_UNROLL 1
-#endif
-constexpr u32 kPushUnroll = FLUXRT_PUSH_UNROLL;      // a sender's 16-byte loads in flight per thread
-constexpr u32 kReduceUnroll = FLUXRT_REDUCE_UNROLL;  // vectors a reducer thread reduces per pass
+// Vectors a thread reduces at a time (their loads of one source in flight together). 4 against 1: the
+// staged two-shot allreduce 6-12 % faster from 32 MiB on 4x H200; the pipelined rounds unchanged.
+constexpr u32 kReduceUnroll = 4;
 
 enum ReduceOp { kSum = 0, kMax = 1, kMin = 2 };
 
@@ -155,9 +150,7 @@ __device__ __forceinline__ bool wait_peers(const Team& t, u32 phase, u64 e) {
 __device__ __forceinline__ uint4 ld_cv(const uint4* p) { return __ldcv(p); }
 
 // The block copies `bytes` from src to dst: 16-byte vectors when both share 16-byte alignment, 4-byte
-// words when they share 4-byte alignment, bytes otherwise. `fresh_src`: src holds pushed data. kUnroll:
-// 16-byte loads in flight per thread before the first store.
-template <u32 kUnroll = 4>
+// words when they share 4-byte alignment, bytes otherwise. `fresh_src`: src holds pushed data.
 __device__ void copy_block(char* __restrict__ dst, const char* __restrict__ src, u64 bytes, bool fresh_src) {
     const u64 a = reinterpret_cast<u64>(dst), b = reinterpret_cast<u64>(src);
     if (((a ^ b) & 15ull) == 0) {
@@ -167,6 +160,7 @@ __device__ void copy_block(char* __restrict__ dst, const char* __restrict__ src,
         const u64 nvec = (bytes - head) / kVecBytes;
         const uint4* s = reinterpret_cast<const uint4*>(src + head);
         uint4* d = reinterpret_cast<uint4*>(dst + head);
+        constexpr u32 kUnroll = 4;  // loads in flight per thread before the first store (8: no faster)
         u64 i = threadIdx.x;
         for (; i + (kUnroll - 1) * blockDim.x < nvec; i += kUnroll * blockDim.x) {
             uint4 r[kUnroll];
@@ -581,7 +575,7 @@ __device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, 
             for (u32 s = 1; s < t.world; ++s) {                                        // stage push
                 const u32 q = (t.rank + s) % t.world;
                 if (!((mask >> q) & 1u)) continue;
-                copy_block<kPushUnroll>(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j),
+                copy_block(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j),
                            reinterpret_cast<const char*>(tab.send_ptr[q]) + lo[q] + j * step,
                            step_len(len[q], step, j), false);
             }
@@ -664,7 +658,7 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
                 const u32 q = (t.rank + s) % t.world;
                 if (!((mask >> q) & 1u)) continue;
                 const u64 src = (two_phase ? q * chunk : q * chunk_stride) + lo + j * step;
-                copy_block<kPushUnroll>(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j), reinterpret_cast<const char*>(x + src),
+                copy_block(peer_ws(t, q) + pp.entry(t, 0, q, t.rank, j), reinterpret_cast<const char*>(x + src),
                            step_len(len[q], step, j) * sizeof(T), false);
             }
             pipe_signal(t, pp, kReady0, pipe_value(pp.e, j), mask);
