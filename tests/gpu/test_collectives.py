@@ -96,17 +96,19 @@ def _allreduce_counts():
     from fluxrt.collectives_plan import LL12_TWOSHOT_MAX_BYTES, LL12_TWOSHOT_MIN_BYTES, LL_MAX_BYTES, ONESHOT_MAX_BYTES
 
     # 1 element, odd sizes on every algorithm, sizes around the LL/LL12 two-shot/two-shot thresholds (bf16),
-    # and forced LL and LL12 two-shot messages of several rounds
+    # forced LL and LL12 two-shot messages of several rounds, and two-shot and pipelined messages whose blocks
+    # reduce more vectors than one unrolled pass (kReduceUnroll x threads) with a remainder
     return [(1, "auto"), (1023, "oneshot"), (4099, "twoshot"), (1023, "twoshot"), (4099, "oneshot"),
             (ONESHOT_MAX_BYTES // 2, "oneshot"), (LL12_TWOSHOT_MAX_BYTES // 2 + 8 * 3 + 1, "auto"),
             (3, "ll"), (4099, "ll"), (LL12_TWOSHOT_MIN_BYTES // 4 - 1, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll"),
             (1, "pipe"), (4099, "pipe"), (300_001, "pipe"), (3, "ll12"), (4099, "ll12"), (70_001, "ll12"),
-            (1, "ll12_twoshot"), (4099, "ll12_twoshot"), (300_001, "ll12_twoshot"), (2_500_001, "ll12_twoshot")]
+            (1, "ll12_twoshot"), (4099, "ll12_twoshot"), (300_001, "ll12_twoshot"), (2_500_001, "ll12_twoshot"),
+            (3_000_001, "twoshot"), (5_000_001, "pipe")]
 
 
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
 @pytest.mark.parametrize("redop", REDOPS)
-@pytest.mark.parametrize("case", range(22))
+@pytest.mark.parametrize("case", range(len(_allreduce_counts())))
 def test_allreduce(world, dtype, redop, case):
     import fluxrt
 
@@ -172,7 +174,8 @@ def test_allreduce_ll_algorithms_take_turns_on_one_buffer(world):
 @pytest.mark.parametrize("redop", REDOPS)
 @pytest.mark.parametrize("chunk, in_place, algo", [(1, False, "auto"), (1023, True, "auto"), (4099, False, "auto"),
                                                   (70_001, True, "auto"), (4099, True, "ll"), (70_001, False, "ll"),
-                                                  (1023, False, "push"), (1, False, "pipe"), (70_001, True, "pipe")])
+                                                  (1023, False, "push"), (1, False, "pipe"), (70_001, True, "pipe"),
+                                                  (1_500_007, False, "push"), (1_500_007, True, "pipe")])
 def test_reduce_scatter(world, dtype, redop, chunk, in_place, algo):
     import fluxrt
 
