@@ -54,6 +54,7 @@ PIPE_BYTES_PER_BLOCK = 64 << 10
 PIPE_MAX_GRID = 64
 PIPE_DEPTH = 2
 PIPE_STEP_ALIGN = 4 << 10
+PIPE_MAX_STEP = 64 << 10
 LL12_TWOSHOT_MIN_BYTES = 256 << 10
 LL12_TWOSHOT_MAX_BYTES = 4 << 20
 
@@ -72,7 +73,12 @@ class Tuning:
     pipe_min_bytes: pipelined rounds from this message size up (allreduce above one-shot; the other ops
     where they do not go direct); 0 turns them off. pipe_depth: ring entries per slice (>= 2);
     pipe_bytes_per_block / pipe_max_grid: slices of the message (a block per slice and role).
-    pipe_max_step: cap on the bytes of a ring entry (0: as large as the workspace allows).
+    pipe_max_step: cap on the bytes of a ring entry of the pipelined exchange ops and reduce_scatter (0: as
+    large as the workspace allows). With the perf CLI's 256 MiB workspace on 4x H200 (bf16), 64 KiB took
+    5-14 % less than uncapped entries from 128 MiB (allgather 1 GiB 2524 vs 2651 us, reduce_scatter 2526
+    vs 2628), 128 or 256 KiB in between. allreduce_pipe_max_step: the same cap for allreduce, whose steps
+    pass three blocks (sender, reducer, receiver): there 64 KiB took 5-7 % longer than 128 KiB or more
+    (1 GiB 5216 vs 4874-4883 us), so it is uncapped.
     ll12_min_bytes: allreduce's LL rounds of at least this many bytes use the LL12 lines (12 message
     bytes per 16-byte line, 'll12'); 0: never. ll12_threads / ll12_max_grid: its blocks (a thread per
     line; a multiple of 32, at most LL12_MAX_THREADS threads). Graph replay on 4x H200 (bf16): from
@@ -101,7 +107,8 @@ class Tuning:
     pipe_bytes_per_block: int = PIPE_BYTES_PER_BLOCK
     pipe_max_grid: int = PIPE_MAX_GRID
     pipe_depth: int = PIPE_DEPTH
-    pipe_max_step: int = 0
+    pipe_max_step: int = PIPE_MAX_STEP
+    allreduce_pipe_max_step: int = 0
     ll12_min_bytes: int = 512
     ll12_threads: int = 128
     ll12_max_grid: int = 128
@@ -356,7 +363,8 @@ def _pipe_piece(op: str, start: int, count: int, pair_bytes: int, lay: Layout, t
     slices = pipe_slices(pair_bytes, roles, tuning)
     slice_bytes = _ceil_div(_ceil_div(pair_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
     try:
-        step = pipe_step(lay.slot_bytes, slices, tuning.pipe_depth, slice_bytes, tuning.pipe_max_step)
+        cap = tuning.allreduce_pipe_max_step if op == "allreduce" else tuning.pipe_max_step
+        step = pipe_step(lay.slot_bytes, slices, tuning.pipe_depth, slice_bytes, cap)
     except ValueError as e:
         raise ValueError(f"{op} of {count} elements ({pair_bytes} bytes per pair), pipelined: {e}") from None
     return Piece(start, count, roles * slices, chunk, step)

@@ -580,3 +580,20 @@ def test_collective_kernel_arguments_match_the_kernel_parameter_lists():
     base = re.search(r"self\._team_base = \((.*?)\)\n", init, re.S).group(1)
     host = [4 if w == "_u32" else 8 for w in re.findall(r"(_u64|_u32)\(", base)] + [4]  # + the op id (u32)
     assert host == widths, (params, host)
+
+
+@pytest.mark.parametrize("op", ["allgather", "reduce_scatter", "alltoall", "allreduce"])
+def test_pipe_step_caps_per_op(op):
+    n, itemsize, half = 4, 2, 128 << 20  # the perf CLI's 256 MiB workspace
+    count = (1 << 30) // itemsize // (1 if op == "allreduce" else n)
+    lay = plan.layout(op, "pipe", half, n, itemsize)
+    (p,) = plan.pieces(op, "pipe", count, itemsize, n, lay)
+    slices = p.grid // plan.pipe_roles(op)
+    uncapped = plan.pipe_step(lay.slot_bytes, slices, plan.PIPE_DEPTH, 1 << 30)
+    assert uncapped > plan.PIPE_MAX_STEP
+    # exchange ops and reduce_scatter: 64 KiB entries; allreduce: as large as the workspace allows
+    assert p.step == (uncapped if op == "allreduce" else plan.PIPE_MAX_STEP)
+    field = "allreduce_pipe_max_step" if op == "allreduce" else "pipe_max_step"
+    t = plan.Tuning(**{field: 32 << 10})
+    (q,) = plan.pieces(op, "pipe", count, itemsize, n, lay, t)
+    assert q.step == 32 << 10
