@@ -6,7 +6,7 @@ What it prints picks the thresholds and grid sizes of ``fluxrt.collectives_plan.
         --config algo=ll --config algo=oneshot --config algo=twoshot,bulk_max_grid=128 -G 10 --json t.json
 
 A config is comma-separated key=value: ``algo`` (see collectives_plan.ALGOS), ``ws`` (the context's
-workspace bytes, default 64M) and any Tuning field.
+workspace bytes, default CollectivesOptions.workspace_bytes) and any Tuning field.
 Every configuration is checked once per size against the expected values before it is timed.
 """
 from __future__ import annotations
@@ -17,16 +17,14 @@ import sys
 import time
 
 
-DEFAULT_WORKSPACE = 64 << 20
-
-
 def parse_config(text: str):
     """(algo, workspace bytes, Tuning) of one --config."""
+    from fluxrt.collectives import CollectivesOptions
     from fluxrt.collectives_plan import Tuning
     from fluxrt.symmetric import parse_bytes
 
     items = [t for t in text.split(",") if t]
-    algo, ws = "auto", DEFAULT_WORKSPACE
+    algo, ws = "auto", CollectivesOptions().workspace_bytes
     rest = []
     for item in items:
         key, _, value = item.partition("=")
