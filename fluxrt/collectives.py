@@ -271,6 +271,10 @@ class Collectives:
         exchange, elements for the reductions) and the ring depth."""
         return _u64(p.step // unit), _u32(self.tuning.pipe_depth)
 
+    def _ring_tail(self, p: plan.Piece, itemsize: int) -> tuple:
+        """The last two arguments of a ring kernel: elements per ring entry and the ring depth."""
+        return _u64(p.step // itemsize), _u32(self.tuning.ring_depth)
+
     def _order_after_previous(self, s) -> None:
         """Make stream `s` wait for the previous call when it ran on another stream (shared workspace)."""
         last = self._last_stream
@@ -386,6 +390,8 @@ class Collectives:
                 args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes))
             elif chosen == "pipe":
                 args = team + (xp, op_, _u64(p.count), _u64(p.chunk), _u64(lay.slot_bytes)) + self._pipe_tail(p, isz)
+            elif chosen == "ring":
+                args = team + (xp, op_, _u64(p.count), _u64(p.chunk)) + self._ring_tail(p, isz)
             else:
                 args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
             launches.append(self._launch(name, p.grid, args, block=plan.block_threads(chosen, self.tuning)))
@@ -421,12 +427,14 @@ class Collectives:
         _agree(world, "reduce_scatter", sig, err)
         a, o, dt, red, c, chosen = got
         lay = self._layout("reduce_scatter", chosen, a.itemsize)
-        prefix = {"ll": "ll_", "pipe": "pipe_"}.get(chosen, "")
+        prefix = {"ll": "ll_", "pipe": "pipe_", "ring": "ring_"}.get(chosen, "")
         name = f"fluxrt_reduce_scatter_{prefix}{dt}_{red}"
         team = self._teams["reduce_scatter"]
         isz = a.itemsize
 
         def args(p):
+            if chosen == "ring":
+                return team + (_u64(a.data.ptr), _u64(o.data.ptr), _u64(c)) + self._ring_tail(p, isz)
             return team + (_u64(a.data.ptr + p.start * isz), _u64(c), _u64(o.data.ptr + p.start * isz),
                            _u64(p.count), _u64(lay.slot_bytes)) + (self._pipe_tail(p, isz) if chosen == "pipe" else ())
 

@@ -17,6 +17,10 @@ Algorithms:
             peers' workspace slots, pushes of one step overlapping the consumption of earlier ones
             (allreduce: reduce-scatter and allgather phases in the same pass);
   direct    allgather / alltoall / broadcast into symmetric outputs: pushes straight into the peers' outputs.
+  ring      allreduce, reduce_scatter: chunks travel the ring rank -> rank + 1, reduced on the way (as NCCL's
+            ring), each block streaming its slice through a ring of steps in the next rank's workspace.
+            Every rank pushes to one peer only, which the fabric carries faster than all-to-all pushes;
+            sums are rounded to the dtype at each hop.
 The thresholds and grid sizes are a ``Tuning`` (``CollectivesOptions.tuning``), to be set from measured
 crossover points (``fluxrt-perf allreduce --algo ll`` vs ``--algo oneshot`` ..., ``--tune key=value``).
 """
@@ -57,6 +61,9 @@ PIPE_STEP_ALIGN = 4 << 10
 PIPE_MAX_STEP = 64 << 10
 LL12_TWOSHOT_MIN_BYTES = 256 << 10
 LL12_TWOSHOT_MAX_BYTES = 4 << 20
+RING_MAX_GRID = 64
+RING_STEP = 64 << 10
+RING_DEPTH = 2
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,11 @@ class Tuning:
     against LL12 7.9 vs 9.8 us at 256 KiB (LL12 ahead at 128 KiB, 6.4 vs 7.2); against one-shot and
     two-shot 10.4 vs 14.6 us at 512 KiB, 14.3 vs 19.7 at 1 MiB, 21.1 vs 26.8 at 2 MiB, 35.8 vs 36.0 at 4
     MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB.
+    ring_min_bytes: allreduce and reduce_scatter messages of at least this many bytes run the ring
+    ('ring', ahead of the pipelined rounds); 0: never. ring_max_grid: its blocks (one per slice of a chunk,
+    a slice per pipe_bytes_per_block of a chunk); ring_step: bytes per ring entry (at most; the workspace
+    half holds ring_depth entries per block); ring_depth: entries per block (>= 2: a rank sends a stage
+    while the next rank reads the one before).
     pdl: 1 launches every round with programmatic dependent launch (the round's grid is scheduled, and
     takes its share of the round counter, while the kernel before it still runs; kernels/comm/
     collectives.cu, "Programmatic dependent launch"); 0: plain launches."""
@@ -116,6 +128,10 @@ class Tuning:
     ll12_twoshot_max_bytes: int = LL12_TWOSHOT_MAX_BYTES
     ll12_twoshot_threads: int = 512
     ll12_twoshot_max_grid: int = 128
+    ring_min_bytes: int = 0
+    ring_max_grid: int = RING_MAX_GRID
+    ring_step: int = RING_STEP
+    ring_depth: int = RING_DEPTH
     pdl: int = 1
 
     def __post_init__(self):
@@ -124,7 +140,7 @@ class Tuning:
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
         for name in ("oneshot_max_grid", "bulk_max_grid", "ll_max_grid", "ll12_max_grid", "ll12_twoshot_max_grid",
-                     "pipe_max_grid"):
+                     "pipe_max_grid", "ring_max_grid"):
             if not 1 <= getattr(self, name) <= MAX_BLOCKS:
                 raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
         for name in ("ll12_threads", "ll12_twoshot_threads"):
@@ -133,6 +149,11 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be a multiple of 32 in [32, {LL12_MAX_THREADS}], got {v}")
         if self.pdl not in (0, 1):
             raise ValueError(f"Tuning.pdl must be 0 or 1, got {self.pdl}")
+        if self.ring_depth < 2:
+            raise ValueError(f"Tuning.ring_depth must be >= 2 (a rank sends stage s + 1 while the next rank "
+                             f"reads stage s), got {self.ring_depth}")
+        if self.ring_step < VEC_BYTES:
+            raise ValueError(f"Tuning.ring_step must be >= {VEC_BYTES}, got {self.ring_step}")
         if self.pipe_depth < 2:
             raise ValueError(f"Tuning.pipe_depth must be >= 2 (a block sends step j while step j - 1 is "
                              f"consumed), got {self.pipe_depth}")
@@ -170,8 +191,8 @@ DEFAULT_TUNING = Tuning()
 
 REDUCE_OPS = ("sum", "max", "min")
 ALGOS = {
-    "allreduce": ("ll", "oneshot", "twoshot", "pipe", "ll12", "ll12_twoshot"),
-    "reduce_scatter": ("ll", "push", "pipe"),
+    "allreduce": ("ll", "oneshot", "twoshot", "pipe", "ll12", "ll12_twoshot", "ring"),
+    "reduce_scatter": ("ll", "push", "pipe", "ring"),
     "allgather": ("ll", "push", "direct", "pipe"),
     "alltoall": ("ll", "push", "direct", "pipe"),
     "alltoallv": ("ll", "push", "pipe"),
@@ -211,6 +232,9 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
     if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
         ll12 = op == "allreduce" and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
         return "ll12" if ll12 else "ll"
+    if (op in ("allreduce", "reduce_scatter") and world_size > 1 and tuning.ring_min_bytes > 0
+            and nbytes >= tuning.ring_min_bytes):
+        return "ring"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
     if op == "allreduce":
         if nbytes <= tuning.oneshot_max_bytes or world_size == 1:
@@ -258,6 +282,27 @@ def pipe_step(slot_bytes: int, slices: int, depth: int, slice_bytes: int, max_st
     if _ceil_div(slice_bytes, step) >= (1 << PIPE_STEP_BITS) - 1:
         raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} - 1 steps or more of "
                          f"{step} bytes: enlarge the workspace")
+    return step
+
+
+def ring_slices(chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """Blocks of a ring round: one per slice of a chunk."""
+    return max(1, min(tuning.ring_max_grid, _ceil_div(chunk_bytes, tuning.pipe_bytes_per_block)))
+
+
+def ring_step(half_bytes: int, slices: int, world_size: int, chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """Bytes per ring entry of a ring round: at most tuning.ring_step, and the workspace half holds
+    ring_depth entries per slice; the entries one rank sends per slice and round (2 (n - 1) stages of
+    every piece for allreduce) stay below 2**PIPE_STEP_BITS - 1."""
+    step = min(tuning.ring_step, half_bytes // (slices * tuning.ring_depth))
+    step = _floor(step, PIPE_STEP_ALIGN) if step >= PIPE_STEP_ALIGN else _floor(step, VEC_BYTES)
+    if step < VEC_BYTES:
+        raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slices} slices x "
+                         f"{tuning.ring_depth} ring entries")
+    slice_bytes = _ceil_div(_ceil_div(chunk_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
+    if _ceil_div(slice_bytes, step) * 2 * max(1, world_size - 1) >= (1 << PIPE_STEP_BITS) - 1:
+        raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} - 1 ring entries or "
+                         f"more of {step} bytes: enlarge the workspace")
     return step
 
 
@@ -329,6 +374,8 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
         return Layout(slot_bytes=slot, max_elems=max(1, _floor(slot // 2, LL_DATA_BYTES) // itemsize))
     if algo == "pipe":  # the ring recycles its entries: one launch moves any size
         return Layout(slot_bytes=slot, max_elems=1 << 62)
+    if algo == "ring":  # one ring per block, from the previous rank only: the whole half is one slot
+        return Layout(slot_bytes=_floor(half_bytes, VEC_BYTES), max_elems=1 << 62)
     per_slot = slot // itemsize
     max_elems = per_slot * world_size if algo == "twoshot" else per_slot
     return Layout(slot_bytes=slot, max_elems=max_elems)
@@ -349,8 +396,11 @@ def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay:
             out.append(Piece(start, n, ll12_grid(n * itemsize, tuning)))
         elif algo == "ll12_twoshot":
             out.append(Piece(start, n, ll12_twoshot_grid(n * itemsize, world_size, tuning)))
-        else:  # two-shot and pipe: a chunk per rank, whole 16-byte vectors
+        else:  # two-shot, pipe and ring: a chunk per rank, whole 16-byte vectors
             chunk = _ceil_div(_ceil_div(n, world_size), vec) * vec
+            if algo == "ring":
+                out.append(_ring_piece("allreduce", start, n, chunk, itemsize, world_size, lay, tuning))
+                continue
             out.append(_pipe_piece("allreduce", start, n, chunk * itemsize, lay, tuning, chunk) if algo == "pipe"
                        else Piece(start, n, bulk_grid(chunk * itemsize, tuning), chunk))
     return out
@@ -368,6 +418,17 @@ def _pipe_piece(op: str, start: int, count: int, pair_bytes: int, lay: Layout, t
     except ValueError as e:
         raise ValueError(f"{op} of {count} elements ({pair_bytes} bytes per pair), pipelined: {e}") from None
     return Piece(start, count, roles * slices, chunk, step)
+
+
+def _ring_piece(op: str, start: int, count: int, chunk: int, itemsize: int, world_size: int, lay: Layout,
+                tuning: Tuning) -> Piece:
+    """The one launch of a ring round: a block per slice of a chunk of `chunk` elements."""
+    slices = ring_slices(chunk * itemsize, tuning)
+    try:
+        step = ring_step(lay.slot_bytes, slices, world_size, chunk * itemsize, tuning)
+    except ValueError as e:
+        raise ValueError(f"{op} of {count} elements, ring: {e}") from None
+    return Piece(start, count, slices, chunk, step)
 
 
 def direct_pieces(per_peer: int, itemsize: int, tuning: Tuning = DEFAULT_TUNING) -> list[Piece]:
@@ -405,6 +466,8 @@ def pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: 
         return allreduce_pieces(count, itemsize, world_size, algo, lay, tuning)
     if algo == "direct":
         return direct_pieces(count, itemsize, tuning)
+    if algo == "ring":  # reduce_scatter: `count` elements per rank's chunk
+        return [_ring_piece(op, 0, count, count, itemsize, world_size, lay, tuning)] if count else []
     if algo == "pipe":  # alltoallv: `count` is the largest pair (0: marker steps only)
         return [_pipe_piece(op, 0, count, count * itemsize, lay, tuning)] if count or op == "alltoallv" else []
     if op == "alltoallv":
@@ -427,4 +490,4 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
 
 __all__ = ["ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
            "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
-           "bulk_grid", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]
+           "bulk_grid", "ring_slices", "ring_step", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]

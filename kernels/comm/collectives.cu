@@ -44,6 +44,9 @@ constexpr u32 kFlagPhases = 6;   // flag arrays per (source rank, block): staged
 // Vectors a thread reduces at a time (their loads of one source in flight together). 4 against 1: the
 // staged two-shot allreduce 6-12 % faster from 32 MiB on 4x H200; the pipelined rounds unchanged.
 constexpr u32 kReduceUnroll = 4;
+// Threads of a bulk block (fluxrt/collectives_plan.py THREADS). Kernels that would otherwise take more
+// than 65536 / kBulkThreads registers a thread are compiled to fit (__launch_bounds__).
+constexpr u32 kBulkThreads = 512;
 
 enum ReduceOp { kSum = 0, kMax = 1, kMin = 2 };
 
@@ -703,6 +706,92 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
     }
 }
 
+// ----------------------------------------------------------------------------------------- ring rounds
+// Bulk reductions along the ring rank -> rank + 1 (as NCCL's ring). Every rank pushes to one peer only:
+// on 4x H200 single-destination pushes reach 351-356 GB/s per GPU with 48-132 blocks, all-to-all pushes
+// 332-340 (perf/results/fabric-patterns-*.json), and the pipelined rounds above push all-to-all.
+// The message is n chunks. Chunk c travels c+1 -> c+2 -> ... -> c, each rank adding its x, then, reduced,
+// once more around the ring until every rank holds it. Rank r, stage s, chunk c = (r + 2n - 1 - s) mod n:
+//   s = 0             send x[c]                                    (reduce-scatter stages: c = r - 1 - s)
+//   0 < s < n - 1     receive, add x[c], send
+//   s = n - 1         receive, add x[r], write out[r], send        (allgather stages: c = r - (s - n + 1))
+//   n - 1 < s < 2n-2  receive, write out[c], send
+//   s = 2n - 2        receive, write out[r + 1]
+// allreduce runs stages 0 .. 2n-2; reduce_scatter 0 .. n-1 (out holds chunk r only: out_stride 0).
+// Block b takes slice b of every chunk, in pieces of `step` elements, each piece through all stages
+// before the next. What rank r sends to r + 1 is one sequence per slice, u = piece * sends + stage - first,
+// held in a ring of `depth` entries of the receiver's workspace (half e & 1, as every round):
+//   ready  [kReady0][r][slice] on r + 1: entry u is written          (rank r releases after its pushes)
+//   credit [kCredit0][r + 1][slice] on r: r + 1 has read entry u       (r refills it with u + depth)
+// With depth >= 2 a rank sends stage s + 1 while the next rank still reads stage s, so in steady state
+// every rank moves a step per stage and the flag latency hides behind the step's copy.
+// Every stage of every slice moves at least one (maybe empty) step, so the workspace-halves argument
+// holds: rank r's round e ends only after it received chunk r + 1 reduced by rank r + 1 in round e, so
+// r + 1 had finished round e - 1 (and its reads of the other half).
+// Sums are rounded to the dtype at each hop (as in NCCL's ring), not accumulated in fp32; a chunk is
+// reduced once, by its owner, so every rank still gets the same bits.
+__device__ __forceinline__ bool ring_wait(const Team& t, const Pipe& pp, u32 prev, u64 ready, u32 next,
+                                          u64 credited) {
+    int ok = 1;
+    if (threadIdx.x == 0 && ready) {          // entry u is in this rank's ring
+        ok = fluxrt::wait_ge(t.flags + pp.flag(t, kReady0, prev), ready, t.timeout_ns, t.err, t.op, t.rank, prev);
+        fluxrt::fence_acq_rel_sys();          // the acquire covers the block's reads (bar.sync below)
+    } else if (threadIdx.x == 32 && credited) {  // next has read the entry u - depth we are about to refill
+        ok = fluxrt::wait_ge(t.flags + pp.flag(t, kCredit0, next), credited, t.timeout_ns, t.err, t.op, t.rank, next);
+        fluxrt::fence_acq_rel_sys();
+    }
+    return __syncthreads_and(ok) != 0;
+}
+
+template <class E, int OP>
+__device__ void reduce_ring(Team t, const typename E::T* x, typename E::T* out, u64 out_stride, u64 count,
+                            u64 chunk, u64 step, u32 depth, u32 first, u32 last) {
+    typedef typename E::T T;
+    __shared__ const char* srcs[2];
+    __shared__ char* dsts[2];
+    __shared__ u32 nsrc, ndst;
+    const Pipe pp = begin_pipe(t, 1, 0, step * sizeof(T), depth);
+    const u32 n = t.world, next = (t.rank + 1) % n, prev = (t.rank + n - 1) % n;
+    u64 lo, hi;
+    pipe_range(pp, chunk, kLineBytes / sizeof(T), &lo, &hi);
+    const u64 sends = last - first;
+    const u64 ring_at = pp.base + (u64)pp.slice * depth * pp.step;  // this slice's ring, same on every rank
+    char* const ring_next = peer_ws(t, next) + ring_at;
+    const char* const ring_mine = t.ws + ring_at;
+    for (u64 m = 0; m < steps_of(hi - lo, step); ++m) {
+        const u64 at = lo + m * step;  // element offset of the piece within a chunk
+        for (u32 s = first; s <= last; ++s) {
+            const u32 c = (t.rank + 2 * n - 1 - s) % n;
+            const u64 valid = count > c * chunk ? count - c * chunk : 0;  // chunk c clipped to the message
+            const u64 end = hi < valid ? hi : valid;
+            const u64 len = at < end ? (end - at < step ? end - at : step) : 0;
+            const bool recv = s > first, send = s < last;
+            const u64 us = m * sends + (s - first);  // entry sent at this stage; received: us - 1
+            if (!ring_wait(t, pp, prev, recv ? pipe_value(pp.e, us - 1) : 0, next,
+                           send && us >= depth ? pipe_value(pp.e, us - depth) : 0))
+                return;
+            if (threadIdx.x == 0) {                                                    // stage reduce
+                u32 ns = 0, nd = 0;
+                if (recv) srcs[ns++] = ring_mine + ((us - 1) % depth) * pp.step;
+                if (s <= n - 1) srcs[ns++] = reinterpret_cast<const char*>(x + c * chunk + at);
+                if (send) dsts[nd++] = ring_next + (us % depth) * pp.step;
+                if (s >= n - 1) dsts[nd++] = reinterpret_cast<char*>(out + c * out_stride + at);
+                nsrc = ns, ndst = nd;
+            }
+            __syncthreads();
+            reduce_sources<E, OP>(dsts, ndst, srcs, nsrc, len);
+            fluxrt::fence_acq_rel_sys();  // every thread orders its pushes (and its reads of the entry)
+            __syncthreads();
+            if (threadIdx.x == 0 && send)                                               // stage ready
+                fluxrt::st_release_sys(reinterpret_cast<u64*>(t.flags_peers[next]) + pp.flag(t, kReady0, t.rank),
+                                       pipe_value(pp.e, us));
+            else if (threadIdx.x == 32 && recv)                                         // stage credit
+                fluxrt::st_release_sys(reinterpret_cast<u64*>(t.flags_peers[prev]) + pp.flag(t, kCredit0, t.rank),
+                                       pipe_value(pp.e, us - 1));
+        }
+    }
+}
+
 // ----------------------------------------------------------------------------------------- LL rounds
 // Low-latency rounds for small messages: the data carries its own flag. A sender stores each 8 bytes of
 // the message as one 16-byte line of two cells {4 data bytes | 4 flag bytes} in the receiver's LL slot
@@ -1179,6 +1268,16 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
                                                               E::T* out, u64 count, u64 chunk,          \
                                                               u64 slot_bytes, u64 step, u32 depth) {    \
         reduce_pipe<E, OP>(FLUXRT_TEAM, x, 0, out, count, chunk, slot_bytes, step, depth, true);        \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads) fluxrt_allreduce_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,         \
+                                                              E::T* out, u64 count, u64 chunk, u64 step, \
+                                                              u32 depth) {                              \
+        reduce_ring<E, OP>(FLUXRT_TEAM, x, out, chunk, count, chunk, step, depth, 0, 2 * world - 2);    \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads) fluxrt_reduce_scatter_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,    \
+                                                                   E::T* out, u64 chunk, u64 step,      \
+                                                                   u32 depth) {                         \
+        reduce_ring<E, OP>(FLUXRT_TEAM, x, out, 0, world * chunk, chunk, step, depth, 0, world - 1);    \
     }                                                                                                   \
     extern "C" __global__ void fluxrt_reduce_scatter_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,    \
                                                                    u64 chunk_stride, E::T* out,         \

@@ -201,8 +201,10 @@ def test_direct_exchange_needs_a_symmetric_output_and_a_large_message():
 
 
 def test_choose_algo_rejects_unknown_names():
+    with pytest.raises(ValueError, match="algo 'tree'"):
+        plan.choose_algo("allreduce", 8, 4, "tree")
     with pytest.raises(ValueError, match="algo 'ring'"):
-        plan.choose_algo("allreduce", 8, 4, "ring")
+        plan.choose_algo("allgather", 8, 4, "ring")
     with pytest.raises(ValueError, match="unknown collective"):
         plan.choose_algo("allreduce_v", 8, 4)
 
@@ -288,6 +290,52 @@ def test_pipe_tuning_validates_depth_and_grid():
         plan.pieces("allgather", "pipe", 1 << 20, 2, 4, plan.layout("allgather", "pipe", 1 << 10, 4, 2))
     with pytest.raises(ValueError, match=r"2\*\*20 - 1"):
         plan.pipe_step(1 << 20, 1, 2, 16 << 30, max_step=16)
+
+
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 32])
+@pytest.mark.parametrize("count", [1, 4099, 3_000_001, 1 << 28])
+def test_ring_rounds_fit_the_workspace_half(op, n, count):
+    """One launch of a block per slice (<= ring_max_grid); ring_depth entries of `step` bytes per block
+    fill at most the half; a block's entries per round (2 (n - 1) stages of every piece) stay below the
+    flag values' 2**20 - 1 steps."""
+    half, itemsize, t = 32 << 20, 2, plan.DEFAULT_TUNING
+    lay = plan.layout(op, "ring", half, n, itemsize)
+    assert lay.slot_bytes == half
+    (p,) = plan.pieces(op, "ring", count, itemsize, n, lay)
+    chunk = p.chunk if op == "allreduce" else count
+    assert 1 <= p.grid <= t.ring_max_grid and p.start == 0 and p.count == count
+    assert p.grid == max(1, min(t.ring_max_grid, -(-chunk * itemsize // t.pipe_bytes_per_block)))
+    assert p.step % plan.VEC_BYTES == 0 and plan.VEC_BYTES <= p.step <= t.ring_step
+    assert p.grid * t.ring_depth * p.step <= half
+    if op == "allreduce":
+        assert p.chunk * n >= count and p.chunk * itemsize % plan.VEC_BYTES == 0
+    slice_bytes = -(-chunk * itemsize // p.grid)
+    assert -(-slice_bytes // p.step) * 2 * (n - 1) < (1 << plan.PIPE_STEP_BITS) - 1
+
+
+def test_ring_threshold_and_tuning():
+    t = plan.Tuning(ring_min_bytes=32 << 20)
+    assert plan.choose_algo("allreduce", 32 << 20, 4, tuning=t) == "ring"
+    assert plan.choose_algo("reduce_scatter", 32 << 20, 4, tuning=t) == "ring"
+    assert plan.choose_algo("allreduce", (32 << 20) - 2, 4, tuning=t) == "twoshot"
+    assert plan.choose_algo("allgather", 1 << 30, 4, tuning=t) == "pipe"  # no ring for the exchange ops
+    assert plan.choose_algo("allreduce", 1 << 30, 1, tuning=t) == "oneshot"  # one rank: no ring
+    assert plan.choose_algo("allreduce", 1 << 30, 4) == ("ring" if plan.DEFAULT_TUNING.ring_min_bytes else "pipe")
+    with pytest.raises(ValueError, match="ring_depth"):
+        plan.Tuning(ring_depth=1)
+    with pytest.raises(ValueError, match="ring_max_grid"):
+        plan.Tuning(ring_max_grid=plan.MAX_BLOCKS + 1)
+    with pytest.raises(ValueError, match="ring_step"):
+        plan.Tuning(ring_step=8)
+    assert plan.ring_step(32 << 20, 64, 4, 1 << 30) == 64 << 10                         # capped at ring_step
+    assert plan.ring_step(1 << 20, 64, 4, 1 << 30) == 8 << 10                          # half / (slices x depth)
+    assert plan.ring_step(100_000, 8, 4, 1 << 20) == 4 << 10                           # whole 4 KiB pages
+    assert plan.ring_step(3000, 8, 4, 1 << 10) == 176                                  # small: 16-byte units
+    with pytest.raises(ValueError, match=r"allreduce of 1048576 elements, ring: workspace half .* too small"):
+        plan.pieces("allreduce", "ring", 1 << 20, 2, 4, plan.layout("allreduce", "ring", 64, 4, 2))
+    with pytest.raises(ValueError, match=r"2\*\*20 - 1"):
+        plan.ring_step(1 << 10, 1, 4, 16 << 30)
 
 
 def test_layout_refuses_a_workspace_too_small():
@@ -477,7 +525,8 @@ def test_kernels_compile_with_every_entry_point():
                       f"fluxrt_allreduce_oneshot_{dt}_{red}",
                       f"fluxrt_allreduce_twoshot_{dt}_{red}", f"fluxrt_reduce_scatter_{dt}_{red}",
                       f"fluxrt_reduce_scatter_ll_{dt}_{red}", f"fluxrt_allreduce_pipe_{dt}_{red}",
-                      f"fluxrt_reduce_scatter_pipe_{dt}_{red}"]
+                      f"fluxrt_reduce_scatter_pipe_{dt}_{red}", f"fluxrt_allreduce_ring_{dt}_{red}",
+                      f"fluxrt_reduce_scatter_ring_{dt}_{red}"]
     missing = [n for n in names if n.encode() + b"\0" not in cubin]
     assert not missing
 

@@ -29,7 +29,8 @@ WORKSPACE = 1 << 16     # small, so that larger messages need several launches
 # and many steps per slice (their ring wraps many times)
 # the LL12 two-shot's share of the buffer is small as well (forced two-shots of larger messages take several
 # launches)
-TUNING = plan.Tuning(ll_max_bytes=2048, pipe_bytes_per_block=1024, pipe_max_grid=4, ll12_twoshot_max_bytes=6000)
+TUNING = plan.Tuning(ll_max_bytes=2048, pipe_bytes_per_block=1024, pipe_max_grid=4, ll12_twoshot_max_bytes=6000,
+                     ring_max_grid=4)
 
 
 class Memory:
@@ -178,7 +179,9 @@ class Model:
         self.epoch = [e] * self.n
         half = (e & 1) * (WORKSPACE // 2)
         tails = [launch.args[2:] for launch in launch_per_rank]
-        if "_pipe" in name:
+        if "_ring_" in name:
+            RingRound(self, name, grid, e, half, tails).run(np.random.default_rng(self.seed + e))
+        elif "_pipe" in name:
             PipeRound(self, name, grid, e, half, tails).run(np.random.default_rng(self.seed + e))
         elif "_ll12_twoshot_" in name:
             self._ll12_twoshot_round(name, (e & 1) * (self.ll_bytes // 2), e % 0xFFFF + 1, tails)
@@ -714,6 +717,94 @@ class PipeRound:
         assert all(v is None for v in self.ring.values()), "ring entries left unread at the end of the round"
 
 
+class RingRound(PipeRound):
+    """One ring launch on every rank (kernels/comm/collectives.cu, "ring rounds"): an actor per (rank,
+    block) runs its pieces' stages as a generator that yields what it waits for (the previous rank's
+    ready flag, the next rank's credit); the schedule and the ring-entry checks are PipeRound's."""
+
+    def __init__(self, model: "Model", name: str, grid: int, e: int, half: int, tails):
+        self.m, self.n, self.e, self.half = model, model.n, e, half
+        self.flags = [dict() for _ in range(self.n)]
+        self.ring = {}
+        self.actors = []
+        n = self.n
+        kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
+        self.dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
+        self.fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        geometry = {tuple(int(v) for v in t[-2:]) for t in tails}  # (step, depth)
+        assert len(geometry) == 1, f"ranks disagree on the ring geometry: {geometry}"
+        for r, t in enumerate(tails):
+            if kind == "allreduce_ring":
+                x, out, count, chunk, step, depth = (int(v) for v in t)
+                out_stride, last = chunk, 2 * n - 2
+            else:
+                x, out, chunk, step, depth = (int(v) for v in t)
+                count, out_stride, last = n * chunk, 0, n - 1
+            self.step, self.depth = step * self.dtype.itemsize, depth
+            for b in range(grid):
+                self.actors.append(self._stages(r, b, grid, x, out, out_stride, count, chunk, step, last))
+        assert self.depth >= 2 and self.step % plan.VEC_BYTES == 0
+        assert grid * self.depth * self.step <= WORKSPACE // 2, "the rings overflow the workspace half"
+
+    def entry(self, owner: int, sl: int, u: int):
+        """(model pointer, state key) of entry u of slice sl's ring in owner's workspace."""
+        off = self.half + (sl * self.depth + u % self.depth) * self.step
+        return self.m.ws[owner] + off, (owner, sl, u % self.depth)
+
+    def _stages(self, r, b, grid, x, out, out_stride, count, chunk, step, last):
+        n, depth, isz, dtype = self.n, self.depth, self.dtype.itemsize, self.dtype
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        lo, hi = self.srange(chunk, plan.PIPE_LINE_BYTES // isz, b, grid)
+        view = self.m.mem.view
+        for m in range(self.steps_of(hi - lo, step)):
+            at = lo + m * step
+            for s in range(last + 1):
+                c = (r + 2 * n - 1 - s) % n
+                end = min(hi, max(0, count - c * chunk))
+                k = min(end - at, step) if at < end else 0
+                recv, send, us = s > 0, s < last, m * last + s
+                if recv:
+                    yield self.waits(r, self.READY0, b, us - 1, [prv])
+                if send and us >= depth:
+                    yield self.waits(r, self.CREDIT0, b, us - depth, [nxt])
+                parts = []
+                if recv:
+                    ptr, got = self.entry(r, b, us - 1)
+                    self.take(got, prv, us - 1)
+                    parts.append(view(ptr, k, dtype).astype(np.float32))
+                if s <= n - 1:
+                    parts.append(view(x + (c * chunk + at) * isz, k, dtype).astype(np.float32))
+                acc = parts[0]
+                for part in parts[1:]:
+                    acc = self.fn(acc, part)
+                res = acc.astype(dtype)
+                if send:
+                    ptr, key = self.entry(nxt, b, us)
+                    self.fill(key, r, us)
+                    view(ptr, k, dtype)[...] = res
+                if s >= n - 1:
+                    view(out + (c * out_stride + at) * isz, k, dtype)[...] = res
+                if recv:
+                    self.ring[got] = None
+                    self.release(r, self.CREDIT0, b, us - 1, [prv])
+                if send:
+                    self.release(r, self.READY0, b, us, [nxt])
+
+
+def _ring_reference(inputs, redop, chunk, dtype):
+    """Chunk c as the ring reduces it: x[c+1] op x[c+2] op ... op x[c], rounded to the dtype at each hop."""
+    fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[redop]
+    n, count = len(inputs), inputs[0].size
+    out = np.empty(count, dtype)
+    for c in range(n):
+        lo, hi = min(count, c * chunk), min(count, (c + 1) * chunk)
+        acc = inputs[(c + 1) % n][lo:hi]
+        for k in range(2, n + 1):
+            acc = fn(acc.astype(np.float32), inputs[(c + k) % n][lo:hi].astype(np.float32)).astype(dtype)
+        out[lo:hi] = acc
+    return out
+
+
 def _inputs(n, count, dtype, seed):
     rng = np.random.default_rng(seed)
     if np.dtype(dtype).kind in "iu":
@@ -737,7 +828,7 @@ def _fake_arrays(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("algo", ["ll", "ll12", "ll12_twoshot", "oneshot", "twoshot", "pipe"])
+@pytest.mark.parametrize("algo", ["ll", "ll12", "ll12_twoshot", "oneshot", "twoshot", "pipe", "ring"])
 @pytest.mark.parametrize("dtype, redop", [(bfloat16, "sum"), (np.float16, "max"), (np.float32, "min")])
 @pytest.mark.parametrize("count", [1, 13, 1023, 4099, 40_000])  # 40 000: several launches
 @pytest.mark.parametrize("in_place", [False, True])
@@ -747,7 +838,11 @@ def test_allreduce_model(n, algo, dtype, redop, count, in_place):
     xs = [m.array(r, count, dtype, ins[r]) for r in range(n)]
     outs = xs if in_place else [m.array(r, count, dtype) for r in range(n)]
     m.call("allreduce", [(xs[r], outs[r]) for r in range(n)], op=redop, algo=algo)
-    want = _reference(ins, redop).astype(dtype)
+    if algo == "ring":
+        vec = plan.VEC_BYTES // np.dtype(dtype).itemsize
+        want = _ring_reference(ins, redop, -(-(-(-count // n)) // vec) * vec, dtype)
+    else:
+        want = _reference(ins, redop).astype(dtype)
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), want)
 
@@ -755,14 +850,14 @@ def test_allreduce_model(n, algo, dtype, redop, count, in_place):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("chunk", [1, 1023, 9000])
 @pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("algo", ["auto", "ll", "pipe"])
+@pytest.mark.parametrize("algo", ["auto", "ll", "pipe", "ring"])
 def test_reduce_scatter_model(n, chunk, in_place, algo):
     m = Model(n)
     ins = _inputs(n, n * chunk, np.float32, chunk)
     xs = [m.array(r, n * chunk, np.float32, ins[r]) for r in range(n)]
     outs = [xs[r][r * chunk:(r + 1) * chunk] if in_place else m.array(r, chunk, np.float32) for r in range(n)]
     m.call("reduce_scatter", [(xs[r], outs[r]) for r in range(n)], algo=algo)
-    want = _reference(ins, "sum")
+    want = _ring_reference(ins, "sum", chunk, np.float32) if algo == "ring" else _reference(ins, "sum")
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), want[r * chunk:(r + 1) * chunk])
 
@@ -887,6 +982,12 @@ def test_pipe_rounds_under_many_schedules(n, seed):
         m.call("allreduce", [(fx[r], outs[r]) for r in range(n)], algo="pipe")
         for r in range(n):
             np.testing.assert_array_equal(outs[r].get(), _reference(fins, "sum"))
+    for _ in range(2):  # the ring, in place: a rank overwrites x[c] only after its own stage read it
+        ring = [m.array(r, count, np.float32, fins[r]) for r in range(n)]
+        m.call("allreduce", [(ring[r], ring[r]) for r in range(n)], algo="ring")
+        want = _ring_reference(fins, "sum", -(-(-(-count // n)) // 4) * 4, np.float32)
+        for r in range(n):
+            np.testing.assert_array_equal(ring[r].get(), want)
 
 
 def test_pipe_model_catches_a_ring_overrun():
@@ -905,5 +1006,26 @@ def test_pipe_model_catches_a_ring_overrun():
                 xs = [m.array(r, 2 * 9001, np.int32, np.arange(2 * 9001)) for r in range(2)]
                 outs = [m.array(r, 2 * 9001, np.int32) for r in range(2)]
                 m.call("alltoall", [(xs[r], outs[r]) for r in range(2)], algo="pipe")
+    finally:
+        PipeRound.waits = original
+
+
+def test_ring_model_catches_an_overrun():
+    """The model's own check for the ring rounds: without the credit wait some schedule refills an entry
+    the next rank has not read."""
+    original = PipeRound.waits
+
+    def no_credit(self, r, phase, sl, j, peers):
+        return (lambda: True) if phase == self.CREDIT0 else original(self, r, phase, sl, j, peers)
+
+    PipeRound.waits = no_credit
+    try:
+        with pytest.raises(AssertionError, match="overwritten before it was read|holds"):
+            for seed in range(20):
+                m = Model(3)
+                m.seed = seed
+                ins = _inputs(3, 40_000, np.float32, seed)
+                xs = [m.array(r, 40_000, np.float32, ins[r]) for r in range(3)]
+                m.call("allreduce", [(xs[r], xs[r]) for r in range(3)], algo="ring")
     finally:
         PipeRound.waits = original

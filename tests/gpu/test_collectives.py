@@ -51,14 +51,19 @@ def _host(x) -> np.ndarray:
     return cupy.asnumpy(x).astype(np.float64).reshape(-1)
 
 
-def _assert_reduced(got: np.ndarray, inputs: list[np.ndarray], redop: str, dtype: str, what: str) -> None:
+def _assert_reduced(got: np.ndarray, inputs: list[np.ndarray], redop: str, dtype: str, what: str,
+                    algo: str = "auto") -> None:
+    """Sums: fp32 accumulation rounded once to the dtype; the ring (algo 'ring') also rounds each of its
+    n - 2 partial sums on the way (each off by at most EPS times the sum of magnitudes)."""
     ref = inputs[0].copy()
     if redop == "sum":
         magnitude = np.abs(inputs[0])
         for a in inputs[1:]:
             ref += a
             magnitude += np.abs(a)
-        bound = _EPS[dtype] * np.abs(ref) + len(inputs) * 2.0 ** -23 * magnitude + 1e-7
+        partials = max(0, len(inputs) - 2) if algo == "ring" else 0
+        bound = (_EPS[dtype] * np.abs(ref) + (partials * _EPS[dtype] + len(inputs) * 2.0 ** -23) * magnitude
+                 + 1e-7)
     else:
         for a in inputs[1:]:
             (np.maximum if redop == "max" else np.minimum)(ref, a, out=ref)
@@ -103,7 +108,8 @@ def _allreduce_counts():
             (3, "ll"), (4099, "ll"), (LL12_TWOSHOT_MIN_BYTES // 4 - 1, "auto"), (LL_MAX_BYTES // 2 + 5, "auto"), (70_001, "ll"),
             (1, "pipe"), (4099, "pipe"), (300_001, "pipe"), (3, "ll12"), (4099, "ll12"), (70_001, "ll12"),
             (1, "ll12_twoshot"), (4099, "ll12_twoshot"), (300_001, "ll12_twoshot"), (2_500_001, "ll12_twoshot"),
-            (3_000_001, "twoshot"), (5_000_001, "pipe")]
+            (3_000_001, "twoshot"), (5_000_001, "pipe"), (1, "ring"), (4099, "ring"), (300_001, "ring"),
+            (5_000_001, "ring")]
 
 
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES)
@@ -125,7 +131,7 @@ def test_allreduce(world, dtype, redop, case):
         fluxrt.allreduce(world, src, out, op=redop, algo=algo)
     world.synchronize()
     what = f"allreduce {dtype} {redop} count={count} algo={algo} mode={mode}"
-    _assert_reduced(_host(out), inputs, redop, dtype, what)
+    _assert_reduced(_host(out), inputs, redop, dtype, what, algo)
     _assert_same_on_every_rank(world, out, what)
     if mode == 2:
         world.free(src)
@@ -175,7 +181,8 @@ def test_allreduce_ll_algorithms_take_turns_on_one_buffer(world):
 @pytest.mark.parametrize("chunk, in_place, algo", [(1, False, "auto"), (1023, True, "auto"), (4099, False, "auto"),
                                                   (70_001, True, "auto"), (4099, True, "ll"), (70_001, False, "ll"),
                                                   (1023, False, "push"), (1, False, "pipe"), (70_001, True, "pipe"),
-                                                  (1_500_007, False, "push"), (1_500_007, True, "pipe")])
+                                                  (1_500_007, False, "push"), (1_500_007, True, "pipe"),
+                                                  (1, True, "ring"), (4099, False, "ring"), (1_500_007, True, "ring")])
 def test_reduce_scatter(world, dtype, redop, chunk, in_place, algo):
     import fluxrt
 
@@ -185,7 +192,8 @@ def test_reduce_scatter(world, dtype, redop, chunk, in_place, algo):
     out = x[r * chunk:(r + 1) * chunk] if in_place else _poisoned(chunk, dtype)
     fluxrt.reduce_scatter(world, x, out, op=redop, algo=algo)
     world.synchronize()
-    _assert_reduced(_host(out), inputs, redop, dtype, f"reduce_scatter {dtype} {redop} chunk={chunk} algo={algo}")
+    _assert_reduced(_host(out), inputs, redop, dtype, f"reduce_scatter {dtype} {redop} chunk={chunk} algo={algo}",
+                    algo)
 
 
 # ---------------------------------------------------------------------------------------------- allgather / alltoall
@@ -324,7 +332,7 @@ def test_broadcast(world, dtype, count, in_place, algo):
 
 
 # ---------------------------------------------------------------------------------------------- large messages
-@pytest.mark.parametrize("algo", ["auto", "twoshot"])
+@pytest.mark.parametrize("algo", ["auto", "twoshot", "ring"])
 def test_allreduce_large_bf16(world, algo):
     import fluxrt
 
@@ -334,13 +342,13 @@ def test_allreduce_large_bf16(world, algo):
     out = _poisoned(count, "bf16")
     fluxrt.allreduce(world, x, out, algo=algo)
     world.synchronize()
-    _assert_reduced(_host(out), inputs, "sum", "bf16", f"allreduce 64 MiB bf16 algo={algo}")
+    _assert_reduced(_host(out), inputs, "sum", "bf16", f"allreduce 64 MiB bf16 algo={algo}", algo)
 
 
 def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
     """A 256 KiB workspace, 8 blocks and 2 ring entries: every block steps through its ring tens of times
-    per call, for every pipelined op, 20 calls in a row mixed with staged and LL calls on the same
-    context; checked against numpy each time."""
+    per call, for every pipelined op and the ring rounds (8 KiB entries), 20 calls in a row mixed with
+    staged and LL calls on the same context; checked against numpy each time."""
     import cupy
 
     from fluxrt.collectives import Collectives, CollectivesOptions
@@ -348,7 +356,8 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
 
     n, r = world.size, world.rank
     ctx = Collectives(world, CollectivesOptions(workspace_bytes=256 << 10,
-                                                tuning=Tuning(pipe_max_grid=8, pipe_depth=2)))
+                                                tuning=Tuning(pipe_max_grid=8, pipe_depth=2, ring_max_grid=8,
+                                                              ring_depth=2)))
     try:
         for i in range(20):
             count = 200_003 + 8 * i  # odd: the last chunk and the last steps are short
@@ -358,9 +367,13 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
             out = _poisoned(count, dt)
             ctx.allreduce(x, out, algo="pipe")
             ctx.allreduce(x, _poisoned(count, dt), algo="ll" if i % 3 == 0 else "twoshot")
+            ring = _poisoned(count, dt)
+            ctx.allreduce(x, ring, algo="ring")
             chunk = count // n
             rs = _poisoned(chunk, dt)
             ctx.reduce_scatter(x[:chunk * n], rs, algo="pipe")
+            rs_ring = _poisoned(chunk, dt)
+            ctx.reduce_scatter(x[:chunk * n], rs_ring, algo="ring")
             ag = _poisoned(n * count, dt)
             ctx.allgather(x, ag, algo="pipe")
             a2a = _poisoned(chunk * n, dt)
@@ -373,8 +386,12 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
             what = f"call {i} {dt} count={count}"
             _assert_reduced(_host(out), inputs, "sum", dt, f"pipe allreduce {what}")
             _assert_same_on_every_rank(world, out, f"pipe allreduce {what}")
+            _assert_reduced(_host(ring), inputs, "sum", dt, f"ring allreduce {what}", "ring")
+            _assert_same_on_every_rank(world, ring, f"ring allreduce {what}")
             _assert_reduced(_host(rs), [a[r * chunk:(r + 1) * chunk] for a in inputs], "sum", dt,
                             f"pipe reduce_scatter {what}")
+            _assert_reduced(_host(rs_ring), [a[r * chunk:(r + 1) * chunk] for a in inputs], "sum", dt,
+                            f"ring reduce_scatter {what}", "ring")
             _assert_equal(_host(ag), np.concatenate(inputs), f"pipe allgather {what}")
             _assert_equal(_host(a2a), np.concatenate([a[r * chunk:(r + 1) * chunk] for a in inputs]),
                           f"pipe alltoall {what}")
@@ -539,16 +556,19 @@ def test_graph_capture_and_replay(world):
     fluxrt.allreduce(world, x, out, stream=s)  # an eager call on the capture stream first
     s.synchronize()
     piped = _poisoned(count, "bf16")
+    ringed = _poisoned(count, "bf16")
     s.begin_capture()
     fluxrt.allreduce(world, x, out, stream=s)
     fluxrt.allgather(world, x, gathered, stream=s)
     fluxrt.allreduce(world, x, piped, stream=s, algo="pipe")
+    fluxrt.allreduce(world, x, ringed, stream=s, algo="ring")
     graph = s.end_capture()
     for replay in range(3):
         x[...] = _data(replay, world, count, "bf16")
         out.fill(np.nan)
         gathered.fill(np.nan)
         piped.fill(np.nan)
+        ringed.fill(np.nan)
         world.device.synchronize()
         inputs = _gather(world, x)
         graph.launch(s)
@@ -557,6 +577,7 @@ def test_graph_capture_and_replay(world):
         _assert_reduced(_host(out), inputs, "sum", "bf16", f"graph replay {replay}: allreduce")
         _assert_equal(_host(gathered), np.concatenate(inputs), f"graph replay {replay}: allgather")
         _assert_reduced(_host(piped), inputs, "sum", "bf16", f"graph replay {replay}: pipelined allreduce")
+        _assert_reduced(_host(ringed), inputs, "sum", "bf16", f"graph replay {replay}: ring allreduce", "ring")
 
 
 @pytest.mark.parametrize("pdl", [1, 0])
@@ -579,7 +600,7 @@ def _chain_rounds(world, ctx, pdl):
     import cupy
 
     n, r = world.size, world.rank
-    algos = ["ll12_twoshot", "ll", "ll12", "oneshot", "twoshot", "ll12_twoshot", "pipe", "ll12", "auto"]
+    algos = ["ll12_twoshot", "ll", "ll12", "oneshot", "twoshot", "ll12_twoshot", "pipe", "ring", "ll12", "ring", "auto"]
     x = cupy.full(60_001, r + 1, dtype=cupy.float32)
     s = cupy.cuda.Stream(non_blocking=True)
     world.device.synchronize()
