@@ -272,8 +272,8 @@ class Collectives:
         return _u64(p.step // unit), _u32(self.tuning.pipe_depth)
 
     def _ring_tail(self, p: plan.Piece, itemsize: int) -> tuple:
-        """The last two arguments of a ring kernel: elements per ring entry and the ring depth."""
-        return _u64(p.step // itemsize), _u32(self.tuning.ring_depth)
+        """The last arguments of a ring kernel: elements per ring entry, the ring depth, entries per stage."""
+        return _u64(p.step // itemsize), _u32(self.tuning.ring_depth), _u32(self.tuning.ring_substeps)
 
     def _order_after_previous(self, s) -> None:
         """Make stream `s` wait for the previous call when it ran on another stream (shared workspace)."""

@@ -63,7 +63,8 @@ LL12_TWOSHOT_MIN_BYTES = 256 << 10
 LL12_TWOSHOT_MAX_BYTES = 4 << 20
 RING_MAX_GRID = 64
 RING_STEP = 64 << 10
-RING_DEPTH = 2
+RING_DEPTH = 4
+RING_SUBSTEPS = 2
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,9 @@ class Tuning:
     ring_min_bytes: allreduce and reduce_scatter messages of at least this many bytes run the ring
     ('ring', ahead of the pipelined rounds); 0: never. ring_max_grid: its blocks (one per slice of a chunk,
     a slice per pipe_bytes_per_block of a chunk); ring_step: bytes per ring entry (at most; the workspace
-    half holds ring_depth entries per block); ring_depth: entries per block (>= 2: a rank sends a stage
-    while the next rank reads the one before).
+    half holds ring_depth entries per block); ring_substeps: entries per stage of a piece (>= 2: the next
+    rank's wait for step i of a stage hides behind this rank's later steps); ring_depth: entries per
+    block (>= 2 ring_substeps: a rank sends a stage while the next rank reads the one before).
     pdl: 1 launches every round with programmatic dependent launch (the round's grid is scheduled, and
     takes its share of the round counter, while the kernel before it still runs; kernels/comm/
     collectives.cu, "Programmatic dependent launch"); 0: plain launches."""
@@ -132,6 +134,7 @@ class Tuning:
     ring_max_grid: int = RING_MAX_GRID
     ring_step: int = RING_STEP
     ring_depth: int = RING_DEPTH
+    ring_substeps: int = RING_SUBSTEPS
     pdl: int = 1
 
     def __post_init__(self):
@@ -149,9 +152,10 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be a multiple of 32 in [32, {LL12_MAX_THREADS}], got {v}")
         if self.pdl not in (0, 1):
             raise ValueError(f"Tuning.pdl must be 0 or 1, got {self.pdl}")
-        if self.ring_depth < 2:
-            raise ValueError(f"Tuning.ring_depth must be >= 2 (a rank sends stage s + 1 while the next rank "
-                             f"reads stage s), got {self.ring_depth}")
+        if self.ring_substeps < 1 or self.ring_depth < 2 * self.ring_substeps:
+            raise ValueError(f"Tuning.ring_depth must be >= 2 x ring_substeps >= 2 (a rank sends stage s + 1 "
+                             f"while the next rank reads stage s), got ring_depth={self.ring_depth}, "
+                             f"ring_substeps={self.ring_substeps}")
         if self.ring_step < VEC_BYTES:
             raise ValueError(f"Tuning.ring_step must be >= {VEC_BYTES}, got {self.ring_step}")
         if self.pipe_depth < 2:
@@ -293,14 +297,15 @@ def ring_slices(chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
 def ring_step(half_bytes: int, slices: int, world_size: int, chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
     """Bytes per ring entry of a ring round: at most tuning.ring_step, and the workspace half holds
     ring_depth entries per slice; the entries one rank sends per slice and round (2 (n - 1) stages of
-    every piece for allreduce) stay below 2**PIPE_STEP_BITS - 1."""
+    ring_substeps entries for every piece of a slice, allreduce) stay below 2**PIPE_STEP_BITS - 1."""
     step = min(tuning.ring_step, half_bytes // (slices * tuning.ring_depth))
     step = _floor(step, PIPE_STEP_ALIGN) if step >= PIPE_STEP_ALIGN else _floor(step, VEC_BYTES)
     if step < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slices} slices x "
                          f"{tuning.ring_depth} ring entries")
     slice_bytes = _ceil_div(_ceil_div(chunk_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
-    if _ceil_div(slice_bytes, step) * 2 * max(1, world_size - 1) >= (1 << PIPE_STEP_BITS) - 1:
+    piece = step * tuning.ring_substeps
+    if _ceil_div(slice_bytes, piece) * tuning.ring_substeps * 2 * max(1, world_size - 1) >= (1 << PIPE_STEP_BITS) - 1:
         raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} - 1 ring entries or "
                          f"more of {step} bytes: enlarge the workspace")
     return step

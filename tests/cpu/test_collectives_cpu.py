@@ -311,7 +311,8 @@ def test_ring_rounds_fit_the_workspace_half(op, n, count):
     if op == "allreduce":
         assert p.chunk * n >= count and p.chunk * itemsize % plan.VEC_BYTES == 0
     slice_bytes = -(-chunk * itemsize // p.grid)
-    assert -(-slice_bytes // p.step) * 2 * (n - 1) < (1 << plan.PIPE_STEP_BITS) - 1
+    piece = p.step * t.ring_substeps
+    assert -(-slice_bytes // piece) * t.ring_substeps * 2 * (n - 1) < (1 << plan.PIPE_STEP_BITS) - 1
 
 
 def test_ring_threshold_and_tuning():
@@ -323,15 +324,17 @@ def test_ring_threshold_and_tuning():
     assert plan.choose_algo("allreduce", 1 << 30, 1, tuning=t) == "oneshot"  # one rank: no ring
     assert plan.choose_algo("allreduce", 1 << 30, 4) == ("ring" if plan.DEFAULT_TUNING.ring_min_bytes else "pipe")
     with pytest.raises(ValueError, match="ring_depth"):
-        plan.Tuning(ring_depth=1)
+        plan.Tuning(ring_depth=3, ring_substeps=2)
+    with pytest.raises(ValueError, match="ring_depth"):
+        plan.Tuning(ring_depth=2, ring_substeps=0)
     with pytest.raises(ValueError, match="ring_max_grid"):
         plan.Tuning(ring_max_grid=plan.MAX_BLOCKS + 1)
     with pytest.raises(ValueError, match="ring_step"):
         plan.Tuning(ring_step=8)
     assert plan.ring_step(32 << 20, 64, 4, 1 << 30) == 64 << 10                         # capped at ring_step
-    assert plan.ring_step(1 << 20, 64, 4, 1 << 30) == 8 << 10                          # half / (slices x depth)
-    assert plan.ring_step(100_000, 8, 4, 1 << 20) == 4 << 10                           # whole 4 KiB pages
-    assert plan.ring_step(3000, 8, 4, 1 << 10) == 176                                  # small: 16-byte units
+    assert plan.ring_step(1 << 20, 64, 4, 1 << 30) == 4 << 10                          # half / (slices x depth)
+    assert plan.ring_step(200_000, 8, 4, 1 << 20) == 4 << 10                           # whole 4 KiB pages
+    assert plan.ring_step(3000, 8, 4, 1 << 10) == 80                                   # small: 16-byte units
     with pytest.raises(ValueError, match=r"allreduce of 1048576 elements, ring: workspace half .* too small"):
         plan.pieces("allreduce", "ring", 1 << 20, 2, 4, plan.layout("allreduce", "ring", 64, 4, 2))
     with pytest.raises(ValueError, match=r"2\*\*20 - 1"):

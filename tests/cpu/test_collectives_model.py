@@ -731,19 +731,19 @@ class RingRound(PipeRound):
         kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
         self.dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
         self.fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
-        geometry = {tuple(int(v) for v in t[-2:]) for t in tails}  # (step, depth)
+        geometry = {tuple(int(v) for v in t[-3:]) for t in tails}  # (step, depth, substeps)
         assert len(geometry) == 1, f"ranks disagree on the ring geometry: {geometry}"
         for r, t in enumerate(tails):
             if kind == "allreduce_ring":
-                x, out, count, chunk, step, depth = (int(v) for v in t)
+                x, out, count, chunk, step, depth, sub = (int(v) for v in t)
                 out_stride, last = chunk, 2 * n - 2
             else:
-                x, out, chunk, step, depth = (int(v) for v in t)
+                x, out, chunk, step, depth, sub = (int(v) for v in t)
                 count, out_stride, last = n * chunk, 0, n - 1
-            self.step, self.depth = step * self.dtype.itemsize, depth
+            self.step, self.depth, self.sub = step * self.dtype.itemsize, depth, sub
             for b in range(grid):
                 self.actors.append(self._stages(r, b, grid, x, out, out_stride, count, chunk, step, last))
-        assert self.depth >= 2 and self.step % plan.VEC_BYTES == 0
+        assert self.sub >= 1 and self.depth >= 2 * self.sub and self.step % plan.VEC_BYTES == 0
         assert grid * self.depth * self.step <= WORKSPACE // 2, "the rings overflow the workspace half"
 
     def entry(self, owner: int, sl: int, u: int):
@@ -756,21 +756,24 @@ class RingRound(PipeRound):
         nxt, prv = (r + 1) % n, (r - 1) % n
         lo, hi = self.srange(chunk, plan.PIPE_LINE_BYTES // isz, b, grid)
         view = self.m.mem.view
-        for m in range(self.steps_of(hi - lo, step)):
-            at = lo + m * step
-            for s in range(last + 1):
+        sub = self.sub
+        for m in range(self.steps_of(hi - lo, step * sub)):
+            for s, i in ((s, i) for s in range(last + 1) for i in range(sub)):
+                at = lo + (m * sub + i) * step
                 c = (r + 2 * n - 1 - s) % n
                 end = min(hi, max(0, count - c * chunk))
                 k = min(end - at, step) if at < end else 0
-                recv, send, us = s > 0, s < last, m * last + s
+                recv, send = s > 0, s < last
+                us = (m * last + s) * sub + i
+                ur = us - sub
                 if recv:
-                    yield self.waits(r, self.READY0, b, us - 1, [prv])
+                    yield self.waits(r, self.READY0, b, ur, [prv])
                 if send and us >= depth:
                     yield self.waits(r, self.CREDIT0, b, us - depth, [nxt])
                 parts = []
                 if recv:
-                    ptr, got = self.entry(r, b, us - 1)
-                    self.take(got, prv, us - 1)
+                    ptr, got = self.entry(r, b, ur)
+                    self.take(got, prv, ur)
                     parts.append(view(ptr, k, dtype).astype(np.float32))
                 if s <= n - 1:
                     parts.append(view(x + (c * chunk + at) * isz, k, dtype).astype(np.float32))
@@ -786,7 +789,7 @@ class RingRound(PipeRound):
                     view(out + (c * out_stride + at) * isz, k, dtype)[...] = res
                 if recv:
                     self.ring[got] = None
-                    self.release(r, self.CREDIT0, b, us - 1, [prv])
+                    self.release(r, self.CREDIT0, b, ur, [prv])
                 if send:
                     self.release(r, self.READY0, b, us, [nxt])
 
@@ -1029,3 +1032,32 @@ def test_ring_model_catches_an_overrun():
                 m.call("allreduce", [(xs[r], xs[r]) for r in range(3)], algo="ring")
     finally:
         PipeRound.waits = original
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("depth, substeps", [(2, 1), (3, 1), (5, 2), (6, 3)])
+@pytest.mark.parametrize("seed", range(3))
+def test_ring_geometries_under_many_schedules(n, depth, substeps, seed):
+    """Ring depths and steps per stage other than the defaults (a depth that is no multiple of the steps
+    per stage included), allreduce out of place and reduce_scatter in place, under random schedules."""
+    import dataclasses
+
+    m = Model(n)
+    m.seed = 100 * seed + depth
+    for c in m.ctx:
+        c.tuning = dataclasses.replace(TUNING, ring_depth=depth, ring_substeps=substeps)
+    count = n * 3001 + seed
+    ins = _inputs(n, count, np.float32, seed)
+    xs = [m.array(r, count, np.float32, ins[r]) for r in range(n)]
+    outs = [m.array(r, count, np.float32) for r in range(n)]
+    m.call("allreduce", [(xs[r], outs[r]) for r in range(n)], algo="ring")
+    want = _ring_reference(ins, "sum", -(-(-(-count // n)) // 4) * 4, np.float32)
+    for r in range(n):
+        np.testing.assert_array_equal(outs[r].get(), want)
+    chunk = 2999
+    rs_in = _inputs(n, n * chunk, np.float32, seed + 1)
+    rx = [m.array(r, n * chunk, np.float32, rs_in[r]) for r in range(n)]
+    m.call("reduce_scatter", [(rx[r], rx[r][r * chunk:(r + 1) * chunk]) for r in range(n)], algo="ring")
+    want = _ring_reference(rs_in, "sum", chunk, np.float32)
+    for r in range(n):
+        np.testing.assert_array_equal(rx[r].get()[r * chunk:(r + 1) * chunk], want[r * chunk:(r + 1) * chunk])

@@ -357,7 +357,7 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
     n, r = world.size, world.rank
     ctx = Collectives(world, CollectivesOptions(workspace_bytes=256 << 10,
                                                 tuning=Tuning(pipe_max_grid=8, pipe_depth=2, ring_max_grid=8,
-                                                              ring_depth=2)))
+                                                              ring_depth=5)))
     try:
         for i in range(20):
             count = 200_003 + 8 * i  # odd: the last chunk and the last steps are short
