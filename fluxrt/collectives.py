@@ -438,7 +438,7 @@ class Collectives:
             return team + (_u64(a.data.ptr + p.start * isz), _u64(c), _u64(o.data.ptr + p.start * isz),
                            _u64(p.count), _u64(lay.slot_bytes)) + (self._pipe_tail(p, isz) if chosen == "pipe" else ())
 
-        launches = tuple(self._launch(name, p.grid, args(p))
+        launches = tuple(self._launch(name, p.grid, args(p), block=plan.block_threads(chosen, self.tuning))
                          for p in _pieces("reduce_scatter", chosen, c, isz, n, lay, self.tuning))
         return launches, o
 

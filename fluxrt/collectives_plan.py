@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 # Mirrors of kernels/comm/collectives.cu.
 MAX_BLOCKS = 128      # kMaxBlocks: flag slots per (phase, source rank)
+MAX_RING_BLOCKS = 256 # kMaxRingBlocks: a ring round's flags are per slice only (world x MAX_BLOCKS slots)
 MAX_WORLD = 32        # kMaxWorld: ranks an exchange table describes
 VEC_BYTES = 16        # kVecBytes
 THREADS = 512
@@ -62,6 +63,7 @@ PIPE_MAX_STEP = 64 << 10
 LL12_TWOSHOT_MIN_BYTES = 256 << 10
 LL12_TWOSHOT_MAX_BYTES = 4 << 20
 RING_MAX_GRID = 64
+RING_THREADS = 512
 RING_STEP = 64 << 10
 RING_DEPTH = 4
 RING_SUBSTEPS = 2
@@ -100,8 +102,8 @@ class Tuning:
     two-shot 10.4 vs 14.6 us at 512 KiB, 14.3 vs 19.7 at 1 MiB, 21.1 vs 26.8 at 2 MiB, 35.8 vs 36.0 at 4
     MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB.
     ring_min_bytes: allreduce and reduce_scatter messages of at least this many bytes run the ring
-    ('ring', ahead of the pipelined rounds); 0: never. ring_max_grid: its blocks (one per slice of a chunk,
-    a slice per pipe_bytes_per_block of a chunk); ring_step: bytes per ring entry (at most; the workspace
+    ('ring', ahead of the pipelined rounds); 0: never. ring_max_grid / ring_threads: its blocks (one per
+    slice of a chunk, a slice per pipe_bytes_per_block of a chunk; up to MAX_RING_BLOCKS); ring_step: bytes per ring entry (at most; the workspace
     half holds ring_depth entries per block); ring_substeps: entries per stage of a piece (>= 2: the next
     rank's wait for step i of a stage hides behind this rank's later steps); ring_depth: entries per
     block (>= 2 ring_substeps: a rank sends a stage while the next rank reads the one before).
@@ -132,6 +134,7 @@ class Tuning:
     ll12_twoshot_max_grid: int = 128
     ring_min_bytes: int = 0
     ring_max_grid: int = RING_MAX_GRID
+    ring_threads: int = RING_THREADS
     ring_step: int = RING_STEP
     ring_depth: int = RING_DEPTH
     ring_substeps: int = RING_SUBSTEPS
@@ -143,9 +146,13 @@ class Tuning:
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
         for name in ("oneshot_max_grid", "bulk_max_grid", "ll_max_grid", "ll12_max_grid", "ll12_twoshot_max_grid",
-                     "pipe_max_grid", "ring_max_grid"):
+                     "pipe_max_grid"):
             if not 1 <= getattr(self, name) <= MAX_BLOCKS:
                 raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
+        if not 1 <= self.ring_max_grid <= MAX_RING_BLOCKS:
+            raise ValueError(f"Tuning.ring_max_grid must be in [1, {MAX_RING_BLOCKS}], got {self.ring_max_grid}")
+        if not 64 <= self.ring_threads <= THREADS or self.ring_threads % 32:
+            raise ValueError(f"Tuning.ring_threads must be a multiple of 32 in [64, {THREADS}], got {self.ring_threads}")
         for name in ("ll12_threads", "ll12_twoshot_threads"):
             v = getattr(self, name)
             if not 32 <= v <= LL12_MAX_THREADS or v % 32:
@@ -334,7 +341,8 @@ def ll12_twoshot_grid(nbytes: int, world_size: int, tuning: Tuning = DEFAULT_TUN
 
 def block_threads(algo: str, tuning: Tuning = DEFAULT_TUNING) -> int:
     """Threads per block of a launch of `algo`."""
-    return {"ll12": tuning.ll12_threads, "ll12_twoshot": tuning.ll12_twoshot_threads}.get(algo, THREADS)
+    return {"ll12": tuning.ll12_threads, "ll12_twoshot": tuning.ll12_twoshot_threads,
+            "ring": tuning.ring_threads}.get(algo, THREADS)
 
 
 def _grid(algo: str, bytes_per_peer: int, tuning: Tuning) -> int:

@@ -722,8 +722,8 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
 // through all stages before the next. What rank r sends to r + 1 is one sequence of entries per slice,
 // u = (piece * sends + stage - first) * substeps + i for step i of a stage, held in a ring of `depth`
 // entries of the receiver's workspace (half e & 1, as every round):
-//   ready  [kReady0][r][slice] on r + 1: entry u is written          (rank r releases after its pushes)
-//   credit [kCredit0][r + 1][slice] on r: r + 1 has read entry u       (r refills it with u + depth)
+//   ready  [kReady0][slice] on r + 1: entry u is written          (rank r releases after its pushes)
+//   credit [kCredit0][slice] on r: r + 1 has read entry u           (r refills it with u + depth)
 // Why steps within a stage: the next rank's stage s + 1 step i needs only step i of this rank's stage s,
 // so the ranks run in step, and each wait has substeps - 1 steps of copying to hide the previous
 // rank's fence and flag latency (with one step per stage that latency adds to every stage: 4x H200,
@@ -734,14 +734,23 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
 // r + 1 had finished round e - 1 (and its reads of the other half).
 // Sums are rounded to the dtype at each hop (as in NCCL's ring), not accumulated in fp32; a chunk is
 // reduced once, by its owner, so every rank still gets the same bits.
+// A ring round's flags have one source each (ready: the previous rank, credit: the next), so a phase's
+// flags are indexed by slice alone, over all world x kMaxBlocks slots: up to kMaxRingBlocks slices.
+constexpr u32 kMaxRingBlocks = 256;
+static_assert(kMaxRingBlocks <= 2 * kMaxBlocks, "ring flags must fit world x kMaxBlocks slots for 2 ranks");
+
+__device__ __forceinline__ u64 ring_flag(const Team& t, const Pipe& pp, u32 phase) {
+    return (u64)phase * t.world * kMaxBlocks + pp.slice;
+}
+
 __device__ __forceinline__ bool ring_wait(const Team& t, const Pipe& pp, u32 prev, u64 ready, u32 next,
                                           u64 credited) {
     int ok = 1;
     if (threadIdx.x == 0 && ready) {          // entry u is in this rank's ring
-        ok = fluxrt::wait_ge(t.flags + pp.flag(t, kReady0, prev), ready, t.timeout_ns, t.err, t.op, t.rank, prev);
+        ok = fluxrt::wait_ge(t.flags + ring_flag(t, pp, kReady0), ready, t.timeout_ns, t.err, t.op, t.rank, prev);
         fluxrt::fence_acq_rel_sys();          // the acquire covers the block's reads (bar.sync below)
     } else if (threadIdx.x == 32 && credited) {  // next has read the entry u - depth we are about to refill
-        ok = fluxrt::wait_ge(t.flags + pp.flag(t, kCredit0, next), credited, t.timeout_ns, t.err, t.op, t.rank, next);
+        ok = fluxrt::wait_ge(t.flags + ring_flag(t, pp, kCredit0), credited, t.timeout_ns, t.err, t.op, t.rank, next);
         fluxrt::fence_acq_rel_sys();
     }
     return __syncthreads_and(ok) != 0;
@@ -790,10 +799,10 @@ __device__ void reduce_ring(Team t, const typename E::T* x, typename E::T* out, 
                 fluxrt::fence_acq_rel_sys();  // every thread orders its pushes (and its reads of the entry)
                 __syncthreads();
                 if (threadIdx.x == 0 && send)                                               // stage ready
-                    fluxrt::st_release_sys(reinterpret_cast<u64*>(t.flags_peers[next]) + pp.flag(t, kReady0, t.rank),
+                    fluxrt::st_release_sys(reinterpret_cast<u64*>(t.flags_peers[next]) + ring_flag(t, pp, kReady0),
                                            pipe_value(pp.e, us));
                 else if (threadIdx.x == 32 && recv)                                         // stage credit
-                    fluxrt::st_release_sys(reinterpret_cast<u64*>(t.flags_peers[prev]) + pp.flag(t, kCredit0, t.rank),
+                    fluxrt::st_release_sys(reinterpret_cast<u64*>(t.flags_peers[prev]) + ring_flag(t, pp, kCredit0),
                                            pipe_value(pp.e, ur));
             }
         }

@@ -25,6 +25,7 @@ def test_plan_constants_mirror_the_kernel():
     src = (kernel_root() / "comm" / "collectives.cu").read_text()
     consts = {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr u32 (k\w+) = (\d+);", src)}
     assert consts["kMaxBlocks"] == plan.MAX_BLOCKS
+    assert consts["kMaxRingBlocks"] == plan.MAX_RING_BLOCKS and consts["kBulkThreads"] == plan.THREADS
     assert consts["kMaxWorld"] == plan.MAX_WORLD
     assert consts["kVecBytes"] == plan.VEC_BYTES
     assert consts["kLLData"] == plan.LL_DATA_BYTES and consts["kLLLine"] == plan.LL_LINE_BYTES
@@ -328,7 +329,10 @@ def test_ring_threshold_and_tuning():
     with pytest.raises(ValueError, match="ring_depth"):
         plan.Tuning(ring_depth=2, ring_substeps=0)
     with pytest.raises(ValueError, match="ring_max_grid"):
-        plan.Tuning(ring_max_grid=plan.MAX_BLOCKS + 1)
+        plan.Tuning(ring_max_grid=plan.MAX_RING_BLOCKS + 1)
+    with pytest.raises(ValueError, match="ring_threads"):
+        plan.Tuning(ring_threads=100)
+    assert plan.block_threads("ring", plan.Tuning(ring_threads=256)) == 256
     with pytest.raises(ValueError, match="ring_step"):
         plan.Tuning(ring_step=8)
     assert plan.ring_step(32 << 20, 64, 4, 1 << 30) == 64 << 10                         # capped at ring_step

@@ -172,7 +172,7 @@ class Model:
         grids = {launch.grid for launch in launch_per_rank}
         assert len(names) == 1 and len(grids) == 1, f"ranks launch different kernels: {names} {grids}"
         name, grid = names.pop(), grids.pop()
-        assert 1 <= grid <= plan.MAX_BLOCKS
+        assert 1 <= grid <= (plan.MAX_RING_BLOCKS if "_ring_" in name else plan.MAX_BLOCKS)
         es = {self.epoch[r] + 1 for r in range(self.n)}
         assert len(es) == 1
         e = es.pop()

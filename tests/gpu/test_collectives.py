@@ -406,6 +406,34 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
         ctx.free()
 
 
+def test_ring_rounds_with_more_blocks_than_flag_slots_per_source(world):
+    """The ring's flags are per slice only: 256 blocks of 256 threads (more than MAX_BLOCKS), allreduce
+    and reduce_scatter, three calls in a row, against numpy."""
+    from fluxrt.collectives import Collectives, CollectivesOptions
+    from fluxrt.collectives_plan import MAX_RING_BLOCKS, Tuning
+
+    n, r = world.size, world.rank
+    ctx = Collectives(world, CollectivesOptions(tuning=Tuning(ring_max_grid=MAX_RING_BLOCKS, ring_threads=256,
+                                                              pipe_bytes_per_block=4 << 10)))
+    try:
+        for i in range(3):
+            count = (1 << 21) + 8 * i + 3  # 4 MiB of bf16: 256 slices of a chunk, a short last chunk
+            x = _data(700 + i, world, count, "bf16")
+            inputs = _gather(world, x)
+            out = _poisoned(count, "bf16")
+            ctx.allreduce(x, out, algo="ring")
+            chunk = count // n
+            rs = _poisoned(chunk, "bf16")
+            ctx.reduce_scatter(x[:chunk * n], rs, algo="ring")
+            world.synchronize()
+            _assert_reduced(_host(out), inputs, "sum", "bf16", f"ring allreduce, 256 blocks, call {i}", "ring")
+            _assert_same_on_every_rank(world, out, f"ring allreduce, 256 blocks, call {i}")
+            _assert_reduced(_host(rs), [a[r * chunk:(r + 1) * chunk] for a in inputs], "sum", "bf16",
+                            f"ring reduce_scatter, 256 blocks, call {i}", "ring")
+    finally:
+        ctx.free()
+
+
 def test_allgather_large_fp32(world):
     import fluxrt
 
