@@ -62,9 +62,10 @@ PIPE_STEP_ALIGN = 4 << 10
 PIPE_MAX_STEP = 64 << 10
 LL12_TWOSHOT_MIN_BYTES = 256 << 10
 LL12_TWOSHOT_MAX_BYTES = 4 << 20
-RING_MAX_GRID = 64
+RING_MIN_BYTES = 128 << 20
+RING_MAX_GRID = 128
 RING_THREADS = 512
-RING_STEP = 64 << 10
+RING_STEP = 256 << 10
 RING_DEPTH = 4
 RING_SUBSTEPS = 2
 
@@ -101,8 +102,10 @@ class Tuning:
     against LL12 7.9 vs 9.8 us at 256 KiB (LL12 ahead at 128 KiB, 6.4 vs 7.2); against one-shot and
     two-shot 10.4 vs 14.6 us at 512 KiB, 14.3 vs 19.7 at 1 MiB, 21.1 vs 26.8 at 2 MiB, 35.8 vs 36.0 at 4
     MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB.
-    ring_min_bytes: allreduce and reduce_scatter messages of at least this many bytes run the ring
-    ('ring', ahead of the pipelined rounds); 0: never. ring_max_grid / ring_threads: its blocks (one per
+    ring_min_bytes: allreduce messages of at least this many bytes run the ring ('ring', ahead of the
+    pipelined rounds; reduce_scatter takes it only when asked, algo='ring'); 0: never. 4x H200, bf16,
+    256 MiB workspace (c1f3a2a): from 128 MiB 5-9 % faster than the pipelined rounds (1 GiB 4443 vs
+    4904 us), level at 64 MiB (341 vs 339), slower below (32 MiB 218 vs 188). ring_max_grid / ring_threads: its blocks (one per
     slice of a chunk, a slice per pipe_bytes_per_block of a chunk; up to MAX_RING_BLOCKS); ring_step: bytes per ring entry (at most; the workspace
     half holds ring_depth entries per block); ring_substeps: entries per stage of a piece (>= 2: the next
     rank's wait for step i of a stage hides behind this rank's later steps); ring_depth: entries per
@@ -132,7 +135,7 @@ class Tuning:
     ll12_twoshot_max_bytes: int = LL12_TWOSHOT_MAX_BYTES
     ll12_twoshot_threads: int = 512
     ll12_twoshot_max_grid: int = 128
-    ring_min_bytes: int = 0
+    ring_min_bytes: int = RING_MIN_BYTES
     ring_max_grid: int = RING_MAX_GRID
     ring_threads: int = RING_THREADS
     ring_step: int = RING_STEP
@@ -243,8 +246,7 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
     if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
         ll12 = op == "allreduce" and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
         return "ll12" if ll12 else "ll"
-    if (op in ("allreduce", "reduce_scatter") and world_size > 1 and tuning.ring_min_bytes > 0
-            and nbytes >= tuning.ring_min_bytes):
+    if op == "allreduce" and world_size > 1 and tuning.ring_min_bytes > 0 and nbytes >= tuning.ring_min_bytes:
         return "ring"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
     if op == "allreduce":
@@ -305,12 +307,14 @@ def ring_step(half_bytes: int, slices: int, world_size: int, chunk_bytes: int, t
     """Bytes per ring entry of a ring round: at most tuning.ring_step, and the workspace half holds
     ring_depth entries per slice; the entries one rank sends per slice and round (2 (n - 1) stages of
     ring_substeps entries for every piece of a slice, allreduce) stay below 2**PIPE_STEP_BITS - 1."""
-    step = min(tuning.ring_step, half_bytes // (slices * tuning.ring_depth))
+    slice_bytes = _ceil_div(_ceil_div(chunk_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
+    # every step of a stage carries data where the slice allows (an empty step hides no latency)
+    per_step = _ceil_div(_ceil_div(slice_bytes, tuning.ring_substeps), PIPE_STEP_ALIGN) * PIPE_STEP_ALIGN
+    step = min(tuning.ring_step, half_bytes // (slices * tuning.ring_depth), per_step)
     step = _floor(step, PIPE_STEP_ALIGN) if step >= PIPE_STEP_ALIGN else _floor(step, VEC_BYTES)
     if step < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slices} slices x "
                          f"{tuning.ring_depth} ring entries")
-    slice_bytes = _ceil_div(_ceil_div(chunk_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
     piece = step * tuning.ring_substeps
     if _ceil_div(slice_bytes, piece) * tuning.ring_substeps * 2 * max(1, world_size - 1) >= (1 << PIPE_STEP_BITS) - 1:
         raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} - 1 ring entries or "

@@ -319,7 +319,7 @@ def test_ring_rounds_fit_the_workspace_half(op, n, count):
 def test_ring_threshold_and_tuning():
     t = plan.Tuning(ring_min_bytes=32 << 20)
     assert plan.choose_algo("allreduce", 32 << 20, 4, tuning=t) == "ring"
-    assert plan.choose_algo("reduce_scatter", 32 << 20, 4, tuning=t) == "ring"
+    assert plan.choose_algo("reduce_scatter", 1 << 30, 4, tuning=t) == "pipe"    # only when asked
     assert plan.choose_algo("allreduce", (32 << 20) - 2, 4, tuning=t) == "twoshot"
     assert plan.choose_algo("allgather", 1 << 30, 4, tuning=t) == "pipe"  # no ring for the exchange ops
     assert plan.choose_algo("allreduce", 1 << 30, 1, tuning=t) == "oneshot"  # one rank: no ring
@@ -335,9 +335,10 @@ def test_ring_threshold_and_tuning():
     assert plan.block_threads("ring", plan.Tuning(ring_threads=256)) == 256
     with pytest.raises(ValueError, match="ring_step"):
         plan.Tuning(ring_step=8)
-    assert plan.ring_step(32 << 20, 64, 4, 1 << 30) == 64 << 10                         # capped at ring_step
-    assert plan.ring_step(1 << 20, 64, 4, 1 << 30) == 4 << 10                          # half / (slices x depth)
-    assert plan.ring_step(200_000, 8, 4, 1 << 20) == 4 << 10                           # whole 4 KiB pages
+    assert plan.ring_step(256 << 20, 64, 4, 1 << 30) == 256 << 10                      # capped at ring_step
+    assert plan.ring_step(32 << 20, 64, 4, 1 << 30) == 128 << 10                       # half / (slices x depth)
+    assert plan.ring_step(32 << 20, 64, 4, 6 << 20) == 48 << 10                        # slice / substeps
+    assert plan.ring_step(200_000, 8, 4, 1 << 30) == 4 << 10                           # whole 4 KiB pages
     assert plan.ring_step(3000, 8, 4, 1 << 10) == 80                                   # small: 16-byte units
     with pytest.raises(ValueError, match=r"allreduce of 1048576 elements, ring: workspace half .* too small"):
         plan.pieces("allreduce", "ring", 1 << 20, 2, 4, plan.layout("allreduce", "ring", 64, 4, 2))
@@ -354,7 +355,9 @@ def test_describe_reports_algo_and_launches():
     d = plan.describe("allreduce", 1 << 24, 2, 4, 32 << 20, algo="twoshot")
     assert d["algo"] == "twoshot" and d["launches"] == 2  # 32 MiB in pieces of half the 32 MiB half
     d = plan.describe("allreduce", 1 << 29, 2, 4, 32 << 20)
-    assert d["algo"] == "pipe" and d["launches"] == 1     # 1 GiB: the ring recycles, one launch
+    assert d["algo"] == "ring" and d["launches"] == 1     # 1 GiB: the ring recycles, one launch
+    d = plan.describe("allreduce", 1 << 25, 2, 4, 32 << 20)
+    assert d["algo"] == "pipe" and d["launches"] == 1     # 64 MiB: pipelined, one launch
     assert plan.describe("allreduce", 8, 2, 4, 32 << 20)["launches"] == 1
 
 
