@@ -102,10 +102,11 @@ class Tuning:
     against LL12 7.9 vs 9.8 us at 256 KiB (LL12 ahead at 128 KiB, 6.4 vs 7.2); against one-shot and
     two-shot 10.4 vs 14.6 us at 512 KiB, 14.3 vs 19.7 at 1 MiB, 21.1 vs 26.8 at 2 MiB, 35.8 vs 36.0 at 4
     MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB.
-    ring_min_bytes: allreduce messages of at least this many bytes run the ring ('ring', ahead of the
-    pipelined rounds; reduce_scatter takes it only when asked, algo='ring'); 0: never. 4x H200, bf16,
-    256 MiB workspace (c1f3a2a): from 128 MiB 5-9 % faster than the pipelined rounds (1 GiB 4443 vs
-    4904 us), level at 64 MiB (341 vs 339), slower below (32 MiB 218 vs 188). ring_max_grid / ring_threads: its blocks (one per
+    ring_min_bytes: allreduce and reduce_scatter messages of at least this many bytes run the ring
+    ('ring', ahead of the pipelined rounds); 0: never. 4x H200, bf16, 256 MiB workspace: allreduce from
+    128 MiB 5-9 % faster than the pipelined rounds (c1f3a2a: 1 GiB 4443 vs 4904 us), level at 64 MiB (341
+    vs 339), slower below (32 MiB 218 vs 188); reduce_scatter from 128 MiB 5-10 % faster (ff13018: 1 GiB
+    2274 vs 2529 us, 128 MiB 327 vs 345). ring_max_grid / ring_threads: its blocks (one per
     slice of a chunk, a slice per pipe_bytes_per_block of a chunk; up to MAX_RING_BLOCKS); ring_step: bytes per ring entry (at most; the workspace
     half holds ring_depth entries per block); ring_substeps: entries per stage of a piece (>= 2: the next
     rank's wait for step i of a stage hides behind this rank's later steps); ring_depth: entries per
@@ -246,7 +247,8 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
     if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
         ll12 = op == "allreduce" and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
         return "ll12" if ll12 else "ll"
-    if op == "allreduce" and world_size > 1 and tuning.ring_min_bytes > 0 and nbytes >= tuning.ring_min_bytes:
+    if (op in ("allreduce", "reduce_scatter") and world_size > 1 and tuning.ring_min_bytes > 0
+            and nbytes >= tuning.ring_min_bytes):
         return "ring"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
     if op == "allreduce":

@@ -709,7 +709,8 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
 // ----------------------------------------------------------------------------------------- ring rounds
 // Bulk reductions along the ring rank -> rank + 1 (as NCCL's ring). Every rank pushes to one peer only:
 // on 4x H200 single-destination pushes reach 351-356 GB/s per GPU with 48-132 blocks, all-to-all pushes
-// 332-340 (perf/results/fabric-patterns-*.json), and the pipelined rounds above push all-to-all.
+// 332-340 (perf/fabric_patterns.py, perf/results/fabric-patterns-*.json); the pipelined rounds above
+// push all-to-all.
 // The message is n chunks. Chunk c travels c+1 -> c+2 -> ... -> c, each rank adding its x, then, reduced,
 // once more around the ring until every rank holds it. Rank r, stage s, chunk c = (r + 2n - 1 - s) mod n:
 //   s = 0             send x[c]                                    (reduce-scatter stages: c = r - 1 - s)

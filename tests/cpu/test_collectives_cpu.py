@@ -319,7 +319,8 @@ def test_ring_rounds_fit_the_workspace_half(op, n, count):
 def test_ring_threshold_and_tuning():
     t = plan.Tuning(ring_min_bytes=32 << 20)
     assert plan.choose_algo("allreduce", 32 << 20, 4, tuning=t) == "ring"
-    assert plan.choose_algo("reduce_scatter", 1 << 30, 4, tuning=t) == "pipe"    # only when asked
+    assert plan.choose_algo("reduce_scatter", 1 << 30, 4, tuning=t) == "ring"
+    assert plan.choose_algo("reduce_scatter", 16 << 20, 4, tuning=t) == "push"
     assert plan.choose_algo("allreduce", (32 << 20) - 2, 4, tuning=t) == "twoshot"
     assert plan.choose_algo("allgather", 1 << 30, 4, tuning=t) == "pipe"  # no ring for the exchange ops
     assert plan.choose_algo("allreduce", 1 << 30, 1, tuning=t) == "oneshot"  # one rank: no ring
