@@ -20,7 +20,9 @@ over NVLink, releases per-block flags, waits for the peers' flags (bounded by th
 reduces or copies locally. Messages larger than a workspace half go in several launches, except on the
 pipelined path for bulk messages ('pipe'): one launch streams each slice of the message through a small
 ring of steps in the peers' workspace, with a sender, [reducer,] and receiver block per slice, so the
-NVLink pushes of one step overlap the local copies of earlier ones. Outputs that
+NVLink pushes of one step overlap the local copies of earlier ones. The largest allreduce and
+reduce_scatter messages take the ring ('ring'): chunks travel rank -> rank + 1, reduced on the way,
+so every rank pushes to one peer only. Outputs that
 are symmetric arrays (``world.empty``, the same view on every rank) let allgather, alltoall and broadcast
 push straight into the peers' outputs instead ('direct': one launch, no staging copy). Epochs live on
 the device, so calls can be captured in a CUDA graph and replayed. Algorithms per size are chosen in
