@@ -63,6 +63,7 @@ PIPE_MAX_STEP = 64 << 10
 LL12_TWOSHOT_MIN_BYTES = 256 << 10
 LL12_TWOSHOT_MAX_BYTES = 4 << 20
 RING_MIN_BYTES = 128 << 20
+RING_MIN_BYTES_TWO_RANKS = 64 << 20
 RING_MAX_GRID = 128
 RING_THREADS = 512
 RING_STEP = 256 << 10
@@ -106,7 +107,9 @@ class Tuning:
     ('ring', ahead of the pipelined rounds); 0: never. 4x H200, bf16, 256 MiB workspace: allreduce from
     128 MiB 5-9 % faster than the pipelined rounds (c1f3a2a: 1 GiB 4443 vs 4904 us), level at 64 MiB (341
     vs 339), slower below (32 MiB 218 vs 188); reduce_scatter from 128 MiB 5-10 % faster (ff13018: 1 GiB
-    2274 vs 2529 us, 128 MiB 327 vs 345). ring_max_grid / ring_threads: its blocks (one per
+    2274 vs 2529 us, 128 MiB 327 vs 345). two_rank_ring_min_bytes: the same on 2 ranks, where the ring
+    has 3 stages (7db0c75: allreduce 64 MiB 224 vs 261 us, 1 GiB 2998 vs 3125; reduce_scatter 1 GiB
+    1610 vs 2072; level at 32 MiB). ring_max_grid / ring_threads: its blocks (one per
     slice of a chunk, a slice per pipe_bytes_per_block of a chunk; up to MAX_RING_BLOCKS); ring_step: bytes per ring entry (at most; the workspace
     half holds ring_depth entries per block); ring_substeps: entries per stage of a piece (>= 2: the next
     rank's wait for step i of a stage hides behind this rank's later steps); ring_depth: entries per
@@ -137,6 +140,7 @@ class Tuning:
     ll12_twoshot_threads: int = 512
     ll12_twoshot_max_grid: int = 128
     ring_min_bytes: int = RING_MIN_BYTES
+    two_rank_ring_min_bytes: int = RING_MIN_BYTES_TWO_RANKS
     ring_max_grid: int = RING_MAX_GRID
     ring_threads: int = RING_THREADS
     ring_step: int = RING_STEP
@@ -247,8 +251,8 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
     if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
         ll12 = op == "allreduce" and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
         return "ll12" if ll12 else "ll"
-    if (op in ("allreduce", "reduce_scatter") and world_size > 1 and tuning.ring_min_bytes > 0
-            and nbytes >= tuning.ring_min_bytes):
+    ring_min = tuning.two_rank_ring_min_bytes if world_size == 2 else tuning.ring_min_bytes
+    if op in ("allreduce", "reduce_scatter") and world_size > 1 and 0 < ring_min <= nbytes:
         return "ring"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
     if op == "allreduce":

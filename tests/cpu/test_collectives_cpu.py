@@ -66,7 +66,7 @@ def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
         assert plan.choose_algo(op, 8, 4) == "ll"
         assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == "pipe"
         assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (
-            "pipe" if op in ("reduce_scatter", "alltoallv") else "direct")
+            {"reduce_scatter": "ring", "alltoallv": "pipe"}.get(op, "direct"))  # 2 ranks: ring from 64 MiB
 
 
 def test_ll_threshold_is_per_pair_of_ranks():
@@ -324,6 +324,11 @@ def test_ring_threshold_and_tuning():
     assert plan.choose_algo("allreduce", (32 << 20) - 2, 4, tuning=t) == "twoshot"
     assert plan.choose_algo("allgather", 1 << 30, 4, tuning=t) == "pipe"  # no ring for the exchange ops
     assert plan.choose_algo("allreduce", 1 << 30, 1, tuning=t) == "oneshot"  # one rank: no ring
+    two = plan.Tuning(ring_min_bytes=1 << 30, two_rank_ring_min_bytes=64 << 20)
+    assert plan.choose_algo("allreduce", 64 << 20, 2, tuning=two) == "ring"
+    assert plan.choose_algo("allreduce", 64 << 20, 4, tuning=two) == "pipe"
+    assert plan.choose_algo("reduce_scatter", 64 << 20, 2, tuning=two) == "ring"
+    assert plan.choose_algo("allreduce", 1 << 30, 2, tuning=plan.Tuning(two_rank_ring_min_bytes=0)) == "pipe"
     assert plan.choose_algo("allreduce", 1 << 30, 4) == ("ring" if plan.DEFAULT_TUNING.ring_min_bytes else "pipe")
     with pytest.raises(ValueError, match="ring_depth"):
         plan.Tuning(ring_depth=3, ring_substeps=2)
