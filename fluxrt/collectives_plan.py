@@ -109,11 +109,12 @@ class Tuning:
     vs 339), slower below (32 MiB 218 vs 188); reduce_scatter from 128 MiB 5-10 % faster (ff13018: 1 GiB
     2274 vs 2529 us, 128 MiB 327 vs 345). two_rank_ring_min_bytes: the same on 2 ranks, where the ring
     has 3 stages (7db0c75: allreduce 64 MiB 224 vs 261 us, 1 GiB 2998 vs 3125; reduce_scatter 1 GiB
-    1610 vs 2072; level at 32 MiB). ring_max_grid / ring_threads: its blocks (one per
-    slice of a chunk, a slice per pipe_bytes_per_block of a chunk; up to MAX_RING_BLOCKS); ring_step: bytes per ring entry (at most; the workspace
-    half holds ring_depth entries per block); ring_substeps: entries per stage of a piece (>= 2: the next
-    rank's wait for step i of a stage hides behind this rank's later steps); ring_depth: entries per
-    block (>= 2 ring_substeps: a rank sends a stage while the next rank reads the one before).
+    1610 vs 2072; level at 32 MiB). ring_max_grid / ring_threads: its blocks (one per slice of a chunk,
+    a slice per pipe_bytes_per_block of a chunk; up to MAX_RING_BLOCKS; at least two warps, which wait on
+    the two flags). ring_step: bytes per ring entry (at most; the workspace half holds ring_depth entries
+    per block). ring_substeps: entries per stage of a piece (>= 2: the next rank's wait for step i of a
+    stage hides behind this rank's later steps). ring_depth: entries per block (>= 2 ring_substeps: a
+    rank sends a stage while the next rank reads the one before).
     pdl: 1 launches every round with programmatic dependent launch (the round's grid is scheduled, and
     takes its share of the round counter, while the kernel before it still runs; kernels/comm/
     collectives.cu, "Programmatic dependent launch"); 0: plain launches."""

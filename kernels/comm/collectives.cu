@@ -708,9 +708,9 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
 
 // ----------------------------------------------------------------------------------------- ring rounds
 // Bulk reductions along the ring rank -> rank + 1 (as NCCL's ring). Every rank pushes to one peer only:
-// on 4x H200 single-destination pushes reach 351-356 GB/s per GPU with 48-132 blocks, all-to-all pushes
-// 332-340 (perf/fabric_patterns.py, perf/results/fabric-patterns-*.json); the pipelined rounds above
-// push all-to-all.
+// on 4x H200 single-destination pushes reach 345-355 GB/s per GPU with 48-128 blocks, all-to-all pushes
+// 335-336 with 128-132 (perf/fabric_probe.py --peers, perf/results/fabric-*-13e981e.json); the
+// pipelined rounds above push all-to-all.
 // The message is n chunks. Chunk c travels c+1 -> c+2 -> ... -> c, each rank adding its x, then, reduced,
 // once more around the ring until every rank holds it. Rank r, stage s, chunk c = (r + 2n - 1 - s) mod n:
 //   s = 0             send x[c]                                    (reduce-scatter stages: c = r - 1 - s)
@@ -1287,15 +1287,15 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
                                                               u64 slot_bytes, u64 step, u32 depth) {    \
         reduce_pipe<E, OP>(FLUXRT_TEAM, x, 0, out, count, chunk, slot_bytes, step, depth, true);        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kBulkThreads) fluxrt_allreduce_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,         \
-                                                              E::T* out, u64 count, u64 chunk, u64 step, \
-                                                              u32 depth, u32 substeps) {                \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
+        fluxrt_allreduce_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, u64 count, u64 chunk,  \
+                                     u64 step, u32 depth, u32 substeps) {                                \
         reduce_ring<E, OP>(FLUXRT_TEAM, x, out, chunk, count, chunk, step, depth, substeps, 0,           \
                            2 * world - 2);                                                              \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kBulkThreads) fluxrt_reduce_scatter_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,    \
-                                                                   E::T* out, u64 chunk, u64 step,      \
-                                                                   u32 depth, u32 substeps) {           \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
+        fluxrt_reduce_scatter_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, u64 chunk,        \
+                                          u64 step, u32 depth, u32 substeps) {                           \
         reduce_ring<E, OP>(FLUXRT_TEAM, x, out, 0, world * chunk, chunk, step, depth, substeps, 0,      \
                            world - 1);                                                                  \
     }                                                                                                   \
