@@ -21,8 +21,8 @@ reduces or copies locally. Messages larger than a workspace half go in several l
 pipelined path for bulk messages ('pipe'): one launch streams each slice of the message through a small
 ring of steps in the peers' workspace, with a sender, [reducer,] and receiver block per slice, so the
 NVLink pushes of one step overlap the local copies of earlier ones. The largest allreduce and
-reduce_scatter messages take the ring ('ring'): chunks travel rank -> rank + 1, reduced on the way,
-so every rank pushes to one peer only. Outputs that
+reduce_scatter messages, and the largest allgathers, take the ring ('ring'): chunks travel
+rank -> rank + 1 (reduced on the way), so every rank pushes to one peer only. Outputs that
 are symmetric arrays (``world.empty``, the same view on every rank) let allgather, alltoall and broadcast
 push straight into the peers' outputs instead ('direct': one launch, no staging copy). Epochs live on
 the device, so calls can be captured in a CUDA graph and replayed. Algorithms per size are chosen in
@@ -473,6 +473,13 @@ class Collectives:
         a, o, chosen, _ = got
         isz, c = a.itemsize, a.size
         lay = self._layout("allgather", chosen, isz)
+        if chosen == "ring":  # in bytes; the kernel skips this rank's chunk when it is already in place
+            launches = tuple(self._launch("fluxrt_allgather_ring", p.grid,
+                                          self._teams["allgather"] + (_u64(a.data.ptr), _u64(o.data.ptr),
+                                                                      _u64(a.nbytes)) + self._ring_tail(p, 1),
+                                          block=plan.block_threads(chosen, self.tuning))
+                             for p in _pieces("allgather", chosen, c, isz, n, lay, self.tuning))
+            return launches, o
         mine = o.data.ptr + world.rank * a.nbytes
         peers = _peer_pointers(o, n) if chosen == "direct" else None
 

@@ -17,10 +17,10 @@ Algorithms:
             peers' workspace slots, pushes of one step overlapping the consumption of earlier ones
             (allreduce: reduce-scatter and allgather phases in the same pass);
   direct    allgather / alltoall / broadcast into symmetric outputs: pushes straight into the peers' outputs.
-  ring      allreduce, reduce_scatter: chunks travel the ring rank -> rank + 1, reduced on the way (as NCCL's
-            ring), each block streaming its slice through a ring of steps in the next rank's workspace.
-            Every rank pushes to one peer only, which the fabric carries faster than all-to-all pushes;
-            sums are rounded to the dtype at each hop.
+  ring      allreduce, reduce_scatter, allgather: chunks travel the ring rank -> rank + 1 (reduced on the
+            way, as NCCL's ring), each block streaming its slice through a ring of steps in the next rank's
+            workspace. Every rank pushes to one peer only, which the fabric carries faster than all-to-all
+            pushes; sums are rounded to the dtype at each hop.
 The thresholds and grid sizes are a ``Tuning`` (``CollectivesOptions.tuning``), to be set from measured
 crossover points (``fluxrt-perf allreduce --algo ll`` vs ``--algo oneshot`` ..., ``--tune key=value``).
 """
@@ -210,10 +210,11 @@ class Tuning:
 DEFAULT_TUNING = Tuning()
 
 REDUCE_OPS = ("sum", "max", "min")
+RING_OPS = ("allreduce", "reduce_scatter", "allgather")  # the ops with a ring round
 ALGOS = {
     "allreduce": ("ll", "oneshot", "twoshot", "pipe", "ll12", "ll12_twoshot", "ring"),
     "reduce_scatter": ("ll", "push", "pipe", "ring"),
-    "allgather": ("ll", "push", "direct", "pipe"),
+    "allgather": ("ll", "push", "direct", "pipe", "ring"),
     "alltoall": ("ll", "push", "direct", "pipe"),
     "alltoallv": ("ll", "push", "pipe"),
     "broadcast": ("ll", "push", "direct", "pipe"),
@@ -253,7 +254,7 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         ll12 = op == "allreduce" and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
         return "ll12" if ll12 else "ll"
     ring_min = tuning.two_rank_ring_min_bytes if world_size == 2 else tuning.ring_min_bytes
-    if op in ("allreduce", "reduce_scatter") and world_size > 1 and 0 < ring_min <= nbytes:
+    if op in RING_OPS and world_size > 1 and 0 < ring_min <= nbytes:
         return "ring"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
     if op == "allreduce":

@@ -203,12 +203,14 @@ __device__ __forceinline__ void block_range(u64 total, u64 align, u64* lo, u64* 
 struct F32 {
     typedef float T;
     static constexpr u32 kPerVec = 4;
+    static constexpr bool kArithmetic = true;
     static __device__ __forceinline__ float to_f(float v) { return v; }
     static __device__ __forceinline__ float from_f(float v) { return v; }
 };
 struct F16 {
     typedef unsigned short T;
     static constexpr u32 kPerVec = 8;
+    static constexpr bool kArithmetic = true;
     static __device__ __forceinline__ float to_f(unsigned short v) { return fluxrt::f16_to_f32(v); }
     static __device__ __forceinline__ unsigned short from_f(float f) {
         unsigned short v;
@@ -219,12 +221,20 @@ struct F16 {
 struct BF16 {
     typedef unsigned short T;
     static constexpr u32 kPerVec = 8;
+    static constexpr bool kArithmetic = true;
     static __device__ __forceinline__ float to_f(unsigned short v) { return fluxrt::bf16_to_f32(v); }
     static __device__ __forceinline__ unsigned short from_f(float f) {
         unsigned short v;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(f));
         return v;
     }
+};
+
+// Raw bytes, for rounds that only ever copy (allgather's ring: one source per stage); no arithmetic.
+struct Bytes {
+    typedef unsigned char T;
+    static constexpr u32 kPerVec = 16;
+    static constexpr bool kArithmetic = false;
 };
 
 template <int OP>
@@ -604,23 +614,70 @@ __device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, 
     }
 }
 
+// dst_d[i] = src[i] for i < n units of type U and every d < ndst, kReduceUnroll loads in flight per
+// thread before the stores. Loads bypass L1 (.cv): src may hold pushed data.
+template <class U>
+__device__ __forceinline__ void copy_units(char* const* dst, u32 ndst, const char* src, u64 n) {
+    constexpr u32 R = kReduceUnroll;
+    const U* s = reinterpret_cast<const U*>(src);
+    u64 i = threadIdx.x;
+    for (; i + (R - 1) * blockDim.x < n; i += R * blockDim.x) {
+        U r[R];
+#pragma unroll
+        for (u32 u = 0; u < R; ++u) r[u] = __ldcv(s + i + u * blockDim.x);
+        for (u32 d = 0; d < ndst; ++d)
+#pragma unroll
+            for (u32 u = 0; u < R; ++u) reinterpret_cast<U*>(dst[d])[i + u * blockDim.x] = r[u];
+    }
+    for (; i < n; i += blockDim.x) {
+        const U r = __ldcv(s + i);
+        for (u32 d = 0; d < ndst; ++d) reinterpret_cast<U*>(dst[d])[i] = r;
+    }
+}
+
+// The one-source case of reduce_sources: `bytes` of src copied as bits to every destination (16-byte
+// vectors when every pointer is 16-byte aligned, 4-byte words when 4-byte aligned, bytes otherwise).
+__device__ __noinline__ void copy_sources(char* const* dst, u32 ndst, const char* src, u64 bytes) {
+    u64 any = reinterpret_cast<u64>(src);
+    for (u32 d = 0; d < ndst; ++d) any |= reinterpret_cast<u64>(dst[d]);
+    u64 done = 0;
+    if ((any & 15ull) == 0) {
+        copy_units<uint4>(dst, ndst, src, bytes / kVecBytes);
+        done = bytes / kVecBytes * kVecBytes;
+    } else if ((any & 3ull) == 0) {
+        copy_units<u32>(dst, ndst, src, bytes / 4ull);
+        done = bytes / 4ull * 4ull;
+    }
+    for (u64 i = done + threadIdx.x; i < bytes; i += blockDim.x) {
+        const unsigned char b = __ldcv(reinterpret_cast<const unsigned char*>(src) + i);
+        for (u32 d = 0; d < ndst; ++d) reinterpret_cast<unsigned char*>(dst[d])[i] = b;
+    }
+}
+
 // dst_d[k] = src_0[k] op src_1[k] op ... op src_{n-1}[k] for k < count and every d < ndst, accumulated in
-// fp32 in rank order (the same bits on every rank). Pointers in shared memory, set by the caller.
+// fp32 in rank order (the same bits on every rank); one source is copied as bits. Pointers in shared
+// memory, set by the caller.
 template <class E, int OP>
 __device__ void reduce_sources(char* const* dst, u32 ndst, const char* const* src, u32 n, u64 count) {
     typedef typename E::T T;
-    constexpr u32 V = E::kPerVec;
-    u64 any = 0;
-    for (u32 p = 0; p < n; ++p) any |= reinterpret_cast<u64>(src[p]);
-    for (u32 d = 0; d < ndst; ++d) any |= reinterpret_cast<u64>(dst[d]);
-    const u64 nvec = (any & 15ull) == 0 ? count / V : 0;
-    reduce_vectors<E, OP>(n, nvec, [&](u32 p) { return reinterpret_cast<const uint4*>(src[p]); },
-                          [&](u64 v, const uint4& res) {
-                              for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dst[d])[v] = res;
-                          });
-    for (u64 k = nvec * V + threadIdx.x; k < count; k += blockDim.x) {
-        const T r = reduce_elem<E, OP>(n, [&](u32 p) { return reinterpret_cast<const volatile T*>(src[p]) + k; });
-        for (u32 d = 0; d < ndst; ++d) reinterpret_cast<T*>(dst[d])[k] = r;
+    if (n == 1 || !E::kArithmetic) {
+        copy_sources(dst, ndst, src[0], count * sizeof(T));
+        return;
+    }
+    if constexpr (E::kArithmetic) {
+        constexpr u32 V = E::kPerVec;
+        u64 any = 0;
+        for (u32 p = 0; p < n; ++p) any |= reinterpret_cast<u64>(src[p]);
+        for (u32 d = 0; d < ndst; ++d) any |= reinterpret_cast<u64>(dst[d]);
+        const u64 nvec = (any & 15ull) == 0 ? count / V : 0;
+        reduce_vectors<E, OP>(n, nvec, [&](u32 p) { return reinterpret_cast<const uint4*>(src[p]); },
+                              [&](u64 v, const uint4& res) {
+                                  for (u32 d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dst[d])[v] = res;
+                              });
+        for (u64 k = nvec * V + threadIdx.x; k < count; k += blockDim.x) {
+            const T r = reduce_elem<E, OP>(n, [&](u32 p) { return reinterpret_cast<const volatile T*>(src[p]) + k; });
+            for (u32 d = 0; d < ndst; ++d) reinterpret_cast<T*>(dst[d])[k] = r;
+        }
     }
 }
 
@@ -707,7 +764,8 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
 }
 
 // ----------------------------------------------------------------------------------------- ring rounds
-// Bulk reductions along the ring rank -> rank + 1 (as NCCL's ring). Every rank pushes to one peer only:
+// Bulk reductions and allgathers along the ring rank -> rank + 1 (as NCCL's ring). Every rank pushes to
+// one peer only:
 // on 4x H200 single-destination pushes reach 345-355 GB/s per GPU with 48-128 blocks, all-to-all pushes
 // 335-336 with 128-132 (perf/fabric_probe.py --peers, perf/results/fabric-*-13e981e.json); the
 // pipelined rounds above push all-to-all.
@@ -718,7 +776,9 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
 //   s = n - 1         receive, add x[r], write out[r], send        (allgather stages: c = r - (s - n + 1))
 //   n - 1 < s < 2n-2  receive, write out[c], send
 //   s = 2n - 2        receive, write out[r + 1]
-// allreduce runs stages 0 .. 2n-2; reduce_scatter 0 .. n-1 (out holds chunk r only: out_stride 0).
+// allreduce runs stages 0 .. 2n-2; reduce_scatter 0 .. n-1 (out holds chunk r only: out_stride 0);
+// allgather n - 1 .. 2n - 2, its first stage sending x (chunk r only: x_stride 0) without a receive.
+// A stage with one source (allreduce's first and last n - 1 stages, every allgather stage) copies bits.
 // Block b takes slice b of every chunk, in pieces of `substeps` steps of `step` elements, each piece
 // through all stages before the next. What rank r sends to r + 1 is one sequence of entries per slice,
 // u = (piece * sends + stage - first) * substeps + i for step i of a stage, held in a ring of `depth`
@@ -758,8 +818,8 @@ __device__ __forceinline__ bool ring_wait(const Team& t, const Pipe& pp, u32 pre
 }
 
 template <class E, int OP>
-__device__ void reduce_ring(Team t, const typename E::T* x, typename E::T* out, u64 out_stride, u64 count,
-                            u64 chunk, u64 step, u32 depth, u32 substeps, u32 first, u32 last) {
+__device__ void reduce_ring(Team t, const typename E::T* x, u64 x_stride, typename E::T* out, u64 out_stride,
+                            u64 count, u64 chunk, u64 step, u32 depth, u32 substeps, u32 first, u32 last) {
     typedef typename E::T T;
     __shared__ const char* srcs[2];
     __shared__ char* dsts[2];
@@ -790,9 +850,10 @@ __device__ void reduce_ring(Team t, const typename E::T* x, typename E::T* out, 
                 if (threadIdx.x == 0) {                                                    // stage reduce
                     u32 ns = 0, nd = 0;
                     if (recv) srcs[ns++] = ring_mine + (ur % depth) * pp.step;
-                    if (s <= n - 1) srcs[ns++] = reinterpret_cast<const char*>(x + c * chunk + at);
+                    if (s <= n - 1) srcs[ns++] = reinterpret_cast<const char*>(x + c * x_stride + at);
                     if (send) dsts[nd++] = ring_next + (us % depth) * pp.step;
-                    if (s >= n - 1) dsts[nd++] = reinterpret_cast<char*>(out + c * out_stride + at);
+                    char* const o = reinterpret_cast<char*>(out + c * out_stride + at);
+                    if (s >= n - 1 && !(ns == 1 && srcs[0] == o)) dsts[nd++] = o;  // in place: already there
                     nsrc = ns, ndst = nd;
                 }
                 __syncthreads();
@@ -1290,13 +1351,13 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
     extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
         fluxrt_allreduce_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, u64 count, u64 chunk,  \
                                      u64 step, u32 depth, u32 substeps) {                                \
-        reduce_ring<E, OP>(FLUXRT_TEAM, x, out, chunk, count, chunk, step, depth, substeps, 0,           \
+        reduce_ring<E, OP>(FLUXRT_TEAM, x, chunk, out, chunk, count, chunk, step, depth, substeps, 0,    \
                            2 * world - 2);                                                              \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
         fluxrt_reduce_scatter_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, u64 chunk,        \
                                           u64 step, u32 depth, u32 substeps) {                           \
-        reduce_ring<E, OP>(FLUXRT_TEAM, x, out, 0, world * chunk, chunk, step, depth, substeps, 0,      \
+        reduce_ring<E, OP>(FLUXRT_TEAM, x, chunk, out, 0, world * chunk, chunk, step, depth, substeps, 0, \
                            world - 1);                                                                  \
     }                                                                                                   \
     extern "C" __global__ void fluxrt_reduce_scatter_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,    \
@@ -1316,6 +1377,15 @@ FLUXRT_REDUCTIONS(fp16_min, F16, kMin)
 FLUXRT_REDUCTIONS(fp32_sum, F32, kSum)
 FLUXRT_REDUCTIONS(fp32_max, F32, kMax)
 FLUXRT_REDUCTIONS(fp32_min, F32, kMin)
+
+// Allgather along the ring: stages n - 1 .. 2n - 2 of reduce_ring, in bytes. x holds this rank's chunk
+// only (x_stride 0), out all n chunks; in place (x == out + rank * chunk) this rank's chunk is not copied.
+extern "C" __global__ void __launch_bounds__(kBulkThreads)
+    fluxrt_allgather_ring(FLUXRT_TEAM_PARAMS, const unsigned char* x, unsigned char* out, u64 chunk, u64 step,
+                          u32 depth, u32 substeps) {
+    reduce_ring<Bytes, kSum>(FLUXRT_TEAM, x, 0, out, chunk, world * chunk, chunk, step, depth, substeps,
+                             world - 1, 2 * world - 2);
+}
 
 extern "C" __global__ void fluxrt_exchange(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes,
                                            int direct) {

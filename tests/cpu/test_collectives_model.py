@@ -172,14 +172,14 @@ class Model:
         grids = {launch.grid for launch in launch_per_rank}
         assert len(names) == 1 and len(grids) == 1, f"ranks launch different kernels: {names} {grids}"
         name, grid = names.pop(), grids.pop()
-        assert 1 <= grid <= (plan.MAX_RING_BLOCKS if "_ring_" in name else plan.MAX_BLOCKS)
+        assert 1 <= grid <= (plan.MAX_RING_BLOCKS if "_ring" in name else plan.MAX_BLOCKS)
         es = {self.epoch[r] + 1 for r in range(self.n)}
         assert len(es) == 1
         e = es.pop()
         self.epoch = [e] * self.n
         half = (e & 1) * (WORKSPACE // 2)
         tails = [launch.args[2:] for launch in launch_per_rank]
-        if "_ring_" in name:
+        if "_ring" in name:
             RingRound(self, name, grid, e, half, tails).run(np.random.default_rng(self.seed + e))
         elif "_pipe" in name:
             PipeRound(self, name, grid, e, half, tails).run(np.random.default_rng(self.seed + e))
@@ -728,21 +728,28 @@ class RingRound(PipeRound):
         self.ring = {}
         self.actors = []
         n = self.n
-        kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
-        self.dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
-        self.fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        if name == "fluxrt_allgather_ring":  # bytes, copies only
+            kind, self.dtype, self.fn = "allgather_ring", np.dtype(np.uint8), None
+        else:
+            kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
+            self.dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
+            self.fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
         geometry = {tuple(int(v) for v in t[-3:]) for t in tails}  # (step, depth, substeps)
         assert len(geometry) == 1, f"ranks disagree on the ring geometry: {geometry}"
         for r, t in enumerate(tails):
             if kind == "allreduce_ring":
                 x, out, count, chunk, step, depth, sub = (int(v) for v in t)
-                out_stride, last = chunk, 2 * n - 2
+                x_stride, out_stride, first, last = chunk, chunk, 0, 2 * n - 2
+            elif kind == "allgather_ring":
+                x, out, chunk, step, depth, sub = (int(v) for v in t)
+                count, x_stride, out_stride, first, last = n * chunk, 0, chunk, n - 1, 2 * n - 2
             else:
                 x, out, chunk, step, depth, sub = (int(v) for v in t)
-                count, out_stride, last = n * chunk, 0, n - 1
+                count, x_stride, out_stride, first, last = n * chunk, chunk, 0, 0, n - 1
             self.step, self.depth, self.sub = step * self.dtype.itemsize, depth, sub
             for b in range(grid):
-                self.actors.append(self._stages(r, b, grid, x, out, out_stride, count, chunk, step, last))
+                self.actors.append(self._stages(r, b, grid, x, x_stride, out, out_stride, count, chunk, step,
+                                                first, last))
         assert self.sub >= 1 and self.depth >= 2 * self.sub and self.step % plan.VEC_BYTES == 0
         assert grid * self.depth * self.step <= WORKSPACE // 2, "the rings overflow the workspace half"
 
@@ -751,20 +758,20 @@ class RingRound(PipeRound):
         off = self.half + (sl * self.depth + u % self.depth) * self.step
         return self.m.ws[owner] + off, (owner, sl, u % self.depth)
 
-    def _stages(self, r, b, grid, x, out, out_stride, count, chunk, step, last):
+    def _stages(self, r, b, grid, x, x_stride, out, out_stride, count, chunk, step, first, last):
         n, depth, isz, dtype = self.n, self.depth, self.dtype.itemsize, self.dtype
         nxt, prv = (r + 1) % n, (r - 1) % n
         lo, hi = self.srange(chunk, plan.PIPE_LINE_BYTES // isz, b, grid)
         view = self.m.mem.view
         sub = self.sub
         for m in range(self.steps_of(hi - lo, step * sub)):
-            for s, i in ((s, i) for s in range(last + 1) for i in range(sub)):
+            for s, i in ((s, i) for s in range(first, last + 1) for i in range(sub)):
                 at = lo + (m * sub + i) * step
                 c = (r + 2 * n - 1 - s) % n
                 end = min(hi, max(0, count - c * chunk))
                 k = min(end - at, step) if at < end else 0
-                recv, send = s > 0, s < last
-                us = (m * last + s) * sub + i
+                recv, send = s > first, s < last
+                us = (m * (last - first) + s - first) * sub + i
                 ur = us - sub
                 if recv:
                     yield self.waits(r, self.READY0, b, ur, [prv])
@@ -774,13 +781,16 @@ class RingRound(PipeRound):
                 if recv:
                     ptr, got = self.entry(r, b, ur)
                     self.take(got, prv, ur)
-                    parts.append(view(ptr, k, dtype).astype(np.float32))
+                    parts.append(view(ptr, k, dtype))
                 if s <= n - 1:
-                    parts.append(view(x + (c * chunk + at) * isz, k, dtype).astype(np.float32))
-                acc = parts[0]
-                for part in parts[1:]:
-                    acc = self.fn(acc, part)
-                res = acc.astype(dtype)
+                    parts.append(view(x + (c * x_stride + at) * isz, k, dtype))
+                if len(parts) == 1:  # one source: copied as bits
+                    res = parts[0].copy()
+                else:
+                    acc = parts[0].astype(np.float32)
+                    for part in parts[1:]:
+                        acc = self.fn(acc, part.astype(np.float32))
+                    res = acc.astype(dtype)
                 if send:
                     ptr, key = self.entry(nxt, b, us)
                     self.fill(key, r, us)
@@ -868,11 +878,11 @@ def test_reduce_scatter_model(n, chunk, in_place, algo):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("count", [1, 1023, 20_001])
 @pytest.mark.parametrize("layout", ["plain", "in_place", "direct", "direct_in_place", "ll", "ll_in_place", "pipe",
-                                    "pipe_in_place"])
+                                    "pipe_in_place", "ring", "ring_in_place", "ring_direct"])
 def test_allgather_model(n, count, layout):
     m = Model(n)
     ins = _inputs(n, count, np.int32, count)
-    outs = m.symmetric(n * count, np.int32) if layout.startswith("direct") else \
+    outs = m.symmetric(n * count, np.int32) if "direct" in layout else \
         [m.array(r, n * count, np.int32) for r in range(n)]
     if layout.endswith("in_place"):
         xs = [outs[r][r * count:(r + 1) * count] for r in range(n)]
@@ -880,7 +890,7 @@ def test_allgather_model(n, count, layout):
             xs[r].get()[...] = ins[r]
     else:
         xs = [m.array(r, count, np.int32, ins[r]) for r in range(n)]
-    algo = layout.split("_")[0] if layout.startswith(("direct", "ll", "pipe")) else "auto"
+    algo = layout.split("_")[0] if layout.startswith(("direct", "ll", "pipe", "ring")) else "auto"
     m.call("allgather", [(xs[r], outs[r]) for r in range(n)], algo=algo)
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), np.concatenate(ins))
@@ -1032,7 +1042,8 @@ def test_model_catches_a_ring_overrun(call):
 @pytest.mark.parametrize("seed", range(3))
 def test_ring_geometries_under_many_schedules(n, depth, substeps, seed):
     """Ring depths and steps per stage other than the defaults (a depth that is no multiple of the steps
-    per stage included), allreduce out of place and reduce_scatter in place, under random schedules."""
+    per stage included), allreduce out of place, reduce_scatter in place and allgather (odd byte chunks),
+    under random schedules."""
     import dataclasses
 
     m = Model(n)
@@ -1054,3 +1065,9 @@ def test_ring_geometries_under_many_schedules(n, depth, substeps, seed):
     want = _ring_reference(rs_in, "sum", chunk, np.float32)
     for r in range(n):
         np.testing.assert_array_equal(rx[r].get()[r * chunk:(r + 1) * chunk], want[r * chunk:(r + 1) * chunk])
+    ag_in = _inputs(n, 3003, np.float16, seed + 2)
+    gx = [m.array(r, 3003, np.float16, ag_in[r]) for r in range(n)]
+    gout = [m.array(r, n * 3003, np.float16) for r in range(n)]
+    m.call("allgather", [(gx[r], gout[r]) for r in range(n)], algo="ring")
+    for r in range(n):
+        np.testing.assert_array_equal(gout[r].get(), np.concatenate(ag_in))

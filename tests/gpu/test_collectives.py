@@ -200,7 +200,9 @@ def test_reduce_scatter(world, dtype, redop, chunk, in_place, algo):
 @pytest.mark.parametrize("dtype", MOVE_DTYPES)
 @pytest.mark.parametrize("count, mode, algo", [(1, 0, "auto"), (1023, 1, "auto"), (4099, 2, "auto"),
                                               (300_001, 0, "auto"), (1023, 0, "push"), (300_001, 1, "ll"),
-                                              (1023, 1, "pipe"), (300_001, 2, "pipe")])
+                                              (1023, 1, "pipe"), (300_001, 2, "pipe"), (1, 0, "ring"),
+                                              (1023, 1, "ring"), (4099, 2, "ring"), (300_001, 0, "ring"),
+                                              (1_500_007, 1, "ring")])
 def test_allgather(world, dtype, count, mode, algo):
     import fluxrt
 
@@ -376,6 +378,8 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
             ctx.reduce_scatter(x[:chunk * n], rs_ring, algo="ring")
             ag = _poisoned(n * count, dt)
             ctx.allgather(x, ag, algo="pipe")
+            ag_ring = _poisoned(n * count, dt)
+            ctx.allgather(x, ag_ring, algo="ring")
             a2a = _poisoned(chunk * n, dt)
             ctx.alltoall(x[:chunk * n], a2a, algo="pipe")
             counts = [(7 * (r + 1) * (q + 2) + i) % 5000 * (q != (r + i) % n) for q in range(n)]
@@ -393,6 +397,7 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
             _assert_reduced(_host(rs_ring), [a[r * chunk:(r + 1) * chunk] for a in inputs], "sum", dt,
                             f"ring reduce_scatter {what}", "ring")
             _assert_equal(_host(ag), np.concatenate(inputs), f"pipe allgather {what}")
+            _assert_equal(_host(ag_ring), np.concatenate(inputs), f"ring allgather {what}")
             _assert_equal(_host(a2a), np.concatenate([a[r * chunk:(r + 1) * chunk] for a in inputs]),
                           f"pipe alltoall {what}")
             sent = world.comm.allgather(cupy.asnumpy(v))
@@ -407,8 +412,8 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
 
 
 def test_ring_rounds_with_more_blocks_than_flag_slots_per_source(world):
-    """The ring's flags are per slice only: 256 blocks of 256 threads (more than MAX_BLOCKS), allreduce
-    and reduce_scatter, three calls in a row, against numpy."""
+    """The ring's flags are per slice only: 256 blocks of 256 threads (more than MAX_BLOCKS), allreduce,
+    reduce_scatter and allgather, three calls in a row, against numpy."""
     from fluxrt.collectives import Collectives, CollectivesOptions
     from fluxrt.collectives_plan import MAX_RING_BLOCKS, Tuning
 
@@ -425,7 +430,10 @@ def test_ring_rounds_with_more_blocks_than_flag_slots_per_source(world):
             chunk = count // n
             rs = _poisoned(chunk, "bf16")
             ctx.reduce_scatter(x[:chunk * n], rs, algo="ring")
+            ag = _poisoned(n * count, "bf16")
+            ctx.allgather(x, ag, algo="ring")
             world.synchronize()
+            _assert_equal(_host(ag), np.concatenate(inputs), f"ring allgather, 256 blocks, call {i}")
             _assert_reduced(_host(out), inputs, "sum", "bf16", f"ring allreduce, 256 blocks, call {i}", "ring")
             _assert_same_on_every_rank(world, out, f"ring allreduce, 256 blocks, call {i}")
             _assert_reduced(_host(rs), [a[r * chunk:(r + 1) * chunk] for a in inputs], "sum", "bf16",
@@ -585,11 +593,13 @@ def test_graph_capture_and_replay(world):
     s.synchronize()
     piped = _poisoned(count, "bf16")
     ringed = _poisoned(count, "bf16")
+    ring_gathered = _poisoned(n * count, "bf16")
     s.begin_capture()
     fluxrt.allreduce(world, x, out, stream=s)
     fluxrt.allgather(world, x, gathered, stream=s)
     fluxrt.allreduce(world, x, piped, stream=s, algo="pipe")
     fluxrt.allreduce(world, x, ringed, stream=s, algo="ring")
+    fluxrt.allgather(world, x, ring_gathered, stream=s, algo="ring")
     graph = s.end_capture()
     for replay in range(3):
         x[...] = _data(replay, world, count, "bf16")
@@ -597,6 +607,7 @@ def test_graph_capture_and_replay(world):
         gathered.fill(np.nan)
         piped.fill(np.nan)
         ringed.fill(np.nan)
+        ring_gathered.fill(np.nan)
         world.device.synchronize()
         inputs = _gather(world, x)
         graph.launch(s)
@@ -606,6 +617,7 @@ def test_graph_capture_and_replay(world):
         _assert_equal(_host(gathered), np.concatenate(inputs), f"graph replay {replay}: allgather")
         _assert_reduced(_host(piped), inputs, "sum", "bf16", f"graph replay {replay}: pipelined allreduce")
         _assert_reduced(_host(ringed), inputs, "sum", "bf16", f"graph replay {replay}: ring allreduce", "ring")
+        _assert_equal(_host(ring_gathered), np.concatenate(inputs), f"graph replay {replay}: ring allgather")
 
 
 @pytest.mark.parametrize("pdl", [1, 0])
