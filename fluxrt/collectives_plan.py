@@ -64,6 +64,8 @@ LL12_TWOSHOT_MIN_BYTES = 256 << 10
 LL12_TWOSHOT_MAX_BYTES = 4 << 20
 RING_MIN_BYTES = 128 << 20
 RING_MIN_BYTES_TWO_RANKS = 64 << 20
+ALLGATHER_RING_MIN_BYTES = 64 << 20
+ALLGATHER_RING_MIN_BYTES_TWO_RANKS = 32 << 20
 RING_MAX_GRID = 128
 RING_THREADS = 512
 RING_STEP = 256 << 10
@@ -109,9 +111,12 @@ class Tuning:
     vs 339), slower below (32 MiB 218 vs 188); reduce_scatter from 128 MiB 5-10 % faster (ff13018: 1 GiB
     2274 vs 2529 us, 128 MiB 327 vs 345). two_rank_ring_min_bytes: the same on 2 ranks, where the ring
     has 3 stages (7db0c75: allreduce 64 MiB 224 vs 261 us, 1 GiB 2998 vs 3125; reduce_scatter 1 GiB
-    1610 vs 2072; level at 32 MiB). ring_max_grid / ring_threads: its blocks (one per slice of a chunk,
-    a slice per pipe_bytes_per_block of a chunk; up to MAX_RING_BLOCKS; at least two warps, which wait on
-    the two flags). ring_step: bytes per ring entry (at most; the workspace half holds ring_depth entries
+    1610 vs 2072; level at 32 MiB). allgather_ring_min_bytes / two_rank_allgather_ring_min_bytes: the
+    same for allgather, by the output's bytes (f26fd7f, eager, against the pipelined rounds: 4 ranks
+    64 MiB 185 vs 196 us, 1 GiB 2239 vs 2517, 32 MiB 114 vs 116, where the staged push took 110 in the
+    18e3386 sweep; 2 ranks 32 MiB 76 vs 87, 1 GiB 1550 vs 2184, level at 16 MiB). ring_max_grid /
+    ring_threads: its blocks (one per slice of a chunk, a slice per pipe_bytes_per_block of a chunk; up
+    to MAX_RING_BLOCKS; at least two warps, which wait on the two flags). ring_step: bytes per ring entry (at most; the workspace half holds ring_depth entries
     per block). ring_substeps: entries per stage of a piece (>= 2: the next rank's wait for step i of a
     stage hides behind this rank's later steps). ring_depth: entries per block (>= 2 ring_substeps: a
     rank sends a stage while the next rank reads the one before).
@@ -142,6 +147,8 @@ class Tuning:
     ll12_twoshot_max_grid: int = 128
     ring_min_bytes: int = RING_MIN_BYTES
     two_rank_ring_min_bytes: int = RING_MIN_BYTES_TWO_RANKS
+    allgather_ring_min_bytes: int = ALLGATHER_RING_MIN_BYTES
+    two_rank_allgather_ring_min_bytes: int = ALLGATHER_RING_MIN_BYTES_TWO_RANKS
     ring_max_grid: int = RING_MAX_GRID
     ring_threads: int = RING_THREADS
     ring_step: int = RING_STEP
@@ -253,7 +260,10 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
     if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
         ll12 = op == "allreduce" and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
         return "ll12" if ll12 else "ll"
-    ring_min = tuning.two_rank_ring_min_bytes if world_size == 2 else tuning.ring_min_bytes
+    if op == "allgather":
+        ring_min = tuning.two_rank_allgather_ring_min_bytes if world_size == 2 else tuning.allgather_ring_min_bytes
+    else:
+        ring_min = tuning.two_rank_ring_min_bytes if world_size == 2 else tuning.ring_min_bytes
     if op in RING_OPS and world_size > 1 and 0 < ring_min <= nbytes:
         return "ring"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes

@@ -64,9 +64,9 @@ def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
     for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast"):
         assert plan.choose_algo(op, 4 << 20, 4) == "push"
         assert plan.choose_algo(op, 8, 4) == "ll"
-        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == "pipe"
-        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (
-            {"reduce_scatter": "ring", "alltoallv": "pipe"}.get(op, "direct"))  # 2 ranks: ring from 64 MiB
+        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == ("ring" if op == "allgather" else "pipe")
+        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (  # 2 ranks: ring from 64 MiB
+            {"reduce_scatter": "ring", "allgather": "ring", "alltoallv": "pipe"}.get(op, "direct"))
 
 
 def test_ll_threshold_is_per_pair_of_ranks():
@@ -205,7 +205,7 @@ def test_choose_algo_rejects_unknown_names():
     with pytest.raises(ValueError, match="algo 'tree'"):
         plan.choose_algo("allreduce", 8, 4, "tree")
     with pytest.raises(ValueError, match="algo 'ring'"):
-        plan.choose_algo("allgather", 8, 4, "ring")
+        plan.choose_algo("alltoall", 8, 4, "ring")
     with pytest.raises(ValueError, match="unknown collective"):
         plan.choose_algo("allreduce_v", 8, 4)
 
@@ -293,7 +293,7 @@ def test_pipe_tuning_validates_depth_and_grid():
         plan.pipe_step(1 << 20, 1, 2, 16 << 30, max_step=16)
 
 
-@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
 @pytest.mark.parametrize("n", [2, 3, 4, 8, 32])
 @pytest.mark.parametrize("count", [1, 4099, 3_000_001, 1 << 28])
 def test_ring_rounds_fit_the_workspace_half(op, n, count):
@@ -322,7 +322,7 @@ def test_ring_threshold_and_tuning():
     assert plan.choose_algo("reduce_scatter", 1 << 30, 4, tuning=t) == "ring"
     assert plan.choose_algo("reduce_scatter", 16 << 20, 4, tuning=t) == "push"
     assert plan.choose_algo("allreduce", (32 << 20) - 2, 4, tuning=t) == "twoshot"
-    assert plan.choose_algo("allgather", 1 << 30, 4, tuning=t) == "pipe"  # no ring for the exchange ops
+    assert plan.choose_algo("alltoall", 1 << 30, 4, tuning=t) == "pipe"  # no ring for alltoall
     assert plan.choose_algo("allreduce", 1 << 30, 1, tuning=t) == "oneshot"  # one rank: no ring
     two = plan.Tuning(ring_min_bytes=1 << 30, two_rank_ring_min_bytes=64 << 20)
     assert plan.choose_algo("allreduce", 64 << 20, 2, tuning=two) == "ring"
@@ -330,6 +330,14 @@ def test_ring_threshold_and_tuning():
     assert plan.choose_algo("reduce_scatter", 64 << 20, 2, tuning=two) == "ring"
     assert plan.choose_algo("allreduce", 1 << 30, 2, tuning=plan.Tuning(two_rank_ring_min_bytes=0)) == "pipe"
     assert plan.choose_algo("allreduce", 1 << 30, 4) == ("ring" if plan.DEFAULT_TUNING.ring_min_bytes else "pipe")
+    ag = plan.Tuning(allgather_ring_min_bytes=128 << 20, two_rank_allgather_ring_min_bytes=16 << 20)
+    assert plan.choose_algo("allgather", 128 << 20, 4, tuning=ag) == "ring"
+    assert plan.choose_algo("allgather", 64 << 20, 4, tuning=ag) == "pipe"
+    assert plan.choose_algo("allgather", 1 << 30, 4, direct_ok=True, tuning=ag) == "ring"
+    assert plan.choose_algo("allgather", 16 << 20, 2, tuning=ag) == "ring"
+    assert plan.choose_algo("allgather", (16 << 20) - 2, 2, tuning=ag) == "push"
+    assert plan.choose_algo("allgather", 1 << 30, 4, tuning=plan.Tuning(allgather_ring_min_bytes=0)) == "pipe"
+    assert plan.choose_algo("reduce_scatter", 64 << 20, 4, tuning=ag) == "pipe"  # its own threshold
     with pytest.raises(ValueError, match="ring_depth"):
         plan.Tuning(ring_depth=3, ring_substeps=2)
     with pytest.raises(ValueError, match="ring_depth"):
