@@ -66,6 +66,7 @@ RING_MIN_BYTES = 128 << 20
 RING_MIN_BYTES_TWO_RANKS = 64 << 20
 ALLGATHER_RING_MIN_BYTES = 64 << 20
 ALLGATHER_RING_MIN_BYTES_TWO_RANKS = 32 << 20
+DIRECT_ALLGATHER_RING_MIN_BYTES = 128 << 20
 RING_MAX_GRID = 128
 RING_THREADS = 512
 RING_STEP = 256 << 10
@@ -114,7 +115,10 @@ class Tuning:
     1610 vs 2072; level at 32 MiB). allgather_ring_min_bytes / two_rank_allgather_ring_min_bytes: the
     same for allgather, by the output's bytes (f26fd7f, eager, against the pipelined rounds: 4 ranks
     64 MiB 185 vs 196 us, 1 GiB 2239 vs 2517, 32 MiB 114 vs 116, where the staged push took 110 in the
-    18e3386 sweep; 2 ranks 32 MiB 76 vs 87, 1 GiB 1550 vs 2184, level at 16 MiB). ring_max_grid /
+    18e3386 sweep; 2 ranks 32 MiB 76 vs 87, 1 GiB 1550 vs 2184, level at 16 MiB).
+    direct_allgather_ring_min_bytes: into a symmetric output allgather goes direct below this (and
+    below the thresholds above), the ring from here (5a1565b, 4 ranks: direct 164 vs 178 us at 64 MiB,
+    318 vs 312 at 128 MiB, 2488 vs 2240 at 1 GiB; 2 ranks not measured). ring_max_grid /
     ring_threads: its blocks (one per slice of a chunk, a slice per pipe_bytes_per_block of a chunk; up
     to MAX_RING_BLOCKS; at least two warps, which wait on the two flags). ring_step: bytes per ring entry (at most; the workspace half holds ring_depth entries
     per block). ring_substeps: entries per stage of a piece (>= 2: the next rank's wait for step i of a
@@ -149,6 +153,7 @@ class Tuning:
     two_rank_ring_min_bytes: int = RING_MIN_BYTES_TWO_RANKS
     allgather_ring_min_bytes: int = ALLGATHER_RING_MIN_BYTES
     two_rank_allgather_ring_min_bytes: int = ALLGATHER_RING_MIN_BYTES_TWO_RANKS
+    direct_allgather_ring_min_bytes: int = DIRECT_ALLGATHER_RING_MIN_BYTES
     ring_max_grid: int = RING_MAX_GRID
     ring_threads: int = RING_THREADS
     ring_step: int = RING_STEP
@@ -262,6 +267,8 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         return "ll12" if ll12 else "ll"
     if op == "allgather":
         ring_min = tuning.two_rank_allgather_ring_min_bytes if world_size == 2 else tuning.allgather_ring_min_bytes
+        if direct_ok and ring_min:  # a symmetric output: direct pushes need no staging copy
+            ring_min = max(ring_min, tuning.direct_allgather_ring_min_bytes)
     else:
         ring_min = tuning.two_rank_ring_min_bytes if world_size == 2 else tuning.ring_min_bytes
     if op in RING_OPS and world_size > 1 and 0 < ring_min <= nbytes:

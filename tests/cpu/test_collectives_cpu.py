@@ -66,7 +66,7 @@ def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
         assert plan.choose_algo(op, 8, 4) == "ll"
         assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == ("ring" if op == "allgather" else "pipe")
         assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (  # 2 ranks: ring from 64 MiB
-            {"reduce_scatter": "ring", "allgather": "ring", "alltoallv": "pipe"}.get(op, "direct"))
+            {"reduce_scatter": "ring", "alltoallv": "pipe"}.get(op, "direct"))  # symmetric allgather: 128 MiB
 
 
 def test_ll_threshold_is_per_pair_of_ranks():
@@ -334,6 +334,9 @@ def test_ring_threshold_and_tuning():
     assert plan.choose_algo("allgather", 128 << 20, 4, tuning=ag) == "ring"
     assert plan.choose_algo("allgather", 64 << 20, 4, tuning=ag) == "pipe"
     assert plan.choose_algo("allgather", 1 << 30, 4, direct_ok=True, tuning=ag) == "ring"
+    assert plan.choose_algo("allgather", 64 << 20, 4, direct_ok=True) == "direct"  # symmetric: ring from 128 MiB
+    assert plan.choose_algo("allgather", 128 << 20, 4, direct_ok=True) == "ring"
+    assert plan.choose_algo("allgather", 64 << 20, 4) == "ring"
     assert plan.choose_algo("allgather", 16 << 20, 2, tuning=ag) == "ring"
     assert plan.choose_algo("allgather", (16 << 20) - 2, 2, tuning=ag) == "push"
     assert plan.choose_algo("allgather", 1 << 30, 4, tuning=plan.Tuning(allgather_ring_min_bytes=0)) == "pipe"
