@@ -344,15 +344,18 @@ class Collectives:
             raise CollectiveArgumentError(f"{name} too small: {o.size} elements, the result needs {count}")
         return o
 
-    def _exchange_launches(self, op: str, algo: str, per_peer: int, itemsize: int, lay, table_fn) -> tuple:
+    def _exchange_launches(self, op: str, algo: str, per_peer: int, itemsize: int, lay, table_fn,
+                           pairwise: bool = False) -> tuple:
         """Launches of an exchange op moving `per_peer` elements per pair (alltoallv: the largest pair of
-        all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch."""
+        all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch. `pairwise`: the
+        pipelined round runs in pairwise phases (an output that does not overlap the input)."""
         pieces = _pieces(op, algo, per_peer, itemsize, self.world.size, lay, self.tuning)
         name = {"ll": "fluxrt_exchange_ll", "pipe": "fluxrt_exchange_pipe"}.get(algo, "fluxrt_exchange")
         slot = (_u64(lay.slot_bytes),)
         launches = []
         for p in pieces:
-            tail = {"ll": (), "pipe": self._pipe_tail(p, 1)}.get(algo, (np.int32(algo == "direct"),))
+            tail = {"ll": (), "pipe": self._pipe_tail(p, 1) + (np.int32(pairwise),)}.get(
+                algo, (np.int32(algo == "direct"),))
             tab = np.zeros(1, _TABLE_DTYPE)
             table_fn(p, tab.view(np.uint64).reshape(_TABLE_ROWS, plan.MAX_WORLD))
             launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + slot + tail))
@@ -535,7 +538,8 @@ class Collectives:
             if peers is not None:
                 t[4, :n] = peers + (world.rank * c + p.start) * isz
 
-        return self._exchange_launches("alltoall", chosen, c, isz, lay, table), o
+        pairwise = bool(self.tuning.pipe_pairwise) and not _overlap(a, o)
+        return self._exchange_launches("alltoall", chosen, c, isz, lay, table, pairwise), o
 
     def alltoallv(self, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
                   max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):

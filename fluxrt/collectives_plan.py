@@ -124,6 +124,8 @@ class Tuning:
     per block). ring_substeps: entries per stage of a piece (>= 2: the next rank's wait for step i of a
     stage hides behind this rank's later steps). ring_depth: entries per block (>= 2 ring_substeps: a
     rank sends a stage while the next rank reads the one before).
+    pipe_pairwise: 1 runs alltoall's pipelined rounds (output apart from the input) in pairwise phases:
+    in phase k each rank streams its pair to rank + k only, so every rank pushes to one peer at a time.
     pdl: 1 launches every round with programmatic dependent launch (the round's grid is scheduled, and
     takes its share of the round counter, while the kernel before it still runs; kernels/comm/
     collectives.cu, "Programmatic dependent launch"); 0: plain launches."""
@@ -159,6 +161,7 @@ class Tuning:
     ring_step: int = RING_STEP
     ring_depth: int = RING_DEPTH
     ring_substeps: int = RING_SUBSTEPS
+    pipe_pairwise: int = 0
     pdl: int = 1
 
     def __post_init__(self):
@@ -178,8 +181,9 @@ class Tuning:
             v = getattr(self, name)
             if not 32 <= v <= LL12_MAX_THREADS or v % 32:
                 raise ValueError(f"Tuning.{name} must be a multiple of 32 in [32, {LL12_MAX_THREADS}], got {v}")
-        if self.pdl not in (0, 1):
-            raise ValueError(f"Tuning.pdl must be 0 or 1, got {self.pdl}")
+        for name in ("pdl", "pipe_pairwise"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"Tuning.{name} must be 0 or 1, got {getattr(self, name)}")
         if self.ring_substeps < 1 or self.ring_depth < 2 * self.ring_substeps:
             raise ValueError(f"Tuning.ring_depth must be >= 2 x ring_substeps >= 2 (a rank sends stage s + 1 "
                              f"while the next rank reads stage s), got ring_depth={self.ring_depth}, "

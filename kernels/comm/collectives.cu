@@ -561,11 +561,49 @@ __device__ __forceinline__ u32 peers_with_step(const Team& t, const u64* len, u6
     return mask;
 }
 
+// Pipelined exchange in pairwise phases (out of place only): in phase k = 1 .. n - 1 the sender streams
+// its slice of the pair to rank r + k, the receiver its slice from r - k, so that every rank pushes to
+// one peer at a time (a permutation of the ranks, the pattern of the ring rounds) instead of to all of
+// them. Ring entries and flags are exchange_pipe's: flags are per (phase, source, slice) and count the
+// steps of one pair, so the pairs' sequences need no common step index.
+__device__ void exchange_pipe_pairwise(const Team& t, const Pipe& pp, const ExchangeTable& tab, const u64* lo,
+                                       const u64* len, u64 step, u32 depth) {
+    const u32 r = t.rank, n = t.world;
+    if (pp.role == 1) {  // own pair first: nothing to wait for
+        const u64 own = tab.send_bytes[r] < tab.recv_bytes[r] ? tab.send_bytes[r] : tab.recv_bytes[r];
+        const u64 end = lo[r] + len[r] < own ? lo[r] + len[r] : own;
+        if (lo[r] < end)
+            copy_block(reinterpret_cast<char*>(tab.recv_ptr[r]) + lo[r],
+                       reinterpret_cast<const char*>(tab.send_ptr[r]) + lo[r], end - lo[r], false);
+    }
+    for (u32 k = 1; k < n; ++k) {
+        if (pp.role == 0) {
+            const u32 q = (r + k) % n;
+            for (u64 j = 0; j < steps_of(len[q], step); ++j) {
+                if (j >= depth && !pipe_wait(t, pp, kCredit0, pipe_value(pp.e, j - depth), 1u << q)) return;
+                copy_block(peer_ws(t, q) + pp.entry(t, 0, q, r, j),                    // stage push
+                           reinterpret_cast<const char*>(tab.send_ptr[q]) + lo[q] + j * step,
+                           step_len(len[q], step, j), false);
+                pipe_signal(t, pp, kReady0, pipe_value(pp.e, j), 1u << q);             // stage ready
+            }
+        } else {
+            const u32 p = (r + n - k) % n;
+            for (u64 j = 0; j < steps_of(len[p], step); ++j) {
+                if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), 1u << p)) return;
+                copy_block(reinterpret_cast<char*>(tab.recv_ptr[p]) + lo[p] + j * step,  // stage consume
+                           t.ws + pp.entry(t, 0, r, p, j), step_len(len[p], step, j), true);
+                pipe_signal(t, pp, kCredit0, pipe_value(pp.e, j), 1u << p);            // stage credit
+            }
+        }
+    }
+}
+
 // Pipelined exchange round (the table as in exchange(); staged through the ring, never direct).
 // Roles: 0 sender, 1 receiver (which also copies this rank's own pair). The sender also raises its own
 // rank's ready flag, and the receiver waits for it before it writes step j: an in-place alltoall's
-// receiver overwrites x only where this rank's sender has already pushed from.
-__device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, u64 step, u32 depth) {
+// receiver overwrites x only where this rank's sender has already pushed from. `pairwise`: the phases
+// of exchange_pipe_pairwise instead (the output must not overlap the input).
+__device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, u64 step, u32 depth, bool pairwise) {
     const Pipe pp = begin_pipe(t, 2, slot_bytes, step, depth);
     const bool sender = pp.role == 0;
     const u32 self = 1u << t.rank;
@@ -580,6 +618,10 @@ __device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, 
         lo[q] = l, len[q] = h - l;
         const u64 s = steps_of(len[q], step);
         steps = s > steps ? s : steps;
+    }
+    if (pairwise) {
+        exchange_pipe_pairwise(t, pp, tab, lo, len, step, depth);
+        return;
     }
     for (u64 j = 0; j < steps; ++j) {
         const u32 mask = peers_with_step(t, len, step, j);
@@ -1397,6 +1439,6 @@ extern "C" __global__ void fluxrt_exchange_ll(FLUXRT_TEAM_PARAMS, const Exchange
 }
 
 extern "C" __global__ void fluxrt_exchange_pipe(FLUXRT_TEAM_PARAMS, const ExchangeTable tab, u64 slot_bytes,
-                                                u64 step, u32 depth) {
-    exchange_pipe(FLUXRT_TEAM, tab, slot_bytes, step, depth);
+                                                u64 step, u32 depth, int pairwise) {
+    exchange_pipe(FLUXRT_TEAM, tab, slot_bytes, step, depth, pairwise != 0);
 }

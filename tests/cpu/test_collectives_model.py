@@ -515,9 +515,12 @@ class PipeRound:
             assert all((int(t[1]), int(t[2]), int(t[3])) == (self.slot, self.step, self.depth) for t in tails), \
                 "ranks disagree on the ring geometry"
             self.roles = 2
+            pairwise = {int(t[4]) for t in tails}
+            assert len(pairwise) == 1, "ranks disagree on the pairwise phases"
+            run = self._exchange_pairwise if pairwise.pop() else self._exchange
             for r in range(self.n):
                 for b in range(grid):
-                    self.actors.append(self._exchange(r, b, grid, tabs[r]))
+                    self.actors.append(run(r, b, grid, tabs[r]))
         else:
             kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
             self.dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
@@ -630,6 +633,39 @@ class PipeRound:
                         if src != dst:
                             self.m._copy(dst, src, min(own - at, count) if at < own else 0)
                 self.release(r, self.CREDIT0, sl, j, mask)
+
+    def _exchange_pairwise(self, r, b, grid, tab):
+        n, step, depth = self.n, self.step, self.depth
+        role, sl, slices = b % 2, b // 2, grid // 2
+        line = plan.PIPE_LINE_BYTES
+        send = [self.srange(int(tab[1][q]), line, sl, slices) for q in range(n)]
+        recv = [self.srange(int(tab[3][q]), line, sl, slices) for q in range(n)]
+        if role == 1:  # own pair first
+            lo, h = recv[r]
+            end = min(h, int(tab[1][r]), int(tab[3][r]))
+            if lo < end:
+                self.m._copy(int(tab[2][r]) + lo, int(tab[0][r]) + lo, end - lo)
+        for k in range(1, n):
+            if role == 0:
+                q = (r + k) % n
+                lo, h = send[q]
+                for j in range(self.steps_of(h - lo, step)):
+                    if j >= depth:
+                        yield self.waits(r, self.CREDIT0, sl, j - depth, [q])
+                    ptr, key = self.entry(0, q, r, sl, j)
+                    self.fill(key, r, j)
+                    self.m._copy(ptr, int(tab[0][q]) + lo + j * step, self.step_len(h - lo, step, j))
+                    self.release(r, self.READY0, sl, j, [q])
+            else:
+                p = (r - k) % n
+                lo, h = recv[p]
+                for j in range(self.steps_of(h - lo, step)):
+                    yield self.waits(r, self.READY0, sl, j, [p])
+                    ptr, key = self.entry(0, r, p, sl, j)
+                    self.take(key, p, j)
+                    self.m._copy(int(tab[2][p]) + lo + j * step, ptr, self.step_len(h - lo, step, j))
+                    self.ring[key] = None
+                    self.release(r, self.CREDIT0, sl, j, [p])
 
     def _reduce(self, r, b, grid, x, stride, out, count, chunk, step, two):
         n, depth, isz, dtype = self.n, self.depth, self.dtype.itemsize, self.dtype
@@ -898,9 +934,16 @@ def test_allgather_model(n, count, layout):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("chunk", [1, 777, 9001])
-@pytest.mark.parametrize("layout", ["plain", "in_place", "direct", "ll", "ll_in_place", "pipe", "pipe_in_place"])
+@pytest.mark.parametrize("layout", ["plain", "in_place", "direct", "ll", "ll_in_place", "pipe", "pipe_in_place",
+                                    "pairwise", "pairwise_in_place"])
 def test_alltoall_model(n, chunk, layout):
+    import dataclasses
+
     m = Model(n)
+    if layout.startswith("pairwise"):  # in place falls back to the common phase (the output overlaps x)
+        for c in m.ctx:
+            c.tuning = dataclasses.replace(TUNING, pipe_pairwise=1)
+        layout = layout.replace("pairwise", "pipe")
     ins = _inputs(n, n * chunk, bfloat16, chunk)
     xs = [m.array(r, n * chunk, bfloat16, ins[r]) for r in range(n)]
     outs = xs if layout.endswith("in_place") else m.symmetric(n * chunk, bfloat16) if layout == "direct" else \
@@ -1011,6 +1054,18 @@ def _pipelined_alltoall(seed):
     m.call("alltoall", [(xs[r], outs[r]) for r in range(2)], algo="pipe")
 
 
+def _pairwise_alltoall(seed):
+    import dataclasses
+
+    m = Model(3)
+    m.seed = seed
+    for c in m.ctx:
+        c.tuning = dataclasses.replace(TUNING, pipe_pairwise=1)
+    xs = [m.array(r, 3 * 9001, np.int32, np.arange(3 * 9001)) for r in range(3)]
+    outs = [m.array(r, 3 * 9001, np.int32) for r in range(3)]
+    m.call("alltoall", [(xs[r], outs[r]) for r in range(3)], algo="pipe")
+
+
 def _ring_allreduce_in_place(seed):
     m = Model(3)
     m.seed = seed
@@ -1019,7 +1074,7 @@ def _ring_allreduce_in_place(seed):
     m.call("allreduce", [(xs[r], xs[r]) for r in range(3)], algo="ring")
 
 
-@pytest.mark.parametrize("call", [_pipelined_alltoall, _ring_allreduce_in_place])
+@pytest.mark.parametrize("call", [_pipelined_alltoall, _pairwise_alltoall, _ring_allreduce_in_place])
 def test_model_catches_a_ring_overrun(call):
     """The model's own check, for the pipelined and the ring rounds: with the credit wait removed, some
     schedule refills a ring entry the receiver has not read."""
