@@ -271,7 +271,7 @@ class Collectives:
     def _pipe_tail(self, p: plan.Piece, unit: int) -> tuple:
         """The last two arguments of a pipelined kernel: the ring step (in `unit`-byte units: bytes for the
         exchange, elements for the reductions) and the ring depth."""
-        return _u64(p.step // unit), _u32(self.tuning.pipe_depth)
+        return _u64(p.step // unit), _u32(p.depth)
 
     def _ring_tail(self, p: plan.Piece, itemsize: int) -> tuple:
         """The last arguments of a ring kernel: elements per ring entry, the ring depth, entries per stage."""
@@ -344,18 +344,20 @@ class Collectives:
             raise CollectiveArgumentError(f"{name} too small: {o.size} elements, the result needs {count}")
         return o
 
-    def _exchange_launches(self, op: str, algo: str, per_peer: int, itemsize: int, lay, table_fn,
-                           pairwise: bool = False) -> tuple:
+    def _exchange_launches(self, op: str, algo: str, per_peer: int, itemsize: int, lay, table_fn) -> tuple:
         """Launches of an exchange op moving `per_peer` elements per pair (alltoallv: the largest pair of
-        all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch. `pairwise`: the
-        pipelined round runs in pairwise phases (an output that does not overlap the input)."""
+        all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch ('pairwise': the
+        pipelined round in pairwise phases)."""
         pieces = _pieces(op, algo, per_peer, itemsize, self.world.size, lay, self.tuning)
-        name = {"ll": "fluxrt_exchange_ll", "pipe": "fluxrt_exchange_pipe"}.get(algo, "fluxrt_exchange")
+        name = {"ll": "fluxrt_exchange_ll", "pipe": "fluxrt_exchange_pipe", "pairwise": "fluxrt_exchange_pipe"}.get(
+            algo, "fluxrt_exchange")
         slot = (_u64(lay.slot_bytes),)
         launches = []
         for p in pieces:
-            tail = {"ll": (), "pipe": self._pipe_tail(p, 1) + (np.int32(pairwise),)}.get(
-                algo, (np.int32(algo == "direct"),))
+            if algo in ("pipe", "pairwise"):
+                tail = self._pipe_tail(p, 1) + (np.int32(algo == "pairwise"),)
+            else:
+                tail = () if algo == "ll" else (np.int32(algo == "direct"),)
             tab = np.zeros(1, _TABLE_DTYPE)
             table_fn(p, tab.view(np.uint64).reshape(_TABLE_ROWS, plan.MAX_WORLD))
             launches.append(self._launch(name, p.grid, self._teams[op] + (tab,) + slot + tail))
@@ -515,9 +517,12 @@ class Collectives:
                 raise CollectiveArgumentError(f"alltoall: x has {a.size} elements, not a multiple of {n} ranks")
             o = self._output(out, "out", a.dtype, a.size, a.shape)
             _check_alias("alltoall", a, o, (0,))
-            # direct pushes would overwrite chunks of an in-place buffer that this rank has still to send
-            off = _symmetric_offset(world, o) if not _overlap(a, o) else None
-            chosen = plan.choose_algo("alltoall", a.nbytes, n, algo, direct_ok=off is not None, tuning=self.tuning)
+            # direct pushes (and pairwise phases) would overwrite chunks of an in-place buffer that this rank
+            # has still to send
+            overlaps = _overlap(a, o)
+            off = _symmetric_offset(world, o) if not overlaps else None
+            chosen = plan.choose_algo("alltoall", a.nbytes, n, algo, direct_ok=off is not None, tuning=self.tuning,
+                                      overlaps=overlaps, half_bytes=self.half_bytes)
             return a, o, chosen, off
 
         got, err = _local(prepare)
@@ -538,8 +543,7 @@ class Collectives:
             if peers is not None:
                 t[4, :n] = peers + (world.rank * c + p.start) * isz
 
-        pairwise = bool(self.tuning.pipe_pairwise) and not _overlap(a, o)
-        return self._exchange_launches("alltoall", chosen, c, isz, lay, table, pairwise), o
+        return self._exchange_launches("alltoall", chosen, c, isz, lay, table), o
 
     def alltoallv(self, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
                   max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):

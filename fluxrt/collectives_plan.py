@@ -67,6 +67,10 @@ RING_MIN_BYTES_TWO_RANKS = 64 << 20
 ALLGATHER_RING_MIN_BYTES = 64 << 20
 ALLGATHER_RING_MIN_BYTES_TWO_RANKS = 32 << 20
 DIRECT_ALLGATHER_RING_MIN_BYTES = 128 << 20
+PAIRWISE_MIN_BYTES = 32 << 20
+PAIRWISE_MAX_STEP = 256 << 10
+PAIRWISE_MIN_STEP = 128 << 10
+PAIRWISE_DEPTH = 3
 RING_MAX_GRID = 128
 RING_THREADS = 512
 RING_STEP = 256 << 10
@@ -124,8 +128,14 @@ class Tuning:
     per block). ring_substeps: entries per stage of a piece (>= 2: the next rank's wait for step i of a
     stage hides behind this rank's later steps). ring_depth: entries per block (>= 2 ring_substeps: a
     rank sends a stage while the next rank reads the one before).
-    pipe_pairwise: 1 runs alltoall's pipelined rounds (output apart from the input) in pairwise phases:
-    in phase k each rank streams its pair to rank + k only, so every rank pushes to one peer at a time.
+    pairwise_min_bytes: alltoall messages of at least this many bytes, on 3 or more ranks, with an output
+    apart from the input, run the pipelined round in pairwise phases ('pairwise'): in phase k each rank
+    streams its pair to rank + k only, so every rank pushes to one peer at a time; 0: never. Each entry
+    now carries one pair instead of one for every peer, so it needs larger entries: pairwise_max_step
+    caps them, pairwise_depth entries per slice, and below pairwise_min_step (a small workspace) 'auto'
+    keeps the common phase. 4x H200, bf16, 256 MiB workspace (0806926, eager, against the common phase
+    and NCCL): 32 MiB 99 / 119 / 116 us, 128 MiB 324 / 360 / 347, 1 GiB 2429 / 2553 / 2414; with 64 KiB
+    entries pairwise was slower than the common phase (1 GiB 3089), 128 KiB level (2483).
     pdl: 1 launches every round with programmatic dependent launch (the round's grid is scheduled, and
     takes its share of the round counter, while the kernel before it still runs; kernels/comm/
     collectives.cu, "Programmatic dependent launch"); 0: plain launches."""
@@ -161,7 +171,10 @@ class Tuning:
     ring_step: int = RING_STEP
     ring_depth: int = RING_DEPTH
     ring_substeps: int = RING_SUBSTEPS
-    pipe_pairwise: int = 0
+    pairwise_min_bytes: int = PAIRWISE_MIN_BYTES
+    pairwise_max_step: int = PAIRWISE_MAX_STEP
+    pairwise_min_step: int = PAIRWISE_MIN_STEP
+    pairwise_depth: int = PAIRWISE_DEPTH
     pdl: int = 1
 
     def __post_init__(self):
@@ -181,18 +194,18 @@ class Tuning:
             v = getattr(self, name)
             if not 32 <= v <= LL12_MAX_THREADS or v % 32:
                 raise ValueError(f"Tuning.{name} must be a multiple of 32 in [32, {LL12_MAX_THREADS}], got {v}")
-        for name in ("pdl", "pipe_pairwise"):
-            if getattr(self, name) not in (0, 1):
-                raise ValueError(f"Tuning.{name} must be 0 or 1, got {getattr(self, name)}")
+        if self.pdl not in (0, 1):
+            raise ValueError(f"Tuning.pdl must be 0 or 1, got {self.pdl}")
         if self.ring_substeps < 1 or self.ring_depth < 2 * self.ring_substeps:
             raise ValueError(f"Tuning.ring_depth must be >= 2 x ring_substeps >= 2 (a rank sends stage s + 1 "
                              f"while the next rank reads stage s), got ring_depth={self.ring_depth}, "
                              f"ring_substeps={self.ring_substeps}")
         if self.ring_step < VEC_BYTES:
             raise ValueError(f"Tuning.ring_step must be >= {VEC_BYTES}, got {self.ring_step}")
-        if self.pipe_depth < 2:
-            raise ValueError(f"Tuning.pipe_depth must be >= 2 (a block sends step j while step j - 1 is "
-                             f"consumed), got {self.pipe_depth}")
+        for name in ("pipe_depth", "pairwise_depth"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"Tuning.{name} must be >= 2 (a block sends step j while step j - 1 is "
+                                 f"consumed), got {getattr(self, name)}")
         for name in ("oneshot_bytes_per_block", "bulk_bytes_per_block", "pipe_bytes_per_block"):
             if getattr(self, name) < VEC_BYTES:
                 raise ValueError(f"Tuning.{name} must be >= {VEC_BYTES}, got {getattr(self, name)}")
@@ -231,7 +244,7 @@ ALGOS = {
     "allreduce": ("ll", "oneshot", "twoshot", "pipe", "ll12", "ll12_twoshot", "ring"),
     "reduce_scatter": ("ll", "push", "pipe", "ring"),
     "allgather": ("ll", "push", "direct", "pipe", "ring"),
-    "alltoall": ("ll", "push", "direct", "pipe"),
+    "alltoall": ("ll", "push", "direct", "pipe", "pairwise"),
     "alltoallv": ("ll", "push", "pipe"),
     "broadcast": ("ll", "push", "direct", "pipe"),
 }
@@ -246,12 +259,14 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direct_ok: bool = False,
-                tuning: Tuning = DEFAULT_TUNING) -> str:
+                tuning: Tuning = DEFAULT_TUNING, overlaps: bool = False, half_bytes: int | None = None) -> str:
     """The algorithm `op` uses for an `nbytes` message (`algo` forces one, for measurement).
 
     'push' stages through the workspace; 'direct' pushes straight into the peers' outputs and needs
     `direct_ok`: the output is a symmetric array (at the same offset on every rank) that the op may write
-    while this rank still reads its input. 'll' needs a context with an LL buffer (tuning.ll_max_bytes > 0)."""
+    while this rank still reads its input. 'll' needs a context with an LL buffer (tuning.ll_max_bytes > 0).
+    'pairwise' needs an output that does not `overlap` the input; given the workspace `half_bytes`, 'auto'
+    takes it only where its entries reach tuning.pairwise_min_step."""
     if op not in ALGOS:
         raise ValueError(f"unknown collective {op!r}: expected one of {', '.join(ALGOS)}")
     if algo != "auto":
@@ -262,6 +277,8 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
                              "overlap the input")
         if algo in LL_ALGOS and tuning.ll_max_bytes == 0:
             raise ValueError(f"{op}: algo {algo!r} needs an LL buffer (Tuning.ll_max_bytes > 0)")
+        if algo == "pairwise" and overlaps:
+            raise ValueError(f"{op}: algo 'pairwise' needs an output apart from the input")
         return algo
     if (op == "allreduce" and world_size > 1 and tuning.ll_max_bytes > 0
             and tuning.ll12_twoshot_min_bytes <= nbytes <= tuning.ll12_twoshot_max_bytes):
@@ -284,6 +301,9 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         return "pipe" if pipe else "twoshot"
     if direct_ok and "direct" in ALGOS[op] and nbytes >= tuning.direct_min_bytes:
         return "direct"
+    if (op == "alltoall" and world_size > 2 and not overlaps and 0 < tuning.pairwise_min_bytes <= nbytes
+            and (half_bytes is None or pairwise_step(nbytes, world_size, half_bytes, tuning) >= tuning.pairwise_min_step)):
+        return "pairwise"
     return "pipe" if pipe else "push"
 
 
@@ -325,6 +345,16 @@ def pipe_step(slot_bytes: int, slices: int, depth: int, slice_bytes: int, max_st
         raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} - 1 steps or more of "
                          f"{step} bytes: enlarge the workspace")
     return step
+
+
+def pairwise_step(nbytes: int, world_size: int, half_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """Bytes per ring entry of a pairwise alltoall of `nbytes` (0 where the workspace half is too small)."""
+    pair = _ceil_div(nbytes, world_size)
+    try:
+        return _pipe_piece("alltoall", 0, pair, pair, layout("alltoall", "pairwise", half_bytes, world_size, 1),
+                           tuning, pairwise=True).step
+    except ValueError:
+        return 0
 
 
 def ring_slices(chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
@@ -391,6 +421,7 @@ class Piece:
     grid: int
     chunk: int = 0       # two-shot, pipe allreduce: elements per rank's chunk (a multiple of 16 bytes)
     step: int = 0        # pipe: bytes per ring entry
+    depth: int = 0       # pipe: ring entries per slice
 
 
 @dataclass(frozen=True)
@@ -406,10 +437,10 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
     2n for two-shot (two phases), n - 1 per ring for pipe (allreduce: two rings). An LL slot carries half
     its bytes as data, in whole 8-byte lines."""
     slots = 2 * world_size if algo in ("twoshot", "ll12_twoshot") else world_size
-    if algo == "pipe":  # no rank sends to itself: world - 1 slots per ring (allreduce: two rings)
+    if algo in ("pipe", "pairwise"):  # no rank sends to itself: world - 1 slots per ring (allreduce: two)
         slots = max(1, world_size - 1) * (2 if op == "allreduce" else 1)
     slot = _floor(half_bytes // slots, VEC_BYTES)
-    if algo == "pipe" and slot >= PIPE_STEP_ALIGN:  # every slot, and so every entry, starts on a page
+    if algo in ("pipe", "pairwise") and slot >= PIPE_STEP_ALIGN:  # every slot and entry starts on a page
         slot = _floor(slot, PIPE_STEP_ALIGN)
     if slot < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slots} slots")
@@ -418,7 +449,7 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
         return Layout(slot_bytes=slot, max_elems=max(1, lines * world_size * LL12_DATA_BYTES // itemsize))
     if algo in LL_ALGOS:  # ll12 lines carry 12 bytes: slots sized for 8 a line hold its pieces too
         return Layout(slot_bytes=slot, max_elems=max(1, _floor(slot // 2, LL_DATA_BYTES) // itemsize))
-    if algo == "pipe":  # the ring recycles its entries: one launch moves any size
+    if algo in ("pipe", "pairwise"):  # the ring recycles its entries: one launch moves any size
         return Layout(slot_bytes=slot, max_elems=1 << 62)
     if algo == "ring":  # one ring per block, from the previous rank only: the whole half is one slot
         return Layout(slot_bytes=_floor(half_bytes, VEC_BYTES), max_elems=1 << 62)
@@ -453,17 +484,20 @@ def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay:
 
 
 def _pipe_piece(op: str, start: int, count: int, pair_bytes: int, lay: Layout, tuning: Tuning,
-                chunk: int = 0) -> Piece:
+                chunk: int = 0, pairwise: bool = False) -> Piece:
     """One pipelined launch: `roles` blocks per slice (grid = roles x slices)."""
     roles = pipe_roles(op)
     slices = pipe_slices(pair_bytes, roles, tuning)
     slice_bytes = _ceil_div(_ceil_div(pair_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
+    if pairwise:
+        depth, cap = tuning.pairwise_depth, tuning.pairwise_max_step
+    else:
+        depth, cap = tuning.pipe_depth, tuning.allreduce_pipe_max_step if op == "allreduce" else tuning.pipe_max_step
     try:
-        cap = tuning.allreduce_pipe_max_step if op == "allreduce" else tuning.pipe_max_step
-        step = pipe_step(lay.slot_bytes, slices, tuning.pipe_depth, slice_bytes, cap)
+        step = pipe_step(lay.slot_bytes, slices, depth, slice_bytes, cap)
     except ValueError as e:
         raise ValueError(f"{op} of {count} elements ({pair_bytes} bytes per pair), pipelined: {e}") from None
-    return Piece(start, count, roles * slices, chunk, step)
+    return Piece(start, count, roles * slices, chunk, step, depth)
 
 
 def _ring_piece(op: str, start: int, count: int, chunk: int, itemsize: int, world_size: int, lay: Layout,
@@ -514,8 +548,9 @@ def pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: 
         return direct_pieces(count, itemsize, tuning)
     if algo == "ring":  # reduce_scatter: `count` elements per rank's chunk
         return [_ring_piece(op, 0, count, count, itemsize, world_size, lay, tuning)] if count else []
-    if algo == "pipe":  # alltoallv: `count` is the largest pair (0: marker steps only)
-        return [_pipe_piece(op, 0, count, count * itemsize, lay, tuning)] if count or op == "alltoallv" else []
+    if algo in ("pipe", "pairwise"):  # alltoallv: `count` is the largest pair (0: marker steps only)
+        return ([_pipe_piece(op, 0, count, count * itemsize, lay, tuning, pairwise=algo == "pairwise")]
+                if count or op == "alltoallv" else [])
     if op == "alltoallv":
         return alltoallv_pieces(count, itemsize, lay, algo, tuning)
     return chunked_pieces(count, itemsize, lay, algo, tuning)
@@ -527,7 +562,8 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
     `count`: elements of the message (allreduce) or per peer (the others); `nbytes`: the size the
     algorithm is chosen by (default count * itemsize); `half_bytes`: the workspace half (the LL buffer
     half follows from `tuning`)."""
-    a = choose_algo(op, count * itemsize if nbytes is None else nbytes, world_size, algo, direct_ok, tuning)
+    a = choose_algo(op, count * itemsize if nbytes is None else nbytes, world_size, algo, direct_ok, tuning,
+                    half_bytes=half_bytes)
     half = tuning.ll_buffer_bytes(world_size) // 2 if a in LL_ALGOS else half_bytes
     lay = layout(op, a, half, world_size, itemsize)
     ps = pieces(op, a, count, itemsize, world_size, lay, tuning)

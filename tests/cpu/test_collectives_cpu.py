@@ -64,7 +64,7 @@ def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
     for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast"):
         assert plan.choose_algo(op, 4 << 20, 4) == "push"
         assert plan.choose_algo(op, 8, 4) == "ll"
-        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == ("ring" if op == "allgather" else "pipe")
+        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == {"allgather": "ring", "alltoall": "pairwise"}.get(op, "pipe")
         assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (  # 2 ranks: ring from 64 MiB
             {"reduce_scatter": "ring", "alltoallv": "pipe"}.get(op, "direct"))  # symmetric allgather: 128 MiB
 
@@ -322,7 +322,7 @@ def test_ring_threshold_and_tuning():
     assert plan.choose_algo("reduce_scatter", 1 << 30, 4, tuning=t) == "ring"
     assert plan.choose_algo("reduce_scatter", 16 << 20, 4, tuning=t) == "push"
     assert plan.choose_algo("allreduce", (32 << 20) - 2, 4, tuning=t) == "twoshot"
-    assert plan.choose_algo("alltoall", 1 << 30, 4, tuning=t) == "pipe"  # no ring for alltoall
+    assert plan.choose_algo("alltoall", 1 << 30, 4, tuning=t) == "pairwise"  # no ring for alltoall
     assert plan.choose_algo("allreduce", 1 << 30, 1, tuning=t) == "oneshot"  # one rank: no ring
     two = plan.Tuning(ring_min_bytes=1 << 30, two_rank_ring_min_bytes=64 << 20)
     assert plan.choose_algo("allreduce", 64 << 20, 2, tuning=two) == "ring"
@@ -673,3 +673,30 @@ def test_pipe_step_caps_per_op(op):
     t = plan.Tuning(**{field: 32 << 10})
     (q,) = plan.pieces(op, "pipe", count, itemsize, n, lay, t)
     assert q.step == 32 << 10
+
+
+def test_pairwise_alltoall_choice():
+    """'auto' takes the pairwise phases for alltoall from pairwise_min_bytes on 3 or more ranks, with an
+    output apart from the input and entries of at least pairwise_min_step; forcing it in place is an error."""
+    t, big = plan.DEFAULT_TUNING, 128 << 20  # the perf CLI's 256 MiB workspace
+    assert plan.choose_algo("alltoall", 32 << 20, 4, half_bytes=big) == "pairwise"
+    assert plan.choose_algo("alltoall", 1 << 30, 4, half_bytes=big) == "pairwise"
+    assert plan.choose_algo("alltoall", (32 << 20) - 16, 4, half_bytes=big) == "push"
+    assert plan.choose_algo("alltoall", 1 << 30, 4, overlaps=True, half_bytes=big) == "pipe"   # in place
+    assert plan.choose_algo("alltoall", 1 << 30, 2, half_bytes=big) == "pipe"                  # one peer
+    assert plan.choose_algo("alltoall", 1 << 30, 4, direct_ok=True, half_bytes=big) == "direct"
+    assert plan.choose_algo("alltoall", 1 << 30, 4, half_bytes=32 << 20) == "pipe"  # 64 MiB workspace: small entries
+    assert plan.choose_algo("allgather", 1 << 30, 4, half_bytes=big) == "ring"     # alltoall only
+    assert plan.choose_algo("alltoall", 1 << 30, 4, tuning=plan.Tuning(pairwise_min_bytes=0)) == "pipe"
+    step = plan.pairwise_step(1 << 30, 4, big)
+    assert t.pairwise_min_step <= step <= t.pairwise_max_step and step % plan.PIPE_STEP_ALIGN == 0
+    lay = plan.layout("alltoall", "pairwise", big, 4, 2)
+    (p,) = plan.pieces("alltoall", "pairwise", (1 << 30) // 8, 2, 4, lay)
+    assert (p.step, p.depth) == (step, t.pairwise_depth)
+    assert (p.grid // 2) * p.depth * p.step <= lay.slot_bytes
+    (q,) = plan.pieces("alltoall", "pipe", (1 << 30) // 8, 2, 4, plan.layout("alltoall", "pipe", big, 4, 2))
+    assert (q.step, q.depth) == (t.pipe_max_step, t.pipe_depth)
+    with pytest.raises(ValueError, match="pairwise"):
+        plan.choose_algo("alltoall", 1 << 30, 4, "pairwise", overlaps=True)
+    with pytest.raises(ValueError, match="pairwise_depth"):
+        plan.Tuning(pairwise_depth=1)

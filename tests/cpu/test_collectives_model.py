@@ -515,7 +515,7 @@ class PipeRound:
             assert all((int(t[1]), int(t[2]), int(t[3])) == (self.slot, self.step, self.depth) for t in tails), \
                 "ranks disagree on the ring geometry"
             self.roles = 2
-            pairwise = {int(t[4]) for t in tails}
+            pairwise = {int(t[4]) for t in tails}  # the kernel's `pairwise` argument
             assert len(pairwise) == 1, "ranks disagree on the pairwise phases"
             run = self._exchange_pairwise if pairwise.pop() else self._exchange
             for r in range(self.n):
@@ -935,20 +935,14 @@ def test_allgather_model(n, count, layout):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("chunk", [1, 777, 9001])
 @pytest.mark.parametrize("layout", ["plain", "in_place", "direct", "ll", "ll_in_place", "pipe", "pipe_in_place",
-                                    "pairwise", "pairwise_in_place"])
+                                    "pairwise"])
 def test_alltoall_model(n, chunk, layout):
-    import dataclasses
-
     m = Model(n)
-    if layout.startswith("pairwise"):  # in place falls back to the common phase (the output overlaps x)
-        for c in m.ctx:
-            c.tuning = dataclasses.replace(TUNING, pipe_pairwise=1)
-        layout = layout.replace("pairwise", "pipe")
     ins = _inputs(n, n * chunk, bfloat16, chunk)
     xs = [m.array(r, n * chunk, bfloat16, ins[r]) for r in range(n)]
     outs = xs if layout.endswith("in_place") else m.symmetric(n * chunk, bfloat16) if layout == "direct" else \
         [m.array(r, n * chunk, bfloat16) for r in range(n)]
-    algo = layout.split("_")[0] if layout.startswith(("direct", "ll", "pipe")) else "auto"
+    algo = layout.split("_")[0] if layout.startswith(("direct", "ll", "pipe", "pairwise")) else "auto"
     m.call("alltoall", [(xs[r], outs[r]) for r in range(n)], algo=algo)
     for r in range(n):
         want = np.concatenate([ins[p][r * chunk:(r + 1) * chunk] for p in range(n)])
@@ -1055,15 +1049,11 @@ def _pipelined_alltoall(seed):
 
 
 def _pairwise_alltoall(seed):
-    import dataclasses
-
     m = Model(3)
     m.seed = seed
-    for c in m.ctx:
-        c.tuning = dataclasses.replace(TUNING, pipe_pairwise=1)
     xs = [m.array(r, 3 * 9001, np.int32, np.arange(3 * 9001)) for r in range(3)]
     outs = [m.array(r, 3 * 9001, np.int32) for r in range(3)]
-    m.call("alltoall", [(xs[r], outs[r]) for r in range(3)], algo="pipe")
+    m.call("alltoall", [(xs[r], outs[r]) for r in range(3)], algo="pairwise")
 
 
 def _ring_allreduce_in_place(seed):

@@ -241,26 +241,31 @@ def test_alltoall(world, dtype, chunk, in_place, algo):
 
 
 def test_alltoall_pairwise_phases(world):
-    """Tuning.pipe_pairwise: the pipelined alltoall in pairwise phases (out of place; in place falls back
-    to the common phase), odd sizes, small entries so that every pair steps through its ring many times,
-    several calls in a row, against numpy."""
+    """The pipelined alltoall in pairwise phases ('pairwise'; 'auto' takes it from pairwise_min_bytes on 3 or
+    more ranks, out of place, and keeps the common phase in place), odd sizes, small entries so that every
+    pair steps through its ring many times, several calls in a row, against numpy."""
+    import fluxrt
     from fluxrt.collectives import Collectives, CollectivesOptions
     from fluxrt.collectives_plan import Tuning
 
     n, r = world.size, world.rank
-    ctx = Collectives(world, CollectivesOptions(workspace_bytes=1 << 20,
-                                                tuning=Tuning(pipe_pairwise=1, pipe_max_grid=8, pipe_max_step=4096)))
+    ctx = Collectives(world, CollectivesOptions(workspace_bytes=1 << 20, tuning=Tuning(
+        pairwise_min_bytes=1, pairwise_min_step=4096, pairwise_max_step=4096, pipe_max_grid=8)))
     try:
-        for i, (chunk, dtype, in_place) in enumerate([(1, "bf16", False), (4099, "int32", False),
-                                                      (300_001, "bf16", False), (70_001, "fp32", True),
-                                                      (1_000_003, "fp16", False)]):
+        for i, (chunk, dtype, in_place, algo) in enumerate([(1, "bf16", False, "pairwise"),
+                                                            (4099, "int32", False, "pairwise"),
+                                                            (300_001, "bf16", False, "auto"),
+                                                            (70_001, "fp32", True, "auto"),
+                                                            (1_000_003, "fp16", False, "pairwise")]):
             x = _data(900 + i, world, n * chunk, dtype)
             every = _gather(world, x)
             want = np.concatenate([every[p][r * chunk:(r + 1) * chunk] for p in range(n)])
             out = x if in_place else _poisoned(n * chunk, dtype)
-            ctx.alltoall(x, out, algo="pipe")
+            ctx.alltoall(x, out, algo=algo)
             world.synchronize()
-            _assert_equal(_host(out), want, f"pairwise alltoall {dtype} chunk={chunk} in_place={in_place}")
+            _assert_equal(_host(out), want, f"pairwise alltoall {dtype} chunk={chunk} in_place={in_place} {algo}")
+        with pytest.raises(fluxrt.CollectiveArgumentError, match="pairwise"):
+            ctx.alltoall(x, x, algo="pairwise")
     finally:
         ctx.free()
 
