@@ -468,7 +468,7 @@ class Collectives:
             _check_alias("allgather", a, o, (world.rank * a.nbytes,))
             off = _symmetric_offset(world, o)
             chosen = plan.choose_algo("allgather", n * a.nbytes, n, algo, direct_ok=off is not None,
-                                      tuning=self.tuning)
+                                      tuning=self.tuning, half_bytes=self.half_bytes)
             return a, o, chosen, off
 
         got, err = _local(prepare)

@@ -129,7 +129,8 @@ class Tuning:
     stage hides behind this rank's later steps). ring_depth: entries per block (>= 2 ring_substeps: a
     rank sends a stage while the next rank reads the one before).
     pairwise_min_bytes: alltoall messages of at least this many bytes, on 3 or more ranks, with an output
-    apart from the input, run the pipelined round in pairwise phases ('pairwise'): in phase k each rank
+    apart from the input, and allgathers below the ring thresholds, run the pipelined round in pairwise
+    phases ('pairwise'): in phase k each rank
     streams its pair to rank + k only, so every rank pushes to one peer at a time; 0: never. Each entry
     now carries one pair instead of one for every peer, so it needs larger entries: pairwise_max_step
     caps them, pairwise_depth entries per slice, and below pairwise_min_step (a small workspace) 'auto'
@@ -240,10 +241,11 @@ DEFAULT_TUNING = Tuning()
 
 REDUCE_OPS = ("sum", "max", "min")
 RING_OPS = ("allreduce", "reduce_scatter", "allgather")  # the ops with a ring round
+PAIRWISE_OPS = ("alltoall", "allgather")  # the ops with pairwise phases
 ALGOS = {
     "allreduce": ("ll", "oneshot", "twoshot", "pipe", "ll12", "ll12_twoshot", "ring"),
     "reduce_scatter": ("ll", "push", "pipe", "ring"),
-    "allgather": ("ll", "push", "direct", "pipe", "ring"),
+    "allgather": ("ll", "push", "direct", "pipe", "ring", "pairwise"),
     "alltoall": ("ll", "push", "direct", "pipe", "pairwise"),
     "alltoallv": ("ll", "push", "pipe"),
     "broadcast": ("ll", "push", "direct", "pipe"),
@@ -301,7 +303,7 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         return "pipe" if pipe else "twoshot"
     if direct_ok and "direct" in ALGOS[op] and nbytes >= tuning.direct_min_bytes:
         return "direct"
-    if (op == "alltoall" and world_size > 2 and not overlaps and 0 < tuning.pairwise_min_bytes <= nbytes
+    if (op in PAIRWISE_OPS and world_size > 2 and not overlaps and 0 < tuning.pairwise_min_bytes <= nbytes
             and (half_bytes is None or pairwise_step(nbytes, world_size, half_bytes, tuning) >= tuning.pairwise_min_step)):
         return "pairwise"
     return "pipe" if pipe else "push"

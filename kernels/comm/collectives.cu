@@ -233,7 +233,6 @@ struct BF16 {
 // Raw bytes, for rounds that only ever copy (allgather's ring: one source per stage); no arithmetic.
 struct Bytes {
     typedef unsigned char T;
-    static constexpr u32 kPerVec = 16;
     static constexpr bool kArithmetic = false;
 };
 
@@ -561,7 +560,8 @@ __device__ __forceinline__ u32 peers_with_step(const Team& t, const u64* len, u6
     return mask;
 }
 
-// Pipelined exchange in pairwise phases (out of place only): in phase k = 1 .. n - 1 the sender streams
+// Pipelined exchange in pairwise phases (no receiver write may land where the sender still reads: an
+// alltoall out of place, any allgather): in phase k = 1 .. n - 1 the sender streams
 // its slice of the pair to rank r + k, the receiver its slice from r - k, so that every rank pushes to
 // one peer at a time (a permutation of the ranks, the pattern of the ring rounds) instead of to all of
 // them. Ring entries and flags are exchange_pipe's: flags are per (phase, source, slice) and count the
@@ -572,7 +572,7 @@ __device__ void exchange_pipe_pairwise(const Team& t, const Pipe& pp, const Exch
     if (pp.role == 1) {  // own pair first: nothing to wait for
         const u64 own = tab.send_bytes[r] < tab.recv_bytes[r] ? tab.send_bytes[r] : tab.recv_bytes[r];
         const u64 end = lo[r] + len[r] < own ? lo[r] + len[r] : own;
-        if (lo[r] < end)
+        if (lo[r] < end && tab.recv_ptr[r] != tab.send_ptr[r])  // in place (allgather): already there
             copy_block(reinterpret_cast<char*>(tab.recv_ptr[r]) + lo[r],
                        reinterpret_cast<const char*>(tab.send_ptr[r]) + lo[r], end - lo[r], false);
     }
@@ -602,7 +602,7 @@ __device__ void exchange_pipe_pairwise(const Team& t, const Pipe& pp, const Exch
 // Roles: 0 sender, 1 receiver (which also copies this rank's own pair). The sender also raises its own
 // rank's ready flag, and the receiver waits for it before it writes step j: an in-place alltoall's
 // receiver overwrites x only where this rank's sender has already pushed from. `pairwise`: the phases
-// of exchange_pipe_pairwise instead (the output must not overlap the input).
+// of exchange_pipe_pairwise instead.
 __device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, u64 step, u32 depth, bool pairwise) {
     const Pipe pp = begin_pipe(t, 2, slot_bytes, step, depth);
     const bool sender = pp.role == 0;

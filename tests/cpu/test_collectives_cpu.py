@@ -332,14 +332,15 @@ def test_ring_threshold_and_tuning():
     assert plan.choose_algo("allreduce", 1 << 30, 4) == ("ring" if plan.DEFAULT_TUNING.ring_min_bytes else "pipe")
     ag = plan.Tuning(allgather_ring_min_bytes=128 << 20, two_rank_allgather_ring_min_bytes=16 << 20)
     assert plan.choose_algo("allgather", 128 << 20, 4, tuning=ag) == "ring"
-    assert plan.choose_algo("allgather", 64 << 20, 4, tuning=ag) == "pipe"
+    assert plan.choose_algo("allgather", 64 << 20, 4, tuning=ag) == "pairwise"
     assert plan.choose_algo("allgather", 1 << 30, 4, direct_ok=True, tuning=ag) == "ring"
     assert plan.choose_algo("allgather", 64 << 20, 4, direct_ok=True) == "direct"  # symmetric: ring from 128 MiB
     assert plan.choose_algo("allgather", 128 << 20, 4, direct_ok=True) == "ring"
     assert plan.choose_algo("allgather", 64 << 20, 4) == "ring"
     assert plan.choose_algo("allgather", 16 << 20, 2, tuning=ag) == "ring"
     assert plan.choose_algo("allgather", (16 << 20) - 2, 2, tuning=ag) == "push"
-    assert plan.choose_algo("allgather", 1 << 30, 4, tuning=plan.Tuning(allgather_ring_min_bytes=0)) == "pipe"
+    assert plan.choose_algo("allgather", 1 << 30, 4, tuning=plan.Tuning(allgather_ring_min_bytes=0)) == "pairwise"
+    assert plan.choose_algo("allgather", 1 << 30, 4, tuning=plan.Tuning(allgather_ring_min_bytes=0, pairwise_min_bytes=0)) == "pipe"
     assert plan.choose_algo("reduce_scatter", 64 << 20, 4, tuning=ag) == "pipe"  # its own threshold
     with pytest.raises(ValueError, match="ring_depth"):
         plan.Tuning(ring_depth=3, ring_substeps=2)
@@ -676,8 +677,9 @@ def test_pipe_step_caps_per_op(op):
 
 
 def test_pairwise_alltoall_choice():
-    """'auto' takes the pairwise phases for alltoall from pairwise_min_bytes on 3 or more ranks, with an
-    output apart from the input and entries of at least pairwise_min_step; forcing it in place is an error."""
+    """'auto' takes the pairwise phases for alltoall and allgather from pairwise_min_bytes on 3 or more
+    ranks, with an output apart from the input (alltoall), entries of at least pairwise_min_step and
+    below the ring (allgather); forcing an in-place alltoall into it is an error."""
     t, big = plan.DEFAULT_TUNING, 128 << 20  # the perf CLI's 256 MiB workspace
     assert plan.choose_algo("alltoall", 32 << 20, 4, half_bytes=big) == "pairwise"
     assert plan.choose_algo("alltoall", 1 << 30, 4, half_bytes=big) == "pairwise"
@@ -686,7 +688,11 @@ def test_pairwise_alltoall_choice():
     assert plan.choose_algo("alltoall", 1 << 30, 2, half_bytes=big) == "pipe"                  # one peer
     assert plan.choose_algo("alltoall", 1 << 30, 4, direct_ok=True, half_bytes=big) == "direct"
     assert plan.choose_algo("alltoall", 1 << 30, 4, half_bytes=32 << 20) == "pipe"  # 64 MiB workspace: small entries
-    assert plan.choose_algo("allgather", 1 << 30, 4, half_bytes=big) == "ring"     # alltoall only
+    assert plan.choose_algo("allgather", 1 << 30, 4, half_bytes=big) == "ring"     # the ring above 64 MiB
+    assert plan.choose_algo("allgather", 32 << 20, 4, half_bytes=big) == "pairwise"
+    assert plan.choose_algo("allgather", 32 << 20, 4, overlaps=False, direct_ok=True, half_bytes=big) == "direct"
+    assert plan.choose_algo("allgather", 32 << 20, 2, half_bytes=big) == "ring"  # 2 ranks: the ring from 32 MiB
+    assert plan.choose_algo("reduce_scatter", 32 << 20, 4, half_bytes=big) == "push"
     assert plan.choose_algo("alltoall", 1 << 30, 4, tuning=plan.Tuning(pairwise_min_bytes=0)) == "pipe"
     step = plan.pairwise_step(1 << 30, 4, big)
     assert t.pairwise_min_step <= step <= t.pairwise_max_step and step % plan.PIPE_STEP_ALIGN == 0

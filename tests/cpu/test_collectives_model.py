@@ -640,10 +640,10 @@ class PipeRound:
         line = plan.PIPE_LINE_BYTES
         send = [self.srange(int(tab[1][q]), line, sl, slices) for q in range(n)]
         recv = [self.srange(int(tab[3][q]), line, sl, slices) for q in range(n)]
-        if role == 1:  # own pair first
+        if role == 1:  # own pair first (in place: already there)
             lo, h = recv[r]
             end = min(h, int(tab[1][r]), int(tab[3][r]))
-            if lo < end:
+            if lo < end and tab[2][r] != tab[0][r]:
                 self.m._copy(int(tab[2][r]) + lo, int(tab[0][r]) + lo, end - lo)
         for k in range(1, n):
             if role == 0:
@@ -914,7 +914,8 @@ def test_reduce_scatter_model(n, chunk, in_place, algo):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("count", [1, 1023, 20_001])
 @pytest.mark.parametrize("layout", ["plain", "in_place", "direct", "direct_in_place", "ll", "ll_in_place", "pipe",
-                                    "pipe_in_place", "ring", "ring_in_place", "ring_direct"])
+                                    "pipe_in_place", "ring", "ring_in_place", "ring_direct", "pairwise",
+                                    "pairwise_in_place"])
 def test_allgather_model(n, count, layout):
     m = Model(n)
     ins = _inputs(n, count, np.int32, count)
@@ -926,7 +927,7 @@ def test_allgather_model(n, count, layout):
             xs[r].get()[...] = ins[r]
     else:
         xs = [m.array(r, count, np.int32, ins[r]) for r in range(n)]
-    algo = layout.split("_")[0] if layout.startswith(("direct", "ll", "pipe", "ring")) else "auto"
+    algo = layout.split("_")[0] if layout.startswith(("direct", "ll", "pipe", "ring", "pairwise")) else "auto"
     m.call("allgather", [(xs[r], outs[r]) for r in range(n)], algo=algo)
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), np.concatenate(ins))

@@ -202,7 +202,8 @@ def test_reduce_scatter(world, dtype, redop, chunk, in_place, algo):
                                               (300_001, 0, "auto"), (1023, 0, "push"), (300_001, 1, "ll"),
                                               (1023, 1, "pipe"), (300_001, 2, "pipe"), (1, 0, "ring"),
                                               (1023, 1, "ring"), (4099, 2, "ring"), (300_001, 0, "ring"),
-                                              (1_500_007, 1, "ring")])
+                                              (1_500_007, 1, "ring"), (1, 0, "pairwise"), (4099, 1, "pairwise"),
+                                              (300_001, 2, "pairwise"), (1_500_007, 1, "pairwise")])
 def test_allgather(world, dtype, count, mode, algo):
     import fluxrt
 
