@@ -594,12 +594,16 @@ class PipeRound:
             self.flags[q][(phase, r, sl)] = self.value(j)
 
     # --- roles ------------------------------------------------------------------------------------------
+    def _exchange_slices(self, b, grid, tab):
+        """Block b's role, slice, and the [lo, hi) of its slice of every pair's send and receive bytes."""
+        sl, slices, line = b // 2, grid // 2, plan.PIPE_LINE_BYTES
+        send = [self.srange(int(tab[1][q]), line, sl, slices) for q in range(self.n)]
+        recv = [self.srange(int(tab[3][q]), line, sl, slices) for q in range(self.n)]
+        return b % 2, sl, send, recv
+
     def _exchange(self, r, b, grid, tab):
         n, step, depth = self.n, self.step, self.depth
-        role, sl, slices = b % 2, b // 2, grid // 2
-        line = plan.PIPE_LINE_BYTES
-        send = [self.srange(int(tab[1][q]), line, sl, slices) for q in range(n)]
-        recv = [self.srange(int(tab[3][q]), line, sl, slices) for q in range(n)]
+        role, sl, send, recv = self._exchange_slices(b, grid, tab)
         send_steps = max(self.steps_of(h - lo, step) for lo, h in send)
         mine = send if role == 0 else recv
         steps = max(self.steps_of(h - lo, step) for lo, h in mine)
@@ -636,10 +640,7 @@ class PipeRound:
 
     def _exchange_pairwise(self, r, b, grid, tab):
         n, step, depth = self.n, self.step, self.depth
-        role, sl, slices = b % 2, b // 2, grid // 2
-        line = plan.PIPE_LINE_BYTES
-        send = [self.srange(int(tab[1][q]), line, sl, slices) for q in range(n)]
-        recv = [self.srange(int(tab[3][q]), line, sl, slices) for q in range(n)]
+        role, sl, send, recv = self._exchange_slices(b, grid, tab)
         if role == 1:  # own pair first (in place: already there)
             lo, h = recv[r]
             end = min(h, int(tab[1][r]), int(tab[3][r]))
@@ -1041,20 +1042,20 @@ def test_pipe_rounds_under_many_schedules(n, seed):
             np.testing.assert_array_equal(ring[r].get(), want)
 
 
-def _pipelined_alltoall(seed):
-    m = Model(2)
+def _alltoall(seed, n, algo):
+    m = Model(n)
     m.seed = seed
-    xs = [m.array(r, 2 * 9001, np.int32, np.arange(2 * 9001)) for r in range(2)]
-    outs = [m.array(r, 2 * 9001, np.int32) for r in range(2)]
-    m.call("alltoall", [(xs[r], outs[r]) for r in range(2)], algo="pipe")
+    xs = [m.array(r, n * 9001, np.int32, np.arange(n * 9001)) for r in range(n)]
+    outs = [m.array(r, n * 9001, np.int32) for r in range(n)]
+    m.call("alltoall", [(xs[r], outs[r]) for r in range(n)], algo=algo)
+
+
+def _pipelined_alltoall(seed):
+    _alltoall(seed, 2, "pipe")
 
 
 def _pairwise_alltoall(seed):
-    m = Model(3)
-    m.seed = seed
-    xs = [m.array(r, 3 * 9001, np.int32, np.arange(3 * 9001)) for r in range(3)]
-    outs = [m.array(r, 3 * 9001, np.int32) for r in range(3)]
-    m.call("alltoall", [(xs[r], outs[r]) for r in range(3)], algo="pairwise")
+    _alltoall(seed, 3, "pairwise")
 
 
 def _ring_allreduce_in_place(seed):
