@@ -349,12 +349,12 @@ class Collectives:
         all ranks); `table_fn(piece, words)` fills the ExchangeTable rows of each launch ('pairwise': the
         pipelined round in pairwise phases)."""
         pieces = _pieces(op, algo, per_peer, itemsize, self.world.size, lay, self.tuning)
-        name = {"ll": "fluxrt_exchange_ll", "pipe": "fluxrt_exchange_pipe", "pairwise": "fluxrt_exchange_pipe"}.get(
-            algo, "fluxrt_exchange")
+        piped = algo in plan.PIPE_ALGOS
+        name = "fluxrt_exchange_pipe" if piped else "fluxrt_exchange_ll" if algo == "ll" else "fluxrt_exchange"
         slot = (_u64(lay.slot_bytes),)
         launches = []
         for p in pieces:
-            if algo in ("pipe", "pairwise"):
+            if piped:
                 tail = self._pipe_tail(p, 1) + (np.int32(algo == "pairwise"),)
             else:
                 tail = () if algo == "ll" else (np.int32(algo == "direct"),)

@@ -43,6 +43,7 @@ LL_DATA_BYTES = 8     # kLLData: message bytes per LL line
 LL_LINE_BYTES = 16    # kLLLine: bytes of a line on the wire
 LL12_DATA_BYTES = 12  # kLL12Data: message bytes per line of the LL12 allreduce
 LL_ALGOS = ("ll", "ll12", "ll12_twoshot")  # algorithms that run through the LL buffer
+PIPE_ALGOS = ("pipe", "pairwise")  # pipelined rounds (pairwise: the exchange's pairwise phases)
 LL12_MAX_THREADS = 512  # the LL12 kernels' registers (84 and 112 on sm_90a) allow at most 512 threads a block
 
 # Defaults of Tuning (see there).
@@ -122,16 +123,17 @@ class Tuning:
     18e3386 sweep; 2 ranks 32 MiB 76 vs 87, 1 GiB 1550 vs 2184, level at 16 MiB).
     direct_allgather_ring_min_bytes: into a symmetric output allgather goes direct below this (and
     below the thresholds above), the ring from here (5a1565b, 4 ranks: direct 164 vs 178 us at 64 MiB,
-    318 vs 312 at 128 MiB, 2488 vs 2240 at 1 GiB; 2 ranks not measured). ring_max_grid /
-    ring_threads: its blocks (one per slice of a chunk, a slice per pipe_bytes_per_block of a chunk; up
-    to MAX_RING_BLOCKS; at least two warps, which wait on the two flags). ring_step: bytes per ring entry (at most; the workspace half holds ring_depth entries
-    per block). ring_substeps: entries per stage of a piece (>= 2: the next rank's wait for step i of a
-    stage hides behind this rank's later steps). ring_depth: entries per block (>= 2 ring_substeps: a
-    rank sends a stage while the next rank reads the one before).
+    318 vs 312 at 128 MiB, 2488 vs 2240 at 1 GiB; 2 ranks not measured).
+    ring_max_grid / ring_threads: its blocks (one per slice of a chunk, a slice per pipe_bytes_per_block
+    of a chunk; up to MAX_RING_BLOCKS; at least two warps, which wait on the two flags). ring_step: bytes
+    per ring entry (at most; the workspace half holds ring_depth entries per block). ring_substeps:
+    entries per stage of a piece (>= 2: the next rank's wait for step i of a stage hides behind this
+    rank's later steps). ring_depth: entries per block (>= 2 ring_substeps: a rank sends a stage while
+    the next rank reads the one before).
     pairwise_min_bytes: alltoall messages of at least this many bytes, on 3 or more ranks, with an output
     apart from the input, and allgathers below the ring thresholds, run the pipelined round in pairwise
-    phases ('pairwise'): in phase k each rank
-    streams its pair to rank + k only, so every rank pushes to one peer at a time; 0: never. Each entry
+    phases ('pairwise'): in phase k each rank streams its pair to rank + k only, so every rank pushes to
+    one peer at a time; 0: never. Each entry
     now carries one pair instead of one for every peer, so it needs larger entries: pairwise_max_step
     caps them, pairwise_depth entries per slice, and below pairwise_min_step (a small workspace) 'auto'
     keeps the common phase. 4x H200, bf16, 256 MiB workspace (0806926, eager, against the common phase
@@ -280,7 +282,8 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         if algo in LL_ALGOS and tuning.ll_max_bytes == 0:
             raise ValueError(f"{op}: algo {algo!r} needs an LL buffer (Tuning.ll_max_bytes > 0)")
         if algo == "pairwise" and overlaps:
-            raise ValueError(f"{op}: algo 'pairwise' needs an output apart from the input")
+            raise ValueError(f"{op} of {nbytes} bytes: algo 'pairwise' needs an output apart from the input "
+                             "(in place, use 'pipe' or 'auto')")
         return algo
     if (op == "allreduce" and world_size > 1 and tuning.ll_max_bytes > 0
             and tuning.ll12_twoshot_min_bytes <= nbytes <= tuning.ll12_twoshot_max_bytes):
@@ -439,10 +442,10 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
     2n for two-shot (two phases), n - 1 per ring for pipe (allreduce: two rings). An LL slot carries half
     its bytes as data, in whole 8-byte lines."""
     slots = 2 * world_size if algo in ("twoshot", "ll12_twoshot") else world_size
-    if algo in ("pipe", "pairwise"):  # no rank sends to itself: world - 1 slots per ring (allreduce: two)
+    if algo in PIPE_ALGOS:  # no rank sends to itself: world - 1 slots per ring (allreduce: two rings)
         slots = max(1, world_size - 1) * (2 if op == "allreduce" else 1)
     slot = _floor(half_bytes // slots, VEC_BYTES)
-    if algo in ("pipe", "pairwise") and slot >= PIPE_STEP_ALIGN:  # every slot and entry starts on a page
+    if algo in PIPE_ALGOS and slot >= PIPE_STEP_ALIGN:  # every slot, and so every entry, starts on a page
         slot = _floor(slot, PIPE_STEP_ALIGN)
     if slot < VEC_BYTES:
         raise ValueError(f"workspace half of {half_bytes} bytes is too small for {slots} slots")
@@ -451,7 +454,7 @@ def layout(op: str, algo: str, half_bytes: int, world_size: int, itemsize: int) 
         return Layout(slot_bytes=slot, max_elems=max(1, lines * world_size * LL12_DATA_BYTES // itemsize))
     if algo in LL_ALGOS:  # ll12 lines carry 12 bytes: slots sized for 8 a line hold its pieces too
         return Layout(slot_bytes=slot, max_elems=max(1, _floor(slot // 2, LL_DATA_BYTES) // itemsize))
-    if algo in ("pipe", "pairwise"):  # the ring recycles its entries: one launch moves any size
+    if algo in PIPE_ALGOS:  # the ring recycles its entries: one launch moves any size
         return Layout(slot_bytes=slot, max_elems=1 << 62)
     if algo == "ring":  # one ring per block, from the previous rank only: the whole half is one slot
         return Layout(slot_bytes=_floor(half_bytes, VEC_BYTES), max_elems=1 << 62)
@@ -550,7 +553,7 @@ def pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: 
         return direct_pieces(count, itemsize, tuning)
     if algo == "ring":  # reduce_scatter: `count` elements per rank's chunk
         return [_ring_piece(op, 0, count, count, itemsize, world_size, lay, tuning)] if count else []
-    if algo in ("pipe", "pairwise"):  # alltoallv: `count` is the largest pair (0: marker steps only)
+    if algo in PIPE_ALGOS:  # alltoallv: `count` is the largest pair (0: marker steps only)
         return ([_pipe_piece(op, 0, count, count * itemsize, lay, tuning, pairwise=algo == "pairwise")]
                 if count or op == "alltoallv" else [])
     if op == "alltoallv":
@@ -572,6 +575,6 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
     return {"algo": a, "launches": len(ps), "grid": ps[0].grid if ps else 0, "slot_bytes": lay.slot_bytes}
 
 
-__all__ = ["ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
+__all__ = ["ALGOS", "PIPE_ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
            "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
            "bulk_grid", "ring_slices", "ring_step", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]

@@ -702,11 +702,11 @@ __device__ __noinline__ void copy_sources(char* const* dst, u32 ndst, const char
 template <class E, int OP>
 __device__ void reduce_sources(char* const* dst, u32 ndst, const char* const* src, u32 n, u64 count) {
     typedef typename E::T T;
-    if (n == 1 || !E::kArithmetic) {
+    if constexpr (!E::kArithmetic) {
         copy_sources(dst, ndst, src[0], count * sizeof(T));
-        return;
-    }
-    if constexpr (E::kArithmetic) {
+    } else if (n == 1) {
+        copy_sources(dst, ndst, src[0], count * sizeof(T));
+    } else {
         constexpr u32 V = E::kPerVec;
         u64 any = 0;
         for (u32 p = 0; p < n; ++p) any |= reinterpret_cast<u64>(src[p]);
