@@ -1385,9 +1385,9 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
                                                                  u64 slot_bytes) {                      \
         reduce_ll<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, slot_bytes);                         \
     }                                                                                                   \
-    extern "C" __global__ void fluxrt_allreduce_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,         \
-                                                              E::T* out, u64 count, u64 chunk,          \
-                                                              u64 slot_bytes, u64 step, u32 depth) {    \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
+        fluxrt_allreduce_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, u64 count, u64 chunk,  \
+                                     u64 slot_bytes, u64 step, u32 depth) {                              \
         reduce_pipe<E, OP>(FLUXRT_TEAM, x, 0, out, count, chunk, slot_bytes, step, depth, true);        \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
@@ -1402,10 +1402,9 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
         reduce_ring<E, OP>(FLUXRT_TEAM, x, chunk, out, 0, world * chunk, chunk, step, depth, substeps, 0, \
                            world - 1);                                                                  \
     }                                                                                                   \
-    extern "C" __global__ void fluxrt_reduce_scatter_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,    \
-                                                                   u64 chunk_stride, E::T* out,         \
-                                                                   u64 chunk, u64 slot_bytes, u64 step, \
-                                                                   u32 depth) {                         \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
+        fluxrt_reduce_scatter_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, u64 chunk_stride, E::T* out, \
+                                          u64 chunk, u64 slot_bytes, u64 step, u32 depth) {              \
         reduce_pipe<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, chunk, slot_bytes, step, depth,    \
                            false);                                                                      \
     }
