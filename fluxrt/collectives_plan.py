@@ -98,7 +98,8 @@ class Tuning:
     5-14 % less than uncapped entries from 128 MiB (allgather 1 GiB 2524 vs 2651 us, reduce_scatter 2526
     vs 2628), 128 or 256 KiB in between. allreduce_pipe_max_step: the same cap for allreduce, whose steps
     pass three blocks (sender, reducer, receiver): there 64 KiB took 5-7 % longer than 128 KiB or more
-    (1 GiB 5216 vs 4874-4883 us), so it is uncapped.
+    (1 GiB 5216 vs 4874-4883 us), so it is uncapped; at 32-64 MiB 128 KiB entries with pipe_depth 3 were
+    within the spread of two jobs (e100813: 32 MiB 181 and 185 vs 191 and 188 us).
     ll12_min_bytes: allreduce's LL rounds of at least this many bytes use the LL12 lines (12 message
     bytes per 16-byte line, 'll12'); 0: never. ll12_threads / ll12_max_grid: its blocks (a thread per
     line; a multiple of 32, at most LL12_MAX_THREADS threads). Graph replay on 4x H200 (bf16): from
