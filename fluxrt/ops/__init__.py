@@ -13,7 +13,8 @@ printable dataclass and can be passed to the constructor to override the default
     world.synchronize(s)                         # raises WaitTimeoutError naming op, rank and peer
 
 Both are collective (same calls, same shapes, same order on every rank), reusable without re-allocation
-and stream-ordered; M must be a multiple of world * 128 (AllGatherGemm: times plan.chunks_per_rank).
+and stream-ordered; M must be a multiple of world. Shards of whole 128-row tiles (AllGatherGemm: times
+plan.chunks_per_rank) take the fast path, other shards are padded inside the op (fluxrt.ops.plan).
 """
 from .ag_gemm import AllGatherGemm
 from .gemm_rs import GemmReduceScatter

@@ -52,8 +52,10 @@ class AllGatherGemm:
     """``forward(a_shard [M/world, K], b [K, N] or [N, K] with trans_b) -> C [M, N]``, C = allgather(A) @ B.
 
     Collective: every rank constructs it with the same arguments and calls ``forward`` with the same
-    shapes in the same order. ``max_m`` bounds M (the gathered A lives in a symmetric ``[max_m, k]``
-    buffer); N and K are fixed. M must be a multiple of ``world * 128 * plan.chunks_per_rank``.
+    shapes in the same order. ``max_m`` bounds M (the gathered A lives in a symmetric buffer of
+    ``capacity_m`` rows: max_m with every shard padded to whole tiles); N and K are fixed. M must be a
+    multiple of world; shards of whole ``128 * plan.chunks_per_rank`` rows take the fast path, other
+    shards are padded (the rule in :mod:`fluxrt.ops.plan`).
     """
 
     def __init__(self, world, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
@@ -63,7 +65,7 @@ class AllGatherGemm:
         w = world.size
         common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_ag_gemm)
         self.layout = ag_pad_layout(w, self.plan.chunks_per_rank)
-        self.a_full = world.empty((self.max_m, self.k), self.dtype)
+        self.a_full = world.empty((self.capacity_m, self.k), self.dtype)
         self.pad = world.signal_pad(self.layout.slots)
         self._sms = common.num_sms(world)
         me, cpr, L, pad = world.rank, self.plan.chunks_per_rank, self.layout, self.pad
@@ -97,51 +99,61 @@ class AllGatherGemm:
         """This rank's slot of the gathered A for an M-row call: write the shard there and pass the view
         to ``forward`` to skip the copy. Enqueues (on `stream`) the wait that makes the slot writable:
         peers have finished reading it in the previous call. Write after this call, on that stream."""
-        shard = check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
+        shard = check_rows(OP, m, self.world.size, self.max_m)
+        pad, _ = common.padded_rows(self, shard)
         if self.plan.comm_mode == "pull" and self.pad.epoch > 0:
             common.wait_list(self.world, self._all_acks, self.pad.epoch, "ag_gemm.reuse", as_cupy_stream(stream))
         me = self.world.rank
-        return self.a_full[me * shard:(me + 1) * shard]
+        return self.a_full[me * pad:me * pad + shard]
 
-    def gathered(self, m: int):
-        """The gathered A [m, K] of the last call (valid on the caller's stream until the next call)."""
-        check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
-        return self.a_full[:m]
+    def gathered(self, m: int, stream=None):
+        """The gathered A [m, K] of the last call (valid on the caller's stream until the next call): a view
+        of the symmetric buffer, or, for a padded call, a copy of its rows made on `stream`."""
+        shard = check_rows(OP, m, self.world.size, self.max_m)
+        pad, m_pad = common.padded_rows(self, shard)
+        if pad == shard:
+            return self.a_full[:m]
+        with self.world.device, as_cupy_stream(stream):
+            return self.a_full[:m_pad].reshape(self.world.size, pad, self.k)[:, :shard].reshape(m, self.k)
 
     # --- the op -------------------------------------------------------------------------------------
     def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False):
         """C [M, N] = allgather(a_shard) @ b (b.T with trans_b). Stream-ordered on `stream`.
 
         out: optional [M, N] array of the input dtype. return_a: also return the gathered A [M, K] (a view
-        of the symmetric buffer, overwritten by the next call).
+        of the symmetric buffer, overwritten by the next call; for a padded call a copy, see gathered()).
         """
         world, me = self.world, self.world.rank
         a, b, out, shard, m = common.forward_operands(self, OP, a_shard, b, out, sharded_a=True)
-        gplan = self._call_plan(m)
+        pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
+        gplan = self._call_plan(m_pad)
 
         import cupy
 
         s = as_cupy_stream(stream)
         c = self.comm_stream
         cpr = self.plan.chunks_per_rank
-        chunk_rows = shard // cpr
+        chunk_rows = pad // cpr
         row_bytes = self.k * self.a_full.itemsize
         pull = self.plan.comm_mode == "pull"
         with world.device:
             if out is None:
                 out = common.alloc_on((m, self.n), self.dtype, world, s)
+            # a padded call's GEMM writes padded rows; step 7 copies the real ones into out
+            c_full = out if pad == shard else common.alloc_on((m_pad, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
-            slot = self.a_full[me * shard:(me + 1) * shard]
+            slot = self.a_full[me * pad:me * pad + shard]
             in_slot = a.data.ptr == slot.data.ptr
             # 1. peers finished pulling my previous shard (pull mode; epoch - 1 = 0 is already true; a
             #    shard written into shard_buffer() has had this wait enqueued there already)
             if pull and epoch > 1 and not in_slot:
                 common.wait_list(world, self._all_acks, epoch - 1, "ag_gemm.reuse", s)
-            # 2. my shard: pull mode: the GEMM copies it into my slot (hook 4); else (push mode, a plan
-            #    without room for hook 4's buffer) copy it first; then my chunk flags (and copied counters)
+            # 2. my shard: pull mode: the GEMM copies it into my slot (hook 4; whole tiles only); else (push
+            #    mode, a padded shard, a plan without room for hook 4's buffer) copy it first; then my chunk
+            #    flags (and copied counters). A padded slot's extra rows are never read into out.
             self._copied_total += ShardCopy.pieces_per_chunk(chunk_rows, self.k)
             copy = None
-            if pull and not in_slot and self._shard_copy_fits(gplan):
+            if pull and not in_slot and pad == shard and self._shard_copy_fits(gplan):
                 copy = ShardCopy(src=a, row0=me * shard, counters=self.pad.local_ptr(self.layout.copied(0)))
             else:
                 if not in_slot:
@@ -155,7 +167,7 @@ class AllGatherGemm:
             #    launches while the GEMM runs)
             common.join(c, s)
             if not pull:
-                self._enqueue_pushes(epoch, shard, chunk_rows, c)
+                self._enqueue_pushes(epoch, pad, chunk_rows, c)
             # 4. the GEMM, own shard first, each peer tile after its chunk's flag
             # the GEMM's chunk waits are downstream of the comm stream's: twice the timeout, so that a
             # missing peer is reported by the wait on it (ag_gemm.copied / .reuse), not by a chunk of
@@ -163,16 +175,21 @@ class AllGatherGemm:
             wait = ArrivalWait(flags=self.pad.local_ptr(0), epoch=epoch, chunk_rows=chunk_rows,
                                err=world.error_record, chunks_per_peer=cpr, timeout_ns=2 * world.timeout_ns,
                                op_id=self._op_chunk, rank=me)
-            gemm_with_hooks(self.a_full[:m], b, out, trans_b=self.trans_b, stream=s, plan=gplan, wait=wait, copy=copy)
+            gemm_with_hooks(self.a_full[:m_pad], b, c_full, trans_b=self.trans_b, stream=s, plan=gplan, wait=wait,
+                            copy=copy)
             if pull:
-                self._enqueue_pulls(epoch, shard, chunk_rows, row_bytes, c)
+                self._enqueue_pulls(epoch, pad, chunk_rows, row_bytes, c)
             # 5. push mode: the peers may push into my buffer again
             if not pull:
                 common.signal_list(world, self._done_reading, epoch, s)
             # 6. the caller's stream includes the comm stream's work
             common.join(s, c)
+            # 7. a padded call: every rank's rows out of its padded band
+            if c_full is not out:
+                with s:
+                    out.reshape(world.size, shard, self.n)[...] = c_full.reshape(world.size, pad, self.n)[:, :shard]
         if return_a:
-            return out, self.a_full[:m]
+            return out, self.gathered(m, s)
         return out
 
     __call__ = forward
@@ -203,9 +220,12 @@ class AllGatherGemm:
                         blocks=self.plan.push_blocks)
 
     def gemm_plan(self, m: int):
-        """The GemmPlan an M-row call uses (tile order starts at this rank's shard)."""
-        check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
-        return ag_gemm_plan(self.plan, m, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
+        """The GemmPlan an M-row call uses (over its padded rows; tile order starts at this rank's shard)."""
+        shard = check_rows(OP, m, self.world.size, self.max_m)
+        return self._gemm_plan(common.padded_rows(self, shard)[1])
+
+    def _gemm_plan(self, m_pad: int):
+        return ag_gemm_plan(self.plan, m_pad, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
 
     def _shard_copy_fits(self, gplan) -> bool:
         return gplan.smem_bytes(self.dtype, shard_copy=True) <= SMEM_LIMIT_BYTES

@@ -9,7 +9,7 @@ import numpy as np
 from ..dtypes import normalize_dtype, short_name
 from .. import agreement
 from ..errors import NO_PEER, op_id
-from .plan import MAX_WORLD, OpsArgumentError, check_rows
+from .plan import MAX_WORLD, OpsArgumentError, capacity_rows, check_rows, padded_shard
 
 KERNEL_SOURCE = "ops/tp_ops.cu"
 INPUT_DTYPES = ("bfloat16", "float16")
@@ -70,8 +70,8 @@ def check_problem(world, op: str, max_m: int, n: int, k: int) -> tuple[int, int,
 
 def construct(obj, world, op: str, max_m: int, n: int, k: int, dtype, trans_b: bool, plan, planner) -> None:
     """Both fused ops' constructor checks, agreed across ranks (a mismatch or a local error raises on every
-    rank): sets obj.world, dtype, max_m, n, k, trans_b and plan (``plan`` or ``planner(max_m, n, k, world
-    size)``, validated; max_m checked against its row rule)."""
+    rank): sets obj.world, dtype, max_m, n, k, trans_b, plan (``plan`` or ``planner(max_m, n, k, world
+    size)``, validated) and capacity_m (the rows its buffers hold, shards padded to whole tiles)."""
     obj.world = world
 
     def local_checks():
@@ -79,7 +79,7 @@ def construct(obj, world, op: str, max_m: int, n: int, k: int, dtype, trans_b: b
         obj.max_m, obj.n, obj.k = check_problem(world, op, max_m, n, k)
         obj.trans_b = bool(trans_b)
         obj.plan = (plan or planner(obj.max_m, obj.n, obj.k, world.size)).validate()
-        check_rows(op, obj.max_m, world.size, obj.plan.row_multiple)
+        obj.capacity_m = capacity_rows(obj.max_m, world.size, obj.plan.row_multiple)
         return None, {"max_m": obj.max_m, "n": obj.n, "k": obj.k, "dtype": obj.dtype, "trans_b": obj.trans_b,
                       "plan": repr(obj.plan)}
 
@@ -99,7 +99,7 @@ def forward_operands(op, name: str, a_in, b_in, out_in, *, sharded_a: bool):
         if a.ndim != 2:
             raise OpsArgumentError(f"{name}: {a_name} must be 2-D {a_form}, got shape {tuple(a.shape)}")
         m = int(a.shape[0]) * (w if sharded_a else 1)
-        shard = check_rows(name, m, w, op.plan.row_multiple, op.max_m)
+        shard = check_rows(name, m, w, op.max_m)
         check_matrix(a, a_name, name, (shard if sharded_a else m, op.k), op.dtype, world)
         check_matrix(b, "b", name, (op.n, op.k) if op.trans_b else (op.k, op.n), op.dtype, world)
         out = None
@@ -242,14 +242,21 @@ def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook
         _kernel(defines, world.device_id, plan.smem_bytes(out_dtype, shard_copy=hook_copy))
 
 
+def padded_rows(op, shard: int) -> tuple[int, int]:
+    """(rows of a shard inside the op, rows of the whole padded problem) for `shard` rows per rank."""
+    pad = padded_shard(shard, op.plan.row_multiple)
+    return pad, pad * op.world.size
+
+
 def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, reduce_hook: int = 0,
               copy_hooks=lambda plan: (False,)):
-    """op.gemm_plan(m), made and its kernel(s) loaded once per M (cached in op._gplans): before anything of a
-    call is enqueued, a compile error leaves no half-launched op behind for peers to wait on.
-    copy_hooks(plan): the hook-4 settings whose kernels a call with that plan may launch."""
+    """op._gemm_plan(m) for a padded problem of m rows, made and its kernel(s) loaded once per m (cached in
+    op._gplans): before anything of a call is enqueued, a compile error leaves no half-launched op behind
+    for peers to wait on. copy_hooks(plan): the hook-4 settings whose kernels a call with that plan may
+    launch."""
     g = op._gplans.get(m)
     if g is None:
-        g = op.gemm_plan(m)
+        g = op._gemm_plan(m)
         for copy in copy_hooks(g):
             prepare_gemm(op.world, g, op.dtype, out_dtype, op.trans_b, wait_hook, epilogue_hook, reduce_hook, copy)
         op._gplans[m] = g

@@ -62,9 +62,11 @@ class GemmReduceScatter:
     gets rows ``[r*M/world, (r+1)*M/world)`` of the sum over ranks of ``a @ b``.
 
     Collective: every rank constructs it with the same arguments and calls ``forward`` with the same
-    shapes in the same order. ``k`` is the local K. M must be a multiple of ``world * 128`` and at most
-    ``max_m``; N is fixed. Symmetric memory: ``2 * max_m * N`` partial elements per rank, twice that with
-    comm_mode 'ce' (the partials the owners pull, in two parities).
+    shapes in the same order. ``k`` is the local K. M must be a multiple of world and at most ``max_m``;
+    shards of whole 128-row tiles take the fast path, other shards are padded (the rule in
+    :mod:`fluxrt.ops.plan`). N is fixed. Symmetric memory: ``2 * capacity_m * N`` partial elements per
+    rank (capacity_m: max_m with every shard padded to whole tiles), twice that with comm_mode 'ce' (the
+    partials the owners pull, in two parities).
     """
 
     def __init__(self, world, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
@@ -74,8 +76,8 @@ class GemmReduceScatter:
         w = world.size
         common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_gemm_rs)
         self.partial_dtype = self.plan.partial_dtype or self.dtype
-        self.max_shard = self.max_m // w
-        self.layout = rs_flag_layout(self.max_m, self.n, w)
+        self.max_shard = self.capacity_m // w
+        self.layout = rs_flag_layout(self.capacity_m, self.n, w)
         self.recv = world.empty((PARITIES, w, self.max_shard, self.n), self.partial_dtype)
         self.pad = world.signal_pad(self.layout.slots)
         self._sms = common.num_sms(world)
@@ -121,13 +123,24 @@ class GemmReduceScatter:
         """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered."""
         world = self.world
         a, b, out, shard, m = common.forward_operands(self, OP, a, b, out, sharded_a=False)
-        gplan = self._call_plan(m)
+        pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
+        gplan = self._call_plan(m_pad)
 
         s = as_cupy_stream(stream)
         c = self.comm_stream
         with world.device:
             if out is None:
                 out = common.alloc_on((shard, self.n), self.dtype, world, s)
+            result = out
+            if pad != shard:
+                # a padded call: every owner's rows in a band of whole tiles, zero rows between (their
+                # partials are zero and never leave the padded result)
+                a_pad = common.alloc_on((m_pad, self.k), self.dtype, world, s)
+                with s:
+                    a_pad.reshape(world.size, pad, self.k)[:, shard:] = 0
+                    a_pad.reshape(world.size, pad, self.k)[:, :shard] = a.reshape(world.size, shard, self.k)
+                a, shard = a_pad, pad
+                out = common.alloc_on((pad, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             q = (epoch - 1) % PARITIES
 
@@ -158,7 +171,10 @@ class GemmReduceScatter:
                                   signal_value=epoch, reduce=self._chunk_reduce(out, q, epoch, 0) if fused else None))
                 if not fused:
                     self._launch_reduce(out, shard, gplan.block_n, q, epoch, s)
-        return out
+            if result is not out:   # a padded call: my rows out of my padded band
+                with s:
+                    result[...] = out[:result.shape[0]]
+        return result
 
     def _chunk_reduce(self, out, q: int, epoch: int, group_n: int) -> ChunkReduce:
         """Hook 3 of a call ('epilogue' or 'tail'): my rows (chunk `rank`) get the sources' partials of
@@ -213,9 +229,13 @@ class GemmReduceScatter:
         self._reduce((grid,), (_REDUCE_THREADS,), args, stream=stream)
 
     def gemm_plan(self, m: int):
-        """The GemmPlan an M-row call uses (tile order starts at rank+1's rows, own rows last)."""
-        check_rows(OP, m, self.world.size, self.plan.row_multiple, self.max_m)
-        return rs_gemm_plan(self.plan, m, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
+        """The GemmPlan an M-row call uses (over its padded rows; tile order starts at rank+1's rows, own
+        rows last)."""
+        shard = check_rows(OP, m, self.world.size, self.max_m)
+        return self._gemm_plan(common.padded_rows(self, shard)[1])
+
+    def _gemm_plan(self, m_pad: int):
+        return rs_gemm_plan(self.plan, m_pad, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
 
     def _call_plan(self, m: int):
         return common.call_plan(self, m, self.partial_dtype, wait_hook=False, epilogue_hook=True,

@@ -27,9 +27,13 @@ GEMM+ReduceScatter (:class:`GemmRsPlan`)
     during the GEMM, which then leaves ``reduce_blocks`` SMs free. Buffers alternate between two parities so that a call's partials never
     land in the buffer the owner may still be reducing (see gemm_rs.py for why two suffice).
 
-Row rule (both ops): ``M`` must be a multiple of ``world * 128`` (times ``chunks_per_rank`` for
-AllGather+GEMM): every rank's shard must be whole GEMM tiles of 128 rows, so that a tile never straddles
-two ranks' rows or chunks. Other M raise :class:`OpsArgumentError` naming the rule (no padding).
+Row rule (both ops): ``M`` must be a multiple of ``world`` (every rank holds M/world rows) and at most
+``max_m``. A shard of whole ``row_multiple`` rows (128, times ``chunks_per_rank`` for AllGather+GEMM)
+takes the fast path. Other shards are padded inside the op to the next multiple (``padded_shard``), so
+that no GEMM tile straddles two ranks' rows or chunks: AllGather+GEMM gathers into padded slots and
+copies its result rows out of a padded output; GEMM+ReduceScatter copies A into a zero-padded buffer
+and its slice out of a padded one. The padded path moves those extra copies (about M x (K + N)
+elements) through memory; the buffers are sized for padded shards (``capacity_rows``).
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from ..errors import FluxrtError
 from ..gemm_plan import GemmPlan, H100_H200_SMS, plan_gemm
 
 __all__ = ["AgGemmPlan", "GemmRsPlan", "OpsArgumentError", "AG_COMM_MODES", "RS_REDUCE_MODES", "TILE_ROWS",
-           "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "pull_order", "ag_pad_layout",
+           "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "padded_shard", "capacity_rows", "pull_order", "ag_pad_layout",
            "ag_gemm_plan", "rs_gemm_plan", "aligned_group_m", "rs_flag_layout", "rs_tile_offset", "ag_tile_offset",
            "rs_reduce_grid", "rs_ce_groups", "RS_COMM_MODES"]
 
@@ -205,19 +209,27 @@ def plan_gemm_rs(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_
 
 # --- rules and layouts ----------------------------------------------------------------------------
 
-def check_rows(op: str, m: int, world: int, row_multiple: int, max_m: int | None = None) -> int:
+def check_rows(op: str, m: int, world: int, max_m: int | None = None) -> int:
     """Rows per rank of an M-row problem; raises OpsArgumentError naming the rule."""
     if m <= 0:
         raise OpsArgumentError(f"{op}: M must be positive, got {m}")
     if max_m is not None and m > max_m:
         raise OpsArgumentError(f"{op}: M={m} exceeds max_m={max_m} given at construction")
-    if m % (world * row_multiple):
-        raise OpsArgumentError(
-            f"{op}: M={m} must be a multiple of world * {row_multiple} = {world * row_multiple} (each rank's "
-            f"M/world rows must be whole {TILE_ROWS}-row GEMM tiles"
-            + (f" split into {row_multiple // TILE_ROWS} chunks" if row_multiple != TILE_ROWS else "")
-            + "); pad M or use another chunking")
+    if m % world:
+        raise OpsArgumentError(f"{op}: M={m} must be a multiple of world = {world} (every rank holds M/world "
+                               "rows); pad M")
     return m // world
+
+
+def padded_shard(shard: int, row_multiple: int) -> int:
+    """Rows a rank's shard takes inside the op: whole `row_multiple`s (GEMM tiles, times chunks), so that a
+    tile never straddles two ranks' rows or chunks. Equal to `shard` on the fast path."""
+    return -(-shard // row_multiple) * row_multiple
+
+
+def capacity_rows(max_m: int, world: int, row_multiple: int) -> int:
+    """Rows the op's buffers hold: every M <= max_m that is a multiple of world, each shard padded."""
+    return world * padded_shard(-(-max_m // world), row_multiple)
 
 
 def pull_order(rank: int, world: int) -> list[int]:

@@ -12,24 +12,38 @@ from fluxrt.ops import plan as P
 
 # --- row rule --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("m, world, mult, shard", [(1024, 4, 128, 256), (8192, 4, 256, 2048), (256, 2, 128, 128)])
-def test_check_rows_accepts_whole_tiles(m, world, mult, shard):
-    assert P.check_rows("op", m, world, mult) == shard
+@pytest.mark.parametrize("m, world, shard", [(1024, 4, 256), (8192, 4, 2048), (256, 2, 128), (800, 4, 200), (6, 2, 3)])
+def test_check_rows_accepts_multiples_of_world(m, world, shard):
+    assert P.check_rows("op", m, world) == shard
 
 
-@pytest.mark.parametrize("m, world, mult", [(1000, 4, 128), (1536, 4, 256), (128, 2, 128), (4096 + 8, 2, 128)])
-def test_check_rows_names_the_rule(m, world, mult):
-    with pytest.raises(P.OpsArgumentError, match=rf"M={m} must be a multiple of world \* {mult}") as err:
-        P.check_rows("AllGatherGemm", m, world, mult)
+@pytest.mark.parametrize("m, world", [(1001, 4), (129, 2), (4096 + 2, 4)])
+def test_check_rows_names_the_rule(m, world):
+    with pytest.raises(P.OpsArgumentError, match=rf"M={m} must be a multiple of world = {world}") as err:
+        P.check_rows("AllGatherGemm", m, world)
     assert isinstance(err.value, FluxrtError) and isinstance(err.value, ValueError)
     assert "AllGatherGemm" in str(err.value)
 
 
 def test_check_rows_max_m_and_nonpositive():
     with pytest.raises(P.OpsArgumentError, match="exceeds max_m=1024"):
-        P.check_rows("op", 2048, 2, 128, max_m=1024)
+        P.check_rows("op", 2048, 2, max_m=1024)
     with pytest.raises(P.OpsArgumentError, match="positive"):
-        P.check_rows("op", 0, 2, 128)
+        P.check_rows("op", 0, 2)
+
+
+@pytest.mark.parametrize("shard, mult, pad", [(256, 128, 256), (200, 128, 256), (1, 128, 128), (300, 256, 512),
+                                              (512, 256, 512), (129, 128, 256)])
+def test_padded_shard_is_the_next_whole_multiple(shard, mult, pad):
+    assert P.padded_shard(shard, mult) == pad
+
+
+@pytest.mark.parametrize("max_m, world, mult, cap", [(8192, 4, 128, 8192), (1200, 4, 128, 1536), (1201, 4, 128, 1536),
+                                                     (8192, 4, 256, 8192), (300, 2, 256, 512)])
+def test_capacity_holds_every_padded_call(max_m, world, mult, cap):
+    assert P.capacity_rows(max_m, world, mult) == cap
+    for m in range(world, max_m + 1, world):   # every allowed M fits once its shards are padded
+        assert world * P.padded_shard(m // world, mult) <= cap
 
 
 # --- AllGather+GEMM ----------------------------------------------------------------------------------
@@ -214,12 +228,12 @@ def test_ops_reject_bad_construction_before_touching_the_device():
     w = _FakeWorld()
     with pytest.raises(P.OpsArgumentError, match="bf16 or fp16"):
         AllGatherGemm(w, 1024, 1024, 1024, "float32")
-    with pytest.raises(P.OpsArgumentError, match="multiple of world"):
-        AllGatherGemm(w, 1000, 1024, 1024, "bf16")
+    with pytest.raises(P.OpsArgumentError, match="must be positive"):
+        AllGatherGemm(w, 0, 1024, 1024, "bf16")
     with pytest.raises(P.OpsArgumentError, match="multiples of 8"):
         GemmReduceScatter(w, 1024, 1020, 1024, "fp16")
-    with pytest.raises(P.OpsArgumentError, match="multiple of world"):
-        GemmReduceScatter(w, 1024 + 64, 1024, 1024, "bf16", plan=P.GemmRsPlan())
+    with pytest.raises(P.OpsArgumentError, match="comm_mode"):
+        GemmReduceScatter(w, 1024 + 64, 1024, 1024, "bf16", plan=P.GemmRsPlan(comm_mode="tcp"))
 
 
 @pytest.mark.parametrize("cpr", [1, 2])

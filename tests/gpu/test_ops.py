@@ -397,6 +397,64 @@ def test_mlp_block_ag_gemm_then_gemm_rs(world, rng):
         ag.free()
 
 
+# --- shards that are not whole tiles (padded inside the op) -------------------------------------------
+
+@pytest.mark.parametrize("cpr, mode", [(1, "pull"), (2, "push")])
+def test_ag_gemm_padded_shards(world, rng, cpr, mode):
+    """Shards of any row count: padded ones (200, 72, 300 rows) between whole-tile ones (256) on one op,
+    out given and allocated, the gathered A returned, a padded shard written into shard_buffer()."""
+    from fluxrt.ops import AgGemmPlan, AllGatherGemm
+
+    n, k = 384, 320
+    op = AllGatherGemm(world, 300 * world.size, n, k, "bf16", plan=AgGemmPlan(chunks_per_rank=cpr, comm_mode=mode))
+    try:
+        problems = _Problems()
+        for i, shard in enumerate((200, 256, 72, 300, 200)):
+            m = shard * world.size
+            a, b = _rand(rng, (shard, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")
+            out = _poisoned((m, n), "bfloat16") if i % 2 == 0 else None
+            if i == 4:
+                src = op.shard_buffer(m)
+                src[...] = _dev(a)
+            else:
+                src = _dev(a)
+            got, gathered = op.forward(src, _dev(b), out=out, return_a=True)
+            world.synchronize()
+            a_full, ref = _ag_reference(world, a, b, False)
+            assert got.shape == (m, n) and gathered.shape == (m, k)
+            if not np.array_equal(_f64(gathered), a_full):
+                problems.append(f"AG shard={shard}: gathered A differs")
+            problems.check(got, ref, "bfloat16", f"AG {mode} cpr={cpr} shard={shard} call {i}")
+        problems.assert_none()
+    finally:
+        op.free()
+
+
+@pytest.mark.parametrize("mode", [("ce", "tail"), ("sm", "after"), ("ce", "epilogue")], ids=["ce-tail", "sm-after",
+                                                                                           "ce-epilogue"])
+def test_gemm_rs_padded_shards(world, rng, mode):
+    """Shards of any row count: padded ones (200, 72, 300 rows) between whole-tile ones (256) on one op,
+    against the float64 reference, out given and allocated."""
+    from fluxrt.ops import GemmReduceScatter, GemmRsPlan
+
+    n, k = 384, 256
+    comm, reduce = mode
+    op = GemmReduceScatter(world, 300 * world.size, n, k, "bf16", plan=GemmRsPlan(comm_mode=comm, reduce_mode=reduce))
+    try:
+        problems = _Problems()
+        for i, shard in enumerate((200, 256, 72, 300)):
+            m = shard * world.size
+            a, b = _rand(rng, (m, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")
+            out = _poisoned((shard, n), "bfloat16") if i % 2 == 0 else None
+            got = op.forward(_dev(a), _dev(b), out=out)
+            world.synchronize()
+            assert got.shape == (shard, n) and (out is None or got is out)
+            problems.check(got, _rs_reference(world, a, b, False), "bfloat16", f"RS {mode} shard={shard} call {i}")
+        problems.assert_none()
+    finally:
+        op.free()
+
+
 # --- errors -----------------------------------------------------------------------------------------
 
 def test_shape_mismatch_across_ranks_raises_everywhere(world, rng):
@@ -423,14 +481,21 @@ def test_shape_mismatch_across_ranks_raises_everywhere(world, rng):
         ag.free()
 
 
-def test_constructor_mismatch_and_bad_m(world):
+def test_constructor_mismatch_and_bad_m(world, rng):
     from fluxrt import CollectiveMismatchError
-    from fluxrt.ops import AllGatherGemm, OpsArgumentError
+    from fluxrt.ops import AllGatherGemm, GemmReduceScatter, OpsArgumentError
 
     with pytest.raises(CollectiveMismatchError, match="AllGatherGemm"):
         AllGatherGemm(world, 256 * world.size, 256 + 8 * world.rank, 128, "bf16")
-    with pytest.raises(OpsArgumentError, match="must be a multiple of world"):
-        AllGatherGemm(world, 200 * world.size, 256, 128, "bf16")
+    rs = GemmReduceScatter(world, 256 * world.size, 256, 128, "bf16")
+    try:
+        m = 128 * world.size + 1   # not a multiple of world: rejected on every rank, before any launch
+        with pytest.raises(OpsArgumentError, match="must be a multiple of world"):
+            rs.forward(_dev(_rand(rng, (m, 128), "bfloat16")), _dev(_rand(rng, (128, 256), "bfloat16")))
+        with pytest.raises(OpsArgumentError, match="exceeds max_m"):
+            rs.forward(_dev(_rand(rng, (257 * world.size, 128), "bfloat16")), _dev(_rand(rng, (128, 256), "bfloat16")))
+    finally:
+        rs.free()
 
 
 def test_ag_gemm_missing_peer_times_out_naming_it(world, rng, monkeypatch):
