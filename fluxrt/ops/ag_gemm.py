@@ -113,8 +113,10 @@ class AllGatherGemm:
         pad, m_pad = common.padded_rows(self, shard)
         if pad == shard:
             return self.a_full[:m]
-        with self.world.device, as_cupy_stream(stream):
-            return self.a_full[:m_pad].reshape(self.world.size, pad, self.k)[:, :shard].reshape(m, self.k)
+        s = as_cupy_stream(stream)
+        a = common.alloc_on((m, self.k), self.dtype, self.world, s)
+        common.copy_bands(a, self.a_full, self.world.size, shard, pad, s)
+        return a
 
     # --- the op -------------------------------------------------------------------------------------
     def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False):
@@ -186,8 +188,7 @@ class AllGatherGemm:
             common.join(s, c)
             # 7. a padded call: every rank's rows out of its padded band
             if c_full is not out:
-                with s:
-                    out.reshape(world.size, shard, self.n)[...] = c_full.reshape(world.size, pad, self.n)[:, :shard]
+                common.copy_bands(out, c_full, world.size, shard, pad, s)
         if return_a:
             return out, self.gathered(m, s)
         return out

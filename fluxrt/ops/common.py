@@ -248,6 +248,22 @@ def padded_rows(op, shard: int) -> tuple[int, int]:
     return pad, pad * op.world.size
 
 
+def copy_bands(dst, src, bands: int, dst_rows: int, src_rows: int, stream) -> None:
+    """Stream-ordered: band i of `dst` (dst_rows rows at i * dst_rows) gets the first min(dst_rows,
+    src_rows) rows of band i of `src` (src_rows rows at i * src_rows); rows of a longer dst band past
+    those are zeroed. Both C-contiguous with rows of equal bytes: one copy (and memset) per band."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    row = dst.strides[0]
+    rows = min(dst_rows, src_rows)
+    for i in range(bands):
+        d = dst.data.ptr + i * dst_rows * row
+        rt.memcpyAsync(d, src.data.ptr + i * src_rows * row, rows * row, rt.memcpyDeviceToDevice, stream.ptr)
+        if dst_rows > rows:
+            rt.memsetAsync(d + rows * row, 0, (dst_rows - rows) * row, stream.ptr)
+
+
 def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, reduce_hook: int = 0,
               copy_hooks=lambda plan: (False,)):
     """op._gemm_plan(m) for a padded problem of m rows, made and its kernel(s) loaded once per m (cached in

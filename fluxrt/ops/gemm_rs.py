@@ -136,9 +136,7 @@ class GemmReduceScatter:
                 # a padded call: every owner's rows in a band of whole tiles, zero rows between (their
                 # partials are zero and never leave the padded result)
                 a_pad = common.alloc_on((m_pad, self.k), self.dtype, world, s)
-                with s:
-                    a_pad.reshape(world.size, pad, self.k)[:, shard:] = 0
-                    a_pad.reshape(world.size, pad, self.k)[:, :shard] = a.reshape(world.size, shard, self.k)
+                common.copy_bands(a_pad, a, world.size, pad, shard, s)
                 a, shard = a_pad, pad
                 out = common.alloc_on((pad, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
@@ -172,8 +170,7 @@ class GemmReduceScatter:
                 if not fused:
                     self._launch_reduce(out, shard, gplan.block_n, q, epoch, s)
             if result is not out:   # a padded call: my rows out of my padded band
-                with s:
-                    result[...] = out[:result.shape[0]]
+                common.copy_bands(result, out, 1, result.shape[0], shard, s)
         return result
 
     def _chunk_reduce(self, out, q: int, epoch: int, group_n: int) -> ChunkReduce:
