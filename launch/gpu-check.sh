@@ -113,6 +113,9 @@ if want ops; then
       TAIL=20 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -d bf16 \
         --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
     done
+    # shards that are not whole tiles: what the padded path costs against a whole-tile M
+    TAIL=10 step "padded-shards-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 perf/padded_shards.py \
+      --m $((2048 * n)) $((2040 * n)) --json "$RES/padded-shards-np$n.json"
   done
 fi
 # The GEMM engine is single-GPU: its tests and benchmark run once, outside MPI.
