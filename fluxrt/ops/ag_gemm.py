@@ -22,8 +22,17 @@ Per call, on the caller's stream S and a fluxrt comm stream C:
       the chunk it reads (acquire.sys + fence.proxy.async before TMA), except for my own rows. It leaves
       ``plan.comm_sms`` SMs free, so step 3's kernels always find an SM while GEMM CTAs wait for them.
       (Steps 3 and 4 run concurrently: the GEMM is enqueued on S right after the event of step 3.)
-5. S  (push mode) release ``done`` on every peer: my GEMM no longer reads their pushed rows.
-6. S  waits for C (event): the op is stream-ordered for the caller.
+5. S  waits for C (event): the op is stream-ordered for the caller.
+6. S  (a padded call) copies every rank's rows out of the padded output; with return_a in push mode, or
+      for a padded call, copies the gathered rows out of ``a_full``.
+7. S  (push mode) release ``done`` on every peer: neither my GEMM nor my pushes (joined in step 5) read
+      my buffer any more, so the peers may push their next call's rows into it.
+
+Padded calls (a shard that is not whole ``128 * chunks_per_rank`` rows, :mod:`fluxrt.ops.plan`): every
+slot of ``a_full`` and every band of the GEMM's output is ``padded_shard`` rows long. Step 2 copies the
+shard into the first rows of my slot (hook 4 only copies whole tiles); the GEMM covers the padded rows
+into a scratch output; the rows past a shard (stale data, whatever the slot held) only ever reach the
+scratch rows that step 6 leaves behind.
 
 Flags are compared with the call's epoch (one per call, growing in lockstep on every rank), the
 ``copied`` counters with their running total; nothing is reset between calls. Every wait is bounded:
@@ -107,23 +116,29 @@ class AllGatherGemm:
         return self.a_full[me * pad:me * pad + shard]
 
     def gathered(self, m: int, stream=None):
-        """The gathered A [m, K] of the last call (valid on the caller's stream until the next call): a view
-        of the symmetric buffer, or, for a padded call, a copy of its rows made on `stream`."""
+        """The gathered A [m, K] of the last call: a view of the symmetric buffer, or, for a padded call, a
+        copy of its rows made on `stream`. Pull mode: valid on the caller's stream until this rank's next
+        call. Push mode: a peer's rows may be overwritten as soon as that peer starts its next call; use
+        ``forward(..., return_a=True)``, which copies them before the op lets the peers push again."""
         shard = check_rows(OP, m, self.world.size, self.max_m)
-        pad, m_pad = common.padded_rows(self, shard)
-        if pad == shard:
+        pad, _ = common.padded_rows(self, shard)
+        return self._gathered(m, shard, pad, as_cupy_stream(stream), copy=pad != shard)
+
+    def _gathered(self, m: int, shard: int, pad: int, s, *, copy: bool):
+        if not copy:
             return self.a_full[:m]
-        s = as_cupy_stream(stream)
         a = common.alloc_on((m, self.k), self.dtype, self.world, s)
-        common.copy_bands(a, self.a_full, self.world.size, shard, pad, s)
+        with self.world.device:
+            common.copy_bands(a, self.a_full, self.world.size, shard, pad, s)
         return a
 
     # --- the op -------------------------------------------------------------------------------------
     def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False):
         """C [M, N] = allgather(a_shard) @ b (b.T with trans_b). Stream-ordered on `stream`.
 
-        out: optional [M, N] array of the input dtype. return_a: also return the gathered A [M, K] (a view
-        of the symmetric buffer, overwritten by the next call; for a padded call a copy, see gathered()).
+        out: optional [M, N] array of the input dtype. return_a: also return the gathered A [M, K]: in pull
+        mode a view of the symmetric buffer (overwritten by this rank's next call; for a padded call a
+        copy), in push mode a copy (peers push into that buffer once they start their next call).
         """
         world, me = self.world, self.world.rank
         a, b, out, shard, m = common.forward_operands(self, OP, a_shard, b, out, sharded_a=True)
@@ -181,16 +196,20 @@ class AllGatherGemm:
                             copy=copy)
             if pull:
                 self._enqueue_pulls(epoch, pad, chunk_rows, row_bytes, c)
-            # 5. push mode: the peers may push into my buffer again
-            if not pull:
-                common.signal_list(world, self._done_reading, epoch, s)
-            # 6. the caller's stream includes the comm stream's work
+            # 5. the caller's stream includes the comm stream's work
             common.join(s, c)
-            # 7. a padded call: every rank's rows out of its padded band
+            # 6. a padded call: every rank's rows out of its padded band
             if c_full is not out:
                 common.copy_bands(out, c_full, world.size, shard, pad, s)
+            gathered = None
+            if return_a:   # push mode: copied while the peers' rows are still this call's (step 7)
+                gathered = self._gathered(m, shard, pad, s, copy=not pull or pad != shard)
+            # 7. push mode: neither my GEMM nor my pushes (joined in step 5) read my buffer any more; the
+            #    peers may push their next call's rows into it
+            if not pull:
+                common.signal_list(world, self._done_reading, epoch, s)
         if return_a:
-            return out, self.gathered(m, s)
+            return out, gathered
         return out
 
     __call__ = forward

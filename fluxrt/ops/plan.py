@@ -32,8 +32,10 @@ Row rule (both ops): ``M`` must be a multiple of ``world`` (every rank holds M/w
 takes the fast path. Other shards are padded inside the op to the next multiple (``padded_shard``), so
 that no GEMM tile straddles two ranks' rows or chunks: AllGather+GEMM gathers into padded slots and
 copies its result rows out of a padded output; GEMM+ReduceScatter copies A into a zero-padded buffer
-and its slice out of a padded one. The padded path moves those extra copies (about M x (K + N)
-elements) through memory; the buffers are sized for padded shards (``capacity_rows``).
+and its slice out of a padded one. The padded path moves those copies through memory (AllGather+GEMM:
+the M x N output and the shard, plus M x K with return_a; GEMM+ReduceScatter: M x K and the M/world x N
+slice); the buffers are sized for padded shards (``capacity_rows``). AllGather+GEMM pads to whole
+chunks: with chunks_per_rank 2 a small shard may leave a chunk of padding only.
 """
 from __future__ import annotations
 
@@ -229,7 +231,9 @@ def padded_shard(shard: int, row_multiple: int) -> int:
 
 def capacity_rows(max_m: int, world: int, row_multiple: int) -> int:
     """Rows the op's buffers hold: every M <= max_m that is a multiple of world, each shard padded."""
-    return world * padded_shard(-(-max_m // world), row_multiple)
+    if max_m < world:
+        raise OpsArgumentError(f"max_m={max_m} is below world = {world}: no M fits (M is a multiple of world)")
+    return world * padded_shard(max_m // world, row_multiple)
 
 
 def pull_order(rank: int, world: int) -> list[int]:

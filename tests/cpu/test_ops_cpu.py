@@ -39,11 +39,17 @@ def test_padded_shard_is_the_next_whole_multiple(shard, mult, pad):
 
 
 @pytest.mark.parametrize("max_m, world, mult, cap", [(8192, 4, 128, 8192), (1200, 4, 128, 1536), (1201, 4, 128, 1536),
-                                                     (8192, 4, 256, 8192), (300, 2, 256, 512)])
-def test_capacity_holds_every_padded_call(max_m, world, mult, cap):
+                                                     (8192, 4, 256, 8192), (8193, 4, 256, 8192), (300, 2, 256, 512),
+                                                     (513, 4, 128, 512), (4, 4, 128, 512)])
+def test_capacity_holds_every_padded_call_and_no_more(max_m, world, mult, cap):
     assert P.capacity_rows(max_m, world, mult) == cap
-    for m in range(world, max_m + 1, world):   # every allowed M fits once its shards are padded
-        assert world * P.padded_shard(m // world, mult) <= cap
+    fits = [world * P.padded_shard(m // world, mult) for m in range(world, max_m + 1, world)]
+    assert max(fits) == cap   # every allowed M fits once its shards are padded, the largest exactly
+
+
+def test_capacity_needs_one_row_per_rank():
+    with pytest.raises(P.OpsArgumentError, match="max_m=3 is below world = 4"):
+        P.capacity_rows(3, 4, 128)
 
 
 # --- AllGather+GEMM ----------------------------------------------------------------------------------

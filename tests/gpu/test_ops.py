@@ -455,6 +455,60 @@ def test_gemm_rs_padded_shards(world, rng, mode):
         op.free()
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_ag_gemm_back_to_back_varying_shards(world, rng, mode):
+    """Calls whose shards change size (padded and whole-tile) enqueued back to back, no host
+    synchronization between them: the slots move from call to call, so a rank that let its peers pull or
+    push too early would corrupt rows. Every output is checked afterwards, and every gathered A that is
+    a copy (push mode, padded calls; a pull-mode view only for the last call)."""
+    from fluxrt.ops import AgGemmPlan, AllGatherGemm
+
+    n, k = 256, 192
+    shards = (200, 256, 72, 384, 130, 256)
+    op = AllGatherGemm(world, 384 * world.size, n, k, "bf16", plan=AgGemmPlan(comm_mode=mode))
+    try:
+        sets = [(_rand(rng, (shard, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")) for shard in shards]
+        refs = [_ag_reference(world, a, b, False) for a, b in sets]   # host allgathers before any call
+        dev = [(_dev(a), _dev(b)) for a, b in sets]
+        results = [op.forward(a, b, return_a=True) for a, b in dev]
+        world.synchronize()
+        problems = _Problems()
+        for i, ((got, gathered), (a_full, ref), shard) in enumerate(zip(results, refs, shards)):
+            problems.check(got, ref, "bfloat16", f"AG {mode} back-to-back call {i} shard={shard}")
+            if (mode == "push" or shard % 128 or i == len(shards) - 1) and not np.array_equal(_f64(gathered), a_full):
+                problems.append(f"AG {mode} back-to-back call {i} shard={shard}: gathered A differs")
+        problems.assert_none()
+    finally:
+        op.free()
+
+
+@pytest.mark.parametrize("mode", [("sm", "concurrent", None), ("ce", "after", "float32"), ("ce", "tail", None)],
+                         ids=["sm-concurrent", "ce-after-fp32", "ce-tail"])
+def test_gemm_rs_back_to_back_varying_shards(world, rng, mode):
+    """GEMM+RS calls whose shards change size (padded and whole-tile), back to back with no host
+    synchronization, in the modes whose scratch output is written on the comm stream ('concurrent') or
+    whose partials are fp32; every output checked afterwards against the float64 reference."""
+    from fluxrt.ops import GemmReduceScatter, GemmRsPlan
+
+    n, k = 256, 192
+    comm, reduce, partial = mode
+    shards = (200, 256, 72, 384, 130)
+    op = GemmReduceScatter(world, 384 * world.size, n, k, "bf16",
+                           plan=GemmRsPlan(comm_mode=comm, reduce_mode=reduce, reduce_blocks=4, partial_dtype=partial))
+    try:
+        sets = [(_rand(rng, (shard * world.size, k), "bfloat16"), _rand(rng, (k, n), "bfloat16")) for shard in shards]
+        refs = [_rs_reference(world, a, b, False) for a, b in sets]
+        dev = [(_dev(a), _dev(b)) for a, b in sets]
+        outs = [op.forward(a, b) for a, b in dev]
+        world.synchronize()
+        problems = _Problems()
+        for i, (got, ref, shard) in enumerate(zip(outs, refs, shards)):
+            problems.check(got, ref, "bfloat16", f"RS {mode} back-to-back call {i} shard={shard}")
+        problems.assert_none()
+    finally:
+        op.free()
+
+
 # --- errors -----------------------------------------------------------------------------------------
 
 def test_shape_mismatch_across_ranks_raises_everywhere(world, rng):
