@@ -156,7 +156,7 @@ class AllGatherGemm:
         with world.device:
             if out is None:
                 out = common.alloc_on((m, self.n), self.dtype, world, s)
-            # a padded call's GEMM writes padded rows; step 7 copies the real ones into out
+            # a padded call's GEMM writes padded rows; step 6 copies the real ones into out
             c_full = out if pad == shard else common.alloc_on((m_pad, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             slot = self.a_full[me * pad:me * pad + shard]
