@@ -68,9 +68,9 @@ def main(argv=None) -> int:
                 print(f"{name:36s} {ms:8.3f} ms")
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"command": "fluxrt-run -n %d -- python3 perf/padded_shards.py" % w, "world": w,
-                               "commit": os.environ.get("FLUXRT_COMMIT"), "machine": os.environ.get("FLUXRT_MACHINE_KIND"),
-                               "ms": rows}, f, indent=1)
+                    json.dump({"command": f"fluxrt-run -n {w} -- python3 perf/padded_shards.py", "world": w,
+                               "commit": os.environ.get("FLUXRT_COMMIT"),
+                               "machine": os.environ.get("FLUXRT_MACHINE_KIND"), "ms": rows}, f, indent=1)
     finally:
         world.finalize()
     return 0

@@ -63,6 +63,9 @@ def check_problem(world, op: str, max_m: int, n: int, k: int) -> tuple[int, int,
         raise OpsArgumentError(f"{op}: at most {MAX_WORLD} ranks, got {world.size}")
     if n <= 0 or k <= 0 or max_m <= 0:
         raise OpsArgumentError(f"{op}: max_m, n, k must be positive, got {max_m}, {n}, {k}")
+    if max_m < world.size:
+        raise OpsArgumentError(f"{op}: max_m={max_m} is below world = {world.size}: no M fits (M is a multiple "
+                               "of world)")
     if k % 8 or n % 8:
         raise OpsArgumentError(f"{op}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA)")
     return int(max_m), int(n), int(k)

@@ -47,7 +47,8 @@ from ..errors import FluxrtError
 from ..gemm_plan import GemmPlan, H100_H200_SMS, plan_gemm
 
 __all__ = ["AgGemmPlan", "GemmRsPlan", "OpsArgumentError", "AG_COMM_MODES", "RS_REDUCE_MODES", "TILE_ROWS",
-           "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "padded_shard", "capacity_rows", "pull_order", "ag_pad_layout",
+           "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "padded_shard", "capacity_rows", "pull_order",
+           "ag_pad_layout",
            "ag_gemm_plan", "rs_gemm_plan", "aligned_group_m", "rs_flag_layout", "rs_tile_offset", "ag_tile_offset",
            "rs_reduce_grid", "rs_ce_groups", "RS_COMM_MODES"]
 
@@ -230,9 +231,8 @@ def padded_shard(shard: int, row_multiple: int) -> int:
 
 
 def capacity_rows(max_m: int, world: int, row_multiple: int) -> int:
-    """Rows the op's buffers hold: every M <= max_m that is a multiple of world, each shard padded."""
-    if max_m < world:
-        raise OpsArgumentError(f"max_m={max_m} is below world = {world}: no M fits (M is a multiple of world)")
+    """Rows the op's buffers hold: every M <= max_m that is a multiple of world, each shard padded
+    (max_m >= world: the constructor checks it)."""
     return world * padded_shard(max_m // world, row_multiple)
 
 

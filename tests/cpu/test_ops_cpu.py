@@ -47,9 +47,6 @@ def test_capacity_holds_every_padded_call_and_no_more(max_m, world, mult, cap):
     assert max(fits) == cap   # every allowed M fits once its shards are padded, the largest exactly
 
 
-def test_capacity_needs_one_row_per_rank():
-    with pytest.raises(P.OpsArgumentError, match="max_m=3 is below world = 4"):
-        P.capacity_rows(3, 4, 128)
 
 
 # --- AllGather+GEMM ----------------------------------------------------------------------------------
@@ -236,6 +233,8 @@ def test_ops_reject_bad_construction_before_touching_the_device():
         AllGatherGemm(w, 1024, 1024, 1024, "float32")
     with pytest.raises(P.OpsArgumentError, match="must be positive"):
         AllGatherGemm(w, 0, 1024, 1024, "bf16")
+    with pytest.raises(P.OpsArgumentError, match="GemmReduceScatter: max_m=3 is below world = 4"):
+        GemmReduceScatter(w, 3, 1024, 1024, "bf16")
     with pytest.raises(P.OpsArgumentError, match="multiples of 8"):
         GemmReduceScatter(w, 1024, 1020, 1024, "fp16")
     with pytest.raises(P.OpsArgumentError, match="comm_mode"):
