@@ -13,6 +13,9 @@ Public entry point: :func:`gemm`. The fused ops (AllGather+GEMM, GEMM+ReduceScat
 * :class:`ChunkReduce`   -- (with TileEpilogue) the tiles of one chunk instead get the other sources'
   partials of their rows added in the consumers' epilogue, each after its flag, and go to ``out``:
   the reduce of GEMM+ReduceScatter fused into the GEMM that makes the last partial.
+* :class:`RowBands`      -- A or C holds the GEMM's rows in bands with padding rows left out: the fused
+  ops' padded calls read A in place (TMA fills the padding rows with zeros) or write C in place (TMA
+  clips them), instead of copying through a padded buffer.
 
 Every argument is validated before the first CUDA call (so mistakes surface as exceptions that name
 the shapes, and the checks run on CPU-only machines).
@@ -34,7 +37,7 @@ from .gemm_plan import SMEM_LIMIT_BYTES, GemmPlan, hilbert_order, plan_gemm
 log = logging.getLogger(__name__)
 
 __all__ = ["gemm", "gemm_with_hooks", "ArrivalWait", "TileEpilogue", "TileDestinations", "ChunkReduce",
-           "ShardCopy", "GemmArgumentError",
+           "ShardCopy", "RowBands", "GemmArgumentError",
            "GemmTypeError",
            "validate_gemm_args", "kernel_defines"]
 
@@ -231,6 +234,27 @@ class TileEpilogue:
     reduce: ChunkReduce | None = None
 
 
+@dataclass(frozen=True)
+class RowBands:
+    """An operand that holds the GEMM's M rows in bands of ``stride`` rows, of which only the first ``rows``
+    are in the array: GEMM row y is array row ``(y // stride) * rows + y % stride`` when ``y % stride <
+    rows``, else a padding row. As A ([bands * rows, K]) padding rows read as zeros (TMA's out-of-bounds
+    fill); as C ([bands * rows, N]) they are not written (TMA clips them). The kernel takes the band height
+    from the hooks' chunk geometry, so ``stride`` must be ``ArrivalWait.chunk_rows * chunks_per_peer`` with
+    hook 1, ``TileEpilogue.chunk_rows`` with hook 2, and a multiple of the plan's block_m (no tile
+    straddles two bands)."""
+    rows: int
+    stride: int
+
+
+BANDS_A, BANDS_C = 1, 2   # FLUXRT_GEMM_BANDS bits: banded A, banded C
+
+
+def band_bits(a_bands: RowBands | None, c_bands: RowBands | None) -> int:
+    """FLUXRT_GEMM_BANDS of a launch."""
+    return (BANDS_A if a_bands is not None else 0) | (BANDS_C if c_bands is not None else 0)
+
+
 # --- argument inspection (no CUDA calls) -------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -355,11 +379,12 @@ def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str 
 
 def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool = False,
                    hook_epilogue: bool = False, hook_reduce: int = 0,
-                   hook_copy: bool = False) -> tuple[tuple[str, str], ...]:
+                   hook_copy: bool = False, bands: int = 0) -> tuple[tuple[str, str], ...]:
     """-D macros that instantiate hopper_gemm.cu for one configuration. hook_reduce: 0 none, 1 (or True)
-    hook 3 in the epilogue, 2 hook 3 in the tail (:attr:`ChunkReduce.hook_id`)."""
-    # hook 4 only when on: every configuration without it keeps its earlier macros (and cache key)
-    return (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
+    hook 3 in the epilogue, 2 hook 3 in the tail (:attr:`ChunkReduce.hook_id`). bands: which operands are
+    :class:`RowBands` (:func:`band_bits`)."""
+    # hook 4 and bands only when on: every configuration without them keeps its earlier macros (and cache key)
+    return (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(_IN_IDS[in_dtype])),
             ("FLUXRT_GEMM_OUT", str(_OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
@@ -406,12 +431,13 @@ def _kernel(defines, device_id: int, smem_bytes: int):
 
 
 def _tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_rows: int, *, ld: int | None = None,
-                cache: bool = True) -> np.ndarray:
+                bands: int | None = None, cache: bool = True) -> np.ndarray:
     """2-D row-major [rows, cols] tensor map (``ld`` elements per row, default cols), box {box_cols,
-    box_rows}, 128B swizzle, zero OOB fill. Returned as a size-1 array of one 128-byte record (CuPy passes
-    it by value to the __grid_constant__ TmaDesc). cache=False: not kept in the launch cache."""
+    box_rows}, 128B swizzle, zero OOB fill; with ``bands``, 3-D [bands][rows][cols] (consecutive bands of
+    rows, box one band deep: RowBands). Returned as a size-1 array of one 128-byte record (CuPy passes it
+    by value to the __grid_constant__ TmaDesc). cache=False: not kept in the launch cache."""
     ld = cols if ld is None else ld
-    key = (ptr, dtype, rows, cols, box_cols, box_rows, ld)
+    key = (ptr, dtype, rows, cols, box_cols, box_rows, ld, bands)
     with _lock:
         hit = _tmaps.get(key) if cache else None
         if hit is not None:
@@ -420,17 +446,21 @@ def _tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_r
     from cuda.bindings import driver as drv
 
     item = _ITEMSIZE[dtype]
+    dims, strides, box = [cols, rows], [ld * item], [box_cols, box_rows]
+    if bands is not None:
+        dims, strides, box = dims + [bands], strides + [rows * ld * item], box + [1]
     err, tmap = drv.cuTensorMapEncodeTiled(
-        getattr(drv.CUtensorMapDataType, _TMAP_TYPES[dtype]), 2, ptr,
-        [drv.cuuint64_t(cols), drv.cuuint64_t(rows)], [drv.cuuint64_t(ld * item)],
-        [drv.cuuint32_t(box_cols), drv.cuuint32_t(box_rows)], [drv.cuuint32_t(1), drv.cuuint32_t(1)],
+        getattr(drv.CUtensorMapDataType, _TMAP_TYPES[dtype]), len(dims), ptr,
+        [drv.cuuint64_t(d) for d in dims], [drv.cuuint64_t(x) for x in strides],
+        [drv.cuuint32_t(x) for x in box], [drv.cuuint32_t(1)] * len(dims),
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != drv.CUresult.CUDA_SUCCESS:
-        raise GemmArgumentError(f"cuTensorMapEncodeTiled failed ({err}) for a {dtype} [{rows}, {cols}] tensor at "
-                                f"0x{ptr:x}, box [{box_rows}, {box_cols}]")
+        raise GemmArgumentError(f"cuTensorMapEncodeTiled failed ({err}) for a {dtype} "
+                                f"[{'' if bands is None else f'{bands}, '}{rows}, {cols}] tensor at 0x{ptr:x}, "
+                                f"box [{box_rows}, {box_cols}]")
     words = np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
     arr = words.view(_TMAP_DTYPE).reshape((1,))  # size-1 structured array: by value
     if not cache:
@@ -649,12 +679,84 @@ def _check_copy(copy: ShardCopy, wait: ArrivalWait | None, m: int, k: int, in_dt
         raise GemmArgumentError("gemm: ShardCopy.counters must be a non-null, 8-byte aligned device pointer")
 
 
+def _band_stride(a_bands: RowBands | None, c_bands: RowBands | None, wait: ArrivalWait | None,
+                 epilogue: TileEpilogue | None) -> int:
+    """The band height of a banded launch (0: none), checked against the hooks' chunk geometry."""
+    given = [(name, x) for name, x in (("A", a_bands), ("C", c_bands)) if x is not None]
+    for name, x in given:
+        if not isinstance(x, RowBands):
+            raise GemmTypeError(f"gemm: bands of {name} must be a RowBands, got {type(x).__name__}")
+        if not 1 <= x.rows <= x.stride:
+            raise GemmArgumentError(f"gemm: RowBands of {name}: rows={x.rows} must be in [1, stride={x.stride}]")
+    if not given:
+        return 0
+    stride = given[0][1].stride
+    if any(x.stride != stride for _, x in given):
+        raise GemmArgumentError(f"gemm: A and C bands have strides {a_bands.stride} and {c_bands.stride}; the "
+                                "kernel has one band height")
+    hooks = (wait.chunk_rows * wait.chunks_per_peer if wait is not None
+             else epilogue.chunk_rows if epilogue is not None else stride)
+    if stride != hooks:
+        raise GemmArgumentError(f"gemm: RowBands.stride={stride} must equal the hooks' chunk geometry ({hooks} rows: "
+                                "ArrivalWait.chunk_rows * chunks_per_peer, else TileEpilogue.chunk_rows)")
+    return stride
+
+
+def _validate_banded(a, b, out, *, trans_b, out_dtype, a_bands, c_bands, stride):
+    """validate_gemm_args for a launch with RowBands: (M, N, K, in, out) with M the GEMM's padded rows."""
+    if c_bands is not None and out is not None:
+        io = _inspect(out, "out")
+        _check_matrix(io, tuple(_OUT_IDS))
+        if out_dtype is not None and out_dtype != io.dtype:
+            raise GemmTypeError(f"gemm: out is {io.dtype} but out_dtype={out_dtype}")
+        out_dtype = io.dtype
+    rows, n, k, in_dt, out_dt = validate_gemm_args(a, b, out if c_bands is None else None, trans_b=trans_b,
+                                                   out_dtype=out_dtype)
+    if a_bands is not None:
+        if rows % a_bands.rows:
+            raise GemmArgumentError(f"gemm: A has {rows} rows, not whole bands of RowBands.rows={a_bands.rows}")
+        m = rows // a_bands.rows * stride
+    elif rows % stride:
+        raise GemmArgumentError(f"gemm: A has {rows} rows, not whole bands of {stride}")
+    else:
+        m = rows
+    if c_bands is not None and out is not None:
+        want = (m // stride * c_bands.rows, n)
+        if tuple(_inspect(out, "out").shape) != want:
+            raise GemmArgumentError(f"gemm: banded out has shape {tuple(_inspect(out, 'out').shape)}, expected {want} "
+                                    f"({m // stride} bands of {c_bands.rows} rows)")
+    return m, n, k, in_dt, out_dt
+
+
+def _check_bands_plan(a_bands, c_bands, stride: int, plan: GemmPlan, epilogue, copy) -> None:
+    if stride % plan.block_m:
+        raise GemmArgumentError(f"gemm: RowBands.stride={stride} must be a multiple of block_m={plan.block_m} "
+                                "(a tile never straddles two bands)")
+    if a_bands is not None and copy is not None:
+        raise GemmArgumentError("gemm: banded A cannot take ShardCopy (hook 4 stores through A's 2-D map)")
+    if c_bands is not None and (epilogue is not None or plan.epilogue != "tma"):
+        raise GemmArgumentError("gemm: banded C is stored by the storer warp: no TileEpilogue, "
+                                "GemmPlan.epilogue='tma'")
+
+
+def _validate(a, b, out, *, trans_b, out_dtype, a_bands, c_bands, stride):
+    if stride:
+        return _validate_banded(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands, c_bands=c_bands,
+                                stride=stride)
+    return validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
+
+
 def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | None,
-            epilogue: TileEpilogue | None, copy: ShardCopy | None = None):
-    m, n, k, in_dt, out_dt = validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
+            epilogue: TileEpilogue | None, copy: ShardCopy | None = None, a_bands: RowBands | None = None,
+            c_bands: RowBands | None = None):
+    stride = _band_stride(a_bands, c_bands, wait, epilogue)
+    m, n, k, in_dt, out_dt = _validate(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands,
+                                       c_bands=c_bands, stride=stride)
     if plan is None:
         plan = plan_gemm(m, n, k, in_dtype=in_dt, out_dtype=out_dt)
     plan.validate(out_dt)
+    if stride:
+        _check_bands_plan(a_bands, c_bands, stride, plan, epilogue, copy)
     _check_hooks(wait, epilogue, plan, m)
     red = epilogue.reduce if epilogue is not None else None
     if epilogue is not None:
@@ -685,26 +787,29 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
     if own is not None and own.device.id != a.device.id:
         raise GemmArgumentError(f"gemm: ShardCopy.src is on device {own.device.id} but A on device {a.device.id}")
     if dlpack_only:
-        validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
+        _validate(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands, c_bands=c_bands, stride=stride)
     dev = a.device.id
     if b.device.id != dev:
         raise GemmArgumentError(f"gemm: A is on device {dev} but B on device {b.device.id}")
     if out is None:
         if epilogue is None:
             with cupy.cuda.Device(dev):
-                out = cupy.empty((m, n), dtype=normalize_dtype(out_dt))
+                out = cupy.empty((m // stride * c_bands.rows if c_bands else m, n), dtype=normalize_dtype(out_dt))
     elif out.device.id != dev:
         raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
-    chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else 0)
+    # without hooks the band height travels as chunk_rows (the kernel's band_rows())
+    chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else stride)
+    bands = m // stride if stride else None   # bands of a banded operand's 3-D tensor map
 
     defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None,
                              red.hook_id if red is not None else 0,
-                             copy is not None)
+                             copy is not None, band_bits(a_bands, c_bands))
     with cupy.cuda.Device(dev):
         smem = plan.smem_bytes(out_dt, shard_copy=copy is not None)
         kern = _kernel(defines, dev, smem)
         mt, nt = plan.tiles(m, n)
-        tmap_a = _tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m)
+        tmap_a = (_tensor_map(a.data.ptr, in_dt, a_bands.rows, k, plan.block_k, plan.block_m, bands=bands)
+                  if a_bands else _tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m))
         tmap_own = (_tensor_map(own.data.ptr, in_dt, own.shape[0], k, plan.block_k, plan.block_m)
                     if own is not None else _NULL_TMAP)
         if trans_b:   # with a cluster each CTA loads (and multicasts) block_n / cluster rows of B
@@ -713,7 +818,10 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
             tmap_b = _tensor_map(b.data.ptr, in_dt, k, n, 64, plan.block_k)
         c_cols = 128 // _ITEMSIZE[out_dt]
         staged_out = out is not None and epilogue is None and plan.epilogue == "tma"
-        tmap_c = _tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64) if staged_out else _NULL_TMAP
+        tmap_c = _NULL_TMAP
+        if staged_out:
+            tmap_c = (_tensor_map(out.data.ptr, out_dt, c_bands.rows, n, c_cols, 64, bands=bands) if c_bands
+                      else _tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64))
         if red is not None and red.where == "epilogue":   # hook 3: C is the reduced chunk's result
             tmap_c = _tensor_map(red_out.data.ptr, out_dt, red_out.shape[0], n, c_cols, 64)
         c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
@@ -770,12 +878,14 @@ def gemm(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan |
 
 def gemm_with_hooks(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
                     out_dtype: str | None = None, wait: ArrivalWait | None = None,
-                    epilogue: TileEpilogue | None = None, copy: ShardCopy | None = None):
+                    epilogue: TileEpilogue | None = None, copy: ShardCopy | None = None,
+                    a_bands: RowBands | None = None, c_bands: RowBands | None = None):
     """Internal launch path of the fused ops: :func:`gemm` with hooks 1 (``wait``), 2 (``epilogue``, with 3 as
-    its ``reduce``) and 4 (``copy``, needs ``wait``) compiled in.
+    its ``reduce``) and 4 (``copy``, needs ``wait``) compiled in, and A (``a_bands``) or C (``c_bands``) in
+    :class:`RowBands`.
 
     With ``epilogue`` set, ``out`` is not written (tiles go to ``epilogue.destinations``); pass out=None and
     out_dtype for the element type of the destinations. Returns ``out`` (None with an epilogue and no out).
     """
     return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=wait,
-                   epilogue=epilogue, copy=copy)
+                   epilogue=epilogue, copy=copy, a_bands=a_bands, c_bands=c_bands)

@@ -23,16 +23,17 @@ Per call, on the caller's stream S and a fluxrt comm stream C:
       ``plan.comm_sms`` SMs free, so step 3's kernels always find an SM while GEMM CTAs wait for them.
       (Steps 3 and 4 run concurrently: the GEMM is enqueued on S right after the event of step 3.)
 5. S  waits for C (event): the op is stream-ordered for the caller.
-6. S  (a padded call) copies every rank's rows out of the padded output; with return_a in push mode, or
-      for a padded call, copies the gathered rows out of ``a_full``.
+6. S  with return_a in push mode, or for a padded call, copies the gathered rows out of ``a_full``
+      (and, for a padded call with a GemmPlan override that has no storer warp, every rank's rows out of
+      a padded output).
 7. S  (push mode) release ``done`` on every peer: neither my GEMM nor my pushes (joined in step 5) read
       my buffer any more, so the peers may push their next call's rows into it.
 
 Padded calls (a shard that is not whole ``128 * chunks_per_rank`` rows, :mod:`fluxrt.ops.plan`): every
-slot of ``a_full`` and every band of the GEMM's output is ``padded_shard`` rows long. Step 2 copies the
+slot of ``a_full`` and every band of the GEMM's rows is ``padded_shard`` rows long. Step 2 copies the
 shard into the first rows of my slot (hook 4 only copies whole tiles); the GEMM covers the padded rows
-into a scratch output; the rows past a shard (stale data, whatever the slot held) only ever reach the
-scratch rows that step 6 leaves behind.
+and stores each band's first ``shard`` rows into ``out`` (banded C, :class:`fluxrt.gemm.RowBands`); the
+rows past a shard (stale data, whatever the slot held) make rows that the TMA store clips.
 
 Flags are compared with the call's epoch (one per call, growing in lockstep on every rank), the
 ``copied`` counters with their running total; nothing is reset between calls. Every wait is bounded:
@@ -45,7 +46,7 @@ import logging
 
 from .. import p2p
 from ..errors import op_id
-from ..gemm import ArrivalWait, ShardCopy, gemm_with_hooks
+from ..gemm import BANDS_C, ArrivalWait, RowBands, ShardCopy, gemm_with_hooks
 from ..gemm_plan import SMEM_LIMIT_BYTES
 from ..streams import as_cupy_stream
 from . import common
@@ -143,7 +144,9 @@ class AllGatherGemm:
         world, me = self.world, self.world.rank
         a, b, out, shard, m = common.forward_operands(self, OP, a_shard, b, out, sharded_a=True)
         pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
-        gplan = self._call_plan(m_pad)
+        # a padded call's GEMM writes out in place: its rows are bands of `pad` with `shard` real ones
+        c_bands = RowBands(shard, pad) if pad != shard and self._bands_fit() else None
+        gplan = self._call_plan(m_pad, c_bands is not None)
 
         import cupy
 
@@ -156,8 +159,8 @@ class AllGatherGemm:
         with world.device:
             if out is None:
                 out = common.alloc_on((m, self.n), self.dtype, world, s)
-            # a padded call's GEMM writes padded rows; step 6 copies the real ones into out
-            c_full = out if pad == shard else common.alloc_on((m_pad, self.n), self.dtype, world, s)
+            # a padded call whose plan cannot band C writes padded rows; step 6 copies the real ones into out
+            c_full = out if pad == shard or c_bands else common.alloc_on((m_pad, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             slot = self.a_full[me * pad:me * pad + shard]
             in_slot = a.data.ptr == slot.data.ptr
@@ -193,12 +196,12 @@ class AllGatherGemm:
                                err=world.error_record, chunks_per_peer=cpr, timeout_ns=2 * world.timeout_ns,
                                op_id=self._op_chunk, rank=me)
             gemm_with_hooks(self.a_full[:m_pad], b, c_full, trans_b=self.trans_b, stream=s, plan=gplan, wait=wait,
-                            copy=copy)
+                            copy=copy, c_bands=c_bands)
             if pull:
                 self._enqueue_pulls(epoch, pad, chunk_rows, row_bytes, c)
             # 5. the caller's stream includes the comm stream's work
             common.join(s, c)
-            # 6. a padded call: every rank's rows out of its padded band
+            # 6. a padded call without banded C: every rank's rows out of its padded band
             if c_full is not out:
                 common.copy_bands(out, c_full, world.size, shard, pad, s)
             gathered = None
@@ -250,9 +253,16 @@ class AllGatherGemm:
     def _shard_copy_fits(self, gplan) -> bool:
         return gplan.smem_bytes(self.dtype, shard_copy=True) <= SMEM_LIMIT_BYTES
 
-    def _call_plan(self, m: int):
-        # pull mode: hook 4 copies the shard (when its buffer fits), except when it is passed in its slot
+    def _bands_fit(self) -> bool:
+        """A padded call's GEMM can store C in row bands (the storer-warp epilogue, the default)."""
+        return self.plan.gemm is None or self.plan.gemm.epilogue == "tma"
+
+    def _call_plan(self, m: int, c_bands: bool = False):
+        # pull mode: hook 4 copies the shard (when its buffer fits), except when it is passed in its slot or
+        # the call is padded (hook 4 copies whole tiles only)
         pull = self.plan.comm_mode == "pull"
+        if c_bands:
+            return common.call_plan(self, m, self.dtype, wait_hook=True, epilogue_hook=False, bands=BANDS_C)
         return common.call_plan(self, m, self.dtype, wait_hook=True, epilogue_hook=False,
                                 copy_hooks=lambda g: (True, False) if pull and self._shard_copy_fits(g) else (False,))
 

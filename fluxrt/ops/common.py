@@ -235,12 +235,13 @@ def alloc_on(shape, dtype: str, world, stream):
 
 
 def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool, hook_epilogue: bool,
-                 hook_reduce: int = 0, hook_copy: bool = False):
+                 hook_reduce: int = 0, hook_copy: bool = False, bands: int = 0):
     """Compile/load the GEMM instantiation a call will launch before anything of the call is enqueued:
     a compile error then leaves no half-launched op behind for peers to wait on."""
     from ..gemm import _kernel, kernel_defines
 
-    defines = kernel_defines(plan, in_dtype, out_dtype, trans_b, hook_wait, hook_epilogue, hook_reduce, hook_copy)
+    defines = kernel_defines(plan, in_dtype, out_dtype, trans_b, hook_wait, hook_epilogue, hook_reduce, hook_copy,
+                             bands)
     with world.device:
         _kernel(defines, world.device_id, plan.smem_bytes(out_dtype, shard_copy=hook_copy))
 
@@ -268,15 +269,16 @@ def copy_bands(dst, src, bands: int, dst_rows: int, src_rows: int, stream) -> No
 
 
 def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, reduce_hook: int = 0,
-              copy_hooks=lambda plan: (False,)):
-    """op._gemm_plan(m) for a padded problem of m rows, made and its kernel(s) loaded once per m (cached in
-    op._gplans): before anything of a call is enqueued, a compile error leaves no half-launched op behind
-    for peers to wait on. copy_hooks(plan): the hook-4 settings whose kernels a call with that plan may
-    launch."""
-    g = op._gplans.get(m)
+              copy_hooks=lambda plan: (False,), bands: int = 0):
+    """op._gemm_plan(m) for a padded problem of m rows, made and its kernel(s) loaded once per (m, bands)
+    (cached in op._gplans): before anything of a call is enqueued, a compile error leaves no half-launched
+    op behind for peers to wait on. copy_hooks(plan): the hook-4 settings whose kernels a call with that
+    plan may launch. bands: the call's banded operands (fluxrt.gemm.band_bits; a padded call's)."""
+    g = op._gplans.get((m, bands))
     if g is None:
         g = op._gemm_plan(m)
         for copy in copy_hooks(g):
-            prepare_gemm(op.world, g, op.dtype, out_dtype, op.trans_b, wait_hook, epilogue_hook, reduce_hook, copy)
-        op._gplans[m] = g
+            prepare_gemm(op.world, g, op.dtype, out_dtype, op.trans_b, wait_hook, epilogue_hook, reduce_hook, copy,
+                         bands)
+        op._gplans[(m, bands)] = g
     return g

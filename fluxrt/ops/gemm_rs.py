@@ -45,7 +45,7 @@ import math
 import numpy as np
 
 from ..errors import op_id
-from ..gemm import ChunkReduce, TileDestinations, TileEpilogue, gemm_with_hooks, reduce_hook_id
+from ..gemm import BANDS_A, ChunkReduce, RowBands, TileDestinations, TileEpilogue, gemm_with_hooks, reduce_hook_id
 from ..streams import as_cupy_stream
 from . import common
 from .plan import MIN_TILE_COLS, GemmRsPlan, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
@@ -124,7 +124,7 @@ class GemmReduceScatter:
         world = self.world
         a, b, out, shard, m = common.forward_operands(self, OP, a, b, out, sharded_a=False)
         pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
-        gplan = self._call_plan(m_pad)
+        gplan = self._call_plan(m_pad, pad != shard)
 
         s = as_cupy_stream(stream)
         c = self.comm_stream
@@ -132,19 +132,19 @@ class GemmReduceScatter:
             if out is None:
                 out = common.alloc_on((shard, self.n), self.dtype, world, s)
             result = out
+            a_bands = None
             if pad != shard:
-                # a padded call: every owner's rows in a band of whole tiles, zero rows between (their
-                # partials are zero and never leave the padded result)
-                a_pad = common.alloc_on((m_pad, self.k), self.dtype, world, s)
-                common.copy_bands(a_pad, a, world.size, pad, shard, s)
-                a, shard = a_pad, pad
+                # a padded call: the GEMM reads every owner's rows as a band of whole tiles, the rows past
+                # them as zeros (TMA's fill), whose partials are zero and never leave the padded result
+                a_bands = RowBands(shard, pad)
+                shard = pad
                 out = common.alloc_on((pad, self.n), self.dtype, world, s)
             epoch = self.pad.next_epoch()
             q = (epoch - 1) % PARITIES
 
             def gemm(epi):
                 gemm_with_hooks(a, b, None, trans_b=self.trans_b, stream=s, plan=gplan, out_dtype=self.partial_dtype,
-                                epilogue=epi)
+                                epilogue=epi, a_bands=a_bands)
 
             fused = reduce_hook_id(self.plan.reduce_mode) > 0   # the reduce runs inside the GEMM
             if self.plan.comm_mode == "ce":
@@ -234,9 +234,9 @@ class GemmReduceScatter:
     def _gemm_plan(self, m_pad: int):
         return rs_gemm_plan(self.plan, m_pad, self.n, self.k, self.world.rank, self.world.size, self.dtype, self._sms)
 
-    def _call_plan(self, m: int):
+    def _call_plan(self, m: int, a_bands: bool = False):
         return common.call_plan(self, m, self.partial_dtype, wait_hook=False, epilogue_hook=True,
-                                reduce_hook=reduce_hook_id(self.plan.reduce_mode))
+                                reduce_hook=reduce_hook_id(self.plan.reduce_mode), bands=BANDS_A if a_bands else 0)
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""

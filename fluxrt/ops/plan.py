@@ -30,12 +30,14 @@ GEMM+ReduceScatter (:class:`GemmRsPlan`)
 Row rule (both ops): ``M`` must be a multiple of ``world`` (every rank holds M/world rows) and at most
 ``max_m``. A shard of whole ``row_multiple`` rows (128, times ``chunks_per_rank`` for AllGather+GEMM)
 takes the fast path. Other shards are padded inside the op to the next multiple (``padded_shard``), so
-that no GEMM tile straddles two ranks' rows or chunks: AllGather+GEMM gathers into padded slots and
-copies its result rows out of a padded output; GEMM+ReduceScatter copies A into a zero-padded buffer
-and its slice out of a padded one. The padded path moves those copies through memory (AllGather+GEMM:
-the M x N output and the shard, plus M x K with return_a; GEMM+ReduceScatter: M x K and the M/world x N
-slice); the buffers are sized for padded shards (``capacity_rows``). AllGather+GEMM pads to whole
-chunks: with chunks_per_rank 2 a small shard may leave a chunk of padding only.
+that no GEMM tile straddles two ranks' rows or chunks. The GEMM runs over the padded rows and sees the
+caller's arrays as bands (:class:`fluxrt.gemm.RowBands`): AllGather+GEMM gathers into padded slots and
+its GEMM writes the real rows of each band straight into the output (TMA clips the padding rows);
+GEMM+ReduceScatter's GEMM reads A in place, the padding rows as zeros (TMA's fill), and its slice is
+copied out of a padded one. What the padded path still moves through memory: AllGather+GEMM the shard
+into its slot (hook 4 copies whole tiles only), plus M x K with return_a; GEMM+ReduceScatter the
+M/world x N slice. The buffers are sized for padded shards (``capacity_rows``). AllGather+GEMM pads to
+whole chunks: with chunks_per_rank 2 a small shard may leave a chunk of padding only.
 """
 from __future__ import annotations
 

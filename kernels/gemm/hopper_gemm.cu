@@ -60,6 +60,12 @@
 //   FLUXRT_GEMM_CLUSTER       CTAs per cluster (1 or 2). With 2, the pair computes two M tiles of the
 //                             same N tile, and each CTA loads half of the shared B tile and multicasts
 //                             it to both: L2 -> SM traffic per tile drops from A+B to A+B/2.  default 1
+//   FLUXRT_GEMM_BANDS         rows in bands (the fused ops' padded calls): the GEMM's M rows are bands of
+//                             band_rows = chunk_rows * chunks_per_peer rows, of which an operand holds only
+//                             the first `rows` (its 3-D tensor map [bands][rows][cols]); GEMM row y is row
+//                             y % band_rows of band y / band_rows. Bit 0: A (rows past `rows` load as zeros,
+//                             TMA's out-of-bounds fill); bit 1: C (rows past `rows` are not written, TMA
+//                             clips them). A tile never straddles two bands (band_rows % kBM == 0). default 0
 // With both hooks 0 the hook code is not compiled (if constexpr), and the hook arguments are ignored.
 #include <fluxrt/comm.cuh>
 
@@ -105,6 +111,9 @@
 #ifndef FLUXRT_GEMM_CLUSTER
 #define FLUXRT_GEMM_CLUSTER 1
 #endif
+#ifndef FLUXRT_GEMM_BANDS
+#define FLUXRT_GEMM_BANDS 0
+#endif
 #ifndef FLUXRT_GEMM_C_SHARED
 #define FLUXRT_GEMM_C_SHARED 0
 #endif
@@ -136,6 +145,10 @@ static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
 static_assert(!(kEpiDirect && kHookEpilogue), "hook 2 needs the staged (storer-warp) epilogue");
 static_assert(!kHookReduce || (kHookEpilogue && FLUXRT_GEMM_OUT != 2), "hook 3 needs hook 2 and 16-bit partials");
 static_assert(!kHookCopy || kHookWait, "hook 4 needs hook 1 (its chunk geometry)");
+constexpr bool kBandsA = (FLUXRT_GEMM_BANDS & 1) != 0;
+constexpr bool kBandsC = (FLUXRT_GEMM_BANDS & 2) != 0;
+static_assert(!(kBandsA && kHookCopy), "hook 4 stores A's own rows through the 2-D map of A");
+static_assert(!(kBandsC && (kHookEpilogue || kEpiDirect)), "banded C is C itself, stored by the storer warp");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread
@@ -283,6 +296,9 @@ struct HookArgs {
     int own_row0, own_rows;     // whole chunks of chunk_rows
     u64* copy_counters;         // one per own chunk: += pieces of it stored into A (chunk_rows / kBM x
                                 //   K blocks in all per call)
+
+    // FLUXRT_GEMM_BANDS: rows per band
+    __device__ __forceinline__ int band_rows() const { return chunk_rows * chunks_per_peer; }
 
     __device__ __forceinline__ bool own_rows_of(int m0) const {
         return kHookCopy && m0 >= own_row0 && m0 < own_row0 + own_rows;
@@ -535,12 +551,18 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, const T
         const bool own = hooks.own_rows_of(m0);
         const TmaDesc* a_map = own ? hooks.tmap_a_own : tmap_a;
         const int a_row = own ? m0 - hooks.own_row0 : m0;
+        // banded A: the tile's rows are rows [a_row % band_rows, + kBM) of band a_row / band_rows
+        const int a_band = kBandsA ? a_row / hooks.band_rows() : 0;
+        const int a_band_row = kBandsA ? a_row - a_band * hooks.band_rows() : a_row;
         for (int kb = 0; kb < k_blocks; ++kb) {
             const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol above)
             mbar_arrive_expect_tx(full, kStageBytes);
             const int k0 = kb * kBK;
-            tma_load_2d(smem + kOffA + stage * kTileABytes, a_map, k0, a_row, full);
+            if constexpr (kBandsA)
+                tma_load_3d(smem + kOffA + stage * kTileABytes, a_map, k0, a_band_row, a_band, full);
+            else
+                tma_load_2d(smem + kOffA + stage * kTileABytes, a_map, k0, a_row, full);
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
                 // box {64 K, kBN / kCluster rows of N}: with a cluster, this CTA's share of the rows
@@ -650,9 +672,15 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const TmaDesc*
 #pragma unroll
                 for (int c = 0; c < kConsumersPerTurn; ++c)
 #pragma unroll
-                    for (int j = 0; j < kBN / kCCols; ++j)
-                        tma_store_2d(dst, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes, n0 + j * kCCols,
-                                     y0 + c * kRowsPerConsumer);
+                    for (int j = 0; j < kBN / kCCols; ++j) {
+                        if constexpr (kBandsC)   // GEMM row y: row y % band_rows of band y / band_rows (TMA clips the rest)
+                            tma_store_3d(dst, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes, n0 + j * kCCols,
+                                         (y0 + c * kRowsPerConsumer) % hooks.band_rows(),
+                                         (y0 + c * kRowsPerConsumer) / hooks.band_rows());
+                        else
+                            tma_store_2d(dst, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes, n0 + j * kCCols,
+                                         y0 + c * kRowsPerConsumer);
+                    }
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
                 mbar_arrive(bar_next_empty);

@@ -101,6 +101,18 @@ __device__ __forceinline__ void tma_store_2d(const TmaDesc* desc, u32 src, int x
                  ::"l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y), "r"(src)
                  : "memory");
 }
+// 3-D forms, box at (x, y, z) (a box one element deep in z): the same fill and clipping per dimension.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaDesc* desc, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+        ::"r"(dst), "l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_store_3d(const TmaDesc* desc, u32 src, int x, int y, int z) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];"
+                 ::"l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y), "r"(z), "r"(src)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until every committed store has finished READING shared memory (the buffer may be rewritten).
 __device__ __forceinline__ void bulk_wait_read_all() {

@@ -359,6 +359,52 @@ def test_shard_copy_validated_before_launch():
     assert ShardCopy.pieces_per_chunk(256, 520) == 2 * 9
 
 
+def test_row_bands_validated_before_launch():
+    """RowBands (the fused ops' padded calls): band geometry, shapes and the hooks it combines with are
+    checked before any CUDA call, naming what is wrong."""
+    from fluxrt.gemm import BANDS_A, BANDS_C, RowBands, ShardCopy, band_bits
+
+    b, plan = arr((64, 256), ptr=1 << 33), plan_gemm(768, 256, 64)
+    wait = ArrivalWait(flags=1 << 41, epoch=1, chunk_rows=128, err=1 << 42, chunks_per_peer=2)
+    a_banded = arr((600, 64))                     # 3 bands of 200 real rows, stride 256: GEMM M = 768
+    a_full, out_banded = arr((768, 64)), arr((600, 256), ptr=1 << 39)
+    cases = [
+        (dict(a=a_banded, a_bands=RowBands(0, 256)), r"rows=0 must be in \[1, stride=256\]"),
+        (dict(a=a_banded, a_bands=RowBands(300, 256)), r"rows=300 must be in \[1, stride=256\]"),
+        (dict(a=a_banded, a_bands=RowBands(200, 256), c_bands=RowBands(200, 384), out=out_banded),
+         "strides 256 and 384; the kernel has one band height"),
+        (dict(a=a_full, c_bands=RowBands(200, 384), out=out_banded, wait=wait), "must equal the hooks' chunk geometry "
+         r"\(256 rows"),
+        (dict(a=arr((300, 64)), a_bands=RowBands(200, 256)), "A has 300 rows, not whole bands of RowBands.rows=200"),
+        (dict(a=arr((700, 64)), c_bands=RowBands(200, 256), out=out_banded), "A has 700 rows, not whole bands of 256"),
+        (dict(a=a_full, c_bands=RowBands(200, 256), out=arr((768, 256), ptr=1 << 39)),
+         r"banded out has shape \(768, 256\), expected \(600, 256\) \(3 bands of 200 rows\)"),
+        (dict(a=arr((150, 64)), a_bands=RowBands(50, 64)), "stride=64 must be a multiple of block_m=128"),
+        (dict(a=a_full, c_bands=RowBands(200, 256), out=out_banded, plan=dataclasses.replace(plan, epilogue="direct")),
+         "banded C is stored by the storer warp"),
+        (dict(a=a_full, c_bands=RowBands(200, 256), out=out_banded, plan=plan,
+              epilogue=TileEpilogue(destinations=TileDestinations([1 << 36] * 3, 256, "bfloat16"), chunk_rows=256)),
+         "banded C is stored by the storer warp"),
+        (dict(a=a_banded, a_bands=RowBands(200, 256), wait=wait,
+              copy=ShardCopy(src=arr((256, 64), ptr=1 << 37), row0=0, counters=1 << 38)), "banded A cannot take ShardCopy"),
+    ]
+    for kw, match in cases:
+        kw = {"plan": plan, **kw}
+        a = kw.pop("a")
+        with pytest.raises(GemmArgumentError, match=match):
+            gemm_with_hooks(a, b, kw.pop("out", None), **kw)
+    with pytest.raises(GemmTypeError, match="bands of A must be a RowBands"):
+        gemm_with_hooks(a_banded, b, plan=plan, a_bands=(200, 256))
+    with pytest.raises(GemmTypeError, match="out is float16 but out_dtype=bfloat16"):
+        gemm_with_hooks(a_full, b, arr((600, 256), np.float16, ptr=1 << 39), plan=plan, out_dtype="bfloat16",
+                        c_bands=RowBands(200, 256))
+    # the kernel configurations: the macro only where bands are on (the others keep their modules)
+    assert band_bits(RowBands(1, 128), None) == BANDS_A and band_bits(None, RowBands(1, 128)) == BANDS_C
+    assert band_bits(RowBands(1, 128), RowBands(1, 128)) == 3 and band_bits(None, None) == 0
+    assert dict(kernel_defines(plan, "bfloat16", "bfloat16", False, bands=BANDS_C))["FLUXRT_GEMM_BANDS"] == "2"
+    assert "FLUXRT_GEMM_BANDS" not in dict(kernel_defines(plan, "bfloat16", "bfloat16", False))
+
+
 def test_tile_destinations_validated():
     with pytest.raises(GemmArgumentError, match="at least one"):
         TileDestinations([], 256, "bfloat16")
@@ -436,6 +482,13 @@ COMPILE_CONFIGS = [
     (plan_gemm(8192, 8192, 8192), "float16", "float16", True, True, False, False, True),
     (GemmPlan(cluster=2), "bfloat16", "bfloat16", False, True, False, False, True),
     (GemmPlan(stages=3, c_staging="shared"), "bfloat16", "bfloat16", True, True, False, False, True),
+    # row bands (padded fused-op calls): C with hook 1 (AllGather+GEMM), A with hook 2 (GEMM+ReduceScatter)
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, True, False, 0, False, 2),
+    (GemmPlan(cluster=2), "float16", "float16", True, True, False, 0, False, 2),
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, False, True, 2, False, 1),
+    (plan_gemm(8192, 8192, 8192), "float16", "float16", True, False, True, 0, False, 1),
+    (plan_gemm(4096, 4096, 4096, out_dtype="float32"), "bfloat16", "float32", False, False, True, 0, False, 1),
+    (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, False, False, 0, False, 3),
 ]
 
 
@@ -463,7 +516,8 @@ def _cubin_u32(data: bytes, name: str) -> int:
                          ids=lambda c: f"{c[0].block_m}x{c[0].block_n}s{c[0].stages}{c[0].epilogue}"
                                        f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
                                        f"-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
-                                       f"{f'-r{int(c[6])}' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}")
+                                       f"{f'-r{int(c[6])}' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}"
+                                       f"{f'-bands{c[8]}' if c[8:] else ''}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:
@@ -472,7 +526,8 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
     plan, in_dt, out_dt, tb, hw, he, *rest = cfg
-    hooks = dict(hook_reduce=int(rest[0]) if rest else 0, hook_copy=bool(rest[1:2] and rest[1]))
+    hooks = dict(hook_reduce=int(rest[0]) if rest else 0, hook_copy=bool(rest[1:2] and rest[1]),
+                 bands=rest[2] if rest[2:] else 0)
     cubin = compile_cubin("gemm/hopper_gemm.cu",
                           compile_options(kernel_defines(plan, in_dt, out_dt, tb, hw, he, **hooks), arch="sm_90a"))
     data = cubin.read_bytes()

@@ -285,6 +285,54 @@ def test_arrival_wait_sees_late_chunks(setter, trans_b):
 
 @pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 @pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("which", ["A", "C", "C+wait", "A+C"])
+def test_row_bands_read_a_and_write_c_in_place(which, trans_b, cluster):
+    """RowBands: 3 bands of 256 GEMM rows hold 200 real rows each. Banded A is read in place, its padding
+    rows as zeros (the rows of C they make are exactly 0); banded C gets every real row (N and K tails)
+    and nothing else: not the padding rows (A's padding there is random, so a misplaced tile shows), not
+    past its end (a poisoned guard). With hook 1 the band height is chunk_rows * chunks_per_peer."""
+    from fluxrt.gemm import RowBands
+
+    bands, stride, rows, n, k = 3, 256, 200, 264, 136
+    rng = np.random.default_rng(29)
+    a_pad = rand_matrix(rng, (bands * stride, k), "bfloat16")
+    real = np.concatenate([np.arange(i * stride, i * stride + rows) for i in range(bands)])
+    banded_a = "A" in which
+    if banded_a:
+        a_pad[np.setdiff1d(np.arange(bands * stride), real)] = 0   # what the GEMM must read there
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), "bfloat16")
+    ref = reference(a_pad, b, trans_b)
+    da = to_device(np.ascontiguousarray(a_pad[real]) if banded_a else a_pad)
+    bands_ = RowBands(rows, stride)
+    wait = None
+    if which == "C+wait":
+        flags = cupy.full((bands * stride // 128,), 3, dtype=cupy.uint64)   # every chunk already in place
+        wait = ArrivalWait(flags=flags, epoch=3, chunk_rows=128, err=_err_record(), chunks_per_peer=2,
+                           timeout_ns=500_000_000, op_id=op_id("test_gemm.bands"), rank=0)
+    banded_c = "C" in which
+    guard = 64
+    big = poisoned((bands * rows + guard, n) if banded_c else (bands * stride, n), "bfloat16")
+    out = big[:bands * rows] if banded_c else big
+    plan = dataclasses.replace(plan_gemm(bands * stride, n, k), cluster=cluster)
+    for call in (1, 2):
+        res = gemm_with_hooks(da, to_device(b), out, trans_b=trans_b, plan=plan, wait=wait,
+                              a_bands=bands_ if banded_a else None, c_bands=bands_ if banded_c else None)
+        cupy.cuda.Device().synchronize()
+        assert res is out
+        if banded_c:
+            e = rel_err(out, ref[real])
+            assert cupy.all(big[bands * rows:].view(cupy.uint16) == NAN_BITS["bfloat16"]), "wrote past banded C"
+        else:
+            e = rel_err(out, ref)
+            pad_rows = np.setdiff1d(np.arange(bands * stride), real)
+            assert not cupy.asnumpy(out[pad_rows]).astype(np.float64).any(), "padding rows of banded A not zero"
+        assert e < TOL["bfloat16"], f"{which} call {call}: rel err {e:.3e}"
+        if wait is not None:
+            assert decode_error_record(cupy.asnumpy(wait.err)) is None
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("cluster", [1, 2])
 def test_shard_copy_reads_own_rows_from_source_and_copies_them(trans_b, cluster):
     """Hook 4: the own rows come from their source (A's copy of them is poison, and their chunk flags are
     never raised: a wait on them would time out), land in A bit for bit (K tail included), and every
