@@ -704,14 +704,14 @@ def _band_stride(a_bands: RowBands | None, c_bands: RowBands | None, wait: Arriv
 
 def _validate_banded(a, b, out, *, trans_b, out_dtype, a_bands, c_bands, stride):
     """validate_gemm_args for a launch with RowBands: (M, N, K, in, out) with M the GEMM's padded rows."""
-    if c_bands is not None and out is not None:
+    io = None
+    if out is not None:
         io = _inspect(out, "out")
         _check_matrix(io, tuple(_OUT_IDS))
         if out_dtype is not None and out_dtype != io.dtype:
             raise GemmTypeError(f"gemm: out is {io.dtype} but out_dtype={out_dtype}")
         out_dtype = io.dtype
-    rows, n, k, in_dt, out_dt = validate_gemm_args(a, b, out if c_bands is None else None, trans_b=trans_b,
-                                                   out_dtype=out_dtype)
+    rows, n, k, in_dt, out_dt = validate_gemm_args(a, b, None, trans_b=trans_b, out_dtype=out_dtype)
     if a_bands is not None:
         if rows % a_bands.rows:
             raise GemmArgumentError(f"gemm: A has {rows} rows, not whole bands of RowBands.rows={a_bands.rows}")
@@ -720,11 +720,14 @@ def _validate_banded(a, b, out, *, trans_b, out_dtype, a_bands, c_bands, stride)
         raise GemmArgumentError(f"gemm: A has {rows} rows, not whole bands of {stride}")
     else:
         m = rows
-    if c_bands is not None and out is not None:
-        want = (m // stride * c_bands.rows, n)
-        if tuple(_inspect(out, "out").shape) != want:
-            raise GemmArgumentError(f"gemm: banded out has shape {tuple(_inspect(out, 'out').shape)}, expected {want} "
-                                    f"({m // stride} bands of {c_bands.rows} rows)")
+    if io is not None:
+        want = (m // stride * c_bands.rows if c_bands is not None else m, n)
+        if tuple(io.shape) != want:
+            what = (f"{m // stride} bands of {c_bands.rows} rows" if c_bands is not None
+                    else f"the GEMM's M={m}: {m // stride} bands of {stride} rows")
+            raise GemmArgumentError(f"gemm: out has shape {tuple(io.shape)}, expected {want} ({what})")
+        if io.ptr >= 0 and io.ptr == _inspect(a, "A").ptr:
+            raise GemmArgumentError("gemm: out aliases A; in-place GEMM is not supported")
     return m, n, k, in_dt, out_dt
 
 
