@@ -326,8 +326,10 @@ def _check_matrix(info: _Info, allowed: tuple[str, ...]) -> None:
 
 
 def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = None,
-                       out_shape_only: bool = False) -> tuple[int, int, int, str, str]:
+                       out_rows: int | None = None,
+                       out_rows_note: str = "") -> tuple[int, int, int, str, str]:
     """Check operands of C = A @ B (B [K, N]) or A @ B.T (trans_b, B [N, K]); returns (M, N, K, in, out).
+    out_rows: the rows out must have when they are not A's (RowBands; out_rows_note says why).
 
     Raises GemmTypeError / GemmArgumentError naming the offending operand and shapes. Makes no CUDA call.
     """
@@ -354,7 +356,9 @@ def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str 
     if out is not None:
         io = _inspect(out, "out")
         _check_matrix(io, tuple(_OUT_IDS))
-        if io.shape != (m, n):
+        if out_rows is not None and io.shape != (out_rows, n):
+            raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected ({out_rows}, {n}) ({out_rows_note})")
+        if out_rows is None and io.shape != (m, n):
             raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected (M, N) = ({m}, {n}) for "
                                     f"A {ia.shape} and {bdesc} {ib.shape}")
         if out_dtype is not None and out_dtype != io.dtype:
@@ -704,14 +708,7 @@ def _band_stride(a_bands: RowBands | None, c_bands: RowBands | None, wait: Arriv
 
 def _validate_banded(a, b, out, *, trans_b, out_dtype, a_bands, c_bands, stride):
     """validate_gemm_args for a launch with RowBands: (M, N, K, in, out) with M the GEMM's padded rows."""
-    io = None
-    if out is not None:
-        io = _inspect(out, "out")
-        _check_matrix(io, tuple(_OUT_IDS))
-        if out_dtype is not None and out_dtype != io.dtype:
-            raise GemmTypeError(f"gemm: out is {io.dtype} but out_dtype={out_dtype}")
-        out_dtype = io.dtype
-    rows, n, k, in_dt, out_dt = validate_gemm_args(a, b, None, trans_b=trans_b, out_dtype=out_dtype)
+    rows = _inspect(a, "A").shape[0]
     if a_bands is not None:
         if rows % a_bands.rows:
             raise GemmArgumentError(f"gemm: A has {rows} rows, not whole bands of RowBands.rows={a_bands.rows}")
@@ -720,14 +717,12 @@ def _validate_banded(a, b, out, *, trans_b, out_dtype, a_bands, c_bands, stride)
         raise GemmArgumentError(f"gemm: A has {rows} rows, not whole bands of {stride}")
     else:
         m = rows
-    if io is not None:
-        want = (m // stride * c_bands.rows if c_bands is not None else m, n)
-        if tuple(io.shape) != want:
-            what = (f"{m // stride} bands of {c_bands.rows} rows" if c_bands is not None
-                    else f"the GEMM's M={m}: {m // stride} bands of {stride} rows")
-            raise GemmArgumentError(f"gemm: out has shape {tuple(io.shape)}, expected {want} ({what})")
-        if io.ptr >= 0 and io.ptr == _inspect(a, "A").ptr:
-            raise GemmArgumentError("gemm: out aliases A; in-place GEMM is not supported")
+    if c_bands is not None:
+        out_rows, note = m // stride * c_bands.rows, f"{m // stride} bands of {c_bands.rows} rows"
+    else:
+        out_rows, note = m, f"the GEMM's M={m}: {m // stride} bands of {stride} rows"
+    _, n, k, in_dt, out_dt = validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype, out_rows=out_rows,
+                                                out_rows_note=note)
     return m, n, k, in_dt, out_dt
 
 
@@ -811,8 +806,8 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
         smem = plan.smem_bytes(out_dt, shard_copy=copy is not None)
         kern = _kernel(defines, dev, smem)
         mt, nt = plan.tiles(m, n)
-        tmap_a = (_tensor_map(a.data.ptr, in_dt, a_bands.rows, k, plan.block_k, plan.block_m, bands=bands)
-                  if a_bands else _tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m))
+        tmap_a = _tensor_map(a.data.ptr, in_dt, a_bands.rows if a_bands else m, k, plan.block_k, plan.block_m,
+                             bands=bands if a_bands else None)
         tmap_own = (_tensor_map(own.data.ptr, in_dt, own.shape[0], k, plan.block_k, plan.block_m)
                     if own is not None else _NULL_TMAP)
         if trans_b:   # with a cluster each CTA loads (and multicasts) block_n / cluster rows of B
@@ -821,10 +816,8 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
             tmap_b = _tensor_map(b.data.ptr, in_dt, k, n, 64, plan.block_k)
         c_cols = 128 // _ITEMSIZE[out_dt]
         staged_out = out is not None and epilogue is None and plan.epilogue == "tma"
-        tmap_c = _NULL_TMAP
-        if staged_out:
-            tmap_c = (_tensor_map(out.data.ptr, out_dt, c_bands.rows, n, c_cols, 64, bands=bands) if c_bands
-                      else _tensor_map(out.data.ptr, out_dt, m, n, c_cols, 64))
+        tmap_c = (_tensor_map(out.data.ptr, out_dt, c_bands.rows if c_bands else m, n, c_cols, 64,
+                              bands=bands if c_bands else None) if staged_out else _NULL_TMAP)
         if red is not None and red.where == "epilogue":   # hook 3: C is the reduced chunk's result
             tmap_c = _tensor_map(red_out.data.ptr, out_dt, red_out.shape[0], n, c_cols, 64)
         c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
