@@ -275,7 +275,7 @@ class Collectives:
 
     def _ring_tail(self, p: plan.Piece, itemsize: int) -> tuple:
         """The last arguments of a ring kernel: elements per ring entry, the ring depth, entries per stage."""
-        return _u64(p.step // itemsize), _u32(self.tuning.ring_depth), _u32(self.tuning.ring_substeps)
+        return _u64(p.step // itemsize), _u32(p.depth), _u32(p.substeps)
 
     def _order_after_previous(self, s) -> None:
         """Make stream `s` wait for the previous call when it ran on another stream (shared workspace)."""

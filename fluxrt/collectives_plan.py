@@ -63,10 +63,11 @@ PIPE_STEP_ALIGN = 4 << 10
 PIPE_MAX_STEP = 64 << 10
 LL12_TWOSHOT_MIN_BYTES = 256 << 10
 LL12_TWOSHOT_MAX_BYTES = 4 << 20
-RING_MIN_BYTES = 128 << 20
-RING_MIN_BYTES_TWO_RANKS = 64 << 20
-ALLGATHER_RING_MIN_BYTES = 64 << 20
-ALLGATHER_RING_MIN_BYTES_TWO_RANKS = 32 << 20
+RING_MIN_BYTES = 32 << 20
+RING_MIN_BYTES_TWO_RANKS = 32 << 20
+REDUCE_SCATTER_RING_MIN_BYTES = 64 << 20
+ALLGATHER_RING_MIN_BYTES = 32 << 20
+ALLGATHER_RING_MIN_BYTES_TWO_RANKS = 16 << 20
 DIRECT_ALLGATHER_RING_MIN_BYTES = 128 << 20
 PAIRWISE_MIN_BYTES = 32 << 20
 PAIRWISE_MAX_STEP = 256 << 10
@@ -77,6 +78,7 @@ RING_THREADS = 512
 RING_STEP = 256 << 10
 RING_DEPTH = 4
 RING_SUBSTEPS = 2
+RING_ONE_STEP_MAX_GRID = 96
 
 
 @dataclass(frozen=True)
@@ -112,25 +114,32 @@ class Tuning:
     against LL12 7.9 vs 9.8 us at 256 KiB (LL12 ahead at 128 KiB, 6.4 vs 7.2); against one-shot and
     two-shot 10.4 vs 14.6 us at 512 KiB, 14.3 vs 19.7 at 1 MiB, 21.1 vs 26.8 at 2 MiB, 35.8 vs 36.0 at 4
     MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB.
-    ring_min_bytes: allreduce and reduce_scatter messages of at least this many bytes run the ring
-    ('ring', ahead of the pipelined rounds); 0: never. 4x H200, bf16, 256 MiB workspace: allreduce from
-    128 MiB 5-9 % faster than the pipelined rounds (c1f3a2a: 1 GiB 4443 vs 4904 us), level at 64 MiB (341
-    vs 339), slower below (32 MiB 218 vs 188); reduce_scatter from 128 MiB 5-10 % faster (ff13018: 1 GiB
-    2274 vs 2529 us, 128 MiB 327 vs 345). two_rank_ring_min_bytes: the same on 2 ranks, where the ring
-    has 3 stages (7db0c75: allreduce 64 MiB 224 vs 261 us, 1 GiB 2998 vs 3125; reduce_scatter 1 GiB
-    1610 vs 2072; level at 32 MiB). allgather_ring_min_bytes / two_rank_allgather_ring_min_bytes: the
-    same for allgather, by the output's bytes (f26fd7f, eager, against the pipelined rounds: 4 ranks
-    64 MiB 185 vs 196 us, 1 GiB 2239 vs 2517, 32 MiB 114 vs 116, where the staged push took 110 in the
-    18e3386 sweep; 2 ranks 32 MiB 76 vs 87, 1 GiB 1550 vs 2184, level at 16 MiB).
-    direct_allgather_ring_min_bytes: into a symmetric output allgather goes direct below this (and
-    below the thresholds above), the ring from here (5a1565b, 4 ranks: direct 164 vs 178 us at 64 MiB,
-    318 vs 312 at 128 MiB, 2488 vs 2240 at 1 GiB; 2 ranks not measured).
+    ring_min_bytes: allreduce messages of at least this many bytes, on 3 or more ranks, run the ring
+    ('ring'); 0: never. reduce_scatter_ring_min_bytes: the same for reduce_scatter. two_rank_ring_min_bytes:
+    both on 2 ranks (3 ring stages for allreduce). allgather_ring_min_bytes /
+    two_rank_allgather_ring_min_bytes: the same for allgather, by the output's bytes.
+    direct_allgather_ring_min_bytes: into a symmetric output allgather goes direct below this (and below
+    the thresholds above), the ring from here (5a1565b, 4 ranks: direct 164 vs 178 us at 64 MiB, 318 vs
+    312 at 128 MiB, 2488 vs 2240 at 1 GiB; 2 ranks not measured).
+    Measured with the one-step rounds below (ab91dd0, 4x H200, bf16, 256 MiB workspace, eager us, ring
+    against the algorithm that ran below the old threshold, NCCL in the same jobs;
+    perf/results/tune-*-ringsub1*-ab91dd0.json): 4 ranks allreduce 32 MiB 175 vs 187 (two-shot; NCCL
+    173), 64 MiB 311 vs 344 (pipelined; NCCL 323), 16 MiB 115 vs 100; reduce_scatter 64 MiB 171 vs 180,
+    32 MiB 100 vs 98 (staged push); allgather 32 MiB 94 vs 101 (pairwise), 16 MiB level (60). 2 ranks:
+    allreduce 32 MiB 116 vs 137, reduce_scatter 32 MiB level (77), allgather 16 MiB 40 vs 43.
     ring_max_grid / ring_threads: its blocks (one per slice of a chunk, a slice per pipe_bytes_per_block
     of a chunk; up to MAX_RING_BLOCKS; at least two warps, which wait on the two flags). ring_step: bytes
-    per ring entry (at most; the workspace half holds ring_depth entries per block). ring_substeps:
-    entries per stage of a piece (>= 2: the next rank's wait for step i of a stage hides behind this
-    rank's later steps). ring_depth: entries per block (>= 2 ring_substeps: a rank sends a stage while
-    the next rank reads the one before).
+    per ring entry (at most). ring_one_step_max_grid: where a slice fits one entry, at most this many
+    blocks and then ring_max_grid are tried, and the round takes one step per stage (each stage of a
+    block then pays one fence and one flag), as many entries as the half holds up to ring_depth (>= 2);
+    0: never (ring_geometry). Otherwise the half holds ring_depth entries per block and each stage takes
+    ring_substeps entries (>= 2: the next rank's wait for step i of a stage hides behind this rank's
+    later steps; ring_depth >= 2 ring_substeps: a rank sends a stage while the next rank reads the one
+    before). One step per stage against two (ab91dd0, same jobs): 4 ranks allreduce 32 MiB 175 vs 221 us
+    (96 blocks; 181 with 128), 64 MiB 310 vs 337, 128 MiB 582-588 vs 605 (128 blocks), 1 GiB level
+    (4445-4451 vs 4442, several entries per slice); with the default 64 MiB workspace 64 MiB 322 vs 337
+    (depth 2). On 2 ranks two steps per stage stayed ahead where a slice spans several entries
+    (reduce_scatter 1 GiB 1600 vs 1780, allgather 1545 vs 1639).
     pairwise_min_bytes: alltoall messages of at least this many bytes, on 3 or more ranks, with an output
     apart from the input, and allgathers below the ring thresholds, run the pipelined round in pairwise
     phases ('pairwise'): in phase k each rank streams its pair to rank + k only, so every rank pushes to
@@ -167,6 +176,7 @@ class Tuning:
     ll12_twoshot_max_grid: int = 128
     ring_min_bytes: int = RING_MIN_BYTES
     two_rank_ring_min_bytes: int = RING_MIN_BYTES_TWO_RANKS
+    reduce_scatter_ring_min_bytes: int = REDUCE_SCATTER_RING_MIN_BYTES
     allgather_ring_min_bytes: int = ALLGATHER_RING_MIN_BYTES
     two_rank_allgather_ring_min_bytes: int = ALLGATHER_RING_MIN_BYTES_TWO_RANKS
     direct_allgather_ring_min_bytes: int = DIRECT_ALLGATHER_RING_MIN_BYTES
@@ -175,6 +185,7 @@ class Tuning:
     ring_step: int = RING_STEP
     ring_depth: int = RING_DEPTH
     ring_substeps: int = RING_SUBSTEPS
+    ring_one_step_max_grid: int = RING_ONE_STEP_MAX_GRID
     pairwise_min_bytes: int = PAIRWISE_MIN_BYTES
     pairwise_max_step: int = PAIRWISE_MAX_STEP
     pairwise_min_step: int = PAIRWISE_MIN_STEP
@@ -192,6 +203,9 @@ class Tuning:
                 raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
         if not 1 <= self.ring_max_grid <= MAX_RING_BLOCKS:
             raise ValueError(f"Tuning.ring_max_grid must be in [1, {MAX_RING_BLOCKS}], got {self.ring_max_grid}")
+        if self.ring_one_step_max_grid > MAX_RING_BLOCKS:
+            raise ValueError(f"Tuning.ring_one_step_max_grid must be in [0, {MAX_RING_BLOCKS}], got "
+                             f"{self.ring_one_step_max_grid}")
         if not 64 <= self.ring_threads <= THREADS or self.ring_threads % 32:
             raise ValueError(f"Tuning.ring_threads must be a multiple of 32 in [64, {THREADS}], got {self.ring_threads}")
         for name in ("ll12_threads", "ll12_twoshot_threads"):
@@ -296,8 +310,10 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
         ring_min = tuning.two_rank_allgather_ring_min_bytes if world_size == 2 else tuning.allgather_ring_min_bytes
         if direct_ok and ring_min:  # a symmetric output: direct pushes need no staging copy
             ring_min = max(ring_min, tuning.direct_allgather_ring_min_bytes)
+    elif world_size == 2:
+        ring_min = tuning.two_rank_ring_min_bytes
     else:
-        ring_min = tuning.two_rank_ring_min_bytes if world_size == 2 else tuning.ring_min_bytes
+        ring_min = tuning.reduce_scatter_ring_min_bytes if op == "reduce_scatter" else tuning.ring_min_bytes
     if op in RING_OPS and world_size > 1 and 0 < ring_min <= nbytes:
         return "ring"
     pipe = world_size > 1 and tuning.pipe_min_bytes > 0 and nbytes >= tuning.pipe_min_bytes
@@ -363,16 +379,21 @@ def pairwise_step(nbytes: int, world_size: int, half_bytes: int, tuning: Tuning 
         return 0
 
 
-def ring_slices(chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
-    """Blocks of a ring round: one per slice of a chunk."""
-    return max(1, min(tuning.ring_max_grid, _ceil_div(chunk_bytes, tuning.pipe_bytes_per_block)))
+def ring_slices(chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING, max_grid: int = 0) -> int:
+    """Blocks of a ring round: one per slice of a chunk (at most `max_grid`, default tuning.ring_max_grid)."""
+    return max(1, min(max_grid or tuning.ring_max_grid, _ceil_div(chunk_bytes, tuning.pipe_bytes_per_block)))
+
+
+def _ring_slice_bytes(chunk_bytes: int, slices: int) -> int:
+    """Bytes of a block's slice (kernels: pipe_range, whole 128-byte lines)."""
+    return _ceil_div(_ceil_div(chunk_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
 
 
 def ring_step(half_bytes: int, slices: int, world_size: int, chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
     """Bytes per ring entry of a ring round: at most tuning.ring_step, and the workspace half holds
     ring_depth entries per slice; the entries one rank sends per slice and round (2 (n - 1) stages of
     ring_substeps entries for every piece of a slice, allreduce) stay below 2**PIPE_STEP_BITS - 1."""
-    slice_bytes = _ceil_div(_ceil_div(chunk_bytes, slices), PIPE_LINE_BYTES) * PIPE_LINE_BYTES
+    slice_bytes = _ring_slice_bytes(chunk_bytes, slices)
     # every step of a stage carries data where the slice allows (an empty step hides no latency)
     per_step = _ceil_div(_ceil_div(slice_bytes, tuning.ring_substeps), PIPE_STEP_ALIGN) * PIPE_STEP_ALIGN
     step = min(tuning.ring_step, half_bytes // (slices * tuning.ring_depth), per_step)
@@ -385,6 +406,34 @@ def ring_step(half_bytes: int, slices: int, world_size: int, chunk_bytes: int, t
         raise ValueError(f"a block slice of {slice_bytes} bytes needs 2**{PIPE_STEP_BITS} - 1 ring entries or "
                          f"more of {step} bytes: enlarge the workspace")
     return step
+
+
+@dataclass(frozen=True)
+class RingGeometry:
+    """A ring round's launch: `slices` blocks, entries of `step` bytes, `depth` of them per block,
+    `substeps` per stage."""
+
+    slices: int
+    step: int
+    depth: int
+    substeps: int
+
+
+def ring_geometry(half_bytes: int, world_size: int, chunk_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> RingGeometry:
+    """One step per stage where a block's slice fits one entry (whole 4 KiB pages, at most ring_step, at
+    least two per block in the half), on at most ring_one_step_max_grid blocks, else ring_max_grid: each
+    stage then costs a block one fence and one flag. Otherwise ring_substeps entries per stage of each
+    piece of a slice, ring_depth entries per block (ring_step)."""
+    grids = (tuning.ring_one_step_max_grid, tuning.ring_max_grid) if tuning.ring_one_step_max_grid else ()
+    for grid in grids:
+        slices = ring_slices(chunk_bytes, tuning, min(grid, tuning.ring_max_grid))
+        step = _ceil_div(_ring_slice_bytes(chunk_bytes, slices), PIPE_STEP_ALIGN) * PIPE_STEP_ALIGN
+        fits = half_bytes // (slices * step)
+        if step <= tuning.ring_step and fits >= 2:
+            return RingGeometry(slices, step, min(tuning.ring_depth, fits), 1)
+    slices = ring_slices(chunk_bytes, tuning)
+    return RingGeometry(slices, ring_step(half_bytes, slices, world_size, chunk_bytes, tuning), tuning.ring_depth,
+                        tuning.ring_substeps)
 
 
 def ll_grid(bytes_per_peer: int, tuning: Tuning = DEFAULT_TUNING) -> int:
@@ -426,8 +475,9 @@ class Piece:
     count: int
     grid: int
     chunk: int = 0       # two-shot, pipe allreduce: elements per rank's chunk (a multiple of 16 bytes)
-    step: int = 0        # pipe: bytes per ring entry
-    depth: int = 0       # pipe: ring entries per slice
+    step: int = 0        # pipe, ring: bytes per ring entry
+    depth: int = 0       # pipe, ring: ring entries per slice
+    substeps: int = 0    # ring: entries per stage of a piece
 
 
 @dataclass(frozen=True)
@@ -509,12 +559,11 @@ def _pipe_piece(op: str, start: int, count: int, pair_bytes: int, lay: Layout, t
 def _ring_piece(op: str, start: int, count: int, chunk: int, itemsize: int, world_size: int, lay: Layout,
                 tuning: Tuning) -> Piece:
     """The one launch of a ring round: a block per slice of a chunk of `chunk` elements."""
-    slices = ring_slices(chunk * itemsize, tuning)
     try:
-        step = ring_step(lay.slot_bytes, slices, world_size, chunk * itemsize, tuning)
+        g = ring_geometry(lay.slot_bytes, world_size, chunk * itemsize, tuning)
     except ValueError as e:
         raise ValueError(f"{op} of {count} elements, ring: {e}") from None
-    return Piece(start, count, slices, chunk, step)
+    return Piece(start, count, g.slices, chunk, g.step, g.depth, g.substeps)
 
 
 def direct_pieces(per_peer: int, itemsize: int, tuning: Tuning = DEFAULT_TUNING) -> list[Piece]:
@@ -578,4 +627,4 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
 
 __all__ = ["ALGOS", "PIPE_ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
            "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
-           "bulk_grid", "ring_slices", "ring_step", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]
+           "bulk_grid", "ring_slices", "ring_step", "ring_geometry", "RingGeometry", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]

@@ -56,16 +56,21 @@ def test_allreduce_switches_from_ll_to_oneshot_to_twoshot_at_the_thresholds():
     assert plan.choose_algo("allreduce", ll + 2, 4, tuning=plan.Tuning(ll_max_bytes=0)) == "oneshot"  # no LL buffer
     assert plan.choose_algo("allreduce", t + 2, 4, tuning=no_ts) == ("twoshot" if t + 2 < plan.PIPE_MIN_BYTES else "pipe")
     assert plan.choose_algo("allreduce", ts_hi + 2, 4) == ("twoshot" if ts_hi + 2 < plan.PIPE_MIN_BYTES else "pipe")
-    assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4) == "pipe"
-    assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4, tuning=plan.Tuning(pipe_min_bytes=0)) == "twoshot"
+    no_ring = plan.Tuning(ring_min_bytes=0)
+    assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4, tuning=no_ring) == "pipe"
+    assert plan.choose_algo("allreduce", plan.PIPE_MIN_BYTES, 4,
+                            tuning=plan.Tuning(pipe_min_bytes=0, ring_min_bytes=0)) == "twoshot"
+    assert plan.choose_algo("allreduce", plan.RING_MIN_BYTES - 2, 4) == "twoshot"
+    assert plan.choose_algo("allreduce", plan.RING_MIN_BYTES, 4) == "ring"
     assert plan.choose_algo("allreduce", 8, 1) == "oneshot"          # one rank: nothing to exchange
     assert plan.choose_algo("allreduce", 1 << 30, 1) == "oneshot"    # nothing to split
     assert plan.choose_algo("allreduce", 8, 4, "twoshot") == "twoshot"
     for op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast"):
         assert plan.choose_algo(op, 4 << 20, 4) == "push"
         assert plan.choose_algo(op, 8, 4) == "ll"
-        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == {"allgather": "ring", "alltoall": "pairwise"}.get(op, "pipe")
-        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (  # 2 ranks: ring from 64 MiB
+        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 4) == (
+            {"allgather": "ring", "reduce_scatter": "ring", "alltoall": "pairwise"}.get(op, "pipe"))
+        assert plan.choose_algo(op, plan.PIPE_MIN_BYTES, 2, direct_ok=True) == (  # 2 ranks: ring from 32 MiB
             {"reduce_scatter": "ring", "alltoallv": "pipe"}.get(op, "direct"))  # symmetric allgather: 128 MiB
 
 
@@ -296,24 +301,52 @@ def test_pipe_tuning_validates_depth_and_grid():
 @pytest.mark.parametrize("op", ["allreduce", "reduce_scatter", "allgather"])
 @pytest.mark.parametrize("n", [2, 3, 4, 8, 32])
 @pytest.mark.parametrize("count", [1, 4099, 3_000_001, 1 << 28])
-def test_ring_rounds_fit_the_workspace_half(op, n, count):
-    """One launch of a block per slice (<= ring_max_grid); ring_depth entries of `step` bytes per block
-    fill at most the half; a block's entries per round (2 (n - 1) stages of every piece) stay below the
-    flag values' 2**20 - 1 steps."""
-    half, itemsize, t = 32 << 20, 2, plan.DEFAULT_TUNING
+@pytest.mark.parametrize("half", [32 << 20, 128 << 20])
+def test_ring_rounds_fit_the_workspace_half(op, n, count, half):
+    """One launch of a block per slice (<= ring_max_grid); `depth` entries of `step` bytes per block fill
+    at most the half; one step per stage only where a slice fits one entry; a block's entries per round
+    (2 (n - 1) stages of every piece) stay below the flag values' 2**20 - 1 steps."""
+    itemsize, t = 2, plan.DEFAULT_TUNING
     lay = plan.layout(op, "ring", half, n, itemsize)
     assert lay.slot_bytes == half
     (p,) = plan.pieces(op, "ring", count, itemsize, n, lay)
     chunk = p.chunk if op == "allreduce" else count
     assert 1 <= p.grid <= t.ring_max_grid and p.start == 0 and p.count == count
-    assert p.grid == max(1, min(t.ring_max_grid, -(-chunk * itemsize // t.pipe_bytes_per_block)))
+    grids = {max(1, min(g, t.ring_max_grid, -(-chunk * itemsize // t.pipe_bytes_per_block)))
+             for g in (t.ring_one_step_max_grid, t.ring_max_grid)}
+    assert p.grid in grids if p.substeps == 1 else p.grid == max(grids)
     assert p.step % plan.VEC_BYTES == 0 and plan.VEC_BYTES <= p.step <= t.ring_step
-    assert p.grid * t.ring_depth * p.step <= half
+    assert 2 <= p.depth <= t.ring_depth and p.grid * p.depth * p.step <= half
     if op == "allreduce":
         assert p.chunk * n >= count and p.chunk * itemsize % plan.VEC_BYTES == 0
     slice_bytes = -(-chunk * itemsize // p.grid)
-    piece = p.step * t.ring_substeps
-    assert -(-slice_bytes // piece) * t.ring_substeps * 2 * (n - 1) < (1 << plan.PIPE_STEP_BITS) - 1
+    if p.substeps == 1:  # one step per stage: the whole slice in one entry
+        assert slice_bytes <= p.step and p.step % plan.PIPE_STEP_ALIGN == 0
+    else:
+        assert (p.substeps, p.depth) == (t.ring_substeps, t.ring_depth)
+    piece = p.step * p.substeps
+    assert -(-slice_bytes // piece) * p.substeps * 2 * (n - 1) < (1 << plan.PIPE_STEP_BITS) - 1
+
+
+def test_ring_geometry_takes_one_step_per_stage_where_a_slice_fits_an_entry():
+    """Fewer, fuller blocks first (ring_one_step_max_grid), then ring_max_grid; a half holding fewer than two
+    such entries per block, a slice past ring_step or ring_one_step_max_grid=0 keep ring_substeps steps per
+    stage with ring_depth entries."""
+    t, K, M = plan.DEFAULT_TUNING, 1 << 10, 1 << 20
+    g = plan.ring_geometry(128 * M, 4, 8 * M, t)  # 8 MiB chunk over 96 blocks: 87382 -> 88 KiB entries
+    assert g == plan.RingGeometry(96, 88 * K, 4, 1)
+    assert plan.ring_geometry(128 * M, 4, 32 * M, t) == plan.RingGeometry(128, 256 * K, 4, 1)  # 341 KiB > ring_step
+    assert plan.ring_geometry(32 * M, 4, 16 * M, t) == plan.RingGeometry(128, 128 * K, 2, 1)   # 96 x 172 KiB x 2 > half
+    assert plan.ring_geometry(32 * M, 4, 8 * M, t) == plan.RingGeometry(96, 88 * K, 3, 1)      # depth: what the half holds
+    many = plan.ring_geometry(128 * M, 4, 64 * M, t)  # 512 KiB slices: two entries per stage
+    assert many == plan.RingGeometry(128, plan.ring_step(128 * M, 128, 4, 64 * M, t), t.ring_depth, t.ring_substeps)
+    off = plan.Tuning(ring_one_step_max_grid=0)
+    assert plan.ring_geometry(128 * M, 4, 8 * M, off) == plan.RingGeometry(
+        128, plan.ring_step(128 * M, 128, 4, 8 * M, off), off.ring_depth, off.ring_substeps)
+    small = plan.Tuning(ring_max_grid=8, ring_one_step_max_grid=64)  # ring_max_grid caps the one-step grid too
+    assert plan.ring_geometry(128 * M, 4, 8 * M, small).slices == 8
+    with pytest.raises(ValueError, match="ring_one_step_max_grid"):
+        plan.Tuning(ring_one_step_max_grid=plan.MAX_RING_BLOCKS + 1)
 
 
 def test_ring_threshold_and_tuning():
@@ -341,7 +374,10 @@ def test_ring_threshold_and_tuning():
     assert plan.choose_algo("allgather", (16 << 20) - 2, 2, tuning=ag) == "push"
     assert plan.choose_algo("allgather", 1 << 30, 4, tuning=plan.Tuning(allgather_ring_min_bytes=0)) == "pairwise"
     assert plan.choose_algo("allgather", 1 << 30, 4, tuning=plan.Tuning(allgather_ring_min_bytes=0, pairwise_min_bytes=0)) == "pipe"
-    assert plan.choose_algo("reduce_scatter", 64 << 20, 4, tuning=ag) == "pipe"  # its own threshold
+    assert plan.choose_algo("reduce_scatter", 32 << 20, 4, tuning=ag) == "push"  # its own threshold
+    rs = plan.Tuning(ring_min_bytes=1 << 30, reduce_scatter_ring_min_bytes=16 << 20)
+    assert plan.choose_algo("reduce_scatter", 16 << 20, 4, tuning=rs) == "ring"
+    assert plan.choose_algo("allreduce", 16 << 20, 4, tuning=rs) == "twoshot"
     with pytest.raises(ValueError, match="ring_depth"):
         plan.Tuning(ring_depth=3, ring_substeps=2)
     with pytest.raises(ValueError, match="ring_depth"):
@@ -374,8 +410,8 @@ def test_describe_reports_algo_and_launches():
     assert d["algo"] == "twoshot" and d["launches"] == 2  # 32 MiB in pieces of half the 32 MiB half
     d = plan.describe("allreduce", 1 << 29, 2, 4, 32 << 20)
     assert d["algo"] == "ring" and d["launches"] == 1     # 1 GiB: the ring recycles, one launch
-    d = plan.describe("allreduce", 1 << 25, 2, 4, 32 << 20)
-    assert d["algo"] == "pipe" and d["launches"] == 1     # 64 MiB: pipelined, one launch
+    d = plan.describe("allreduce", 1 << 25, 2, 4, 32 << 20, algo="pipe")
+    assert d["algo"] == "pipe" and d["launches"] == 1     # 64 MiB pipelined: one launch
     assert plan.describe("allreduce", 8, 2, 4, 32 << 20)["launches"] == 1
 
 
@@ -688,10 +724,12 @@ def test_pairwise_alltoall_choice():
     assert plan.choose_algo("alltoall", 1 << 30, 2, half_bytes=big) == "pipe"                  # one peer
     assert plan.choose_algo("alltoall", 1 << 30, 4, direct_ok=True, half_bytes=big) == "direct"
     assert plan.choose_algo("alltoall", 1 << 30, 4, half_bytes=32 << 20) == "pipe"  # 64 MiB workspace: small entries
-    assert plan.choose_algo("allgather", 1 << 30, 4, half_bytes=big) == "ring"     # the ring above 64 MiB
-    assert plan.choose_algo("allgather", 32 << 20, 4, half_bytes=big) == "pairwise"
+    assert plan.choose_algo("allgather", 1 << 30, 4, half_bytes=big) == "ring"     # the ring from 32 MiB
+    assert plan.choose_algo("allgather", 32 << 20, 4, half_bytes=big) == "ring"
+    later = plan.Tuning(allgather_ring_min_bytes=64 << 20)
+    assert plan.choose_algo("allgather", 32 << 20, 4, half_bytes=big, tuning=later) == "pairwise"
     assert plan.choose_algo("allgather", 32 << 20, 4, overlaps=False, direct_ok=True, half_bytes=big) == "direct"
-    assert plan.choose_algo("allgather", 32 << 20, 2, half_bytes=big) == "ring"  # 2 ranks: the ring from 32 MiB
+    assert plan.choose_algo("allgather", 32 << 20, 2, half_bytes=big) == "ring"  # 2 ranks: the ring from 16 MiB
     assert plan.choose_algo("reduce_scatter", 32 << 20, 4, half_bytes=big) == "push"
     assert plan.choose_algo("alltoall", 1 << 30, 4, tuning=plan.Tuning(pairwise_min_bytes=0)) == "pipe"
     step = plan.pairwise_step(1 << 30, 4, big)

@@ -1085,24 +1085,29 @@ def test_model_catches_a_ring_overrun(call):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("depth, substeps", [(2, 1), (3, 1), (5, 2), (6, 3)])
+@pytest.mark.parametrize("depth, substeps, one_step", [(2, 1, 0), (3, 1, 0), (5, 2, 0), (6, 3, 0), (4, 2, 4)])
 @pytest.mark.parametrize("seed", range(3))
-def test_ring_geometries_under_many_schedules(n, depth, substeps, seed):
+def test_ring_geometries_under_many_schedules(n, depth, substeps, one_step, seed):
     """Ring depths and steps per stage other than the defaults (a depth that is no multiple of the steps
-    per stage included), allreduce out of place, reduce_scatter in place and allgather (odd byte chunks),
-    under random schedules."""
+    per stage included), and one step per stage where a slice fits an entry (one_step: the geometry's
+    own depth), allreduce out of place, reduce_scatter in place and allgather (odd byte chunks), under
+    random schedules."""
     import dataclasses
 
     m = Model(n)
     m.seed = 100 * seed + depth
     for c in m.ctx:
-        c.tuning = dataclasses.replace(TUNING, ring_depth=depth, ring_substeps=substeps)
+        c.tuning = dataclasses.replace(TUNING, ring_depth=depth, ring_substeps=substeps,
+                                       ring_one_step_max_grid=one_step)
     count = n * 3001 + seed
+    chunk = -(-(-(-count // n)) // 4) * 4
+    geometry = plan.ring_geometry(m.ctx[0]._half("ring"), n, chunk * 4, m.ctx[0].tuning)
+    assert geometry.substeps == (1 if one_step else substeps)
     ins = _inputs(n, count, np.float32, seed)
     xs = [m.array(r, count, np.float32, ins[r]) for r in range(n)]
     outs = [m.array(r, count, np.float32) for r in range(n)]
     m.call("allreduce", [(xs[r], outs[r]) for r in range(n)], algo="ring")
-    want = _ring_reference(ins, "sum", -(-(-(-count // n)) // 4) * 4, np.float32)
+    want = _ring_reference(ins, "sum", chunk, np.float32)
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), want)
     chunk = 2999

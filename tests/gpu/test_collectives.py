@@ -442,16 +442,22 @@ def test_pipelined_rounds_wrap_a_small_ring_many_times(world):
         ctx.free()
 
 
-def test_ring_rounds_with_more_blocks_than_flag_slots_per_source(world):
+@pytest.mark.parametrize("one_step", [0, 256])
+def test_ring_rounds_with_more_blocks_than_flag_slots_per_source(world, one_step):
     """The ring's flags are per slice only: 256 blocks of 256 threads (more than MAX_BLOCKS), allreduce,
-    reduce_scatter and allgather, three calls in a row, against numpy."""
+    reduce_scatter and allgather, three calls in a row, against numpy; with two steps per stage
+    (one_step 0) and with one (each 4 KiB slice in one entry)."""
+    from fluxrt import collectives_plan as plan
     from fluxrt.collectives import Collectives, CollectivesOptions
     from fluxrt.collectives_plan import MAX_RING_BLOCKS, Tuning
 
     n, r = world.size, world.rank
-    ctx = Collectives(world, CollectivesOptions(tuning=Tuning(ring_max_grid=MAX_RING_BLOCKS, ring_threads=256,
-                                                              pipe_bytes_per_block=4 << 10)))
+    tuning = Tuning(ring_max_grid=MAX_RING_BLOCKS, ring_threads=256, pipe_bytes_per_block=4 << 10,
+                    ring_one_step_max_grid=one_step)
+    ctx = Collectives(world, CollectivesOptions(tuning=tuning))
     try:
+        geometry = plan.ring_geometry(ctx.half_bytes, n, 2 * (1 << 21) // n, tuning)
+        assert geometry.slices == MAX_RING_BLOCKS and geometry.substeps == (1 if one_step else tuning.ring_substeps)
         for i in range(3):
             count = (1 << 21) + 8 * i + 3  # 4 MiB of bf16: 256 slices of a chunk, a short last chunk
             x = _data(700 + i, world, count, "bf16")
