@@ -53,6 +53,7 @@ ONESHOT_BYTES_PER_BLOCK = 8 << 10
 ONESHOT_MAX_GRID = 64
 BULK_BYTES_PER_BLOCK = 16 << 10
 BULK_MAX_GRID = 64
+TWOSHOT_MAX_GRID = 128
 LL_MAX_GRID = 32
 DIRECT_MIN_BYTES = 1 << 20
 PIPE_MIN_BYTES = 64 << 20
@@ -88,7 +89,11 @@ class Tuning:
     ll_max_bytes: LL while each pair of ranks exchanges at most this many bytes (allreduce, broadcast: the
     whole message; allgather, reduce_scatter, alltoall: a 1/n chunk; alltoallv: the largest pair); 0 turns
     LL off. It also sizes the LL buffer (one slot per source rank holds that much).
-    oneshot_max_bytes: allreduce one-shot up to here (above LL), two-shot above.
+    oneshot_max_bytes: allreduce one-shot up to here (above LL), two-shot above. twoshot_max_grid: the
+    two-shot's blocks (a block per bulk_bytes_per_block of a chunk); 4x H200, bf16, 256 MiB workspace
+    (6bc3f43, eager / graph us): 128 against 64 blocks, 16 MiB 94.7 / 92.6 vs 100.2 / 97.3 (NCCL 98.7 /
+    96.2), 8 MiB level (57.4 vs 57.1), 32 MiB 178.0 vs 187.9 (the ring, 175.3, runs there);
+    perf/results/tune-allreduce-mid16-*-6bc3f43.json.
     *_bytes_per_block / *_max_grid: a block per that many bytes (per peer for bulk rounds), up to that many
     blocks (LL: a thread per 8 message bytes, so a block of THREADS threads per 4 KiB).
     direct_min_bytes: exchange ops with a symmetric output push straight into it from this size up.
@@ -159,6 +164,7 @@ class Tuning:
     oneshot_max_grid: int = ONESHOT_MAX_GRID
     bulk_bytes_per_block: int = BULK_BYTES_PER_BLOCK
     bulk_max_grid: int = BULK_MAX_GRID
+    twoshot_max_grid: int = TWOSHOT_MAX_GRID
     ll_max_grid: int = LL_MAX_GRID
     direct_min_bytes: int = DIRECT_MIN_BYTES
     pipe_min_bytes: int = PIPE_MIN_BYTES
@@ -197,7 +203,7 @@ class Tuning:
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
-        for name in ("oneshot_max_grid", "bulk_max_grid", "ll_max_grid", "ll12_max_grid", "ll12_twoshot_max_grid",
+        for name in ("oneshot_max_grid", "bulk_max_grid", "twoshot_max_grid", "ll_max_grid", "ll12_max_grid", "ll12_twoshot_max_grid",
                      "pipe_max_grid"):
             if not 1 <= getattr(self, name) <= MAX_BLOCKS:
                 raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
@@ -339,8 +345,8 @@ def oneshot_grid(piece_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
     return max(1, min(tuning.oneshot_max_grid, _ceil_div(piece_bytes, tuning.oneshot_bytes_per_block)))
 
 
-def bulk_grid(bytes_per_peer: int, tuning: Tuning = DEFAULT_TUNING) -> int:
-    return max(1, min(tuning.bulk_max_grid, _ceil_div(bytes_per_peer, tuning.bulk_bytes_per_block)))
+def bulk_grid(bytes_per_peer: int, tuning: Tuning = DEFAULT_TUNING, max_grid: int = 0) -> int:
+    return max(1, min(max_grid or tuning.bulk_max_grid, _ceil_div(bytes_per_peer, tuning.bulk_bytes_per_block)))
 
 
 def pipe_roles(op: str) -> int:
@@ -535,7 +541,7 @@ def allreduce_pieces(count: int, itemsize: int, world_size: int, algo: str, lay:
                 out.append(_ring_piece("allreduce", start, n, chunk, itemsize, world_size, lay, tuning))
                 continue
             out.append(_pipe_piece("allreduce", start, n, chunk * itemsize, lay, tuning, chunk) if algo == "pipe"
-                       else Piece(start, n, bulk_grid(chunk * itemsize, tuning), chunk))
+                       else Piece(start, n, bulk_grid(chunk * itemsize, tuning, tuning.twoshot_max_grid), chunk))
     return out
 
 

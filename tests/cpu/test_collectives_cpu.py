@@ -206,6 +206,22 @@ def test_direct_exchange_needs_a_symmetric_output_and_a_large_message():
     assert d["algo"] == "direct" and d["launches"] == 1
 
 
+def test_twoshot_grid_has_its_own_cap():
+    """The two-shot takes up to twoshot_max_grid blocks (a block per bulk_bytes_per_block of a chunk); the
+    staged exchange rounds keep bulk_max_grid."""
+    lay = plan.layout("allreduce", "twoshot", 128 << 20, 4, 2)
+    (p,) = plan.pieces("allreduce", "twoshot", 8 << 20, 2, 4, lay)  # 16 MiB of bf16: 4 MiB chunks
+    assert p.grid == plan.TWOSHOT_MAX_GRID > plan.BULK_MAX_GRID
+    (q,) = plan.pieces("allreduce", "twoshot", 8 << 20, 2, 4, lay, plan.Tuning(twoshot_max_grid=32))
+    assert q.grid == 32
+    (r,) = plan.pieces("allreduce", "twoshot", 1024, 2, 4, lay)  # 512-byte chunks: one block
+    assert r.grid == 1
+    (g,) = plan.pieces("allgather", "push", 8 << 20, 2, 4, plan.layout("allgather", "push", 128 << 20, 4, 2))
+    assert g.grid == plan.BULK_MAX_GRID
+    with pytest.raises(ValueError, match="twoshot_max_grid"):
+        plan.Tuning(twoshot_max_grid=plan.MAX_BLOCKS + 1)
+
+
 def test_choose_algo_rejects_unknown_names():
     with pytest.raises(ValueError, match="algo 'tree'"):
         plan.choose_algo("allreduce", 8, 4, "tree")
