@@ -203,8 +203,8 @@ class Tuning:
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"Tuning.{f.name} must be a non-negative int, got {v!r}")
-        for name in ("oneshot_max_grid", "bulk_max_grid", "twoshot_max_grid", "ll_max_grid", "ll12_max_grid", "ll12_twoshot_max_grid",
-                     "pipe_max_grid"):
+        for name in ("oneshot_max_grid", "bulk_max_grid", "twoshot_max_grid", "ll_max_grid", "ll12_max_grid",
+                     "ll12_twoshot_max_grid", "pipe_max_grid"):
             if not 1 <= getattr(self, name) <= MAX_BLOCKS:
                 raise ValueError(f"Tuning.{name} must be in [1, {MAX_BLOCKS}], got {getattr(self, name)}")
         if not 1 <= self.ring_max_grid <= MAX_RING_BLOCKS:

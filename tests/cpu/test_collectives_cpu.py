@@ -353,7 +353,7 @@ def test_ring_geometry_takes_one_step_per_stage_where_a_slice_fits_an_entry():
     assert g == plan.RingGeometry(96, 88 * K, 4, 1)
     assert plan.ring_geometry(128 * M, 4, 32 * M, t) == plan.RingGeometry(128, 256 * K, 4, 1)  # 341 KiB > ring_step
     assert plan.ring_geometry(32 * M, 4, 16 * M, t) == plan.RingGeometry(128, 128 * K, 2, 1)   # 96 x 172 KiB x 2 > half
-    assert plan.ring_geometry(32 * M, 4, 8 * M, t) == plan.RingGeometry(96, 88 * K, 3, 1)      # depth: what the half holds
+    assert plan.ring_geometry(32 * M, 4, 8 * M, t) == plan.RingGeometry(96, 88 * K, 3, 1)  # depth: what the half holds
     many = plan.ring_geometry(128 * M, 4, 64 * M, t)  # 512 KiB slices: two entries per stage
     assert many == plan.RingGeometry(128, plan.ring_step(128 * M, 128, 4, 64 * M, t), t.ring_depth, t.ring_substeps)
     off = plan.Tuning(ring_one_step_max_grid=0)
