@@ -27,6 +27,7 @@ crossover points (``fluxrt-perf allreduce --algo ll`` vs ``--algo oneshot`` ...,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 # Mirrors of kernels/comm/collectives.cu.
@@ -375,8 +376,10 @@ def pipe_step(slot_bytes: int, slices: int, depth: int, slice_bytes: int, max_st
     return step
 
 
+@functools.lru_cache(maxsize=256)
 def pairwise_step(nbytes: int, world_size: int, half_bytes: int, tuning: Tuning = DEFAULT_TUNING) -> int:
-    """Bytes per ring entry of a pairwise alltoall of `nbytes` (0 where the workspace half is too small)."""
+    """Bytes per ring entry of a pairwise alltoall of `nbytes` (0 where the workspace half is too small).
+    Cached: choose_algo asks on every eager alltoall call from pairwise_min_bytes."""
     pair = _ceil_div(nbytes, world_size)
     try:
         return _pipe_piece("alltoall", 0, pair, pair, layout("alltoall", "pairwise", half_bytes, world_size, 1),
