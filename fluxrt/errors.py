@@ -37,6 +37,14 @@ class NotSymmetricError(FluxrtError, ValueError):
     """An array that must live on the symmetric heap does not."""
 
 
+class GemmArgumentError(FluxrtError, ValueError):
+    """A GEMM operand has the wrong shape, layout, alignment or device."""
+
+
+class GemmTypeError(FluxrtError, TypeError):
+    """A GEMM operand has an unsupported type or dtype."""
+
+
 class CompileError(FluxrtError):
     """A kernel failed to compile or link; the message carries the compiler log."""
 

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     import ml_dtypes
 
     from fluxrt.gemm import gemm
-    from fluxrt.gemm_plan import plan_gemm
+    from fluxrt.gemm.plan import plan_gemm
 
     np_dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
     dev = cupy.cuda.Device()

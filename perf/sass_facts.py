@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         return 2
 
     from fluxrt.gemm import compile_options, kernel_defines
-    from fluxrt.gemm_plan import plan_gemm
+    from fluxrt.gemm.plan import plan_gemm
     from fluxrt.toolchain import compile_cubin
 
     m, k, n = (int(x) for x in args.shape.split(","))

@@ -47,7 +47,7 @@ import logging
 from .. import p2p
 from ..errors import op_id
 from ..gemm import BANDS_C, ArrivalWait, RowBands, ShardCopy, gemm_with_hooks
-from ..gemm_plan import SMEM_LIMIT_BYTES
+from ..gemm.plan import SMEM_LIMIT_BYTES
 from ..streams import as_cupy_stream
 from . import common
 from .plan import AgGemmPlan, ag_gemm_plan, ag_pad_layout, check_rows, \

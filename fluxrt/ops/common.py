@@ -221,7 +221,7 @@ def join(waiter, signaller) -> None:
 
 
 def num_sms(world) -> int:
-    from ..gemm import _num_sms
+    from ..gemm.kernel import _num_sms
 
     return _num_sms(world.device_id)
 
@@ -238,7 +238,7 @@ def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook
                  hook_reduce: int = 0, hook_copy: bool = False, bands: int = 0):
     """Compile/load the GEMM instantiation a call will launch before anything of the call is enqueued:
     a compile error then leaves no half-launched op behind for peers to wait on."""
-    from ..gemm import _kernel, kernel_defines
+    from ..gemm.kernel import _kernel, kernel_defines
 
     defines = kernel_defines(plan, in_dtype, out_dtype, trans_b, hook_wait, hook_epilogue, hook_reduce, hook_copy,
                              bands)

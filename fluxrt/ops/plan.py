@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import FluxrtError
-from ..gemm_plan import GemmPlan, H100_H200_SMS, plan_gemm
+from ..gemm.plan import GemmPlan, H100_H200_SMS, plan_gemm
 
 __all__ = ["AgGemmPlan", "GemmRsPlan", "OpsArgumentError", "AG_COMM_MODES", "RS_REDUCE_MODES", "TILE_ROWS",
            "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "padded_shard", "capacity_rows", "pull_order",

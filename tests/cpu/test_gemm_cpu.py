@@ -8,7 +8,7 @@ import pytest
 
 from fluxrt.gemm import (GemmArgumentError, GemmTypeError, compile_options, gemm, gemm_with_hooks,
                          kernel_defines, validate_gemm_args, ArrivalWait, TileDestinations, TileEpilogue)
-from fluxrt.gemm_plan import (SMEM_LIMIT_BYTES, GemmPlan, grouped_order, hilbert_order, max_stages, plan_gemm,
+from fluxrt.gemm.plan import (SMEM_LIMIT_BYTES, GemmPlan, grouped_order, hilbert_order, max_stages, plan_gemm,
                               tile_order)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -285,7 +285,8 @@ def test_chunk_reduce_validated_before_launch():
 
 
 def test_tail_reduce_validated_before_launch():
-    from fluxrt.gemm import ChunkReduce, _check_tail
+    from fluxrt.gemm import ChunkReduce
+    from fluxrt.gemm.checks import _check_tail
 
     a, b = arr((512, 64)), arr((64, 256), ptr=1 << 33)
     parts = 1 << 38

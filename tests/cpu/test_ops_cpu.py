@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from fluxrt.errors import FluxrtError
-from fluxrt.gemm_plan import GemmPlan, tile_order
+from fluxrt.gemm.plan import GemmPlan, tile_order
 from fluxrt.ops import plan as P
 
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 from fluxrt.errors import decode_error_record, op_id  # noqa: E402
 from fluxrt.gemm import (ArrivalWait, ChunkReduce, GemmArgumentError, ShardCopy, TileDestinations,  # noqa: E402
                          TileEpilogue, gemm, gemm_with_hooks)
-from fluxrt.gemm_plan import GemmPlan, max_stages, plan_gemm  # noqa: E402
+from fluxrt.gemm.plan import GemmPlan, max_stages, plan_gemm  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NP_DT = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}

@@ -41,6 +41,7 @@ EPILOGUES = ("tma", "direct")
 C_STAGINGS = ("per_consumer", "shared")
 IN_DTYPES = ("bfloat16", "float16")
 OUT_DTYPES = ("bfloat16", "float16", "float32")
+TMA_ALIGN = 16                     # bytes: TMA global addresses and row strides are multiples of 16
 
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}   # bytes per element of each GEMM dtype

@@ -1,0 +1,38 @@
+"""Hopper GEMM engine: ``C = A @ B`` (or ``A @ B.T``) with a main loop fluxrt owns (kernels/gemm/hopper_gemm.cu).
+
+Public entry point: :func:`gemm`. The fused ops (AllGather+GEMM, GEMM+ReduceScatter) use
+:func:`gemm_with_hooks`, which compiles the two hooks into the kernel:
+
+* :class:`ArrivalWait`   -- before loading A for a tile, the producer waits (bounded, acquire.sys, then
+  fence.proxy.async) until ``flags[m_block_start // chunk_rows] >= epoch``.
+* :class:`TileEpilogue`  -- finished tiles of chunk ``row // chunk_rows`` go by TMA store to that chunk's
+  destination (:class:`TileDestinations`: row ``row - chunk*chunk_rows`` of a row-major array, e.g. a
+  peer's symmetric buffer) and, when ``flag_table`` is given, raise
+  ``flag_table[chunk][local_m_tile * n_tiles + n_tile]`` (set to / add ``signal_value``, release.sys),
+  issued from the storer warp of the producer warpgroup.
+* :class:`ChunkReduce`   -- (with TileEpilogue) the tiles of one chunk instead get the other sources'
+  partials of their rows added in the consumers' epilogue, each after its flag, and go to ``out``:
+  the reduce of GEMM+ReduceScatter fused into the GEMM that makes the last partial.
+* :class:`RowBands`      -- A or C holds the GEMM's rows in bands with padding rows left out: the fused
+  ops' padded calls read A in place (TMA fills the padding rows with zeros) or write C in place (TMA
+  clips them), instead of copying through a padded buffer.
+
+Every argument is validated before the first CUDA call (so mistakes surface as exceptions that name
+the shapes, and the checks run on CPU-only machines).
+
+Modules: ``plan`` (tile shape, stages, order: pure Python), ``hooks`` (the fused ops' hook arguments),
+``checks`` (argument validation), ``kernel`` (compile-time configuration and loaded modules), ``tmaps``
+(TMA descriptors and order tables), ``launch`` (one call from arguments to the launch).
+"""
+from ..errors import GemmArgumentError, GemmTypeError
+from .checks import validate_gemm_args
+from .hooks import (BANDS_A, BANDS_C, DEFAULT_TIMEOUT_NS, REDUCE_WHERE, ArrivalWait, ChunkReduce, RowBands, ShardCopy,
+                    TileDestinations, TileEpilogue, band_bits, reduce_hook_id)
+from .kernel import KERNEL_NAME, KERNEL_SOURCE, compile_options, kernel_defines
+from .launch import gemm, gemm_with_hooks
+from .plan import GemmPlan, plan_gemm
+
+__all__ = ["gemm", "gemm_with_hooks", "GemmPlan", "plan_gemm", "ArrivalWait", "TileEpilogue", "TileDestinations",
+           "ChunkReduce", "ShardCopy", "RowBands", "GemmArgumentError", "GemmTypeError", "validate_gemm_args",
+           "kernel_defines", "compile_options", "band_bits", "reduce_hook_id", "BANDS_A", "BANDS_C",
+           "DEFAULT_TIMEOUT_NS", "REDUCE_WHERE", "KERNEL_NAME", "KERNEL_SOURCE"]

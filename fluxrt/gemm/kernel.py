@@ -1,0 +1,99 @@
+"""The compiled GEMM kernel: which -D macros instantiate kernels/gemm/hopper_gemm.cu for a plan, the
+loaded module per configuration and device, and the device facts a launch needs (SMs, cluster
+occupancy)."""
+from __future__ import annotations
+
+import logging
+import threading
+
+from .plan import GemmPlan
+
+log = logging.getLogger("fluxrt.gemm")
+
+KERNEL_SOURCE = "gemm/hopper_gemm.cu"
+KERNEL_NAME = "fluxrt_gemm"
+IN_IDS = {"bfloat16": 0, "float16": 1}
+OUT_IDS = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+_lock = threading.Lock()
+_modules: dict = {}
+
+
+def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool = False,
+                   hook_epilogue: bool = False, hook_reduce: int = 0,
+                   hook_copy: bool = False, bands: int = 0) -> tuple[tuple[str, str], ...]:
+    """-D macros that instantiate hopper_gemm.cu for one configuration. hook_reduce: 0 none, 1 (or True)
+    hook 3 in the epilogue, 2 hook 3 in the tail (:attr:`ChunkReduce.hook_id`). bands: which operands are
+    :class:`RowBands` (:func:`band_bits`)."""
+    # hook 4 and bands only when on: every configuration without them keeps its earlier macros (and cache key)
+    return (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
+            ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(IN_IDS[in_dtype])),
+            ("FLUXRT_GEMM_OUT", str(OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
+            ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
+            ("FLUXRT_GEMM_HOOK_EPILOGUE", "1" if hook_epilogue else "0"),
+            ("FLUXRT_GEMM_HOOK_REDUCE", str(int(hook_reduce))),
+            ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"),
+            ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)),
+            # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
+            ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_turns > 1 else "0"))
+
+
+def compile_options(defines, arch: str | None = None):
+    from ..toolchain import CompileOptions
+
+    return CompileOptions(arch=arch, defines=tuple(defines))
+
+
+
+def _kernel(defines, device_id: int, smem_bytes: int):
+    """The loaded kernel for one configuration, with its dynamic shared memory limit raised once."""
+    key = (defines, device_id)
+    with _lock:
+        k = _modules.get(key)
+    if k is None:
+        from ..toolchain import load_module
+
+        mod = load_module(KERNEL_SOURCE, compile_options(defines))
+        k = mod.get_function(KERNEL_NAME)
+        k.max_dynamic_shared_size_bytes = smem_bytes   # > 48 KiB needs the opt-in attribute
+        with _lock:
+            _modules[key] = k
+    return k
+
+
+
+_sms: dict = {}
+
+
+def _num_sms(device_id: int) -> int:
+    n = _sms.get(device_id)
+    if n is None:
+        from cupy.cuda import runtime
+
+        n = _sms[device_id] = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+    return n
+
+
+_cluster_caps: dict = {}
+
+
+def _max_clusters(kern, plan: GemmPlan, smem_bytes: int, device_id: int) -> int | None:
+    """How many clusters of plan.cluster CTAs can be resident at once (GPCs may leave SMs unpaired);
+    None for plan.cluster == 1 or when the driver cannot say."""
+    if plan.cluster == 1:
+        return None
+    func = kern.kernel.ptr   # cupy.RawKernel -> its loaded CUfunction
+    key = (func, device_id)
+    if key not in _cluster_caps:
+        from cuda.bindings import driver as drv
+
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = plan.cluster * _num_sms(device_id), 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = plan.threads, 1, 1
+        cfg.sharedMemBytes = smem_bytes
+        err, n = drv.cuOccupancyMaxActiveClusters(drv.CUfunction(func), cfg)
+        if err != drv.CUresult.CUDA_SUCCESS or n <= 0:
+            log.warning("cuOccupancyMaxActiveClusters failed (%s); assuming every SM pairs up", err)
+        _cluster_caps[key] = int(n) if err == drv.CUresult.CUDA_SUCCESS and n > 0 else None
+    return _cluster_caps[key]
+

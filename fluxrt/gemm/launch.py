@@ -1,0 +1,181 @@
+"""The GEMM launch: checks, plan, kernel, tensor maps and arguments of one call, then the launch."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import normalize_dtype
+from ..errors import GemmArgumentError, GemmTypeError
+from .checks import (_band_stride, _check_bands_plan, _check_copy, _check_hooks, _check_reduce, _check_tail, _ptr,
+                     _validate)
+from .hooks import ArrivalWait, RowBands, ShardCopy, TileEpilogue, band_bits
+from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
+from .plan import ITEMSIZE as _ITEMSIZE
+from .plan import SMEM_LIMIT_BYTES, GemmPlan, plan_gemm
+from .tmaps import NULL_TMAP as _NULL_TMAP
+from .tmaps import order_table as _order_table
+from .tmaps import tensor_map as _tensor_map
+
+
+def _as_device_array(x, name: str):
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        return cupy.from_dlpack(x)
+    raise GemmTypeError(f"gemm: {name} is not a CUDA array")
+
+
+def _stream(stream):
+    from ..streams import as_cupy_stream
+
+    try:
+        return as_cupy_stream(stream)
+    except TypeError as e:
+        raise GemmTypeError(f"gemm: {e}") from e
+
+
+
+def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | None,
+            epilogue: TileEpilogue | None, copy: ShardCopy | None = None, a_bands: RowBands | None = None,
+            c_bands: RowBands | None = None):
+    stride = _band_stride(a_bands, c_bands, wait, epilogue)
+    m, n, k, in_dt, out_dt = _validate(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands,
+                                       c_bands=c_bands, stride=stride)
+    if plan is None:
+        plan = plan_gemm(m, n, k, in_dtype=in_dt, out_dtype=out_dt)
+    plan.validate(out_dt)
+    if stride:
+        _check_bands_plan(a_bands, c_bands, stride, plan, epilogue, copy)
+    _check_hooks(wait, epilogue, plan, m)
+    red = epilogue.reduce if epilogue is not None else None
+    if epilogue is not None:
+        epilogue.destinations.check(m, n, epilogue.chunk_rows, out_dt)
+    if red is not None:
+        _check_reduce(red, wait, m, n, epilogue.chunk_rows, out_dt)
+        _check_tail(red, epilogue, plan, m, n)
+    if copy is not None:
+        _check_copy(copy, wait, m, k, in_dt)
+        if plan.smem_bytes(out_dt, shard_copy=True) > SMEM_LIMIT_BYTES:
+            raise GemmArgumentError(f"gemm: ShardCopy needs {plan.smem_bytes(out_dt, shard_copy=True)} B of shared "
+                                    f"memory with this plan (its copier's buffer), more than {SMEM_LIMIT_BYTES} B: "
+                                    "use fewer stages or per-consumer C staging")
+
+    import cupy
+
+    # an operand seen only through __dlpack__ has its pointer once imported: check those then
+    dlpack_only = any(x is not None and not isinstance(x, cupy.ndarray) and not hasattr(x, "__cuda_array_interface__")
+                      for x in (a, b, out))
+    a = _as_device_array(a, "A")
+    b = _as_device_array(b, "B")
+    if out is not None:
+        out = _as_device_array(out, "out")
+    red_out = _as_device_array(red.out, "ChunkReduce.out") if red is not None else None
+    if red_out is not None and red_out.device.id != a.device.id:
+        raise GemmArgumentError(f"gemm: ChunkReduce.out is on device {red_out.device.id} but A on device {a.device.id}")
+    own = _as_device_array(copy.src, "ShardCopy.src") if copy is not None else None
+    if own is not None and own.device.id != a.device.id:
+        raise GemmArgumentError(f"gemm: ShardCopy.src is on device {own.device.id} but A on device {a.device.id}")
+    if dlpack_only:
+        _validate(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands, c_bands=c_bands, stride=stride)
+    dev = a.device.id
+    if b.device.id != dev:
+        raise GemmArgumentError(f"gemm: A is on device {dev} but B on device {b.device.id}")
+    if out is None:
+        if epilogue is None:
+            with cupy.cuda.Device(dev):
+                out = cupy.empty((m // stride * c_bands.rows if c_bands else m, n), dtype=normalize_dtype(out_dt))
+    elif out.device.id != dev:
+        raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
+    # without hooks the band height travels as chunk_rows (the kernel's band_rows())
+    chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else stride)
+    bands = m // stride if stride else None   # bands of a banded operand's 3-D tensor map
+
+    defines = kernel_defines(plan, in_dt, out_dt, trans_b, wait is not None, epilogue is not None,
+                             red.hook_id if red is not None else 0,
+                             copy is not None, band_bits(a_bands, c_bands))
+    with cupy.cuda.Device(dev):
+        smem = plan.smem_bytes(out_dt, shard_copy=copy is not None)
+        kern = _kernel(defines, dev, smem)
+        mt, nt = plan.tiles(m, n)
+        tmap_a = _tensor_map(a.data.ptr, in_dt, a_bands.rows if a_bands else m, k, plan.block_k, plan.block_m,
+                             bands=bands if a_bands else None)
+        tmap_own = (_tensor_map(own.data.ptr, in_dt, own.shape[0], k, plan.block_k, plan.block_m)
+                    if own is not None else _NULL_TMAP)
+        if trans_b:   # with a cluster each CTA loads (and multicasts) block_n / cluster rows of B
+            tmap_b = _tensor_map(b.data.ptr, in_dt, n, k, plan.block_k, plan.block_n // plan.cluster)
+        else:
+            tmap_b = _tensor_map(b.data.ptr, in_dt, k, n, 64, plan.block_k)
+        c_cols = 128 // _ITEMSIZE[out_dt]
+        staged_out = out is not None and epilogue is None and plan.epilogue == "tma"
+        tmap_c = (_tensor_map(out.data.ptr, out_dt, c_bands.rows if c_bands else m, n, c_cols, 64,
+                              bands=bands if c_bands else None) if staged_out else _NULL_TMAP)
+        if red is not None and red.where == "epilogue":   # hook 3: C is the reduced chunk's result
+            tmap_c = _tensor_map(red_out.data.ptr, out_dt, red_out.shape[0], n, c_cols, 64)
+        c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
+        dst_tmaps = (epilogue.destinations.tensor_maps(m, n, epilogue.chunk_rows, dev, c_cols, 64)
+                     if epilogue is not None else None)
+        table = _order_table(plan, mt, nt, dev)
+        grid = plan.grid(m, n, _num_sms(dev), _max_clusters(kern, plan, smem, dev))
+        # one timeout report per kernel: hook 1's, else hook 3's (_check_reduce: equal when both)
+        timed = wait if wait is not None else red
+        args = (
+            tmap_a, tmap_b, tmap_c, np.int32(m), np.int32(n), np.int32(k),
+            np.uint64(_ptr(table)), np.int32(plan.group_m), np.int32(plan.m_tile_offset % mt),
+            # hook 1
+            np.uint64(_ptr(wait.flags) if wait else 0), np.uint64(wait.epoch if wait else 0),
+            np.int32(chunk_rows), np.int32(wait.chunks_per_peer if wait else 1),
+            np.uint64(timed.timeout_ns if timed else 0), np.uint64(_ptr(timed.err) if timed else 0),
+            np.uint32(wait.op_id if wait else 0), np.uint32(timed.rank if timed else 0),
+            # hook 2
+            np.uint64(_ptr(dst_tmaps)), np.uint64(_ptr(epilogue.flag_table) if epilogue else 0),
+            np.int32(epilogue.flag_group_n if epilogue else 0),
+            np.uint64(epilogue.signal_value if epilogue else 0), np.int32(1 if epilogue and epilogue.signal_add else 0),
+            np.uint64(c_direct),
+            # hook 3
+            np.int32(red.chunk if red else -1), np.uint64(_ptr(red.partials) if red else 0),
+            np.int64(red.source_bytes if red else 0), np.int64(red.ld if red else 0),
+            np.uint32(red.sources if red else 0), np.uint64(_ptr(red.flags) if red else 0),
+            np.int64(red.flag_stride if red else 0), np.int32(red.group_n if red else 0),
+            np.uint64(red.epoch if red else 0), np.uint32(red.op_id if red else 0),
+            # hook 4
+            tmap_own, np.int32(copy.row0 if copy else 0), np.int32(own.shape[0] if copy else 0),
+            np.uint64(_ptr(copy.counters) if copy else 0),
+            # hook 3 in the tail
+            np.uint64(red_out.data.ptr if red is not None and red.where == "tail" else 0),
+            np.uint64(_ptr(red.counter) if red is not None and red.where == "tail" else 0),
+        )
+        with _stream(stream):
+            kern((grid,), (plan.threads,), args, shared_mem=smem)
+    return out
+
+
+def gemm(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
+         out_dtype: str | None = None):
+    """``out = a @ b`` (``b`` is [K, N]) or ``a @ b.T`` (``trans_b=True``, ``b`` is [N, K]).
+
+    a: [M, K] bf16 or fp16, C-contiguous, on the current device (any __cuda_array_interface__ / DLPack
+    array). out: optional [M, N] bf16/fp16/fp32 array (allocated with ``out_dtype`` -- default a's dtype --
+    when None). Rows must be 16-byte aligned: K and N multiples of 8 (N of 4 for fp32 out).
+    stream: cupy stream, raw cudaStream_t int, or None (current stream). plan: see fluxrt.gemm.plan.
+    Returns ``out``.
+    """
+    return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=None,
+                   epilogue=None)
+
+
+def gemm_with_hooks(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
+                    out_dtype: str | None = None, wait: ArrivalWait | None = None,
+                    epilogue: TileEpilogue | None = None, copy: ShardCopy | None = None,
+                    a_bands: RowBands | None = None, c_bands: RowBands | None = None):
+    """Internal launch path of the fused ops: :func:`gemm` with hooks 1 (``wait``), 2 (``epilogue``, with 3 as
+    its ``reduce``) and 4 (``copy``, needs ``wait``) compiled in, and A (``a_bands``) or C (``c_bands``) in
+    :class:`RowBands`.
+
+    With ``epilogue`` set, ``out`` is not written (tiles go to ``epilogue.destinations``); pass out=None and
+    out_dtype for the element type of the destinations. Returns ``out`` (None with an epilogue and no out).
+    """
+    return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=wait,
+                   epilogue=epilogue, copy=copy, a_bands=a_bands, c_bands=c_bands)

@@ -1,0 +1,87 @@
+"""TMA descriptors (CUtensorMap) of the GEMM's operands and the host-built tile-order tables, cached per
+geometry: building a tensor map is a driver call, far more than a launch costs on the host."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import GemmArgumentError
+from .plan import ITEMSIZE as _ITEMSIZE
+from .plan import GemmPlan, hilbert_order
+
+_lock = threading.Lock()
+_order_tables: dict = {}
+_tmaps: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
+_TMAP_CACHE_SIZE = 256
+_TMAP_TYPES = {"bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", "float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+               "float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"}
+_TMAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])  # CUtensorMap: 128 opaque bytes
+
+
+def tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_rows: int, *, ld: int | None = None,
+                bands: int | None = None, cache: bool = True) -> np.ndarray:
+    """2-D row-major [rows, cols] tensor map (``ld`` elements per row, default cols), box {box_cols,
+    box_rows}, 128B swizzle, zero OOB fill; with ``bands``, 3-D [bands][rows][cols] (consecutive bands of
+    rows, box one band deep: RowBands). Returned as a size-1 array of one 128-byte record (CuPy passes it
+    by value to the __grid_constant__ TmaDesc). cache=False: not kept in the launch cache."""
+    ld = cols if ld is None else ld
+    key = (ptr, dtype, rows, cols, box_cols, box_rows, ld, bands)
+    with _lock:
+        hit = _tmaps.get(key) if cache else None
+        if hit is not None:
+            _tmaps.move_to_end(key)
+            return hit
+    from cuda.bindings import driver as drv
+
+    item = _ITEMSIZE[dtype]
+    dims, strides, box = [cols, rows], [ld * item], [box_cols, box_rows]
+    if bands is not None:
+        dims, strides, box = dims + [bands], strides + [rows * ld * item], box + [1]
+    err, tmap = drv.cuTensorMapEncodeTiled(
+        getattr(drv.CUtensorMapDataType, _TMAP_TYPES[dtype]), len(dims), ptr,
+        [drv.cuuint64_t(d) for d in dims], [drv.cuuint64_t(x) for x in strides],
+        [drv.cuuint32_t(x) for x in box], [drv.cuuint32_t(1)] * len(dims),
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise GemmArgumentError(f"cuTensorMapEncodeTiled failed ({err}) for a {dtype} "
+                                f"[{'' if bands is None else f'{bands}, '}{rows}, {cols}] tensor at 0x{ptr:x}, "
+                                f"box [{box_rows}, {box_cols}]")
+    words = np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
+    arr = words.view(_TMAP_DTYPE).reshape((1,))  # size-1 structured array: by value
+    if not cache:
+        return arr
+    with _lock:
+        _tmaps[key] = arr
+        while len(_tmaps) > _TMAP_CACHE_SIZE:
+            _tmaps.popitem(last=False)
+    return arr
+
+
+NULL_TMAP = np.zeros((1,), dtype=_TMAP_DTYPE)
+
+
+def order_table(plan: GemmPlan, m_tiles: int, n_tiles: int, device_id: int):
+    """Hilbert order of the work items: [slot rows, n_tiles], a slot row = plan.cluster tile rows."""
+    if plan.order != "hilbert":
+        return None
+    m_tiles = -(-m_tiles // plan.cluster)
+    key = (m_tiles, n_tiles, device_id)
+    with _lock:
+        t = _order_tables.get(key)
+    if t is None:
+        import cupy
+
+        if m_tiles >= 1 << 16 or n_tiles >= 1 << 16:
+            raise GemmArgumentError(f"gemm: hilbert order supports < 65536 tiles per side, got {m_tiles}x{n_tiles}")
+        packed = np.array([(mm << 16) | nn for mm, nn in hilbert_order(m_tiles, n_tiles)], dtype=np.uint32)
+        t = cupy.asarray(packed)
+        cupy.cuda.get_current_stream().synchronize()   # shared by launches on every stream
+        with _lock:
+            _order_tables[key] = t
+    return t
+
