@@ -1,6 +1,9 @@
 """The GEMM launch: checks, plan, kernel, tensor maps and arguments of one call, then the launch."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import numpy as np
 
 from ..dtypes import normalize_dtype
@@ -14,6 +17,8 @@ from .plan import SMEM_LIMIT_BYTES, GemmPlan, plan_gemm
 from .tmaps import NULL_TMAP as _NULL_TMAP
 from .tmaps import order_table as _order_table
 from .tmaps import tensor_map as _tensor_map
+from ..packed_launch import PackedLaunch
+from ..streams import stream_handle
 
 
 def _as_device_array(x, name: str):
@@ -28,19 +33,18 @@ def _as_device_array(x, name: str):
     raise GemmTypeError(f"gemm: {name} is not a CUDA array")
 
 
-def _stream(stream):
-    from ..streams import as_cupy_stream
-
+def _stream_ptr(stream) -> int:
     try:
-        return as_cupy_stream(stream)
+        return stream_handle(stream)
     except TypeError as e:
         raise GemmTypeError(f"gemm: {e}") from e
 
 
 
-def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | None,
-            epilogue: TileEpilogue | None, copy: ShardCopy | None = None, a_bands: RowBands | None = None,
-            c_bands: RowBands | None = None):
+def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
+             epilogue: TileEpilogue | None, copy: ShardCopy | None = None, a_bands: RowBands | None = None,
+             c_bands: RowBands | None = None):
+    """Check one call and build its launch: returns (PackedLaunch, out, plan). Makes no launch."""
     stride = _band_stride(a_bands, c_bands, wait, epilogue)
     m, n, k, in_dt, out_dt = _validate(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands,
                                        c_bands=c_bands, stride=stride)
@@ -147,8 +151,60 @@ def _launch(a, b, out, *, trans_b, stream, plan, out_dtype, wait: ArrivalWait | 
             np.uint64(red_out.data.ptr if red is not None and red.where == "tail" else 0),
             np.uint64(_ptr(red.counter) if red is not None and red.where == "tail" else 0),
         )
-        with _stream(stream):
-            kern((grid,), (plan.threads,), args, shared_mem=smem)
+    return PackedLaunch(kern, grid, plan.threads, args, shared_mem=smem), out, plan
+
+
+def _launch(a, b, out, *, stream, **kw):
+    packed, out, _ = _prepare(a, b, out, **kw)
+    packed.launch(_stream_ptr(stream))
+    return out
+
+
+# --- the fast path of repeated calls -------------------------------------------------------------------
+# A call on the same CuPy arrays (pointers, shapes, strides, dtypes), device, options and plan as an
+# earlier one reuses that call's checked and packed launch: one dictionary lookup and one cuLaunchKernel.
+
+_FAST_CACHE_SIZE = 512
+_fast: "OrderedDict[tuple, PackedLaunch]" = OrderedDict()
+_fast_lock = threading.Lock()
+
+
+def clear_launch_cache() -> None:
+    """Forget every packed launch (after a plan cache changed, or to release their tensor maps)."""
+    with _fast_lock:
+        _fast.clear()
+
+
+def _array_key(x):
+    return (x.data.ptr, x.shape, x.strides, x.dtype.char)
+
+
+def _fast_gemm(a, b, out, trans_b, stream, plan, out_dtype):
+    """gemm() for CuPy arrays: a cached launch when this call was seen before, else a checked one kept."""
+    import cupy
+
+    if out is None:
+        dt = out_dtype or a.dtype
+        try:
+            dt = normalize_dtype(dt)
+        except (TypeError, ValueError) as e:
+            raise GemmTypeError(f"gemm: out_dtype {out_dtype!r}: {e}") from e
+        m = a.shape[0] if a.ndim == 2 else 0
+        n = (b.shape[0] if trans_b else b.shape[1]) if b.ndim == 2 else 0
+        with cupy.cuda.Device(a.data.device_id):
+            out = cupy.empty((m, n), dtype=dt)
+    key = (_array_key(a), _array_key(b), _array_key(out), a.data.device_id, cupy.cuda.runtime.getDevice(),
+           trans_b, plan, out_dtype)
+    with _fast_lock:
+        packed = _fast.get(key)
+    if packed is None:
+        packed, out, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, wait=None,
+                                  epilogue=None)
+        with _fast_lock:
+            _fast[key] = packed
+            while len(_fast) > _FAST_CACHE_SIZE:
+                _fast.popitem(last=False)
+    packed.launch(stream.ptr if type(stream) is cupy.cuda.Stream else _stream_ptr(stream))
     return out
 
 
@@ -162,6 +218,11 @@ def gemm(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan |
     stream: cupy stream, raw cudaStream_t int, or None (current stream). plan: see fluxrt.gemm.plan.
     Returns ``out``.
     """
+    import cupy
+
+    if (type(a) is cupy.ndarray and type(b) is cupy.ndarray and (out is None or type(out) is cupy.ndarray)
+            and a.ndim == 2 and b.ndim == 2):
+        return _fast_gemm(a, b, out, trans_b, stream, plan, out_dtype)
     return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=None,
                    epilogue=None)
 
