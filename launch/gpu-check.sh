@@ -9,8 +9,9 @@
 #   elsewhere:          OUT=/tmp/gpu-check bash launch/gpu-check.sh
 #   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
-# collectives ops tune (TEST_FILES narrows the test step, SWEEP_OPS the collective sweeps; tune runs
-# perf/tune_collectives.py candidates, TUNE_SETS of "fabric small mid large", and is not part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# collectives ops tune gemmsuite (TEST_FILES narrows the test step, SWEEP_OPS the collective sweeps; tune runs
+# perf/tune_collectives.py candidates, TUNE_SETS of "fabric small mid large"; gemmsuite times the GEMM shape
+# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -122,6 +123,16 @@ fi
 if want gemm; then
   TAIL=15 step gemm-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -x
   TAIL=60 step gemm-bench "${GEMM_LIMIT:-150}" python3 perf/bench_gemm.py ${GEMM_BENCH_ARGS:-} --json "$RES/gemm.json"
+fi
+if [[ ",$CHECK," == *",gemmsuite,"* ]]; then   # the shape suite against cuBLAS: heuristic plans, tuning, tuned plans
+  for dt in ${SUITE_DTYPES:-bfloat16 float16}; do
+    TAIL=14 step "gemm-suite-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" \
+      --json "$RES/gemm-suite-$dt.json"
+    TAIL=4 step "gemm-tune-$dt" "${SUITE_LIMIT:-300}" python3 -m fluxrt.gemm tune --suite "${SUITE:-default}" -d "$dt" \
+      --json "$RES/gemm-tune-$dt.json"
+    TAIL=14 step "gemm-suite-tuned-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" \
+      --json "$RES/gemm-suite-tuned-$dt.json"
+  done
 fi
 want sass && TAIL=5 step sass 120 python3 perf/sass_facts.py --json "$RES/sass.json"
 if want sanitize; then

@@ -21,7 +21,7 @@ Every argument is validated before the first CUDA call (so mistakes surface as e
 the shapes, and the checks run on CPU-only machines).
 
 Modules: ``plan`` (tile shape, stages, order: pure Python), ``hooks`` (the fused ops' hook arguments),
-``checks`` (argument validation), ``kernel`` (compile-time configuration and loaded modules), ``tmaps``
+``autotune`` (timed plan choice and its on-disk cache), ``checks`` (argument validation), ``kernel`` (compile-time configuration and loaded modules), ``tmaps``
 (TMA descriptors and order tables), ``launch`` (one call from arguments to the launch).
 """
 from ..errors import GemmArgumentError, GemmTypeError
@@ -30,9 +30,12 @@ from .hooks import (BANDS_A, BANDS_C, DEFAULT_TIMEOUT_NS, REDUCE_WHERE, ArrivalW
                     TileDestinations, TileEpilogue, band_bits, reduce_hook_id)
 from .kernel import KERNEL_NAME, KERNEL_SOURCE, compile_options, kernel_defines
 from .launch import gemm, gemm_with_hooks
-from .plan import GemmPlan, plan_gemm
+from .autotune import TuneResult, autotune, plan_for, tuned_plan
+from .launch import clear_launch_cache
+from .plan import GemmPlan, heuristic_plan, plan_gemm
 
-__all__ = ["gemm", "gemm_with_hooks", "GemmPlan", "plan_gemm", "ArrivalWait", "TileEpilogue", "TileDestinations",
+__all__ = ["gemm", "gemm_with_hooks", "GemmPlan", "plan_gemm", "heuristic_plan", "plan_for", "autotune",
+           "tuned_plan", "TuneResult", "clear_launch_cache", "ArrivalWait", "TileEpilogue", "TileDestinations",
            "ChunkReduce", "ShardCopy", "RowBands", "GemmArgumentError", "GemmTypeError", "validate_gemm_args",
            "kernel_defines", "compile_options", "band_bits", "reduce_hook_id", "BANDS_A", "BANDS_C",
            "DEFAULT_TIMEOUT_NS", "REDUCE_WHERE", "KERNEL_NAME", "KERNEL_SOURCE"]

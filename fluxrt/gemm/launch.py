@@ -48,8 +48,10 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
     stride = _band_stride(a_bands, c_bands, wait, epilogue)
     m, n, k, in_dt, out_dt = _validate(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands,
                                        c_bands=c_bands, stride=stride)
-    if plan is None:
+    if plan is None and (wait or epilogue or copy or stride):
         plan = plan_gemm(m, n, k, in_dtype=in_dt, out_dtype=out_dt)
+    elif plan is None:
+        plan = _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype)
     plan.validate(out_dt)
     if stride:
         _check_bands_plan(a_bands, c_bands, stride, plan, epilogue, copy)
@@ -152,6 +154,26 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
             np.uint64(_ptr(red.counter) if red is not None and red.where == "tail" else 0),
         )
     return PackedLaunch(kern, grid, plan.threads, args, shared_mem=smem), out, plan
+
+
+def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPlan:
+    """A plain GEMM's plan: the autotune cache's, else the heuristic's; with FLUXRT_GEMM_AUTOTUNE=1 a problem
+    not in the cache is tuned first (never inside a stream capture, which a tuning run would break)."""
+    from . import autotune as tuning
+
+    try:
+        import cupy
+
+        dev = cupy.cuda.runtime.getDevice()
+        sms = _num_sms(dev)
+    except Exception:   # no usable GPU: the launch fails later with CUDA's own error
+        return tuning.plan_for(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b)
+    tuned = tuning.tuned_plan(m, n, k, in_dt, out_dt, trans_b, dev)
+    if tuned is not None:
+        return tuned
+    if tuning.autotune_on() and not cupy.cuda.get_current_stream().is_capturing():
+        return tuning.autotune(a, b, out, trans_b=trans_b, out_dtype=out_dtype).plan
+    return tuning.plan_for(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b, device_id=dev, num_sms=sms)
 
 
 def _launch(a, b, out, *, stream, **kw):

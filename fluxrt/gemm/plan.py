@@ -36,6 +36,7 @@ SMEM_LIMIT_BYTES = 232448          # 227 KiB: the opt-in maximum dynamic shared 
 SMEM_ALIGN_BYTES = 1024            # the kernel aligns its base to a 128B-swizzle atom
 MAX_STAGES = 8
 H100_H200_SMS = 132
+BLOCK_NS = (256, 192, 128, 64)     # wgmma N of the tile widths the kernel instantiates
 ORDERS = ("grouped", "hilbert")
 EPILOGUES = ("tma", "direct")
 C_STAGINGS = ("per_consumer", "shared")
@@ -101,6 +102,13 @@ class GemmPlan:
                              f"{out_dtype} output and {self.epilogue}/{self.c_staging} C staging needs {need} B of "
                              f"shared memory > {SMEM_LIMIT_BYTES} B")
         return self
+
+    def describe(self) -> str:
+        """One line for tables and logs, e.g. '128x256x64 s3 grouped/g16 epi=tma x1'."""
+        staging = "/shared" if self.c_staging == "shared" else ""
+        order = self.order + (f"/g{self.group_m}" if self.order == "grouped" else "")
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
+                f"x{self.cluster}")
 
     # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
     def stage_bytes(self) -> int:
@@ -199,6 +207,45 @@ def plan_gemm(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: 
     group_m = max(1, min(m_tiles, round(math.sqrt(2 * num_sms))))
     return GemmPlan(block_m=block_m, block_n=block_n, block_k=BLOCK_K, stages=stages, consumers=consumers,
                     cluster=1, order=order, group_m=group_m, m_tile_offset=m_tile_offset).validate(out_dtype)
+
+
+# Relative throughput of one SM on a tile shape against 128x256 (the tensor-core work per byte of A and B
+# loaded, and one or two consumer warpgroups issuing wgmma): see docs/tuning.md for where they come from.
+TILE_RATE = {(128, 256): 1.00, (128, 192): 0.97, (128, 128): 0.90, (128, 64): 0.70,
+             (64, 256): 0.62, (64, 192): 0.60, (64, 128): 0.55, (64, 64): 0.40}
+TILE_FIXED_K = 256   # per-tile cost outside the main loop (ring fill, epilogue), in K-steps of work
+
+
+def tile_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = H100_H200_SMS) -> float:
+    """Modelled time of a problem with one tile shape, in arbitrary units: whole waves of persistent
+    CTAs, each tile taking (K + TILE_FIXED_K) steps at its shape's rate; a partial last wave costs a
+    whole one. Padding columns and rows cost like real ones."""
+    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
+    waves = math.ceil(tiles / num_sms)
+    return waves * block_m * block_n * (k + TILE_FIXED_K) / TILE_RATE[(block_m, block_n)]
+
+
+@functools.lru_cache(maxsize=4096)
+def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
+                   trans_b: bool = False, num_sms: int = H100_H200_SMS) -> GemmPlan:
+    """The plan of a plain GEMM without measuring: the tile shape of least :func:`tile_cost` (ties go to the
+    larger tile), the deepest ring that fits (at most 6 stages), grouped order with bands of up to 16
+    tile rows. What :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry."""
+    if in_dtype not in IN_DTYPES:
+        raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"unsupported output dtype {out_dtype!r} (expected one of {OUT_DTYPES})")
+    best = None
+    for (bm, bn) in TILE_RATE:
+        stages = min(max_stages(bm, bn, out_dtype), 6)
+        if stages < 2:
+            continue
+        cost = tile_cost(m, n, k, bm, bn, num_sms)
+        if best is None or cost < best[0] * 0.999:
+            best = (cost, bm, bn, stages)
+    _, bm, bn, stages = best
+    return GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64,
+                    group_m=max(1, min(math.ceil(m / bm), 16))).validate(out_dtype)
 
 
 # --- tile orders ------------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""``python -m fluxrt.gemm``: tune GEMM plans for a shape suite, inspect or clear the autotune cache.
+
+    python -m fluxrt.gemm tune --suite core [--dtype bfloat16] [--force] [--json tune.json]
+    python -m fluxrt.gemm tune --shape 1024,4096,768 --trans-b
+    python -m fluxrt.gemm cache path | show | clear
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+
+def _tune(args) -> int:
+    import cupy
+    from ..perf.shapes import Shape, suite
+    from ..dtypes import normalize_dtype
+    from .autotune import autotune, cache_path
+
+    if args.shape:
+        shapes = [Shape(*s, layout="NK" if args.trans_b else "KN", label="cli") for s in args.shape]
+    else:
+        shapes = suite(args.suite)[: args.limit]
+    dt = normalize_dtype(args.dtype)
+    rows = []
+    print(f"# tuning {len(shapes)} shapes ({args.dtype}) into {cache_path()}")
+    t0 = time.time()
+    for i, s in enumerate(shapes):
+        rng = cupy.random.default_rng(i)
+        a = (rng.standard_normal((s.m, s.k), dtype=cupy.float32) + 0.1).astype(dt)
+        w = (rng.standard_normal((s.n, s.k) if s.trans_b else (s.k, s.n), dtype=cupy.float32) + 0.1).astype(dt)
+        try:
+            r = autotune(a, w, trans_b=s.trans_b, force=args.force)
+        except Exception as e:
+            print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout} FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout} {r.us:10.1f} us  {r.plan.describe()}"
+              f"{'  (cached)' if r.cached else ''}", flush=True)
+        rows.append({"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": args.dtype,
+                     "plan": r.plan.describe(), "us": r.us, "cached": r.cached,
+                     "candidates": [{"plan": p, "us": us} for p, us in r.timings]})
+        del a, w
+        cupy.get_default_memory_pool().free_all_blocks()
+    print(f"# {len(rows)} shapes in {time.time() - t0:.0f} s")
+    if args.json:
+        from ..perf import results_document, write_json
+
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"].decode()
+        write_json(args.json, results_document("gemm-tune", rows, ["python", "-m", "fluxrt.gemm", *sys.argv[1:]],
+                                               machine={"gpu_name": name, "gpu_count": 1}))
+    return 0 if rows or not shapes else 1
+
+
+def _cache(args) -> int:
+    from . import autotune as tuning
+
+    if args.action == "path":
+        print(tuning.cache_path())
+    elif args.action == "clear":
+        print(f"removed {tuning.clear()}")
+    else:
+        path = tuning.cache_path()
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            print(f"# {path}: empty")
+            return 0
+        plans = doc.get("plans", {})
+        print(f"# {path}: {len(plans)} problems")
+        for key, e in sorted(plans.items()):
+            p = tuning._plan_from(e["plan"])
+            print(f"{key:<32} {e.get('us', 0):10.1f} us  {p.describe() if p else e['plan']}")
+    return 0
+
+
+def _shape(s: str):
+    parts = [int(x) for x in s.replace("x", ",").split(",")]
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"shape {s!r}: expected M,N,K")
+    return tuple(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fluxrt.gemm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("tune", help="time candidate plans and keep the winners in the autotune cache")
+    t.add_argument("--suite", default="core", help="shape suite of fluxrt.perf.shapes (core, random, default, full)")
+    t.add_argument("--shape", type=_shape, nargs="*", default=None, help="M,N,K ... instead of a suite")
+    t.add_argument("--trans-b", action="store_true", help="with --shape: B stored [N, K]")
+    t.add_argument("--dtype", "-d", default="bfloat16", choices=["bfloat16", "float16"])
+    t.add_argument("--limit", type=int, default=None, help="first N shapes of the suite only")
+    t.add_argument("--force", action="store_true", help="re-time problems already in the cache")
+    t.add_argument("--json", default=None, help="write every candidate's time here")
+    t.add_argument("-v", "--verbose", action="store_true")
+    c = sub.add_parser("cache", help="the autotune cache of the current GPU")
+    c.add_argument("action", choices=["path", "show", "clear"])
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    return _tune(args) if args.command == "tune" else _cache(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

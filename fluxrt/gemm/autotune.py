@@ -1,0 +1,277 @@
+"""GEMM autotuning: time candidate plans once per problem and keep the winner in an on-disk cache.
+
+A problem is (M, N, K, input dtype, output dtype, layout of B); the cache is one JSON file per GPU model,
+driver version and GEMM kernel source hash, so a driver update or a kernel change starts a fresh file
+instead of trusting stale timings. Files live in ``$FLUXRT_GEMM_TUNE_DIR`` (default
+``~/.cache/fluxrt/gemm-tune``); every write merges with what is on disk under an exclusive file lock and
+replaces the file atomically, so ranks of one job may tune at the same time.
+
+    plan = fluxrt.gemm.autotune(a, w, trans_b=True).plan      # time the candidates on these arrays
+    fluxrt.gemm.gemm(a, w, trans_b=True)                      # later calls take the tuned plan
+    python -m fluxrt.gemm tune --suite core                   # tune a whole shape suite
+    python -m fluxrt.gemm cache show | path | clear
+
+With ``FLUXRT_GEMM_AUTOTUNE=1`` a :func:`fluxrt.gemm.gemm` call whose problem is not in the cache tunes
+it first (outside CUDA-graph capture; a capturing call takes the heuristic plan).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import GemmArgumentError
+from .plan import (BLOCK_NS, H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, max_stages)
+
+log = logging.getLogger("fluxrt.gemm")
+
+_lock = threading.Lock()
+_tables: dict = {}         # cache file path -> {problem key: plan dict}
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """What :func:`autotune` found: the winning plan, its time, and every candidate's time (None: failed)."""
+    plan: GemmPlan
+    us: float
+    timings: tuple = field(default=())     # ((plan description, us or None), ...)
+    cached: bool = False
+
+
+def problem_key(m: int, n: int, k: int, in_dtype: str, out_dtype: str, trans_b: bool) -> str:
+    return f"{m}x{n}x{k}:{in_dtype}:{out_dtype}:{'NK' if trans_b else 'KN'}"
+
+
+def _kernel_hash() -> str:
+    from ..toolchain import kernel_root
+
+    h = hashlib.sha256()
+    root = kernel_root()
+    for p in sorted([*(root / "gemm").rglob("*"), *(root / "include").rglob("*")]):
+        if p.is_file() and p.suffix in (".cu", ".cuh", ".h"):
+            h.update(p.relative_to(root).as_posix().encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def tune_dir() -> Path:
+    return Path(os.environ.get("FLUXRT_GEMM_TUNE_DIR") or Path.home() / ".cache" / "fluxrt" / "gemm-tune")
+
+
+_paths: dict = {}
+
+
+def cache_path(device_id: int | None = None) -> Path:
+    """The cache file of a device (default: the current one): GPU model, driver, kernel hash."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice() if device_id is None else device_id
+    p = _paths.get(dev)
+    if p is None:
+        name = cupy.cuda.runtime.getDeviceProperties(dev)["name"].decode()
+        slug = "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+        driver = cupy.cuda.runtime.driverGetVersion()
+        p = _paths[dev] = tune_dir() / f"{slug}-drv{driver}-k{_kernel_hash()}.json"
+    return p
+
+
+def _read(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        return doc.get("plans", {}) if isinstance(doc, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("gemm tune cache %s unreadable (%s); ignoring it", path, e)
+        return {}
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _table(path: Path) -> dict:
+    with _lock:
+        t = _tables.get(path)
+    if t is None:
+        t = _read(path)
+        with _lock:
+            _tables[path] = t
+    return t
+
+
+def store(path: Path, entries: dict) -> None:
+    """Merge `entries` ({problem key: {"plan": ..., "us": ...}}) into the cache file, atomically."""
+    with _file_lock(path):
+        merged = _read(path)
+        merged.update(entries)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"format": 1, "plans": merged}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    with _lock:
+        _tables[path] = merged
+    from .launch import clear_launch_cache
+
+    clear_launch_cache()
+
+
+def clear(device_id: int | None = None) -> Path:
+    """Delete the cache file of a device; returns its path."""
+    path = cache_path(device_id)
+    with _file_lock(path):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    with _lock:
+        _tables.pop(path, None)
+    from .launch import clear_launch_cache
+
+    clear_launch_cache()
+    return path
+
+
+def _plan_from(d: dict) -> GemmPlan | None:
+    try:
+        return GemmPlan(**{f.name: d[f.name] for f in dataclasses.fields(GemmPlan) if f.name in d})
+    except (TypeError, ValueError):
+        return None
+
+
+def tuned_plan(m: int, n: int, k: int, in_dtype: str, out_dtype: str, trans_b: bool,
+               device_id: int | None = None) -> GemmPlan | None:
+    """The cached winner of a problem on a device, or None."""
+    entry = _table(cache_path(device_id)).get(problem_key(m, n, k, in_dtype, out_dtype, trans_b))
+    return _plan_from(entry["plan"]) if entry else None
+
+
+def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
+             trans_b: bool = False, device_id: int | None = None, num_sms: int | None = None) -> GemmPlan:
+    """The plan a :func:`fluxrt.gemm.gemm` call takes: the tuned one if the cache has it, else the
+    heuristic's (:func:`fluxrt.gemm.plan.heuristic_plan`)."""
+    try:
+        tuned = tuned_plan(m, n, k, in_dtype, out_dtype, trans_b, device_id)
+    except Exception as e:   # no GPU to name the cache file: the heuristic alone
+        log.debug("gemm tune cache not consulted: %s", e)
+        tuned = None
+    if tuned is not None:
+        return tuned
+    return heuristic_plan(m, n, k, in_dtype=in_dtype, out_dtype=out_dtype, trans_b=trans_b,
+                          num_sms=num_sms or H100_H200_SMS)
+
+
+def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
+    """The plans autotuning times: every tile shape the kernel has (64 or 128 rows, 64-256 columns) at its
+    deepest ring, grouped order, plus a cluster-2 variant of the 128-row tiles when there are enough tile
+    rows to pair; the heuristic's own choice is always among them."""
+    out = []
+    mt128 = -(-m // 128)
+    for consumers in (2, 1):
+        bm = 64 * consumers
+        if consumers == 1 and m > 4096:
+            continue   # 64-row tiles pay twice the B traffic; they only help where 128-row tiles leave SMs idle
+        for bn in BLOCK_NS:
+            s = min(max_stages(bm, bn, out_dtype), 6)
+            if s < 2:
+                continue
+            p = GemmPlan(block_m=bm, block_n=bn, stages=s, consumers=consumers,
+                         group_m=max(1, min(-(-m // bm), 16)))
+            out.append(p)
+            if consumers == 2 and bn >= 128 and mt128 >= 2 * 8:
+                out.append(dataclasses.replace(p, cluster=2))
+    h = heuristic_plan(m, n, k, out_dtype=out_dtype, num_sms=num_sms)
+    if h not in out:
+        out.insert(0, h)
+    return [p for p in out if p.smem_bytes(out_dtype) <= SMEM_LIMIT_BYTES]
+
+
+def _time_us(packed, stream_ptr: int, reps: int, rounds: int) -> float:
+    import cupy
+
+    stream = cupy.cuda.ExternalStream(stream_ptr)
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(reps):
+            packed.launch(stream_ptr)
+        end.record(stream)
+        end.synchronize()
+        best = min(best, cupy.cuda.get_elapsed_time(start, end) * 1e3 / reps)
+    return best
+
+
+def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = None, stream=None,
+             plans: list[GemmPlan] | None = None, reps: int = 10, rounds: int = 3, force: bool = False) -> TuneResult:
+    """Time candidate plans for ``a @ b`` (or ``a @ b.T``) on these arrays and keep the fastest in the cache.
+
+    Runs the GEMM (len(plans) x (2 + reps x rounds)) times into ``out`` (a scratch array when None) on
+    ``stream`` and synchronizes it: not for use inside a CUDA-graph capture. A problem already in the
+    cache returns its entry unless ``force``. Kernel time per call: the minimum over rounds of the mean of
+    ``reps`` back-to-back launches (CUDA events).
+    """
+    import cupy
+
+    from .checks import validate_gemm_args
+    from .launch import _prepare, _stream_ptr
+
+    m, n, k, in_dt, out_dt = validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
+    dev = cupy.cuda.runtime.getDevice()
+    path = cache_path(dev)
+    key = problem_key(m, n, k, in_dt, out_dt, trans_b)
+    if not force and plans is None:
+        entry = _table(path).get(key)
+        plan = _plan_from(entry["plan"]) if entry else None
+        if plan is not None:
+            return TuneResult(plan, float(entry.get("us", 0.0)), cached=True)
+    from .kernel import _num_sms
+
+    sms = _num_sms(dev)
+    cands = plans if plans is not None else candidates(m, n, k, out_dt, sms)
+    if not cands:
+        raise GemmArgumentError(f"gemm autotune: no candidate plan for {key}")
+    sptr = _stream_ptr(stream)
+    if out is None:
+        out = cupy.empty((m, n), dtype=cupy.dtype(a.dtype) if out_dtype is None else out_dtype)
+    timings = []
+    t0 = time.perf_counter()
+    for plan in cands:
+        try:
+            packed, _, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, wait=None,
+                                    epilogue=None)
+            for _ in range(2):
+                packed.launch(sptr)
+            us = _time_us(packed, sptr, reps, rounds)
+        except Exception as e:   # a candidate that does not build or launch is skipped, not fatal
+            log.info("gemm autotune %s: %s failed: %s", key, plan.describe(), e)
+            us = None
+        timings.append((plan, us))
+    ok = [(p, us) for p, us in timings if us is not None]
+    if not ok:
+        raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
+    best, best_us = min(ok, key=lambda x: x[1])
+    store(path, {key: {"plan": dataclasses.asdict(best), "us": round(best_us, 3),
+                       "date": time.strftime("%Y-%m-%d")}})
+    log.info("gemm autotune %s: %s at %.1f us (%d candidates, %.1f s)", key, best.describe(), best_us, len(cands),
+             time.perf_counter() - t0)
+    return TuneResult(best, best_us, tuple((p.describe(), us) for p, us in timings))
+
+
+def autotune_on() -> bool:
+    return os.environ.get("FLUXRT_GEMM_AUTOTUNE", "0") not in ("", "0")

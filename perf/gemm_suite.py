@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""fluxrt.gemm against cuBLAS (cupy.matmul) over a shape suite (perf/shapes.py), as a user calls them.
+
+Per shape and implementation, in alternating rounds on one stream:
+  eager   `iters` back-to-back calls between two CUDA events: host time included, as a user sees it
+          (below ~20 us of GPU work per call the GPU waits for Python)
+  graph   the same calls captured once in a CUDA graph and replayed: kernel time only
+  host    host time of one eager call: wall time of issuing the calls / iters (the launch queue never fills)
+
+    python3 perf/gemm_suite.py --suite default --dtype bfloat16 --json $OUT/gemm-suite.json
+    python3 perf/bench_gemm.py --suite core          # the same, through the GEMM benchmark
+
+Ratios are cuBLAS time / fluxrt time (> 1: fluxrt faster); geometric means over the suite at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fluxrt.perf.shapes import SUITES, Shape, suite  # noqa: E402
+
+
+def _np_dtype(name: str):
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float16)
+
+
+def _time_eager(fn, iters: int, stream) -> tuple[float, float]:
+    """(ms per call between events, host us per call)."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / iters, (t1 - t0) * 1e6 / iters
+
+
+def _capture(fn, iters: int, stream):
+    stream.begin_capture()
+    try:
+        for _ in range(iters):
+            fn()
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
+def _time_graph(graph, iters: int, stream) -> float:
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / iters
+
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, autotune: bool, check: bool) -> dict:
+    import cupy
+
+    from fluxrt.gemm import gemm, plan_for
+
+    np_dt = _np_dtype(dtype)
+    rng = cupy.random.default_rng(s.m * 7 + s.n * 3 + s.k)
+    a = (rng.standard_normal((s.m, s.k), dtype=cupy.float32) + 0.1).astype(np_dt)
+    w = (rng.standard_normal((s.n, s.k) if s.trans_b else (s.k, s.n), dtype=cupy.float32) + 0.1).astype(np_dt)
+    wm = w.T if s.trans_b else w
+    c_ref = cupy.empty((s.m, s.n), dtype=np_dt)
+    c = cupy.empty((s.m, s.n), dtype=np_dt)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    if autotune:
+        from fluxrt.gemm import autotune as tune
+
+        with stream:
+            tune(a, w, trans_b=s.trans_b)
+    plan = plan_for(s.m, s.n, s.k, in_dtype=dtype, out_dtype=dtype, trans_b=s.trans_b)
+
+    def run_cublas():
+        cupy.matmul(a, wm, out=c_ref)
+
+    def run_fluxrt():
+        gemm(a, w, c, trans_b=s.trans_b, stream=stream)
+
+    row = {"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": dtype,
+           "plan": plan.describe()}
+    with stream:
+        run_cublas()
+        run_fluxrt()
+        stream.synchronize()
+        if check:
+            r64, c64 = c_ref.astype(cupy.float64), c.astype(cupy.float64)
+            row["rel_err_vs_cublas"] = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
+        for fn in (run_cublas, run_fluxrt):   # warm-up
+            for _ in range(3):
+                fn()
+        stream.synchronize()
+        eager = {"cublas": [], "fluxrt": []}
+        host = {"cublas": [], "fluxrt": []}
+        for _ in range(rounds):
+            for name, fn in (("cublas", run_cublas), ("fluxrt", run_fluxrt)):
+                ms, us = _time_eager(fn, iters, stream)
+                eager[name].append(ms)
+                host[name].append(us)
+        for name in eager:
+            row[f"{name}_eager_ms"] = float(np.median(eager[name]))
+            row[f"{name}_host_us"] = float(np.median(host[name]))
+        row["ratio_eager"] = row["cublas_eager_ms"] / row["fluxrt_eager_ms"]
+        if graphs:
+            try:
+                gs = {name: _capture(fn, iters, stream) for name, fn in (("cublas", run_cublas),
+                                                                          ("fluxrt", run_fluxrt))}
+                for g in gs.values():
+                    g.launch(stream)
+                times = {"cublas": [], "fluxrt": []}
+                for _ in range(rounds):
+                    for name, g in gs.items():
+                        times[name].append(_time_graph(g, iters, stream))
+                for name in times:
+                    row[f"{name}_graph_ms"] = float(np.median(times[name]))
+                row["ratio_graph"] = row["cublas_graph_ms"] / row["fluxrt_graph_ms"]
+            except Exception as e:   # a capture failure is reported, not fatal to the sweep
+                row["graph_error"] = f"{type(e).__name__}: {e}"
+        stream.synchronize()
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", default="default", choices=sorted(SUITES))
+    ap.add_argument("--dtype", "-d", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--iters", "-n", type=int, default=20, help="calls per timed block")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timed blocks per implementation")
+    ap.add_argument("--no-graph", action="store_true", help="eager calls only")
+    ap.add_argument("--autotune", action="store_true", help="tune each shape first (fluxrt.gemm.autotune)")
+    ap.add_argument("--no-check", action="store_true", help="skip the agreement check against cuBLAS")
+    ap.add_argument("--limit", type=int, default=None, help="first N shapes of the suite only")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    import cupy
+
+    shapes = suite(args.suite)[: args.limit]
+    dev = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    print(f"# {name}, {args.dtype}, suite {args.suite} ({len(shapes)} shapes), {args.iters} calls x {args.rounds} "
+          f"rounds, autotune={'on' if args.autotune else 'off'}; ratio = cuBLAS / fluxrt")
+    hdr = (f"{'M':>6} {'N':>6} {'K':>6} {'W':>2} | {'eager cuBLAS':>12} {'fluxrt':>8} {'ratio':>6} | "
+           f"{'graph cuBLAS':>12} {'fluxrt':>8} {'ratio':>6} | {'host us':>11} | plan")
+    print(hdr)
+    print("-" * len(hdr))
+    rows = []
+    t_start = time.time()
+    for s in shapes:
+        try:
+            r = bench_shape(s, args.dtype, args.iters, args.rounds, not args.no_graph, args.autotune, not args.no_check)
+        except Exception as e:
+            print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout:>2} | FAILED {type(e).__name__}: {e}", flush=True)
+            rows.append({"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": args.dtype,
+                         "error": f"{type(e).__name__}: {e}"})
+            continue
+        rows.append(r)
+        g = (f"{r['cublas_graph_ms']:12.4f} {r['fluxrt_graph_ms']:8.4f} {r['ratio_graph']:6.3f}"
+             if "ratio_graph" in r else f"{'-':>12} {'-':>8} {'-':>6}")
+        err = r.get("rel_err_vs_cublas", 0.0)
+        flag = "  !! rel err %.2e" % err if err > 1e-2 else ""
+        print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout:>2} | {r['cublas_eager_ms']:12.4f} {r['fluxrt_eager_ms']:8.4f} "
+              f"{r['ratio_eager']:6.3f} | {g} | {r['fluxrt_host_us']:5.1f}/{r['cublas_host_us']:5.1f} | {r['plan']}{flag}",
+              flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+    ok = [r for r in rows if "ratio_eager" in r]
+    summary = {"shapes": len(shapes), "measured": len(ok),
+               "geomean_eager": geomean(r["ratio_eager"] for r in ok),
+               "geomean_graph": geomean(r.get("ratio_graph") for r in ok),
+               "below_0.95_eager": sum(r["ratio_eager"] < 0.95 for r in ok),
+               "below_0.95_graph": sum(r.get("ratio_graph", 1) < 0.95 for r in ok),
+               "worst_eager": min((r["ratio_eager"] for r in ok), default=None),
+               "worst_graph": min((r["ratio_graph"] for r in ok if "ratio_graph" in r), default=None),
+               "median_host_us_fluxrt": float(np.median([r["fluxrt_host_us"] for r in ok])) if ok else None,
+               "median_host_us_cublas": float(np.median([r["cublas_host_us"] for r in ok])) if ok else None,
+               "seconds": time.time() - t_start}
+    print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    if args.json:
+        from fluxrt.perf import results_document, write_json
+
+        doc = results_document("gemm-suite", rows, ["python3", "perf/gemm_suite.py", *(argv or sys.argv[1:])],
+                               machine={"gpu_name": name, "gpu_count": 1})
+        doc["summary"] = summary
+        write_json(args.json, doc)
+        print(f"# wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
