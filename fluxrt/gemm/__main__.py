@@ -54,7 +54,9 @@ def _tune(args) -> int:
 
 
 def _cache(args) -> int:
-    from . import autotune as tuning
+    import importlib
+
+    tuning = importlib.import_module("fluxrt.gemm.autotune")
 
     if args.action == "path":
         print(tuning.cache_path())

@@ -159,7 +159,7 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
 def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPlan:
     """A plain GEMM's plan: the autotune cache's, else the heuristic's; with FLUXRT_GEMM_AUTOTUNE=1 a problem
     not in the cache is tuned first (never inside a stream capture, which a tuning run would break)."""
-    from . import autotune as tuning
+    from .autotune import autotune, autotune_on, plan_for, tuned_plan
 
     try:
         import cupy
@@ -167,13 +167,13 @@ def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPl
         dev = cupy.cuda.runtime.getDevice()
         sms = _num_sms(dev)
     except Exception:   # no usable GPU: the launch fails later with CUDA's own error
-        return tuning.plan_for(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b)
-    tuned = tuning.tuned_plan(m, n, k, in_dt, out_dt, trans_b, dev)
+        return plan_for(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b)
+    tuned = tuned_plan(m, n, k, in_dt, out_dt, trans_b, dev)
     if tuned is not None:
         return tuned
-    if tuning.autotune_on() and not cupy.cuda.get_current_stream().is_capturing():
-        return tuning.autotune(a, b, out, trans_b=trans_b, out_dtype=out_dtype).plan
-    return tuning.plan_for(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b, device_id=dev, num_sms=sms)
+    if autotune_on() and not cupy.cuda.get_current_stream().is_capturing():
+        return autotune(a, b, out, trans_b=trans_b, out_dtype=out_dtype).plan
+    return plan_for(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b, device_id=dev, num_sms=sms)
 
 
 def _launch(a, b, out, *, stream, **kw):
