@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""fluxrt.gemm against cuBLAS (cupy.matmul) over a shape suite (perf/shapes.py), as a user calls them.
+"""fluxrt.gemm against cuBLAS over a shape suite (fluxrt.perf.shapes), as a user calls them.
+
+cuBLAS is called through cublasGemmEx (CuPy's binding, fp32 compute, default algorithm) on the same stream,
+which is what cupy.matmul runs without CuPy's own host overhead, and which, unlike cupy.matmul, may be
+captured in a CUDA graph. cupy.matmul's eager time is recorded beside it (matmul_eager_ms).
 
 Per shape and implementation, in alternating rounds on one stream:
   eager   `iters` back-to-back calls between two CUDA events: host time included, as a user sees it
@@ -94,7 +98,21 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
             tune(a, w, trans_b=s.trans_b)
     plan = plan_for(s.m, s.n, s.k, in_dtype=dtype, out_dtype=dtype, trans_b=s.trans_b)
 
-    def run_cublas():
+    from cupy.cuda import cublas
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, stream.ptr)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+    cdt = 14 if dtype == "bfloat16" else 2           # CUDA_R_16BF / CUDA_R_16F
+    op_w = cublas.CUBLAS_OP_T if s.trans_b else cublas.CUBLAS_OP_N
+    ldw = s.k if s.trans_b else s.n
+
+    def run_cublas():   # row-major C = A @ W as column-major C^T[N, M] = W^T @ A^T
+        cublas.gemmEx(handle, op_w, cublas.CUBLAS_OP_N, s.n, s.m, s.k, one.ctypes.data, w.data.ptr, cdt, ldw,
+                      a.data.ptr, cdt, s.k, zero.ctypes.data, c_ref.data.ptr, cdt, s.n, 68, -1)
+
+    def run_matmul():
         cupy.matmul(a, wm, out=c_ref)
 
     def run_fluxrt():
@@ -124,6 +142,7 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
             row[f"{name}_eager_ms"] = float(np.median(eager[name]))
             row[f"{name}_host_us"] = float(np.median(host[name]))
         row["ratio_eager"] = row["cublas_eager_ms"] / row["fluxrt_eager_ms"]
+        row["matmul_eager_ms"] = float(np.median([_time_eager(run_matmul, iters, stream)[0] for _ in range(rounds)]))
         if graphs:
             try:
                 gs = {name: _capture(fn, iters, stream) for name, fn in (("cublas", run_cublas),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import GemmArgumentError
-from .plan import (BLOCK_NS, H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, max_stages)
+from .plan import H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, max_stages, tile_shapes
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -177,24 +177,14 @@ def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: s
 
 
 def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
-    """The plans autotuning times: every tile shape the kernel has (64 or 128 rows, 64-256 columns) at its
-    deepest ring, grouped order, plus a cluster-2 variant of the 128-row tiles when there are enough tile
-    rows to pair; the heuristic's own choice is always among them."""
+    """The plans autotuning times: every tile shape the planner knows (:func:`fluxrt.gemm.plan.tile_shapes`)
+    at its deepest ring (at most 6 stages), grouped order; the heuristic's own choice is always among them."""
     out = []
-    mt128 = -(-m // 128)
-    for consumers in (2, 1):
-        bm = 64 * consumers
-        if consumers == 1 and m > 4096:
-            continue   # 64-row tiles pay twice the B traffic; they only help where 128-row tiles leave SMs idle
-        for bn in BLOCK_NS:
-            s = min(max_stages(bm, bn, out_dtype), 6)
-            if s < 2:
-                continue
-            p = GemmPlan(block_m=bm, block_n=bn, stages=s, consumers=consumers,
-                         group_m=max(1, min(-(-m // bm), 16)))
-            out.append(p)
-            if consumers == 2 and bn >= 128 and mt128 >= 2 * 8:
-                out.append(dataclasses.replace(p, cluster=2))
+    for bm, bn, cluster in tile_shapes(m):
+        s = min(max_stages(bm, bn, out_dtype), 6)
+        if s >= 2:
+            out.append(GemmPlan(block_m=bm, block_n=bn, stages=s, consumers=bm // 64, cluster=cluster,
+                                group_m=max(1, min(-(-m // bm), 16))))
     h = heuristic_plan(m, n, k, out_dtype=out_dtype, num_sms=num_sms)
     if h not in out:
         out.insert(0, h)

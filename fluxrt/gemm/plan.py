@@ -209,42 +209,50 @@ def plan_gemm(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: 
                     cluster=1, order=order, group_m=group_m, m_tile_offset=m_tile_offset).validate(out_dtype)
 
 
-# Relative throughput of one SM on a tile shape against 128x256 (the tensor-core work per byte of A and B
-# loaded, and one or two consumer warpgroups issuing wgmma): see docs/tuning.md for where they come from.
-TILE_RATE = {(128, 256): 1.00, (128, 192): 0.97, (128, 128): 0.90, (128, 64): 0.70,
-             (64, 256): 0.62, (64, 192): 0.60, (64, 128): 0.55, (64, 64): 0.40}
-TILE_FIXED_K = 256   # per-tile cost outside the main loop (ring fill, epilogue), in K-steps of work
+# Relative throughput of one SM on a tile shape (block_m, block_n, cluster) against 128x256 without a
+# cluster, fitted to the per-candidate times of an autotuning pass over the shape suite (docs/tuning.md).
+TILE_RATE = {(128, 256, 1): 1.00, (128, 256, 2): 0.98, (128, 192, 1): 0.776, (128, 192, 2): 0.97,
+             (128, 128, 1): 0.898, (128, 128, 2): 0.741, (128, 64, 1): 0.70,
+             (64, 256, 1): 0.62, (64, 192, 1): 0.75, (64, 128, 1): 0.55, (64, 64, 1): 0.40}
+TILE_FIXED_K = 256     # per-tile cost outside the main loop (ring fill, epilogue), in K-steps of work
+CLUSTER_MIN_TILE_ROWS = 16   # cluster-2 plans only where at least this many 128-row tiles pair up
 
 
-def tile_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = H100_H200_SMS) -> float:
+def tile_cost(m: int, n: int, k: int, block_m: int, block_n: int, cluster: int = 1,
+              num_sms: int = H100_H200_SMS) -> float:
     """Modelled time of a problem with one tile shape, in arbitrary units: whole waves of persistent
     CTAs, each tile taking (K + TILE_FIXED_K) steps at its shape's rate; a partial last wave costs a
-    whole one. Padding columns and rows cost like real ones."""
+    whole one, and padding rows and columns cost like real ones."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
     waves = math.ceil(tiles / num_sms)
-    return waves * block_m * block_n * (k + TILE_FIXED_K) / TILE_RATE[(block_m, block_n)]
+    return waves * block_m * block_n * (k + TILE_FIXED_K) / TILE_RATE[(block_m, block_n, cluster)]
+
+
+def tile_shapes(m: int) -> list[tuple[int, int, int]]:
+    """The (block_m, block_n, cluster) the planner and the autotuner consider for M rows."""
+    return [key for key in TILE_RATE if key[2] == 1 or math.ceil(m / 128) >= CLUSTER_MIN_TILE_ROWS]
 
 
 @functools.lru_cache(maxsize=4096)
 def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
                    trans_b: bool = False, num_sms: int = H100_H200_SMS) -> GemmPlan:
     """The plan of a plain GEMM without measuring: the tile shape of least :func:`tile_cost` (ties go to the
-    larger tile), the deepest ring that fits (at most 6 stages), grouped order with bands of up to 16
-    tile rows. What :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry."""
+    one listed first in TILE_RATE), the deepest ring that fits (at most 6 stages), grouped order with bands
+    of up to 16 tile rows. What :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry."""
     if in_dtype not in IN_DTYPES:
         raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"unsupported output dtype {out_dtype!r} (expected one of {OUT_DTYPES})")
     best = None
-    for (bm, bn) in TILE_RATE:
+    for bm, bn, cluster in tile_shapes(m):
         stages = min(max_stages(bm, bn, out_dtype), 6)
         if stages < 2:
             continue
-        cost = tile_cost(m, n, k, bm, bn, num_sms)
+        cost = tile_cost(m, n, k, bm, bn, cluster, num_sms)
         if best is None or cost < best[0] * 0.999:
-            best = (cost, bm, bn, stages)
-    _, bm, bn, stages = best
-    return GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64,
+            best = (cost, bm, bn, cluster, stages)
+    _, bm, bn, cluster, stages = best
+    return GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, cluster=cluster,
                     group_m=max(1, min(math.ceil(m / bm), 16))).validate(out_dtype)
 
 

@@ -1,0 +1,182 @@
+"""The GEMM shape suite, the heuristic planner and the autotune cache, without a GPU."""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import subprocess
+import sys
+
+import pytest
+
+from fluxrt.gemm import autotune as _autotune_fn  # noqa: F401  (the package exports the function)
+from fluxrt.gemm.plan import (SMEM_LIMIT_BYTES, TILE_RATE, GemmPlan, heuristic_plan, tile_cost, tile_shapes)
+from fluxrt.perf import shapes as S
+
+tuning = sys.modules["fluxrt.gemm.autotune"]
+
+
+# --- shape suite -------------------------------------------------------------------------------------
+
+def test_full_suite_covers_every_model_layer_tp_m_and_layout():
+    full = S.full_suite()
+    keys = {s.key() for s in full}   # a layer two models share appears once, under the first model's label
+    for model in S.MODELS:
+        for tp in S.TPS:
+            dims = S.layer_dims(model, tp)
+            assert set(dims) == {"qkv", "o", "gate_up", "down"}
+            for n, k in dims.values():
+                assert all((m, n, k, layout) in keys for m in S.MS for layout in ("NK", "KN"))
+    assert {s.m for s in full} == set(S.MS)
+    assert {s.layout for s in full} == {"NK", "KN"}
+    assert len({s.key() for s in full}) == len(full)
+
+
+def test_core_suite_is_a_capped_subset_that_still_covers_every_axis():
+    full = {s.key() for s in S.full_suite()}
+    core = S.core_suite()
+    assert len(core) >= 60
+    assert all(s.key() in full for s in core)
+    assert all(s.flop <= S.CORE_MAX_FLOP for s in core)
+    for model in S.MODELS:
+        mine = [s for s in core if s.label.startswith(model + "/")]
+        assert {s.layout for s in mine} == {"NK", "KN"}
+        assert {s.label.split("/")[2] for s in mine} == {f"tp{t}" for t in S.TPS}
+    assert {s.m for s in core} == set(S.MS)
+
+
+def test_tp_sharding_of_the_layers():
+    h, inter, q, kv, d = S.MODELS["llama3-70b"]
+    for tp in S.TPS:
+        dims = S.layer_dims("llama3-70b", tp)
+        assert dims["qkv"] == ((q + 2 * kv) * d // tp, h)
+        assert dims["o"] == (h, q * d // tp)
+        assert dims["gate_up"] == (2 * inter // tp, h)
+        assert dims["down"] == (h, inter // tp)
+
+
+def test_random_suite_is_seeded_and_off_the_64_grid_with_16_byte_rows():
+    a, b = S.random_suite(), S.random_suite()
+    assert a == b
+    assert a != S.random_suite(seed=1)
+    for s in a:
+        assert s.m % 64 and s.n % 64 and s.k % 64
+        assert s.n % 8 == 0 and s.k % 8 == 0
+
+
+def test_shape_suite_cli_prints_the_suite():
+    out = subprocess.run([sys.executable, "-m", "fluxrt.perf.shapes", "--suite", "random"], capture_output=True,
+                         text=True, check=True).stdout
+    assert f"# random: {len(S.random_suite())} shapes" in out
+
+
+# --- heuristic planner -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m,n,k", [(256, 2560, 8192), (1024, 4096, 768), (8192, 8192, 8192), (461, 9128, 13208),
+                                   (16384, 3584, 4096), (65, 72, 8)])
+def test_heuristic_plan_minimises_the_model_and_fits(m, n, k):
+    plan = heuristic_plan(m, n, k)
+    assert isinstance(plan, GemmPlan)
+    assert plan.smem_bytes("bfloat16") <= SMEM_LIMIT_BYTES
+    chosen = tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster)
+    for bm, bn, cl in tile_shapes(m):
+        assert chosen <= tile_cost(m, n, k, bm, bn, cl) * 1.001
+    assert plan.group_m == max(1, min(math.ceil(m / plan.block_m), 16))
+
+
+def test_tile_cost_counts_whole_waves():
+    one_wave = tile_cost(128 * 132, 256, 1024, 128, 256)
+    assert tile_cost(128 * 133, 256, 1024, 128, 256) == pytest.approx(2 * one_wave)
+    assert tile_cost(128 * 100, 256, 1024, 128, 256) == pytest.approx(one_wave)
+
+
+def test_small_problems_get_more_tiles_than_the_largest_tile_gives():
+    # 256 x 2560: 2 x 10 = 20 tiles of 128 x 256 on 132 SMs; a smaller tile does the same work in one wave
+    plan = heuristic_plan(256, 2560, 8192)
+    assert (plan.block_m, plan.block_n) != (128, 256)
+    assert math.ceil(256 / plan.block_m) * math.ceil(2560 / plan.block_n) > 20
+
+
+def test_cluster_plans_only_with_enough_tile_rows():
+    from fluxrt.gemm.plan import CLUSTER_MIN_TILE_ROWS as rows
+
+    assert all(cl == 1 for *_, cl in tile_shapes(128 * (rows - 1)))
+    assert any(cl == 2 for *_, cl in tile_shapes(128 * rows))
+    assert all(key in TILE_RATE for key in tile_shapes(1 << 14))
+
+
+def test_candidates_include_the_heuristic_and_every_known_tile_shape():
+    cands = tuning.candidates(4096, 4096, 4096)
+    shapes = {(p.block_m, p.block_n, p.cluster) for p in cands}
+    assert set(tile_shapes(4096)) <= shapes
+    assert heuristic_plan(4096, 4096, 4096) in cands
+    assert all(p.smem_bytes("bfloat16") <= SMEM_LIMIT_BYTES for p in cands)
+
+
+def test_plan_describe():
+    assert GemmPlan().describe() == "128x256x64 s3 grouped/g16 epi=tma x1"
+
+
+# --- autotune cache ----------------------------------------------------------------------------------
+
+def test_problem_key_names_shape_types_and_layout():
+    assert tuning.problem_key(1, 2, 3, "bfloat16", "float32", True) == "1x2x3:bfloat16:float32:NK"
+    assert tuning.problem_key(1, 2, 3, "float16", "float16", False) == "1x2x3:float16:float16:KN"
+
+
+def _entry(plan: GemmPlan, us: float) -> dict:
+    import dataclasses
+
+    return {"plan": dataclasses.asdict(plan), "us": us}
+
+
+def test_store_merges_and_round_trips_plans(tmp_path):
+    path = tmp_path / "gpu.json"
+    p1, p2 = GemmPlan(block_n=128, stages=6), GemmPlan(block_m=64, consumers=1, block_n=64, stages=6, group_m=4)
+    tuning.store(path, {"a": _entry(p1, 10.0)})
+    tuning.store(path, {"b": _entry(p2, 20.0)})
+    doc = json.loads(path.read_text())
+    assert set(doc["plans"]) == {"a", "b"}
+    assert tuning._plan_from(doc["plans"]["a"]["plan"]) == p1
+    assert tuning._plan_from(doc["plans"]["b"]["plan"]) == p2
+    assert tuning._table(path)["b"]["us"] == 20.0
+
+
+def _writer(path, i):
+    import dataclasses
+
+    from fluxrt.gemm import autotune  # noqa: F401
+    t = sys.modules["fluxrt.gemm.autotune"]
+    for j in range(10):
+        t.store(path, {f"w{i}-{j}": {"plan": dataclasses.asdict(GemmPlan()), "us": float(j)}})
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "gpu.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(path, i)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    plans = json.loads(path.read_text())["plans"]
+    assert set(plans) == {f"w{i}-{j}" for i in range(4) for j in range(10)}
+
+
+def test_unreadable_cache_is_ignored_not_fatal(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text("{not json")
+    assert tuning._read(path) == {}
+    tuning.store(path, {"a": _entry(GemmPlan(), 1.0)})
+    assert set(json.loads(path.read_text())["plans"]) == {"a"}
+
+
+def test_plan_for_without_a_gpu_is_the_heuristic():
+    assert tuning.plan_for(1024, 4096, 768) == heuristic_plan(1024, 4096, 768)
+
+
+def test_cli_help_lists_tune_and_cache():
+    out = subprocess.run([sys.executable, "-m", "fluxrt.gemm", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "tune" in out and "cache" in out
