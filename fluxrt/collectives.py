@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import collectives_plan as plan
+from . import tuning_tables
 from .agreement import agree as _agree
 from .agreement import local as _local
 from .dtypes import bfloat16, normalize_dtype
@@ -67,9 +68,12 @@ _FAST_CACHE_ENTRIES = 256  # validated launch lists kept per context (keyed by a
 class CollectivesOptions:
     """workspace_bytes: symmetric staging memory per rank (two halves alternate between launches);
     a message larger than about half of it (allreduce one-shot: half / ranks) goes in several launches.
+    The default, 256 MiB of the symmetric heap per rank (plus the LL buffer, a few MiB), is the workspace
+    the default tuning was measured with: a smaller one costs bandwidth on large messages (smaller ring
+    entries, more launches).
     tuning: algorithm thresholds and grid sizes (``collectives_plan.Tuning``; the same on every rank)."""
 
-    workspace_bytes: int = 64 << 20
+    workspace_bytes: int = tuning_tables.TUNED_WORKSPACE_BYTES
     tuning: plan.Tuning = plan.DEFAULT_TUNING
 
 

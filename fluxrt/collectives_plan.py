@@ -30,6 +30,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from . import tuning_tables
+
 # Mirrors of kernels/comm/collectives.cu.
 MAX_BLOCKS = 128      # kMaxBlocks: flag slots per (phase, source rank)
 MAX_RING_BLOCKS = 256 # kMaxRingBlocks: a ring round's flags are per slice only (world x MAX_BLOCKS slots)
@@ -47,157 +49,118 @@ LL_ALGOS = ("ll", "ll12", "ll12_twoshot")  # algorithms that run through the LL 
 PIPE_ALGOS = ("pipe", "pairwise")  # pipelined rounds (pairwise: the exchange's pairwise phases)
 LL12_MAX_THREADS = 512  # the LL12 kernels' registers (84 and 112 on sm_90a) allow at most 512 threads a block
 
-# Defaults of Tuning (see there).
-LL_MAX_BYTES = 256 << 10
-ONESHOT_MAX_BYTES = 1 << 20
-ONESHOT_BYTES_PER_BLOCK = 8 << 10
-ONESHOT_MAX_GRID = 64
-BULK_BYTES_PER_BLOCK = 16 << 10
-BULK_MAX_GRID = 64
-TWOSHOT_MAX_GRID = 128
-LL_MAX_GRID = 32
-DIRECT_MIN_BYTES = 1 << 20
-PIPE_MIN_BYTES = 64 << 20
-PIPE_BYTES_PER_BLOCK = 64 << 10
-PIPE_MAX_GRID = 64
-PIPE_DEPTH = 2
-PIPE_STEP_ALIGN = 4 << 10
-PIPE_MAX_STEP = 64 << 10
-LL12_TWOSHOT_MIN_BYTES = 256 << 10
-LL12_TWOSHOT_MAX_BYTES = 4 << 20
-RING_MIN_BYTES = 32 << 20
-RING_MIN_BYTES_TWO_RANKS = 32 << 20
-REDUCE_SCATTER_RING_MIN_BYTES = 64 << 20
-ALLGATHER_RING_MIN_BYTES = 32 << 20
-ALLGATHER_RING_MIN_BYTES_TWO_RANKS = 16 << 20
-DIRECT_ALLGATHER_RING_MIN_BYTES = 128 << 20
-PAIRWISE_MIN_BYTES = 32 << 20
-PAIRWISE_MAX_STEP = 256 << 10
-PAIRWISE_MIN_STEP = 128 << 10
-PAIRWISE_DEPTH = 3
-RING_MAX_GRID = 128
-RING_THREADS = 512
-RING_STEP = 256 << 10
-RING_DEPTH = 4
-RING_SUBSTEPS = 2
-RING_ONE_STEP_MAX_GRID = 96
+PIPE_STEP_ALIGN = 4 << 10  # pipelined entries are whole 4 KiB pages where they can be
+
+_D = tuning_tables.table(tuning_tables.DEFAULT_KIND)
+# The default values under module-level names, for tests and tools that compare against them.
+LL_MAX_BYTES = _D["ll_max_bytes"]
+ONESHOT_MAX_BYTES = _D["oneshot_max_bytes"]
+ONESHOT_MAX_GRID = _D["oneshot_max_grid"]
+BULK_MAX_GRID = _D["bulk_max_grid"]
+TWOSHOT_MAX_GRID = _D["twoshot_max_grid"]
+LL_MAX_GRID = _D["ll_max_grid"]
+DIRECT_MIN_BYTES = _D["direct_min_bytes"]
+PIPE_MIN_BYTES = _D["pipe_min_bytes"]
+PIPE_MAX_GRID = _D["pipe_max_grid"]
+PIPE_DEPTH = _D["pipe_depth"]
+PIPE_MAX_STEP = _D["pipe_max_step"]
+LL12_TWOSHOT_MIN_BYTES = _D["ll12_twoshot_min_bytes"]
+LL12_TWOSHOT_MAX_BYTES = _D["ll12_twoshot_max_bytes"]
+RING_MIN_BYTES = _D["ring_min_bytes"]
 
 
 @dataclass(frozen=True)
 class Tuning:
     """Size thresholds and grid sizes of the collectives (the same on every rank of a context).
 
-    ll_max_bytes: LL while each pair of ranks exchanges at most this many bytes (allreduce, broadcast: the
-    whole message; allgather, reduce_scatter, alltoall: a 1/n chunk; alltoallv: the largest pair); 0 turns
-    LL off. It also sizes the LL buffer (one slot per source rank holds that much).
-    oneshot_max_bytes: allreduce one-shot up to here (above LL), two-shot above. twoshot_max_grid: the
-    two-shot's blocks (a block per bulk_bytes_per_block of a chunk); 4x H200, bf16, 256 MiB workspace
-    (6bc3f43, eager / graph us): 128 against 64 blocks, 16 MiB 94.7 / 92.6 vs 100.2 / 97.3 (NCCL 98.7 /
-    96.2), 8 MiB level (57.4 vs 57.1), 32 MiB 178.0 vs 187.9 (the ring, 175.3, runs there);
-    perf/results/tune-allreduce-mid16-*-6bc3f43.json.
-    *_bytes_per_block / *_max_grid: a block per that many bytes (per peer for bulk rounds), up to that many
-    blocks (LL: a thread per 8 message bytes, so a block of THREADS threads per 4 KiB).
-    direct_min_bytes: exchange ops with a symmetric output push straight into it from this size up.
-    pipe_min_bytes: pipelined rounds from this message size up (allreduce above one-shot; the other ops
-    where they do not go direct); 0 turns them off. pipe_depth: ring entries per slice (>= 2);
-    pipe_bytes_per_block / pipe_max_grid: slices of the message (a block per slice and role).
-    pipe_max_step: cap on the bytes of a ring entry of the pipelined exchange ops and reduce_scatter (0: as
-    large as the workspace allows). With the perf CLI's 256 MiB workspace on 4x H200 (bf16), 64 KiB took
-    5-14 % less than uncapped entries from 128 MiB (allgather 1 GiB 2524 vs 2651 us, reduce_scatter 2526
-    vs 2628), 128 or 256 KiB in between. allreduce_pipe_max_step: the same cap for allreduce, whose steps
-    pass three blocks (sender, reducer, receiver): there 64 KiB took 5-7 % longer than 128 KiB or more
-    (1 GiB 5216 vs 4874-4883 us), so it is uncapped; at 32-64 MiB 128 KiB entries with pipe_depth 3 were
-    within the spread of two jobs (e100813: 32 MiB 181 and 185 vs 191 and 188 us).
-    ll12_min_bytes: allreduce's LL rounds of at least this many bytes use the LL12 lines (12 message
-    bytes per 16-byte line, 'll12'); 0: never. ll12_threads / ll12_max_grid: its blocks (a thread per
-    line; a multiple of 32, at most LL12_MAX_THREADS threads). Graph replay on 4x H200 (bf16): from
-    512 B to 256 KiB LL12 with 128 x up to 128 blocks took 3-13 % less than the 8-byte lines (4.16 ->
-    3.78 us at 16 KiB, 5.18 -> 4.59 at 64 KiB), below 512 B 0.1-0.3 us more.
-    ll12_twoshot_min_bytes / ll12_twoshot_max_bytes: allreduce messages of this many bytes run the LL12
-    two-shot ('ll12_twoshot', ahead of the LL rounds); max 0: never. The max also sizes the LL buffer
-    (a half holds two regions of n slots of a 1/n chunk). ll12_twoshot_threads / ll12_twoshot_max_grid:
-    its blocks (a thread per line of a chunk). Graph replay on 4x H200 (bf16, one tuning job, b25e009):
-    against LL12 7.9 vs 9.8 us at 256 KiB (LL12 ahead at 128 KiB, 6.4 vs 7.2); against one-shot and
-    two-shot 10.4 vs 14.6 us at 512 KiB, 14.3 vs 19.7 at 1 MiB, 21.1 vs 26.8 at 2 MiB, 35.8 vs 36.0 at 4
-    MiB; 512 threads (one line per thread up to 3 MiB) were 0-18 % faster than 128 or 256 from 1 MiB.
-    ring_min_bytes: allreduce messages of at least this many bytes, on 3 or more ranks, run the ring
-    ('ring'); 0: never. reduce_scatter_ring_min_bytes: the same for reduce_scatter. two_rank_ring_min_bytes:
-    both on 2 ranks (3 ring stages for allreduce). allgather_ring_min_bytes /
-    two_rank_allgather_ring_min_bytes: the same for allgather, by the output's bytes.
-    direct_allgather_ring_min_bytes: into a symmetric output allgather goes direct below this (and below
-    the thresholds above), the ring from here (5a1565b, 4 ranks: direct 164 vs 178 us at 64 MiB, 318 vs
-    312 at 128 MiB, 2488 vs 2240 at 1 GiB; 2 ranks not measured).
-    Measured with the one-step rounds below (ab91dd0, 4x H200, bf16, 256 MiB workspace, eager us, ring
-    against the algorithm that ran below the old threshold, NCCL in the same jobs;
-    perf/results/tune-*-ringsub1*-ab91dd0.json): 4 ranks allreduce 32 MiB 175 vs 187 (two-shot; NCCL
-    173), 64 MiB 311 vs 344 (pipelined; NCCL 323), 16 MiB 115 vs 100; reduce_scatter 64 MiB 171 vs 180,
-    32 MiB 100 vs 98 (staged push); allgather 32 MiB 94 vs 101 (pairwise), 16 MiB level (60). 2 ranks:
-    allreduce 32 MiB 116 vs 137, reduce_scatter 32 MiB level (77), allgather 16 MiB 40 vs 43.
-    ring_max_grid / ring_threads: its blocks (one per slice of a chunk, a slice per pipe_bytes_per_block
-    of a chunk; up to MAX_RING_BLOCKS; at least two warps, which wait on the two flags). ring_step: bytes
-    per ring entry (at most). ring_one_step_max_grid: where a slice fits one entry, at most this many
-    blocks and then ring_max_grid are tried, and the round takes one step per stage (each stage of a
-    block then pays one fence and one flag), as many entries as the half holds up to ring_depth (>= 2);
-    0: never (ring_geometry). Otherwise the half holds ring_depth entries per block and each stage takes
-    ring_substeps entries (>= 2: the next rank's wait for step i of a stage hides behind this rank's
-    later steps; ring_depth >= 2 ring_substeps: a rank sends a stage while the next rank reads the one
-    before). One step per stage against two (ab91dd0, same jobs): 4 ranks allreduce 32 MiB 175 vs 221 us
-    (96 blocks; 181 with 128), 64 MiB 310 vs 337, 128 MiB 582-588 vs 605 (128 blocks), 1 GiB level
-    (4445-4451 vs 4442, several entries per slice); with the default 64 MiB workspace 64 MiB 322 vs 337
-    (depth 2). On 2 ranks two steps per stage stayed ahead where a slice spans several entries
-    (reduce_scatter 1 GiB 1600 vs 1780, allgather 1545 vs 1639).
-    pairwise_min_bytes: alltoall messages of at least this many bytes, on 3 or more ranks, with an output
-    apart from the input, and allgathers below the ring thresholds, run the pipelined round in pairwise
-    phases ('pairwise'): in phase k each rank streams its pair to rank + k only, so every rank pushes to
-    one peer at a time; 0: never. Each entry
-    now carries one pair instead of one for every peer, so it needs larger entries: pairwise_max_step
-    caps them, pairwise_depth entries per slice, and below pairwise_min_step (a small workspace) 'auto'
-    keeps the common phase. 4x H200, bf16, 256 MiB workspace (0806926, eager, against the common phase
-    and NCCL): 32 MiB 99 / 119 / 116 us, 128 MiB 324 / 360 / 347, 1 GiB 2429 / 2553 / 2414; with 64 KiB
-    entries pairwise was slower than the common phase (1 GiB 3089), 128 KiB level (2483).
-    pdl: 1 launches every round with programmatic dependent launch (the round's grid is scheduled, and
-    takes its share of the round counter, while the kernel before it still runs; kernels/comm/
-    collectives.cu, "Programmatic dependent launch"); 0: plain launches."""
+    Defaults: the Hopper NVLink table of ``fluxrt.tuning_tables`` (``Tuning.for_machine`` takes another
+    machine's), measured with that module's ``TUNED_WORKSPACE_BYTES`` workspace; docs/tuning.md gives the
+    measurements behind every number. Message sizes are nccl-tests sizes in bytes; a threshold of 0
+    turns its algorithm off. "A block per X bytes, up to G blocks": grid = min(G, ceil(bytes / X))."""
 
-    ll_max_bytes: int = LL_MAX_BYTES
-    oneshot_max_bytes: int = ONESHOT_MAX_BYTES
-    oneshot_bytes_per_block: int = ONESHOT_BYTES_PER_BLOCK
-    oneshot_max_grid: int = ONESHOT_MAX_GRID
-    bulk_bytes_per_block: int = BULK_BYTES_PER_BLOCK
-    bulk_max_grid: int = BULK_MAX_GRID
-    twoshot_max_grid: int = TWOSHOT_MAX_GRID
-    ll_max_grid: int = LL_MAX_GRID
-    direct_min_bytes: int = DIRECT_MIN_BYTES
-    pipe_min_bytes: int = PIPE_MIN_BYTES
-    pipe_bytes_per_block: int = PIPE_BYTES_PER_BLOCK
-    pipe_max_grid: int = PIPE_MAX_GRID
-    pipe_depth: int = PIPE_DEPTH
-    pipe_max_step: int = PIPE_MAX_STEP
-    allreduce_pipe_max_step: int = 0
-    ll12_min_bytes: int = 512
-    ll12_threads: int = 128
-    ll12_max_grid: int = 128
-    ll12_twoshot_min_bytes: int = LL12_TWOSHOT_MIN_BYTES
-    ll12_twoshot_max_bytes: int = LL12_TWOSHOT_MAX_BYTES
-    ll12_twoshot_threads: int = 512
-    ll12_twoshot_max_grid: int = 128
-    ring_min_bytes: int = RING_MIN_BYTES
-    two_rank_ring_min_bytes: int = RING_MIN_BYTES_TWO_RANKS
-    reduce_scatter_ring_min_bytes: int = REDUCE_SCATTER_RING_MIN_BYTES
-    allgather_ring_min_bytes: int = ALLGATHER_RING_MIN_BYTES
-    two_rank_allgather_ring_min_bytes: int = ALLGATHER_RING_MIN_BYTES_TWO_RANKS
-    direct_allgather_ring_min_bytes: int = DIRECT_ALLGATHER_RING_MIN_BYTES
-    ring_max_grid: int = RING_MAX_GRID
-    ring_threads: int = RING_THREADS
-    ring_step: int = RING_STEP
-    ring_depth: int = RING_DEPTH
-    ring_substeps: int = RING_SUBSTEPS
-    ring_one_step_max_grid: int = RING_ONE_STEP_MAX_GRID
-    pairwise_min_bytes: int = PAIRWISE_MIN_BYTES
-    pairwise_max_step: int = PAIRWISE_MAX_STEP
-    pairwise_min_step: int = PAIRWISE_MIN_STEP
-    pairwise_depth: int = PAIRWISE_DEPTH
-    pdl: int = 1
+    # LL while a pair exchanges at most this (see pair_bytes); sizes the LL buffer
+    ll_max_bytes: int = _D["ll_max_bytes"]
+    # allreduce one-shot up to here (above LL), two-shot above
+    oneshot_max_bytes: int = _D["oneshot_max_bytes"]
+    # one-shot: a block per this many bytes
+    oneshot_bytes_per_block: int = _D["oneshot_bytes_per_block"]
+    # one-shot: at most this many blocks
+    oneshot_max_grid: int = _D["oneshot_max_grid"]
+    # staged push / two-shot: a block per this per peer
+    bulk_bytes_per_block: int = _D["bulk_bytes_per_block"]
+    # staged push: at most this many blocks
+    bulk_max_grid: int = _D["bulk_max_grid"]
+    # two-shot allreduce: at most this many blocks
+    twoshot_max_grid: int = _D["twoshot_max_grid"]
+    # LL: a thread per 8 bytes of the largest pair, up to this many blocks
+    ll_max_grid: int = _D["ll_max_grid"]
+    # into a symmetric output, push straight into it from here
+    direct_min_bytes: int = _D["direct_min_bytes"]
+    # pipelined rounds from here (allreduce: above one-shot); 0: never
+    pipe_min_bytes: int = _D["pipe_min_bytes"]
+    # pipelined / ring: a slice (block) per this many bytes
+    pipe_bytes_per_block: int = _D["pipe_bytes_per_block"]
+    # pipelined: at most this many slices
+    pipe_max_grid: int = _D["pipe_max_grid"]
+    # pipelined: ring entries per slice (>= 2)
+    pipe_depth: int = _D["pipe_depth"]
+    # pipelined exchange ops: cap on an entry's bytes; 0: workspace-sized
+    pipe_max_step: int = _D["pipe_max_step"]
+    # pipelined allreduce: cap on an entry's bytes; 0: uncapped
+    allreduce_pipe_max_step: int = _D["allreduce_pipe_max_step"]
+    # allreduce LL rounds from here use 12-byte LL12 lines; 0: never
+    ll12_min_bytes: int = _D["ll12_min_bytes"]
+    # LL12: threads per block (a thread per line; multiple of 32)
+    ll12_threads: int = _D["ll12_threads"]
+    # LL12: at most this many blocks
+    ll12_max_grid: int = _D["ll12_max_grid"]
+    # allreduce: the LL12 two-shot from this many bytes ...
+    ll12_twoshot_min_bytes: int = _D["ll12_twoshot_min_bytes"]
+    # ... up to this many (0: never); also sizes the LL buffer
+    ll12_twoshot_max_bytes: int = _D["ll12_twoshot_max_bytes"]
+    # LL12 two-shot: threads per block (a thread per line)
+    ll12_twoshot_threads: int = _D["ll12_twoshot_threads"]
+    # LL12 two-shot: at most this many blocks
+    ll12_twoshot_max_grid: int = _D["ll12_twoshot_max_grid"]
+    # allreduce on >= 3 ranks: the ring from here; 0: never
+    ring_min_bytes: int = _D["ring_min_bytes"]
+    # allreduce, reduce_scatter on 2 ranks: ring from here
+    two_rank_ring_min_bytes: int = _D["two_rank_ring_min_bytes"]
+    # reduce_scatter, >= 3 ranks: ring from here
+    reduce_scatter_ring_min_bytes: int = _D["reduce_scatter_ring_min_bytes"]
+    # allgather, >= 3 ranks: ring from here (output bytes)
+    allgather_ring_min_bytes: int = _D["allgather_ring_min_bytes"]
+    # allgather, 2 ranks: ring from here
+    two_rank_allgather_ring_min_bytes: int = _D["two_rank_allgather_ring_min_bytes"]
+    # symmetric output: direct below, ring from here
+    direct_allgather_ring_min_bytes: int = _D["direct_allgather_ring_min_bytes"]
+    # ring: at most this many blocks (slices of a chunk)
+    ring_max_grid: int = _D["ring_max_grid"]
+    # ring: threads per block (>= 2 warps: they wait on two flags)
+    ring_threads: int = _D["ring_threads"]
+    # ring: at most this many bytes per entry
+    ring_step: int = _D["ring_step"]
+    # ring: entries per block in a workspace half (>= 2 ring_substeps)
+    ring_depth: int = _D["ring_depth"]
+    # ring: entries per stage where a slice spans several entries
+    ring_substeps: int = _D["ring_substeps"]
+    # ring: blocks tried first for one entry per stage; 0: never
+    ring_one_step_max_grid: int = _D["ring_one_step_max_grid"]
+    # alltoall (output apart from input), allgather below its ring, >= 3 ranks: pairwise phases from here
+    pairwise_min_bytes: int = _D["pairwise_min_bytes"]
+    # pairwise: cap on an entry's bytes
+    pairwise_max_step: int = _D["pairwise_max_step"]
+    # pairwise: 'auto' skips it where entries would be smaller
+    pairwise_min_step: int = _D["pairwise_min_step"]
+    # pairwise: entries per slice (>= 2)
+    pairwise_depth: int = _D["pairwise_depth"]
+    # 1: launch rounds with programmatic dependent launch; 0: plain launches
+    pdl: int = _D["pdl"]
+
+    @classmethod
+    def for_machine(cls, kind: str, **changes) -> "Tuning":
+        """The defaults of machine `kind` (a ``tuning_tables.TABLES`` key, see ``machine_kind``), then `changes`."""
+        return cls(**{**tuning_tables.table(kind), **changes})
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

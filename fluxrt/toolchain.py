@@ -187,7 +187,39 @@ def _nvshmem_root() -> Path:
     raise CompileError("NVSHMEM headers not found: install nvidia-nvshmem-cu13 (a dependency of nvshmem4py-cu13)")
 
 
+# Layouts of pip's nvcc: CUDA 13 wheels (nvidia-cuda-nvcc 13, via cuda-toolkit[nvcc]) install into
+# nvidia/cu13/, CUDA 12 wheels into nvidia/cuda_nvcc/. nvcc.profile finds cicc and the headers relative
+# to its own bin/, so the binary runs from there as is.
+_PIP_NVCC_DIRS = ("nvidia/cu13/bin", "nvidia/cuda_nvcc/bin")
+NVCC_REMEDY = ('pip install "cuda-toolkit[nvcc]==13.*" (fluxrt\'s "nvcc" extra), or put a CUDA toolkit\'s '
+               'nvcc on PATH, or set CUDA_HOME')
+
+
+def _site_dirs() -> list[str]:
+    """Where pip puts wheels for this interpreter: sys.path entries plus the site-packages dirs."""
+    import site
+    import sys
+
+    dirs = list(sys.path)
+    try:
+        dirs += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # some embedded interpreters lack these
+        pass
+    return [d for d in dict.fromkeys(dirs) if d]
+
+
+def _pip_nvcc(site_dirs: list[str] | None = None) -> str | None:
+    for d in (_site_dirs() if site_dirs is None else site_dirs):
+        for sub in _PIP_NVCC_DIRS:
+            cand = Path(d) / sub / "nvcc"
+            if cand.is_file() and os.access(cand, os.X_OK):
+                return str(cand)
+    return None
+
+
 def nvcc_path() -> str:
+    """nvcc for the NVSHMEM device-API kernels: PATH, then $CUDA_HOME / $CUDA_PATH / /usr/local/cuda, then
+    pip's nvcc wheel (a GPU node may have no CUDA toolkit), then cuda-pathfinder's search."""
     found = shutil.which("nvcc")
     if found:
         return found
@@ -195,8 +227,18 @@ def nvcc_path() -> str:
     cand = Path(home) / "bin" / "nvcc"
     if cand.is_file():
         return str(cand)
-    raise CompileError("nvcc not found (needed for kernels that call the NVSHMEM device API); "
-                       "put it on PATH or set CUDA_HOME")
+    found = _pip_nvcc()
+    if found:
+        return found
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+
+        found = find_nvidia_binary_utility("nvcc")
+    except Exception:  # cuda-pathfinder absent or older than its binary finder
+        found = None
+    if found:
+        return found
+    raise CompileError(f"nvcc not found (needed for kernels that call the NVSHMEM device API): {NVCC_REMEDY}")
 
 
 def _nvcc_version(nvcc: str) -> str:

@@ -74,3 +74,67 @@ def test_every_python_subpackage_is_in_the_wheel():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "fluxrt").rglob("__init__.py")}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def _fake_nvcc(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def no_system_nvcc(tmp_path, monkeypatch):
+    """A machine with no nvcc on PATH, no CUDA toolkit, no pip nvcc and no cuda-pathfinder hit."""
+    monkeypatch.setattr(toolchain.shutil, "which", lambda name: None)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.setattr(toolchain, "_site_dirs", lambda: [str(tmp_path / "empty"), str(site)])
+    import sys
+    import types
+
+    fake_pathfinder = types.ModuleType("cuda.pathfinder")
+    fake_pathfinder.find_nvidia_binary_utility = lambda name: None
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", fake_pathfinder)
+    return site
+
+
+@pytest.mark.parametrize("layout", ["nvidia/cu13/bin", "nvidia/cuda_nvcc/bin"])
+def test_nvcc_from_a_pip_wheel_when_there_is_no_toolkit(no_system_nvcc, layout):
+    nvcc = _fake_nvcc(no_system_nvcc / layout / "nvcc")
+    assert toolchain.nvcc_path() == str(nvcc)
+
+
+def test_toolkit_nvcc_wins_over_pip(no_system_nvcc, tmp_path, monkeypatch):
+    _fake_nvcc(no_system_nvcc / "nvidia/cu13/bin/nvcc")
+    toolkit = _fake_nvcc(tmp_path / "cuda" / "bin" / "nvcc")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    assert toolchain.nvcc_path() == str(toolkit)
+
+
+def test_non_executable_pip_nvcc_is_skipped(no_system_nvcc):
+    _fake_nvcc(no_system_nvcc / "nvidia/cu13/bin/nvcc").chmod(0o644)
+    with pytest.raises(CompileError):
+        toolchain.nvcc_path()
+
+
+def test_cuda_pathfinder_is_the_last_resort(no_system_nvcc, tmp_path):
+    import sys
+
+    found = _fake_nvcc(tmp_path / "elsewhere" / "nvcc")
+    sys.modules["cuda.pathfinder"].find_nvidia_binary_utility = lambda name: str(found) if name == "nvcc" else None
+    assert toolchain.nvcc_path() == str(found)
+
+
+def test_missing_nvcc_names_the_pip_package(no_system_nvcc):
+    with pytest.raises(CompileError, match=r'pip install "cuda-toolkit\[nvcc\]==13\.\*"'):
+        toolchain.nvcc_path()
+
+
+def test_nvcc_extra_is_the_one_the_error_names():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f'"{extras["nvcc"][0]}"' in toolchain.NVCC_REMEDY

@@ -371,7 +371,7 @@ def test_allreduce_large_bf16(world, algo):
 
     from fluxrt.collectives_plan import choose_algo
 
-    count = 32 << 20  # 64 MiB: one ring launch (auto), or several two-shot launches through the 64 MiB workspace
+    count = 32 << 20  # 64 MiB: one ring launch (auto), or two-shot launches through the workspace
     x = _data(99, world, count, "bf16")
     inputs = _gather(world, x)
     out = _poisoned(count, "bf16")

@@ -1,0 +1,220 @@
+"""Write docs/performance.md from perf/results/*.json: per benchmark and machine, the latest result.
+
+    python perf/make_performance_doc.py                 # writes docs/performance.md
+    python perf/make_performance_doc.py --superseded    # lists result files that a newer one replaces
+
+A result's key is its file name without the date and commit (``allreduce-eager-h200x4-np4``); collective
+sweeps written before the file names carried the mode get theirs from the command (``-G`` = graph).
+perf/results keeps the latest file per key; older ones live in git history.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "perf" / "results"
+OUT = ROOT / "docs" / "performance.md"
+
+SWEEP_OPS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast")
+_DATED = re.compile(r"-(\d{4}-\d{2}-\d{2})(?:-([0-9a-f]{7,40}))?$")
+_TITLES = {"sweep": "Collective sweeps (fluxrt and NCCL in the same job)", "fused": "Fused tensor-parallel ops",
+           "gemm": "GEMM (one GPU)", "p2p": "Point to point", "probe": "Fabric and ordering probes",
+           "ops": "Fused ops on padded shards", "tune": "Tuning jobs (perf/tune_collectives.py)"}
+
+
+def load(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {"rows": data}
+
+
+def graph_mode(command: str) -> bool:
+    return re.search(r"(^|\s)-G\s*\d", command or "") is not None
+
+
+def result_key(path: Path, data: dict) -> str:
+    """The benchmark-and-machine key: the file stem without date and commit, with the sweep mode."""
+    stem = _DATED.sub("", path.stem)
+    op = stem.split("-")[0]
+    if op in SWEEP_OPS and data.get("bench") == op and not re.search(r"-(eager|graph)-", stem):
+        stem = stem.replace(op, f"{op}-{'graph' if graph_mode(data.get('command', '')) else 'eager'}", 1)
+    return stem
+
+
+def _git_date(commit: str | None) -> str:
+    if not commit:
+        return ""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%cI", commit], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def when(path: Path, data: dict) -> str:
+    """When the result was taken: the time recorded in the JSON, else the date in its file name."""
+    if data.get("date"):
+        return str(data["date"])
+    m = _DATED.search(path.stem)
+    return m.group(1) if m else ""
+
+
+def _order(path: Path, data: dict) -> str:
+    """Sort key among results of one key: the recorded time, else the commit's date (git), else the name's."""
+    if data.get("date"):
+        return str(data["date"])
+    m = _DATED.search(path.stem)
+    return _git_date(data.get("commit") or (m and m.group(2))) or when(path, data)
+
+
+def latest(results_dir: Path = RESULTS) -> tuple[dict[str, tuple[Path, dict]], list[Path]]:
+    """{key: (path, data)} of the newest file per key, and the JSON files that a newer one supersedes."""
+    groups: dict[str, list[tuple[str, Path, dict]]] = {}
+    for path in sorted(results_dir.glob("*.json")):
+        data = load(path)
+        groups.setdefault(result_key(path, data), []).append((_order(path, data), path, data))
+    kept, old = {}, []
+    for key, items in groups.items():
+        items.sort(key=lambda t: (t[0], t[1].name))
+        kept[key] = items[-1][1:]
+        old += [p for _, p, _ in items[:-1]]
+    return kept, old
+
+
+def kind(key: str, data: dict) -> str:
+    bench = str(data.get("bench", ""))
+    if key.startswith("tune-") or bench.startswith("tune_"):
+        return "tune"
+    if bench in SWEEP_OPS:
+        return "sweep"
+    if bench in ("ag_gemm", "gemm_rs"):
+        return "fused"
+    if bench == "gemm":
+        return "gemm"
+    if bench == "p2p":
+        return "p2p"
+    if key.startswith("ops-"):
+        return "ops"
+    return "probe"
+
+
+def machine(data: dict) -> str:
+    m = data.get("machine")
+    if isinstance(m, dict):
+        return f"{m.get('kind', '?')} ({m.get('gpu_count', '?')}x {m.get('gpu_name', '?')})"
+    return str(m or "not recorded")
+
+
+def size(n) -> str:
+    n = int(n)
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def num(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    cells = lambda r: "| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |"  # noqa: E731
+    return [cells(header), cells(["---"] * len(header)), *map(cells, rows)]
+
+
+def sweep_table(rows: list[dict]) -> list[str]:
+    """One line per size: fluxrt's algorithm, time and busbw beside NCCL's, and the time ratio."""
+    by_size: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        by_size.setdefault(int(r["bytes"]), {})[str(r.get("impl"))] = r
+    out = []
+    for b in sorted(by_size):
+        f, n = by_size[b].get("fluxrt"), by_size[b].get("nccl")
+        ratio = f"{n['time_us'] / f['time_us']:.2f}x" if f and n and f.get("time_us") else "—"
+        out.append([size(b), f.get("algo", "") if f else "—", num(f["time_us"]) if f else "—",
+                    num(f["busbw"]) if f else "—", num(n["time_us"]) if n else "—", num(n["busbw"]) if n else "—",
+                    ratio, (f or {}).get("wrong", "—")])
+    return table(["size", "fluxrt algo", "fluxrt µs", "fluxrt busbw GB/s", "NCCL µs", "NCCL busbw GB/s",
+                  "NCCL time / fluxrt time", "wrong"], out)
+
+
+def generic_table(rows) -> list[str]:
+    if isinstance(rows, dict):
+        return table(["measurement", "value"], [[k, num(v)] for k, v in rows.items()])
+    rows = [r for r in rows if isinstance(r, dict)]
+    if not rows:
+        return ["(no rows)"]
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c not in ("plan", "device")]
+    fmt = lambda c, v: size(v) if c in ("bytes", "bytes_per_peer") and isinstance(v, int) else num(v)  # noqa: E731
+    return table(cols, [[fmt(c, r.get(c, "")) for c in cols] for r in rows])
+
+
+def section(key: str, path: Path, data: dict) -> list[str]:
+    rows = data.get("rows") if "rows" in data else data.get("ms", [])
+    lines = [f"### {key}", "",
+             f"- machine: {machine(data)}",
+             f"- date: {when(path, data) or 'not recorded'}",
+             f"- commit: {data.get('commit', 'not recorded')}",
+             f"- command: `{data.get('command', 'not recorded')}`",
+             f"- file: `perf/results/{path.name}`" + (f", plot `perf/results/{path.stem}.png`"
+                                                       if path.with_suffix(".png").is_file() else "")]
+    if data.get("note"):
+        lines.append(f"- note: {data['note']}")
+    lines.append("")
+    if kind(key, data) == "sweep" and rows and isinstance(rows, list):
+        lines += sweep_table(rows)
+    else:
+        lines += generic_table(rows)
+    return lines + [""]
+
+
+def render(results_dir: Path = RESULTS) -> str:
+    kept, _ = latest(results_dir)
+    lines = ["# Performance", "",
+             "Generated by `python perf/make_performance_doc.py` from `perf/results/*.json`: for each benchmark",
+             "and machine, the latest result. Older results are in the git history of `perf/results/`.",
+             "Times are medians of the recorded runs; sizes are nccl-tests sizes (the whole message); busbw",
+             "uses the nccl-tests factors. \"NCCL time / fluxrt time\" above 1 means fluxrt is faster.",
+             "Commands ran under `fluxrt-run -n <ranks> --` unless they say otherwise; paths in them are",
+             "where the job wrote its output.", ""]
+    by_kind: dict[str, list[str]] = {}
+    for key in sorted(kept):
+        by_kind.setdefault(kind(key, kept[key][1]), []).append(key)
+    for k in _TITLES:
+        if k in by_kind:
+            lines += [f"## {_TITLES[k]}", ""]
+            for key in by_kind[k]:
+                lines += section(key, *kept[key])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--superseded", action="store_true",
+                    help="print the result files (JSON and PNG) that a newer result replaces, and exit")
+    args = ap.parse_args(argv)
+    if args.superseded:
+        for p in latest(args.results)[1]:
+            print(p)
+            if p.with_suffix(".png").is_file():
+                print(p.with_suffix(".png"))
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(args.results))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
