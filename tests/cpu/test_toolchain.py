@@ -138,3 +138,18 @@ def test_nvcc_extra_is_the_one_the_error_names():
     root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert f'"{extras["nvcc"][0]}"' in toolchain.NVCC_REMEDY
+
+
+def test_every_kernel_folder_ships_in_the_wheel():
+    """pyproject lists each kernels/ folder as a package with its sources as package data: a new folder that is
+    not listed would be left out of the wheel and its kernels would not compile where fluxrt is installed."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {p.parent for p in (root / "kernels").rglob("*") if p.suffix in (".cu", ".cuh", ".h")}
+    for folder in folders:
+        pkg = ".".join(("fluxrt", "kernels", *folder.relative_to(root / "kernels").parts))
+        assert pkg in cfg["packages"], f"{folder} is not listed in pyproject's packages"
+        assert pkg in cfg["package-data"], f"{folder}'s sources are not package data"
