@@ -135,7 +135,8 @@ def _from_dlpack_attributes(x, name: str, op: str, type_error: type) -> ArrayInf
             raise type_error(f"{op}: {name} lives in {where} memory; pass a CUDA array")
         device = int(dev)
     shape = tuple(int(s) for s in getattr(x, "shape", ()))
-    dtype = dtype_name(getattr(x, "dtype", "?"))
+    own = getattr(x, "dtype", None)   # (np.dtype(None) would be float64)
+    dtype = dtype_name(own) if own is not None else "unknown"
     producer = _producer(x)
     return ArrayInfo(name, shape, dtype, None, -1, device, _is_jax(producer), "dlpack", None, producer)
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from .errors import FluxrtError
+
 log = logging.getLogger(__name__)
 
 
-class RegistryClosedError(RuntimeError):
-    """State was asked of a registry whose world has been finalized."""
+class RegistryClosedError(FluxrtError):
+    """New state was asked of a world that has been finalized."""
 
 
 class Registry:
@@ -39,7 +41,7 @@ class Registry:
         if key in self._values:
             return self._values[key]
         if self._closed:
-            raise RegistryClosedError(f"no new state ({key!r}) after the world was finalized")
+            raise RegistryClosedError(f"{key}: this world has been finalized; call fluxrt.init() again")
         value = factory()
         if key in self._values:   # the factory registered it itself (a constructor that publishes itself)
             return self._values[key]
@@ -49,7 +51,7 @@ class Registry:
     def put(self, key, value, teardown: Callable[[Any], None] | None = None) -> None:
         """Register `value` under a key that is not taken yet."""
         if self._closed:
-            raise RegistryClosedError(f"no new state ({key!r}) after the world was finalized")
+            raise RegistryClosedError(f"{key}: this world has been finalized; call fluxrt.init() again")
         if key in self._values:
             raise KeyError(f"world state {key!r} exists already")
         self._values[key] = value
