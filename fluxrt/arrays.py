@@ -183,7 +183,8 @@ def _import(x, info: ArrayInfo, stream, op: str, error: type):
         with s:   # CuPy hands its current stream to __dlpack__(stream=...)
             return cupy.from_dlpack(x)
     except Exception as e:
-        raise error(f"{op}: {info.name} cannot be imported through DLPack as GPU memory ({type(e).__name__}: {e})") from e
+        raise error(f"{op}: {info.name} cannot be imported through DLPack as GPU memory "
+                    f"({type(e).__name__}: {e})") from e
 
 
 def _view_of_cai(x, info: ArrayInfo, op: str, error: type):

@@ -719,7 +719,8 @@ def allreduce(world: World, x, out=None, *, op: str = "sum", stream=None, async_
     return context(world).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
 
 
-def reduce_scatter(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+def reduce_scatter(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
+                   algo: str = "auto"):
     return context(world).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
 
 

@@ -12,7 +12,8 @@ current stream):
                                      or add), or cuStreamWriteValue64 (via='stream_op', set only)
     wait(world, flag_ptr, value)     bounded wait until a local flag reaches value: a one-thread kernel
                                      spinning with acquire loads (cuStreamWaitValue64 cannot be bounded)
-    signal_list / wait_list          the same for every flag of a PointerList in one launch (fused ops)
+    signal_list / wait_list          the same for every flag of a PointerList in one launch (fused ops;
+                                     these take the CuPy stream their caller's entry converted)
     barrier(world)                   every rank of the world, through its barrier pad
     SignalPad                        `slots` flags per rank and the epoch of their next use
 
@@ -131,18 +132,18 @@ class PointerList:
         return view
 
 
-def signal_list(world: World, plist: PointerList, value: int, stream=None) -> None:
-    """After prior work on `stream`, release every flag of `plist` to `value`."""
+def signal_list(world: World, plist: PointerList, value: int, stream) -> None:
+    """After prior work on the CuPy `stream` (converted by the caller's entry), release every flag of
+    `plist` to `value`."""
     if plist.count == 0:
         return
     grid = (plist.count + _LIST_THREADS - 1) // _LIST_THREADS
     kernel, _ = state(world).lists()
-    kernel((grid,), (_LIST_THREADS,), (_u64(plist.ptrs_addr), np.uint32(plist.count), _u64(value)),
-           stream=as_cupy_stream(stream))
+    kernel((grid,), (_LIST_THREADS,), (_u64(plist.ptrs_addr), np.uint32(plist.count), _u64(value)), stream=stream)
 
 
-def wait_list(world: World, plist: PointerList, target: int, op: str, stream=None) -> None:
-    """Stream-ordered bounded wait until every flag of `plist` is >= target (timeouts name the peer)."""
+def wait_list(world: World, plist: PointerList, target: int, op: str, stream) -> None:
+    """Bounded wait on the CuPy `stream` until every flag of `plist` is >= target (timeouts name the peer)."""
     if plist.count == 0:
         return
     grid = (plist.count + _LIST_THREADS - 1) // _LIST_THREADS
@@ -150,7 +151,7 @@ def wait_list(world: World, plist: PointerList, target: int, op: str, stream=Non
     kernel((grid,), (_LIST_THREADS,),
            (_u64(plist.ptrs_addr), _u64(plist.peers_addr), np.uint32(plist.count), _u64(target),
             _u64(world.timeout_ns), _u64(world.error_record), np.uint32(op_id(op)), np.uint32(world.rank)),
-           stream=as_cupy_stream(stream))
+           stream=stream)
 
 
 # --- every rank ------------------------------------------------------------------------------------------
