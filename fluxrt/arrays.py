@@ -196,8 +196,10 @@ def _view_of_cai(x, info: ArrayInfo, op: str, error: type):
         dtype = normalize_dtype(info.dtype)
     except TypeError as e:
         raise error(f"{op}: {info.name} has dtype {info.dtype}, which CuPy cannot hold") from e
-    if info.size == 0 or info.ptr == 0:
+    if info.size == 0:   # no memory to view (the pointer may be 0)
         return cupy.empty(info.shape, dtype=dtype)
+    if info.ptr == 0:
+        raise error(f"{op}: {info.name} has {info.size} elements at address 0")
     strides = info.strides
     if strides is None:
         lo, hi = 0, info.size * dtype.itemsize
