@@ -7,7 +7,12 @@ ranks that called with different arguments all raise CollectiveMismatchError bef
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError
+
+if TYPE_CHECKING:
+    from .world import World
 
 
 def _signature_text(sig: tuple) -> str:
@@ -32,7 +37,7 @@ def _tagged(error: Exception, name: str, rank) -> Exception:
     return tagged
 
 
-def agree(world, name: str, sig: tuple, error: Exception | None, extra=None, *,
+def agree(world: World, name: str, sig: tuple, error: Exception | None, extra=None, *,
           rejected=CollectiveArgumentError, by_rank: bool = False) -> list:
     """Compare the call across ranks (when the world checks collective arguments) and make every rank
     raise the same way on a local error or a mismatch. Returns every rank's `extra` (gathered only when

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,10 +49,14 @@ from . import collectives_plan as plan
 from . import tuning_tables
 from .agreement import agree as _agree
 from .agreement import local as _local
+from .arrays import as_array
 from .dtypes import bfloat16, normalize_dtype
 from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, NotSymmetricError, op_id
 from .packed_launch import PackedLaunch
 from .streams import as_cupy_stream
+
+if TYPE_CHECKING:
+    from .world import World
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ _REDUCE_DTYPES = {bfloat16: "bf16", np.dtype(np.float16): "fp16", np.dtype(np.fl
 _TABLE_ROWS = 5  # struct ExchangeTable: send_ptr, send_bytes, recv_ptr, recv_bytes, send_dst
 _TABLE_DTYPE = np.dtype([("words", "<u8", (_TABLE_ROWS * plan.MAX_WORLD,))])  # passed by value
 _u64, _u32 = np.uint64, np.uint32
-_ATTR = "_collectives"  # the world's default context (its symmetric memory goes with the world's heap)
+_KEY = "fluxrt.collectives"  # the world's default context, in its registry
 _FAST_CACHE_ENTRIES = 256  # validated launch lists kept per context (keyed by array addresses and arguments)
 
 
@@ -81,7 +86,7 @@ class CollectiveHandle:
     """An in-flight ``async_op=True`` collective. ``wait(stream)`` makes `stream` (default: the current
     one) wait for it and returns the result; ``is_done()`` polls. Both raise a recorded device timeout."""
 
-    def __init__(self, world, event, result, keep):
+    def __init__(self, world: World, event, result, keep):
         self._world, self._event, self.result, self._keep = world, event, result, keep
 
     def wait(self, stream=None):
@@ -98,26 +103,11 @@ class CollectiveHandle:
 
 
 # ------------------------------------------------------------------------------------------ validation
-def _as_array(x, name: str, device_id: int):
-    """A C-contiguous CuPy array on the world's GPU, from a CuPy array or any DLPack GPU array."""
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        a = x
-    elif hasattr(x, "__dlpack__"):
-        try:
-            a = cupy.from_dlpack(x)
-        except Exception as e:
-            raise CollectiveArgumentError(f"{name}: cannot import it through DLPack as GPU memory ({e})") from e
-    else:
-        raise CollectiveArgumentError(f"{name}: expected a CuPy array or a DLPack GPU array, got "
-                                      f"{type(x).__name__}")
-    if a.device.id != device_id:
-        raise CollectiveArgumentError(f"{name} is on GPU {a.device.id}, but this rank's world uses GPU {device_id}")
-    if not a.flags.c_contiguous:
-        raise CollectiveArgumentError(f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides}); "
-                                      "pass a contiguous copy (cupy.ascontiguousarray)")
-    return a
+def _as_array(x, name: str, op: str, world: World, stream, writable: bool = False):
+    """A C-contiguous CuPy view on the world's GPU of any CUDA array (fluxrt.arrays), ordered after its
+    producer on `stream`."""
+    return as_array(x, name=name, op=op, writable=writable, stream=stream, device=world.device_id, contiguous=True,
+                    error=CollectiveArgumentError, type_error=CollectiveArgumentError)
 
 
 def _reduce_dtype(dtype) -> str:
@@ -150,7 +140,7 @@ def _overlap(x, out) -> bool:
     return x.nbytes > 0 and out.nbytes > 0 and x0 < o1 and o0 < x1
 
 
-def _symmetric_offset(world, a) -> int | None:
+def _symmetric_offset(world: World, a) -> int | None:
     """Offset of `a` in its symmetric allocation of this world's heap, or None when it is not one."""
     if getattr(a, "_heap", None) is not world.heap:
         return None
@@ -200,12 +190,12 @@ class Collectives:
     for a world becomes the one the module-level functions use; ``free()`` (collective) or the world's
     finalize releases the symmetric memory."""
 
-    def __init__(self, world, options: CollectivesOptions | None = None):
+    def __init__(self, world: World, options: CollectivesOptions | None = None):
         import cupy
 
         from .toolchain import load_module
 
-        world._check_active()
+        world.check_active()
         options = options or CollectivesOptions()
         plan.check_world(world.size)
         ws = plan.VEC_BYTES * (int(options.workspace_bytes) // plan.VEC_BYTES)
@@ -242,8 +232,8 @@ class Collectives:
                            _u32(world.rank), _u32(n), _u64(world.timeout_ns), _u64(world.error_record))
         self._teams = {name: self._team_base + (_u32(op_id(name)),) for name in plan.ALGOS}
         world.device.synchronize()
-        if getattr(world, _ATTR, None) is None:
-            setattr(world, _ATTR, self)
+        if _KEY not in world.registry:
+            world.registry.put(_KEY, self, teardown=Collectives.free)
 
     def free(self) -> None:
         """Collective: release the workspace and flags (the world's finalize does it otherwise)."""
@@ -252,8 +242,8 @@ class Collectives:
             self.world.free(self.flags)
             self.world.free(self.workspace)
         self._freed = True
-        if getattr(self.world, _ATTR, None) is self:
-            setattr(self.world, _ATTR, None)
+        if self.world.registry.get(_KEY) is self:
+            self.world.registry.pop(_KEY)
 
     # --- plumbing ---------------------------------------------------------------------------------
     def _kernel(self, name: str):
@@ -293,16 +283,15 @@ class Collectives:
                           s.ptr, last.ptr)
         self._last_stream = s
 
-    def _run(self, stream, async_op: bool, launches, result, keep):
-        """Enqueue `launches` (PackedLaunch each) on `stream`, or on the side stream after it."""
+    def _run(self, caller, async_op: bool, launches, result, keep):
+        """Enqueue `launches` (PackedLaunch each) on the CuPy stream `caller`, or on the side stream after it."""
         import cupy
 
         world = self.world
-        if self._freed or world._finalized:
-            world._check_active()
+        if self._freed or not world.active:
+            world.check_active()
             raise FluxrtError("this collectives context has been freed")
         world.check_errors()
-        caller = as_cupy_stream(stream)
         if async_op:
             # wait_event takes the event's state at enqueue time, so one event serves every call
             self._ready_event.record(caller)
@@ -323,25 +312,27 @@ class Collectives:
 
     def _call(self, key, plan_call, stream, async_op, result, keep):
         """Launch a call: from the cache of validated launch lists (same arrays, same arguments, no
-        cross-rank check wanted), else validate, agree and plan through `plan_call` -> (launches, out)."""
+        cross-rank check wanted), else validate, agree and plan through `plan_call(stream)` -> (launches,
+        out). Every public call comes through here, which converts its stream (once)."""
+        s = as_cupy_stream(stream)
         if self.world.options.check_collective_args:
             key = None  # every call is compared across ranks
         launches = self._fast.get(key) if key is not None else None
         if launches is None:
-            launches, out = plan_call()
+            launches, out = plan_call(s)
             result = out if result is None else result
             if key is not None:
                 if len(self._fast) >= _FAST_CACHE_ENTRIES:
                     self._fast.clear()
                 self._fast[key] = launches
-        return self._run(stream, async_op, launches, result, keep)
+        return self._run(s, async_op, launches, result, keep)
 
-    def _output(self, out, name: str, dtype, count: int, default_shape):
+    def _output(self, out, name: str, dtype, count: int, default_shape, op: str, stream):
         import cupy
 
         if out is None:
             return cupy.empty(default_shape, dtype=dtype)
-        o = _as_array(out, name, self.world.device_id)
+        o = _as_array(out, name, op, self.world, stream, writable=True)
         if o.dtype != dtype:
             raise CollectiveArgumentError(f"{name} has dtype {o.dtype}, the input {dtype}")
         if o.size < count:
@@ -371,17 +362,17 @@ class Collectives:
     def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
         """out = x[rank 0] op x[rank 1] op ... (elementwise; fp32 accumulation in rank order, so every rank
         gets bitwise the same result). out=None allocates; out=x is in place."""
-        return self._call(_fast_key("allreduce", x, out, op, algo), lambda: self._plan_allreduce(x, out, op, algo),
+        return self._call(_fast_key("allreduce", x, out, op, algo), lambda s: self._plan_allreduce(x, out, op, algo, s),
                           stream, async_op, out, (x, out))
 
-    def _plan_allreduce(self, x, out, op, algo):
+    def _plan_allreduce(self, x, out, op, algo, stream):
         world = self.world
 
         def prepare():
-            a = _as_array(x, "x", world.device_id)
+            a = _as_array(x, "x", "allreduce", world, stream)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
             chosen = plan.choose_algo("allreduce", a.nbytes, world.size, algo, tuning=self.tuning)
-            o = self._output(out, "out", a.dtype, a.size, a.shape)
+            o = self._output(out, "out", a.dtype, a.size, a.shape, "allreduce", stream)
             _check_alias("allreduce", a, o, (0,))
             return a, o, dt, red, chosen
 
@@ -413,14 +404,14 @@ class Collectives:
         """x holds world.size chunks of equal size; rank r gets the reduction of every rank's chunk r.
         In place: out = x[r * chunk : (r + 1) * chunk] (flattened)."""
         return self._call(_fast_key("reduce_scatter", x, out, op, algo),
-                          lambda: self._plan_reduce_scatter(x, out, op, algo), stream, async_op, out, (x, out))
+                          lambda s: self._plan_reduce_scatter(x, out, op, algo, s), stream, async_op, out, (x, out))
 
-    def _plan_reduce_scatter(self, x, out, op, algo):
+    def _plan_reduce_scatter(self, x, out, op, algo, stream):
         world = self.world
         n = world.size
 
         def prepare():
-            a = _as_array(x, "x", world.device_id)
+            a = _as_array(x, "x", "reduce_scatter", world, stream)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
             chosen = plan.choose_algo("reduce_scatter", a.nbytes, n, algo, tuning=self.tuning)
             if a.size % n:
@@ -428,7 +419,7 @@ class Collectives:
                                               f"{n} ranks")
             c = a.size // n
             shape = (a.shape[0] // n, *a.shape[1:]) if a.ndim and a.shape[0] % n == 0 else (c,)
-            o = self._output(out, "out", a.dtype, c, shape)
+            o = self._output(out, "out", a.dtype, c, shape, "reduce_scatter", stream)
             _check_alias("reduce_scatter", a, o, (-world.rank * c * a.itemsize,))
             return a, o, dt, red, c, chosen
 
@@ -457,18 +448,18 @@ class Collectives:
     def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
         """out = concat(x of rank 0, x of rank 1, ...) (out=None: shape (n * x.shape[0], ...)). In place:
         x = out[r * x.size : (r + 1) * x.size] (flattened)."""
-        return self._call(_fast_key("allgather", x, out, algo), lambda: self._plan_allgather(x, out, algo),
+        return self._call(_fast_key("allgather", x, out, algo), lambda s: self._plan_allgather(x, out, algo, s),
                           stream, async_op, out, (x, out))
 
-    def _plan_allgather(self, x, out, algo):
+    def _plan_allgather(self, x, out, algo, stream):
         world = self.world
         n = world.size
 
         def prepare():
-            a = _as_array(x, "x", world.device_id)
+            a = _as_array(x, "x", "allgather", world, stream)
             _move_dtype(a.dtype)
             shape = (n * a.shape[0], *a.shape[1:]) if a.ndim else (n,)
-            o = self._output(out, "out", a.dtype, n * a.size, shape)
+            o = self._output(out, "out", a.dtype, n * a.size, shape, "allgather", stream)
             _check_alias("allgather", a, o, (world.rank * a.nbytes,))
             off = _symmetric_offset(world, o)
             chosen = plan.choose_algo("allgather", n * a.nbytes, n, algo, direct_ok=off is not None,
@@ -507,19 +498,19 @@ class Collectives:
     def alltoall(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
         """x holds world.size equal chunks; chunk q goes to rank q, and out's chunk p comes from rank p.
         out=None: same shape as x; out=x is in place."""
-        return self._call(_fast_key("alltoall", x, out, algo), lambda: self._plan_alltoall(x, out, algo),
+        return self._call(_fast_key("alltoall", x, out, algo), lambda s: self._plan_alltoall(x, out, algo, s),
                           stream, async_op, out, (x, out))
 
-    def _plan_alltoall(self, x, out, algo):
+    def _plan_alltoall(self, x, out, algo, stream):
         world = self.world
         n = world.size
 
         def prepare():
-            a = _as_array(x, "x", world.device_id)
+            a = _as_array(x, "x", "alltoall", world, stream)
             _move_dtype(a.dtype)
             if a.size % n:
                 raise CollectiveArgumentError(f"alltoall: x has {a.size} elements, not a multiple of {n} ranks")
-            o = self._output(out, "out", a.dtype, a.size, a.shape)
+            o = self._output(out, "out", a.dtype, a.size, a.shape, "alltoall", stream)
             _check_alias("alltoall", a, o, (0,))
             # direct pushes (and pairwise phases) would overwrite chunks of an in-place buffer that this rank
             # has still to send
@@ -567,17 +558,17 @@ class Collectives:
                 _as_tuple(v) for v in (send_counts, recv_counts, send_displs, recv_displs))
             key = _fast_key("alltoallv", x, out, send_counts, recv_counts, send_displs, recv_displs,
                             int(max_count), algo)
-        return self._call(key, lambda: self._plan_alltoallv(x, send_counts, recv_counts, out, send_displs,
-                                                            recv_displs, max_count, trusted, algo),
+        return self._call(key, lambda s: self._plan_alltoallv(x, send_counts, recv_counts, out, send_displs,
+                                                              recv_displs, max_count, trusted, algo, s),
                           stream, async_op, out, (x, out))
 
     def _plan_alltoallv(self, x, send_counts, recv_counts, out, send_displs, recv_displs, max_count, trusted,
-                        algo):
+                        algo, stream):
         world = self.world
         n = world.size
 
         def prepare():
-            a = _as_array(x, "x", world.device_id)
+            a = _as_array(x, "x", "alltoallv", world, stream)
             _move_dtype(a.dtype)
             plan.choose_algo("alltoallv", a.nbytes, n, algo, tuning=self.tuning)  # validates a forced algo
             sc = _counts(send_counts, n, "send_counts")
@@ -613,7 +604,7 @@ class Collectives:
         def prepare_out():
             rd = _displs(recv_displs, rc, "recv_displs")
             need = int((rd + rc).max(initial=0))
-            o = self._output(out, "out", a.dtype, need, (need,))
+            o = self._output(out, "out", a.dtype, need, (need,), "alltoallv", stream)
             _check_alias("alltoallv", a, o, ())
             return rd, o
 
@@ -640,19 +631,19 @@ class Collectives:
         """Every rank gets root's x. out=None: in place (x is overwritten on the other ranks), as
         torch.distributed.broadcast; otherwise out receives it on every rank, root included."""
         return self._call(_fast_key("broadcast", x, x if out is None else out, root, algo),
-                          lambda: self._plan_broadcast(x, out, root, algo), stream, async_op,
+                          lambda s: self._plan_broadcast(x, out, root, algo, s), stream, async_op,
                           x if out is None else out, (x, out))
 
-    def _plan_broadcast(self, x, out, root, algo):
+    def _plan_broadcast(self, x, out, root, algo, stream):
         world = self.world
         n = world.size
 
         def prepare():
             if not 0 <= int(root) < n:
                 raise CollectiveArgumentError(f"broadcast: root {root} outside world of size {n}")
-            a = _as_array(x, "x", world.device_id)
+            a = _as_array(x, "x", "broadcast", world, stream, writable=out is None)
             _move_dtype(a.dtype)
-            o = a if out is None else self._output(out, "out", a.dtype, a.size, a.shape)
+            o = a if out is None else self._output(out, "out", a.dtype, a.size, a.shape, "broadcast", stream)
             _check_alias("broadcast", a, o, (0,))
             off = _symmetric_offset(world, o)
             chosen = plan.choose_algo("broadcast", a.nbytes, n, algo, direct_ok=off is not None, tuning=self.tuning)
@@ -719,42 +710,44 @@ def _displs(displs, counts: np.ndarray, name: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ functional API
-def context(world) -> Collectives:
-    """The world's default collectives context; made (collectively) on the first call."""
-    ctx = getattr(world, _ATTR, None)
+def context(world: World) -> Collectives:
+    """The world's default collectives context (in the world's registry); made (collectively) on the first
+    call, or by the first ``Collectives(world, options)``."""
+    ctx = world.registry.get(_KEY)
     if ctx is None:
-        ctx = Collectives(world)
+        ctx = Collectives(world)   # registers itself
     return ctx
 
 
-def allreduce(world, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+def allreduce(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
     return context(world).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
 
 
-def reduce_scatter(world, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+def reduce_scatter(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
+                   algo: str = "auto"):
     return context(world).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
 
 
-def allgather(world, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+def allgather(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
     return context(world).allgather(x, out, stream=stream, async_op=async_op, algo=algo)
 
 
-def alltoall(world, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+def alltoall(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
     return context(world).alltoall(x, out, stream=stream, async_op=async_op, algo=algo)
 
 
-def alltoallv(world, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
+def alltoallv(world: World, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
               max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):
     return context(world).alltoallv(x, send_counts, recv_counts, out, send_displs=send_displs,
                                     recv_displs=recv_displs, max_count=max_count, stream=stream,
                                     async_op=async_op, algo=algo)
 
 
-def broadcast(world, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
+def broadcast(world: World, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
     return context(world).broadcast(x, out, root=root, stream=stream, async_op=async_op, algo=algo)
 
 
-def barrier(world, stream=None) -> None:
+def barrier(world: World, stream=None) -> None:
     """Stream-ordered barrier across every rank (bounded; a timeout surfaces at the next check)."""
     world.barrier(stream)
 

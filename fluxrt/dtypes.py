@@ -1,5 +1,9 @@
 """Element types. bf16 is ``ml_dtypes.bfloat16``, which CuPy 14 stores, computes on and exchanges
-through DLPack (kDLBfloat); ``fluxrt.bfloat16`` is that same numpy dtype."""
+through DLPack (kDLBfloat); ``fluxrt.bfloat16`` is that same numpy dtype.
+
+Dtypes of other producers are read by name, so that no framework is imported: ``torch.bfloat16``
+prints as 'torch.bfloat16', JAX's bfloat16 is ml_dtypes' own; all of them normalise to 'bfloat16'.
+"""
 from __future__ import annotations
 
 import ml_dtypes
@@ -13,16 +17,49 @@ _ALIASES = {
     "fp32": np.dtype(np.float32), "float": np.dtype(np.float32), "float32": np.dtype(np.float32),
     "fp64": np.dtype(np.float64), "double": np.dtype(np.float64), "float64": np.dtype(np.float64),
 }
+_FRAMEWORK_PREFIXES = ("torch.", "jax.numpy.", "jnp.")
+
+
+def _by_name(name: str) -> np.dtype | None:
+    for prefix in _FRAMEWORK_PREFIXES:
+        name = name.removeprefix(prefix)
+    if name.lower() in _ALIASES:
+        return _ALIASES[name.lower()]
+    kind = getattr(ml_dtypes, name, None)   # float8_e4m3fn, ... (not registered with numpy by name)
+    if kind is not None:
+        try:
+            return np.dtype(kind)
+        except TypeError:
+            return None
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
 
 
 def normalize_dtype(dtype) -> np.dtype:
-    """numpy dtype for a name ('bf16', 'fp16', 'float32', ...), a numpy/ml_dtypes type, or a dtype."""
-    if isinstance(dtype, str) and dtype.lower() in _ALIASES:
-        return _ALIASES[dtype.lower()]
+    """numpy dtype for a name ('bf16', 'fp16', 'float32', ...), a numpy/ml_dtypes type, a dtype, or a
+    framework's dtype object (torch.bfloat16, JAX dtypes)."""
+    if isinstance(dtype, np.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        found = _by_name(dtype)
+    else:
+        try:
+            return np.dtype(dtype)
+        except TypeError:
+            found = _by_name(str(dtype))
+    if found is None:
+        raise TypeError(f"unsupported dtype {dtype!r}: use bf16, fp16, fp32, int32, uint64 or a numpy dtype")
+    return found
+
+
+def dtype_name(dtype) -> str:
+    """The canonical (numpy) name of `dtype`: 'bfloat16', 'float16', ...; an unknown dtype keeps its text."""
     try:
-        return np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(f"unsupported dtype {dtype!r}: use bf16, fp16, fp32, int32, uint64 or a numpy dtype") from e
+        return normalize_dtype(dtype).name
+    except TypeError:
+        return str(getattr(dtype, "name", dtype))
 
 
 def short_name(dtype) -> str:

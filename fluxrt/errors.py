@@ -37,6 +37,14 @@ class NotSymmetricError(FluxrtError, ValueError):
     """An array that must live on the symmetric heap does not."""
 
 
+class ArrayArgumentError(FluxrtError, ValueError):
+    """An array argument is unusable: on another GPU, read-only where it is written, badly laid out."""
+
+
+class ArrayTypeError(FluxrtError, TypeError):
+    """An argument is not a CUDA array (no __dlpack__ / __cuda_array_interface__, or host memory)."""
+
+
 class GemmArgumentError(FluxrtError, ValueError):
     """A GEMM operand has the wrong shape, layout, alignment or device."""
 

@@ -12,11 +12,15 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .dtypes import normalize_dtype
 from .errors import CollectiveMismatchError, HeapExhaustedError, NotSymmetricError
+
+if TYPE_CHECKING:
+    from .world import World
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +126,7 @@ def symmetric_array_type():
 class SymmetricHeap:
     """Every symmetric allocation of one world; frees them all (in allocation order) at finalize."""
 
-    def __init__(self, world):
+    def __init__(self, world: World):
         self.world = world
         self.capacity = heap_capacity()
         self._allocs: dict[int, _Allocation] = {}

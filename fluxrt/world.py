@@ -1,9 +1,10 @@
 """The world: ranks from an mpi4py communicator, one GPU per rank, NVSHMEM booted over that communicator.
 
-``fluxrt.init(comm=None, device=None)`` is the only entry point; everything else (symmetric memory,
-signal pads, kernels, collectives) hangs off the returned World. One world per process at a time
-(NVSHMEM is a per-process runtime); sub-communicators each boot their own NVSHMEM job, so two halves of
-COMM_WORLD can run side by side.
+``fluxrt.init(comm=None, device=None)`` is the only entry point. A World holds the communicator, the
+device, the symmetric heap, the error record that bounded device waits report into, and a registry
+(``fluxrt.registry``) in which the layers above it (p2p, collectives, fused ops) keep their per-world
+state; it imports none of them. One world per process at a time (NVSHMEM is a per-process runtime);
+sub-communicators each boot their own NVSHMEM job, so two halves of COMM_WORLD can run side by side.
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import (ERROR_RECORD_WORDS, DeviceError, NvshmemInitError, decode_error_record)
-from .symmetric import SymmetricHeap, parse_bytes
+from . import signals
+from .errors import ERROR_RECORD_WORDS, DeviceError, NvshmemInitError, decode_error_record
+from .registry import Registry
 from .streams import stream_handle
+from .symmetric import SymmetricHeap, parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +99,9 @@ class World:
         self._boot_nvshmem()
         self.heap = SymmetricHeap(self)
         self._error_host, self.error_record = self._alloc_error_record()
-        self._pads = []
-        from .p2p import _P2PState
-
-        # Kernels and the barrier pad are made now, collectively, not on some rank's first call.
-        self._p2p_state = _P2PState(self)
+        self.registry = Registry()
+        # The barrier pad is symmetric memory: made now, collectively, not on some rank's first barrier.
+        signals.state(self)
         log.info("rank %d/%d (local %d/%d) on GPU %d: NVSHMEM up, heap %d bytes", self.rank, self.size,
                  self.local_rank, self.local_size, dev, self.heap.capacity)
 
@@ -155,6 +156,7 @@ class World:
                 self.device.synchronize()
             except Exception as e:  # a failed kernel must not stop the teardown
                 log.warning("rank %d: device sync at finalize failed: %s", self.rank, e)
+            self.registry.close()   # the layers' state, newest first, while the heap is still there
             self.heap.free_all()
             nvshmem.finalize()
         finally:
@@ -180,7 +182,7 @@ class World:
     # --- memory ----------------------------------------------------------------------------------
     def empty(self, shape, dtype="float32"):
         """Collective: an uninitialised symmetric array (a cupy.ndarray subclass with ``peer(r)``)."""
-        self._check_active()
+        self.check_active()
         return self.heap.empty(shape, dtype)
 
     def zeros(self, shape, dtype="float32"):
@@ -195,25 +197,19 @@ class World:
 
     def free(self, arr) -> None:
         """Collective: return a symmetric array to the heap (every rank, same order)."""
-        self._check_active()
+        self.check_active()
         self.heap.free(arr)
 
-    def signal_pad(self, slots: int):
+    def signal_pad(self, slots: int) -> signals.SignalPad:
         """Collective: `slots` uint64 flags per rank, compared against growing epochs (never reset)."""
-        from .signals import SignalPad
-
-        pad = SignalPad(self, slots)
-        self._pads.append(pad)
-        return pad
+        return signals.SignalPad(self, slots)
 
     # --- synchronization -----------------------------------------------------------------------
     def barrier(self, stream=None) -> None:
         """Stream-ordered barrier across all ranks (a bounded device kernel; errors surface at
         ``synchronize``/``check_errors``)."""
-        from . import p2p
-
-        self._check_active()
-        p2p.barrier(self, stream)
+        self.check_active()
+        signals.barrier(self, stream)
 
     def synchronize(self, stream=None) -> None:
         """Wait for `stream` (None: the whole device), then raise any device-side wait timeout."""
@@ -236,7 +232,8 @@ class World:
     def timeout_ns(self) -> int:
         return int(self.options.timeout_s * 1e9)
 
-    def _check_active(self) -> None:
+    def check_active(self) -> None:
+        """Raise NvshmemInitError when this world has been finalized."""
         if self._finalized:
             raise NvshmemInitError("this world has been finalized; call fluxrt.init() again")
 

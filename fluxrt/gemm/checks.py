@@ -2,10 +2,11 @@
 run on machines without a GPU and name the operand and shapes at fault)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from ..arrays import ArrayInfo as _Info
+from ..arrays import check_writable
+from ..arrays import inspect as _inspect_array
 from ..errors import GemmArgumentError, GemmTypeError
 from .hooks import REDUCE_WHERE, ArrivalWait, ChunkReduce, RowBands, ShardCopy, TileDestinations, TileEpilogue
 from .plan import IN_DTYPES as IN_IDS
@@ -13,50 +14,16 @@ from .plan import ITEMSIZE as _ITEMSIZE
 from .plan import OUT_DTYPES as OUT_IDS
 from .plan import TMA_ALIGN, GemmPlan
 
-@dataclass(frozen=True)
-class _Info:
-    shape: tuple
-    dtype: str
-    strides: tuple | None   # bytes; None = C-contiguous
-    ptr: int
-    device: int | None
-    name: str
-
-
-def _dtype_name(dt) -> str:
-    try:
-        return np.dtype(dt).name
-    except TypeError:
-        return str(getattr(dt, "name", dt))
+WRITTEN = ("out", "ChunkReduce.out")   # operands the kernel stores into: they must be writable
 
 
 def _inspect(x, name: str) -> _Info:
-    """Shape/dtype/strides/pointer/device of a CUDA array without touching the device."""
-    if x is None:
-        raise GemmTypeError(f"gemm: {name} is None")
-    if isinstance(x, np.ndarray):
-        raise GemmTypeError(f"gemm: {name} is a host numpy array {x.shape}; pass a device array (cupy.asarray)")
-    try:
-        import cupy
-        if isinstance(x, cupy.ndarray):
-            return _Info(tuple(x.shape), _dtype_name(x.dtype), tuple(x.strides), int(x.data.ptr),
-                         int(x.data.device_id), name)
-    except ImportError:  # pragma: no cover - cupy is a hard dependency, but keep validation importable
-        pass
-    cai = getattr(x, "__cuda_array_interface__", None)
-    if cai is not None:
-        shape = tuple(cai["shape"])
-        dt = getattr(x, "dtype", None)
-        dtype = _dtype_name(dt) if dt is not None else _dtype_name(np.dtype(cai["typestr"]))
-        strides = cai.get("strides")
-        return _Info(shape, dtype, tuple(strides) if strides is not None else None, int(cai["data"][0]),
-                     None, name)
-    if hasattr(x, "__dlpack__"):
-        shape = tuple(getattr(x, "shape", ()))
-        dtype = _dtype_name(getattr(x, "dtype", "?"))
-        return _Info(shape, dtype, None, -1, None, name)   # pointer known after cupy.from_dlpack
-    raise GemmTypeError(f"gemm: {name} of type {type(x).__name__} is not a CUDA array "
-                        f"(needs __cuda_array_interface__ or __dlpack__)")
+    """Shape/dtype/strides/pointer/device of a CUDA array without touching the device (fluxrt.arrays);
+    an operand the kernel writes must be writable."""
+    info = _inspect_array(x, name=name, op="gemm", error=GemmArgumentError, type_error=GemmTypeError)
+    if name in WRITTEN:
+        check_writable(info, "gemm", GemmArgumentError)
+    return info
 
 
 def _check_matrix(info: _Info, allowed: tuple[str, ...]) -> None:

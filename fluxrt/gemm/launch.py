@@ -17,20 +17,16 @@ from .plan import SMEM_LIMIT_BYTES, GemmPlan, plan_gemm
 from .tmaps import NULL_TMAP as _NULL_TMAP
 from .tmaps import order_table as _order_table
 from .tmaps import tensor_map as _tensor_map
+from ..arrays import as_array
+from .checks import WRITTEN
 from ..packed_launch import PackedLaunch
 from ..streams import stream_handle
 
 
 def _as_device_array(x, name: str):
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    if hasattr(x, "__dlpack__"):
-        return cupy.from_dlpack(x)
-    raise GemmTypeError(f"gemm: {name} is not a CUDA array")
+    """A cupy view of any CUDA array (fluxrt.arrays), ordered after its producer on the current stream."""
+    return as_array(x, name=name, op="gemm", writable=name in WRITTEN, error=GemmArgumentError,
+                    type_error=GemmTypeError)
 
 
 def _stream_ptr(stream) -> int:

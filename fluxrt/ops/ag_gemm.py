@@ -43,8 +43,9 @@ Flags are compared with the call's epoch (one per call, growing in lockstep on e
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from .. import p2p
+from .. import p2p, signals
 from ..errors import op_id
 from ..gemm import BANDS_C, ArrivalWait, RowBands, ShardCopy, gemm_with_hooks
 from ..gemm.plan import SMEM_LIMIT_BYTES
@@ -52,6 +53,9 @@ from ..streams import as_cupy_stream
 from . import common
 from .plan import AgGemmPlan, ag_gemm_plan, ag_pad_layout, check_rows, \
     plan_ag_gemm, pull_order
+
+if TYPE_CHECKING:
+    from ..world import World
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ class AllGatherGemm:
     shards are padded (the rule in :mod:`fluxrt.ops.plan`).
     """
 
-    def __init__(self, world, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
+    def __init__(self, world: World, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
                  plan: AgGemmPlan | None = None):
         import cupy
 
@@ -84,21 +88,23 @@ class AllGatherGemm:
         with world.device:
             self.comm_stream = cupy.cuda.Stream(non_blocking=True)
             # step 2: push mode: my chunk flags; pull mode with no copy needed: my copied counters
-            self._own_signal = common.PointerList([pad.local_ptr(L.chunk(me, c)) for c in range(cpr)])
-            self._own_copied = common.PointerList([pad.local_ptr(L.copied(c)) for c in range(cpr)])
+            self._own_signal = signals.PointerList([pad.local_ptr(L.chunk(me, c)) for c in range(cpr)])
+            self._own_copied = signals.PointerList([pad.local_ptr(L.copied(c)) for c in range(cpr)])
             # pull step 1 / push step 3: the peers' done acks of the previous call
-            self._acks = {p: common.PointerList([pad.local_ptr(L.done(p))], [p]) for p in peers}
-            self._all_acks = common.PointerList([pad.local_ptr(L.done(p)) for p in peers], peers)
+            self._acks = {p: signals.PointerList([pad.local_ptr(L.done(p))], [p]) for p in peers}
+            self._all_acks = signals.PointerList([pad.local_ptr(L.done(p)) for p in peers], peers)
             # pull step 3: peer p's copied counter of its chunk c
-            self._copied = {(p, c): common.PointerList([pad.peer_ptr(p, L.copied(c))], [p])
+            self._copied = {(p, c): signals.PointerList([pad.peer_ptr(p, L.copied(c))], [p])
                             for p in peers for c in range(cpr)}
             # pull step 3: after pulling chunk c of p: my chunk flag, and p's done flag after the last chunk
-            self._after_pull = {(p, c): common.PointerList([pad.local_ptr(L.chunk(p, c))] +
+            self._after_pull = {(p, c): signals.PointerList([pad.local_ptr(L.chunk(p, c))] +
                                                            ([pad.peer_ptr(p, L.done(me))] if c == cpr - 1 else []))
                                 for p in peers for c in range(cpr)}
             # push step 5: I finished reading what every peer pushed into my buffer
-            self._done_reading = common.PointerList([pad.peer_ptr(p, L.done(me)) for p in peers])
+            self._done_reading = signals.PointerList([pad.peer_ptr(p, L.done(me)) for p in peers])
             common.kernels(world)  # compile/load now, not inside the first timed call
+            if not pull:
+                p2p.state(world)   # the push kernel and its counters, likewise
         self._peers = peers
         self._copied_total = 0   # every rank's copied counters after the last call (the same everywhere)
         self._gplans: dict = {}
@@ -112,7 +118,7 @@ class AllGatherGemm:
         shard = check_rows(OP, m, self.world.size, self.max_m)
         pad, _ = common.padded_rows(self, shard)
         if self.plan.comm_mode == "pull" and self.pad.epoch > 0:
-            common.wait_list(self.world, self._all_acks, self.pad.epoch, "ag_gemm.reuse", as_cupy_stream(stream))
+            signals.wait_list(self.world, self._all_acks, self.pad.epoch, "ag_gemm.reuse", as_cupy_stream(stream))
         me = self.world.rank
         return self.a_full[me * pad:me * pad + shard]
 
@@ -142,7 +148,8 @@ class AllGatherGemm:
         copy), in push mode a copy (peers push into that buffer once they start their next call).
         """
         world, me = self.world, self.world.rank
-        a, b, out, shard, m = common.forward_operands(self, OP, a_shard, b, out, sharded_a=True)
+        s = as_cupy_stream(stream)
+        a, b, out, shard, m = common.forward_operands(self, OP, a_shard, b, out, s, sharded_a=True)
         pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
         # a padded call's GEMM writes out in place: its rows are bands of `pad` with `shard` real ones
         c_bands = RowBands(shard, pad) if pad != shard and self._bands_fit() else None
@@ -150,7 +157,6 @@ class AllGatherGemm:
 
         import cupy
 
-        s = as_cupy_stream(stream)
         c = self.comm_stream
         cpr = self.plan.chunks_per_rank
         chunk_rows = pad // cpr
@@ -167,7 +173,7 @@ class AllGatherGemm:
             # 1. peers finished pulling my previous shard (pull mode; epoch - 1 = 0 is already true; a
             #    shard written into shard_buffer() has had this wait enqueued there already)
             if pull and epoch > 1 and not in_slot:
-                common.wait_list(world, self._all_acks, epoch - 1, "ag_gemm.reuse", s)
+                signals.wait_list(world, self._all_acks, epoch - 1, "ag_gemm.reuse", s)
             # 2. my shard: pull mode: the GEMM copies it into my slot (hook 4; whole tiles only); else (push
             #    mode, a padded shard, a plan without room for hook 4's buffer) copy it first; then my chunk
             #    flags (and copied counters). A padded slot's extra rows are never read into out.
@@ -180,8 +186,8 @@ class AllGatherGemm:
                     cupy.cuda.runtime.memcpyAsync(slot.data.ptr, a.data.ptr, shard * row_bytes,
                                                   cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
                 if pull:
-                    common.signal_list(world, self._own_copied, self._copied_total, s)
-                common.signal_list(world, self._own_signal, epoch, s)
+                    signals.signal_list(world, self._own_copied, self._copied_total, s)
+                signals.signal_list(world, self._own_signal, epoch, s)
             # 3. the comm stream gathers the peers' shards (pushes are enqueued before the GEMM so that
             #    their blocks start first; pulls after it, so that the host enqueues their many small
             #    launches while the GEMM runs)
@@ -210,7 +216,7 @@ class AllGatherGemm:
             # 7. push mode: neither my GEMM nor my pushes (joined in step 5) read my buffer any more; the
             #    peers may push their next call's rows into it
             if not pull:
-                common.signal_list(world, self._done_reading, epoch, s)
+                signals.signal_list(world, self._done_reading, epoch, s)
         if return_a:
             return out, gathered
         return out
@@ -224,18 +230,18 @@ class AllGatherGemm:
         for p in self._peers:
             src = self.a_full.peer_ptr(p)
             for ci in range(self.plan.chunks_per_rank):
-                common.wait_list(self.world, self._copied[(p, ci)], self._copied_total, "ag_gemm.copied", c)
+                signals.wait_list(self.world, self._copied[(p, ci)], self._copied_total, "ag_gemm.copied", c)
                 off = (p * shard + ci * chunk_rows) * row_bytes
                 cupy.cuda.runtime.memcpyAsync(self.a_full.data.ptr + off, src + off, chunk_rows * row_bytes,
                                               cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
-                common.signal_list(self.world, self._after_pull[(p, ci)], epoch, c)
+                signals.signal_list(self.world, self._after_pull[(p, ci)], epoch, c)
 
     def _enqueue_pushes(self, epoch: int, shard: int, chunk_rows: int, c) -> None:
         """Step 3, push mode: per peer, wait until it read my previous push, then push my chunks."""
         me = self.world.rank
         for p in self._peers:
             if epoch > 1:
-                common.wait_list(self.world, self._acks[p], epoch - 1, "ag_gemm.reuse", c)
+                signals.wait_list(self.world, self._acks[p], epoch - 1, "ag_gemm.reuse", c)
             for ci in range(self.plan.chunks_per_rank):
                 view = self.a_full[me * shard + ci * chunk_rows:me * shard + (ci + 1) * chunk_rows]
                 p2p.put(self.world, view, view, p, mode="sm", stream=c,

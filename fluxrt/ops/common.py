@@ -1,22 +1,23 @@
-"""What both fused ops share: argument inspection, the cross-rank argument check, the small
-signal/wait kernels of kernels/ops/tp_ops.cu, device pointer tables and stream joins."""
+"""What both fused ops share: argument checks, the cross-rank argument check, the kernels of
+kernels/ops/tp_ops.cu, stream joins and padded-row copies. Operands come in through fluxrt.arrays, flags
+go through fluxrt.signals."""
 from __future__ import annotations
 
-import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import agreement, signals
+from ..arrays import as_array
 from ..dtypes import normalize_dtype, short_name
-from .. import agreement
-from ..errors import NO_PEER, op_id
 from .plan import MAX_WORLD, OpsArgumentError, capacity_rows, check_rows, padded_shard
+
+if TYPE_CHECKING:
+    from ..world import World
 
 KERNEL_SOURCE = "ops/tp_ops.cu"
 INPUT_DTYPES = ("bfloat16", "float16")
-_LIST_THREADS = 128
-
-_lock = threading.Lock()
-_modules: dict = {}
+_KEY = "fluxrt.ops"
 
 
 def input_dtype(dtype, op: str) -> str:
@@ -26,23 +27,13 @@ def input_dtype(dtype, op: str) -> str:
     return name
 
 
-def as_device_array(x, name: str, op: str):
-    """A cupy view of a CUDA array (cupy, __cuda_array_interface__ or DLPack), without copying."""
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        return x
-    if isinstance(x, np.ndarray):
-        raise OpsArgumentError(f"{op}: {name} is a host numpy array; pass a device array (cupy.asarray)")
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    if hasattr(x, "__dlpack__"):
-        return cupy.from_dlpack(x)
-    raise OpsArgumentError(f"{op}: {name} of type {type(x).__name__} is not a CUDA array "
-                           "(needs __cuda_array_interface__ or __dlpack__)")
+def as_device_array(x, name: str, op: str, stream, *, writable: bool = False):
+    """A cupy view of any CUDA array (fluxrt.arrays), ordered after its producer on `stream`."""
+    return as_array(x, name=name, op=op, writable=writable, stream=stream, error=OpsArgumentError,
+                    type_error=OpsArgumentError)
 
 
-def check_matrix(x, name: str, op: str, shape: tuple, dtype: str, world) -> None:
+def check_matrix(x, name: str, op: str, shape: tuple, dtype: str, world: World) -> None:
     """Shape, dtype, row-major layout and device of one operand, before any launch."""
     if tuple(x.shape) != tuple(shape):
         raise OpsArgumentError(f"{op}: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
@@ -57,7 +48,7 @@ def check_matrix(x, name: str, op: str, shape: tuple, dtype: str, world) -> None
         raise OpsArgumentError(f"{op}: {name} is on device {x.device.id}, the world uses device {world.device_id}")
 
 
-def check_problem(world, op: str, max_m: int, n: int, k: int) -> tuple[int, int, int]:
+def check_problem(world: World, op: str, max_m: int, n: int, k: int) -> tuple[int, int, int]:
     """Constructor checks both fused ops share: world size, positive sizes, 16-byte rows for TMA."""
     if world.size > MAX_WORLD:
         raise OpsArgumentError(f"{op}: at most {MAX_WORLD} ranks, got {world.size}")
@@ -71,7 +62,7 @@ def check_problem(world, op: str, max_m: int, n: int, k: int) -> tuple[int, int,
     return int(max_m), int(n), int(k)
 
 
-def construct(obj, world, op: str, max_m: int, n: int, k: int, dtype, trans_b: bool, plan, planner) -> None:
+def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, trans_b: bool, plan, planner) -> None:
     """Both fused ops' constructor checks, agreed across ranks (a mismatch or a local error raises on every
     rank): sets obj.world, dtype, max_m, n, k, trans_b, plan (``plan`` or ``planner(max_m, n, k, world
     size)``, validated) and capacity_m (the rows its buffers hold, shards padded to whole tiles)."""
@@ -89,16 +80,16 @@ def construct(obj, world, op: str, max_m: int, n: int, k: int, dtype, trans_b: b
     checked_on_every_rank(world, f"{op}()", local_checks)
 
 
-def forward_operands(op, name: str, a_in, b_in, out_in, *, sharded_a: bool):
+def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bool):
     """Both fused ops' forward checks, agreed across ranks: A is ``a_shard [M/world, K]`` (sharded_a; out
     is [M, N]) or ``a [M, K_local]`` (out is [M/world, N]); B is [K, N] or, with trans_b, [N, K]; out is
-    optional. Returns (a, b, out or None, shard rows, M) as cupy views."""
+    optional. Returns (a, b, out or None, shard rows, M) as cupy views, ordered on the CuPy `stream`."""
     world, w = op.world, op.world.size
     a_name, a_form = ("a_shard", "[M/world, K]") if sharded_a else ("a", "[M, K_local]")
 
     def local_checks():
-        a = as_device_array(a_in, a_name, name)
-        b = as_device_array(b_in, "b", name)
+        a = as_device_array(a_in, a_name, name, stream)
+        b = as_device_array(b_in, "b", name, stream)
         if a.ndim != 2:
             raise OpsArgumentError(f"{name}: {a_name} must be 2-D {a_form}, got shape {tuple(a.shape)}")
         m = int(a.shape[0]) * (w if sharded_a else 1)
@@ -107,14 +98,14 @@ def forward_operands(op, name: str, a_in, b_in, out_in, *, sharded_a: bool):
         check_matrix(b, "b", name, (op.n, op.k) if op.trans_b else (op.k, op.n), op.dtype, world)
         out = None
         if out_in is not None:
-            out = as_device_array(out_in, "out", name)
+            out = as_device_array(out_in, "out", name, stream, writable=True)
             check_matrix(out, "out", name, (m if sharded_a else shard, op.n), op.dtype, world)
         return (a, b, out, shard, m), {"m": m, "b": tuple(b.shape), "dtype": op.dtype}
 
     return checked_on_every_rank(world, f"{name}.forward", local_checks)
 
 
-def checked_on_every_rank(world, op: str, local_checks):
+def checked_on_every_rank(world: World, op: str, local_checks):
     """Run this rank's argument checks, ``local_checks() -> (result, signature dict)``, and agree on the
     call across ranks (fluxrt.agreement): a rank whose own checks failed makes every rank raise, and
     different signatures raise CollectiveMismatchError on every rank. Returns the local result."""
@@ -125,16 +116,16 @@ def checked_on_every_rank(world, op: str, local_checks):
 
 
 class OpsKernels:
-    """The tp_ops.cu kernels of one device (the reduce kernel per partial/output type)."""
+    """The tp_ops.cu kernels of one world's device (the reduce kernel per partial/output type)."""
 
-    def __init__(self, device_id: int):
+    def __init__(self, world: World):
         from ..toolchain import load_module
 
-        self.device_id = device_id
-        self.module = load_module(KERNEL_SOURCE)
-        self.signal_list = self.module.get_function("fluxrt_ops_signal_list")
-        self.wait_list = self.module.get_function("fluxrt_ops_wait_list")
-        self.delay = self.module.get_function("fluxrt_ops_delay")
+        self.device_id = world.device_id
+        with world.device:
+            self.module = load_module(KERNEL_SOURCE)
+            self.delay = self.module.get_function("fluxrt_ops_delay")
+            signals.state(world).lists()   # the flag lists the ops signal and wait on
         self._reduce: dict = {}
 
     def reduce(self, partial_dtype: str, out_dtype: str):
@@ -150,67 +141,12 @@ class OpsKernels:
         return fn
 
 
-def kernels(world) -> OpsKernels:
-    with _lock:
-        k = _modules.get(world.device_id)
-    if k is None:
-        with world.device:
-            k = OpsKernels(world.device_id)
-        with _lock:
-            _modules[world.device_id] = k
-    return k
+def kernels(world: World) -> OpsKernels:
+    """The world's fused-op kernels (in its registry), loaded on first use."""
+    return world.registry.get_or_create(_KEY, lambda: OpsKernels(world))
 
 
-class PointerList:
-    """A device list of flag addresses (and the peer each one belongs to) for the list kernels.
-
-    ``ptrs_addr`` / ``peers_addr`` are the device addresses the kernels take; :meth:`sub` views a range of
-    a list by address arithmetic, so per-call slices cost no upload and no array object."""
-
-    def __init__(self, ptrs, peers=None):
-        import cupy
-
-        self.count = len(ptrs)
-        peers = [NO_PEER] * len(ptrs) if peers is None else peers
-        self._arrays = (cupy.asarray(np.asarray(ptrs, dtype=np.uint64)),
-                        cupy.asarray(np.asarray(peers, dtype=np.uint64))) if ptrs else None
-        self.ptrs_addr, self.peers_addr = (int(a.data.ptr) for a in self._arrays) if ptrs else (0, 0)
-        # The uploads above are ordered on the current stream only; a kernel on another stream (a comm
-        # stream) may read the list at any time from now on, so wait for them here (once per list).
-        if ptrs:
-            cupy.cuda.get_current_stream().synchronize()
-
-    def sub(self, start: int, count: int = 1) -> "PointerList":
-        """Entries [start, start + count) as a list of their own (a view of this one's device arrays)."""
-        if not 0 <= start <= start + count <= self.count:
-            raise IndexError(f"PointerList.sub({start}, {count}) outside a list of {self.count}")
-        view = object.__new__(PointerList)
-        view.count, view._arrays = count, self._arrays
-        view.ptrs_addr, view.peers_addr = self.ptrs_addr + 8 * start, self.peers_addr + 8 * start
-        return view
-
-
-def signal_list(world, plist: PointerList, value: int, stream) -> None:
-    """Stream-ordered: after prior work on `stream`, release every flag of `plist` to `value`."""
-    if plist.count == 0:
-        return
-    grid = (plist.count + _LIST_THREADS - 1) // _LIST_THREADS
-    kernels(world).signal_list((grid,), (_LIST_THREADS,), (np.uint64(plist.ptrs_addr), np.uint32(plist.count),
-                                                           np.uint64(value)), stream=stream)
-
-
-def wait_list(world, plist: PointerList, target: int, op: str, stream) -> None:
-    """Stream-ordered bounded wait until every flag of `plist` is >= target (timeouts name the peer)."""
-    if plist.count == 0:
-        return
-    grid = (plist.count + _LIST_THREADS - 1) // _LIST_THREADS
-    kernels(world).wait_list((grid,), (_LIST_THREADS,),
-                             (np.uint64(plist.ptrs_addr), np.uint64(plist.peers_addr), np.uint32(plist.count),
-                              np.uint64(target), np.uint64(world.timeout_ns), np.uint64(world.error_record),
-                              np.uint32(op_id(op)), np.uint32(world.rank)), stream=stream)
-
-
-def delay(world, seconds: float, stream) -> None:
+def delay(world: World, seconds: float, stream) -> None:
     """Stream-ordered: hold `stream` back for `seconds` on the GPU (one spinning thread)."""
     kernels(world).delay((1,), (1,), (np.uint64(int(seconds * 1e9)),), stream=stream)
 
@@ -220,13 +156,13 @@ def join(waiter, signaller) -> None:
     waiter.wait_event(signaller.record())
 
 
-def num_sms(world) -> int:
+def num_sms(world: World) -> int:
     from ..gemm.kernel import _num_sms
 
     return _num_sms(world.device_id)
 
 
-def alloc_on(shape, dtype: str, world, stream):
+def alloc_on(shape, dtype: str, world: World, stream):
     """An output array from CuPy's pool for `stream` (the stream that writes and first reads it)."""
     import cupy
 
@@ -234,7 +170,7 @@ def alloc_on(shape, dtype: str, world, stream):
         return cupy.empty(shape, dtype=normalize_dtype(dtype))
 
 
-def prepare_gemm(world, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool, hook_epilogue: bool,
+def prepare_gemm(world: World, plan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool, hook_epilogue: bool,
                  hook_reduce: int = 0, hook_copy: bool = False, bands: int = 0):
     """Compile/load the GEMM instantiation a call will launch before anything of the call is enqueued:
     a compile error then leaves no half-launched op behind for peers to wait on."""

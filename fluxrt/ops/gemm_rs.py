@@ -41,15 +41,20 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import signals
 from ..errors import op_id
 from ..gemm import BANDS_A, ChunkReduce, RowBands, TileDestinations, TileEpilogue, gemm_with_hooks, reduce_hook_id
 from ..streams import as_cupy_stream
 from . import common
 from .plan import MIN_TILE_COLS, GemmRsPlan, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
     rs_ce_groups, rs_flag_layout, rs_gemm_plan, rs_reduce_grid
+
+if TYPE_CHECKING:
+    from ..world import World
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +74,7 @@ class GemmReduceScatter:
     partials the owners pull, in two parities).
     """
 
-    def __init__(self, world, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
+    def __init__(self, world: World, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
                  plan: GemmRsPlan | None = None):
         import cupy
 
@@ -99,10 +104,10 @@ class GemmReduceScatter:
                 # the comm stream's lists (one upload each, sliced per group): the sources' counters of my
                 # rows, and my flags of pulled (source, group)s
                 G = self._groups_max
-                self._source_counters = common.PointerList(
+                self._source_counters = signals.PointerList(
                     [self.counters.peer_ptr(src, me * G + g) for src in range(w) for g in range(G)],
                     [src for src in range(w) for g in range(G)])
-                self._pulled = [common.PointerList([self.pad.local_ptr(self.layout.base(q, src) + g)
+                self._pulled = [signals.PointerList([self.pad.local_ptr(self.layout.base(q, src) + g)
                                                     for src in range(w) for g in range(G)]) for q in range(PARITIES)]
             else:
                 # per parity: where my partial of owner o's rows goes, and o's flags for my tiles
@@ -122,11 +127,11 @@ class GemmReduceScatter:
     def forward(self, a, b, out=None, stream=None):
         """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered."""
         world = self.world
-        a, b, out, shard, m = common.forward_operands(self, OP, a, b, out, sharded_a=False)
+        s = as_cupy_stream(stream)
+        a, b, out, shard, m = common.forward_operands(self, OP, a, b, out, s, sharded_a=False)
         pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
         gplan = self._call_plan(m_pad, pad != shard)
 
-        s = as_cupy_stream(stream)
         c = self.comm_stream
         with world.device:
             if out is None:
@@ -203,12 +208,12 @@ class GemmReduceScatter:
                 t0, t1 = g * group_n, min((g + 1) * group_n, n_tiles)
                 self._counted[src, g] += m_tiles * (t1 - t0)
                 at = src * self._groups_max + g
-                common.wait_list(world, self._source_counters.sub(at), int(self._counted[src, g]), self._op_tiles, c)
+                signals.wait_list(world, self._source_counters.sub(at), int(self._counted[src, g]), self._op_tiles, c)
                 c0, c1 = t0 * block_n, min(t1 * block_n, self.n)
                 cupy.cuda.runtime.memcpy2DAsync(self.recv[q, src].data.ptr + c0 * item, row_bytes,
                                                 self.part[q, me].peer_ptr(src) + c0 * item, row_bytes,
                                                 (c1 - c0) * item, shard, cupy.cuda.runtime.memcpyDeviceToDevice, c.ptr)
-                common.signal_list(world, self._pulled[q].sub(at), epoch, c)
+                signals.signal_list(world, self._pulled[q].sub(at), epoch, c)
 
     def _launch_reduce(self, out, shard: int, block_n: int, q: int, epoch: int, stream, *, group_n: int = 0,
                        skip: int | None = None) -> None:

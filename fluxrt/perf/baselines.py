@@ -2,8 +2,13 @@
 communicator (made from a unique id broadcast over the world's MPI communicator) and datatypes."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def machine(world) -> dict:
+if TYPE_CHECKING:
+    from ..world import World
+
+
+def machine(world: World) -> dict:
     """The ``machine`` entry of a results document (the kind comes from FLUXRT_MACHINE_KIND)."""
     import cupy
 
@@ -12,7 +17,7 @@ def machine(world) -> dict:
     return {"gpu_name": name, "gpu_count": world.size}
 
 
-def nccl_communicator(world):
+def nccl_communicator(world: World):
     """An NCCL communicator over the world's ranks (collective). Raises ImportError, saying how to get
     NCCL, when cupy.cuda.nccl cannot load libnccl.so.2."""
     from cupy.cuda import nccl

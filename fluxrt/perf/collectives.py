@@ -16,6 +16,7 @@ import dataclasses
 import io
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from ..dtypes import normalize_dtype
 from .baselines import machine, nccl_communicator, nccl_datatype
 from .report import Row, Table, plot, progress, results_document, write_json
 from .sweep import SweepOptions, add_sweep_arguments, bus_bandwidth_factor, describe, sizes
+
+if TYPE_CHECKING:
+    from ..world import World
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,7 @@ def _combine(keys, count: int, redop: str, start: int = 0):
 class Case:
     """One op at one size: input, poisoned output, expected output, all on the device."""
 
-    def __init__(self, op: str, world, x_full, out_full, nbytes: int, dtype, redop: str, root: int):
+    def __init__(self, op: str, world: World, x_full, out_full, nbytes: int, dtype, redop: str, root: int):
         n, r = world.size, world.rank
         self.op, self.redop, self.root, self.world = op, redop, root, world
         self.in_elems, self.out_elems = buffer_elems(op, nbytes, np.dtype(dtype).itemsize, n)
@@ -125,7 +129,7 @@ class Case:
 class FluxrtRunner:
     name = "fluxrt"
 
-    def __init__(self, world, op: str, algo: str, redop: str, root: int, workspace_bytes: int, symmetric: bool,
+    def __init__(self, world: World, op: str, algo: str, redop: str, root: int, workspace_bytes: int, symmetric: bool,
                  tuning=None):
         import fluxrt
 
@@ -170,7 +174,7 @@ class FluxrtRunner:
 class NcclRunner:
     name = "nccl"
 
-    def __init__(self, world, op: str, redop: str, root: int):
+    def __init__(self, world: World, op: str, redop: str, root: int):
         from cupy.cuda import nccl
 
         self.nccl = nccl
@@ -204,7 +208,7 @@ class NcclRunner:
 
 
 # ------------------------------------------------------------------------------------------ measurement
-def _time_us(world, run, case: Case, stream, opts: SweepOptions) -> float:
+def _time_us(world: World, run, case: Case, stream, opts: SweepOptions) -> float:
     """Microseconds per call on this rank's stream, the slowest rank's (as nccl-tests reports)."""
     import cupy
     from mpi4py import MPI
@@ -239,7 +243,7 @@ def _time_us(world, run, case: Case, stream, opts: SweepOptions) -> float:
     return world.comm.allreduce(t, op=MPI.MAX)
 
 
-def _check(world, run, case: Case, stream) -> int:
+def _check(world: World, run, case: Case, stream) -> int:
     from mpi4py import MPI
 
     case.poison()
@@ -251,7 +255,8 @@ def _check(world, run, case: Case, stream) -> int:
     return world.comm.allreduce(case.wrong(), op=MPI.SUM)
 
 
-def sweep(world, op: str, opts: SweepOptions, runners, root: int, out=None, symmetric: bool = False) -> list[Row]:
+def sweep(world: World, op: str, opts: SweepOptions, runners, root: int, out=None,
+          symmetric: bool = False) -> list[Row]:
     import cupy
 
     n = world.size

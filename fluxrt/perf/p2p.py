@@ -13,6 +13,7 @@ import argparse
 import logging
 import statistics
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,12 +21,15 @@ from .baselines import machine
 from .report import algbw_gbps, progress, results_document, write_json
 from .sweep import SweepOptions, add_sweep_arguments, format_size, sizes
 
+if TYPE_CHECKING:
+    from ..world import World
+
 log = logging.getLogger(__name__)
 
 MODES = ("sm_push", "copy_engine", "nvshmem_put")
 
 
-def _transfer(world, mode, dst, src, other, nbytes, stream) -> None:
+def _transfer(world: World, mode, dst, src, other, nbytes, stream) -> None:
     """Move nbytes between this rank and `other` (0 <-> 1). Push modes write this rank's src into
     other's dst; the copy-engine mode pulls other's src into this rank's dst (the same data flow,
     driven by the receiver)."""
@@ -38,7 +42,7 @@ def _transfer(world, mode, dst, src, other, nbytes, stream) -> None:
                 stream=stream)
 
 
-def _acts(world, mode, direction) -> bool:
+def _acts(world: World, mode, direction) -> bool:
     """Uni: data flows 0 -> 1, so rank 0 pushes or rank 1 pulls. Bidir: both ranks act."""
     if world.rank > 1:
         return False
@@ -55,7 +59,7 @@ def _pattern(nbytes: int, rank: int):
     return ((i * np.uint32(2654435761) + np.uint32(977 * (rank + 1))) >> np.uint32(24)).astype(np.uint8)
 
 
-def _check(world, mode, dst, src, nbytes, stream) -> int:
+def _check(world: World, mode, dst, src, nbytes, stream) -> int:
     """Both ranks of the pair send fresh bytes once into poisoned buffers; count wrong bytes."""
     comm = world.comm
     other = 1 - world.rank
@@ -74,7 +78,7 @@ def _check(world, mode, dst, src, nbytes, stream) -> int:
     return comm.allreduce(wrong)
 
 
-def _time(world, mode, dst, src, other, nbytes, iters, warmup, stream) -> float:
+def _time(world: World, mode, dst, src, other, nbytes, iters, warmup, stream) -> float:
     """One timed loop of `iters` transfers after `warmup` (as nccl-tests does); microseconds each."""
     import cupy
 
@@ -89,7 +93,7 @@ def _time(world, mode, dst, src, other, nbytes, iters, warmup, stream) -> float:
     return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / iters
 
 
-def bandwidth_rows(world, opts: SweepOptions, modes, directions) -> list[dict]:
+def bandwidth_rows(world: World, opts: SweepOptions, modes, directions) -> list[dict]:
     import cupy
 
     comm = world.comm
@@ -124,7 +128,7 @@ def _max_op():
     return MPI.MAX
 
 
-def latency_rows(world, rounds: int, repeats: int = 5) -> list[dict]:
+def latency_rows(world: World, rounds: int, repeats: int = 5) -> list[dict]:
     """One-way signal latency: raw device flags (fluxrt primitives) and the NVSHMEM signal API."""
     import cupy
 

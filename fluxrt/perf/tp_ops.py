@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from ..ops.plan import RS_REDUCE_MODES
 from .baselines import machine, nccl_communicator, nccl_datatype
 from .report import results_document, write_json
 from .sweep import normalize_datatype
+
+if TYPE_CHECKING:
+    from ..world import World
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +189,7 @@ def plot_rows(path: str, rows: list[dict], title: str) -> None:
 class Timer:
     """Median time of a stream-ordered call, ranks synchronized before each timed iteration."""
 
-    def __init__(self, world, stream, warmup: int, iters: int):
+    def __init__(self, world: World, stream, warmup: int, iters: int):
         self.world, self.stream, self.warmup, self.iters = world, stream, warmup, iters
 
     def __call__(self, fn, stream=None) -> float:
@@ -225,7 +229,7 @@ class Timer:
         return cupy.cuda.get_elapsed_time(start, end)
 
 
-def _nccl_comm(world):
+def _nccl_comm(world: World):
     """An NCCL communicator over the world's ranks, or None (NCCL columns N/A) without NCCL."""
     try:
         return nccl_communicator(world)
@@ -237,7 +241,7 @@ def _nccl_comm(world):
 class TorchBaseline:
     """torch async-TP (symmetric-memory fused ops) on the same GPU, or a note saying why not."""
 
-    def __init__(self, world):
+    def __init__(self, world: World):
         self.note = None
         self.ok = False
         try:
@@ -288,7 +292,8 @@ def _rand(shape, dtype, seed):
     return (g.standard_normal(shape, dtype=np.float32) / 8).astype(normalize_dtype(dtype))
 
 
-def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, timer, nccl_comm, torch_base) -> dict:
+def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, args, timer, nccl_comm,
+                  torch_base) -> dict:
     import cupy
 
     from .. import gemm as fgemm
@@ -387,7 +392,7 @@ def measure_shape(op: str, world, m: int, n: int, k: int, dtype: str, args, time
     return overlap_row(op, m, n, k, w, dtype, t_fused, t_fl, t_cb, t_comm, t_seq, t_torch)
 
 
-def _check_once(op, world, fused, sequential, result, s) -> None:
+def _check_once(op, world: World, fused, sequential, result, s) -> None:
     """The fused result equals NCCL + GEMM within bf16/fp16 rounding (relative to the largest value)."""
     import cupy
     from mpi4py import MPI

@@ -619,11 +619,12 @@ def _context_stub(check: bool):
     return c
 
 
-def test_launch_lists_are_reused_only_without_cross_rank_checks():
+def test_launch_lists_are_reused_only_without_cross_rank_checks(monkeypatch):
+    monkeypatch.setattr(coll, "as_cupy_stream", lambda stream: stream)   # no CUDA streams on a CPU node
     planned = []
 
-    def plan_call():
-        planned.append(1)
+    def plan_call(stream):
+        planned.append(stream)
         return ("launches",), "out"
 
     c = _context_stub(check=False)

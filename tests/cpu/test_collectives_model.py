@@ -125,7 +125,7 @@ class Model:
             c._launch = lambda name, grid, args, block=plan.THREADS: SimpleNamespace(
                 kernel=Kernel(name), grid=grid, args=args, block=block)
             c._teams = {name: ("team", r) for name in plan.ALGOS}
-            c._output = lambda out, name, dtype, count, shape, r=r: (
+            c._output = lambda out, name, dtype, count, shape, op, stream, r=r: (
                 out if out is not None else self.array(r, count, dtype))
             self.ctx.append(c)
 
@@ -874,7 +874,9 @@ def _reference(inputs, redop):
 @pytest.fixture(autouse=True)
 def _fake_arrays(monkeypatch):
     real = coll._as_array
-    monkeypatch.setattr(coll, "_as_array", lambda x, name, dev: x if isinstance(x, FakeArray) else real(x, name, dev))
+    monkeypatch.setattr(coll, "_as_array", lambda x, name, op, world, stream, writable=False:
+                        x if isinstance(x, FakeArray) else real(x, name, op, world, stream, writable))
+    monkeypatch.setattr(coll, "as_cupy_stream", lambda stream: stream)   # no CUDA streams on a CPU node
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

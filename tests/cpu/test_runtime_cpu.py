@@ -96,3 +96,105 @@ def test_stream_handles_from_every_accepted_kind():
     assert streams.stream_handle(Proto()) == 0x1234
     with pytest.raises(TypeError, match="cannot use str as a CUDA stream"):
         streams.stream_handle("stream")
+
+
+# --- per-world state ---------------------------------------------------------------------------------
+def test_registry_makes_state_once_and_tears_it_down_newest_first(caplog):
+    from fluxrt.registry import Registry, RegistryClosedError
+
+    reg, made, torn = Registry(), [], []
+
+    def factory(name):
+        made.append(name)
+        return name.upper()
+
+    assert reg.get_or_create("signals", lambda: factory("signals"), torn.append) == "SIGNALS"
+    assert reg.get_or_create("signals", lambda: factory("again")) == "SIGNALS"
+    reg.get_or_create("p2p", lambda: factory("p2p"))                     # no teardown
+    reg.put("collectives", "COLL", teardown=torn.append)
+    reg.get_or_create("ops", lambda: factory("ops"), lambda v: 1 / 0)   # a failing teardown
+    reg.put("gone", "GONE", teardown=torn.append)
+    assert reg.pop("gone") == "GONE" and "gone" not in reg           # released by its owner: no teardown
+    with pytest.raises(KeyError, match="exists already"):
+        reg.put("collectives", "other")
+    assert made == ["signals", "p2p", "ops"] and len(reg) == 4
+    reg.close()
+    assert torn == ["COLL", "SIGNALS"] and len(reg) == 0 and reg.closed
+    assert "teardown of world state 'ops' failed" in caplog.text
+    with pytest.raises(RegistryClosedError, match="finalized"):
+        reg.get_or_create("p2p", lambda: factory("late"))
+    assert isinstance(RegistryClosedError("x"), fluxrt.FluxrtError)
+
+
+def test_a_constructor_that_registers_itself_is_kept():
+    from fluxrt.registry import Registry
+
+    reg = Registry()
+
+    class Context:   # as fluxrt.Collectives: the first one made becomes the world's default
+        def __init__(self):
+            reg.put("ctx", self, teardown=lambda c: None)
+
+    first = reg.get_or_create("ctx", Context)
+    assert reg.get("ctx") is first and reg.get_or_create("ctx", Context) is first
+
+
+# --- layering ----------------------------------------------------------------------------------------
+_LOAD_ALONE = """
+import importlib, pathlib, sys, types
+pkg = types.ModuleType("fluxrt")
+pkg.__path__ = [str(pathlib.Path.cwd() / "fluxrt")]
+sys.modules["fluxrt"] = pkg   # the package's own __init__ imports everything; load the module by itself
+importlib.import_module(sys.argv[1])
+print(" ".join(sorted(m for m in sys.modules if m.startswith("fluxrt."))))
+"""
+_ABOVE_THE_RUNTIME = {"fluxrt.collectives", "fluxrt.collectives_plan", "fluxrt.p2p", "fluxrt.ops", "fluxrt.gemm",
+                      "fluxrt.agreement", "fluxrt.perf"}
+
+
+@pytest.mark.parametrize("module, forbidden", [
+    ("fluxrt.world", _ABOVE_THE_RUNTIME),
+    ("fluxrt.signals", _ABOVE_THE_RUNTIME | {"fluxrt.world"}),
+    ("fluxrt.arrays", _ABOVE_THE_RUNTIME | {"fluxrt.world", "fluxrt.signals", "fluxrt.streams"}),
+    ("fluxrt.registry", _ABOVE_THE_RUNTIME | {"fluxrt.world", "fluxrt.signals", "fluxrt.arrays"}),
+    ("fluxrt.p2p", _ABOVE_THE_RUNTIME - {"fluxrt.p2p"} | {"fluxrt.world"}),
+])
+def test_runtime_modules_import_nothing_above_them(module, forbidden):
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _LOAD_ALONE, module], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split()) | _imported_anywhere(root, module)   # deferred imports in functions too
+    assert module in loaded
+    above = {m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)}
+    assert not above, f"{module} imports {sorted(above)}"
+
+
+def _imported_anywhere(root, module: str) -> set[str]:
+    """The fluxrt modules `module` imports in any function, except under ``if TYPE_CHECKING:``."""
+    import ast
+
+    tree = ast.parse((root / (module.replace(".", "/") + ".py")).read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    found = {module}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and id(node) not in typing_only:
+            found |= {f"fluxrt.{node.module}"} if node.module else {f"fluxrt.{a.name}" for a in node.names}
+    return found
+
+
+def test_no_module_reaches_into_the_world():
+    """Layers keep their state in world.registry, not in private attributes set on or read from the world."""
+    import pathlib
+    import re
+
+    pattern = re.compile(r"\bworld\._[a-z]|setattr\(\s*(self\.)?world\b")
+    root = pathlib.Path(fluxrt.__file__).parent
+    offenders = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "world.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders

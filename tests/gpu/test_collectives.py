@@ -790,3 +790,38 @@ def test_bad_arguments(world):
         with pytest.raises(fluxrt.CollectiveArgumentError, match="GPU"):
             fluxrt.allreduce(world, y)
     world.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- array intake
+class _CaiProducer:
+    """A Numba-like producer: __cuda_array_interface__ v3 only (no __dlpack__), naming its stream and,
+    like Numba, its numpy dtype."""
+
+    def __init__(self, arr, stream=None, readonly: bool = False):
+        cai = dict(arr.__cuda_array_interface__)
+        cai.update(data=(arr.data.ptr, readonly), version=3, stream=None if stream is None else stream.ptr or 1)
+        self.__cuda_array_interface__, self.dtype, self.shape, self._keep = cai, arr.dtype, arr.shape, arr
+
+
+def test_cai_producer_on_its_own_stream(world):
+    """The input is written on the producer's stream right before the call on another stream: the call's
+    stream waits for it (CAI v3 'stream'). A read-only out is refused on every rank before any launch."""
+    import cupy
+
+    import fluxrt
+
+    n = 1 << 20
+    producer, s = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    inputs = [np.full(n, r + 1, dtype=np.float32) for r in range(world.size)]
+    x = cupy.empty(n, dtype=np.float32)
+    world.synchronize()
+    with producer:
+        cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, producer.ptr)
+        x += world.rank + 1                       # enqueued behind the memset on the producer's stream
+    out = fluxrt.allreduce(world, _CaiProducer(x, producer), stream=s)
+    assert isinstance(out, cupy.ndarray)
+    world.synchronize(s)
+    _assert_reduced(_host(out), inputs, "sum", "fp32", "allreduce of a CAI producer")
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="written by this call"):
+        fluxrt.allreduce(world, x, _CaiProducer(cupy.empty_like(x), readonly=True))
+    world.synchronize()

@@ -665,3 +665,29 @@ def test_chunk_reduce_times_out_naming_the_source():
     exc = decode_error_record(cupy.asnumpy(err))
     assert exc is not None and exc.op == "test_gemm.reduce_timeout" and exc.rank == 5 and exc.peer == 2
     assert exc.expected == 9
+
+
+class _TorchLikeDtype:
+    def __str__(self):
+        return "torch.bfloat16"
+
+
+class _CaiOperand:
+    """A CAI-only producer whose dtype prints as torch.bfloat16 (what fluxrt.gemm once refused)."""
+
+    def __init__(self, arr, readonly: bool = False):
+        cai = dict(arr.__cuda_array_interface__)
+        cai.update(data=(arr.data.ptr, readonly), typestr="<V2", version=3)
+        self.__cuda_array_interface__, self.dtype, self.shape, self._keep = cai, _TorchLikeDtype(), arr.shape, arr
+
+
+def test_foreign_bf16_producers_match_cupy_operands():
+    rng = np.random.default_rng(21)
+    a = cupy.asarray(rng.standard_normal((256, 192)).astype(BF16))
+    b = cupy.asarray(rng.standard_normal((192, 128)).astype(BF16))
+    want = gemm(a, b)
+    got = gemm(_CaiOperand(a), _CaiOperand(b))
+    assert isinstance(got, cupy.ndarray) and got.dtype == BF16
+    assert cupy.array_equal(got.view(cupy.uint16), want.view(cupy.uint16))
+    with pytest.raises(GemmArgumentError, match="written by this call"):
+        gemm(a, b, _CaiOperand(cupy.empty((256, 128), dtype=BF16), readonly=True))

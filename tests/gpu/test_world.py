@@ -102,3 +102,21 @@ def test_wait_timeout_names_op_rank_and_peer():
         world.comm.Barrier()  # rank 1 never signalled; everyone meets again on the host
         world.barrier()
         world.synchronize()
+
+
+def test_layers_state_lives_in_the_registry_and_goes_with_finalize():
+    import cupy
+
+    from fluxrt import collectives, p2p, signals
+
+    with fluxrt.init() as world:
+        assert "fluxrt.signals" in world.registry          # the barrier pad, made by init
+        ctx = collectives.context(world)
+        assert world.registry.get("fluxrt.collectives") is ctx and collectives.context(world) is ctx
+        assert p2p.state(world) is p2p.state(world)
+        out = fluxrt.allreduce(world, cupy.ones(1000, dtype=np.float32))
+        world.synchronize()
+        assert float(out[0]) == world.size
+    assert len(world.registry) == 0 and ctx._freed
+    with pytest.raises(fluxrt.FluxrtError, match="finalized"):
+        signals.state(world)
