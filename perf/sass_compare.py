@@ -97,6 +97,10 @@ def facts(cubin: Path, cuobjdump: str) -> dict:
         if mm:
             hist[mm.group(2)] += 1
             seq.append(mm.group(2) + mm.group(3))
+    # the main loop: from 24 instructions before the first HGMMA to 24 after the last (the stage wait, the
+    # MMAs, the group wait and the stage release), opcodes with modifiers in order
+    hg = [i for i, op in enumerate(seq) if op.startswith("HGMMA")]
+    hot = seq[max(0, hg[0] - 24):hg[-1] + 25] if hg else []
     return {
         "registers": int(m.group(1)), "stack": int(m.group(2)), "local": int(m.group(4)),
         "spill_stores": hist.get("STL", 0), "spill_loads": hist.get("LDL", 0),
@@ -104,6 +108,7 @@ def facts(cubin: Path, cuobjdump: str) -> dict:
         # opcodes with modifiers in program order, no registers: equal when the same instructions are
         # emitted in the same order (register allocation and constant-bank offsets aside)
         "sequence_sha": hashlib.sha256("\n".join(seq).encode()).hexdigest()[:16],
+        "mainloop_sha": hashlib.sha256("\n".join(hot).encode()).hexdigest()[:16],
     }
 
 
@@ -133,7 +138,7 @@ def compare(before: dict, after: dict, markdown: bool) -> tuple[str, int]:
     """A table of before -> after per configuration; returns (text, configurations whose resource facts or
     key opcode counts differ)."""
     cols = ("registers", "local", "stack", "spill_stores", "spill_loads")
-    head = ["config", "regs", "local", "stack", "STL", "LDL", *KEY_OPS[:-2], "total", "same seq"]
+    head = ["config", "regs", "local", "stack", "STL", "LDL", *KEY_OPS[:-2], "total", "same main loop", "same seq"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] if markdown else ["  ".join(head)]
     differ = 0
     for name in after:
@@ -142,8 +147,10 @@ def compare(before: dict, after: dict, markdown: bool) -> tuple[str, int]:
         b, a = before[name], after[name]
         cells = [name] + [_cell(b[c], a[c]) for c in cols]
         cells += [_cell(b["ops"].get(op, 0), a["ops"].get(op, 0)) for op in KEY_OPS[:-2]]
-        cells += [_cell(b["total"], a["total"]), "yes" if b["sequence_sha"] == a["sequence_sha"] else "no"]
-        if any(b[c] != a[c] for c in cols) or any(b["ops"].get(op, 0) != a["ops"].get(op, 0) for op in KEY_OPS):
+        cells += [_cell(b["total"], a["total"]), "yes" if b["mainloop_sha"] == a["mainloop_sha"] else "NO",
+                  "yes" if b["sequence_sha"] == a["sequence_sha"] else "no"]
+        if (any(b[c] != a[c] for c in cols) or any(b["ops"].get(op, 0) != a["ops"].get(op, 0) for op in KEY_OPS)
+                or b["mainloop_sha"] != a["mainloop_sha"]):
             differ += 1
         lines.append(("| " + " | ".join(cells) + " |") if markdown else "  ".join(cells))
     return "\n".join(lines), differ
@@ -188,7 +195,7 @@ def main(argv=None) -> int:
         if diff:
             print("\nopcode count changes:\n" + diff)
         print(f"\n{differ} of {sum(1 for n in rows if n in before)} configurations differ in registers, "
-              f"local/stack/spills or key opcode counts")
+              f"local/stack/spills, key opcode counts or main loop")
     return 0
 
 
