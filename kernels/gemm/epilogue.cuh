@@ -44,8 +44,8 @@ __device__ __forceinline__ long long reduce_row0(const ReduceArgs& r, int chunk_
 // (bulk prefetch: no registers, nothing to wait for). Safe before the partial's flag is up: L2 is the
 // point of coherence of this GPU's memory, so a copy engine or peer writing the bytes later updates the
 // prefetched lines; it only saves the DRAM latency of the loads in reduce_into_acc.
-__device__ __forceinline__ void reduce_prefetch(const ReduceArgs& r, int chunk_rows, int m_tile, int n_tile, int N, int wg,
-                                                int tid) {
+__device__ __forceinline__ void reduce_prefetch(const ReduceArgs& r, int chunk_rows, int m_tile, int n_tile, int N,
+                                                int wg, int tid) {
     const int n0 = n_tile * kBN;
     const u32 bytes = (u32)(min(kBN, N - n0) * kOutBytes);   // N * kOutBytes % 16 == 0 (TMA rule): so is this
     const long long row0 = reduce_row0(r, chunk_rows, m_tile, wg);
@@ -470,7 +470,8 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
                     for (int j = 0; j < kBN / kCCols; ++j) {
                         const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes;
                         const int y = d.y0 + c * kRowsPerConsumer;
-                        if constexpr (kBandsC)   // GEMM row y: row y % band_rows of band y / band_rows (TMA clips the rest)
+                        // banded C: GEMM row y is row y % band_rows of band y / band_rows (TMA clips the rest)
+                        if constexpr (kBandsC)
                             tma_store_3d(d.map, src, n0 + j * kCCols, y % epilogue.chunks.band_rows(),
                                          y / epilogue.chunks.band_rows());
                         else

@@ -23,7 +23,8 @@
 //   c_full    math -> storer    C staging holds a finished tile     (every consumer thread arrives)
 //   c_empty   storer -> math    C staging may be overwritten        (1 arrival, storer lane 0)
 //   With FLUXRT_GEMM_C_SHARED=1 the consumers share one staging region and take turns: one c_full[c] /
-//   c_empty[c] pair per consumer c, passing a single token (see kCTurns and the consumer's epilogue).
+//   c_empty[c] pair per consumer c, passing a single token (kCTurns in config.cuh, stage_tile in
+//   epilogue.cuh).
 // Every barrier follows the phase-parity protocol: the k-th completion of a barrier flips its phase;
 // a waiter for "completion number k" waits on parity (k & 1). Producers of a free slot start by waiting
 // on parity 1, which a freshly initialised barrier reports as already complete.
