@@ -4,7 +4,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import numpy as np
 
 from ..dtypes import normalize_dtype
 from ..errors import GemmArgumentError, GemmTypeError
@@ -12,6 +11,7 @@ from .checks import (_band_stride, _check_bands_plan, _check_copy, _check_hooks,
                      _validate)
 from .hooks import ArrivalWait, RowBands, ShardCopy, TileEpilogue, band_bits
 from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
+from .params import new_params
 from .plan import ITEMSIZE as _ITEMSIZE
 from .plan import SMEM_LIMIT_BYTES, GemmPlan, plan_gemm
 from .tmaps import NULL_TMAP as _NULL_TMAP
@@ -123,33 +123,37 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
         grid = plan.grid(m, n, _num_sms(dev), _max_clusters(kern, plan, smem, dev))
         # one timeout report per kernel: hook 1's, else hook 3's (_check_reduce: equal when both)
         timed = wait if wait is not None else red
-        args = (
-            tmap_a, tmap_b, tmap_c, np.int32(m), np.int32(n), np.int32(k),
-            np.uint64(_ptr(table)), np.int32(plan.group_m), np.int32(plan.m_tile_offset % mt),
-            # hook 1
-            np.uint64(_ptr(wait.flags) if wait else 0), np.uint64(wait.epoch if wait else 0),
-            np.int32(chunk_rows), np.int32(wait.chunks_per_peer if wait else 1),
-            np.uint64(timed.timeout_ns if timed else 0), np.uint64(_ptr(timed.err) if timed else 0),
-            np.uint32(wait.op_id if wait else 0), np.uint32(timed.rank if timed else 0),
-            # hook 2
-            np.uint64(_ptr(dst_tmaps)), np.uint64(_ptr(epilogue.flag_table) if epilogue else 0),
-            np.int32(epilogue.flag_group_n if epilogue else 0),
-            np.uint64(epilogue.signal_value if epilogue else 0), np.int32(1 if epilogue and epilogue.signal_add else 0),
-            np.uint64(c_direct),
-            # hook 3
-            np.int32(red.chunk if red else -1), np.uint64(_ptr(red.partials) if red else 0),
-            np.int64(red.source_bytes if red else 0), np.int64(red.ld if red else 0),
-            np.uint32(red.sources if red else 0), np.uint64(_ptr(red.flags) if red else 0),
-            np.int64(red.flag_stride if red else 0), np.int32(red.group_n if red else 0),
-            np.uint64(red.epoch if red else 0), np.uint32(red.op_id if red else 0),
-            # hook 4
-            tmap_own, np.int32(copy.row0 if copy else 0), np.int32(own.shape[0] if copy else 0),
-            np.uint64(_ptr(copy.counters) if copy else 0),
-            # hook 3 in the tail
-            np.uint64(red_out.data.ptr if red is not None and red.where == "tail" else 0),
-            np.uint64(_ptr(red.counter) if red is not None and red.where == "tail" else 0),
-        )
-    return PackedLaunch(kern, grid, plan.threads, args, shared_mem=smem), out, plan
+        params = new_params()
+        g = params["gemm"]
+        g["tmap_a"], g["tmap_b"], g["tmap_c"] = tmap_a, tmap_b, tmap_c
+        g["order_table"], g["c_direct"] = _ptr(table), c_direct
+        g["m"], g["n"], g["k"], g["group_m"], g["m_tile_offset"] = m, n, k, plan.group_m, plan.m_tile_offset % mt
+        g["chunk_rows"], g["chunks_per_peer"] = chunk_rows, wait.chunks_per_peer if wait else 1
+        if timed is not None:
+            t = params["timeout"]
+            t["timeout_ns"], t["err"], t["rank"] = timed.timeout_ns, _ptr(timed.err), timed.rank
+        if wait is not None:   # hook 1
+            w = params["wait"]
+            w["flags"], w["epoch"], w["op_id"] = _ptr(wait.flags), wait.epoch, wait.op_id
+        if epilogue is not None:   # hook 2
+            e = params["epilogue"]
+            e["dst_tmaps"], e["flag_table"] = _ptr(dst_tmaps), _ptr(epilogue.flag_table)
+            e["signal_value"], e["flag_group_n"] = epilogue.signal_value, epilogue.flag_group_n
+            e["signal_add"] = 1 if epilogue.signal_add else 0
+        r = params["reduce"]
+        r["chunk"] = -1
+        if red is not None:   # hook 3
+            r["chunk"], r["partials"], r["source_bytes"], r["ld"] = red.chunk, _ptr(red.partials), red.source_bytes, red.ld
+            r["sources"], r["flags"], r["flag_stride"], r["group_n"] = red.sources, _ptr(red.flags), red.flag_stride, \
+                red.group_n
+            r["epoch"], r["op_id"] = red.epoch, red.op_id
+            if red.where == "tail":
+                params["tail"]["out"], params["tail"]["counter"] = red_out.data.ptr, _ptr(red.counter)
+        c = params["copy"]
+        c["tmap_a_own"] = tmap_own
+        if copy is not None:   # hook 4
+            c["row0"], c["rows"], c["counters"] = copy.row0, own.shape[0], _ptr(copy.counters)
+    return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
 
 def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPlan:

@@ -541,6 +541,10 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
     assert (_cubin_u32(data, "fluxrt_gemm_block_m"), _cubin_u32(data, "fluxrt_gemm_block_n")) == \
         (plan.block_m, plan.block_n)
+    # one parameter of the same layout in every configuration (fluxrt/gemm/params.py)
+    from fluxrt.gemm.params import PARAMS
+
+    assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize
 
 
 def test_generated_wgmma_header_is_current():

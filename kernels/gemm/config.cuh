@@ -1,0 +1,195 @@
+// The GEMM's compile-time configuration: the -D macros one instantiation is built from, and every size
+// derived from them (tile, ring, C staging, shared-memory layout, register split).
+//
+// Compile-time configuration (the Python side passes these as -D macros; one module per config so
+// that the kernel name `fluxrt_gemm` stays stable):
+//   FLUXRT_GEMM_BN            tile N (64..256, multiple of 64)           default 256
+//   FLUXRT_GEMM_CONSUMERS     consumer warpgroups; tile M = 64 * this    default 2
+//   FLUXRT_GEMM_STAGES        smem ring depth                            default 3
+//   FLUXRT_GEMM_IN            0 bf16, 1 fp16                             default 0
+//   FLUXRT_GEMM_OUT           0 bf16, 1 fp16, 2 fp32                     default 0
+//   FLUXRT_GEMM_B_KMAJOR      1: B is [N,K]; 0: B is [K,N]               default 0
+//   FLUXRT_GEMM_HOOK_WAIT     1: hook 1 (arrival wait before A loads)    default 0
+//   FLUXRT_GEMM_HOOK_EPILOGUE 1: hook 2 (per-chunk destination tensor map + tile flag) default 0
+//   FLUXRT_GEMM_HOOK_REDUCE   1: hook 3 (needs hook 2; 16-bit C): the tiles of one chunk get the other
+//                             sources' partials of their rows added in the consumers' epilogue (each
+//                             waited for by its flag) and go to C (tmap_c, [chunk rows, N]) instead of
+//                             the chunk's destination, without a flag                       default 0
+//                             2: hook 3 "tail": the chunk's tiles go to their destination (= the chunk's
+//                             own source slot of the partials) with a per-tile flag; then every consumer
+//                             warp that has no tile left claims 16-row slabs of the chunk (schedule order)
+//                             and sums all sources' partials into red_out. The reduce runs on the SMs
+//                             the last wave of tiles leaves idle, beside it, instead of after the GEMM.
+//   FLUXRT_GEMM_HOOK_COPY     1: hook 4 (needs hook 1): A's rows [own_row0, own_row0 + own_rows) are loaded
+//                             from tmap_a_own instead of tmap_a (no arrival wait: they are local), and
+//                             each CTA's copier warp copies its share of them into tmap_a's rows while
+//                             the GEMM runs, adding the number of {kBK x kBM} pieces it stored to
+//                             copy_counters[chunk of own rows] (a peer polls it)             default 0
+//   FLUXRT_GEMM_EPI_DIRECT    1: consumers store C straight from registers (no staging, no storer;
+//                             frees the staging smem for one more stage). Not with hook 2.  default 0
+//   FLUXRT_GEMM_C_SHARED      1: the consumers share ONE consumer's C staging region and take turns
+//                             (frees kCConsumerBytes, e.g. room for a 4th stage at 128x256 bf16).
+//                             No effect with one consumer; not with FLUXRT_GEMM_EPI_DIRECT.  default 0
+//   FLUXRT_GEMM_CLUSTER       CTAs per cluster (1 or 2). With 2, the pair computes two M tiles of the
+//                             same N tile, and each CTA loads half of the shared B tile and multicasts
+//                             it to both: L2 -> SM traffic per tile drops from A+B to A+B/2.  default 1
+//   FLUXRT_GEMM_BANDS         rows in bands (the fused ops' padded calls): the GEMM's M rows are bands of
+//                             band_rows = chunk_rows * chunks_per_peer rows, of which an operand holds only
+//                             the first `rows` (its 3-D tensor map [bands][rows][cols]); GEMM row y is row
+//                             y % band_rows of band y / band_rows. Bit 0: A (rows past `rows` load as zeros,
+//                             TMA's out-of-bounds fill); bit 1: C (rows past `rows` are not written, TMA
+//                             clips them). A tile never straddles two bands (band_rows % kBM == 0). default 0
+// With every hook 0 the hook code is not compiled (if constexpr), and the hook arguments are ignored.
+#pragma once
+
+#include "../gemm/sm90_primitives.cuh"
+
+#ifndef FLUXRT_GEMM_BN
+#define FLUXRT_GEMM_BN 256
+#endif
+#ifndef FLUXRT_GEMM_CONSUMERS
+#define FLUXRT_GEMM_CONSUMERS 2
+#endif
+#ifndef FLUXRT_GEMM_STAGES
+#define FLUXRT_GEMM_STAGES 3
+#endif
+#ifndef FLUXRT_GEMM_IN
+#define FLUXRT_GEMM_IN 0
+#endif
+#ifndef FLUXRT_GEMM_OUT
+#define FLUXRT_GEMM_OUT 0
+#endif
+#ifndef FLUXRT_GEMM_B_KMAJOR
+#define FLUXRT_GEMM_B_KMAJOR 0
+#endif
+#ifndef FLUXRT_GEMM_HOOK_WAIT
+#define FLUXRT_GEMM_HOOK_WAIT 0
+#endif
+#ifndef FLUXRT_GEMM_HOOK_EPILOGUE
+#define FLUXRT_GEMM_HOOK_EPILOGUE 0
+#endif
+#ifndef FLUXRT_GEMM_HOOK_REDUCE
+#define FLUXRT_GEMM_HOOK_REDUCE 0
+#endif
+#ifndef FLUXRT_GEMM_HOOK_COPY
+#define FLUXRT_GEMM_HOOK_COPY 0
+#endif
+#ifndef FLUXRT_GEMM_EPI_DIRECT
+#define FLUXRT_GEMM_EPI_DIRECT 0
+#endif
+#ifndef FLUXRT_GEMM_CLUSTER
+#define FLUXRT_GEMM_CLUSTER 1
+#endif
+#ifndef FLUXRT_GEMM_BANDS
+#define FLUXRT_GEMM_BANDS 0
+#endif
+#ifndef FLUXRT_GEMM_C_SHARED
+#define FLUXRT_GEMM_C_SHARED 0
+#endif
+
+namespace fluxrt_sm90 {
+
+// ---------------------------------------------------------------------------------------------
+// Configuration constants (sizes in elements unless the name says bytes).
+constexpr int kConsumers = FLUXRT_GEMM_CONSUMERS;
+constexpr int kRowsPerConsumer = 64;                       // wgmma M
+constexpr int kBM = kRowsPerConsumer * kConsumers;          // tile rows
+constexpr int kBN = FLUXRT_GEMM_BN;                         // tile cols (= wgmma N)
+constexpr int kBK = 64;                                     // 64 x 2 B = one 128-byte swizzled row
+constexpr int kStages = FLUXRT_GEMM_STAGES;
+constexpr int kWgmmaK = 16;                                 // K per wgmma instruction (16-bit inputs)
+constexpr int kInBytes = 2;
+constexpr int kOutBytes = FLUXRT_GEMM_OUT == 2 ? 4 : 2;
+constexpr bool kBKMajor = FLUXRT_GEMM_B_KMAJOR != 0;
+constexpr bool kHookWait = FLUXRT_GEMM_HOOK_WAIT != 0;
+constexpr bool kHookEpilogue = FLUXRT_GEMM_HOOK_EPILOGUE != 0;
+constexpr bool kHookReduce = FLUXRT_GEMM_HOOK_REDUCE != 0;
+constexpr bool kReduceEpilogue = FLUXRT_GEMM_HOOK_REDUCE == 1;   // hook 3 in the epilogue
+constexpr bool kReduceTail = FLUXRT_GEMM_HOOK_REDUCE == 2;       // hook 3 after the tiles
+constexpr bool kHookCopy = FLUXRT_GEMM_HOOK_COPY != 0;
+constexpr bool kEpiDirect = FLUXRT_GEMM_EPI_DIRECT != 0;
+constexpr int kCluster = FLUXRT_GEMM_CLUSTER;
+constexpr unsigned short kClusterMask = (1u << kCluster) - 1;  // multicast to every CTA of the cluster
+static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
+static_assert(!(kEpiDirect && kHookEpilogue), "hook 2 needs the staged (storer-warp) epilogue");
+static_assert(!kHookReduce || (kHookEpilogue && FLUXRT_GEMM_OUT != 2), "hook 3 needs hook 2 and 16-bit partials");
+static_assert(!kHookCopy || kHookWait, "hook 4 needs hook 1 (its chunk geometry)");
+constexpr bool kBandsA = (FLUXRT_GEMM_BANDS & 1) != 0;
+constexpr bool kBandsC = (FLUXRT_GEMM_BANDS & 2) != 0;
+static_assert(!(kBandsA && kHookCopy), "hook 4 stores A's own rows through the 2-D map of A");
+static_assert(!(kBandsC && (kHookEpilogue || kEpiDirect)), "banded C is C itself, stored by the storer warp");
+
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread
+
+constexpr u32 kTileABytes = kBM * kBK * kInBytes;           // 16 KiB for BM = 128
+constexpr u32 kTileBBytes = kBN * kBK * kInBytes;           // 32 KiB for BN = 256
+constexpr u32 kStageBytes = kTileABytes + kTileBBytes;      // TMA transaction bytes per stage
+constexpr u32 kBAtomBytes = 64 * kBK * kInBytes;            // MN-major B: one 64-column slab (8 KiB)
+
+// C staging: per consumer, [kBN / kCCols column slabs][64 rows][128 B], 128B-swizzled, so that the
+// fragment writes from registers are bank-conflict free and the layout matches the TMA store box.
+constexpr int kCCols = 128 / kOutBytes;                     // columns per 128-byte slab
+constexpr u32 kCSlabBytes = kRowsPerConsumer * 128;         // 8 KiB
+constexpr u32 kCConsumerBytes = (kBN / kCCols) * kCSlabBytes;
+// Shared C staging (FLUXRT_GEMM_C_SHARED=1 with 2 consumers): ONE consumer-sized region, which the
+// consumers fill in turn and the storer drains once per consumer ("turn") per tile, each turn with its
+// own c_full[turn] / c_empty[turn] pair. Otherwise: one region per consumer, one turn per tile covering
+// every consumer, one barrier pair. With one consumer the two layouts are the same: the option is a no-op.
+static_assert(!(FLUXRT_GEMM_C_SHARED && kEpiDirect), "shared C staging needs the staged (storer-warp) epilogue");
+constexpr bool kCShared = FLUXRT_GEMM_C_SHARED != 0 && kConsumers > 1;
+constexpr int kCSlots = kCShared ? 1 : kConsumers;            // consumer-sized staging regions
+constexpr int kCTurns = kCShared ? kConsumers : 1;            // storer turns per tile = c_full/c_empty pairs
+constexpr int kConsumersPerTurn = kConsumers / kCTurns;
+constexpr int kTurnRows = kConsumersPerTurn * kRowsPerConsumer;
+constexpr u32 kCBytes = kEpiDirect ? 0u : kCSlots * kCConsumerBytes;
+// Consumer wg: its storer turn (index of its c_full / c_empty pair) and its staging region.
+__host__ __device__ constexpr int c_turn_of(int wg) { return kCShared ? wg : 0; }
+__host__ __device__ constexpr int c_slot_of(int wg) { return kCShared ? 0 : wg; }
+
+// Register split (setmaxnreg): the producer warpgroup keeps few, the math warpgroups get the rest of
+// the 64K-register file. Both must be multiples of 8.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegsRaw = (65536 - 128 * kProducerRegs) / (128 * kConsumers);
+constexpr int kConsumerRegs = (kConsumerRegsRaw >= 240 ? 240 : kConsumerRegsRaw) / 8 * 8;
+// With one consumer (256 threads) every warp can keep the compile-time maximum: no redistribution.
+constexpr bool kRebalanceRegs = kConsumers == 2;
+
+static_assert(kBN % 64 == 0 && kBN >= 64 && kBN <= 256, "tile N must be 64, 128, 192 or 256");
+static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
+static_assert(kStages >= 2, "at least a double-buffered ring");
+static_assert(kBN % kCCols == 0, "C staging slabs");
+
+// Shared-memory layout, offsets from a 1024-byte aligned base (128B swizzle atoms need that).
+constexpr u32 kOffA = 0;
+constexpr u32 kOffB = kOffA + kStages * kTileABytes;
+constexpr u32 kOffC = kOffB + kStages * kTileBBytes;
+constexpr u32 kCopyBytes = kHookCopy ? kTileABytes : 0u;  // hook 4: the copier's buffer (one A piece)
+constexpr u32 kOffCopy = kOffC + kCBytes;
+constexpr u32 kOffBars = kOffCopy + kCopyBytes;
+// full[], empty[], c_full[], c_empty[], then (hook 4) copy_full
+constexpr u32 kNumBars = 2 * kStages + 2 * kCTurns + (kHookCopy ? 1 : 0);
+constexpr u32 kSmemBytes = kOffBars + kNumBars * 8;
+constexpr u32 kSmemAlign = 1024;
+static_assert(kSmemBytes + kSmemAlign <= 232448, "tile config exceeds 227 KiB of shared memory");
+
+// Hook 3 prefetches the partials of a tile into L2 this many K blocks before the tile's last one: enough
+// to cover a DRAM round trip (8 x 64 K at ~0.5 us per 128x256 block), late enough to stay resident.
+constexpr int kReducePrefetchKBlocks = 8;
+// Column groups of 8 whose partial loads are in flight together (2 registers each; the accumulators hold
+// most of the 168 registers a thread may have: 16 and 32 groups spilled at 128x256, 8 did not).
+constexpr int kReduceBatchG = kBN / 8 < 8 ? kBN / 8 : 8;
+static_assert((kBN / 8) % kReduceBatchG == 0, "reduce batches tile the fragment");
+constexpr bool kOutBf16 = FLUXRT_GEMM_OUT == 0;
+
+// Type selection at compile time (NVRTC has no <type_traits>).
+template <bool C, class T, class F>
+struct Select {
+    using type = T;
+};
+template <class T, class F>
+struct Select<false, T, F> {
+    using type = F;
+};
+
+}  // namespace fluxrt_sm90

@@ -1,0 +1,95 @@
+// The GEMM's kernel parameter: ONE struct passed by value (__grid_constant__, so the tensor maps are
+// read in place through their parameter-space address), one member struct per concern. The layout is
+// the same in every configuration (a hook that is compiled out ignores its struct) and is mirrored on
+// the host by fluxrt/gemm/params.py; tests/cpu/test_gemm_params.py compiles the field offsets and sizes
+// and compares them with that layout. Change both together.
+//
+// Size: 832 bytes, below the 4 KiB kernel-parameter limit of every CUDA version (static_assert below).
+#pragma once
+
+#include <fluxrt/comm.cuh>
+
+#include "../gemm/sm90_primitives.cuh"
+
+namespace fluxrt_sm90 {
+
+// The plain GEMM.
+struct GemmArgs {
+    TmaDesc tmap_a;             // A [M, K], box {64 K, kBM rows} (banded A: 3-D, [bands][rows][K])
+    TmaDesc tmap_b;             // B [N, K] box {64 K, kBN / kCluster rows}, or [K, N] box {64 N, 64 K}
+    TmaDesc tmap_c;             // C [M, N] for the staged epilogue, box {128 B, 64 rows} (banded C: 3-D);
+                                //   hook 3 in the epilogue: the reduced chunk's output [chunk rows, N]
+    const u32* order_table;     // Hilbert order: packed (slot row << 16 | n tile) per work item; null: grouped
+    void* c_direct;             // C for the direct epilogue (row-major [M, N])
+    int m, n, k;
+    int group_m;                // grouped order: tile rows per band
+    int m_tile_offset;          // rotates the tile rows: a rank starts at its own shard
+    int chunk_rows;             // the hooks' row chunks (a multiple of kBM); without hooks the band height
+    int chunks_per_peer;        // chunk / chunks_per_peer = the peer that owns a chunk (band = chunk_rows * this)
+};
+
+// Hooks 1 and 3: how long a flag is waited for, and where a timeout is reported (one report per kernel).
+struct TimeoutArgs {
+    u64 timeout_ns;
+    fluxrt::ErrorRecord* err;
+    u32 rank;
+};
+
+// Hook 1 (arrival wait): before the first load of A's chunk c, wait until flags[c] >= epoch.
+struct WaitArgs {
+    const u64* flags;           // one word per chunk of chunk_rows rows of A
+    u64 epoch;
+    u32 op_id;
+};
+
+// Hook 2 (peer store + tile flag): the tiles of chunk c go to dst_tmaps[c] and raise a flag.
+struct EpilogueArgs {
+    const TmaDesc* dst_tmaps;   // per chunk: tensor map of its destination, row 0 = the chunk's first row
+                                //   (global memory, 64-byte aligned; box as tmap_c's)
+    u64* const* flag_table;     // per chunk: one flag word per tile (local_m_tile * n_tiles + n), or with
+                                //   flag_group_n > 0 one per group of that many n tiles (n / flag_group_n):
+                                //   a counter of the group's finished tiles across the chunk's rows
+    u64 signal_value;
+    int flag_group_n;
+    int signal_add;             // 0: flag = signal_value (release store); 1: flag += signal_value
+};
+
+// Hook 3 (chunk reduce): chunk `chunk` is summed with the other sources' partials of its rows.
+struct ReduceArgs {
+    const char* partials;       // source s's partial of the chunk's rows at + s * source_bytes,
+    long long source_bytes;     //   row-major, ld elements per row, C's element type
+    long long ld;
+    u64* flags;                 // source s's flags at + s * flag_stride: per tile (local_m_tile * n_tiles + n)
+    long long flag_stride;      //   or with group_n > 0 per group of n tiles (n / group_n)
+    u64 epoch;                  // a partial is in place once its flag >= epoch
+    int chunk;                  // the chunk reduced here; source `chunk` is this GEMM
+    u32 sources;                // sources 0 .. sources - 1 (at most 128: one waiting thread each)
+    int group_n;
+    u32 op_id;
+};
+
+// Hook 3 in the tail: where the reduced chunk goes and the slab claims.
+struct TailArgs {
+    char* out;                  // the reduced chunk, [chunk rows, N] row-major, C's type
+    u32* counter;               // slab claims; 0 before the launch, reset to 0 by the launch's last claim
+};
+
+// Hook 4 (own-shard copy): A's rows [row0, row0 + rows) are read from their own source and copied into A.
+struct CopyArgs {
+    TmaDesc tmap_a_own;         // [rows, K], row 0 = A's row row0 (box as tmap_a's)
+    u64* counters;              // one per own chunk: += pieces of it stored into A
+    int row0, rows;             // whole chunks of chunk_rows
+};
+
+struct Params {
+    GemmArgs gemm;
+    CopyArgs copy;
+    TimeoutArgs timeout;
+    WaitArgs wait;
+    EpilogueArgs epilogue;
+    ReduceArgs reduce;
+    TailArgs tail;
+};
+static_assert(sizeof(Params) <= 4096, "kernel parameters are limited to 4 KiB");
+
+}  // namespace fluxrt_sm90

@@ -1,0 +1,56 @@
+"""The GEMM's kernel parameter: the host layout (fluxrt/gemm/params.py) agrees with the device struct
+(kernels/gemm/params.cuh) field by field, compiled for sm_90a without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fluxrt.gemm.params import PARAMS, leaf_fields, new_params
+
+from test_gemm_cpu import _cubin_u32, _nvrtc_available
+
+
+def test_host_layout_is_c_layout():
+    fields = leaf_fields()
+    # tensor maps at 64-byte boundaries, every field naturally aligned, no overlaps, all inside the struct
+    for name, off, size in fields:
+        assert off % (64 if size == 128 else size) == 0, name
+    ends = [off + size for _, off, size in fields]
+    assert all(e <= o for e, (_, o, _) in zip(ends, fields[1:]))
+    assert ends[-1] <= PARAMS.itemsize <= 4096 and PARAMS.itemsize % 64 == 0
+    p = new_params()
+    assert p.shape == (1,) and p.nbytes == PARAMS.itemsize and not p.tobytes().strip(b"\0")
+
+
+def test_device_offsets_match_host_layout(tmp_path, monkeypatch):
+    """A probe exports offsetof / sizeof of every leaf field of fluxrt_sm90::Params and sizeof(Params) as
+    __device__ constants; they must equal the host layout's."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    from fluxrt.toolchain import CompileOptions, compile_cubin
+
+    monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
+    fields = leaf_fields()
+    lines = ['#include "../gemm/params.cuh"', "using fluxrt_sm90::Params;",
+             'extern "C" __device__ const unsigned int probe_size = sizeof(Params);']
+    for i, (name, _, _) in enumerate(fields):
+        lines.append(f'extern "C" __device__ const unsigned int probe_off_{i} = __builtin_offsetof(Params, {name});')
+        lines.append(f'extern "C" __device__ const unsigned int probe_len_{i} = sizeof(((Params*)0)->{name});')
+    src = tmp_path / "gemm_params_probe.cu"
+    src.write_text("\n".join(lines) + "\n")
+    data = compile_cubin(src, CompileOptions(arch="sm_90a")).read_bytes()
+    assert _cubin_u32(data, "probe_size") == PARAMS.itemsize
+    device = [(name, _cubin_u32(data, f"probe_off_{i}"), _cubin_u32(data, f"probe_len_{i}"))
+              for i, (name, _, _) in enumerate(fields)]
+    assert device == fields
+
+
+def test_params_fields_take_their_values():
+    p = new_params()
+    p["gemm"]["m"], p["reduce"]["chunk"], p["epilogue"]["signal_value"] = 8192, -1, 1 << 40
+    raw = p.tobytes()
+    off = dict((n, o) for n, o, _ in leaf_fields())
+    assert np.frombuffer(raw, "<i4", 1, off["gemm.m"])[0] == 8192
+    assert np.frombuffer(raw, "<i4", 1, off["reduce.chunk"])[0] == -1
+    assert np.frombuffer(raw, "<u8", 1, off["epilogue.signal_value"])[0] == 1 << 40
