@@ -32,7 +32,7 @@ __global__ void fluxrt_wait(const u64* flag, u64 target, u64 timeout_ns, ErrorRe
 // Barrier across all ranks, one block of >= world threads.
 __global__ void fluxrt_barrier(u64* const* peer_pads, const u64* pad, u32 rank, u32 world, u64 epoch,
                                u64 timeout_ns, ErrorRecord* err, u32 op) {
-    fluxrt::barrier_block(peer_pads, pad, rank, world, epoch, timeout_ns, err, op);
+    fluxrt::barrier_block(peer_pads, pad, rank, world, epoch, fluxrt::Watch{timeout_ns, err, op, rank});
 }
 
 // Ping-pong between two ranks, one thread each. The initiator releases round i into the peer's

@@ -25,53 +25,13 @@ using fluxrt::u64;
 
 namespace {
 
-constexpr int kVecElems = 8;                                   // elements per 16-byte output vector
-constexpr int kPartialBytes = FLUXRT_RS_PARTIAL == 2 ? 4 : 2;   // bytes per partial element
-constexpr int kPartialVecs = kVecElems * kPartialBytes / 16;    // 16-byte loads per 8 partial elements
-constexpr int kMaxWorld = 64;                                   // flags checked per tile (one thread each)
+typedef fluxrt::ElementOf<FLUXRT_RS_PARTIAL>::type Partial;
+typedef fluxrt::ElementOf<FLUXRT_RS_OUT>::type Out;
+constexpr u32 kVecElems = 8;                                   // elements per 16-byte output vector
+constexpr u32 kPartialBytes = sizeof(Partial::T);              // bytes per partial element
+constexpr u32 kPartialVecs = kVecElems / Partial::kPerVec;     // 16-byte loads per 8 partial elements
 constexpr u32 kLoadBatch = 4;                                   // sources whose partials are loaded together
-
-__device__ __forceinline__ u32 pack_out(float lo, float hi) {
-    u32 r;
-#if FLUXRT_RS_OUT == 0
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-// 8 partial elements (16 or 32 bytes). Plain (coherent) loads: the data was written by peers during
-// this kernel's lifetime, so the non-coherent __ldg path is not allowed.
-struct Partial8 {
-    uint4 v[kPartialVecs];
-};
-__device__ __forceinline__ Partial8 load8(const char* p) {
-    Partial8 r;
-#pragma unroll
-    for (int i = 0; i < kPartialVecs; ++i) r.v[i] = reinterpret_cast<const uint4*>(p)[i];
-    return r;
-}
-
-// acc[0..7] += x, element by element in fp32.
-__device__ __forceinline__ void accumulate8(float (&acc)[kVecElems], const Partial8& x) {
-#if FLUXRT_RS_PARTIAL == 2
-#pragma unroll
-    for (int i = 0; i < kPartialVecs; ++i) {
-        acc[4 * i + 0] += __uint_as_float(x.v[i].x);
-        acc[4 * i + 1] += __uint_as_float(x.v[i].y);
-        acc[4 * i + 2] += __uint_as_float(x.v[i].z);
-        acc[4 * i + 3] += __uint_as_float(x.v[i].w);
-    }
-#else
-    const u32 w[4] = {x.v[0].x, x.v[0].y, x.v[0].z, x.v[0].w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        acc[2 * i] += fluxrt::pair_lo<FLUXRT_RS_PARTIAL == 0>(w[i]);
-        acc[2 * i + 1] += fluxrt::pair_hi<FLUXRT_RS_PARTIAL == 0>(w[i]);
-    }
-#endif
-}
+static_assert(sizeof(Out::T) == 2, "the result is bf16 or fp16");
 
 }  // namespace
 
@@ -116,47 +76,39 @@ __global__ void fluxrt_rs_reduce(const char* partials, long long src_stride_byte
                                  int flag_group_n, u32 skip_source, int rows, int cols, int block_m, int block_n,
                                  int n_tiles, u32 world, u64 epoch, u64 timeout_ns, ErrorRecord* err, u32 op,
                                  u32 rank) {
+    const fluxrt::Watch w{timeout_ns, err, op, rank};
     const int m_tiles = (rows + block_m - 1) / block_m;
     const int total = m_tiles * n_tiles;
     const int vecs_per_row = block_n / kVecElems;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         const int m_tile = t / n_tiles, n_tile = t % n_tiles;
         const long long tile_flag = flag_group_n > 0 ? n_tile / flag_group_n : (long long)m_tile * n_tiles + n_tile;
+        auto flag_of = [&](u32 s) { return flags + s * flag_stride + tile_flag; };
         // Stage 1, wait: one thread per source spins on that source's flag (bounded; on timeout the
         // error record names the source and the tile is summed from whatever is there).
-        if (threadIdx.x < world && threadIdx.x < kMaxWorld && threadIdx.x != skip_source)
-            fluxrt::wait_ge(flags + threadIdx.x * flag_stride + tile_flag, epoch, timeout_ns, err, op, rank,
-                            threadIdx.x);
+        fluxrt::wait_sources(w, world, skip_source, threadIdx.x, blockDim.x, flag_of, epoch);
         __syncthreads();
         // Every reader acquires the flags itself (they are already >= epoch, so no spin): its own
         // acquire orders its partial loads after the sources' releases, independent of the barrier.
-        for (u32 s = 0; s < world; ++s)
-            if (s != skip_source) (void)fluxrt::ld_acquire_sys(flags + s * flag_stride + tile_flag);
+        fluxrt::acquire_sources(world, skip_source, flag_of);
         // Stage 2, reduce: sources in fixed order 0..world-1 in fp32, so the result is bitwise the
-        // same whatever order the partials arrived in.
+        // same whatever order the partials arrived in. Plain (coherent) loads: the data was written by
+        // peers during this kernel's lifetime, so the non-coherent __ldg path is not allowed.
         for (int v = threadIdx.x; v < block_m * vecs_per_row; v += blockDim.x) {
             const int row = m_tile * block_m + v / vecs_per_row;
             const int col = n_tile * block_n + (v % vecs_per_row) * kVecElems;
             if (row >= rows || col >= cols) continue;
-            float acc[kVecElems];
+            float acc[kPartialVecs][Partial::kPerVec];
 #pragma unroll
-            for (int e = 0; e < kVecElems; ++e) acc[e] = 0.f;
+            for (u32 j = 0; j < kPartialVecs; ++j)
+#pragma unroll
+                for (u32 e = 0; e < Partial::kPerVec; ++e) acc[j][e] = 0.f;
             const char* src = partials + ((long long)row * ld + col) * kPartialBytes;
-            for (u32 s0 = 0; s0 < world; s0 += kLoadBatch) {
-                // kLoadBatch sources' loads in flight at once, then the adds in source order.
-                Partial8 x[kLoadBatch];
-#pragma unroll
-                for (u32 j = 0; j < kLoadBatch; ++j)
-                    if (s0 + j < world) x[j] = load8(src + (s0 + j) * src_stride_bytes);
-#pragma unroll
-                for (u32 j = 0; j < kLoadBatch; ++j)
-                    if (s0 + j < world) accumulate8(acc, x[j]);
-            }
-            uint4 o;
-            o.x = pack_out(acc[0], acc[1]);
-            o.y = pack_out(acc[2], acc[3]);
-            o.z = pack_out(acc[4], acc[5]);
-            o.w = pack_out(acc[6], acc[7]);
+            fluxrt::fold_sources<Partial, fluxrt::kSum, false, kPartialVecs, kLoadBatch>(
+                acc, world, [&](u32 s, u32 j) { return reinterpret_cast<const uint4*>(src + s * src_stride_bytes)[j]; });
+            auto el = [&](u32 k) { return acc[k / Partial::kPerVec][k % Partial::kPerVec]; };
+            const uint4 o = make_uint4(Out::pack2(el(0), el(1)), Out::pack2(el(2), el(3)), Out::pack2(el(4), el(5)),
+                                       Out::pack2(el(6), el(7)));
             *reinterpret_cast<uint4*>(out + ((long long)row * out_ld + col) * 2) = o;
         }
         __syncthreads();  // the flag-waiting threads of the next tile start after this tile's reads

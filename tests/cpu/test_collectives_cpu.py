@@ -21,8 +21,16 @@ from fluxrt.toolchain import kernel_root
 # ---------------------------------------------------------------------------------------------- plan
 
 
+def _collectives_source() -> str:
+    """The collectives' device code: entry points, team, schemes, algorithms and the device library."""
+    root = kernel_root()
+    files = [root / "comm" / "collectives.cu", *sorted((root / "comm").rglob("*.cuh")),
+             *sorted((root / "include" / "fluxrt").glob("*.cuh"))]
+    return "\n".join(f.read_text() for f in files)
+
+
 def test_plan_constants_mirror_the_kernel():
-    src = (kernel_root() / "comm" / "collectives.cu").read_text()
+    src = _collectives_source()
     consts = {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr u32 (k\w+) = (\d+);", src)}
     assert consts["kMaxBlocks"] == plan.MAX_BLOCKS
     assert consts["kMaxRingBlocks"] == plan.MAX_RING_BLOCKS and consts["kBulkThreads"] == plan.THREADS
@@ -680,7 +688,7 @@ def test_every_collective_kernel_waits_for_the_previous_grid_before_touching_mem
     """PDL launches are only correct for kernels that take their round share, trigger the next launch and
     wait (griddepcontrol.wait) before any access to x, out, the workspace, the LL buffer or flags: every
     entry point goes through begin_round, which has both, before its prefetch of the first loads."""
-    src = (kernel_root() / "comm" / "collectives.cu").read_text()
+    src = _collectives_source()
     begins = re.findall(r"__device__ __forceinline__ u64 begin_round\(u64\* counter, Constant constant, Prefetch "
                         r"prefetch\) \{.*?\n}\n", src, re.S)
     assert len(begins) == 1
@@ -693,14 +701,14 @@ def test_every_collective_kernel_waits_for_the_previous_grid_before_touching_mem
         assert body.index("begin_round") < body.index("// stage push")
     for device_fn in re.findall(r"^__device__ void (\w+)\(", src, re.M):
         body = re.search(rf"__device__ void {device_fn}\(.*?\n}}\n", src, re.S).group(0)
-        if device_fn in ("copy_block", "reduce_slots", "reduce_sources", "push_chunks", "exchange_pipe_pairwise"):
+        if device_fn in ("copy_block", "reduce_slots", "reduce_step", "push_chunks", "exchange_pipe_pairwise"):
             continue  # helpers called after the begin stage
         assert re.search(r"begin_round|begin_pipe", body), f"{device_fn} never begins a round"
 
 
 def test_collective_kernel_arguments_match_the_kernel_parameter_lists():
     """The host's team tuple has the fields of FLUXRT_TEAM_PARAMS, in order and width."""
-    src = (kernel_root() / "comm" / "collectives.cu").read_text()
+    src = _collectives_source()
     m = re.search(r"#define FLUXRT_TEAM_PARAMS\s*\\\n(.*?)\n#define", src, re.S)
     params = [p.strip() for p in re.sub(r"\\\n", " ", m.group(1)).split(",")]
     widths = [4 if p.startswith("u32") else 8 for p in params]

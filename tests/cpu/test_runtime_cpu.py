@@ -82,7 +82,7 @@ def test_error_record_decodes_to_wait_timeout_naming_op_rank_peer():
 def test_error_record_layout_matches_the_device_header():
     from fluxrt.toolchain import include_dir
 
-    header = (include_dir() / "fluxrt" / "comm.cuh").read_text()
+    header = (include_dir() / "fluxrt" / "sync.cuh").read_text()
     struct = header[header.index("struct ErrorRecord"):header.index("};", header.index("struct ErrorRecord"))]
     assert struct.count("u64 ") == errors.ERROR_RECORD_WORDS
 

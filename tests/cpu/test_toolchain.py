@@ -153,3 +153,47 @@ def test_every_kernel_folder_ships_in_the_wheel():
         pkg = ".".join(("fluxrt", "kernels", *folder.relative_to(root / "kernels").parts))
         assert pkg in cfg["packages"], f"{folder} is not listed in pyproject's packages"
         assert pkg in cfg["package-data"], f"{folder}'s sources are not package data"
+
+def _cuobjdump() -> str | None:
+    import os
+    import shutil
+
+    found = os.environ.get("FLUXRT_CUOBJDUMP") or shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        beside = Path(toolchain.nvcc_path()).resolve().parent / "cuobjdump"
+    except CompileError:
+        return None
+    return str(beside) if beside.is_file() else None
+
+
+_DEVICE_LIBRARY_UNITS = [
+    ("comm/collectives.cu", ()),
+    ("comm/p2p.cu", ()),
+    *[("ops/tp_ops.cu", (("FLUXRT_RS_PARTIAL", str(p)), ("FLUXRT_RS_OUT", str(o)))) for p in (0, 1, 2) for o in (0, 1)],
+]
+_ENTRY_POINTS = {
+    "comm/p2p.cu": {"fluxrt_put_signal", "fluxrt_signal", "fluxrt_wait", "fluxrt_barrier", "fluxrt_pingpong"},
+    "ops/tp_ops.cu": {"fluxrt_ops_signal_list", "fluxrt_ops_wait_list", "fluxrt_ops_delay", "fluxrt_rs_reduce"},
+}
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("source,defines", _DEVICE_LIBRARY_UNITS)
+def test_device_library_kernels_use_no_local_memory(source, defines):
+    """Every entry point built on kernels/include/fluxrt compiles for sm_90a, and none spills to local memory
+    (cuobjdump -res-usage LOCAL: 0). Needs cuobjdump (on PATH, beside nvcc, or FLUXRT_CUOBJDUMP)."""
+    import re
+    import subprocess
+
+    cubin = toolchain.compile_cubin(source, toolchain.CompileOptions(arch="sm_90a", defines=defines))
+    data = Path(cubin).read_bytes()
+    missing = [n for n in _ENTRY_POINTS.get(source, ()) if n.encode() + b"\0" not in data]
+    assert not missing
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    local = dict(re.findall(r"Function (\w+):\s*\n\s*REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:(\d+)", res))
+    assert local and all(v == "0" for v in local.values()), {k: v for k, v in local.items() if v != "0"}
