@@ -5,8 +5,12 @@ import threading
 from collections import OrderedDict
 
 
+from ..arrays import as_array
 from ..dtypes import normalize_dtype
 from ..errors import GemmArgumentError, GemmTypeError
+from ..packed_launch import PackedLaunch
+from ..streams import as_cupy_stream, stream_handle
+from .checks import WRITTEN
 from .checks import (_band_stride, _check_bands_plan, _check_copy, _check_hooks, _check_reduce, _check_tail, _ptr,
                      _validate)
 from .hooks import ArrivalWait, RowBands, ShardCopy, TileEpilogue, band_bits
@@ -17,10 +21,6 @@ from .plan import SMEM_LIMIT_BYTES, GemmPlan, plan_gemm
 from .tmaps import NULL_TMAP as _NULL_TMAP
 from .tmaps import order_table as _order_table
 from .tmaps import tensor_map as _tensor_map
-from ..arrays import as_array
-from .checks import WRITTEN
-from ..packed_launch import PackedLaunch
-from ..streams import stream_handle
 
 
 def _as_device_array(x, name: str):
@@ -34,7 +34,6 @@ def _stream_ptr(stream) -> int:
         return stream_handle(stream)
     except TypeError as e:
         raise GemmTypeError(f"gemm: {e}") from e
-
 
 
 def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
@@ -177,8 +176,11 @@ def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPl
 
 
 def _launch(a, b, out, *, stream, **kw):
-    packed, out, _ = _prepare(a, b, out, **kw)
-    packed.launch(_stream_ptr(stream))
+    sptr = _stream_ptr(stream)
+    # operands that come in through DLPack or CAI are ordered after their producers on the call's stream
+    with as_cupy_stream(sptr):
+        packed, out, _ = _prepare(a, b, out, **kw)
+    packed.launch(sptr)
     return out
 
 
