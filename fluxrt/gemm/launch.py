@@ -176,6 +176,10 @@ def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPl
 
 
 def _launch(a, b, out, *, stream, **kw):
+    if stream is None:   # the current stream: the intake orders operands on it already
+        packed, out, _ = _prepare(a, b, out, **kw)
+        packed.launch(_stream_ptr(None))
+        return out
     sptr = _stream_ptr(stream)
     # operands that come in through DLPack or CAI are ordered after their producers on the call's stream
     with as_cupy_stream(sptr):
