@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """fluxrt.gemm against cuBLAS over a shape suite (fluxrt.perf.shapes), as a user calls them.
 
-cuBLAS is called through cublasGemmEx (CuPy's binding, fp32 compute, default algorithm) on the same stream,
-which is what cupy.matmul runs without CuPy's own host overhead, and which, unlike cupy.matmul, may be
-captured in a CUDA graph. cupy.matmul's eager time is recorded beside it (matmul_eager_ms).
+cuBLAS is called through cublasGemmEx (libcublas through ctypes, fp32 compute, default algorithm) on the
+same stream: what cupy.matmul runs, without CuPy's own host overhead, and capturable in a CUDA graph
+(CuPy's binding refuses capture). cupy.matmul's eager time is recorded beside it (matmul_eager_ms).
 
 Per shape and implementation, in alternating rounds on one stream:
   eager   `iters` back-to-back calls between two CUDA events: host time included, as a user sees it
@@ -19,6 +19,8 @@ Ratios are cuBLAS time / fluxrt time (> 1: fluxrt faster); geometric means over 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import math
 import sys
 import time
@@ -29,6 +31,48 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fluxrt.perf.shapes import SUITES, Shape, suite  # noqa: E402
+
+
+_lib = None
+_handle = None
+_workspace = None
+
+
+def _cublas():
+    """libcublas through ctypes: CuPy's own binding refuses to run inside a stream capture."""
+    global _lib
+    if _lib is None:
+        path = None
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+
+            path = load_nvidia_dynamic_lib("cublas").abs_path
+        except Exception:
+            path = ctypes.util.find_library("cublas") or "libcublas.so.13"
+        _lib = ctypes.CDLL(path)
+        _lib.cublasGemmEx.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        _lib.cublasSetStream_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return _lib
+
+
+def _cublas_handle():
+    global _handle
+    if _handle is None:
+        h = ctypes.c_void_p()
+        st = _cublas().cublasCreate_v2(ctypes.byref(h))
+        if st:
+            raise RuntimeError(f"cublasCreate failed with status {st}")
+        # a workspace of its own: cuBLAS then allocates nothing while a graph is being captured
+        import cupy
+
+        global _workspace
+        _workspace = cupy.empty((32 << 20,), dtype=cupy.uint8)
+        _cublas().cublasSetWorkspace_v2(h, ctypes.c_void_p(_workspace.data.ptr), ctypes.c_size_t(_workspace.nbytes))
+        _handle = h
+    return _handle
 
 
 def _np_dtype(name: str):
@@ -98,19 +142,21 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
             tune(a, w, trans_b=s.trans_b)
     plan = plan_for(s.m, s.n, s.k, in_dtype=dtype, out_dtype=dtype, trans_b=s.trans_b)
 
-    from cupy.cuda import cublas
-
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, stream.ptr)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+    cublas = _cublas()
+    handle = _cublas_handle()
+    cublas.cublasSetStream_v2(handle, ctypes.c_void_p(stream.ptr))
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     cdt = 14 if dtype == "bfloat16" else 2           # CUDA_R_16BF / CUDA_R_16F
-    op_w = cublas.CUBLAS_OP_T if s.trans_b else cublas.CUBLAS_OP_N
+    op_w = 1 if s.trans_b else 0                      # CUBLAS_OP_T / CUBLAS_OP_N
     ldw = s.k if s.trans_b else s.n
+    args = (handle, op_w, 0, s.n, s.m, s.k, ctypes.byref(one), ctypes.c_void_p(w.data.ptr), cdt, ldw,
+            ctypes.c_void_p(a.data.ptr), cdt, s.k, ctypes.byref(zero), ctypes.c_void_p(c_ref.data.ptr), cdt, s.n,
+            68, -1)                                   # CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
 
     def run_cublas():   # row-major C = A @ W as column-major C^T[N, M] = W^T @ A^T
-        cublas.gemmEx(handle, op_w, cublas.CUBLAS_OP_N, s.n, s.m, s.k, one.ctypes.data, w.data.ptr, cdt, ldw,
-                      a.data.ptr, cdt, s.k, zero.ctypes.data, c_ref.data.ptr, cdt, s.n, 68, -1)
+        st = cublas.cublasGemmEx(*args)
+        if st:
+            raise RuntimeError(f"cublasGemmEx failed with status {st}")
 
     def run_matmul():
         cupy.matmul(a, wm, out=c_ref)

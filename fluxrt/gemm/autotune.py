@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import GemmArgumentError
-from .plan import H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, max_stages, tile_shapes
+from .plan import H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plain_plans, split_plans
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -177,18 +177,13 @@ def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: s
 
 
 def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
-    """The plans autotuning times: every tile shape the planner knows (:func:`fluxrt.gemm.plan.tile_shapes`)
-    at its deepest ring (at most 6 stages), grouped order; the heuristic's own choice is always among them."""
-    out = []
-    for bm, bn, cluster in tile_shapes(m):
-        s = min(max_stages(bm, bn, out_dtype), 6)
-        if s >= 2:
-            out.append(GemmPlan(block_m=bm, block_n=bn, stages=s, consumers=bm // 64, cluster=cluster,
-                                group_m=max(1, min(-(-m // bm), 16))))
+    """The plans autotuning times: every tile shape the planner knows at its deepest ring (at most 6 stages),
+    grouped order, and the split-K plans the planner considers; the heuristic's own choice always among them."""
+    out = plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
     h = heuristic_plan(m, n, k, out_dtype=out_dtype, num_sms=num_sms)
     if h not in out:
         out.insert(0, h)
-    return [p for p in out if p.smem_bytes(out_dtype) <= SMEM_LIMIT_BYTES]
+    return [p for p in out if p.smem_bytes("float32" if p.split_k > 1 else out_dtype) <= SMEM_LIMIT_BYTES]
 
 
 def _time_us(packed, stream_ptr: int, reps: int, rounds: int) -> float:
@@ -244,7 +239,7 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     for plan in cands:
         try:
             packed, _, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, wait=None,
-                                    epilogue=None)
+                                    epilogue=None, stream_ptr=sptr)
             for _ in range(2):
                 packed.launch(sptr)
             us = _time_us(packed, sptr, reps, rounds)

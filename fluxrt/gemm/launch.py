@@ -20,6 +20,8 @@ from .plan import ITEMSIZE as _ITEMSIZE
 from .plan import SMEM_LIMIT_BYTES, GemmPlan, plan_gemm
 from .tmaps import NULL_TMAP as _NULL_TMAP
 from .tmaps import order_table as _order_table
+from .split_k import check_split
+from .split_k import prepare as prepare_split
 from .tmaps import tensor_map as _tensor_map
 
 
@@ -38,8 +40,10 @@ def _stream_ptr(stream) -> int:
 
 def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
              epilogue: TileEpilogue | None, copy: ShardCopy | None = None, a_bands: RowBands | None = None,
-             c_bands: RowBands | None = None):
-    """Check one call and build its launch: returns (PackedLaunch, out, plan). Makes no launch."""
+             c_bands: RowBands | None = None, stream_ptr: int | None = None):
+    """Check one call and build its launch: returns (launch, out, plan), where launch.launch(stream) enqueues
+    it (a PackedLaunch, or a split_k.SplitLaunch). Makes no launch. stream_ptr: the stream the call will run
+    on (split-K's partials buffer is per stream)."""
     stride = _band_stride(a_bands, c_bands, wait, epilogue)
     m, n, k, in_dt, out_dt = _validate(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands,
                                        c_bands=c_bands, stride=stride)
@@ -48,6 +52,10 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
     elif plan is None:
         plan = _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype)
     plan.validate(out_dt)
+    if plan.split_k > 1 and (wait or epilogue or copy or stride):
+        raise GemmArgumentError("gemm: a split_k plan is for plain GEMMs (no hooks, no row bands)")
+    if plan.split_k > 1:
+        check_split(plan, m, n, k)
     if stride:
         _check_bands_plan(a_bands, c_bands, stride, plan, epilogue, copy)
     _check_hooks(wait, epilogue, plan, m)
@@ -90,6 +98,10 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
                 out = cupy.empty((m // stride * c_bands.rows if c_bands else m, n), dtype=normalize_dtype(out_dt))
     elif out.device.id != dev:
         raise GemmArgumentError(f"gemm: out is on device {out.device.id} but A on device {dev}")
+    if plan.split_k > 1:
+        with cupy.cuda.Device(dev):
+            sptr = cupy.cuda.get_current_stream().ptr if stream_ptr is None else stream_ptr
+            return prepare_split(a, b, out, plan, m, n, k, in_dt, out_dt, trans_b, dev, sptr), out, plan
     # without hooks the band height travels as chunk_rows (the kernel's band_rows())
     chunk_rows = wait.chunk_rows if wait else (epilogue.chunk_rows if epilogue else stride)
     bands = m // stride if stride else None   # bands of a banded operand's 3-D tensor map
@@ -183,7 +195,7 @@ def _launch(a, b, out, *, stream, **kw):
     sptr = _stream_ptr(stream)
     # operands that come in through DLPack or CAI are ordered after their producers on the call's stream
     with as_cupy_stream(sptr):
-        packed, out, _ = _prepare(a, b, out, **kw)
+        packed, out, _ = _prepare(a, b, out, stream_ptr=sptr, **kw)
     packed.launch(sptr)
     return out
 
@@ -221,18 +233,19 @@ def _fast_gemm(a, b, out, trans_b, stream, plan, out_dtype):
         n = (b.shape[0] if trans_b else b.shape[1]) if b.ndim == 2 else 0
         with cupy.cuda.Device(a.data.device_id):
             out = cupy.empty((m, n), dtype=dt)
+    sptr = stream.ptr if type(stream) is cupy.cuda.Stream else _stream_ptr(stream)
     key = (_array_key(a), _array_key(b), _array_key(out), a.data.device_id, cupy.cuda.runtime.getDevice(),
-           trans_b, plan, out_dtype)
+           trans_b, plan, out_dtype, sptr)
     with _fast_lock:
         packed = _fast.get(key)
     if packed is None:
         packed, out, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, wait=None,
-                                  epilogue=None)
+                                  epilogue=None, stream_ptr=sptr)
         with _fast_lock:
             _fast[key] = packed
             while len(_fast) > _FAST_CACHE_SIZE:
                 _fast.popitem(last=False)
-    packed.launch(stream.ptr if type(stream) is cupy.cuda.Stream else _stream_ptr(stream))
+    packed.launch(sptr)
     return out
 
 

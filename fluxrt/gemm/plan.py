@@ -22,6 +22,8 @@ c_staging      with epilogue 'tma': 'per_consumer' (one staging region per consu
                the whole tile at once) or 'shared' (FLUXRT_GEMM_C_SHARED=1: one consumer-sized region
                the consumers fill in turn, the storer drains it once per consumer; half the staging
                with 2 consumers, e.g. 4 stages at 128x256 bf16). No effect with one consumer.
+split_k        K in this many slices, each a band of rows of one launch writing fp32 partials, summed in
+               slice order by a second kernel (deterministic): more tiles where M x N alone leaves SMs idle
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -66,9 +68,17 @@ class GemmPlan:
     max_ctas: int | None = None
     epilogue: str = "tma"
     c_staging: str = "per_consumer"
+    split_k: int = 1
 
     def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
         """Raise ValueError when the kernel cannot be instantiated with this plan."""
+        if self.split_k < 1:
+            raise ValueError(f"GemmPlan.split_k must be >= 1, got {self.split_k}")
+        if self.split_k > 1:
+            if self.cluster != 1 or self.epilogue != "tma":
+                raise ValueError("GemmPlan.split_k > 1 needs cluster=1 and epilogue='tma' (fp32 partials stored by "
+                                 "the storer warp)")
+            out_dtype = "float32"   # the GEMM itself writes fp32 partials
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m != 64 * self.consumers:
@@ -107,8 +117,9 @@ class GemmPlan:
         """One line for tables and logs, e.g. '128x256x64 s3 grouped/g16 epi=tma x1'."""
         staging = "/shared" if self.c_staging == "shared" else ""
         order = self.order + (f"/g{self.group_m}" if self.order == "grouped" else "")
+        split = f" k{self.split_k}" if self.split_k > 1 else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
-                f"x{self.cluster}")
+                f"x{self.cluster}{split}")
 
     # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
     def stage_bytes(self) -> int:
@@ -233,27 +244,78 @@ def tile_shapes(m: int) -> list[tuple[int, int, int]]:
     return [key for key in TILE_RATE if key[2] == 1 or math.ceil(m / 128) >= CLUSTER_MIN_TILE_ROWS]
 
 
+SPLITS = (2, 3, 4, 6, 8)
+SPLIT_MIN_K = 512          # K of one slice at least this: shorter slices spend their time filling the ring
+SPLIT_FIXED_COST = 9e6     # the second launch (the reduce), in tile_cost units: about 3 us at 128x256 rates
+SPLIT_RATE = 0.95          # fp32 partials need 4x C staging: fewer stages than the same tile with 16-bit out
+
+
+def split_cost(m: int, n: int, k: int, block_m: int, block_n: int, splits: int, num_sms: int = H100_H200_SMS) -> float:
+    """Modelled time of a split-K plan in :func:`tile_cost` units (one unit: one multiply-add of one SM at the
+    128x256 rate, about 0.33 ps on H100/H200, which makes a byte of DRAM traffic about one unit): the launch
+    over splits bands of padded rows with K / splits, its fp32 partials written and read back once, C
+    written, and the reduce launch."""
+    m_pad = math.ceil(m / block_m) * block_m
+    gemm = tile_cost(splits * m_pad, n, k // splits, block_m, block_n, 1, num_sms) / SPLIT_RATE
+    return gemm + 2 * splits * m * n * 4 + m * n * 2 + SPLIT_FIXED_COST
+
+
+def split_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
+    """Split-K plans worth considering: where a tile shape's tiles fill less than one wave, for every slice
+    count that divides K into 16-byte pieces of at least SPLIT_MIN_K and keeps the tiles within two waves."""
+    out = []
+    for bm, bn, cluster in TILE_RATE:
+        if cluster != 1:
+            continue
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        if tiles >= num_sms:
+            continue
+        stages = min(max_stages(bm, bn, "float32"), 6)
+        if stages < 3:
+            continue
+        for splits in SPLITS:
+            if k % (8 * splits) or k // splits < SPLIT_MIN_K or splits * tiles > 2 * num_sms:
+                continue
+            out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, split_k=splits,
+                                group_m=max(1, min(math.ceil(splits * m / bm), 16))))
+    return out
+
+
+def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_SMS) -> float:
+    """The model's time of a plan (:func:`tile_cost`, :func:`split_cost`)."""
+    if plan.split_k > 1:
+        return split_cost(m, n, k, plan.block_m, plan.block_n, plan.split_k, num_sms)
+    return tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster, num_sms)
+
+
 @functools.lru_cache(maxsize=4096)
 def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
                    trans_b: bool = False, num_sms: int = H100_H200_SMS) -> GemmPlan:
-    """The plan of a plain GEMM without measuring: the tile shape of least :func:`tile_cost` (ties go to the
-    one listed first in TILE_RATE), the deepest ring that fits (at most 6 stages), grouped order with bands
-    of up to 16 tile rows. What :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry."""
+    """The plan of a plain GEMM without measuring: the plan of least modelled time (:func:`plan_cost`; ties go
+    to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages)
+    and the split-K plans of :func:`split_plans`, grouped order with bands of up to 16 tile rows. What
+    :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry."""
     if in_dtype not in IN_DTYPES:
         raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"unsupported output dtype {out_dtype!r} (expected one of {OUT_DTYPES})")
     best = None
+    for plan in plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms):
+        cost = plan_cost(plan, m, n, k, num_sms)
+        if best is None or cost < best[0] * 0.999:
+            best = (cost, plan)
+    return best[1].validate(out_dtype)
+
+
+def plain_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
+    """Every tile shape of :func:`tile_shapes` at its deepest ring (at most 6 stages), grouped order."""
+    out = []
     for bm, bn, cluster in tile_shapes(m):
         stages = min(max_stages(bm, bn, out_dtype), 6)
-        if stages < 2:
-            continue
-        cost = tile_cost(m, n, k, bm, bn, cluster, num_sms)
-        if best is None or cost < best[0] * 0.999:
-            best = (cost, bm, bn, cluster, stages)
-    _, bm, bn, cluster, stages = best
-    return GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, cluster=cluster,
-                    group_m=max(1, min(math.ceil(m / bm), 16))).validate(out_dtype)
+        if stages >= 2:
+            out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, cluster=cluster,
+                                group_m=max(1, min(math.ceil(m / bm), 16))))
+    return out
 
 
 # --- tile orders ------------------------------------------------------------------------------------

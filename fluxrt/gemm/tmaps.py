@@ -21,13 +21,23 @@ _TMAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])  # CUtensorMap: 128 opaque by
 
 
 def tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_rows: int, *, ld: int | None = None,
-                bands: int | None = None, cache: bool = True) -> np.ndarray:
+               bands: int | None = None, cache: bool = True) -> np.ndarray:
     """2-D row-major [rows, cols] tensor map (``ld`` elements per row, default cols), box {box_cols,
     box_rows}, 128B swizzle, zero OOB fill; with ``bands``, 3-D [bands][rows][cols] (consecutive bands of
-    rows, box one band deep: RowBands). Returned as a size-1 array of one 128-byte record (CuPy passes it
-    by value to the __grid_constant__ TmaDesc). cache=False: not kept in the launch cache."""
+    rows, box one band deep: RowBands). Returned as a size-1 array of one 128-byte record (passed by value
+    to the kernel's __grid_constant__ parameters). cache=False: not kept in the launch cache."""
     ld = cols if ld is None else ld
-    key = (ptr, dtype, rows, cols, box_cols, box_rows, ld, bands)
+    item = _ITEMSIZE[dtype]
+    dims, strides, box = (cols, rows), (ld * item,), (box_cols, box_rows)
+    if bands is not None:
+        dims, strides, box = dims + (bands,), strides + (rows * ld * item,), box + (1,)
+    return tensor_map_nd(ptr, dtype, dims, strides, box, cache=cache)
+
+
+def tensor_map_nd(ptr: int, dtype: str, dims: tuple, strides: tuple, box: tuple, *, cache: bool = True) -> np.ndarray:
+    """A tensor map of any rank: ``dims`` innermost first (elements), ``strides`` in bytes of dimensions 1..,
+    ``box`` in elements; 128B swizzle, zero fill out of bounds."""
+    key = (ptr, dtype, dims, strides, box)
     with _lock:
         hit = _tmaps.get(key) if cache else None
         if hit is not None:
@@ -35,10 +45,6 @@ def tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_ro
             return hit
     from cuda.bindings import driver as drv
 
-    item = _ITEMSIZE[dtype]
-    dims, strides, box = [cols, rows], [ld * item], [box_cols, box_rows]
-    if bands is not None:
-        dims, strides, box = dims + [bands], strides + [rows * ld * item], box + [1]
     err, tmap = drv.cuTensorMapEncodeTiled(
         getattr(drv.CUtensorMapDataType, _TMAP_TYPES[dtype]), len(dims), ptr,
         [drv.cuuint64_t(d) for d in dims], [drv.cuuint64_t(x) for x in strides],
@@ -48,9 +54,8 @@ def tensor_map(ptr: int, dtype: str, rows: int, cols: int, box_cols: int, box_ro
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != drv.CUresult.CUDA_SUCCESS:
-        raise GemmArgumentError(f"cuTensorMapEncodeTiled failed ({err}) for a {dtype} "
-                                f"[{'' if bands is None else f'{bands}, '}{rows}, {cols}] tensor at 0x{ptr:x}, "
-                                f"box [{box_rows}, {box_cols}]")
+        raise GemmArgumentError(f"cuTensorMapEncodeTiled failed ({err}) for a {dtype} tensor at 0x{ptr:x}: dims "
+                                f"{list(dims)} (innermost first), byte strides {list(strides)}, box {list(box)}")
     words = np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
     arr = words.view(_TMAP_DTYPE).reshape((1,))  # size-1 structured array: by value
     if not cache:

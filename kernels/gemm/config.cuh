@@ -39,6 +39,12 @@
 //                             y % band_rows of band y / band_rows. Bit 0: A (rows past `rows` load as zeros,
 //                             TMA's out-of-bounds fill); bit 1: C (rows past `rows` are not written, TMA
 //                             clips them). A tile never straddles two bands (band_rows % kBM == 0). default 0
+//   FLUXRT_GEMM_SPLIT_K       1: split-K (with banded C, fp32 out, no hooks, no cluster): the GEMM's M rows are
+//                             `splits` bands of band_rows rows; band s multiplies K columns [s*k, (s+1)*k)
+//                             (k = the launch's K, one split) and stores its fp32 partial into band s of C.
+//                             A and B are 3-D maps with the split as a coordinate: A [M][splits][k] read
+//                             as (k, split, row); B [N][splits][k] as (k, split, n), or [splits][k][N] as
+//                             (n, k, split). A separate kernel sums the partials in split order. default 0
 // With every hook 0 the hook code is not compiled (if constexpr), and the hook arguments are ignored.
 #pragma once
 
@@ -80,6 +86,9 @@
 #ifndef FLUXRT_GEMM_CLUSTER
 #define FLUXRT_GEMM_CLUSTER 1
 #endif
+#ifndef FLUXRT_GEMM_SPLIT_K
+#define FLUXRT_GEMM_SPLIT_K 0
+#endif
 #ifndef FLUXRT_GEMM_BANDS
 #define FLUXRT_GEMM_BANDS 0
 #endif
@@ -118,6 +127,9 @@ constexpr bool kBandsA = (FLUXRT_GEMM_BANDS & 1) != 0;
 constexpr bool kBandsC = (FLUXRT_GEMM_BANDS & 2) != 0;
 static_assert(!(kBandsA && kHookCopy), "hook 4 stores A's own rows through the 2-D map of A");
 static_assert(!(kBandsC && (kHookEpilogue || kEpiDirect)), "banded C is C itself, stored by the storer warp");
+constexpr bool kSplitK = FLUXRT_GEMM_SPLIT_K != 0;
+static_assert(!kSplitK || (kBandsC && !kBandsA && FLUXRT_GEMM_OUT == 2 && kCluster == 1 && !kHookWait &&
+                           !kHookEpilogue), "split-K: fp32 partials into banded C, plain loads, no cluster");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread

@@ -95,21 +95,25 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
         mainloop.before_tile(m0);
         const ARows a = mainloop.a.rows(m0);
         // banded A: the tile's rows are rows [a.row % band_rows, + kBM) of band a.row / band_rows
-        const int a_band = kBandsA ? a.row / chunks.band_rows() : 0;
-        const int a_band_row = kBandsA ? a.row - a_band * chunks.band_rows() : a.row;
+        const int a_band = (kBandsA || kSplitK) ? a.row / chunks.band_rows() : 0;
+        const int a_band_row = (kBandsA || kSplitK) ? a.row - a_band * chunks.band_rows() : a.row;
         for (int kb = 0; kb < k_blocks; ++kb) {
             const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol)
             mbar_arrive_expect_tx(full, kStageBytes);
             const int k0 = kb * kBK;
-            if constexpr (kBandsA)
+            if constexpr (kSplitK)   // split a_band: K columns of that split, the band's rows
+                tma_load_3d(smem + kOffA + stage * kTileABytes, a.map, k0, a_band, a_band_row, full);
+            else if constexpr (kBandsA)
                 tma_load_3d(smem + kOffA + stage * kTileABytes, a.map, k0, a_band_row, a_band, full);
             else
                 tma_load_2d(smem + kOffA + stage * kTileABytes, a.map, k0, a.row, full);
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
                 // box {64 K, kBN / kCluster rows of N}: with a cluster, this CTA's share of the rows
-                if constexpr (kCluster == 1) {
+                if constexpr (kSplitK) {
+                    tma_load_3d(b_dst, tmap_b, k0, a_band, n0, full);
+                } else if constexpr (kCluster == 1) {
                     tma_load_2d(b_dst, tmap_b, k0, n0, full);
                 } else {
                     const int part = (int)sched.cta_rank;
@@ -119,7 +123,9 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
             } else {
 #pragma unroll
                 for (int j = 0; j < kBN / 64; ++j) {  // boxes {64 N, 64 K}: one 128-byte wide slab each
-                    if constexpr (kCluster == 1)
+                    if constexpr (kSplitK)
+                        tma_load_3d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, a_band, full);
+                    else if constexpr (kCluster == 1)
                         tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
                     else if (j % kCluster == (int)sched.cta_rank)   // slab j comes from CTA j % kCluster
                         tma_load_2d_multicast(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full,

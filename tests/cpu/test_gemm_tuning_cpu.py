@@ -75,13 +75,18 @@ def test_shape_suite_cli_prints_the_suite():
 @pytest.mark.parametrize("m,n,k", [(256, 2560, 8192), (1024, 4096, 768), (8192, 8192, 8192), (461, 9128, 13208),
                                    (16384, 3584, 4096), (65, 72, 8)])
 def test_heuristic_plan_minimises_the_model_and_fits(m, n, k):
+    from fluxrt.gemm.plan import plain_plans, plan_cost, split_plans
+
     plan = heuristic_plan(m, n, k)
     assert isinstance(plan, GemmPlan)
-    assert plan.smem_bytes("bfloat16") <= SMEM_LIMIT_BYTES
-    chosen = tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster)
+    assert plan.smem_bytes("float32" if plan.split_k > 1 else "bfloat16") <= SMEM_LIMIT_BYTES
+    chosen = plan_cost(plan, m, n, k)
+    for other in plain_plans(m) + split_plans(m, n, k):
+        assert chosen <= plan_cost(other, m, n, k) * 1.001
     for bm, bn, cl in tile_shapes(m):
         assert chosen <= tile_cost(m, n, k, bm, bn, cl) * 1.001
-    assert plan.group_m == max(1, min(math.ceil(m / plan.block_m), 16))
+    rows = plan.split_k * m
+    assert plan.group_m == max(1, min(math.ceil(rows / plan.block_m), 16))
 
 
 def test_tile_cost_counts_whole_waves():
@@ -180,3 +185,47 @@ def test_cli_help_lists_tune_and_cache():
     out = subprocess.run([sys.executable, "-m", "fluxrt.gemm", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "tune" in out and "cache" in out
+
+
+def test_split_plans_cut_k_into_16_byte_slices_and_only_where_tiles_are_few():
+    from fluxrt.gemm.plan import SPLIT_MIN_K, split_plans
+
+    plans = split_plans(256, 2560, 8192)
+    assert plans and all(p.split_k > 1 and 8192 % (8 * p.split_k) == 0 for p in plans)
+    assert all(8192 // p.split_k >= SPLIT_MIN_K for p in plans)
+    assert split_plans(8192, 8192, 8192) == []          # thousands of tiles: nothing to gain
+    assert split_plans(256, 2560, 1000) == [] or all(1000 % (8 * p.split_k) == 0 for p in split_plans(256, 2560, 1000))
+    for p in plans:
+        p.validate()
+
+
+def test_split_plan_validation():
+    with pytest.raises(ValueError, match="split_k"):
+        GemmPlan(split_k=0).validate()
+    with pytest.raises(ValueError, match="cluster=1"):
+        GemmPlan(split_k=2, cluster=2).validate()
+    assert "k4" in GemmPlan(block_n=128, stages=4, split_k=4).describe()
+
+
+def test_split_defines_only_when_split():
+    from fluxrt.gemm import kernel_defines
+
+    plain = dict(kernel_defines(GemmPlan(), "bfloat16", "bfloat16", True))
+    assert "FLUXRT_GEMM_SPLIT_K" not in plain
+    split = dict(kernel_defines(GemmPlan(block_n=128, stages=4, split_k=2), "bfloat16", "float32", True, bands=2))
+    assert split["FLUXRT_GEMM_SPLIT_K"] == "1" and split["FLUXRT_GEMM_OUT"] == "2"
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_split_k_kernels_compile_without_local_memory(trans_b, tmp_path, monkeypatch):
+    from fluxrt.gemm import compile_options, kernel_defines
+    from fluxrt.toolchain import CompileOptions, compile_cubin
+
+    monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
+    plan = GemmPlan(block_m=64, consumers=1, block_n=192, stages=5, split_k=2)
+    path = compile_cubin("gemm/hopper_gemm.cu", compile_options(kernel_defines(plan, "bfloat16", "float32", trans_b,
+                                                                               bands=2), arch="sm_90a"))
+    assert b"fluxrt_gemm" in path.read_bytes()
+    for out in (0, 1, 2):
+        red = compile_cubin("gemm/splitk_reduce.cu", CompileOptions(arch="sm_90a", defines=(("FLUXRT_SPLITK_OUT", str(out)),)))
+        assert b"fluxrt_splitk_reduce" in red.read_bytes()

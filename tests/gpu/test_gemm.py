@@ -691,3 +691,74 @@ def test_foreign_bf16_producers_match_cupy_operands():
     assert cupy.array_equal(got.view(cupy.uint16), want.view(cupy.uint16))
     with pytest.raises(GemmArgumentError, match="written by this call"):
         gemm(a, b, _CaiOperand(cupy.empty((256, 128), dtype=BF16), readonly=True))
+
+
+# --- split-K ------------------------------------------------------------------------------------------
+
+SPLIT_CASES = [  # (M, N, K, splits, block_m, block_n): tails in M and N, slices not whole K blocks
+    (256, 2560, 8192, 2, 64, 192),
+    (461, 1000, 4096, 4, 128, 128),
+    (100, 264, 1536, 3, 64, 64),
+    (1024, 1280, 8192, 8, 128, 256),
+    (77, 72, 2000, 2, 64, 128),
+]
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("dtype,out_dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                             ("bfloat16", "float32")])
+@pytest.mark.parametrize("m,n,k,splits,bm,bn", SPLIT_CASES)
+def test_split_k_matches_float64(m, n, k, splits, bm, bn, trans_b, dtype, out_dtype):
+    rng = np.random.default_rng(m * 31 + n * 7 + k + splits)
+    a = rand_matrix(rng, (m, k), dtype)
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), dtype)
+    stages = min(max_stages(bm, bn, "float32"), 6)
+    plan = GemmPlan(block_m=bm, block_n=bn, consumers=bm // 64, stages=stages, split_k=splits, group_m=4)
+    out = poisoned((m, n), out_dtype)
+    da, db = to_device(a), to_device(b)
+    gemm(da, db, out, trans_b=trans_b, plan=plan)
+    assert rel_err(out, reference(a, b, trans_b)) < TOL[out_dtype]
+    again = poisoned((m, n), out_dtype)
+    gemm(da, db, again, trans_b=trans_b, plan=plan)   # slices summed in a fixed order: the same bits
+    assert bool((out.view(cupy.uint8) == again.view(cupy.uint8)).all())
+
+
+def test_split_k_in_a_cuda_graph():
+    m, n, k = 256, 1024, 4096
+    rng = np.random.default_rng(5)
+    a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
+    da, db = to_device(a), to_device(b)
+    out = poisoned((m, n), "bfloat16")
+    plan = GemmPlan(block_m=64, block_n=128, consumers=1, stages=6, split_k=4, group_m=4)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        gemm(da, db, out, trans_b=True, plan=plan, stream=s)   # first call outside the capture: kernels loaded
+        out.view(cupy.uint16).fill(NAN_BITS["bfloat16"])
+        s.begin_capture()
+        gemm(da, db, out, trans_b=True, plan=plan, stream=s)
+        graph = s.end_capture()
+        graph.launch(s)
+        s.synchronize()
+    assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"]
+
+
+def test_split_k_rejects_k_that_does_not_slice():
+    a = cupy.ones((128, 1000), dtype=BF16)
+    b = cupy.ones((1000, 256), dtype=BF16)
+    with pytest.raises(GemmArgumentError, match="split_k=3 needs K=1000"):
+        gemm(a, b, plan=GemmPlan(block_n=128, stages=4, split_k=3))
+
+
+def test_heuristic_and_tuned_plans_run_the_suite_shapes_correctly():
+    """Whatever plan gemm() picks by itself (split-K included) gives float64-close results on suite shapes."""
+    from fluxrt.gemm import plan_for
+
+    rng = np.random.default_rng(11)
+    for m, n, k, trans_b in [(256, 2560, 8192, True), (1024, 1280, 8192, False), (461, 9128, 13208, True),
+                             (256, 9216, 16384, False)]:
+        a = rand_matrix(rng, (m, k), "bfloat16")
+        b = rand_matrix(rng, (n, k) if trans_b else (k, n), "bfloat16")
+        out = poisoned((m, n), "bfloat16")
+        gemm(to_device(a), to_device(b), out, trans_b=trans_b)
+        plan = plan_for(m, n, k, trans_b=trans_b)
+        assert rel_err(out, reference(a, b, trans_b)) < TOL["bfloat16"], plan.describe()

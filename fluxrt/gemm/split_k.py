@@ -1,0 +1,132 @@
+"""Split-K: a plain GEMM whose K is cut into ``plan.split_k`` slices, for problems whose M x N tiles leave SMs
+idle (few tiles, long K).
+
+One launch of the GEMM kernel (FLUXRT_GEMM_SPLIT_K) computes every slice: its rows are ``splits`` bands of
+M rows (padded to whole tiles), band s multiplies A[:, s*Ks:(s+1)*Ks] by the matching slice of B and stores
+its fp32 partial in plane s of a workspace [splits, M, N]. A second kernel (kernels/gemm/splitk_reduce.cu)
+sums the planes in order 0, 1, ... and rounds once into C: deterministic, and graph-capturable (both are
+plain launches on the caller's stream). A and B are read in place through 3-D tensor maps whose middle (or
+outer) coordinate is the slice, so nothing is copied.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..errors import GemmArgumentError
+from ..packed_launch import PackedLaunch
+from .hooks import BANDS_C
+from .kernel import OUT_IDS, _kernel, _num_sms, kernel_defines
+from .params import new_params
+from .plan import ITEMSIZE, GemmPlan
+from .tmaps import NULL_TMAP, tensor_map, tensor_map_nd
+
+REDUCE_SOURCE = "gemm/splitk_reduce.cu"
+REDUCE_NAME = "fluxrt_splitk_reduce"
+REDUCE_THREADS = 256
+MAX_WORKSPACE_BYTES = 1 << 30
+
+_lock = threading.Lock()
+_workspaces: dict = {}    # (device, stream) -> [current buffer, *older buffers still referenced by launches]
+_reducers: dict = {}
+
+
+def check_split(plan: GemmPlan, m: int, n: int, k: int) -> int:
+    """K of one slice; raises GemmArgumentError when K does not cut into ``plan.split_k`` slices of 16-byte rows
+    or the workspace would be too large."""
+    s = plan.split_k
+    if k % (8 * s):
+        raise GemmArgumentError(f"gemm: split_k={s} needs K={k} to be a multiple of {8 * s} (slices of whole "
+                                "16-byte row pieces)")
+    if s * m * n * 4 > MAX_WORKSPACE_BYTES:
+        raise GemmArgumentError(f"gemm: split_k={s} at M={m}, N={n} needs {s * m * n * 4} B of fp32 partials, more "
+                                f"than {MAX_WORKSPACE_BYTES}")
+    return k // s
+
+
+def workspace(device: int, stream_ptr: int, nbytes: int):
+    """A device buffer of at least nbytes for the split-K partials of calls on one stream (calls on one stream
+    run one after another, so they can share it). Grows by doubling; a grown-out buffer is kept alive for the
+    packed launches that point into it."""
+    import cupy
+
+    key = (device, stream_ptr)
+    with _lock:
+        bufs = _workspaces.get(key)
+        if bufs and bufs[0].nbytes >= nbytes:
+            return bufs[0]
+    size = max(nbytes, 2 * bufs[0].nbytes if bufs else 0)
+    with cupy.cuda.Device(device):
+        buf = cupy.empty((size,), dtype=cupy.uint8)
+    with _lock:
+        _workspaces.setdefault(key, []).insert(0, buf)
+    return buf
+
+
+def _reducer(out_dtype: str, device: int):
+    key = (out_dtype, device)
+    with _lock:
+        k = _reducers.get(key)
+    if k is None:
+        from ..toolchain import CompileOptions, load_module
+
+        mod = load_module(REDUCE_SOURCE, CompileOptions(defines=(("FLUXRT_SPLITK_OUT", str(OUT_IDS[out_dtype])),)))
+        k = mod.get_function(REDUCE_NAME)
+        with _lock:
+            _reducers[key] = k
+    return k
+
+
+class SplitLaunch:
+    """The two launches of one split-K call, enqueued together."""
+
+    __slots__ = ("gemm", "reduce", "workspace")
+
+    def __init__(self, gemm: PackedLaunch, reduce: PackedLaunch, ws):
+        self.gemm, self.reduce, self.workspace = gemm, reduce, ws
+
+    def launch(self, stream_ptr: int) -> None:
+        self.gemm.launch(stream_ptr)
+        self.reduce.launch(stream_ptr)
+
+
+def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_dt: str, trans_b: bool, dev: int,
+            stream_ptr: int) -> SplitLaunch:
+    """Build the split-K launches of a checked plain call (CuPy arrays, out allocated)."""
+    splits = plan.split_k
+    ks = check_split(plan, m, n, k)
+    item = ITEMSIZE[in_dt]
+    m_pad = -(-m // plan.block_m) * plan.block_m
+    rows = splits * m_pad                                # the launch's M: one band of m_pad rows per slice
+    ws = workspace(dev, stream_ptr, splits * m * n * 4)
+    defines = kernel_defines(plan, in_dt, "float32", trans_b, bands=BANDS_C)
+    smem = plan.smem_bytes("float32")
+    kern = _kernel(defines, dev, smem)
+    # A [M, K] as (k, slice, row); B [N, K] as (k, slice, n) or [K, N] as (n, k, slice)
+    tmap_a = tensor_map_nd(a.data.ptr, in_dt, (ks, splits, m), (ks * item, k * item), (plan.block_k, 1, plan.block_m))
+    if trans_b:
+        tmap_b = tensor_map_nd(b.data.ptr, in_dt, (ks, splits, n), (ks * item, k * item), (plan.block_k, 1, plan.block_n))
+    else:
+        tmap_b = tensor_map_nd(b.data.ptr, in_dt, (n, ks, splits), (n * item, ks * n * item), (64, plan.block_k, 1))
+    tmap_c = tensor_map(ws.data.ptr, "float32", m, n, 128 // 4, 64, bands=splits)
+    params = new_params()
+    g = params["gemm"]
+    g["tmap_a"], g["tmap_b"], g["tmap_c"] = tmap_a, tmap_b, tmap_c
+    g["order_table"], g["c_direct"] = 0, 0
+    mt, _ = plan.tiles(rows, n)
+    g["m"], g["n"], g["k"], g["group_m"], g["m_tile_offset"] = rows, n, ks, plan.group_m, plan.m_tile_offset % mt
+    g["chunk_rows"], g["chunks_per_peer"] = m_pad, 1
+    params["reduce"]["chunk"] = -1
+    params["copy"]["tmap_a_own"] = NULL_TMAP
+    grid = plan.grid(rows, n, _num_sms(dev))
+    gemm = PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem)
+    vecs = m * n // 4
+    rgrid = max(1, min(-(-vecs // REDUCE_THREADS), 8 * _num_sms(dev)))
+    red = PackedLaunch(_reducer(out_dt, dev), rgrid, REDUCE_THREADS,
+                       (np.uint64(ws.data.ptr), np.uint64(out.data.ptr), np.int64(vecs), np.int64(vecs),
+                        np.int32(splits)))
+    return SplitLaunch(gemm, red, ws)
+
+
+__all__ = ["SplitLaunch", "check_split", "prepare", "workspace"]
