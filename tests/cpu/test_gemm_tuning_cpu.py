@@ -217,7 +217,7 @@ def test_split_defines_only_when_split():
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_split_k_kernels_compile_without_local_memory(trans_b, tmp_path, monkeypatch):
+def test_split_k_kernels_compile(trans_b, tmp_path, monkeypatch):
     from fluxrt.gemm import compile_options, kernel_defines
     from fluxrt.toolchain import CompileOptions, compile_cubin
 
