@@ -140,7 +140,7 @@ def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOp
     src = _source_path(source)
     arch = _resolve_arch(options)
     key = hashlib.sha256("|".join([_source_digest(src, options.include_dirs), options.key(), arch,
-                                   _nvrtc_version()]).encode()).hexdigest()[:24]
+                                   _nvrtc_version(), "default-device"]).encode()).hexdigest()[:24]
     out = cache_dir() / f"{src.stem}-{arch}-{key}.cubin"
     if out.is_file():
         return out
@@ -151,6 +151,8 @@ def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOp
         include_path=[str(include_dir()), *options.include_dirs, *_cuda_include_dirs()],
         define_macro=[f"{k}={v}" for k, v in options.defines] or None,
         max_register_count=options.max_registers, lineinfo=options.lineinfo or None,
+        # -default-device: lambdas in the device library are device code (NVRTC 13.0 rejects them otherwise)
+        device_as_default_execution_space=True,
     )
     try:
         obj = Program(src.read_text(), "c++", popts).compile("cubin")
