@@ -227,6 +227,9 @@ TILE_RATE = {(128, 256, 1): 1.00, (128, 256, 2): 0.98, (128, 192, 1): 0.776, (12
              (64, 256, 1): 0.62, (64, 192, 1): 0.75, (64, 128, 1): 0.55, (64, 64, 1): 0.40}
 TILE_FIXED_K = 256     # per-tile cost outside the main loop (ring fill, epilogue), in K-steps of work
 CLUSTER_MIN_TILE_ROWS = 16   # cluster-2 plans only where at least this many 128-row tiles pair up
+# Rows of A (and of B stored [N, K]) that are not whole 128-byte lines (K % 64 != 0 for 16-bit types) make
+# every TMA load straddle lines; sharing B across a cluster halves those loads. Factor on cluster-1 rates.
+UNALIGNED_K_CLUSTER1_RATE = 0.88
 
 
 def tile_cost(m: int, n: int, k: int, block_m: int, block_n: int, cluster: int = 1,
@@ -236,7 +239,10 @@ def tile_cost(m: int, n: int, k: int, block_m: int, block_n: int, cluster: int =
     whole one, and padding rows and columns cost like real ones."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
     waves = math.ceil(tiles / num_sms)
-    return waves * block_m * block_n * (k + TILE_FIXED_K) / TILE_RATE[(block_m, block_n, cluster)]
+    rate = TILE_RATE[(block_m, block_n, cluster)]
+    if cluster == 1 and k % 64 and math.ceil(m / 128) >= CLUSTER_MIN_TILE_ROWS:
+        rate *= UNALIGNED_K_CLUSTER1_RATE
+    return waves * block_m * block_n * (k + TILE_FIXED_K) / rate
 
 
 def tile_shapes(m: int) -> list[tuple[int, int, int]]:
