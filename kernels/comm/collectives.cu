@@ -76,24 +76,24 @@ using fluxrt::kMin;
                                                                  u64 slot_bytes) {                      \
         reduce_ll<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, slot_bytes);                         \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSM)                        \
         fluxrt_allreduce_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, u64 count, u64 chunk,  \
                                      u64 slot_bytes, u64 step, u32 depth) {                              \
         reduce_pipe<E, OP>(FLUXRT_TEAM, x, 0, out, count, chunk, slot_bytes, step, depth, true);        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSM)                        \
         fluxrt_allreduce_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, u64 count, u64 chunk,  \
                                      u64 step, u32 depth, u32 substeps) {                                \
         reduce_ring<E, OP>(FLUXRT_TEAM, x, chunk, out, chunk, count, chunk, step, depth, substeps, 0,    \
                            2 * world - 2);                                                              \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSM)                        \
         fluxrt_reduce_scatter_ring_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, E::T* out, u64 chunk,        \
                                           u64 step, u32 depth, u32 substeps) {                           \
         reduce_ring<E, OP>(FLUXRT_TEAM, x, chunk, out, 0, world * chunk, chunk, step, depth, substeps, 0, \
                            world - 1);                                                                  \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kBulkThreads)                                          \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSM)                        \
         fluxrt_reduce_scatter_pipe_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x, u64 chunk_stride, E::T* out, \
                                           u64 chunk, u64 slot_bytes, u64 step, u32 depth) {              \
         reduce_pipe<E, OP>(FLUXRT_TEAM, x, chunk_stride, out, chunk, chunk, slot_bytes, step, depth,    \
@@ -112,7 +112,7 @@ FLUXRT_REDUCTIONS(fp32_min, F32, kMin)
 
 // Allgather along the ring: stages n - 1 .. 2n - 2 of reduce_ring, in bytes. x holds this rank's chunk
 // only (x_stride 0), out all n chunks; in place (x == out + rank * chunk) this rank's chunk is not copied.
-extern "C" __global__ void __launch_bounds__(kBulkThreads)
+extern "C" __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSM)
     fluxrt_allgather_ring(FLUXRT_TEAM_PARAMS, const unsigned char* x, unsigned char* out, u64 chunk, u64 step,
                           u32 depth, u32 substeps) {
     reduce_ring<Bytes, kSum>(FLUXRT_TEAM, x, 0, out, chunk, world * chunk, chunk, step, depth, substeps,

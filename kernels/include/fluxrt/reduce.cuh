@@ -6,6 +6,7 @@
 //   fold_sources<E, OP, kFirst, kVecs, kSrcBatch>(acc, n, load)
 //                                        acc[j] (op)= 16-byte vector j of every source, in source order;
 //                                        kSrcBatch sources x kVecs vectors of loads in flight together
+//                                        (kFirst: source 0 starts the accumulation; n >= 1)
 //   pack<E>(acc, el)                     fp32 -> elements, one cvt each;  E::pack2 rounds a pair at once
 //   reduce_block<E, OP>(n, nvec, src, store)   the block's strided loop over vectors of n sources
 //   reduce_elem<E, OP>(n, at)            one element of n sources (tails, misaligned data)
@@ -56,12 +57,27 @@ __device__ __forceinline__ uint4 pack_vec(const float (&acc)[E::kPerVec]) {
 
 // acc[j] (op)= vector j of sources 0 .. n - 1, in this order. load(s, j): vector j of source s (16
 // bytes; return zeros for a vector that is not there: only its lane's result is then meaningless).
-// kFirst: source 0 starts the accumulation (acc's values are ignored); otherwise acc's values do (a
-// plain sum from zero, or onto an accumulator). The loads of kSrcBatch sources x kVecs vectors are in
-// flight before their folds, which go in source order; sources past n are neither loaded nor folded.
+// kFirst: source 0 starts the accumulation (acc's values are ignored; needs n >= 1: source 0 is always
+// loaded); otherwise acc's values do (a plain sum from zero, or onto an accumulator). The loads of
+// kSrcBatch sources x kVecs vectors are in flight before their folds, which go in source order; sources
+// past n are neither loaded nor folded.
+// kFirst peels source 0 out of the loop rather than selecting on s == 0 inside it, so that acc is
+// defined on every path. Left undefined on the path where the loop does not run (n == 0, which the
+// compiler cannot rule out), acc is not free: pack_vec of it is loop-invariant, and ptxas hoisted those
+// packs to the kernel's entry, where they held 16-20 registers through every loop of the ring kernels
+// (the bf16/fp16 reduce_scatter_ring_* spilled at the 128-register cap of __launch_bounds__(512)).
 template <class E, int OP, bool kFirst, u32 kVecs, u32 kSrcBatch, class Load>
 __device__ __forceinline__ void fold_sources(float (&acc)[kVecs][E::kPerVec], u32 n, Load load) {
-    for (u32 s0 = 0; s0 < n; s0 += kSrcBatch) {
+    u32 s0 = 0;
+    if constexpr (kFirst) {
+        uint4 raw[kVecs];
+#pragma unroll
+        for (u32 j = 0; j < kVecs; ++j) raw[j] = load(0u, j);
+#pragma unroll
+        for (u32 j = 0; j < kVecs; ++j) fold_vec<E, OP>(acc[j], raw[j], true);
+        s0 = 1;
+    }
+    for (; s0 < n; s0 += kSrcBatch) {
         uint4 raw[kSrcBatch][kVecs];
 #pragma unroll
         for (u32 i = 0; i < kSrcBatch; ++i)
@@ -72,12 +88,12 @@ __device__ __forceinline__ void fold_sources(float (&acc)[kVecs][E::kPerVec], u3
         for (u32 i = 0; i < kSrcBatch; ++i)
 #pragma unroll
             for (u32 j = 0; j < kVecs; ++j)
-                if (kSrcBatch == 1 || s0 + i < n) fold_vec<E, OP>(acc[j], raw[i][j], kFirst && s0 + i == 0);
+                if (kSrcBatch == 1 || s0 + i < n) fold_vec<E, OP>(acc[j], raw[i][j], false);
     }
 }
 
 // The block's share of a reduction of `nvec` vectors: store(v, vector v of the reduction) for v < nvec,
-// vector v of source p at src(p) + v. A thread takes kReduceUnroll vectors at a time, the loads of one
+// vector v of source p at src(p) + v, n >= 1. A thread takes kReduceUnroll vectors at a time, the loads of one
 // source for all of them in flight together. Loads bypass L1 (.cv): sources may hold pushed data.
 template <class E, int OP, class Src, class Store>
 __device__ __forceinline__ void reduce_block(u32 n, u64 nvec, Src src, Store store) {
