@@ -204,4 +204,8 @@ struct Select<false, T, F> {
     using type = F;
 };
 
+// The 16-bit element type of C (fluxrt/types.cuh): packs fp32 pairs for the 16-bit outputs, and is the
+// element type of hook 3's partials (16-bit C only).
+using Out16 = Select<kOutBf16, fluxrt::BF16, fluxrt::F16>::type;
+
 }  // namespace fluxrt_sm90

@@ -68,16 +68,16 @@ __device__ __forceinline__ void reduce_into_acc(float (&acc)[kAccRegs], const Re
                                                 int n_tiles, int N, int wg, int tid) {
     const int local_m_tile = m_tile - r.chunk * (chunk_rows / kBM);
     const long long flag = r.group_n > 0 ? n_tile / r.group_n : (long long)local_m_tile * n_tiles + n_tile;
-    if (tid < (int)r.sources && tid != r.chunk)
-        fluxrt::wait_ge(r.flags + tid * r.flag_stride + flag, r.epoch, to.timeout_ns, to.err, r.op_id,
-                        to.rank, (u64)tid);
+    const fluxrt::Watch w{to.timeout_ns, to.err, r.op_id, to.rank};
+    auto flag_of = [&](u32 s) { return r.flags + s * r.flag_stride + flag; };
+    fluxrt::wait_sources(w, r.sources, (u32)r.chunk, (u32)tid, 128u, flag_of, r.epoch);
     named_bar_sync(1 + wg, 128);   // this consumer warpgroup only (ids 1, 2; 0 is __syncthreads)
+    fluxrt::acquire_sources(r.sources, (u32)r.chunk, flag_of);
     const int warp = tid >> 5, lane = tid & 31;
     const long long row = reduce_row0(r, chunk_rows, m_tile, wg) + warp * 16 + (lane >> 2);
     const int col = n_tile * kBN + (lane & 3) * 2;
     for (u32 s = 0; s < r.sources; ++s) {
         if ((int)s == r.chunk) continue;
-        (void)fluxrt::ld_acquire_sys(r.flags + s * r.flag_stride + flag);
         // rows r and r + 8 of the fragment; column group g is 8 * g elements further (an immediate offset)
         const char* rows[2] = {r.partials + s * r.source_bytes + (row * r.ld + col) * kOutBytes,
                                r.partials + s * r.source_bytes + ((row + 8) * r.ld + col) * kOutBytes};
@@ -93,8 +93,8 @@ __device__ __forceinline__ void reduce_into_acc(float (&acc)[kAccRegs], const Re
             for (int g = 0; g < kReduceBatchG; ++g)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    acc[4 * (g0 + g) + 2 * hh] += fluxrt::pair_lo<kOutBf16>(v[g][hh]);
-                    acc[4 * (g0 + g) + 2 * hh + 1] += fluxrt::pair_hi<kOutBf16>(v[g][hh]);
+                    acc[4 * (g0 + g) + 2 * hh] += Out16::lo(v[g][hh]);
+                    acc[4 * (g0 + g) + 2 * hh + 1] += Out16::hi(v[g][hh]);
                 }
         }
     }
@@ -126,6 +126,7 @@ static_assert(kBM % kTailSlabRows == 0 && (kTailSlabRows * kTailRowVecs) % (32 *
 __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, int N, const ReduceArgs& r,
                                                 const TailArgs& tail, const TimeoutArgs& to, int chunk_rows) {
     const int lane = threadIdx.x & 31;
+    const fluxrt::Watch w{to.timeout_ns, to.err, r.op_id, to.rank};
     const int chunk_tiles = chunk_rows / kBM;
     const int first_tile = r.chunk * chunk_tiles;
     const int rows = min(chunk_rows, M - r.chunk * chunk_rows);   // the chunk's rows inside C
@@ -151,10 +152,9 @@ __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, in
         auto flag_of = [&](u32 s) {
             return r.flags + s * r.flag_stride + ((int)s == r.chunk ? tile_flag : group_flag);
         };
-        for (u32 s = lane; s < r.sources; s += 32)                                  // wait
-            fluxrt::wait_ge(flag_of(s), r.epoch, to.timeout_ns, to.err, r.op_id, to.rank, (u64)s);
+        fluxrt::wait_sources(w, r.sources, ~0u, (u32)lane, 32u, flag_of, r.epoch);   // wait
         __syncwarp();
-        for (u32 s = 0; s < r.sources; ++s) (void)fluxrt::ld_acquire_sys(flag_of(s));
+        fluxrt::acquire_sources(r.sources, ~0u, flag_of);
         const int row0 = local_m_tile * kBM + (int)(slab % kTailSlabs) * kTailSlabRows;   // chunk-local
         const int n0 = n_tile * kBN;
 #pragma unroll 1
@@ -171,37 +171,19 @@ __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, in
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[j][e] = 0.f;
             }
-#pragma unroll 1
-            for (u32 s0 = 0; s0 < r.sources; s0 += kTailSrcBatch) {
-                uint4 x[kTailSrcBatch][kTailVecBatch];   // a batch of loads in flight, then the adds in order
-#pragma unroll
-                for (int i = 0; i < kTailSrcBatch; ++i)
-#pragma unroll
-                    for (int j = 0; j < kTailVecBatch; ++j)
-                        x[i][j] = s0 + i < r.sources && in_c[j]
-                                      ? ld_cg_v4(r.partials + (s0 + i) * r.source_bytes +
-                                                 ((long long)row[j] * r.ld + col[j]) * kOutBytes)
-                                      : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-                for (int i = 0; i < kTailSrcBatch; ++i)
-#pragma unroll
-                    for (int j = 0; j < kTailVecBatch; ++j) {
-                        const u32 w[4] = {x[i][j].x, x[i][j].y, x[i][j].z, x[i][j].w};
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            acc[j][2 * e] += fluxrt::pair_lo<kOutBf16>(w[e]);
-                            acc[j][2 * e + 1] += fluxrt::pair_hi<kOutBf16>(w[e]);
-                        }
-                    }
-            }
+            fluxrt::fold_sources<Out16, fluxrt::kSum, /*kFirst=*/false, kTailVecBatch, kTailSrcBatch,
+                                 fluxrt::kPastAsZero | fluxrt::kByWord>(
+                acc, r.sources, [&](u32 s, u32 j) {
+                    return in_c[j] ? ld_cg_v4(r.partials + s * r.source_bytes +
+                                              ((long long)row[j] * r.ld + col[j]) * kOutBytes)
+                                   : make_uint4(0u, 0u, 0u, 0u);
+                });
 #pragma unroll
             for (int j = 0; j < kTailVecBatch; ++j) {
                 if (!in_c[j]) continue;
                 u32 o[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    o[e] = kOutBf16 ? pack_bf16x2(acc[j][2 * e], acc[j][2 * e + 1])
-                                    : pack_f16x2(acc[j][2 * e], acc[j][2 * e + 1]);
+                for (int e = 0; e < 4; ++e) o[e] = Out16::pack2(acc[j][2 * e], acc[j][2 * e + 1]);
                 *reinterpret_cast<uint4*>(tail.out + ((long long)row[j] * N + col[j]) * kOutBytes) =
                     make_uint4(o[0], o[1], o[2], o[3]);
             }
@@ -240,13 +222,8 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[kAccRegs], int wg,
             const int col = g * 8 + (lane & 3) * 2;
             const float v0 = acc[4 * g + 2 * h], v1 = acc[4 * g + 2 * h + 1];
             char* p = c_base + c_stage_offset(row, col);
-            if constexpr (FLUXRT_GEMM_OUT == 2) {
-                *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-            } else if constexpr (FLUXRT_GEMM_OUT == 1) {
-                *reinterpret_cast<u32*>(p) = pack_f16x2(v0, v1);
-            } else {
-                *reinterpret_cast<u32*>(p) = pack_bf16x2(v0, v1);
-            }
+            if constexpr (FLUXRT_GEMM_OUT == 2) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+            else *reinterpret_cast<u32*>(p) = Out16::pack2(v0, v1);
         }
     }
     fence_proxy_async_smem();  // generic st.shared above -> visible to the TMA store (async proxy)
@@ -425,8 +402,7 @@ struct DirectEpilogue {
                     const float v0 = acc[4 * g + 2 * h], v1 = acc[4 * g + 2 * h + 1];
                     char* p = c + ((long long)row * n + col) * kOutBytes;
                     if constexpr (FLUXRT_GEMM_OUT == 2) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-                    else if constexpr (FLUXRT_GEMM_OUT == 1) *reinterpret_cast<u32*>(p) = pack_f16x2(v0, v1);
-                    else *reinterpret_cast<u32*>(p) = pack_bf16x2(v0, v1);
+                    else *reinterpret_cast<u32*>(p) = Out16::pack2(v0, v1);
                 }
             }
         }

@@ -6,10 +6,12 @@
 // address of a __grid_constant__ kernel parameter.
 #pragma once
 
+#include <fluxrt/types.cuh>
+
 namespace fluxrt_sm90 {
 
-typedef unsigned long long u64;
-typedef unsigned int u32;
+using fluxrt::u32;
+using fluxrt::u64;
 
 // A CUtensorMap as the kernel sees it: 128 opaque bytes, 64-byte aligned (cuda.h is not needed).
 struct __align__(64) TmaDesc {
@@ -205,18 +207,6 @@ __device__ __forceinline__ u64 desc_kmajor(u32 smem) { return make_desc(smem, 16
 // 8-row K groups are 1024 B apart (SBO). Step k16 by adding 16 rows * 128 B = 2048 B.
 __device__ __forceinline__ u64 desc_mnmajor(u32 smem, u32 mn_atom_stride_bytes) {
     return make_desc(smem, mn_atom_stride_bytes, kSwizzleAtomBytes);
-}
-
-// fp32 pair -> packed 16-bit pair (low half = first element), round to nearest even.
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 
 }  // namespace fluxrt_sm90

@@ -3,7 +3,7 @@
 // Used by the collectives' reductions, GEMM+ReduceScatter's reduce kernel and the GEMM's reduce hooks.
 //
 //   fold<E, OP>(acc, el, first)          acc[k] (op)= element k of a packed group (first: acc[k] = x)
-//   fold_sources<E, OP, kFirst, kVecs, kSrcBatch>(acc, n, load)
+//   fold_sources<E, OP, kFirst, kVecs, kSrcBatch[, kOpts]>(acc, n, load)
 //                                        acc[j] (op)= 16-byte vector j of every source, in source order;
 //                                        kSrcBatch sources x kVecs vectors of loads in flight together
 //                                        (kFirst: source 0 starts the accumulation; n >= 1)
@@ -37,9 +37,22 @@ __device__ __forceinline__ void fold(float (&acc)[V], const typename E::T* el, b
     for (u32 k = 0; k < V; ++k) acc[k] = first ? E::to_f(el[k]) : combine<OP>(acc[k], E::to_f(el[k]));
 }
 
-template <class E, int OP>
+// acc[k] (op)= element k of a 16-byte vector. kByWord (16-bit types): by 32-bit word through E::lo and
+// E::hi; the same values as element by element, in other instructions (bf16's high element is one AND
+// instead of a byte permute and a shift).
+template <class E, int OP, bool kByWord = false>
 __device__ __forceinline__ void fold_vec(float (&acc)[E::kPerVec], const uint4& raw, bool first) {
-    fold<E, OP>(acc, reinterpret_cast<const typename E::T*>(&raw), first);
+    if constexpr (kByWord) {
+        static_assert(sizeof(typename E::T) == 2, "by word: 16-bit types");
+        const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (u32 e = 0; e < 4; ++e) {
+            acc[2 * e] = first ? E::lo(w[e]) : combine<OP>(acc[2 * e], E::lo(w[e]));
+            acc[2 * e + 1] = first ? E::hi(w[e]) : combine<OP>(acc[2 * e + 1], E::hi(w[e]));
+        }
+    } else {
+        fold<E, OP>(acc, reinterpret_cast<const typename E::T*>(&raw), first);
+    }
 }
 
 template <class E, u32 V>
@@ -55,26 +68,39 @@ __device__ __forceinline__ uint4 pack_vec(const float (&acc)[E::kPerVec]) {
     return res;
 }
 
+// Options of fold_sources (bits; 0 for none):
+//   kPastAsZero   sources of the last batch that lie past n (n not a multiple of kSrcBatch) are not
+//                 loaded but folded as +0.0, so the batch folds without branches and its loads are
+//                 predicated (without it: a branch around each such source's loads and folds). For a sum
+//                 from +0.0 only (kSum, !kFirst, acc starting at +0.0; no flush to zero): such a sum is
+//                 never -0.0 (x + y is -0.0 only when both are), and x + 0.0 is x bitwise for every other
+//                 x, so the result has the same bits as without the option.
+//   kByWord       16-bit types are folded by 32-bit word (fold_vec).
+enum FoldOptions : u32 { kPastAsZero = 1u, kByWord = 2u };
+
 // acc[j] (op)= vector j of sources 0 .. n - 1, in this order. load(s, j): vector j of source s (16
 // bytes; return zeros for a vector that is not there: only its lane's result is then meaningless).
 // kFirst: source 0 starts the accumulation (acc's values are ignored; needs n >= 1: source 0 is always
 // loaded); otherwise acc's values do (a plain sum from zero, or onto an accumulator). The loads of
 // kSrcBatch sources x kVecs vectors are in flight before their folds, which go in source order; sources
-// past n are neither loaded nor folded.
+// past n are not loaded (see kOpts).
 // kFirst peels source 0 out of the loop rather than selecting on s == 0 inside it, so that acc is
 // defined on every path. Left undefined on the path where the loop does not run (n == 0, which the
 // compiler cannot rule out), acc is not free: pack_vec of it is loop-invariant, and ptxas hoisted those
 // packs to the kernel's entry, where they held 16-20 registers through every loop of the ring kernels
 // (the bf16/fp16 reduce_scatter_ring_* spilled at the 128-register cap of __launch_bounds__(512)).
-template <class E, int OP, bool kFirst, u32 kVecs, u32 kSrcBatch, class Load>
+template <class E, int OP, bool kFirst, u32 kVecs, u32 kSrcBatch, u32 kOpts = 0, class Load>
 __device__ __forceinline__ void fold_sources(float (&acc)[kVecs][E::kPerVec], u32 n, Load load) {
+    constexpr bool kZeroPast = (kOpts & kPastAsZero) != 0;
+    constexpr bool kWords = (kOpts & kByWord) != 0;
+    static_assert(!kZeroPast || (OP == kSum && !kFirst), "+0.0 is the identity of a sum from +0.0 only");
     u32 s0 = 0;
     if constexpr (kFirst) {
         uint4 raw[kVecs];
 #pragma unroll
         for (u32 j = 0; j < kVecs; ++j) raw[j] = load(0u, j);
 #pragma unroll
-        for (u32 j = 0; j < kVecs; ++j) fold_vec<E, OP>(acc[j], raw[j], true);
+        for (u32 j = 0; j < kVecs; ++j) fold_vec<E, OP, kWords>(acc[j], raw[j], true);
         s0 = 1;
     }
     for (; s0 < n; s0 += kSrcBatch) {
@@ -82,13 +108,16 @@ __device__ __forceinline__ void fold_sources(float (&acc)[kVecs][E::kPerVec], u3
 #pragma unroll
         for (u32 i = 0; i < kSrcBatch; ++i)
 #pragma unroll
-            for (u32 j = 0; j < kVecs; ++j)
-                if (kSrcBatch == 1 || s0 + i < n) raw[i][j] = load(s0 + i, j);
+            for (u32 j = 0; j < kVecs; ++j) {
+                if (kZeroPast) raw[i][j] = s0 + i < n ? load(s0 + i, j) : make_uint4(0u, 0u, 0u, 0u);
+                else if (kSrcBatch == 1 || s0 + i < n) raw[i][j] = load(s0 + i, j);
+            }
 #pragma unroll
         for (u32 i = 0; i < kSrcBatch; ++i)
 #pragma unroll
             for (u32 j = 0; j < kVecs; ++j)
-                if (kSrcBatch == 1 || s0 + i < n) fold_vec<E, OP>(acc[j], raw[i][j], false);
+                if (kZeroPast || kSrcBatch == 1 || s0 + i < n)
+                    fold_vec<E, OP, kWords>(acc[j], raw[i][j], false);
     }
 }
 

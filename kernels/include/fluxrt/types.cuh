@@ -83,10 +83,4 @@ template <> struct ElementOf<0> { typedef BF16 type; };
 template <> struct ElementOf<1> { typedef F16 type; };
 template <> struct ElementOf<2> { typedef F32 type; };
 
-// Element 0 (low half) and element 1 (high half) of a packed pair of bfloat16 (kBf16) or float16.
-template <bool kBf16>
-__device__ __forceinline__ float pair_lo(u32 v) { return kBf16 ? BF16::lo(v) : F16::lo(v); }
-template <bool kBf16>
-__device__ __forceinline__ float pair_hi(u32 v) { return kBf16 ? BF16::hi(v) : F16::hi(v); }
-
 }  // namespace fluxrt
