@@ -49,7 +49,10 @@ def pytest_collection_modifyitems(config, items):
 def world():
     import fluxrt
 
-    w = fluxrt.init(options=fluxrt.WorldOptions(heap_size="2G", timeout_s=5))
+    # FLUXRT_TEST_DEVICE pins every rank to one GPU: several ranks on one GPU under CUDA MPS, a correctness run
+    # for machines with fewer GPUs than ranks (docs/design.md, "Testing")
+    dev = os.environ.get("FLUXRT_TEST_DEVICE")
+    w = fluxrt.init(device=int(dev) if dev else None, options=fluxrt.WorldOptions(heap_size="2G", timeout_s=5))
     yield w
     w.finalize()
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Multi-rank GPU tests on ONE GPU: every rank on device 0 under CUDA MPS, for correctness where a machine has
+# fewer GPUs than ranks. Timings from such a run mean nothing; kernels that want every SM (the persistent GEMM
+# of the fused ops, the largest collective grids) cannot all be resident at once, so some of their cases time
+# out by design (see docs/design.md, "Testing"). Logs under $OUT (default ./mps-check-out).
+#   source .whl/prelude.sh && bash launch/mps-check.sh            # test_world, test_p2p, test_ops, test_collectives
+#   MPS_FILES="p2p ops" MPS_RANKS=2 bash launch/mps-check.sh [TREE]   # TREE: another checkout to test
+set -uo pipefail
+tree=${1:-$(cd "$(dirname "$0")/.." && pwd)}
+OUT=${OUT:-$PWD/mps-check-out}
+mkdir -p "$OUT"
+export PATH=$PATH:/usr/local/cuda/bin FLUXRT_TEST_DEVICE=0 PYTHONUNBUFFERED=1
+export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/fluxrt-mps} CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/fluxrt-mpslog}
+export FLUXRT_CACHE_DIR=${FLUXRT_CACHE_DIR:-/tmp/fluxrt-kernel-cache-$(basename "$tree")}
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d || { echo "mps-check: could not start the MPS daemon" >&2; exit 1; }
+trap 'echo quit | nvidia-cuda-mps-control' EXIT
+cd "$tree"
+export PYTHONPATH=$tree${PYTHONPATH:+:${PYTHONPATH#"$tree":}}
+timeout 120 python3 -m fluxrt.toolchain > "$OUT/build.log" 2>&1; echo "== build rc=$?"
+# shellcheck disable=SC2086
+mpirun_args=(${FLUXRT_MPIRUN_ARGS:---oversubscribe} -x CUDA_MPS_PIPE_DIRECTORY -x FLUXRT_TEST_DEVICE -x FLUXRT_CACHE_DIR -x PYTHONPATH)
+for f in ${MPS_FILES:-world p2p ops collectives}; do
+  limit_var="MPS_LIMIT_${f^^}"
+  timeout -k 5 "${!limit_var:-${MPS_LIMIT:-150}}" mpirun "${mpirun_args[@]}" -n "${MPS_RANKS:-2}" python3 -m pytest \
+    "tests/gpu/test_$f.py" -q -p no:cacheprovider --color=no -rs ${MPS_PYTEST_ARGS:-} > "$OUT/$f.log" 2>&1
+  echo "== $f rc=$?"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.log" | tail -"${MPS_TAIL:-8}"
+done
