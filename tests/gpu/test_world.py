@@ -1,5 +1,6 @@
 """World lifecycle on GPUs: repeated init/finalize, sub-communicators, allocation churn and errors,
 and the bounded-wait timeout path. Each test boots and tears down its own world."""
+import os
 import time
 
 import numpy as np
@@ -8,13 +9,14 @@ import pytest
 import fluxrt
 
 pytestmark = pytest.mark.multirank
+DEV = int(os.environ["FLUXRT_TEST_DEVICE"]) if os.environ.get("FLUXRT_TEST_DEVICE") else None   # see conftest
 
 
 def test_repeated_init_finalize():
     from mpi4py import MPI
 
     for i in range(3):
-        with fluxrt.init() as world:
+        with fluxrt.init(device=DEV) as world:
             assert (world.rank, world.size) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
             x = world.zeros((1000 + i,), np.float32)
             world.barrier()
@@ -25,9 +27,9 @@ def test_repeated_init_finalize():
 
 
 def test_second_init_in_process_refused():
-    with fluxrt.init() as world:
+    with fluxrt.init(device=DEV) as world:
         with pytest.raises(fluxrt.NvshmemInitError, match="already active"):
-            fluxrt.init()
+            fluxrt.init(device=DEV)
         world.synchronize()
 
 
@@ -39,7 +41,7 @@ def test_sub_communicators_side_by_side():
 
     comm = MPI.COMM_WORLD
     half = comm.Split(color=comm.Get_rank() % 2, key=comm.Get_rank())
-    with fluxrt.init(half) as world:
+    with fluxrt.init(half, device=DEV) as world:
         assert world.size == half.Get_size()
         pad = world.signal_pad(1)
         dst = world.empty((4096,), np.int32)
@@ -59,7 +61,7 @@ def test_sub_communicators_side_by_side():
 
 def test_alloc_free_churn_and_errors():
     rng = np.random.default_rng(1234)  # same sequence on every rank
-    with fluxrt.init(options=fluxrt.WorldOptions(heap_size="1G")) as world:
+    with fluxrt.init(device=DEV, options=fluxrt.WorldOptions(heap_size="1G")) as world:
         base = world.heap.used
         live = []
         for _ in range(200):
@@ -86,7 +88,7 @@ def test_alloc_free_churn_and_errors():
 
 
 def test_wait_timeout_names_op_rank_and_peer():
-    with fluxrt.init(options=fluxrt.WorldOptions(timeout_s=0.5)) as world:
+    with fluxrt.init(device=DEV, options=fluxrt.WorldOptions(timeout_s=0.5)) as world:
         pad = world.signal_pad(1)
         epoch = pad.next_epoch()
         if world.rank == 0:
@@ -109,7 +111,7 @@ def test_layers_state_lives_in_the_registry_and_goes_with_finalize():
 
     from fluxrt import collectives, p2p, signals
 
-    with fluxrt.init() as world:
+    with fluxrt.init(device=DEV) as world:
         assert "fluxrt.signals" in world.registry          # the barrier pad, made by init
         ctx = collectives.context(world)
         assert world.registry.get("fluxrt.collectives") is ctx and collectives.context(world) is ctx
