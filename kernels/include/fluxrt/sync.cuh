@@ -1,7 +1,7 @@
 // Signal and wait between GPUs: the memory-ordering contract of fluxrt, written once, and every
 // bounded spin-wait. Every kernel that raises or polls a flag uses these functions.
 //
-// Memory-ordering contract (DESIGN.md):
+// Memory-ordering contract (docs/design.md):
 //   producer  data stores -> fence.acq_rel.sys -> st.release.sys / red.release.sys.add of the flag.
 //             Data written by several threads of a block: each writer fences its own stores, the block
 //             meets (bar.sync), then one thread releases (block_publish, signal_peers). A thread's own
