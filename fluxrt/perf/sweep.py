@@ -18,12 +18,14 @@ __all__ = [
     "OPS",
     "SweepOptions",
     "add_average_argument",
+    "add_gemm_bench_arguments",
     "add_sweep_arguments",
     "add_timeout_argument",
     "bus_bandwidth_factor",
     "describe",
     "element_size",
     "format_size",
+    "gemm_datatype",
     "normalize_datatype",
     "normalize_datatype_or_all",
     "normalize_op",
@@ -114,6 +116,32 @@ def normalize_datatype(name: str) -> str:
 def element_size(datatype: str) -> int:
     """Bytes per element of a datatype (any accepted alias)."""
     return DTYPE_SIZES[normalize_datatype(datatype)]
+
+
+_GEMM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def gemm_datatype(name: str) -> str:
+    """The GEMM benches' datatype ("bfloat16" or "float16") from any -d spelling (bf16, half, float16, ...)."""
+    canonical = normalize_datatype(name)
+    if canonical not in _GEMM_DTYPES:
+        raise ValueError(f"datatype {name!r}: the GEMM takes bf16 or fp16")
+    return _GEMM_DTYPES[canonical]
+
+
+def add_gemm_bench_arguments(parser: argparse.ArgumentParser, iters: int, warmup: int | None = None) -> None:
+    """The flags perf/bench_gemm.py and perf/gemm_suite.py share with fluxrt-perf: -d, -n, -w, -c (the older
+    --dtype, --warmup and --no-check still work)."""
+    parser.add_argument("-d", "--datatype", "--dtype", dest="dtype", metavar="TYPE", default="bfloat16",
+                        type=_argtype(gemm_datatype, "datatype"), help="bf16|fp16 (or bfloat16|float16) "
+                        "(default: bfloat16)")
+    parser.add_argument("-n", "--iters", type=int, default=iters, help="timed calls (default: %(default)s)")
+    if warmup is not None:
+        parser.add_argument("-w", "--warmup_iters", "--warmup", dest="warmup", type=int, default=warmup,
+                            help="untimed warm-up calls (default: %(default)s)")
+    parser.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                        help="check fluxrt against cuBLAS: 1 yes, 0 no (default: %(default)s)")
+    parser.add_argument("--no-check", dest="check", action="store_const", const=0, help="same as -c 0")
 
 
 def normalize_datatype_or_all(name: str) -> str:
