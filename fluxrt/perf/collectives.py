@@ -385,8 +385,10 @@ def sweep_options_used(args, opts: SweepOptions, tuning=None) -> dict:
             "check_collective_args": bool(args.check_args),
             "timeout_s": float(opts.timeout) if opts.timeout > 0 else lib["timeout_s"]}
     if tuning is not None:
+        from ..collectives_plan import DEFAULT_TUNING
+
         for f in dataclasses.fields(tuning):
-            if getattr(tuning, f.name) != f.default:
+            if getattr(tuning, f.name) != getattr(DEFAULT_TUNING, f.name):
                 used[f"tuning.{f.name}"] = getattr(tuning, f.name)
     return used
 
@@ -478,7 +480,8 @@ def main(argv=None, op: str = "allreduce") -> int:
                 notes.append(reg_note)
         versions = library_versions()
         devices = device_info(world)
-        library = dict(lib, **{f"tuning.{f.name}": f.default for f in dataclasses.fields(DEFAULT_TUNING)})
+        library = dict(lib, **{f"tuning.{f.name}": getattr(DEFAULT_TUNING, f.name)
+                               for f in dataclasses.fields(DEFAULT_TUNING)})
         used = sweep_options_used(args, opts, tuning)
         diffs = option_differences(used, library)
         preamble = [
