@@ -3,7 +3,10 @@
 several rotating input sets (so that L2 does not hold the operands between runs).
 
     python3 perf/bench_gemm.py --json $OUT/gemm.json
-    python3 perf/bench_gemm.py --shapes 8192,8192,8192 --dtype float16 --trans-b --order hilbert
+    python3 perf/bench_gemm.py --shapes 8192,8192,8192 -d fp16 --trans-b --order hilbert
+
+Flags shared with fluxrt-perf: -d bf16|fp16, -n iterations, -w warm-up, -c 0|1 (--dtype, --warmup, --no-check
+still work).
 
 Shapes are given as M,K,N (the fused-op issues quote (M, K, N)). JSON rows: {m, n, k, dtype, impl, ms, tflops,
 plan, trans_b}; impl is "fluxrt" or "cublas".
@@ -119,10 +122,12 @@ def time_interleaved(fns: dict, sets, warmup: int, iters: int, rounds: int) -> d
     return {name: float(np.median(v)) for name, v in samples.items()}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from fluxrt.perf.sweep import add_gemm_bench_arguments
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", type=parse_shape, nargs="*", default=DEFAULT_SHAPES, help="M,K,N ...")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    add_gemm_bench_arguments(ap, iters=50, warmup=10)
     ap.add_argument("--trans-b", action="store_true", help="B stored [N, K] (A @ B^T)")
     ap.add_argument("--order", choices=["grouped", "hilbert"], default=None, help="override the planner's order")
     ap.add_argument("--group-m", type=int, default=None)
@@ -139,13 +144,14 @@ def main(argv=None) -> int:
                     help="idle: also time the kernel with hook 1 compiled in and its flags already set "
                          "(cost of the arrival check alone) and with hooks 1+2 routing tiles to the local "
                          "output with per-tile signals (the storer-warp epilogue)")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sets", type=int, default=4, help="rotating input sets")
     ap.add_argument("--rounds", type=int, default=5, help="alternating timing blocks per comparison")
-    ap.add_argument("--no-check", action="store_true", help="skip the fluxrt-vs-cuBLAS agreement check")
     ap.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import cupy
     import ml_dtypes
@@ -227,7 +233,7 @@ def main(argv=None) -> int:
             if not err < 1e-2:
                 print(f"!! {what} disagrees with cuBLAS at M={m} K={k} N={n}: rel err {err:.3e}", file=sys.stderr)
 
-        if not args.no_check:
+        if args.check:
             check("fluxrt", run_fluxrt)
         times = time_interleaved({"cublas": run_cublas, "fluxrt": run_fluxrt, **hooked},
                                  sets, args.warmup, args.iters, args.rounds)
@@ -250,7 +256,7 @@ def main(argv=None) -> int:
             try:
                 vplan.validate(args.dtype)
                 run_variant = functools.partial(run_fluxrt, plan=vplan)
-                if not args.no_check:
+                if args.check:
                     check(f"variant {vname}", run_variant)
                 vt = time_interleaved({"cublas": run_cublas, "variant": run_variant},
                                       sets, args.warmup, args.iters, args.rounds)

@@ -208,18 +208,22 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
     return row
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from fluxrt.perf.sweep import add_gemm_bench_arguments
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="default", choices=sorted(SUITES))
-    ap.add_argument("--dtype", "-d", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--iters", "-n", type=int, default=20, help="calls per timed block")
+    add_gemm_bench_arguments(ap, iters=20)   # -n: calls per timed block
     ap.add_argument("--rounds", type=int, default=3, help="alternating timed blocks per implementation")
     ap.add_argument("--no-graph", action="store_true", help="eager calls only")
     ap.add_argument("--autotune", action="store_true", help="tune each shape first (fluxrt.gemm.autotune)")
-    ap.add_argument("--no-check", action="store_true", help="skip the agreement check against cuBLAS")
     ap.add_argument("--limit", type=int, default=None, help="first N shapes of the suite only")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import cupy
 
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     for s in shapes:
         try:
-            r = bench_shape(s, args.dtype, args.iters, args.rounds, not args.no_graph, args.autotune, not args.no_check)
+            r = bench_shape(s, args.dtype, args.iters, args.rounds, not args.no_graph, args.autotune, bool(args.check))
         except Exception as e:
             print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout:>2} | FAILED {type(e).__name__}: {e}", flush=True)
             rows.append({"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": args.dtype,

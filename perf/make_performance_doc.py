@@ -185,7 +185,9 @@ def render(results_dir: Path = RESULTS) -> str:
              "Times are medians of the recorded runs; sizes are nccl-tests sizes (the whole message); busbw",
              "uses the nccl-tests factors. \"NCCL time / fluxrt time\" above 1 means fluxrt is faster.",
              "Commands ran under `fluxrt-run -n <ranks> --` unless they say otherwise; paths in them are",
-             "where the job wrote its output.", ""]
+             "where the job wrote its output. Results whose options record no `average` were taken before",
+             "fluxrt-perf had nccl-tests' `-a`: their times are the slowest rank's (as `-a 3` now), and",
+             "their collective tables have no in-place columns; `ag_gemm -n` there meant N, not iterations.", ""]
     by_kind: dict[str, list[str]] = {}
     for key in sorted(kept):
         by_kind.setdefault(kind(key, kept[key][1]), []).append(key)

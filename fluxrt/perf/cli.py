@@ -1,4 +1,4 @@
-"""``fluxrt-perf``: the installed perf command. ``fluxrt-perf BENCH [flags]``, run under mpirun."""
+"""``fluxrt-perf``: the installed perf command. ``fluxrt-perf SUBCOMMAND [flags]``, run under mpirun."""
 from __future__ import annotations
 
 import logging
@@ -17,17 +17,48 @@ BENCHES = {
     "gemm_rs": "fluxrt.perf.tp_ops:gemm_rs",
 }
 
+#: One line per subcommand for ``fluxrt-perf --help``.
+SUMMARIES = {
+    "p2p": "rank 0 <-> 1 bandwidth (uni, bidir) per mode and signal ping-pong latency",
+    "allreduce": "all_reduce_perf: fluxrt and NCCL side by side, out-of-place and in-place",
+    "allgather": "all_gather_perf: fluxrt and NCCL side by side, out-of-place and in-place",
+    "reduce_scatter": "reduce_scatter_perf: fluxrt and NCCL side by side, out-of-place and in-place",
+    "alltoall": "alltoall_perf: fluxrt and NCCL (grouped send/recv) side by side",
+    "alltoallv": "alltoallv with equal counts: fluxrt and NCCL side by side (no in-place form)",
+    "broadcast": "broadcast_perf: fluxrt and NCCL side by side, -r root or all",
+    "ag_gemm": "AllGather+GEMM fused vs GEMM alone, NCCL+cuBLAS, torch async-TP; overlap efficiency",
+    "gemm_rs": "GEMM+ReduceScatter fused vs GEMM alone, cuBLAS+NCCL, torch async-TP; overlap efficiency",
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHES))
+    lines = ["usage: fluxrt-perf SUBCOMMAND [flags]   (fluxrt-perf SUBCOMMAND --help for its flags)",
+             "       run under MPI, e.g. fluxrt-run -n 2 -- fluxrt-perf allreduce -b 8 -e 1G -f 2",
+             "",
+             "subcommands:"]
+    lines += [f"  {name:<{width}}  {SUMMARIES.get(name, '')}" for name in BENCHES]
+    lines += ["",
+              "nccl-tests flags: -b -e -i -f sizes, -n iters, -w warmup, -c check, -d type|all, -o op|all, -r root|all,",
+              "-a 0|1|2|3 (time over ranks: rank 0, mean, min, max), -z blocking, -T timeout, -R register, -G graph,",
+              "-g 1, -t 1; plus --json F, --plot F, --no-progress."]
+    return "\n".join(lines)
+
 
 def main(argv=None) -> int:
     import importlib
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHES:
-        names = ", ".join(BENCHES)
-        print(f"usage: fluxrt-perf {{{names}}} [nccl-tests flags: -b -e -f -n -w -c ...] [--json F] [--plot F]\n"
-              f"       run under MPI, e.g. fluxrt-run -n 2 -- fluxrt-perf p2p -b 4 -e 1G",
-              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] not in BENCHES:
+        print(f"fluxrt-perf: unknown subcommand {argv[0]!r}; choose one of {', '.join(BENCHES)}\n\n{usage()}",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     module, _, variant = BENCHES[argv[0]].partition(":")
     bench_main = importlib.import_module(module).main

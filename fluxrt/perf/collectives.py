@@ -7,7 +7,13 @@ output; reduce_scatter: the input; alltoall(v): each rank's send buffer). With -
 once per implementation on poisoned outputs and compared on the device with the expected values: inputs are
 small integers, so every summation order gives the exact result and a mismatch is a real error.
 -G N captures `-n` calls in one CUDA graph and times N replays (time per call = total / (N * n)).
-fluxrt's calls skip the cross-rank argument check (WorldOptions.check_collective_args) unless --check-args.
+Each rank times its own calls; the time shown is those per-rank times reduced by -a as nccl-tests does
+(default 1: the mean over ranks; 0 rank 0's, 2 min, 3 max); the JSON rows also keep min/avg/max.
+Out-of-place, then in-place columns (allreduce, alltoall and broadcast with out = x; allgather with
+x = out[r*c:(r+1)*c]; reduce_scatter with out = x[r*c:(r+1)*c]; alltoallv has none, nor does NCCL's
+alltoall, made of grouped send/recv).
+fluxrt's calls skip the cross-rank argument check (WorldOptions.check_collective_args) unless --check-args;
+the header says which options differ from the library's defaults.
 """
 from __future__ import annotations
 
@@ -21,9 +27,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from .baselines import machine, nccl_communicator, nccl_datatype
-from .report import Row, Table, plot, progress, results_document, write_json
-from .sweep import SweepOptions, add_sweep_arguments, bus_bandwidth_factor, describe, sizes
+from .baselines import (device_info, library_versions, machine, nccl_communicator, nccl_datatype,
+                        nccl_registration)
+from .report import (Row, Table, device_lines, differences_line, option_differences, plot, progress,
+                     results_document, version_line, write_json)
+from .sweep import (AVERAGE_MODES, DTYPE_SIZES, SweepOptions, add_sweep_arguments, bus_bandwidth_factor,
+                    describe, rank_stats, reduce_over_ranks, sizes, sweep_datatypes, sweep_ops, sweep_roots)
 
 if TYPE_CHECKING:
     from ..world import World
@@ -32,6 +41,8 @@ log = logging.getLogger(__name__)
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "alltoallv", "broadcast")
 REDUCING = ("allreduce", "reduce_scatter")
+INPLACE = ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast")   # fluxrt's in-place layouts
+REDUCING_DTYPES = ("bf16", "fp16", "fp32")
 _PATTERN_PERIOD = 16  # inputs are integers in [-8, 8): sums over <= 32 ranks are exact in bf16/fp16/fp32
 
 
@@ -50,6 +61,18 @@ def buffer_elems(op: str, nbytes: int, element_size: int, nranks: int) -> tuple[
     if op in OPS:
         return total, total
     raise ValueError(f"unknown collective {op!r}: expected one of {', '.join(OPS)}")
+
+
+def inplace_layout(op: str, in_elems: int, out_elems: int, rank: int) -> tuple[str, int, int]:
+    """Where an in-place call's input and output lie: (buffer "x" or "out", input offset, output offset) in
+    elements of that buffer, as the README's in-place layouts (and NCCL's) put them."""
+    if op not in INPLACE:
+        raise ValueError(f"{op} has no in-place form (in place: {', '.join(INPLACE)})")
+    if op == "allgather":
+        return "out", rank * in_elems, 0
+    if op == "reduce_scatter":
+        return "x", 0, rank * out_elems
+    return "x", 0, 0
 
 
 # ------------------------------------------------------------------------------------------ data and checks
@@ -86,12 +109,19 @@ def _combine(keys, count: int, redop: str, start: int = 0):
 class Case:
     """One op at one size: input, poisoned output, expected output, all on the device."""
 
-    def __init__(self, op: str, world: World, x_full, out_full, nbytes: int, dtype, redop: str, root: int):
+    def __init__(self, op: str, world: World, x_full, out_full, nbytes: int, dtype, redop: str, root: int,
+                 inplace: bool = False):
         n, r = world.size, world.rank
-        self.op, self.redop, self.root, self.world = op, redop, root, world
+        self.op, self.redop, self.root, self.world, self.inplace = op, redop, root, world, inplace
         self.in_elems, self.out_elems = buffer_elems(op, nbytes, np.dtype(dtype).itemsize, n)
-        self.x = x_full[:self.in_elems]
-        self.out = out_full[:self.out_elems]
+        if inplace:
+            buf, xo, oo = inplace_layout(op, self.in_elems, self.out_elems, r)
+            full = x_full if buf == "x" else out_full
+            self.x = full[xo:xo + self.in_elems]
+            self.out = full[oo:oo + self.out_elems]
+        else:
+            self.x = x_full[:self.in_elems]
+            self.out = out_full[:self.out_elems]
         self.chunk = self.in_elems // n if op in ("alltoall", "alltoallv") else self.in_elems
         self.dtype = np.dtype(dtype)
 
@@ -119,7 +149,14 @@ class Case:
         return _pattern(self.in_elems, self.root, np.float32)
 
     def poison(self) -> None:
-        self.out.fill(-12345 if self.dtype.kind in "iu" else np.nan)
+        """Poison what the call must write and is not its input (in place: allgather's other chunks)."""
+        value = -12345 if self.dtype.kind in "iu" else np.nan
+        if not self.inplace:
+            self.out.fill(value)
+        elif self.op == "allgather":
+            lo = self.world.rank * self.in_elems
+            self.out[:lo].fill(value)
+            self.out[lo + self.in_elems:].fill(value)
 
     def wrong(self) -> int:
         return int((self.out.astype(np.float32) != self.expected()).sum())
@@ -151,12 +188,16 @@ class FluxrtRunner:
                           direct_ok=self.symmetric, nbytes=nbytes, tuning=self.ctx.tuning)
         return d["algo"]
 
+    def inplace_ok(self) -> bool:
+        return self.op in INPLACE
+
     def __call__(self, case: Case, stream) -> None:
         c = self.ctx
+        redop = case.redop if case.redop in ("sum", "max", "min") else self.redop
         if self.op == "allreduce":
-            c.allreduce(case.x, case.out, op=self.redop, stream=stream, algo=self.algo)
+            c.allreduce(case.x, case.out, op=redop, stream=stream, algo=self.algo)
         elif self.op == "reduce_scatter":
-            c.reduce_scatter(case.x, case.out, op=self.redop, stream=stream, algo=self.algo)
+            c.reduce_scatter(case.x, case.out, op=redop, stream=stream, algo=self.algo)
         elif self.op == "allgather":
             c.allgather(case.x, case.out, stream=stream, algo=self.algo)
         elif self.op == "alltoall":
@@ -165,7 +206,7 @@ class FluxrtRunner:
             counts = [case.chunk] * self.n
             c.alltoallv(case.x, counts, counts, case.out, max_count=case.chunk, stream=stream, algo=self.algo)
         else:
-            c.broadcast(case.x, case.out, root=self.root, stream=stream, algo=self.algo)
+            c.broadcast(case.x, case.out, root=case.root, stream=stream, algo=self.algo)
 
     def close(self) -> None:
         self.ctx.free()
@@ -180,17 +221,24 @@ class NcclRunner:
         self.nccl = nccl
         self.comm = nccl_communicator(world)
         self.op, self.root, self.n = op, root, world.size
-        self.redop = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[redop]
+        self.redops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
+        self.redop = self.redops[redop]
 
     def algo_name(self, case: Case) -> str:
         return "nccl"
 
+    def inplace_ok(self) -> bool:
+        # in place is NCCL's own layout for these; the alltoall here is grouped send/recv, which must
+        # not read and write one buffer
+        return self.op in INPLACE and self.op != "alltoall"
+
     def __call__(self, case: Case, stream) -> None:
         x, out, s, dt = case.x.data.ptr, case.out.data.ptr, stream.ptr, nccl_datatype(case.dtype)
+        redop = self.redops.get(case.redop, self.redop)
         if self.op == "allreduce":
-            self.comm.allReduce(x, out, case.in_elems, dt, self.redop, s)
+            self.comm.allReduce(x, out, case.in_elems, dt, redop, s)
         elif self.op == "reduce_scatter":
-            self.comm.reduceScatter(x, out, case.out_elems, dt, self.redop, s)
+            self.comm.reduceScatter(x, out, case.out_elems, dt, redop, s)
         elif self.op == "allgather":
             self.comm.allGather(x, out, case.in_elems, dt, s)
         elif self.op in ("alltoall", "alltoallv"):
@@ -201,7 +249,7 @@ class NcclRunner:
                 self.comm.recv(out + p * step, case.chunk, dt, p, s)
             self.nccl.groupEnd()
         else:
-            self.comm.broadcast(x, out, case.in_elems, dt, self.root, s)
+            self.comm.broadcast(x, out, case.in_elems, dt, case.root, s)
 
     def close(self) -> None:
         self.comm.destroy()
@@ -209,12 +257,19 @@ class NcclRunner:
 
 # ------------------------------------------------------------------------------------------ measurement
 def _time_us(world: World, run, case: Case, stream, opts: SweepOptions) -> float:
-    """Microseconds per call on this rank's stream, the slowest rank's (as nccl-tests reports)."""
+    """Microseconds per call, the per-rank times reduced by -a (opts.average) as nccl-tests does."""
+    return reduce_over_ranks(_rank_times_us(world, run, case, stream, opts), opts.average)
+
+
+def _rank_times_us(world: World, run, case: Case, stream, opts: SweepOptions) -> list[float]:
+    """Microseconds per call on each rank's stream (index = rank; collective). -z 1 synchronizes the
+    stream after each call (nccl-tests' blocking mode)."""
     import cupy
-    from mpi4py import MPI
 
     for _ in range(opts.warmup_iters):
         run(case, stream)
+        if opts.blocking:
+            stream.synchronize()
     stream.synchronize()
     world.comm.Barrier()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -235,17 +290,21 @@ def _time_us(world: World, run, case: Case, stream, opts: SweepOptions) -> float
         start.record(stream)
         for _ in range(opts.iters):
             run(case, stream)
+            if opts.blocking:
+                stream.synchronize()
         stop.record(stream)
         calls = opts.iters
     stop.synchronize()
     world.check_errors()
     t = cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls
-    return world.comm.allreduce(t, op=MPI.MAX)
+    return [float(v) for v in world.comm.allgather(t)]
 
 
 def _check(world: World, run, case: Case, stream) -> int:
     from mpi4py import MPI
 
+    if case.inplace:
+        case.fill_input()  # the input is (part of) the output: fresh for every check
     case.poison()
     world.device.synchronize()  # the poison ran on the current stream, not on `stream`
     world.comm.Barrier()
@@ -255,46 +314,83 @@ def _check(world: World, run, case: Case, stream) -> int:
     return world.comm.allreduce(case.wrong(), op=MPI.SUM)
 
 
-def sweep(world: World, op: str, opts: SweepOptions, runners, root: int, out=None,
-          symmetric: bool = False) -> list[Row]:
+def sweep(world: World, op: str, opts: SweepOptions, runners, out=None, symmetric: bool = False,
+          preamble=(), inplace: bool = True) -> list[Row]:
+    """One table: every datatype (-d), reduction (-o) and root (-r) asked for, each over the sizes, each size
+    out of place then (where the op has one) in place."""
     import cupy
 
     n = world.size
-    dtype = normalize_dtype(opts.datatype)
-    esize = dtype.itemsize
-    redop = opts.op if op in REDUCING else "none"
-    sweep_sizes = sizes(opts, align=size_align(op, esize, n))
-    max_in, max_out = buffer_elems(op, sweep_sizes[-1], esize, n)
-    alloc = world.empty if symmetric else cupy.empty
-    x_full = alloc(max(1, max_in), dtype=dtype)
-    out_full = alloc(max(1, max_out), dtype=dtype)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    dtypes = sweep_datatypes(opts, REDUCING_DTYPES if op in REDUCING else tuple(DTYPE_SIZES))
+    redops = sweep_ops(opts, op in REDUCING)
+    roots = sweep_roots(opts, n, op == "broadcast")
+    placements = (False, True) if inplace and op in INPLACE else (False,)
     factor = bus_bandwidth_factor(op, n)
     table = Table(impls=tuple(r.name for r in runners), out=out if world.rank == 0 else io.StringIO(),
-                  show_algo=True)
-    tuned = runners[0].ctx.tuning
-    changed = {f.name: getattr(tuned, f.name) for f in dataclasses.fields(tuned)
-               if getattr(tuned, f.name) != f.default}
-    table.header([*describe(opts), f"# {op} on {n} ranks; fluxrt algo: {runners[0].algo}; buffers: "
-                                   f"{'symmetric' if symmetric else 'plain cupy'}"
-                                   + (f"; tuning: {changed}" if changed else "")])
-    for nbytes in progress(sweep_sizes, enabled=opts.progress and world.rank == 0, desc=op):
-        case = Case(op, world, x_full, out_full, nbytes, dtype, redop, root)
-        case.fill_input()
-        world.device.synchronize()
-        line = []
-        for run in runners:
-            wrong = _check(world, run, case, stream) if opts.check else None
-            t = _time_us(world, run, case, stream, opts)
-            line.append(Row.measured(nbytes=nbytes, count=nbytes // esize, dtype=opts.datatype, redop=redop,
-                                     impl=run.name, algo=run.algo_name(case), time_us=t, busbw_factor=factor,
-                                     wrong=wrong, root=root if op == "broadcast" else -1))
-        table.add(line)
+                  show_algo=True, inplace=len(placements) > 1)
+    table.header([*describe(opts), *preamble])
+    alloc = world.empty if symmetric else cupy.empty
+    for dt in dtypes:
+        dtype = normalize_dtype(dt)
+        esize = dtype.itemsize
+        sweep_sizes = sizes(opts, align=size_align(op, esize, n))
+        max_in, max_out = buffer_elems(op, sweep_sizes[-1], esize, n)
+        x_full = alloc(max(1, max_in), dtype=dtype)
+        out_full = alloc(max(1, max_out), dtype=dtype)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        combos = [(redop, root, nbytes) for redop in redops for root in roots for nbytes in sweep_sizes]
+        for redop, root, nbytes in progress(combos, enabled=opts.progress and world.rank == 0, desc=op):
+            line = []
+            for ip in placements:
+                case = Case(op, world, x_full, out_full, nbytes, dtype, redop, max(root, 0), inplace=ip)
+                case.fill_input()
+                world.device.synchronize()
+                for run in runners:
+                    if ip and not run.inplace_ok():
+                        continue
+                    wrong = _check(world, run, case, stream) if opts.check else None
+                    times = _rank_times_us(world, run, case, stream, opts)
+                    line.append(Row.measured(nbytes=nbytes, count=nbytes // esize, dtype=dt, redop=redop,
+                                             impl=run.name, algo=run.algo_name(case),
+                                             time_us=reduce_over_ranks(times, opts.average), busbw_factor=factor,
+                                             wrong=wrong, root=root, inplace=ip, stats=rank_stats(times)))
+            table.add(line)
+        if symmetric:
+            world.free(out_full)
+            world.free(x_full)
     table.footer()
-    if symmetric:
-        world.free(out_full)
-        world.free(x_full)
     return table.rows
+
+
+def library_defaults() -> dict:
+    """The library's defaults of the options a collective sweep sets (CPU: no world started)."""
+    import fluxrt
+
+    world_fields = {f.name: f for f in dataclasses.fields(fluxrt.WorldOptions)}
+    return {"workspace_bytes": fluxrt.CollectivesOptions().workspace_bytes,
+            "check_collective_args": world_fields["check_collective_args"].default,
+            "timeout_s": fluxrt.WorldOptions().timeout_s}
+
+
+WHY = {"check_collective_args": "--check-args turns it on; it costs an MPI allgather per eager call, NCCL has "
+                                "no such check"}
+
+
+def sweep_options_used(args, opts: SweepOptions, tuning=None) -> dict:
+    """The library options this sweep runs with, keyed as :func:`library_defaults` (plus changed tuning)."""
+    from ..symmetric import parse_bytes
+
+    lib = library_defaults()
+    used = {"workspace_bytes": parse_bytes(args.workspace) if args.workspace else lib["workspace_bytes"],
+            "check_collective_args": bool(args.check_args),
+            "timeout_s": float(opts.timeout) if opts.timeout > 0 else lib["timeout_s"]}
+    if tuning is not None:
+        from ..collectives_plan import DEFAULT_TUNING
+
+        for f in dataclasses.fields(tuning):
+            if getattr(tuning, f.name) != getattr(DEFAULT_TUNING, f.name):
+                used[f"tuning.{f.name}"] = getattr(tuning, f.name)
+    return used
 
 
 def parser(op: str) -> argparse.ArgumentParser:
@@ -303,71 +399,110 @@ def parser(op: str) -> argparse.ArgumentParser:
     add_sweep_arguments(ap)
     ap.add_argument("--algo", default="auto", help="force a fluxrt algorithm (see fluxrt.collectives_plan.ALGOS)")
     ap.add_argument("--impls", default="fluxrt,nccl", help="comma list of fluxrt,nccl (default: both)")
-    ap.add_argument("--root", type=int, default=0, help="broadcast root (default: 0)")
-    ap.add_argument("--workspace", default="256M", help="fluxrt collectives workspace per rank (default: 256M)")
+    ap.add_argument("--no-inplace", dest="inplace", action="store_false",
+                    help="out-of-place columns only (skip nccl-tests' in-place half)")
+    ap.add_argument("--workspace", default=None,
+                    help="fluxrt collectives workspace per rank (default: the library's, CollectivesOptions)")
     ap.add_argument("--heap", default=None,
                     help="symmetric heap per rank (default: NVSHMEM's, or what --symmetric needs)")
     ap.add_argument("--symmetric", action="store_true",
-                    help="allocate inputs and outputs on the symmetric heap (zero-copy 'direct' paths)")
+                    help="allocate inputs and outputs on the symmetric heap (zero-copy 'direct' paths; "
+                         "-R 1 or 2 implies it)")
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="override a collectives_plan.Tuning field, e.g. --tune ll_max_bytes=256K "
                          "--tune bulk_max_grid=128 (repeatable)")
     ap.add_argument("--check-args", action="store_true",
-                    help="keep fluxrt's cross-rank argument check on (an MPI allgather per eager call)")
+                    help="keep fluxrt's cross-rank argument check on, as the library's default (an MPI "
+                         "allgather per eager call; off in the sweep unless given)")
     return ap
 
 
-def main(argv=None, op: str = "allreduce") -> int:
-    import fluxrt
-    from ..symmetric import parse_bytes
-    from ..collectives_plan import ALGOS
+def parse_options(op: str, argv) -> tuple[argparse.ArgumentParser, argparse.Namespace, SweepOptions, object]:
+    """Parse and check a sweep's command line before any world starts (CPU); errors exit 2 with the reason."""
+    from ..collectives_plan import ALGOS, Tuning
 
     if op not in OPS:
         raise SystemExit(f"fluxrt-perf: unknown collective {op!r} (one of {', '.join(OPS)})")
     ap = parser(op)
     args = ap.parse_args(argv)
-    opts = SweepOptions.from_args(args)
+    try:
+        opts = SweepOptions.from_args(args)
+    except ValueError as e:
+        ap.error(str(e))
     impls = [i for i in args.impls.split(",") if i]
     if not impls or set(impls) - {"fluxrt", "nccl"} or impls[0] != "fluxrt":
         ap.error("--impls must start with fluxrt, e.g. fluxrt,nccl or fluxrt")
+    args.impl_list = impls
+    args.symmetric = bool(args.symmetric or opts.register)
     if args.algo != "auto" and args.algo not in ALGOS[op]:
         ap.error(f"--algo {args.algo!r}: {op} has {', '.join(ALGOS[op])} (or auto)")
     if args.algo == "direct" and not args.symmetric:
         ap.error("--algo direct pushes into symmetric outputs: add --symmetric")
     if op in REDUCING and opts.datatype == "int32":
         ap.error(f"{op} reduces bf16, fp16 or fp32 (-d), not int32")
-    from ..collectives_plan import Tuning
-
+    if op not in REDUCING and opts.op != "sum":
+        ap.error(f"-o {opts.op}: {op} does not reduce (-o applies to {', '.join(REDUCING)})")
+    if op != "broadcast" and opts.root != 0:
+        ap.error(f"-r {opts.root}: {op} has no root (-r applies to broadcast)")
     try:
         tuning = Tuning.parse(args.tune)
     except ValueError as e:
         ap.error(str(e))
+    return ap, args, opts, tuning
+
+
+def main(argv=None, op: str = "allreduce") -> int:
+    import fluxrt
+    from ..collectives_plan import DEFAULT_TUNING
+    from ..symmetric import parse_bytes
+
+    ap, args, opts, tuning = parse_options(op, argv)
+    lib = library_defaults()
+    workspace = parse_bytes(args.workspace) if args.workspace else lib["workspace_bytes"]
     heap = args.heap
     if heap is None and args.symmetric:
-        esize = np.dtype(normalize_dtype(opts.datatype)).itemsize
-        heap = 2 * opts.maxbytes + 2 * esize + parse_bytes(args.workspace) + (256 << 20)
-    options = fluxrt.WorldOptions(heap_size=heap, check_collective_args=args.check_args)
+        heap = 2 * opts.maxbytes + 2 * opts.element_size + workspace + (256 << 20)
+    world_kw = {"timeout_s": opts.timeout} if opts.timeout > 0 else {}
+    options = fluxrt.WorldOptions(heap_size=heap, check_collective_args=args.check_args, **world_kw)
     with fluxrt.init(options=options) as world:
-        if not 0 <= args.root < world.size:
-            ap.error(f"--root {args.root} outside {world.size} ranks")
-        redop = opts.op if op in REDUCING else "none"
-        runners = [FluxrtRunner(world, op, args.algo, redop if op in REDUCING else "sum", args.root,
-                                parse_bytes(args.workspace), args.symmetric, tuning)]
-        if "nccl" in impls:
+        if opts.root != "all" and not 0 <= opts.root < world.size:
+            ap.error(f"-r/--root {opts.root} outside {world.size} ranks")
+        redop = opts.op if op in REDUCING and opts.op != "all" else "sum"
+        runners = [FluxrtRunner(world, op, args.algo, redop, 0, workspace, args.symmetric, tuning)]
+        notes = []
+        if "nccl" in args.impl_list:
             try:
-                runners.append(NcclRunner(world, op, opts.op, args.root))
+                runners.append(NcclRunner(world, op, redop, 0))
             except Exception as e:  # the baseline is optional: say why it is missing and go on
-                if world.rank == 0:
-                    print(f"# nccl baseline unavailable: {e}", file=sys.stderr)
-        rows = sweep(world, op, opts, runners, args.root, out=sys.stdout, symmetric=args.symmetric)
+                notes.append(f"nccl baseline unavailable: {e}")
+            _, reg_note = nccl_registration(opts.register)
+            if reg_note:
+                notes.append(reg_note)
+        versions = library_versions()
+        devices = device_info(world)
+        library = dict(lib, **{f"tuning.{f.name}": getattr(DEFAULT_TUNING, f.name)
+                               for f in dataclasses.fields(DEFAULT_TUNING)})
+        used = sweep_options_used(args, opts, tuning)
+        diffs = option_differences(used, library)
+        preamble = [
+            f"# {op} on {world.size} ranks; fluxrt algo: {args.algo}; buffers: "
+            f"{'symmetric' if args.symmetric else 'plain cupy'}; time over ranks: {AVERAGE_MODES[opts.average]} (-a)",
+            version_line(versions), *device_lines(devices), differences_line(diffs, WHY),
+            *(f"# {n}" for n in notes)]
+        rows = sweep(world, op, opts, runners, out=sys.stdout, symmetric=args.symmetric, preamble=preamble,
+                     inplace=args.inplace)
         for r in runners:
             r.close()
         if world.rank == 0:
             command = ["fluxrt-perf", op, *(sys.argv[2:] if argv is None else argv)]
-            doc = results_document(op, [dict(vars(r), op=op) for r in rows], command, machine=machine(world))
+            record = dict(dataclasses.asdict(opts), average_name=AVERAGE_MODES[opts.average],
+                          algo=args.algo, impls=args.impl_list, symmetric=args.symmetric, inplace=args.inplace,
+                          library=used, differs_from_library=diffs)
+            doc = results_document(op, [dict(vars(r), op=op) for r in rows], command, machine=machine(world),
+                                   versions=versions, devices=devices, options=record, notes=notes)
             if opts.json_path:
                 write_json(opts.json_path, doc)
             if opts.plot_path:
-                plot(opts.plot_path, rows, f"{op} {opts.datatype} on {world.size} ranks")
+                plot(opts.plot_path, [r for r in rows if not r.inplace], f"{op} {opts.datatype} on {world.size} ranks")
         wrong = sum(r.wrong or 0 for r in rows)
     return 1 if wrong else 0

@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .baselines import machine
-from .report import algbw_gbps, progress, results_document, write_json
-from .sweep import SweepOptions, add_sweep_arguments, format_size, sizes
+import dataclasses
+
+from .baselines import device_info, library_versions, machine
+from .report import algbw_gbps, device_lines, progress, results_document, version_line, write_json
+from .sweep import AVERAGE_MODES, describe
+from .sweep import SweepOptions, add_sweep_arguments, format_size, reduce_over_ranks, sizes
 
 if TYPE_CHECKING:
     from ..world import World
@@ -78,16 +81,21 @@ def _check(world: World, mode, dst, src, nbytes, stream) -> int:
     return comm.allreduce(wrong)
 
 
-def _time(world: World, mode, dst, src, other, nbytes, iters, warmup, stream) -> float:
-    """One timed loop of `iters` transfers after `warmup` (as nccl-tests does); microseconds each."""
+def _time(world: World, mode, dst, src, other, nbytes, iters, warmup, stream, blocking: int = 0) -> float:
+    """One timed loop of `iters` transfers after `warmup` (as nccl-tests does); microseconds each.
+    blocking (-z 1): synchronize the stream after each transfer."""
     import cupy
 
     for _ in range(warmup):
         _transfer(world, mode, dst, src, other, nbytes, stream)
+        if blocking:
+            stream.synchronize()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     start.record(stream)
     for _ in range(iters):
         _transfer(world, mode, dst, src, other, nbytes, stream)
+        if blocking:
+            stream.synchronize()
     stop.record(stream)
     stop.synchronize()
     return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / iters
@@ -109,10 +117,10 @@ def bandwidth_rows(world: World, opts: SweepOptions, modes, directions) -> list[
                                             desc="p2p"):
         wrong = _check(world, mode, dst, src, nbytes, stream) if opts.check else None
         comm.Barrier()
-        t_us = 0.0
+        t_us = None
         if _acts(world, mode, direction):
-            t_us = _time(world, mode, dst, src, other, nbytes, opts.iters, opts.warmup_iters, stream)
-        t_us = comm.allreduce(t_us, op=_max_op())
+            t_us = _time(world, mode, dst, src, other, nbytes, opts.iters, opts.warmup_iters, stream, opts.blocking)
+        t_us = acting_time(comm.allgather(t_us), opts.average)
         comm.Barrier()
         moved = nbytes * (2 if direction == "bidir" else 1)
         rows.append({"bytes": nbytes, "mode": mode, "direction": direction, "time_us": t_us,
@@ -122,10 +130,24 @@ def bandwidth_rows(world: World, opts: SweepOptions, modes, directions) -> list[
     return rows
 
 
-def _max_op():
-    from mpi4py import MPI
+def acting_time(per_rank, average: int = 1) -> float:
+    """The reported time from per-rank times, None for ranks that did not transfer: -a over the ranks
+    that did (rank 0 = the first of them)."""
+    times = [t for t in per_rank if t is not None]
+    return reduce_over_ranks(times, average) if times else 0.0
 
-    return MPI.MAX
+
+def check_args(opts: SweepOptions) -> str | None:
+    """Why the sweep flags cannot apply to p2p, or None."""
+    if opts.datatype == "all" or opts.op != "sum":
+        return "-d all and -o do not apply to p2p (bytes are moved, nothing is reduced)"
+    if opts.root != 0:
+        return "-r does not apply to p2p (rank 0 <-> rank 1)"
+    if opts.register:
+        return "-R does not apply to p2p: its buffers are always on the symmetric heap"
+    if opts.graph_iters:
+        return "-G is not implemented for p2p"
+    return None
 
 
 def latency_rows(world: World, rounds: int, repeats: int = 5) -> list[dict]:
@@ -203,22 +225,36 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10000, help="ping-pong round trips per sample")
     ap.add_argument("--heap", default=None, help="symmetric heap size (default: 2x the largest message)")
     args = ap.parse_args(argv)
-    opts = SweepOptions.from_args(args)
+    try:
+        opts = SweepOptions.from_args(args)
+    except ValueError as e:
+        ap.error(str(e))
+    bad = check_args(opts)
+    if bad:
+        ap.error(bad)
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
         ap.error(f"unknown mode(s) {sorted(unknown)}; choose from {list(MODES)}")
     heap = args.heap or str(max(1 << 30, 2 * opts.maxbytes + (64 << 20)))
-    with fluxrt.init(options=fluxrt.WorldOptions(heap_size=heap)) as world:
+    world_kw = {"timeout_s": opts.timeout} if opts.timeout > 0 else {}
+    with fluxrt.init(options=fluxrt.WorldOptions(heap_size=heap, **world_kw)) as world:
         if world.size < 2:
             print("fluxrt-perf p2p needs 2 ranks: mpirun -n 2 fluxrt-perf p2p", file=sys.stderr)
             return 2
+        versions, devices = library_versions(), device_info(world)
+        if world.rank == 0:
+            for line in [*describe(opts), version_line(versions), *device_lines(devices),
+                         f"# time over the transferring ranks: {AVERAGE_MODES[opts.average]} (-a)"]:
+                print(line, flush=True)
         bw = bandwidth_rows(world, opts, modes, args.directions.split(","))
         lat = latency_rows(world, args.rounds)
         if world.rank == 0:
             _print_tables(bw, lat)
             doc = results_document("p2p", bw + lat, ["fluxrt-perf", "p2p", *(argv or sys.argv[1:])],
-                                   machine=machine(world))
+                                   machine=machine(world), versions=versions, devices=devices,
+                                   options=dict(dataclasses.asdict(opts), modes=modes,
+                                                average_name=AVERAGE_MODES[opts.average]))
             if opts.json_path:
                 write_json(opts.json_path, doc)
             if opts.plot_path:

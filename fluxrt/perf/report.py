@@ -23,7 +23,8 @@ from .sweep import format_size
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Row", "Table", "algbw_gbps", "plot", "progress", "results_document", "write_json"]
+__all__ = ["ENV_PREFIXES", "Row", "Table", "algbw_gbps", "device_lines", "differences_line", "environment",
+           "option_differences", "plot", "progress", "results_document", "version_line", "write_json"]
 
 T = TypeVar("T")
 
@@ -40,7 +41,9 @@ class Row:
     """One measurement: one implementation (``impl``, e.g. "fluxrt" or "nccl") at one message size.
 
     ``wrong`` is the number of wrong elements found by the check, or None when it was not checked.
-    ``root`` is -1 for collectives without a root, as nccl-tests prints it.
+    ``root`` is -1 for collectives without a root, as nccl-tests prints it. ``inplace``: the in-place
+    variant (nccl-tests' second block). ``time_us`` is the per-rank times reduced by ``-a``;
+    ``time_min_us`` / ``time_avg_us`` / ``time_max_us`` are their statistics over ranks (None if unknown).
     """
 
     bytes: int
@@ -54,15 +57,23 @@ class Row:
     busbw: float
     wrong: int | None = None
     root: int = -1
+    inplace: bool = False
+    time_min_us: float | None = None
+    time_avg_us: float | None = None
+    time_max_us: float | None = None
 
     @classmethod
     def measured(cls, *, nbytes: int, count: int, dtype: str, redop: str, impl: str, algo: str,
                  time_us: float, busbw_factor: float, wrong: int | None = None,
-                 root: int = -1) -> "Row":
-        """A row with algbw and busbw derived from the time, so no caller gets the units wrong."""
+                 root: int = -1, inplace: bool = False, stats: Mapping | None = None) -> "Row":
+        """A row with algbw and busbw derived from the time, so no caller gets the units wrong.
+        ``stats``: {"min", "avg", "max"} over ranks (:func:`fluxrt.perf.sweep.rank_stats`)."""
         algbw = algbw_gbps(nbytes, time_us)
+        stats = stats or {}
         return cls(bytes=nbytes, count=count, dtype=dtype, redop=redop, impl=impl, algo=algo,
-                   time_us=time_us, algbw=algbw, busbw=algbw * busbw_factor, wrong=wrong, root=root)
+                   time_us=time_us, algbw=algbw, busbw=algbw * busbw_factor, wrong=wrong, root=root,
+                   inplace=inplace, time_min_us=stats.get("min"), time_avg_us=stats.get("avg"),
+                   time_max_us=stats.get("max"))
 
 
 # (name, unit, width) of the columns shared by all implementations, then of each implementation's block.
@@ -86,11 +97,13 @@ class Table:
 
     ``impls[0]`` is the implementation under test (fluxrt); each further one is a baseline and gets a
     ``ratio`` column = baseline time / ``impls[0]`` time, so > 1 means ``impls[0]`` is faster.
+    ``inplace=True`` adds nccl-tests' in-place half: the out-of-place blocks (and their ratios), then the
+    in-place ones; a row goes to the half its ``inplace`` says, and a line is one size, type, op and root.
     Lines go to ``out`` (stdout by default): printing is this class's job, unlike the rest of fluxrt.
     """
 
     def __init__(self, impls: Sequence[str] = ("fluxrt", "nccl"), out: IO[str] | None = None,
-                 show_algo: bool = False) -> None:
+                 show_algo: bool = False, inplace: bool = False) -> None:
         if not impls:
             raise ValueError("Table needs at least one implementation name")
         if len(set(impls)) != len(impls):
@@ -98,14 +111,23 @@ class Table:
         self.impls = tuple(impls)
         self.out = out if out is not None else sys.stdout
         self.show_algo = show_algo
+        self.inplace = inplace
+        self.placements = (False, True) if inplace else (False,)
         self.rows: list[Row] = []
         per_impl = _PER_IMPL + ((_ALGO,) if show_algo else ())
         self._cols = list(_COMMON)
-        for _ in self.impls:
-            self._cols.extend(per_impl)
-        # One ratio column per baseline; its units cell names the baseline ("(nccl)").
-        self._cols.extend(("ratio", f"({b})", max(6, len(b) + 2)) for b in self.impls[1:])
+        for _ in self.placements:
+            for _ in self.impls:
+                self._cols.extend(per_impl)
+            # One ratio column per baseline; its units cell names the baseline ("(nccl)").
+            self._cols.extend(("ratio", f"({b})", max(6, len(b) + 2)) for b in self.impls[1:])
         self._block = len(per_impl)
+
+    def label(self, impl: str, inplace: bool) -> str:
+        """How the group line and the footer name one block."""
+        if not self.inplace:
+            return impl
+        return f"{impl} {'in-place' if inplace else 'out-of-place'}"
 
     def _line(self, cells: Sequence[str], lead: str = " ") -> str:
         # Every cell right-aligned in its width and separated by one space; header lines swap the
@@ -127,77 +149,92 @@ class Table:
             self._write(f"# ratio = {others} (> 1: {base} faster)")
         widths = [w for _, _, w in self._cols]
         group = "#" + " " * (sum(widths[:len(_COMMON)]) + len(_COMMON) - 1)
-        for i, name in enumerate(self.impls):
-            start = len(_COMMON) + i * self._block
-            span = sum(widths[start:start + self._block]) + self._block
-            group += name.center(span)
+        start = len(_COMMON)
+        for ip in self.placements:
+            for name in self.impls:
+                span = sum(widths[start:start + self._block]) + self._block
+                group += self.label(name, ip).center(span)
+                start += self._block
+            nratio = len(self.impls) - 1
+            group += " " * (sum(widths[start:start + nratio]) + nratio)
+            start += nratio
         self._write(group)
         self._write(self._line([name for name, _, _ in self._cols], lead="#"))
         self._write(self._line([unit for _, unit, _ in self._cols], lead="#"))
 
     def add(self, rows: Sequence[Row]) -> str:
-        """Print one line for one message size from its rows (at most one per implementation).
-
-        An implementation without a row shows N/A; the line printed is also returned.
-        """
+        """Print one line for one message size from its rows (at most one per implementation and
+        placement). A block without a row shows N/A; the line printed is also returned."""
         if not rows:
             raise ValueError("Table.add needs at least one row")
-        by_impl: dict[str, Row] = {}
+        by_key: dict[tuple[str, bool], Row] = {}
         for r in rows:
             if r.impl not in self.impls:
                 raise ValueError(f"row for unknown implementation {r.impl!r}; table has {self.impls}")
-            if r.impl in by_impl:
-                raise ValueError(f"two rows for {r.impl!r} at {r.bytes} bytes")
+            if r.inplace and not self.inplace:
+                raise ValueError(f"in-place row for {r.impl!r} in a table without in-place blocks")
+            key = (r.impl, bool(r.inplace))
+            if key in by_key:
+                raise ValueError(f"two rows for {self.label(*key)!r} at {r.bytes} bytes")
             if r.bytes != rows[0].bytes:
                 raise ValueError(f"rows of one line must share a size: {rows[0].bytes} vs {r.bytes}")
-            by_impl[r.impl] = r
+            by_key[key] = r
         first = rows[0]
         cells = [str(first.bytes), str(first.count), first.dtype, first.redop, str(first.root)]
-        for impl in self.impls:
-            r = by_impl.get(impl)
-            if r is None:
-                cells += ["N/A"] * self._block
-                continue
-            cells += [_fmt_time(r.time_us), f"{r.algbw:.2f}", f"{r.busbw:.2f}",
-                      "N/A" if r.wrong is None else str(r.wrong)]
-            if self.show_algo:
-                cells.append(r.algo or "-")
-        base = by_impl.get(self.impls[0])
-        for impl in self.impls[1:]:
-            other = by_impl.get(impl)
-            if base is None or other is None or base.time_us <= 0:
-                cells.append("N/A")
-            else:
-                cells.append(f"{other.time_us / base.time_us:.2f}")
-        self.rows.extend(by_impl[i] for i in self.impls if i in by_impl)
+        for ip in self.placements:
+            for impl in self.impls:
+                r = by_key.get((impl, ip))
+                if r is None:
+                    cells += ["N/A"] * self._block
+                    continue
+                cells += [_fmt_time(r.time_us), f"{r.algbw:.2f}", f"{r.busbw:.2f}",
+                          "N/A" if r.wrong is None else str(r.wrong)]
+                if self.show_algo:
+                    cells.append(r.algo or "-")
+            base = by_key.get((self.impls[0], ip))
+            for impl in self.impls[1:]:
+                other = by_key.get((impl, ip))
+                if base is None or other is None or base.time_us <= 0:
+                    cells.append("N/A")
+                else:
+                    cells.append(f"{other.time_us / base.time_us:.2f}")
+        self.rows.extend(by_key[(i, ip)] for ip in self.placements for i in self.impls if (i, ip) in by_key)
         line = self._line(cells)
         self._write(line)
         return line
 
-    def wrong_total(self, impl: str) -> int | None:
-        """Wrong elements summed over the sizes added for ``impl``; None if none of them was checked."""
-        counts = [r.wrong for r in self.rows if r.impl == impl and r.wrong is not None]
+    def wrong_total(self, impl: str, inplace: bool | None = None) -> int | None:
+        """Wrong elements summed over the sizes added for ``impl`` (one placement, or both when None);
+        None if none of them was checked."""
+        counts = [r.wrong for r in self.rows if r.impl == impl and r.wrong is not None
+                  and (inplace is None or bool(r.inplace) == inplace)]
         return sum(counts) if counts else None
 
     def footer(self) -> None:
         """Print nccl-tests' closing lines per implementation (wrong values, average busbw) and the
         geometric mean of each ratio (the mean a ratio needs: 2x faster and 2x slower average to 1)."""
         lines: list[tuple[str, str]] = []
-        for impl in self.impls:
-            wrong = self.wrong_total(impl)
-            status = "N/A" if wrong is None else (f"{wrong} OK" if wrong == 0 else f"{wrong} FAILED")
-            lines.append((f"Wrong values ({impl})", status))
-        for impl in self.impls:
-            bws = [r.busbw for r in self.rows if r.impl == impl]
-            lines.append((f"Avg bus bandwidth ({impl})",
-                          f"{sum(bws) / len(bws):.3f}" if bws else "N/A"))
+        for ip in self.placements:
+            for impl in self.impls:
+                wrong = self.wrong_total(impl, ip)
+                status = "N/A" if wrong is None else (f"{wrong} OK" if wrong == 0 else f"{wrong} FAILED")
+                lines.append((f"Wrong values ({self.label(impl, ip)})", status))
+        for ip in self.placements:
+            for impl in self.impls:
+                bws = [r.busbw for r in self.rows if r.impl == impl and bool(r.inplace) == ip]
+                lines.append((f"Avg bus bandwidth ({self.label(impl, ip)})",
+                              f"{sum(bws) / len(bws):.3f}" if bws else "N/A"))
         base = self.impls[0]
-        base_t = {r.bytes: r.time_us for r in self.rows if r.impl == base}
-        for impl in self.impls[1:]:
-            ratios = [r.time_us / base_t[r.bytes] for r in self.rows
-                      if r.impl == impl and base_t.get(r.bytes, 0) > 0 and r.time_us > 0]
-            gm = f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}" if ratios else "N/A"
-            lines.append((f"Geomean ratio ({impl}/{base} time)", gm))
+        for ip in self.placements:
+            line_key = lambda r: (r.bytes, r.dtype, r.redop, r.root)  # noqa: E731
+            base_t = {line_key(r): r.time_us for r in self.rows if r.impl == base and bool(r.inplace) == ip}
+            for impl in self.impls[1:]:
+                ratios = [r.time_us / base_t[line_key(r)] for r in self.rows
+                          if r.impl == impl and bool(r.inplace) == ip and base_t.get(line_key(r), 0) > 0
+                          and r.time_us > 0]
+                gm = f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}" if ratios else "N/A"
+                suffix = f", {'in-place' if ip else 'out-of-place'}" if self.inplace else ""
+                lines.append((f"Geomean ratio ({impl}/{base} time{suffix})", gm))
         label_w = max(len(label) for label, _ in lines)
         self._write("#")
         for label, value in lines:
@@ -220,13 +257,28 @@ def _git_commit() -> str:
     return commit if res.returncode == 0 and commit else "unknown"
 
 
+#: Prefixes of the environment variables a results document records (they change what is measured).
+ENV_PREFIXES = ("FLUXRT_", "NCCL_", "NVSHMEM_")
+
+
+def environment(env: Mapping[str, str] | None = None, prefixes: Sequence[str] = ENV_PREFIXES) -> dict:
+    """The FLUXRT_* / NCCL_* / NVSHMEM_* variables of ``env`` (default: os.environ), sorted by name."""
+    env = os.environ if env is None else env
+    return {k: env[k] for k in sorted(env) if k.startswith(tuple(prefixes))}
+
+
 def results_document(bench: str, rows: Iterable[Row | Mapping], command: str | Sequence[str],
-                     machine: Mapping | None = None) -> dict:
+                     machine: Mapping | None = None, *, versions: Mapping | None = None,
+                     devices: Sequence[Mapping] | None = None, options: Mapping | None = None,
+                     env: Mapping[str, str] | None = None, notes: Sequence[str] = ()) -> dict:
     """A self-describing JSON-able record of one sweep: what ran, where, on which commit, the rows.
 
     ``machine`` comes from the caller (e.g. {"gpu_name": ..., "gpu_count": ...}): this module never
     queries the GPU. ``kind`` defaults to $FLUXRT_MACHINE_KIND so results from lent machines can be told
-    apart later.
+    apart later. ``versions`` (fluxrt, CUDA runtime and driver, NCCL, ...), ``devices`` (one entry per
+    rank) and ``options`` (the sweep's, with what differs from the library's defaults) come from the
+    caller too; ``environment`` is taken from ``env`` (default os.environ, see :func:`environment`).
+    Rows carry their per-rank statistics (time_min_us / time_avg_us / time_max_us) where measured.
     """
     mach: dict = {"kind": os.environ.get("FLUXRT_MACHINE_KIND", "unknown"),
                   "gpu_name": "unknown", "gpu_count": None}
@@ -239,8 +291,44 @@ def results_document(bench: str, rows: Iterable[Row | Mapping], command: str | S
         "commit": _git_commit(),
         "command": command,
         "machine": mach,
+        "versions": dict(versions or {}),
+        "environment": environment(env),
+        "devices": [dict(d) for d in (devices or ())],
+        "options": dict(options or {}),
+        "notes": list(notes),
         "rows": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in rows],
     }
+
+
+def device_lines(devices: Sequence[Mapping]) -> list[str]:
+    """nccl-tests' per-rank header lines: '#  Rank  0 Pid 1234 on host device  0 [0000:1b:00.0] NVIDIA H200'."""
+    return [f"#  Rank {d.get('rank', '?'):>2} Pid {d.get('pid', '?'):>6} on {d.get('host', '?')} device "
+            f"{d.get('device', '?'):>2} [{d.get('pci_bus_id', '?')}] {d.get('name', '?')}" for d in devices]
+
+
+def version_line(versions: Mapping) -> str:
+    """'# fluxrt 0.1.0 | CUDA runtime 12.8 driver 12.9 | NCCL 2.27.3 | ...' (unknown shows as N/A)."""
+    def v(key):
+        return versions.get(key) or "N/A"
+
+    line = (f"# fluxrt {v('fluxrt')} | CUDA runtime {v('cuda_runtime')} driver {v('cuda_driver')} | "
+            f"NCCL {v('nccl')} | CuPy {v('cupy')} | Python {v('python')}")
+    return line + (f" | MPI {versions['mpi']}" if versions.get("mpi") else "")
+
+
+def option_differences(used: Mapping, library: Mapping) -> dict:
+    """{name: {"used": ..., "library": ...}} for each option of ``used`` whose value is not the library's."""
+    return {k: {"used": used[k], "library": library.get(k)} for k in used if used[k] != library.get(k)}
+
+
+def differences_line(diffs: Mapping, why: Mapping[str, str] | None = None) -> str:
+    """'# differs from the library's defaults: a=1 (library: 2; why)' or '# ...: none'."""
+    why = why or {}
+    if not diffs:
+        return "# options differing from the library's defaults: none"
+    parts = [f"{k}={d['used']} (library: {d['library']}{'; ' + why[k] if k in why else ''})"
+             for k, d in diffs.items()]
+    return "# options differing from the library's defaults: " + ", ".join(parts)
 
 
 def write_json(path: str | os.PathLike, doc: Mapping) -> Path:

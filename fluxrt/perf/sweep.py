@@ -13,18 +13,30 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "AVERAGE_MODES",
     "DTYPE_SIZES",
     "OPS",
     "SweepOptions",
+    "add_average_argument",
+    "add_gemm_bench_arguments",
     "add_sweep_arguments",
+    "add_timeout_argument",
     "bus_bandwidth_factor",
     "describe",
     "element_size",
     "format_size",
+    "gemm_datatype",
     "normalize_datatype",
+    "normalize_datatype_or_all",
     "normalize_op",
+    "parse_root",
     "parse_size",
+    "rank_stats",
+    "reduce_over_ranks",
     "sizes",
+    "sweep_datatypes",
+    "sweep_ops",
+    "sweep_roots",
 ]
 
 # Binary multipliers, as nccl-tests uses them: "1K" and "1KB" both mean 1024 bytes.
@@ -40,8 +52,13 @@ _DTYPE_ALIASES = {
     "int32": "int32", "int": "int32", "i32": "int32",
 }
 
-#: Reduction operators the sweeps accept (``-o``).
+#: Reduction operators the sweeps accept (``-o``; ``all`` loops over them). nccl-tests also has prod and
+#: avg, which fluxrt's collectives do not implement: they are refused with that reason.
 OPS = ("sum", "max", "min")
+_NCCL_ONLY_OPS = ("prod", "avg")
+
+#: nccl-tests' ``-a``: how the per-rank times of one measurement become the reported time.
+AVERAGE_MODES = {0: "rank0", 1: "avg", 2: "min", 3: "max"}
 
 # busbw factor as a function of the rank count, keyed by collective name without '_' / '-'.
 # Why these: each is the fraction of the payload that must cross the busiest link of an ideal
@@ -101,12 +118,86 @@ def element_size(datatype: str) -> int:
     return DTYPE_SIZES[normalize_datatype(datatype)]
 
 
+_GEMM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def gemm_datatype(name: str) -> str:
+    """The GEMM benches' datatype ("bfloat16" or "float16") from any -d spelling (bf16, half, float16, ...)."""
+    canonical = normalize_datatype(name)
+    if canonical not in _GEMM_DTYPES:
+        raise ValueError(f"datatype {name!r}: the GEMM takes bf16 or fp16")
+    return _GEMM_DTYPES[canonical]
+
+
+def add_gemm_bench_arguments(parser: argparse.ArgumentParser, iters: int, warmup: int | None = None) -> None:
+    """The flags perf/bench_gemm.py and perf/gemm_suite.py share with fluxrt-perf: -d, -n, -w, -c (the older
+    --dtype, --warmup and --no-check still work)."""
+    parser.add_argument("-d", "--datatype", "--dtype", dest="dtype", metavar="TYPE", default="bfloat16",
+                        type=_argtype(gemm_datatype, "datatype"), help="bf16|fp16 (or bfloat16|float16) "
+                        "(default: bfloat16)")
+    parser.add_argument("-n", "--iters", type=int, default=iters, help="timed calls (default: %(default)s)")
+    if warmup is not None:
+        parser.add_argument("-w", "--warmup_iters", "--warmup", dest="warmup", type=int, default=warmup,
+                            help="untimed warm-up calls (default: %(default)s)")
+    parser.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                        help="check fluxrt against cuBLAS: 1 yes, 0 no (default: %(default)s)")
+    parser.add_argument("--no-check", dest="check", action="store_const", const=0, help="same as -c 0")
+
+
+def normalize_datatype_or_all(name: str) -> str:
+    """:func:`normalize_datatype`, or "all" (nccl-tests ``-d all``: every datatype the op takes)."""
+    return "all" if str(name).strip().lower() == "all" else normalize_datatype(name)
+
+
 def normalize_op(name: str) -> str:
-    """Canonical reduction operator ("sum", "max", "min")."""
+    """Canonical reduction operator ("sum", "max", "min"), or "all" (nccl-tests ``-o all``)."""
     key = str(name).strip().lower()
+    if key == "all":
+        return key
+    if key in _NCCL_ONLY_OPS:
+        raise ValueError(f"reduction op {name!r} is an nccl-tests op that fluxrt's collectives do not "
+                         f"implement: expected one of {', '.join(OPS)} or all")
     if key not in OPS:
-        raise ValueError(f"unknown reduction op {name!r}: expected one of {', '.join(OPS)}")
+        raise ValueError(f"unknown reduction op {name!r}: expected one of {', '.join(OPS)} or all")
     return key
+
+
+def parse_root(text) -> int | str:
+    """``-r``: a rank (int >= 0) or "all" (every rank in turn, for ops with a root)."""
+    if str(text).strip().lower() == "all":
+        return "all"
+    try:
+        root = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"invalid root {text!r}: expected a rank (0, 1, ...) or all") from None
+    if root < 0:
+        raise ValueError(f"invalid root {text!r}: must be >= 0")
+    return root
+
+
+def reduce_over_ranks(values, average: int = 1) -> float:
+    """The reported value of one measurement from its per-rank values (index = rank), as nccl-tests'
+    ``-a``: 0 rank 0's, 1 the mean (nccl-tests' default), 2 the minimum, 3 the maximum."""
+    values = [float(v) for v in values]
+    if not values:
+        raise ValueError("reduce_over_ranks needs at least one value")
+    if average == 0:
+        return values[0]
+    if average == 1:
+        return sum(values) / len(values)
+    if average == 2:
+        return min(values)
+    if average == 3:
+        return max(values)
+    raise ValueError(f"-a/--average must be 0 (rank 0), 1 (avg), 2 (min) or 3 (max), got {average!r}")
+
+
+def rank_stats(values) -> dict:
+    """min / avg / max over ranks of per-rank values (the JSON's per-size statistics)."""
+    values = [float(v) for v in values]
+    if not values:
+        raise ValueError("rank_stats needs at least one value")
+    return {"min": min(values), "avg": sum(values) / len(values), "max": max(values), "ranks": len(values)}
 
 
 @dataclass
@@ -128,6 +219,13 @@ class SweepOptions:
     datatype: str = "bf16"
     op: str = "sum"
     graph_iters: int = 0
+    average: int = 1
+    root: int | str = 0
+    blocking: int = 0
+    timeout: float = 0.0
+    register: int = 0
+    ngpus: int = 1
+    nthreads: int = 1
     json_path: str | None = None
     plot_path: str | None = None
     progress: bool = True
@@ -137,13 +235,16 @@ class SweepOptions:
         self.minbytes = parse_size(self.minbytes)
         self.maxbytes = parse_size(self.maxbytes)
         self.stepbytes = parse_size(self.stepbytes)
-        self.datatype = normalize_datatype(self.datatype)
+        self.datatype = normalize_datatype_or_all(self.datatype)
         self.op = normalize_op(self.op)
+        self.root = parse_root(self.root)
         self.validate()
 
     @property
     def element_size(self) -> int:
-        """Bytes per element of :attr:`datatype`."""
+        """Bytes per element of :attr:`datatype` (the largest of them with ``-d all``)."""
+        if self.datatype == "all":
+            return max(DTYPE_SIZES.values())
         return DTYPE_SIZES[self.datatype]
 
     def validate(self) -> None:
@@ -166,6 +267,23 @@ class SweepOptions:
             raise ValueError(f"-c/--check must be 0 or 1, got {self.check}")
         if self.graph_iters < 0:
             raise ValueError(f"-G/--graph must be >= 0, got {self.graph_iters}")
+        if self.average not in AVERAGE_MODES:
+            raise ValueError(f"-a/--average must be 0 (rank 0), 1 (avg), 2 (min) or 3 (max), got {self.average}")
+        if self.blocking not in (0, 1):
+            raise ValueError(f"-z/--blocking must be 0 or 1, got {self.blocking}")
+        if self.blocking and self.graph_iters:
+            raise ValueError("-z 1 (synchronize after each call) cannot be combined with -G "
+                             "(the calls are replayed from one CUDA graph): use one of them")
+        if self.timeout < 0:
+            raise ValueError(f"-T/--timeout must be >= 0 seconds (0: the library's), got {self.timeout}")
+        if self.register not in (0, 1, 2):
+            raise ValueError(f"-R/--local_register must be 0, 1 (local) or 2 (symmetric), got {self.register}")
+        if self.ngpus != 1:
+            raise ValueError(f"-g/--ngpus must be 1: fluxrt runs one GPU per rank (start more ranks "
+                             f"with fluxrt-run -n), got {self.ngpus}")
+        if self.nthreads != 1:
+            raise ValueError(f"-t/--nthreads must be 1: fluxrt runs one thread per rank (start more ranks "
+                             f"with fluxrt-run -n), got {self.nthreads}")
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "SweepOptions":
@@ -185,8 +303,23 @@ def _argtype(fn, label: str):
     return parse
 
 
+def add_average_argument(g) -> None:
+    """nccl-tests' ``-a`` (shared by every fluxrt-perf subcommand and the GEMM benches)."""
+    g.add_argument("-a", "--average", type=int, choices=tuple(AVERAGE_MODES), default=1, metavar="0|1|2|3",
+                   help="time reported over ranks: 0 rank 0's, 1 mean, 2 min, 3 max (default: %(default)s, "
+                        "as nccl-tests)")
+
+
+def add_timeout_argument(g) -> None:
+    """nccl-tests' ``-T``: fluxrt's bound on every device-side wait (WorldOptions.timeout_s)."""
+    g.add_argument("-T", "--timeout", type=float, metavar="SECONDS", default=0.0,
+                   help="bound of every device-side wait, in seconds (WorldOptions.timeout_s); "
+                        "0 = the library's ($FLUXRT_TIMEOUT_S or 30) (default: %(default)s)")
+
+
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add nccl-tests' sweep flags (-b -e -f -i -n -w -c -d -o -G) plus --json, --plot, --no-progress."""
+    """Add nccl-tests' sweep flags (-b -e -f -i -n -w -c -d -o -r -a -z -T -R -g -t -G) plus --json, --plot,
+    --no-progress."""
     d = SweepOptions.__dataclass_fields__
     size = _argtype(parse_size, "size")
     g = parser.add_argument_group("sweep (nccl-tests flags)")
@@ -204,11 +337,26 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="untimed warmup iterations per size (default: %(default)s)")
     g.add_argument("-c", "--check", type=int, choices=(0, 1), default=d["check"].default,
                    help="check results for correctness: 1 yes, 0 no (default: %(default)s)")
-    g.add_argument("-d", "--datatype", metavar="TYPE", type=_argtype(normalize_datatype, "datatype"),
+    g.add_argument("-d", "--datatype", metavar="TYPE", type=_argtype(normalize_datatype_or_all, "datatype"),
                    default=d["datatype"].default,
-                   help="fp32|fp16|bf16|int32 (or float|half|bfloat16) (default: %(default)s)")
+                   help="fp32|fp16|bf16|int32 (or float|half|bfloat16), or all (default: %(default)s)")
     g.add_argument("-o", "--op", metavar="OP", type=_argtype(normalize_op, "op"), default=d["op"].default,
-                   help="reduction operator: sum|max|min (default: %(default)s)")
+                   help="reduction operator: sum|max|min, or all (default: %(default)s)")
+    g.add_argument("-r", "--root", metavar="ROOT", type=_argtype(parse_root, "root"), default=d["root"].default,
+                   help="root rank of ops with a root (broadcast), or all (default: %(default)s)")
+    add_average_argument(g)
+    g.add_argument("-z", "--blocking", type=int, choices=(0, 1), default=d["blocking"].default,
+                   help="1: synchronize the stream after each timed call (default: %(default)s)")
+    add_timeout_argument(g)
+    g.add_argument("-R", "--local_register", dest="register", type=int, choices=(0, 1, 2),
+                   default=d["register"].default,
+                   help="buffer registration: 0 none, 1 local, 2 symmetric. fluxrt: 1 and 2 put the buffers on "
+                        "the symmetric heap (as --symmetric); NCCL: registered when the bench can, else the "
+                        "header and JSON say why not (default: %(default)s)")
+    g.add_argument("-g", "--ngpus", type=int, metavar="1", default=d["ngpus"].default,
+                   help="GPUs per thread: only 1 (one GPU per rank; more GPUs = more ranks)")
+    g.add_argument("-t", "--nthreads", type=int, metavar="1", default=d["nthreads"].default,
+                   help="threads per process: only 1")
     g.add_argument("-G", "--graph", "--cudagraph", dest="graph_iters", type=int, metavar="N",
                    default=d["graph_iters"].default,
                    help="capture this many iterations in a CUDA graph and time replays; 0 = off "
@@ -245,6 +393,33 @@ def sizes(opts: SweepOptions, align: int | None = None) -> list[int]:
     return out
 
 
+def sweep_datatypes(opts: SweepOptions, supported=tuple(DTYPE_SIZES)) -> list[str]:
+    """The datatypes a sweep runs: ``-d``'s, or with ``-d all`` every one of `supported` (canonical names)."""
+    if opts.datatype == "all":
+        return [t for t in DTYPE_SIZES if t in supported]
+    if opts.datatype not in supported:
+        raise ValueError(f"-d {opts.datatype}: expected one of {', '.join(supported)} or all")
+    return [opts.datatype]
+
+
+def sweep_ops(opts: SweepOptions, reducing: bool = True) -> list[str]:
+    """The reduction operators a sweep runs: ``-o``'s, every one with ``-o all``; ["none"] if not reducing."""
+    if not reducing:
+        return ["none"]
+    return list(OPS) if opts.op == "all" else [opts.op]
+
+
+def sweep_roots(opts: SweepOptions, nranks: int, has_root: bool = True) -> list[int]:
+    """The roots a sweep runs: ``-r``'s, every rank with ``-r all``; [-1] for ops without a root."""
+    if not has_root:
+        return [-1]
+    if opts.root == "all":
+        return list(range(nranks))
+    if not 0 <= opts.root < nranks:
+        raise ValueError(f"-r/--root {opts.root} outside {nranks} ranks")
+    return [opts.root]
+
+
 def bus_bandwidth_factor(op: str, nranks: int) -> float:
     """nccl-tests' busbw / algbw factor for a collective over ``nranks`` ranks.
 
@@ -266,5 +441,6 @@ def describe(opts: SweepOptions) -> list[str]:
         f"# minBytes {opts.minbytes} maxBytes {opts.maxbytes} step: {step} "
         f"warmup iters: {opts.warmup_iters} iters: {opts.iters} validation: {opts.check} "
         f"graph: {opts.graph_iters}",
-        f"# datatype {opts.datatype} redop {opts.op}",
+        f"# datatype {opts.datatype} redop {opts.op} root {opts.root} blocking: {opts.blocking} "
+        f"time over ranks (-a {opts.average}): {AVERAGE_MODES[opts.average]} register (-R): {opts.register}",
     ]

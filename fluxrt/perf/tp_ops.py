@@ -15,11 +15,13 @@ mpirun with one GPU per rank:
 
 Timing: each measurement is warmed up, then each timed iteration starts with every rank synchronized
 (MPI barrier after a stream sync), a short GPU delay so the host can enqueue the whole call before the
-GPU starts it, and CUDA events around the call; the row reports the median per rank, max over ranks.
+GPU starts it, and CUDA events around the call; the row reports the median per rank, reduced over ranks by
+-a as nccl-tests does (default 1: mean; 0 rank 0's, 2 min, 3 max).
 The fluxrt, cuBLAS and NCCL calls of a shape are timed in turns (one of each per round), so that clock
 drift over the run (H200s under a sustained GEMM vary by several %) does not bias their ratios; torch
 is timed right after them.
-Shapes: ``-m M -n N -k K`` or ``--shapes MxNxK,...`` (default: the shapes of the issue's targets).
+Shapes: ``--M M --N N --K K`` or ``--shapes MxNxK,...`` (default: the shapes of the issue's targets).
+Flags as every fluxrt-perf subcommand: -n iterations, -w warm-up, -c check, -d type, -a, -T.
 """
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..ops.plan import RS_REDUCE_MODES
-from .baselines import machine, nccl_communicator, nccl_datatype
-from .report import results_document, write_json
-from .sweep import normalize_datatype
+from .baselines import device_info, library_versions, machine, nccl_communicator, nccl_datatype
+from .report import device_lines, results_document, version_line, write_json
+from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype, reduce_over_ranks
 
 if TYPE_CHECKING:
     from ..world import World
@@ -67,15 +69,17 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 def build_parser(op: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"fluxrt-perf {op}", description=__doc__.split("\n\n")[0])
-    p.add_argument("-m", type=int, help="rows of A (all ranks together)")
-    p.add_argument("-n", type=int, help="columns of B and C")
-    p.add_argument("-k", type=int, help="inner dimension of this rank's GEMM")
-    p.add_argument("--shapes", help="comma-separated MxNxK list (instead of -m -n -k)")
+    p.add_argument("--M", dest="m", type=int, metavar="M", help="rows of A (all ranks together)")
+    p.add_argument("--N", dest="n", type=int, metavar="N", help="columns of B and C")
+    p.add_argument("--K", dest="k", type=int, metavar="K", help="inner dimension of this rank's GEMM")
+    p.add_argument("--shapes", help="comma-separated MxNxK list (instead of --M --N --K)")
     p.add_argument("-d", "--datatype", default="bf16", type=normalize_datatype, help="bf16|fp16 (default bf16)")
-    p.add_argument("--iters", "-i", type=int, default=20, help="timed iterations per measurement (default 20)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per measurement (default 20)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed warm-up iterations (default 5)")
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                    help="check the fused result once against cuBLAS(+NCCL) (default 1)")
+    add_average_argument(p)
+    add_timeout_argument(p)
     p.add_argument("--comm-mode", choices=("pull", "push"), default=None, help="AG: override the planner")
     p.add_argument("--chunks", type=int, default=None, help="AG: chunks per rank (override the planner)")
     p.add_argument("--reduce-mode", choices=RS_REDUCE_MODES, default=None,
@@ -111,7 +115,7 @@ def shapes_from_args(op: str, args, world: int = DEFAULT_SHAPES_TP) -> list[tupl
     given = [args.m, args.n, args.k]
     if any(v is not None for v in given):
         if not all(v is not None and v > 0 for v in given):
-            raise ValueError("give all of -m, -n and -k (positive), or --shapes")
+            raise ValueError("give all of --M, --N and --K (positive), or --shapes")
         return [tuple(given)]
     return default_shapes(op, world)
 
@@ -189,8 +193,9 @@ def plot_rows(path: str, rows: list[dict], title: str) -> None:
 class Timer:
     """Median time of a stream-ordered call, ranks synchronized before each timed iteration."""
 
-    def __init__(self, world: World, stream, warmup: int, iters: int):
+    def __init__(self, world: World, stream, warmup: int, iters: int, average: int = 1):
         self.world, self.stream, self.warmup, self.iters = world, stream, warmup, iters
+        self.average = average
 
     def __call__(self, fn, stream=None) -> float:
         return self.many({"t": fn}, {"t": stream} if stream is not None else None)["t"]
@@ -198,8 +203,6 @@ class Timer:
     def many(self, fns: dict, streams: dict | None = None) -> dict:
         """Median times of several calls measured in turns (each round times every call once), so that a
         GPU clock drifting with temperature or power over the run shifts them alike and their ratios hold."""
-        from mpi4py import MPI
-
         streams = streams or {}
         for name, fn in fns.items():
             for _ in range(self.warmup):
@@ -211,7 +214,8 @@ class Timer:
             for name, fn in fns.items():
                 times[name].append(self._once(fn, streams.get(name, self.stream)))
         self.world.check_errors()
-        return {name: float(self.world.comm.allreduce(statistics.median(t), op=MPI.MAX)) for name, t in times.items()}
+        return {name: reduce_over_ranks(self.world.comm.allgather(statistics.median(t)), self.average)
+                for name, t in times.items()}
 
     def _once(self, fn, s) -> float:
         import cupy
@@ -430,19 +434,28 @@ def main(argv=None, bench: str | None = None) -> int:
     heap = 0   # symmetric bytes: AG's gathered A [M, K]; RS's received and ('ce') pulled partials, two parities
     for m, n, k in shapes:       # of [M, N] each (neither scales with TP)
         heap = max(heap, m * k * 2 + 4096 if bench == "ag_gemm" else 4 * m * n * 2 + 4096)
+    world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
     world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G",
-                                                    check_collective_args=args.check_args))
+                                                    check_collective_args=args.check_args, **world_kw))
     nccl_comm = None
     try:
         shapes = shapes_from_args(bench, args, world.size)   # an M the op cannot split: OpsArgumentError
         stream = cupy.cuda.Stream(non_blocking=True)
-        timer = Timer(world, stream, args.warmup_iters, args.iters)
+        timer = Timer(world, stream, args.warmup_iters, args.iters, args.average)
         nccl_comm = _nccl_comm(world)
         torch_base = None if args.no_torch else TorchBaseline(world)
         rows = []
+        versions, devices = library_versions(), device_info(world)
         if world.rank == 0:
             print(f"# fluxrt-perf {bench}: world={world.size} dtype={args.datatype} iters={args.iters} "
-                  f"warmup={args.warmup_iters}; times in ms (median per rank, max over ranks)")
+                  f"warmup={args.warmup_iters}; times in ms (median per rank, {AVERAGE_MODES[args.average]} "
+                  f"over ranks: -a {args.average})")
+            print(version_line(versions))
+            for line in device_lines(devices):
+                print(line)
+            if not args.check_args:
+                print("# options differing from the library's defaults: check_collective_args=False "
+                      "(library: True; --check-args turns it on)")
             if torch_base is not None and torch_base.note:
                 print(f"# {torch_base.note}")
             for line in format_table([]):
@@ -456,7 +469,10 @@ def main(argv=None, bench: str | None = None) -> int:
             if torch_base is not None and torch_base.note and torch_base.ok:
                 print(f"# {torch_base.note}")
             if args.json_path:
-                doc = results_document(bench, rows, ["fluxrt-perf", bench] + argv, machine=machine(world))
+                options = {k: v for k, v in vars(args).items() if k not in ("json_path", "plot_path")}
+                doc = results_document(bench, rows, ["fluxrt-perf", bench] + argv, machine=machine(world),
+                                       versions=versions, devices=devices,
+                                       options=dict(options, average_name=AVERAGE_MODES[args.average]))
                 if torch_base is not None and torch_base.note:
                     doc["notes"] = [torch_base.note]
                 write_json(args.json_path, doc)

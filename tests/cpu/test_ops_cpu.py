@@ -273,7 +273,7 @@ def test_tp_ops_shapes_and_parser():
     for bad in ("8192x7168", "0x1x1", "axbxc"):
         with pytest.raises(ValueError, match="MxNxK"):
             tp_ops.parse_shapes(bad)
-    args = tp_ops.build_parser("ag_gemm").parse_args("-m 8192 -n 7168 -k 8192 -d bf16 --iters 7 -w 2".split())
+    args = tp_ops.build_parser("ag_gemm").parse_args("--M 8192 --N 7168 --K 8192 -d bf16 -n 7 -w 2".split())
     assert tp_ops.shapes_from_args("ag_gemm", args) == [(8192, 7168, 8192)]
     assert (args.iters, args.warmup_iters, args.datatype) == (7, 2, "bf16")
     assert tp_ops.shapes_from_args("gemm_rs", tp_ops.build_parser("gemm_rs").parse_args([]), 4) == \
@@ -281,8 +281,8 @@ def test_tp_ops_shapes_and_parser():
     # TP=2: same model, so the sharded dimension doubles (AG: N, RS: K)
     assert tp_ops.default_shapes("ag_gemm", 2)[0] == (8192, 14336, 8192)
     assert tp_ops.default_shapes("gemm_rs", 2)[0] == (8192, 8192, 14336)
-    with pytest.raises(ValueError, match="all of -m, -n and -k"):
-        tp_ops.shapes_from_args("ag_gemm", tp_ops.build_parser("ag_gemm").parse_args(["-m", "8192"]))
+    with pytest.raises(ValueError, match="all of --M, --N and --K"):
+        tp_ops.shapes_from_args("ag_gemm", tp_ops.build_parser("ag_gemm").parse_args(["--M", "8192"]))
 
 
 def test_tp_ops_overlap_row_and_table():

@@ -298,7 +298,8 @@ def test_results_document(tmp_path, monkeypatch):
     rows = _rows(1 << 20, 10.0, 12.0)
     doc = results_document("allreduce", rows, ["mpirun", "-np", "4", "python", "x.py", "-b", "8"],
                            machine={"gpu_name": "NVIDIA H200", "gpu_count": 4})
-    assert set(doc) == {"bench", "date", "commit", "command", "machine", "rows"}
+    assert set(doc) == {"bench", "date", "commit", "command", "machine", "versions", "environment", "devices",
+                        "options", "notes", "rows"}
     assert doc["bench"] == "allreduce"
     assert doc["command"] == "mpirun -np 4 python x.py -b 8"
     assert doc["machine"] == {"kind": "nvidia-h200-x4", "gpu_name": "NVIDIA H200", "gpu_count": 4}
