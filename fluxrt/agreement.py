@@ -29,6 +29,24 @@ POLL_S = 0.0005
 _orphans: list = []   # sends left pending by a timed-out exchange (their buffers must outlive them)
 
 
+_KEY = "fluxrt.agreement"
+_doubles: dict = {}   # the state of worlds without a registry (test doubles), by id
+
+
+class _State:
+    """A world's count of exchanges, and why it is out of step (after a timeout)."""
+
+    def __init__(self):
+        self.seq, self.broken = 0, None
+
+
+def _state(world) -> _State:
+    registry = getattr(world, "registry", None)
+    if registry is None:
+        return _doubles.setdefault(id(world), _State())
+    return registry.get_or_create(_KEY, _State)
+
+
 def _comm(world):
     return getattr(world, "agree_comm", None) or world.comm
 
@@ -36,16 +54,18 @@ def _comm(world):
 def exchange(world: World, name: str, payload) -> list:
     """Every rank's `payload`, by rank, like ``comm.allgather`` but bounded by the world's timeout: raises
     AgreementTimeoutError naming the ranks that did not arrive, and CollectiveMismatchError when a rank is
-    at another call (a different count of exchanges or op name)."""
+    at another call (a different count of exchanges or op name). A communicator without point-to-point
+    messages (a test double) is asked for its ``allgather``."""
+    st = _state(world)
+    if st.broken:
+        raise FluxrtError(f"{name}: {st.broken}")
+    comm = _comm(world)
+    if not hasattr(comm, "iprobe"):
+        return comm.allgather(payload)
     from mpi4py import MPI
 
-    broken = getattr(world, "_agree_broken", None)
-    if broken:
-        raise FluxrtError(f"{name}: {broken}")
-    comm = _comm(world)
     me, size = comm.Get_rank(), comm.Get_size()
-    seq = getattr(world, "_agree_seq", 0) + 1
-    world._agree_seq = seq
+    st.seq = seq = st.seq + 1
     timeout = float(world.options.timeout_s)
     msg = (seq, name, payload)
     sends = [comm.isend(msg, dest=r, tag=TAG) for r in range(size) if r != me]
@@ -69,7 +89,7 @@ def exchange(world: World, name: str, payload) -> list:
             _orphans.extend(sends)
             peers = [r for r in range(size) if r != me]
             missing = pending or [r for r, req in zip(peers, sends) if not req.Test()] or peers
-            world._agree_broken = (f"an earlier call ({name}, #{seq}) timed out waiting for rank(s) {missing}; "
+            st.broken = (f"an earlier call ({name}, #{seq}) timed out waiting for rank(s) {missing}; "
                                    "this world's ranks are out of step")
             raise AgreementTimeoutError(name, getattr(world, "rank", me), missing, timeout)
         if now - start > SPIN_S:
