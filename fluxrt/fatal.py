@@ -20,8 +20,8 @@ MPI_REMEDY = ("no MPI library could be loaded: install an MPI: pip install 'flux
 GPU_REMEDY = "no CUDA GPU/driver found: run on a machine with an NVIDIA GPU and driver (check nvidia-smi)"
 _MPI_MARKS = ("cannot load mpi library", "libmpi", "mpi library")
 _NO_GPU_MARKS = ("insufficient driver", "insufficientdriver", "no cuda-capable device", "cudaerrornodevice",
-                 "cuda_error_no_device", "cuda driver version is insufficient", "libcuda.so", "cuda_error_not_initialized"
-                 , "no cuda gpu")
+                 "cuda_error_no_device", "cuda driver version is insufficient", "cuda_error_not_initialized",
+                 "no cuda gpu")
 
 
 def describe(exc: BaseException) -> str | None:
@@ -35,7 +35,9 @@ def describe(exc: BaseException) -> str | None:
     if any(m in text for m in _NO_GPU_MARKS):
         return f"{GPU_REMEDY} ({_first_line(exc)})"
     if isinstance(exc, FluxrtError):
-        return f"{type(exc).__name__}: {_first_line(exc)}"
+        more = len(str(exc).strip().splitlines()) - 1
+        tail = f" [{more} more line(s): FLUXRT_DEBUG=DEBUG shows them]" if more > 0 else ""
+        return f"{type(exc).__name__}: {_first_line(exc)}{tail}"
     return None
 
 
