@@ -4,15 +4,103 @@ Every rank runs its own argument checks first (:func:`local`), then all ranks ex
 the call and the outcome of those checks over MPI (:func:`agree`). A rank whose checks failed thereby
 makes every rank raise, instead of the others waiting in the exchange or, later, in a device wait; and
 ranks that called with different arguments all raise CollectiveMismatchError before anything launches.
+
+The exchange is bounded (:func:`exchange`): point-to-point messages on the world's own duplicate of its
+communicator, polled until the world's timeout (``WorldOptions.timeout_s``, FLUXRT_TIMEOUT_S). A rank
+that never makes the call -- crashed, stuck, or took another branch -- makes the others raise
+AgreementTimeoutError naming it, instead of waiting in an MPI collective forever. After a timeout the
+ranks are out of step: that world's next exchanges raise at once, and the job should end (an exception
+leaving ``with fluxrt.init()`` aborts it).
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
-from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError
+from .errors import AgreementTimeoutError, CollectiveArgumentError, CollectiveMismatchError, FluxrtError
 
 if TYPE_CHECKING:
     from .world import World
+
+
+TAG = 0x7F1A          # the exchange's messages (on the world's agree_comm when it has one)
+SPIN_S = 0.002        # busy-poll this long, then poll every POLL_S (ranks may share few cores)
+POLL_S = 0.0005
+_orphans: list = []   # sends left pending by a timed-out exchange (their buffers must outlive them)
+
+
+_KEY = "fluxrt.agreement"
+_doubles: dict = {}   # the state of worlds without a registry (test doubles), by id
+
+
+class _State:
+    """A world's count of exchanges, and why it is out of step (after a timeout)."""
+
+    def __init__(self):
+        self.seq, self.broken = 0, None
+
+
+def _state(world) -> _State:
+    registry = getattr(world, "registry", None)
+    if registry is None:
+        return _doubles.setdefault(id(world), _State())
+    return registry.get_or_create(_KEY, _State)
+
+
+def _comm(world):
+    return getattr(world, "agree_comm", None) or world.comm
+
+
+def exchange(world: World, name: str, payload) -> list:
+    """Every rank's `payload`, by rank, like ``comm.allgather`` but bounded by the world's timeout: raises
+    AgreementTimeoutError naming the ranks that did not arrive, and CollectiveMismatchError when a rank is
+    at another call (a different count of exchanges or op name). A communicator without point-to-point
+    messages (a test double) is asked for its ``allgather``."""
+    st = _state(world)
+    if st.broken:
+        raise FluxrtError(f"{name}: {st.broken}")
+    comm = _comm(world)
+    if not hasattr(comm, "iprobe"):
+        return comm.allgather(payload)
+    from mpi4py import MPI
+
+    me, size = comm.Get_rank(), comm.Get_size()
+    st.seq = seq = st.seq + 1
+    timeout = float(world.options.timeout_s)
+    msg = (seq, name, payload)
+    sends = [comm.isend(msg, dest=r, tag=TAG) for r in range(size) if r != me]
+    got = {me: msg}
+    pending = [r for r in range(size) if r != me]
+    start = time.monotonic()
+    deadline = start + timeout
+    while True:
+        still = []
+        for r in pending:
+            if comm.iprobe(source=r, tag=TAG):
+                got[r] = comm.recv(source=r, tag=TAG)
+            else:
+                still.append(r)
+        pending = still
+        sent = MPI.Request.Testall(sends)
+        if not pending and sent:
+            break
+        now = time.monotonic()
+        if now > deadline:
+            _orphans.extend(sends)
+            peers = [r for r in range(size) if r != me]
+            missing = pending or [r for r, req in zip(peers, sends) if not req.Test()] or peers
+            st.broken = (f"an earlier call ({name}, #{seq}) timed out waiting for rank(s) {missing}; "
+                                   "this world's ranks are out of step")
+            raise AgreementTimeoutError(name, getattr(world, "rank", me), missing, timeout)
+        if now - start > SPIN_S:
+            time.sleep(POLL_S)
+    behind = [(r, s, n) for r, (s, n, _) in sorted(got.items()) if (s, n) != (seq, name)]
+    if behind:
+        detail = "; ".join(f"rank {r} at #{s} ({n})" for r, s, n in behind)
+        raise CollectiveMismatchError(f"{name}: ranks are out of step: this rank (rank {me}) is at call #{seq} "
+                                      f"({name}), {detail}; every rank must make the same collective calls in "
+                                      "the same order")
+    return [got[r][2] for r in range(size)]
 
 
 def _signature_text(sig: tuple) -> str:
@@ -53,7 +141,7 @@ def agree(world: World, name: str, sig: tuple, error: Exception | None, extra=No
             raise error
         return [extra]
     local_text = None if error is None else f"{type(error).__name__}: {error}"
-    every = world.comm.allgather((sig, local_text, extra))
+    every = exchange(world, name, (sig, local_text, extra))
     failed = [(r, e) for r, (_, e, _) in enumerate(every) if e]
     if failed:
         if error is not None:

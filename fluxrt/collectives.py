@@ -46,12 +46,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import collectives_plan as plan
+from . import log as _log
 from . import tuning_tables
 from .agreement import agree as _agree
 from .agreement import local as _local
 from .arrays import as_array
 from .dtypes import bfloat16, normalize_dtype
 from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, NotSymmetricError, op_id
+from .nvtx import annotate as _nvtx
 from .packed_launch import PackedLaunch
 from .streams import as_cupy_stream
 
@@ -320,6 +322,9 @@ class Collectives:
         launches = self._fast.get(key) if key is not None else None
         if launches is None:
             launches, out = plan_call(s)
+            if log.isEnabledFor(_log.TRACE):
+                _log.trace(log, "rank %s: %d launch(es) %s", self.world.rank, len(launches),
+                           ", ".join(f"{getattr(p.kernel, 'name', 'kernel')}<<<{p.grid}, {p.block}>>>" for p in launches))
             result = out if result is None else result
             if key is not None:
                 if len(self._fast) >= _FAST_CACHE_ENTRIES:
@@ -359,6 +364,7 @@ class Collectives:
         return tuple(launches)
 
     # --- reductions -------------------------------------------------------------------------------
+    @_nvtx("allreduce")
     def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
         """out = x[rank 0] op x[rank 1] op ... (elementwise; fp32 accumulation in rank order, so every rank
         gets bitwise the same result). out=None allocates; out=x is in place."""
@@ -399,6 +405,7 @@ class Collectives:
             launches.append(self._launch(name, p.grid, args, block=plan.block_threads(chosen, self.tuning)))
         return tuple(launches), o
 
+    @_nvtx("reduce_scatter")
     def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
                        algo: str = "auto"):
         """x holds world.size chunks of equal size; rank r gets the reduction of every rank's chunk r.
@@ -445,6 +452,7 @@ class Collectives:
         return launches, o
 
     # --- data movement ----------------------------------------------------------------------------
+    @_nvtx("allgather")
     def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
         """out = concat(x of rank 0, x of rank 1, ...) (out=None: shape (n * x.shape[0], ...)). In place:
         x = out[r * x.size : (r + 1) * x.size] (flattened)."""
@@ -495,6 +503,7 @@ class Collectives:
 
         return self._exchange_launches("allgather", chosen, c, isz, lay, table), o
 
+    @_nvtx("alltoall")
     def alltoall(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
         """x holds world.size equal chunks; chunk q goes to rank q, and out's chunk p comes from rank p.
         out=None: same shape as x; out=x is in place."""
@@ -540,6 +549,7 @@ class Collectives:
 
         return self._exchange_launches("alltoall", chosen, c, isz, lay, table), o
 
+    @_nvtx("alltoallv")
     def alltoallv(self, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
                   max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):
         """Rank r sends send_counts[q] elements (from x at send_displs[q], default: packed in rank order)
@@ -627,6 +637,7 @@ class Collectives:
 
         return self._exchange_launches("alltoallv", chosen, largest, isz, lay, table), o
 
+    @_nvtx("broadcast")
     def broadcast(self, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
         """Every rank gets root's x. out=None: in place (x is overwritten on the other ranks), as
         torch.distributed.broadcast; otherwise out receives it on every rank, root included."""
@@ -747,6 +758,7 @@ def broadcast(world: World, x, out=None, *, root: int = 0, stream=None, async_op
     return context(world).broadcast(x, out, root=root, stream=stream, async_op=async_op, algo=algo)
 
 
+@_nvtx("barrier")
 def barrier(world: World, stream=None) -> None:
     """Stream-ordered barrier across every rank (bounded; a timeout surfaces at the next check)."""
     world.barrier(stream)

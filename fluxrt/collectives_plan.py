@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 
 from . import tuning_tables
+
+_log = logging.getLogger("fluxrt.collectives")
 
 # Mirrors of kernels/comm/collectives.cu.
 MAX_BLOCKS = 128      # kMaxBlocks: flag slots per (phase, source rank)
@@ -249,6 +252,18 @@ def _ceil_div(a: int, b: int) -> int:
 
 def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direct_ok: bool = False,
                 tuning: Tuning = DEFAULT_TUNING, overlaps: bool = False, half_bytes: int | None = None) -> str:
+    """The algorithm `op` uses for an `nbytes` message; see :func:`_choose_algo`. Logged at INFO
+    (FLUXRT_DEBUG=INFO) with the sizes it was chosen for."""
+    chosen = _choose_algo(op, nbytes, world_size, algo, direct_ok, tuning, overlaps, half_bytes)
+    if _log.isEnabledFor(logging.INFO):
+        _log.info("%s: %d bytes on %d ranks (%d per pair) -> algo %s (%s%s%s)", op, nbytes, world_size,
+                  pair_bytes(op, nbytes, world_size), chosen, "auto" if algo == "auto" else "forced",
+                  ", symmetric output" if direct_ok else "", ", in place" if overlaps else "")
+    return chosen
+
+
+def _choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direct_ok: bool = False,
+                 tuning: Tuning = DEFAULT_TUNING, overlaps: bool = False, half_bytes: int | None = None) -> str:
     """The algorithm `op` uses for an `nbytes` message (`algo` forces one, for measurement).
 
     'push' stages through the workspace; 'direct' pushes straight into the peers' outputs and needs

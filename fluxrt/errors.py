@@ -70,6 +70,16 @@ class WaitTimeoutError(FluxrtError, TimeoutError):
             f"the peer may have crashed, be slower than FLUXRT_TIMEOUT_S, or skipped the call")
 
 
+class AgreementTimeoutError(FluxrtError, TimeoutError):
+    """Ranks did not all reach a collective call's host-side argument exchange within the world's timeout."""
+
+    def __init__(self, op: str, rank: int, missing: list[int], timeout_s: float):
+        self.op, self.rank, self.missing, self.timeout_s = op, rank, list(missing), timeout_s
+        super().__init__(
+            f"{op}: rank {rank} waited {timeout_s:g} s for rank(s) {self.missing} to make the same call; they "
+            "may have crashed, be stuck, or skipped the call (ranks are now out of step: end the job)")
+
+
 class _OpRegistry:
     """Small integers that kernels write into the error record instead of op names."""
 

@@ -14,15 +14,24 @@ work, CUDA's and MPI's helpers); Open MPI binds each of 1 or 2 ranks to a single
 a 2-rank run that stalled a rank's host thread for milliseconds (fused-op timings on 2 GPUs read 2-4x
 too slow, and the peer waited). ``--bind-to core|socket|numa`` asks the launcher for that binding;
 ``--bind-to launcher`` leaves the launcher's own default.
+
+Errors end the job: a Python command runs as ``python -m mpi4py ...`` (an uncaught exception on one rank
+calls MPI_Abort instead of leaving its peers waiting), and FLUXRT_ABORT_ON_EXCEPTION=1 makes any program
+that imports fluxrt do the same (``--no-abort-on-exception``: neither). SIGINT/SIGTERM/SIGHUP sent to
+fluxrt-run are forwarded to the launcher, which ends the ranks; fluxrt-run returns its exit status.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+
+from .fatal import one_line_errors
 
 SAFE_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "PYTHONUNBUFFERED": "1"}
@@ -30,6 +39,37 @@ PASS_PREFIXES = ("FLUXRT_", "NVSHMEM_", "NCCL_", "CUDA_", "CUPY_")
 PASS_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 BIND_CHOICES = ("none", "core", "socket", "numa", "launcher")
 _SRUN_BIND = {"none": "none", "core": "cores", "socket": "sockets", "numa": "ldoms"}
+
+
+FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+# interpreter options before the script / -m / -c: those that take a value, and those that do not
+_PY_VALUE_OPTS = {"-W", "-X", "--check-hash-based-pycs"}
+_PY_FLAG = re.compile(r"^-[bBdEhiIOPqsSuvVx]+$")
+
+
+def _is_python(program: str) -> bool:
+    return re.fullmatch(r"python(\d+(\.\d+)*)?", os.path.basename(program)) is not None
+
+
+def with_mpi4py_runner(command: list[str]) -> list[str]:
+    """``python [opts] script|-m mod|-c cmd ...`` as ``python [opts] -m mpi4py script|-m mod|-c cmd ...``
+    (mpi4py's runner aborts the MPI job on an uncaught exception). Other commands come back unchanged."""
+    if not command or not _is_python(command[0]):
+        return list(command)
+    i = 1
+    while i < len(command):
+        a = command[i]
+        if a in _PY_VALUE_OPTS:
+            i += 2
+        elif a.startswith(("-W", "-X")) and len(a) > 2 or _PY_FLAG.match(a) and a not in ("-h", "-V", "-i"):
+            i += 1
+        else:
+            break
+    if i >= len(command) or command[i] in ("-h", "--help", "-V", "--version", "-i"):
+        return list(command)
+    if command[i:i + 2] == ["-m", "mpi4py"]:
+        return list(command)
+    return command[:i] + ["-m", "mpi4py"] + command[i:]
 
 
 @dataclass
@@ -56,6 +96,8 @@ def exported_env(args, base_env) -> dict[str, str]:
         env["NVSHMEM_SYMMETRIC_SIZE"] = args.heap
     if args.timeout is not None:
         env["FLUXRT_TIMEOUT_S"] = str(args.timeout)
+    if getattr(args, "abort_on_exception", True):
+        env.setdefault("FLUXRT_ABORT_ON_EXCEPTION", "1")
     for item in args.env:
         if "=" not in item:
             raise SystemExit(f"fluxrt-run: --env needs NAME=VALUE, got {item!r}")
@@ -109,7 +151,10 @@ def build(args, base_env=None, euid=None) -> Plan:
         argv += args.mpi_args
     # Resolve the program here: remote daemons search their own PATH, which may pick another python3.
     program = shutil.which(args.command[0], path=base_env.get("PATH")) or args.command[0]
-    return Plan(argv=argv + [program, *args.command[1:]], env={**base_env, **env})
+    command = [program, *args.command[1:]]
+    if getattr(args, "abort_on_exception", True):
+        command = with_mpi4py_runner(command)
+    return Plan(argv=argv + command, env={**base_env, **env})
 
 
 def parser() -> argparse.ArgumentParser:
@@ -131,11 +176,57 @@ def parser() -> argparse.ArgumentParser:
                     help="CPU binding of ranks (default none: a rank's host threads must not share one core; "
                          "'launcher' keeps the launcher's default)")
     ap.add_argument("--mpi-args", action="append", default=[], metavar="ARG", help="extra argument for mpirun")
+    ap.add_argument("--no-abort-on-exception", dest="abort_on_exception", action="store_false",
+                    help="do not run Python commands under `python -m mpi4py` nor set FLUXRT_ABORT_ON_EXCEPTION=1 "
+                         "(an uncaught exception on one rank then leaves the others running)")
     ap.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
     return ap
 
 
+def run(argv: list[str], env: dict[str, str], grace_s: float = 30.0) -> int:
+    """Run the launcher, forwarding SIGINT/SIGTERM/SIGHUP to it (never SIGKILL: it must end its ranks),
+    and return its exit status (128 + signal when a signal ended it). A second signal is forwarded too;
+    only when the launcher outlives `grace_s` after the first one does it get SIGTERM again."""
+    proc = subprocess.Popen(argv, env=env)
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {}
+    for name in FORWARDED_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            try:
+                previous[sig] = signal.signal(sig, forward)
+            except ValueError:   # not the main thread: no forwarding
+                pass
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=grace_s if received else None)
+                break
+            except subprocess.TimeoutExpired:
+                print(f"fluxrt-run: {argv[0]} still running {grace_s:g} s after a signal; sending SIGTERM",
+                      file=sys.stderr)
+                proc.terminate()
+                received.clear()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code < 0:
+        return 128 - code
+    if code == 0 and received:
+        return 128 + received[0]
+    return code
+
+
+@one_line_errors("fluxrt-run")
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.command and args.command[0] == "--":
@@ -146,7 +237,10 @@ def main(argv=None) -> int:
 
         print(shlex.join(plan.argv))
         return 0
-    return subprocess.call(plan.argv, env=plan.env)
+    if not shutil.which(plan.argv[0], path=plan.env.get("PATH")):
+        raise SystemExit(f"fluxrt-run: {plan.argv[0]}: not found (install Open MPI or MPICH, e.g. "
+                         "pip install 'fluxrt[mpich]', or pass --mpirun)")
+    return run(plan.argv, plan.env)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .arrays import as_array
+from .nvtx import annotate as _nvtx
 from .streams import as_cupy_stream
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ def _check_transfer(world: World, verb: str, mode: str, modes: tuple, peer: int,
     return ptr, nbytes
 
 
+@_nvtx("put")
 def put(world: World, dst, src, peer: int, *, mode: str = "sm", stream=None, flag_ptr: int = 0,
         flag_value: int = 0, blocks: int | None = None) -> None:
     """Copy local `src` into `dst`'s copy on `peer` (dst: a symmetric array or view). If `flag_ptr` is
@@ -121,6 +123,7 @@ def put(world: World, dst, src, peer: int, *, mode: str = "sm", stream=None, fla
                   stream=s)
 
 
+@_nvtx("get")
 def get(world: World, dst, src, peer: int, *, mode: str = "copy_engine", stream=None) -> None:
     """Copy `src`'s copy on `peer` (src: a symmetric array or view) into local `dst`, stream-ordered:
     work after it on `stream` sees the data (a read completes only when the bytes are here).

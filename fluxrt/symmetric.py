@@ -142,7 +142,9 @@ class SymmetricHeap:
         if not self.world.options.check_collective_args or self.world.size == 1:
             return
         mine = (shape, dtype.str)
-        every = self.world.comm.allgather(mine)
+        from .agreement import exchange
+
+        every = exchange(self.world, "world.empty", mine)   # bounded by the world's timeout
         if any(s != mine for s in every):
             detail = ", ".join(f"rank {r}: shape={s[0]} dtype={np.dtype(s[1])}" for r, s in enumerate(every))
             raise CollectiveMismatchError(f"symmetric allocation differs across ranks ({detail}); "

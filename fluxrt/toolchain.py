@@ -324,6 +324,12 @@ def build_all(options: CompileOptions = CompileOptions()) -> list[Path]:
 
 
 def main(argv=None) -> int:
+    from .fatal import one_line_errors
+
+    return one_line_errors("python -m fluxrt.toolchain")(_main)(argv)
+
+
+def _main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m fluxrt.toolchain",

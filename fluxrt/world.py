@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import log as _log
 from . import signals
 from .errors import ERROR_RECORD_WORDS, DeviceError, NvshmemInitError, decode_error_record
+from .nvtx import annotate as _nvtx
 from .registry import Registry
 from .streams import stream_handle
 from .symmetric import SymmetricHeap, parse_bytes
@@ -40,11 +42,17 @@ class WorldOptions:
     timeout_s: bound of every device-side wait; a wait that expires raises WaitTimeoutError.
     check_collective_args: compare collective arguments (allocation shape/dtype, ...) across ranks
         over MPI before acting on them.
+    abort_on_error: an exception leaving ``with fluxrt.init()`` on a multi-rank world logs the error and
+        calls ``MPI_Abort(comm, 1)``, ending every rank, instead of the collective finalize (which would
+        wait forever for ranks still inside their own work). False (or FLUXRT_ABORT_ON_ERROR=0): finalize
+        anyway, for programs that catch the error on every rank themselves.
     """
 
     heap_size: str | int | None = None
     timeout_s: float = field(default_factory=lambda: float(os.environ.get("FLUXRT_TIMEOUT_S", "30")))
     check_collective_args: bool = True
+    abort_on_error: bool = field(default_factory=lambda: os.environ.get("FLUXRT_ABORT_ON_ERROR", "1").strip().lower()
+                                 not in ("0", "false", "no", "off"))
 
 
 def _node_communicator(comm):
@@ -86,6 +94,9 @@ class World:
         node = _node_communicator(comm)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
+        from mpi4py import MPI
+
+        _log.set_rank(MPI.COMM_WORLD.Get_rank())   # FLUXRT_DEBUG_FILE's %r
 
         dev, reason = _select_device(self.local_rank, self.local_size, device)
         failures = [(r, why) for r, why in enumerate(comm.allgather(reason)) if why]
@@ -94,6 +105,8 @@ class World:
         self.device_id = dev
         self.device = cupy.cuda.Device(dev)
         self.device.use()
+        # fluxrt.agreement's bounded exchanges: their own communicator, apart from the application's messages
+        self.agree_comm = comm.Dup()
 
         self._finalized = False
         self._boot_nvshmem()
@@ -161,6 +174,10 @@ class World:
             nvshmem.finalize()
         finally:
             cupy.cuda.runtime.freeHost(self._error_host)
+            try:
+                self.agree_comm.Free()
+            except Exception as e:
+                log.warning("rank %d: freeing the agreement communicator failed: %s", self.rank, e)
             if _active is self:
                 _active = None
         log.info("rank %d: NVSHMEM finalized", self.rank)
@@ -172,7 +189,10 @@ class World:
     def __enter__(self) -> "World":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exit_action(self, exc_type, exc) == "abort":
+            abort_job(self, exc_type, exc, tb)   # returns only where Abort does (tests' fake communicators)
+            return
         self.finalize()
 
     def __repr__(self) -> str:
@@ -205,6 +225,7 @@ class World:
         return signals.SignalPad(self, slots)
 
     # --- synchronization -----------------------------------------------------------------------
+    @_nvtx("world.barrier")
     def barrier(self, stream=None) -> None:
         """Stream-ordered barrier across all ranks (a bounded device kernel; errors surface at
         ``synchronize``/``check_errors``)."""
@@ -236,6 +257,54 @@ class World:
         """Raise NvshmemInitError when this world has been finalized."""
         if self._finalized:
             raise NvshmemInitError("this world has been finalized; call fluxrt.init() again")
+
+
+def exit_action(world, exc_type, exc) -> str:
+    """What leaving ``with fluxrt.init()`` does: 'finalize' (collective: every rank must get there) or
+    'abort' (MPI_Abort): an exception on a multi-rank world with options.abort_on_error. The peers of a rank
+    that raised may never reach the collective finalize (they wait in a collective, or are themselves
+    stuck), so that rank ends the job rather than wait for them. sys.exit(0) / SystemExit(None) is a normal
+    exit."""
+    if exc_type is None:
+        return "finalize"
+    if issubclass(exc_type, SystemExit) and (exc is None or exc.code in (None, 0)):
+        return "finalize"
+    if getattr(world, "size", 1) <= 1 or not world.options.abort_on_error:
+        return "finalize"
+    return "abort"
+
+
+def abort_job(world, exc_type, exc, tb) -> None:
+    """Log the error (once, with its traceback), flush, and MPI_Abort the world's communicator with
+    errorcode 1 (a SystemExit's own integer code when it has one)."""
+    import sys
+    import traceback
+
+    code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+    text = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
+    msg = (f"fluxrt: rank {world.rank}/{world.size}: {exc_type.__name__} inside `with fluxrt.init()`; "
+           f"aborting the job (MPI_Abort, errorcode {code}) instead of a collective finalize that the other "
+           f"ranks may never reach\n{text}")
+    if _has_handler(log) and log.isEnabledFor(logging.ERROR):
+        log.error("%s", msg)
+    else:   # no logging configured: stderr (once; logging's last-resort handler would drop the rank)
+        print(msg, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    world.comm.Abort(code)
+
+
+def _has_handler(logger: logging.Logger) -> bool:
+    while logger is not None:
+        if logger.handlers:
+            return True
+        if not logger.propagate:
+            return False
+        logger = logger.parent
+    return False
 
 
 def init(comm=None, device: int | None = None, options: WorldOptions | None = None) -> World:

@@ -85,6 +85,12 @@ def _shape(s: str):
 
 
 def main(argv=None) -> int:
+    from ..fatal import one_line_errors
+
+    return one_line_errors("python -m fluxrt.gemm")(_main)(argv)
+
+
+def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fluxrt.gemm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)

@@ -1,13 +1,16 @@
 """The GEMM launch: checks, plan, kernel, tensor maps and arguments of one call, then the launch."""
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 
 
 from ..arrays import as_array
 from ..dtypes import normalize_dtype
+from .. import log as _log
 from ..errors import GemmArgumentError, GemmTypeError
+from ..nvtx import annotate as _nvtx
 from ..packed_launch import PackedLaunch
 from ..streams import as_cupy_stream, stream_handle
 from .checks import WRITTEN
@@ -23,6 +26,8 @@ from .tmaps import order_table as _order_table
 from .split_k import check_split
 from .split_k import prepare as prepare_split
 from .tmaps import tensor_map as _tensor_map
+
+log = logging.getLogger("fluxrt.gemm")
 
 
 def _as_device_array(x, name: str):
@@ -71,6 +76,11 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
             raise GemmArgumentError(f"gemm: ShardCopy needs {plan.smem_bytes(out_dt, shard_copy=True)} B of shared "
                                     f"memory with this plan (its copier's buffer), more than {SMEM_LIMIT_BYTES} B: "
                                     "use fewer stages or per-consumer C staging")
+    if log.isEnabledFor(logging.INFO):   # a new launch only: the fast path of repeated calls never gets here
+        hooks = [h for h, on in (("wait", wait), ("epilogue", epilogue), ("reduce", red), ("copy", copy),
+                                 ("a_bands", a_bands), ("c_bands", c_bands)) if on is not None]
+        log.info("gemm M=%d N=%d K=%d %s->%s trans_b=%s hooks=%s: %r", m, n, k, in_dt, out_dt, bool(trans_b),
+                 ",".join(hooks) or "none", plan)
 
     import cupy
 
@@ -249,6 +259,7 @@ def _fast_gemm(a, b, out, trans_b, stream, plan, out_dtype):
     return out
 
 
+@_nvtx("gemm")
 def gemm(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
          out_dtype: str | None = None):
     """``out = a @ b`` (``b`` is [K, N]) or ``a @ b.T`` (``trans_b=True``, ``b`` is [N, K]).

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from .. import p2p, signals
 from ..errors import op_id
+from ..nvtx import annotate as _nvtx
 from ..gemm import BANDS_C, ArrivalWait, RowBands, ShardCopy, gemm_with_hooks
 from ..gemm.plan import SMEM_LIMIT_BYTES
 from ..streams import as_cupy_stream
@@ -140,6 +141,7 @@ class AllGatherGemm:
         return a
 
     # --- the op -------------------------------------------------------------------------------------
+    @_nvtx("ag_gemm.forward")
     def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False):
         """C [M, N] = allgather(a_shard) @ b (b.T with trans_b). Stream-ordered on `stream`.
 

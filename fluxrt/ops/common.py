@@ -3,6 +3,7 @@ kernels/ops/tp_ops.cu, stream joins and padded-row copies. Operands come in thro
 go through fluxrt.signals."""
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,6 +15,8 @@ from .plan import MAX_WORLD, OpsArgumentError, capacity_rows, check_rows, padded
 
 if TYPE_CHECKING:
     from ..world import World
+
+log = logging.getLogger("fluxrt.ops")
 
 KERNEL_SOURCE = "ops/tp_ops.cu"
 INPUT_DTYPES = ("bfloat16", "float16")
@@ -78,6 +81,9 @@ def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, tra
                       "plan": repr(obj.plan)}
 
     checked_on_every_rank(world, f"{op}()", local_checks)
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s(max_m=%d, n=%d, k=%d, %s, trans_b=%s) on %d ranks: %r", op, obj.max_m, obj.n, obj.k, obj.dtype,
+                 obj.trans_b, world.size, obj.plan)
 
 
 def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bool):
@@ -217,4 +223,7 @@ def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, re
             prepare_gemm(op.world, g, op.dtype, out_dtype, op.trans_b, wait_hook, epilogue_hook, reduce_hook, copy,
                          bands)
         op._gplans[(m, bands)] = g
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s: rank %d, %d padded rows (bands %d): GEMM plan %r", type(op).__name__, op.world.rank, m,
+                     bands, g)
     return g

@@ -47,6 +47,7 @@ import numpy as np
 
 from .. import signals
 from ..errors import op_id
+from ..nvtx import annotate as _nvtx
 from ..gemm import BANDS_A, ChunkReduce, RowBands, TileDestinations, TileEpilogue, gemm_with_hooks, reduce_hook_id
 from ..streams import as_cupy_stream
 from . import common
@@ -124,6 +125,7 @@ class GemmReduceScatter:
         self._op_reduce = op_id("gemm_rs.reduce")
         self._op_tiles = "gemm_rs.tiles"
 
+    @_nvtx("gemm_rs.forward")
     def forward(self, a, b, out=None, stream=None):
         """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered."""
         world = self.world

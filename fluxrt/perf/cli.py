@@ -46,6 +46,12 @@ def usage() -> str:
 
 
 def main(argv=None) -> int:
+    from ..fatal import one_line_errors
+
+    return one_line_errors("fluxrt-perf")(_main)(argv)
+
+
+def _main(argv=None) -> int:
     import importlib
 
     argv = list(sys.argv[1:] if argv is None else argv)

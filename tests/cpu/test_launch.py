@@ -16,7 +16,8 @@ def test_openmpi_exports_safety_env_and_passes_program_args():
     p = plan(["-n", "4", "--mpirun", "/opt/mpi/bin/mpirun", "--mpi-flavor", "openmpi", "--heap", "4G",
               "--timeout", "7", "--", "python3", "app.py", "-n", "9"])
     assert p.argv[:3] == ["/opt/mpi/bin/mpirun", "-n", "4"]
-    assert p.argv[-3:] == ["app.py", "-n", "9"] and p.argv[-4].endswith("python3")
+    assert p.argv[-3:] == ["app.py", "-n", "9"] and p.argv[-6].endswith("python3")
+    assert p.argv[-5:-3] == ["-m", "mpi4py"]   # an uncaught exception on a rank aborts the job
     exported = {p.argv[i + 1] for i, a in enumerate(p.argv) if a == "-x"}
     assert {"NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_SYMMETRIC_SIZE",
             "FLUXRT_TIMEOUT_S", "NCCL_DEBUG", "PATH"} <= exported
