@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..collectives_plan import ALGO_PAIRS as _ALGO_PAIRS
 from ..dtypes import normalize_dtype
 from .baselines import machine, nccl_communicator, nccl_datatype
 from .report import Row, Table, plot, progress, results_document, write_json
@@ -286,9 +287,12 @@ def sweep(world: World, op: str, opts: SweepOptions, runners, root: int, out=Non
         for run in runners:
             wrong = _check(world, run, case, stream) if opts.check else None
             t = _time_us(world, run, case, stream, opts)
+            algo = run.algo_name(case)
+            scheme, algorithm = _ALGO_PAIRS.get((op, algo), ("", "")) if run.name == "fluxrt" else ("", "")
             line.append(Row.measured(nbytes=nbytes, count=nbytes // esize, dtype=opts.datatype, redop=redop,
-                                     impl=run.name, algo=run.algo_name(case), time_us=t, busbw_factor=factor,
-                                     wrong=wrong, root=root if op == "broadcast" else -1))
+                                     impl=run.name, algo=algo, time_us=t, busbw_factor=factor,
+                                     wrong=wrong, root=root if op == "broadcast" else -1,
+                                     scheme=scheme, algorithm=algorithm))
         table.add(line)
     table.footer()
     if symmetric:

@@ -54,15 +54,18 @@ class Row:
     busbw: float
     wrong: int | None = None
     root: int = -1
+    scheme: str = ""     # fluxrt's algo as a (scheme, algorithm) pair (collectives_plan.ALGO_PAIRS); "" elsewhere
+    algorithm: str = ""
 
     @classmethod
     def measured(cls, *, nbytes: int, count: int, dtype: str, redop: str, impl: str, algo: str,
                  time_us: float, busbw_factor: float, wrong: int | None = None,
-                 root: int = -1) -> "Row":
+                 root: int = -1, scheme: str = "", algorithm: str = "") -> "Row":
         """A row with algbw and busbw derived from the time, so no caller gets the units wrong."""
         algbw = algbw_gbps(nbytes, time_us)
         return cls(bytes=nbytes, count=count, dtype=dtype, redop=redop, impl=impl, algo=algo,
-                   time_us=time_us, algbw=algbw, busbw=algbw * busbw_factor, wrong=wrong, root=root)
+                   time_us=time_us, algbw=algbw, busbw=algbw * busbw_factor, wrong=wrong, root=root,
+                   scheme=scheme, algorithm=algorithm)
 
 
 # (name, unit, width) of the columns shared by all implementations, then of each implementation's block.
