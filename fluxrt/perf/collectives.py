@@ -134,9 +134,7 @@ class FluxrtRunner:
                  tuning=None):
         import fluxrt
 
-        from ..collectives_plan import DEFAULT_TUNING
-
-        options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes, tuning=tuning or DEFAULT_TUNING)
+        options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes, tuning=tuning)  # None: the machine's table
         self.ctx = fluxrt.Collectives(world, options)
         self.op, self.algo, self.redop, self.root, self.n = op, algo, redop, root, world.size
         self.symmetric = symmetric
