@@ -78,10 +78,79 @@ class CollectivesOptions:
     The default, 256 MiB of the symmetric heap per rank (plus the LL buffer, a few MiB), is the workspace
     the default tuning was measured with: a smaller one costs bandwidth on large messages (smaller ring
     entries, more launches).
-    tuning: algorithm thresholds and grid sizes (``collectives_plan.Tuning``; the same on every rank)."""
+    tuning: algorithm thresholds and grid sizes (``collectives_plan.Tuning``; the same on every rank).
+    None (the default): the table of the machine the world runs on (``machine_tuning_kind``: GPU model and
+    whether all pairs are NVLink peers), else ``tuning_tables.DEFAULT_KIND``'s."""
 
     workspace_bytes: int = tuning_tables.TUNED_WORKSPACE_BYTES
-    tuning: plan.Tuning = plan.DEFAULT_TUNING
+    tuning: plan.Tuning | None = None
+
+
+def _local_machine_facts(device_id: int) -> tuple[str, str]:
+    """(GPU name, PCI bus id) of this rank's device."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return name, cupy.cuda.runtime.deviceGetPCIBusId(device_id)
+
+
+def _nvlink_peers(device_id: int, bus_ids: list[str]) -> bool | None:
+    """Whether this rank's GPU reaches every other GPU of `bus_ids` over NVLink (native peer atomics, which
+    PCIe P2P lacks); None where a peer's GPU is not visible here or the query fails."""
+    import cupy
+    from cuda.bindings import runtime as cr
+
+    mine = cupy.cuda.runtime.deviceGetPCIBusId(device_id)
+    try:
+        for bus in bus_ids:
+            if bus == mine:
+                continue
+            peer = cupy.cuda.runtime.deviceGetByPCIBusId(bus)
+            err, value = cr.cudaDeviceGetP2PAttribute(
+                cr.cudaDeviceP2PAttr.cudaDevP2PAttrNativeAtomicSupported, device_id, peer)
+            if err != cr.cudaError_t.cudaSuccess:
+                return None
+            if not value:
+                return False
+    except Exception:  # a peer GPU hidden by CUDA_VISIBLE_DEVICES: cannot tell
+        return None
+    return True
+
+
+def machine_tuning_kind(gpu_names: list[str], nvlink: list[bool | None]) -> tuple[str, str]:
+    """The tuning table for a job whose ranks have `gpu_names` and report `nvlink` (each rank: NVLink to every
+    other rank's GPU; None: unknown). Returns (kind, why). The same lists on every rank give the same kind.
+    Mixed GPU models or an unknown link fall back to ``tuning_tables.DEFAULT_KIND``."""
+    if not gpu_names or len(set(gpu_names)) != 1:
+        return tuning_tables.DEFAULT_KIND, f"mixed or no GPU models {sorted(set(gpu_names))}: the default table"
+    if any(v is None for v in nvlink):
+        return tuning_tables.DEFAULT_KIND, f"{gpu_names[0]}, NVLink between ranks unknown: the default table"
+    all_nvlink = all(nvlink)
+    kind = tuning_tables.machine_kind(gpu_names[0], all_nvlink)
+    return kind, f"{len(gpu_names)} x {gpu_names[0]}, {'all' if all_nvlink else 'not all'} pairs NVLink"
+
+
+def _machine_tuning(world: World) -> plan.Tuning:
+    """The default Tuning of `world`'s machine (collective: every rank makes the same calls and gets the same
+    table; a rank that cannot query its GPU makes the job fall back to the default table)."""
+    try:
+        mine = _local_machine_facts(world.device_id)
+    except Exception as e:
+        log.info("collectives: GPU not identified (%s)", e)
+        mine = None
+    facts = world.comm.allgather(mine)
+    link = None
+    if all(facts):
+        try:
+            link = _nvlink_peers(world.device_id, [bus for _, bus in facts])
+        except Exception as e:  # cuda.bindings missing or too old
+            log.info("collectives: NVLink between ranks not determined (%s)", e)
+    links = world.comm.allgather(link)
+    kind, why = machine_tuning_kind([f[0] for f in facts if f], links if all(facts) else [None])
+    if world.rank == 0:
+        log.info("collectives: tuning table %r (%s)", kind, why)
+    return plan.Tuning.for_machine(kind)
 
 
 class CollectiveHandle:
@@ -211,7 +280,7 @@ class Collectives:
         self.epoch = cupy.zeros(1, dtype=np.uint64)  # round counter (kernels: begin_round)
         self.workspace = world.empty((ws,), np.uint8)
         self.flags = world.zeros((plan.FLAG_PHASES * n * plan.MAX_BLOCKS,), np.uint64)  # all zero: no round yet
-        self.tuning = options.tuning
+        self.tuning = options.tuning if options.tuning is not None else _machine_tuning(world)
         self.ll = world.zeros((self.tuning.ll_buffer_bytes(n),), np.uint8)  # LL lines: zero = empty
         self.ll_half_bytes = self.ll.nbytes // 2
         unreachable = [r for r in range(n) if self.workspace.peer_ptr(r) == 0]

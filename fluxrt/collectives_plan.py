@@ -242,6 +242,39 @@ ALGOS = {
 }
 
 
+# An algorithm name is a (scheme, algorithm) pair (kernels/comm/collectives.cu's table): the transfer scheme
+# (staged, ll, ll12, pipelined, ring) and what it runs, "<kernel collective>[: <variant>]" where the kernel
+# collective is the table's column (allreduce, reduce-scatter, exchange, allgather). The flat names above
+# stay the API (algo=, --algo); the pairs are for logs and the perf JSON.
+_EXCHANGE_PAIRS = {"ll": ("ll", "exchange"), "push": ("staged", "exchange: push"),
+                   "direct": ("staged", "exchange: direct"), "pipe": ("pipelined", "exchange: pipe"),
+                   "pairwise": ("pipelined", "exchange: pairwise")}
+ALGO_PAIRS: dict[tuple[str, str], tuple[str, str]] = {
+    ("allreduce", "ll"): ("ll", "allreduce: one-shot"),
+    ("allreduce", "oneshot"): ("staged", "allreduce: one-shot"),
+    ("allreduce", "twoshot"): ("staged", "allreduce: reduce-scatter+allgather"),
+    ("allreduce", "pipe"): ("pipelined", "allreduce: reduce-scatter+allgather"),
+    ("allreduce", "ll12"): ("ll12", "allreduce: one-shot"),
+    ("allreduce", "ll12_twoshot"): ("ll12", "allreduce: reduce-scatter+allgather"),
+    ("allreduce", "ring"): ("ring", "allreduce: reduce-scatter+allgather"),
+    ("reduce_scatter", "ll"): ("ll", "reduce-scatter"),
+    ("reduce_scatter", "push"): ("staged", "reduce-scatter"),
+    ("reduce_scatter", "pipe"): ("pipelined", "reduce-scatter"),
+    ("reduce_scatter", "ring"): ("ring", "reduce-scatter"),
+    ("allgather", "ring"): ("ring", "allgather"),
+    **{(op, a): _EXCHANGE_PAIRS[a] for op in ("allgather", "alltoall", "alltoallv", "broadcast")
+       for a in ALGOS[op] if a in _EXCHANGE_PAIRS},
+}
+
+
+def algo_pair(op: str, algo: str) -> tuple[str, str]:
+    """(scheme, algorithm) of `op` run with the algorithm named `algo` (a name choose_algo returns)."""
+    try:
+        return ALGO_PAIRS[(op, algo)]
+    except KeyError:
+        raise ValueError(f"{op}: no (scheme, algorithm) pair for algo {algo!r}") from None
+
+
 def _floor(x: int, unit: int) -> int:
     return x - x % unit
 
@@ -609,9 +642,11 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
     half = tuning.ll_buffer_bytes(world_size) // 2 if a in LL_ALGOS else half_bytes
     lay = layout(op, a, half, world_size, itemsize)
     ps = pieces(op, a, count, itemsize, world_size, lay, tuning)
-    return {"algo": a, "launches": len(ps), "grid": ps[0].grid if ps else 0, "slot_bytes": lay.slot_bytes}
+    scheme, algorithm = algo_pair(op, a)
+    return {"algo": a, "scheme": scheme, "algorithm": algorithm, "launches": len(ps),
+            "grid": ps[0].grid if ps else 0, "slot_bytes": lay.slot_bytes}
 
 
-__all__ = ["ALGOS", "PIPE_ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
+__all__ = ["ALGOS", "ALGO_PAIRS", "algo_pair", "PIPE_ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
            "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
            "bulk_grid", "ring_slices", "ring_step", "ring_geometry", "RingGeometry", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]

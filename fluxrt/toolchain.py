@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -193,8 +194,26 @@ def _nvshmem_root() -> Path:
 # nvidia/cu13/, CUDA 12 wheels into nvidia/cuda_nvcc/. nvcc.profile finds cicc and the headers relative
 # to its own bin/, so the binary runs from there as is.
 _PIP_NVCC_DIRS = ("nvidia/cu13/bin", "nvidia/cuda_nvcc/bin")
-NVCC_REMEDY = ('pip install "cuda-toolkit[nvcc]==13.*" (fluxrt\'s "nvcc" extra), or put a CUDA toolkit\'s '
+NVCC_REMEDY = ('pip install "cuda-toolkit[nvcc,cccl]==13.*" (fluxrt\'s "nvcc" extra), or put a CUDA toolkit\'s '
                'nvcc on PATH, or set CUDA_HOME')
+# The NVSHMEM device headers include CCCL (<cuda/std/...>). pip's nvcc finds it in nvidia/cu13/include/cccl
+# (nvcc.profile's -isystem), where the nvidia-cuda-cccl wheel puts it: cuda-toolkit[cccl], which
+# nvidia-nvshmem-cu13 also pulls in.
+_MISSING_HEADER_REMEDIES = (
+    ("cuda/", 'CCCL headers (<cuda/std/...>) missing: pip install "cuda-toolkit[cccl]==13.*" (nvidia-cuda-cccl; '
+              'part of fluxrt\'s "nvcc" extra), or use a CUDA toolkit\'s nvcc'),
+    ("nvshmem", "NVSHMEM headers missing: pip install nvidia-nvshmem-cu13 (a dependency of nvshmem4py-cu13)"),
+)
+
+
+def missing_header_hint(stderr: str) -> str:
+    """What to install when nvcc stopped on a missing header ("fatal error: cuda/std/cstdint: No such file")."""
+    hints = []
+    for m in re.finditer(r"fatal error: ([^\s:]+): No such file", stderr):
+        for prefix, remedy in _MISSING_HEADER_REMEDIES:
+            if m.group(1).startswith(prefix) and remedy not in hints:
+                hints.append(remedy)
+    return "\n".join(hints)
 
 
 def _site_dirs() -> list[str]:
@@ -279,7 +298,8 @@ def compile_nvshmem_cubin(source: str | os.PathLike, options: CompileOptions = C
             cmd.insert(1, "-lineinfo")
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise CompileError(f"nvcc failed on {src}:\n{' '.join(cmd)}\n{res.stderr}")
+            hint = missing_header_hint(res.stderr)
+            raise CompileError(f"nvcc failed on {src}:\n{' '.join(cmd)}\n{res.stderr}" + (f"\n{hint}" if hint else ""))
         from cuda.core import Linker, LinkerOptions, ObjectCode
 
         try:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..collectives_plan import ALGO_PAIRS as _ALGO_PAIRS
 from ..dtypes import normalize_dtype
 from .baselines import (device_info, library_versions, machine, nccl_communicator, nccl_datatype,
                         nccl_registration)
@@ -170,9 +171,7 @@ class FluxrtRunner:
                  tuning=None):
         import fluxrt
 
-        from ..collectives_plan import DEFAULT_TUNING
-
-        options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes, tuning=tuning or DEFAULT_TUNING)
+        options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes, tuning=tuning)  # None: the machine's table
         self.ctx = fluxrt.Collectives(world, options)
         self.op, self.algo, self.redop, self.root, self.n = op, algo, redop, root, world.size
         self.symmetric = symmetric
@@ -350,10 +349,13 @@ def sweep(world: World, op: str, opts: SweepOptions, runners, out=None, symmetri
                         continue
                     wrong = _check(world, run, case, stream) if opts.check else None
                     times = _rank_times_us(world, run, case, stream, opts)
+                    algo = run.algo_name(case)
+                    scheme, algorithm = _ALGO_PAIRS.get((op, algo), ("", "")) if run.name == "fluxrt" else ("", "")
                     line.append(Row.measured(nbytes=nbytes, count=nbytes // esize, dtype=dt, redop=redop,
-                                             impl=run.name, algo=run.algo_name(case),
+                                             impl=run.name, algo=algo,
                                              time_us=reduce_over_ranks(times, opts.average), busbw_factor=factor,
-                                             wrong=wrong, root=root, inplace=ip, stats=rank_stats(times)))
+                                             wrong=wrong, root=root, inplace=ip, stats=rank_stats(times),
+                                             scheme=scheme, algorithm=algorithm))
             table.add(line)
         if symmetric:
             world.free(out_full)

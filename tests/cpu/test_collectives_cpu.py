@@ -769,3 +769,67 @@ def test_pairwise_alltoall_choice():
         plan.choose_algo("alltoall", 1 << 30, 4, "pairwise", overlaps=True)
     with pytest.raises(ValueError, match="pairwise_depth"):
         plan.Tuning(pairwise_depth=1)
+
+
+def _scheme_table() -> list[tuple[str, str, list[str], list[str]]]:
+    """collectives.cu's comment table: (scheme, collective, expanded entry points, names in parentheses)."""
+    text = (kernel_root() / "comm" / "collectives.cu").read_text()
+    rows = []
+    for m in re.finditer(r"^//\s+(staged|ll12|ll|pipelined|ring)\s+(allreduce|reduce-scatter|exchange|allgather)"
+                         r"\s+(\S+)(?:\s+\(([^)]*)\))?\s+\S+\.cuh\s*$", text, re.M):
+        entry, names = m.group(3), [n.strip() for n in (m.group(4) or "").split(",") if n.strip()]
+        brace = re.search(r"\{([^}]*)\}", entry)
+        entries = ([entry[:brace.start()] + alt + entry[brace.end():] for alt in brace.group(1).split(",")]
+                   if brace else [entry])
+        rows.append((m.group(1), m.group(2), entries, names))
+    return rows
+
+
+def _kernel_name(op: str, algo: str) -> str:
+    """The entry point collectives.py launches for (op, algo), dtype/op suffix left as '*'."""
+    if op == "allreduce":
+        return f"fluxrt_allreduce_{algo}_*"
+    if op == "reduce_scatter":
+        return "fluxrt_reduce_scatter_" + {"ll": "ll_", "pipe": "pipe_", "ring": "ring_"}.get(algo, "") + "*"
+    if op == "allgather" and algo == "ring":
+        return "fluxrt_allgather_ring"
+    return {"ll": "fluxrt_exchange_ll", "pipe": "fluxrt_exchange_pipe", "pairwise": "fluxrt_exchange_pipe"}.get(
+        algo, "fluxrt_exchange")
+
+
+def test_every_algorithm_name_is_a_scheme_algorithm_pair_of_the_kernel_table():
+    """Each name the planner can choose (auto or forced) has a (scheme, algorithm) pair, the pair's scheme and
+    kernel collective are a row of collectives.cu's table, and that row's entry point is the kernel
+    collectives.py launches for the name (and names it, where the row lists names)."""
+    table = _scheme_table()
+    assert len(table) == 13, table  # every row of the table parsed
+    assert set(plan.ALGO_PAIRS) == {(op, a) for op, names in plan.ALGOS.items() for a in names}
+    for (op, algo), (scheme, algorithm) in plan.ALGO_PAIRS.items():
+        assert plan.algo_pair(op, algo) == (scheme, algorithm)
+        collective = algorithm.split(":")[0]
+        rows = [r for r in table if r[:2] == (scheme, collective)]
+        assert len(rows) == 1, (op, algo, scheme, collective)
+        _, _, entries, names = rows[0]
+        assert _kernel_name(op, algo) in entries, (op, algo, entries)
+        if names:
+            assert algo in names, (op, algo, names)
+    with pytest.raises(ValueError, match="no .scheme, algorithm. pair"):
+        plan.algo_pair("allreduce", "push")
+
+
+@pytest.mark.parametrize("op", list(plan.ALGOS))
+@pytest.mark.parametrize("nbytes", [64, 4 << 10, 200 << 10, 2 << 20, 64 << 20, 1 << 30])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_describe_shows_the_pair_of_the_chosen_algorithm(op, nbytes, n):
+    for direct_ok in (False, True):
+        d = plan.describe(op, max(1, nbytes // 4 // n), 4, n, 64 << 20, direct_ok=direct_ok, nbytes=nbytes)
+        assert (d["scheme"], d["algorithm"]) == plan.ALGO_PAIRS[(op, d["algo"])]
+
+
+def test_perf_rows_carry_the_pair():
+    r = Row.measured(nbytes=1024, count=256, dtype="float", redop="sum", impl="fluxrt", algo="twoshot",
+                     time_us=10.0, busbw_factor=1.5, scheme="staged", algorithm="allreduce: reduce-scatter+allgather")
+    d = dataclasses.asdict(r)
+    assert (d["scheme"], d["algorithm"]) == ("staged", "allreduce: reduce-scatter+allgather")
+    assert Row.measured(nbytes=1, count=1, dtype="float", redop="sum", impl="nccl", algo="nccl", time_us=1.0,
+                        busbw_factor=1.0).scheme == ""

@@ -129,7 +129,7 @@ def test_cuda_pathfinder_is_the_last_resort(no_system_nvcc, tmp_path):
 
 
 def test_missing_nvcc_names_the_pip_package(no_system_nvcc):
-    with pytest.raises(CompileError, match=r'pip install "cuda-toolkit\[nvcc\]==13\.\*"'):
+    with pytest.raises(CompileError, match=r'pip install "cuda-toolkit\[nvcc,cccl\]==13\.\*"'):
         toolchain.nvcc_path()
 
 
@@ -206,3 +206,60 @@ def test_device_library_kernels_use_no_local_memory(source, defines):
         allowed = {k: (512 if k == "fluxrt_exchange_pipe" else 256 if "_pipe_" in k else 0) for k in stack}
         over = {k: v for k, v in stack.items() if int(v) > allowed[k]}
         assert stack and not over, over
+
+
+def test_missing_header_hint_names_the_wheel():
+    cccl = "/x/nvshmem_common_transport.h:5:10: fatal error: cuda/std/cstdint: No such file or directory\n"
+    assert "cuda-toolkit[cccl]==13.*" in toolchain.missing_header_hint(cccl)
+    nvshmem = "kernels/comm/nvshmem_p2p.cu:3:10: fatal error: nvshmem.h: No such file or directory\n"
+    assert "nvidia-nvshmem-cu13" in toolchain.missing_header_hint(nvshmem)
+    assert toolchain.missing_header_hint(cccl * 2).count("cccl]") == 1
+    assert toolchain.missing_header_hint("error: identifier \"x\" is undefined") == ""
+
+
+def test_nvcc_extra_brings_the_cccl_headers_nvshmem_includes():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("cuda-toolkit[") and "cccl" in r.split("]")[0] for r in extras["nvcc"])
+
+
+def _pip_only_env(tmp_path):
+    """The environment of a GPU node with pip's toolchain only: no /usr/local or CUDA dir on PATH, no CUDA_HOME
+    (pointed at an empty dir so the /usr/local/cuda default is not probed either)."""
+    import shutil
+    import sys
+
+    path = os.pathsep.join([str(Path(sys.executable).parent)] +
+                           [d for d in os.environ.get("PATH", "").split(os.pathsep)
+                            if d and not d.startswith("/usr/local") and "cuda" not in d.lower()])
+    if shutil.which("nvcc", path=path):
+        return None, path
+    return {"PATH": path, "HOME": os.environ.get("HOME", str(tmp_path)), "CUDA_HOME": str(tmp_path / "no-cuda"),
+            "FLUXRT_CACHE_DIR": str(tmp_path / "pip-cache")}, path
+
+
+@needs_nvrtc
+def test_pip_toolchain_alone_builds_the_nvshmem_kernel(tmp_path):
+    """`pip install ".[nvcc]"` is enough for the NVSHMEM device-API kernel (README's promise): with no CUDA
+    toolkit in sight, nvcc comes from pip's nvidia/cu13/bin, CCCL from nvidia-cuda-cccl, libnvshmem_device.a
+    from nvidia-nvshmem-cu13, and nvJitLink from nvidia-nvjitlink. Skipped unless this interpreter has pip's nvcc
+    (a venv made with the nvcc extra) and a host compiler."""
+    import shutil
+    import subprocess
+    import sys
+
+    if toolchain._pip_nvcc() is None:
+        pytest.skip("no pip nvcc in this environment (pip install '.[nvcc]')")
+    env, path = _pip_only_env(tmp_path)
+    if env is None or not shutil.which("g++", path=path):
+        pytest.skip("an nvcc outside /usr/local is on PATH, or no g++")
+    repo = Path(toolchain.__file__).resolve().parents[1]
+    script = ("import fluxrt.toolchain as t\n"
+              "assert t.nvcc_path() == t._pip_nvcc(), t.nvcc_path()\n"
+              "print(t.compile_nvshmem_cubin('comm/nvshmem_p2p.cu', t.CompileOptions(arch='sm_90a')))\n"
+              "print(t.compile_cubin('comm/p2p.cu', t.CompileOptions(arch='sm_90a')))\n")
+    res = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    cubins = res.stdout.split()
+    assert len(cubins) == 2 and all(Path(c).read_bytes()[:4] == b"\x7fELF" for c in cubins)
