@@ -158,6 +158,21 @@ def generic_table(rows) -> list[str]:
     return table(cols, [[fmt(c, r.get(c, "")) for c in cols] for r in rows])
 
 
+def gemm_suite_table(data: dict) -> list[str]:
+    """A GEMM shape-suite run: its summary, then per shape cuBLAS and fluxrt (eager, graph), the ratios
+    (cuBLAS time / fluxrt time) and the plan fluxrt ran."""
+    summ = data.get("summary") or {}
+    lines = [f"- summary: {', '.join(f'{k} {num(v)}' for k, v in summ.items())}", ""] if summ else []
+    header = ["M", "N", "K", "W", "layer", "cuBLAS eager ms", "fluxrt eager ms", "ratio eager", "cuBLAS graph ms",
+              "fluxrt graph ms", "ratio graph", "host us fluxrt / cuBLAS", "plan"]
+    rows = [[r.get("m"), r.get("n"), r.get("k"), r.get("layout"), r.get("label"), num(r.get("cublas_eager_ms", "")),
+             num(r.get("fluxrt_eager_ms", "")), num(r.get("ratio_eager", "")), num(r.get("cublas_graph_ms", "")),
+             num(r.get("fluxrt_graph_ms", "")), num(r.get("ratio_graph", "")),
+             f"{num(r.get('fluxrt_host_us', ''))} / {num(r.get('cublas_host_us', ''))}", r.get("plan", r.get("error", ""))]
+            for r in data.get("rows", []) if isinstance(r, dict)]
+    return lines + table(header, rows)
+
+
 def section(key: str, path: Path, data: dict) -> list[str]:
     rows = data.get("rows") if "rows" in data else data.get("ms", [])
     lines = [f"### {key}", "",
@@ -172,6 +187,8 @@ def section(key: str, path: Path, data: dict) -> list[str]:
     lines.append("")
     if kind(key, data) == "sweep" and rows and isinstance(rows, list):
         lines += sweep_table(rows)
+    elif data.get("bench") == "gemm-suite":
+        lines += gemm_suite_table(data)
     else:
         lines += generic_table(rows)
     return lines + [""]
