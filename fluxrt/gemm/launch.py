@@ -5,26 +5,23 @@ import logging
 import threading
 from collections import OrderedDict
 
-
 from ..arrays import as_array
 from ..dtypes import normalize_dtype
-from .. import log as _log
 from ..errors import GemmArgumentError, GemmTypeError
 from ..nvtx import annotate as _nvtx
 from ..packed_launch import PackedLaunch
 from ..streams import as_cupy_stream, stream_handle
-from .checks import WRITTEN
-from .checks import (_band_stride, _check_bands_plan, _check_copy, _check_hooks, _check_reduce, _check_tail, _ptr,
-                     _validate)
+from .checks import (WRITTEN, _band_stride, _check_bands_plan, _check_copy, _check_hooks, _check_reduce, _check_tail,
+                     _ptr, _validate)
 from .hooks import ArrivalWait, RowBands, ShardCopy, TileEpilogue, band_bits
 from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
-from .params import new_params
+from .params import gemm_params
 from .plan import ITEMSIZE as _ITEMSIZE
-from .plan import SMEM_LIMIT_BYTES, GemmPlan, plan_gemm
-from .tmaps import NULL_TMAP as _NULL_TMAP
-from .tmaps import order_table as _order_table
+from .plan import SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plan_gemm
 from .split_k import check_split
 from .split_k import prepare as prepare_split
+from .tmaps import NULL_TMAP as _NULL_TMAP
+from .tmaps import order_table as _order_table
 from .tmaps import tensor_map as _tensor_map
 
 log = logging.getLogger("fluxrt.gemm")
@@ -126,7 +123,7 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
         tmap_a = _tensor_map(a.data.ptr, in_dt, a_bands.rows if a_bands else m, k, plan.block_k, plan.block_m,
                              bands=bands if a_bands else None)
         tmap_own = (_tensor_map(own.data.ptr, in_dt, own.shape[0], k, plan.block_k, plan.block_m)
-                    if own is not None else _NULL_TMAP)
+                    if own is not None else None)
         if trans_b:   # with a cluster each CTA loads (and multicasts) block_n / cluster rows of B
             tmap_b = _tensor_map(b.data.ptr, in_dt, n, k, plan.block_k, plan.block_n // plan.cluster)
         else:
@@ -144,12 +141,9 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
         grid = plan.grid(m, n, _num_sms(dev), _max_clusters(kern, plan, smem, dev))
         # one timeout report per kernel: hook 1's, else hook 3's (_check_reduce: equal when both)
         timed = wait if wait is not None else red
-        params = new_params()
-        g = params["gemm"]
-        g["tmap_a"], g["tmap_b"], g["tmap_c"] = tmap_a, tmap_b, tmap_c
-        g["order_table"], g["c_direct"] = _ptr(table), c_direct
-        g["m"], g["n"], g["k"], g["group_m"], g["m_tile_offset"] = m, n, k, plan.group_m, plan.m_tile_offset % mt
-        g["chunk_rows"], g["chunks_per_peer"] = chunk_rows, wait.chunks_per_peer if wait else 1
+        params = gemm_params(tmap_a=tmap_a, tmap_b=tmap_b, tmap_c=tmap_c, order_table=_ptr(table), c_direct=c_direct,
+                            m=m, n=n, k=k, group_m=plan.group_m, m_tile_offset=plan.m_tile_offset % mt,
+                            chunk_rows=chunk_rows, chunks_per_peer=wait.chunks_per_peer if wait else 1)
         if timed is not None:
             t = params["timeout"]
             t["timeout_ns"], t["err"], t["rank"] = timed.timeout_ns, _ptr(timed.err), timed.rank
@@ -161,26 +155,25 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
             e["dst_tmaps"], e["flag_table"] = _ptr(dst_tmaps), _ptr(epilogue.flag_table)
             e["signal_value"], e["flag_group_n"] = epilogue.signal_value, epilogue.flag_group_n
             e["signal_add"] = 1 if epilogue.signal_add else 0
-        r = params["reduce"]
-        r["chunk"] = -1
         if red is not None:   # hook 3
+            r = params["reduce"]
             r["chunk"], r["partials"], r["source_bytes"], r["ld"] = red.chunk, _ptr(red.partials), red.source_bytes, red.ld
             r["sources"], r["flags"], r["flag_stride"], r["group_n"] = red.sources, _ptr(red.flags), red.flag_stride, \
                 red.group_n
             r["epoch"], r["op_id"] = red.epoch, red.op_id
             if red.where == "tail":
                 params["tail"]["out"], params["tail"]["counter"] = red_out.data.ptr, _ptr(red.counter)
-        c = params["copy"]
-        c["tmap_a_own"] = tmap_own
         if copy is not None:   # hook 4
-            c["row0"], c["rows"], c["counters"] = copy.row0, own.shape[0], _ptr(copy.counters)
+            c = params["copy"]
+            c["tmap_a_own"], c["row0"], c["rows"], c["counters"] = tmap_own, copy.row0, own.shape[0], \
+                _ptr(copy.counters)
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
 
 def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPlan:
     """A plain GEMM's plan: the autotune cache's, else the heuristic's; with FLUXRT_GEMM_AUTOTUNE=1 a problem
     not in the cache is tuned first (never inside a stream capture, which a tuning run would break)."""
-    from .autotune import autotune, autotune_on, plan_for, tuned_plan
+    from .autotune import autotune, autotune_on, tuned_plan
 
     try:
         import cupy
@@ -188,13 +181,13 @@ def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPl
         dev = cupy.cuda.runtime.getDevice()
         sms = _num_sms(dev)
     except Exception:   # no usable GPU: the launch fails later with CUDA's own error
-        return plan_for(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b)
+        return heuristic_plan(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b)
     tuned = tuned_plan(m, n, k, in_dt, out_dt, trans_b, dev)
     if tuned is not None:
         return tuned
     if autotune_on() and not cupy.cuda.get_current_stream().is_capturing():
         return autotune(a, b, out, trans_b=trans_b, out_dtype=out_dtype).plan
-    return plan_for(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b, device_id=dev, num_sms=sms)
+    return heuristic_plan(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b, num_sms=sms)
 
 
 def _launch(a, b, out, *, stream, **kw):
@@ -239,10 +232,8 @@ def _fast_gemm(a, b, out, trans_b, stream, plan, out_dtype):
             dt = normalize_dtype(dt)
         except (TypeError, ValueError) as e:
             raise GemmTypeError(f"gemm: out_dtype {out_dtype!r}: {e}") from e
-        m = a.shape[0] if a.ndim == 2 else 0
-        n = (b.shape[0] if trans_b else b.shape[1]) if b.ndim == 2 else 0
-        with cupy.cuda.Device(a.data.device_id):
-            out = cupy.empty((m, n), dtype=dt)
+        with cupy.cuda.Device(a.data.device_id):   # gemm() sends only 2-D operands here
+            out = cupy.empty((a.shape[0], b.shape[0] if trans_b else b.shape[1]), dtype=dt)
     sptr = stream.ptr if type(stream) is cupy.cuda.Stream else _stream_ptr(stream)
     key = (_array_key(a), _array_key(b), _array_key(out), a.data.device_id, cupy.cuda.runtime.getDevice(),
            trans_b, plan, out_dtype, sptr)

@@ -73,5 +73,16 @@ def new_params() -> np.ndarray:
     return np.zeros((1,), dtype=PARAMS)
 
 
+def gemm_params(**gemm) -> np.ndarray:
+    """A Params with the given GemmArgs fields (tmap_a, m, n, k, ...), every hook off (zero) and no reduced
+    chunk (reduce.chunk = -1): what a launch fills its hooks' fields into."""
+    params = new_params()
+    g = params["gemm"]
+    for name, value in gemm.items():
+        g[name] = value
+    params["reduce"]["chunk"] = -1
+    return params
+
+
 __all__ = ["PARAMS", "GEMM_ARGS", "TIMEOUT_ARGS", "WAIT_ARGS", "EPILOGUE_ARGS", "REDUCE_ARGS", "TAIL_ARGS",
-           "COPY_ARGS", "leaf_fields", "new_params"]
+           "COPY_ARGS", "gemm_params", "leaf_fields", "new_params"]

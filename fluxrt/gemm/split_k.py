@@ -18,9 +18,9 @@ from ..errors import GemmArgumentError
 from ..packed_launch import PackedLaunch
 from .hooks import BANDS_C
 from .kernel import OUT_IDS, _kernel, _num_sms, kernel_defines
-from .params import new_params
+from .params import gemm_params
 from .plan import ITEMSIZE, GemmPlan
-from .tmaps import NULL_TMAP, tensor_map, tensor_map_nd
+from .tmaps import tensor_map, tensor_map_nd
 
 REDUCE_SOURCE = "gemm/splitk_reduce.cu"
 REDUCE_NAME = "fluxrt_splitk_reduce"
@@ -110,15 +110,9 @@ def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_d
     else:
         tmap_b = tensor_map_nd(b.data.ptr, in_dt, (n, ks, splits), (n * item, ks * n * item), (64, plan.block_k, 1))
     tmap_c = tensor_map(ws.data.ptr, "float32", m, n, 128 // 4, 64, bands=splits)
-    params = new_params()
-    g = params["gemm"]
-    g["tmap_a"], g["tmap_b"], g["tmap_c"] = tmap_a, tmap_b, tmap_c
-    g["order_table"], g["c_direct"] = 0, 0
     mt, _ = plan.tiles(rows, n)
-    g["m"], g["n"], g["k"], g["group_m"], g["m_tile_offset"] = rows, n, ks, plan.group_m, plan.m_tile_offset % mt
-    g["chunk_rows"], g["chunks_per_peer"] = m_pad, 1
-    params["reduce"]["chunk"] = -1
-    params["copy"]["tmap_a_own"] = NULL_TMAP
+    params = gemm_params(tmap_a=tmap_a, tmap_b=tmap_b, tmap_c=tmap_c, m=rows, n=n, k=ks, group_m=plan.group_m,
+                        m_tile_offset=plan.m_tile_offset % mt, chunk_rows=m_pad, chunks_per_peer=1)
     grid = plan.grid(rows, n, _num_sms(dev))
     gemm = PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem)
     vecs = m * n // 4
