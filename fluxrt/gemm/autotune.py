@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import GemmArgumentError
+from ..toolchain import _atomic_write
 from .plan import H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plain_plans, split_plans
 
 log = logging.getLogger("fluxrt.gemm")
@@ -122,10 +123,7 @@ def store(path: Path, entries: dict) -> None:
     with _file_lock(path):
         merged = _read(path)
         merged.update(entries)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"format": 1, "plans": merged}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        _atomic_write(path, json.dumps({"format": 1, "plans": merged}, indent=1, sort_keys=True).encode())
     with _lock:
         _tables[path] = merged
     from .launch import clear_launch_cache
