@@ -34,24 +34,6 @@ def parse_shape(s: str) -> tuple[int, int, int]:
     return tuple(parts)
 
 
-def cublas_gemm_ex(a, b, c, trans_b: bool) -> None:
-    """Row-major C = A @ B (or A @ B^T) through cublasGemmEx, fp32 compute (fallback when cupy.matmul
-    does not take the dtype). Column-major view: C^T[N,M] = B^T[N,K] @ A^T[K,M]."""
-    import cupy
-    from cupy.cuda import cublas
-
-    m, k = a.shape
-    n = c.shape[1]
-    dt = 14 if a.dtype.name == "bfloat16" else 2          # CUDA_R_16BF / CUDA_R_16F
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    cublas.gemmEx(handle, cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N,
-                  n, m, k, one.ctypes.data, b.data.ptr, dt, k if trans_b else n, a.data.ptr, dt, k,
-                  zero.ctypes.data, c.data.ptr, dt, n, 68, -1)   # CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
-
-
 def describe(plan) -> str:
     """One-line plan text of the table and the JSON rows. The C staging mode shows as a suffix of the
     epilogue ("epi=tma/shared"); per-consumer staging (the default) keeps the older "epi=tma"."""
@@ -158,6 +140,7 @@ def main(argv=None) -> int:
 
     from fluxrt.gemm import gemm
     from fluxrt.gemm.plan import plan_gemm
+    from fluxrt.perf.baselines import cublas_gemm
 
     np_dt = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float16)
     dev = cupy.cuda.Device()
@@ -196,7 +179,7 @@ def main(argv=None) -> int:
             if use_matmul:
                 cupy.matmul(a, b.T if args.trans_b else b, out=c)
             else:
-                cublas_gemm_ex(a, b, c, args.trans_b)
+                cublas_gemm(a, b, c, args.trans_b, cupy.cuda.get_current_stream().ptr)()
 
         def run_fluxrt(a, b, c, plan=plan):
             gemm(a, b, c, trans_b=args.trans_b, plan=plan)

@@ -66,7 +66,11 @@ def main(argv=None) -> int:
     ap.add_argument("--symmetric", action="store_true", help="symmetric inputs and outputs (direct paths)")
     ap.add_argument("--no-nccl", action="store_true")
     args = ap.parse_args(argv)
-    opts = SweepOptions.from_args(args)
+    # the slowest rank's time (-a 3), as every tuning job of docs/tuning.md measured; one type, op and root
+    opts = dataclasses.replace(SweepOptions.from_args(args), average=3)
+    if "all" in (opts.datatype, opts.op, opts.root) or opts.blocking or opts.register:
+        ap.error("tune_collectives.py times one datatype, op and root (-d/-o/-r all are sweep-only) and takes "
+                 "neither -z nor -R")
     configs = [(c, *parse_config(c)) for c in (args.config or ["algo=auto"])]
     dtype = normalize_dtype(opts.datatype)
     esize = dtype.itemsize

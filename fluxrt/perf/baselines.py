@@ -1,6 +1,10 @@
-"""What every GPU sweep shares: the machine record of a results file and the NCCL baseline's
-communicator (made from a unique id broadcast over the world's MPI communicator) and datatypes."""
+"""What every GPU sweep shares: the machine record of a results file, the NCCL baseline's communicator
+(made from a unique id broadcast over the world's MPI communicator) and datatypes, and the cuBLAS GEMM
+baseline of the GEMM benchmarks."""
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
 
 from typing import TYPE_CHECKING
 
@@ -123,3 +127,66 @@ def nccl_registration(register: int) -> tuple[bool, str | None]:
                        "does not call it yet; NCCL runs on unregistered buffers")
     return False, (f"-R {register}: NCCL {kind} registration not possible: nccl4py is not importable "
                    "(cupy.cuda.nccl has no registration call); NCCL runs on unregistered buffers")
+
+
+_cublas_lib = None
+_cublas_handles: dict = {}
+
+
+def _cublas():
+    """libcublas through ctypes: CuPy's binding refuses to run while a stream is being captured."""
+    global _cublas_lib
+    if _cublas_lib is None:
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+
+            path = load_nvidia_dynamic_lib("cublas").abs_path
+        except Exception:
+            path = ctypes.util.find_library("cublas") or "libcublas.so.13"
+        lib = ctypes.CDLL(path)
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        _cublas_lib = lib
+    return _cublas_lib
+
+
+def _cublas_handle(device: int):
+    """One handle per device, with a workspace of its own so that cuBLAS allocates nothing during a capture."""
+    entry = _cublas_handles.get(device)
+    if entry is None:
+        import cupy
+
+        lib, h = _cublas(), ctypes.c_void_p()
+        if lib.cublasCreate_v2(ctypes.byref(h)):
+            raise RuntimeError("cublasCreate failed")
+        ws = cupy.empty((32 << 20,), dtype=cupy.uint8)
+        lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.data.ptr), ws.nbytes)
+        entry = _cublas_handles[device] = (h, ws)
+    return entry[0]
+
+
+def cublas_gemm(a, w, c, trans_b: bool, stream_ptr: int):
+    """A callable that runs row-major ``c = a @ w`` (``w`` [K, N]) or ``a @ w.T`` (``trans_b``, ``w`` [N, K])
+    through cublasGemmEx (fp32 compute, default algorithm) on ``stream_ptr``: what cupy.matmul runs, with the
+    arguments converted once. The device's handle is bound to the stream here, so make the callable right
+    before its calls. Column-major view: C^T[N, M] = W^T @ A^T."""
+    lib = _cublas()
+    handle = _cublas_handle(a.data.device_id)
+    m, k = a.shape
+    n = c.shape[1]
+    cdt = {"bfloat16": 14, "float16": 2}[a.dtype.name]          # CUDA_R_16BF / CUDA_R_16F
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    args = (handle, 1 if trans_b else 0, 0, n, m, k, ctypes.byref(one), ctypes.c_void_p(w.data.ptr), cdt,
+            k if trans_b else n, ctypes.c_void_p(a.data.ptr), cdt, k, ctypes.byref(zero),
+            ctypes.c_void_p(c.data.ptr), cdt, n, 68, -1)        # CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
+    lib.cublasSetStream_v2(handle, ctypes.c_void_p(stream_ptr))
+
+    def run() -> None:
+        status = lib.cublasGemmEx(*args)
+        if status:
+            raise RuntimeError(f"cublasGemmEx failed with status {status} (M={m}, N={n}, K={k})")
+
+    run.keepalive = (one, zero)   # the scalars cuBLAS reads through pointers
+    return run

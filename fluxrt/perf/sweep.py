@@ -163,15 +163,15 @@ def normalize_op(name: str) -> str:
 
 
 def parse_root(text) -> int | str:
-    """``-r``: a rank (int >= 0) or "all" (every rank in turn, for ops with a root)."""
-    if str(text).strip().lower() == "all":
+    """``-r``: a rank (int >= 0), or -1 / "all" (nccl-tests' -1: every rank in turn, for ops with a root)."""
+    if str(text).strip().lower() in ("all", "-1"):
         return "all"
     try:
         root = int(text)
     except (TypeError, ValueError):
-        raise ValueError(f"invalid root {text!r}: expected a rank (0, 1, ...) or all") from None
+        raise ValueError(f"invalid root {text!r}: expected a rank (0, 1, ...), -1 or all") from None
     if root < 0:
-        raise ValueError(f"invalid root {text!r}: must be >= 0")
+        raise ValueError(f"invalid root {text!r}: must be >= 0, or -1 for every root")
     return root
 
 
@@ -359,7 +359,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="threads per process: only 1")
     g.add_argument("-G", "--graph", "--cudagraph", dest="graph_iters", type=int, metavar="N",
                    default=d["graph_iters"].default,
-                   help="capture this many iterations in a CUDA graph and time replays; 0 = off "
+                   help="capture the -n calls in a CUDA graph and time N replays of it; 0 = eager calls "
                         "(default: %(default)s)")
     g.add_argument("--json", dest="json_path", metavar="PATH", default=None,
                    help="write the results as JSON to PATH")
