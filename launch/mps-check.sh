@@ -18,12 +18,15 @@ trap 'echo quit | nvidia-cuda-mps-control' EXIT
 cd "$tree"
 export PYTHONPATH=$tree${PYTHONPATH:+:${PYTHONPATH#"$tree":}}
 timeout 120 python3 -m fluxrt.toolchain > "$OUT/build.log" 2>&1; echo "== build rc=$?"
-# shellcheck disable=SC2086
-mpirun_args=(${FLUXRT_MPIRUN_ARGS:---oversubscribe} -x CUDA_MPS_PIPE_DIRECTORY -x FLUXRT_TEST_DEVICE -x FLUXRT_CACHE_DIR -x PYTHONPATH)
-for f in ${MPS_FILES:-world p2p ops collectives}; do
+fail=0
+for f in ${MPS_FILES:-world p2p ops collectives}; do   # fluxrt-run passes CUDA_*, FLUXRT_* and PYTHONPATH to the ranks
   limit_var="MPS_LIMIT_${f^^}"
-  timeout -k 5 "${!limit_var:-${MPS_LIMIT:-150}}" mpirun "${mpirun_args[@]}" -n "${MPS_RANKS:-2}" python3 -m pytest \
-    "tests/gpu/test_$f.py" -q -p no:cacheprovider --color=no -rs ${MPS_PYTEST_ARGS:-} > "$OUT/$f.log" 2>&1
-  echo "== $f rc=$?"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${!limit_var:-${MPS_LIMIT:-150}}" python3 -m fluxrt.launch --oversubscribe -n "${MPS_RANKS:-2}" -- \
+    python3 -m pytest "tests/gpu/test_$f.py" -q -p no:cacheprovider --color=no -rs ${MPS_PYTEST_ARGS:-} > "$OUT/$f.log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && fail=1
+  echo "== $f rc=$rc"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.log" | tail -"${MPS_TAIL:-8}"
 done
+exit $fail
