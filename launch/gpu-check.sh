@@ -11,7 +11,7 @@
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
 # collectives ops tune gemmsuite (TEST_FILES narrows the test step, SWEEP_OPS the collective sweeps; tune runs
 # perf/tune_collectives.py candidates, TUNE_SETS of "fabric small mid large"; gemmsuite times the GEMM shape
-# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT, GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT (eager collective sweeps: 420 s default, they time in-place calls too), GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -65,7 +65,7 @@ fi
 if want collectives; then
   for n in "${bench_ranks[@]}"; do
     for op in ${SWEEP_OPS:-allreduce allgather reduce_scatter alltoall}; do
-      TAIL=40 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 -e 1G -f 2 \
+      TAIL=40 step "$op-np$n" "${BENCH_LIMIT:-420}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -b 8 -e 1G -f 2 \
         -n 20 -w 5 -c 1 -d bf16 --heap 8G --no-progress --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
     done
     for op in ${SWEEP_OPS:-allreduce allgather reduce_scatter alltoall}; do

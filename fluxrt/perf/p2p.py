@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import dataclasses
 import statistics
 import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-import dataclasses
-
 from .baselines import device_info, library_versions, machine
 from .report import algbw_gbps, device_lines, progress, results_document, version_line, write_json
-from .sweep import AVERAGE_MODES, describe
-from .sweep import SweepOptions, add_sweep_arguments, format_size, reduce_over_ranks, sizes
+from .sweep import AVERAGE_MODES, SweepOptions, add_sweep_arguments, describe, format_size, reduce_over_ranks, sizes
 
 if TYPE_CHECKING:
     from ..world import World

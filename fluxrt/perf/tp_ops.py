@@ -20,7 +20,7 @@ GPU starts it, and CUDA events around the call; the row reports the median per r
 The fluxrt, cuBLAS and NCCL calls of a shape are timed in turns (one of each per round), so that clock
 drift over the run (H200s under a sustained GEMM vary by several %) does not bias their ratios; torch
 is timed right after them.
-Shapes: ``--M M --N N --K K`` or ``--shapes MxNxK,...`` (default: the shapes of the issue's targets).
+Shapes: ``--M M --N N --K K`` or ``--shapes MxNxK,...`` (default: the three TP shapes of DEFAULT_SHAPES).
 Flags as every fluxrt-perf subcommand: -n iterations, -w warm-up, -c check, -d type, -a, -T.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def build_parser(op: str) -> argparse.ArgumentParser:
 
 
 def default_shapes(op: str, world: int) -> list[tuple[int, int, int]]:
-    """The issue's shapes for a `world`-way tensor-parallel layer: the same model dimensions, so the
+    """The default shapes for a `world`-way tensor-parallel layer: the same model dimensions, so the
     per-rank N (AllGather+GEMM) or K (GEMM+ReduceScatter) is scaled by 4 / world (doubled at TP=2)."""
     out = []
     for m, n, k in DEFAULT_SHAPES[op]:
@@ -122,7 +122,7 @@ def shapes_from_args(op: str, args, world: int = DEFAULT_SHAPES_TP) -> list[tupl
 
 def overlap_row(op: str, m: int, n: int, k: int, world: int, dtype: str, fused_ms: float, gemm_fluxrt: float,
                 gemm_cublas: float, comm_ms: float, sequential_ms: float, torch_ms: float | None) -> dict:
-    """One result row (the issue's keys), with ECT-based overlap efficiency and TFLOP/s per GPU."""
+    """One result row, with ECT-based overlap efficiency and TFLOP/s per GPU."""
     best = min(x for x in (gemm_fluxrt, gemm_cublas) if x is not None)
     ect_fused = fused_ms - best
     ect_seq = sequential_ms - best if sequential_ms is not None else 0.0
