@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from .fatal import one_line_errors
@@ -207,15 +208,22 @@ def run(argv: list[str], env: dict[str, str], grace_s: float = 30.0) -> int:
             except ValueError:   # not the main thread: no forwarding
                 pass
     try:
+        since = None          # when the first signal was forwarded
+        escalated = False
         while True:
+            # a bounded wait: a signal handler runs between two, so the grace period is measured here
             try:
-                code = proc.wait(timeout=grace_s if received else None)
+                code = proc.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
+                pass
+            if received and since is None:
+                since = time.monotonic()
+            if since is not None and not escalated and time.monotonic() - since > grace_s:
                 print(f"fluxrt-run: {argv[0]} still running {grace_s:g} s after a signal; sending SIGTERM",
                       file=sys.stderr)
                 proc.terminate()
-                received.clear()
+                escalated = True
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -241,3 +241,21 @@ def test_fluxrt_perf_missing_mpi_is_one_line(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     assert "fluxrt-perf: error: no MPI library could be loaded: install an MPI: pip install 'fluxrt[mpich]'" in out.stderr
+
+
+def test_launcher_escalates_when_the_job_outlives_the_grace_period():
+    """A job that ignores the forwarded SIGINT gets SIGTERM once grace_s has passed, not when it ends."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from fluxrt import launch
+
+    child = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(20)"]
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    rc = launch.run(child, dict(os.environ), grace_s=1.0)
+    assert time.monotonic() - t0 < 10
+    assert rc == 128 + signal.SIGTERM
