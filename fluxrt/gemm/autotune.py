@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import GemmArgumentError
-from ..toolchain import _atomic_write
 from .plan import H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plain_plans, split_plans
 
 log = logging.getLogger("fluxrt.gemm")
@@ -120,6 +119,8 @@ def _table(path: Path) -> dict:
 
 def store(path: Path, entries: dict) -> None:
     """Merge `entries` ({problem key: {"plan": ..., "us": ...}}) into the cache file, atomically."""
+    from ..toolchain import _atomic_write   # not at import: `python -m fluxrt.toolchain` imports this package
+
     with _file_lock(path):
         merged = _read(path)
         merged.update(entries)
