@@ -54,13 +54,13 @@ def _comm(world):
 def exchange(world: World, name: str, payload) -> list:
     """Every rank's `payload`, by rank, like ``comm.allgather`` but bounded by the world's timeout: raises
     AgreementTimeoutError naming the ranks that did not arrive, and CollectiveMismatchError when a rank is
-    at another call (a different count of exchanges or op name). A communicator without point-to-point
-    messages (a test double) is asked for its ``allgather``."""
+    at another call (a different count of exchanges or op name). A communicator without matched probes
+    (a test double) is asked for its ``allgather``."""
     st = _state(world)
     if st.broken:
         raise FluxrtError(f"{name}: {st.broken}")
     comm = _comm(world)
-    if not hasattr(comm, "iprobe"):
+    if not hasattr(comm, "improbe"):
         return comm.allgather(payload)
     from mpi4py import MPI
 
@@ -68,7 +68,9 @@ def exchange(world: World, name: str, payload) -> list:
     st.seq = seq = st.seq + 1
     timeout = float(world.options.timeout_s)
     msg = (seq, name, payload)
-    sends = [comm.isend(msg, dest=r, tag=TAG) for r in range(size) if r != me]
+    # pickled once for every peer (mpi4py's own pickler, so a matched message's recv() unpickles it)
+    buf = MPI.pickle.dumps(msg)
+    sends = [comm.Isend([buf, MPI.BYTE], dest=r, tag=TAG) for r in range(size) if r != me]
     got = {me: msg}
     pending = [r for r in range(size) if r != me]
     start = time.monotonic()
@@ -76,8 +78,9 @@ def exchange(world: World, name: str, payload) -> list:
     while True:
         still = []
         for r in pending:
-            if comm.iprobe(source=r, tag=TAG):
-                got[r] = comm.recv(source=r, tag=TAG)
+            arrived = comm.improbe(source=r, tag=TAG)   # matched once: the message is then received as is
+            if arrived is not None:
+                got[r] = arrived.recv()
             else:
                 still.append(r)
         pending = still
@@ -86,7 +89,7 @@ def exchange(world: World, name: str, payload) -> list:
             break
         now = time.monotonic()
         if now > deadline:
-            _orphans.extend(sends)
+            _orphans.append((buf, sends))
             peers = [r for r in range(size) if r != me]
             missing = pending or [r for r, req in zip(peers, sends) if not req.Test()] or peers
             st.broken = (f"an earlier call ({name}, #{seq}) timed out waiting for rank(s) {missing}; "
