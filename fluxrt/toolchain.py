@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,11 +165,23 @@ def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOp
     return out
 
 
+_modules: dict = {}
+_modules_lock = threading.Lock()
+
+
 def load_module(source: str | os.PathLike, options: CompileOptions = CompileOptions()):
-    """Compile (or fetch from the cache) and load a module; returns a ``cupy.RawModule``."""
+    """Compile (or fetch from the cache) and load a module; returns a ``cupy.RawModule``, one per source,
+    options and arch in a process (every layer that asks for the same kernels shares it)."""
     import cupy
 
-    return cupy.RawModule(path=str(compile_cubin(source, options)))
+    key = (str(source), options, _resolve_arch(options))
+    with _modules_lock:
+        mod = _modules.get(key)
+    if mod is None:
+        mod = cupy.RawModule(path=str(compile_cubin(source, options)))
+        with _modules_lock:
+            mod = _modules.setdefault(key, mod)
+    return mod
 
 
 # --- NVSHMEM device-API path ---------------------------------------------------------------------
