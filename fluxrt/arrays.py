@@ -176,8 +176,14 @@ def _import(x, info: ArrayInfo, stream, op: str, error: type):
 
     s = cupy.cuda.get_current_stream() if stream is None else stream
     if info.protocol == "cai":
-        a = _view_of_cai(x, info, op, error)
-        _wait_for_producer(info.stream, s)
+        try:
+            a = _view_of_cai(x, info, op, error)
+            _wait_for_producer(info.stream, s)
+        except error:
+            raise
+        except Exception as e:   # a CUDA error of the import: a rank's argument error like any other
+            raise error(f"{op}: {info.name} cannot be imported through __cuda_array_interface__ "
+                        f"({type(e).__name__}: {e})") from e
         return a
     try:
         with s:   # CuPy hands its current stream to __dlpack__(stream=...)

@@ -49,6 +49,7 @@ from . import collectives_plan as plan
 from . import log as _log
 from . import tuning_tables
 from .agreement import agree as _agree
+from .agreement import exchange as _exchange
 from .agreement import local as _local
 from .arrays import as_array
 from .dtypes import bfloat16, normalize_dtype
@@ -139,14 +140,14 @@ def _machine_tuning(world: World) -> plan.Tuning:
     except Exception as e:
         log.info("collectives: GPU not identified (%s)", e)
         mine = None
-    facts = world.comm.allgather(mine)
+    facts = _exchange(world, "Collectives", mine)   # bounded, like every cross-rank exchange
     link = None
     if all(facts):
         try:
             link = _nvlink_peers(world.device_id, [bus for _, bus in facts])
         except Exception as e:  # cuda.bindings missing or too old
             log.info("collectives: NVLink between ranks not determined (%s)", e)
-    links = world.comm.allgather(link)
+    links = _exchange(world, "Collectives", link)
     kind, why = machine_tuning_kind([f[0] for f in facts if f], links if all(facts) else [None])
     if world.rank == 0:
         log.info("collectives: tuning table %r (%s)", kind, why)
