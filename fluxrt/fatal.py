@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
+
+from .env import env_flag
 
 log = logging.getLogger("fluxrt")
 
@@ -105,8 +106,7 @@ def abort_excepthook(exc_type, exc, tb, _previous=None) -> None:
 
 def install_abort_excepthook(env=None) -> bool:
     """Install :func:`abort_excepthook` when FLUXRT_ABORT_ON_EXCEPTION is set (fluxrt-run sets it)."""
-    value = (os.environ if env is None else env).get("FLUXRT_ABORT_ON_EXCEPTION", "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
+    if not env_flag("FLUXRT_ABORT_ON_EXCEPTION", False, env):
         return False
     if getattr(sys.excepthook, "_fluxrt_abort", False):
         return True

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
+
+from .env import env_flag
 
 log = logging.getLogger(__name__)
 
 
 def enabled_from_env(env=None) -> bool:
-    value = (os.environ if env is None else env).get("FLUXRT_NVTX", "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+    return env_flag("FLUXRT_NVTX", False, env)
 
 
 ENABLED = enabled_from_env()

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import log as _log
 from . import signals
+from .env import env_flag
 from .errors import ERROR_RECORD_WORDS, DeviceError, NvshmemInitError, decode_error_record
 from .nvtx import annotate as _nvtx
 from .registry import Registry
@@ -51,8 +52,7 @@ class WorldOptions:
     heap_size: str | int | None = None
     timeout_s: float = field(default_factory=lambda: float(os.environ.get("FLUXRT_TIMEOUT_S", "30")))
     check_collective_args: bool = True
-    abort_on_error: bool = field(default_factory=lambda: os.environ.get("FLUXRT_ABORT_ON_ERROR", "1").strip().lower()
-                                 not in ("0", "false", "no", "off"))
+    abort_on_error: bool = field(default_factory=lambda: env_flag("FLUXRT_ABORT_ON_ERROR", True))
 
 
 def _node_communicator(comm):

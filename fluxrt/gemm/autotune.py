@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..env import env_flag
 from ..errors import GemmArgumentError
 from .plan import H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plain_plans, split_plans
 
@@ -258,4 +259,4 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
 
 
 def autotune_on() -> bool:
-    return os.environ.get("FLUXRT_GEMM_AUTOTUNE", "0") not in ("", "0")
+    return env_flag("FLUXRT_GEMM_AUTOTUNE", False)

@@ -158,3 +158,13 @@ def test_info_prints_what_it_can_without_a_traceback():
         has_gpu = False
     if not has_gpu:
         assert "no CUDA device" in text
+
+
+@pytest.mark.parametrize("value,default,expected", [(None, False, False), (None, True, True), ("", True, True),
+                                                    ("1", False, True), ("yes", False, True), ("0", True, False),
+                                                    ("Off", True, False), ("false", True, False)])
+def test_env_flag_reads_every_switch_one_way(value, default, expected):
+    from fluxrt.env import env_flag
+
+    env = {} if value is None else {"FLUXRT_X": value}
+    assert env_flag("FLUXRT_X", default, env) is expected
