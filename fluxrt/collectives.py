@@ -828,8 +828,7 @@ def broadcast(world: World, x, out=None, *, root: int = 0, stream=None, async_op
     return context(world).broadcast(x, out, root=root, stream=stream, async_op=async_op, algo=algo)
 
 
-@_nvtx("barrier")
-def barrier(world: World, stream=None) -> None:
+def barrier(world: World, stream=None) -> None:   # World.barrier carries the NVTX range
     """Stream-ordered barrier across every rank (bounded; a timeout surfaces at the next check)."""
     world.barrier(stream)
 

@@ -285,7 +285,7 @@ def abort_job(world, exc_type, exc, tb) -> None:
     msg = (f"fluxrt: rank {world.rank}/{world.size}: {exc_type.__name__} inside `with fluxrt.init()`; "
            f"aborting the job (MPI_Abort, errorcode {code}) instead of a collective finalize that the other "
            f"ranks may never reach\n{text}")
-    if _has_handler(log) and log.isEnabledFor(logging.ERROR):
+    if log.hasHandlers() and log.isEnabledFor(logging.ERROR):
         log.error("%s", msg)
     else:   # no logging configured: stderr (once; logging's last-resort handler would drop the rank)
         print(msg, file=sys.stderr)
@@ -295,16 +295,6 @@ def abort_job(world, exc_type, exc, tb) -> None:
         except Exception:
             pass
     world.comm.Abort(code)
-
-
-def _has_handler(logger: logging.Logger) -> bool:
-    while logger is not None:
-        if logger.handlers:
-            return True
-        if not logger.propagate:
-            return False
-        logger = logger.parent
-    return False
 
 
 def init(comm=None, device: int | None = None, options: WorldOptions | None = None) -> World:
