@@ -36,12 +36,10 @@ constexpr u32 kFlagPhases = 6;   // flag arrays per (source rank, block): staged
 // Threads of a bulk block (fluxrt/collectives_plan.py THREADS). Kernels that would otherwise take more
 // than 65536 / kBulkThreads registers a thread are compiled to fit (__launch_bounds__).
 constexpr u32 kBulkThreads = 512;
-// Blocks of kBulkThreads an SM must hold at once, the second argument of those __launch_bounds__: one
-// (the cap stays 128 registers). Given the thread count alone, ptxas may aim for two blocks an SM: with
-// the reduction's accumulators always defined (fold_sources) the fp32 pipelined kernels need a little
-// more than 64 registers, and ptxas then squeezed them into 64 with spills (allreduce_pipe_fp32_*: 16-32
-// bytes of extra stack). A second block gains nothing: a round's grid is at most kMaxBlocks (pipelined:
-// a multiple of its roles) or kMaxRingBlocks blocks, not two full SMs' worth of 512-thread blocks.
+// Blocks of kBulkThreads an SM must hold at once, the second argument of those __launch_bounds__: one,
+// so the cap stays 128 registers. Given the thread count alone ptxas may aim for two blocks an SM and
+// squeeze kernels that need a little more than 64 registers into 64 with spills; a second block gains
+// nothing, since a round's grid is at most kMaxBlocks or kMaxRingBlocks blocks.
 constexpr u32 kBulkBlocksPerSM = 1;
 
 // Everything a round needs to find peers, flags and the epoch (identical for every launch of a context).

@@ -104,7 +104,9 @@ __global__ void fluxrt_rs_reduce(const char* partials, long long src_stride_byte
 #pragma unroll
                 for (u32 e = 0; e < Partial::kPerVec; ++e) acc[j][e] = 0.f;
             const char* src = partials + ((long long)row * ld + col) * kPartialBytes;
-            fluxrt::fold_sources<Partial, fluxrt::kSum, false, kPartialVecs, kLoadBatch>(
+            // 16-bit partials unpacked a 32-bit word at a time: one AND for the high element, not a shift
+            fluxrt::fold_sources<Partial, fluxrt::kSum, false, kPartialVecs, kLoadBatch,
+                                 sizeof(typename Partial::T) == 2 ? fluxrt::kByWord : 0u>(
                 acc, world, [&](u32 s, u32 j) { return reinterpret_cast<const uint4*>(src + s * src_stride_bytes)[j]; });
             auto el = [&](u32 k) { return acc[k / Partial::kPerVec][k % Partial::kPerVec]; };
             const uint4 o = make_uint4(Out::pack2(el(0), el(1)), Out::pack2(el(2), el(3)), Out::pack2(el(4), el(5)),

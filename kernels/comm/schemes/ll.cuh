@@ -100,9 +100,8 @@ __device__ __forceinline__ u64 pack_line(const float (&acc)[V]) {
 }
 
 // ----------------------------------------------------------------------------------------- LL12 lines
-// A denser LL format ('ll12'). The contract is the LL rounds'
-// above: data and flag share one aligned 8-byte cell, which is single-copy atomic (the only atomicity
-// relied on: the 16-byte store of a line is two such cells, each atomic on its own), the receiver zeroes
+// A denser LL format ('ll12'). The contract is the LL rounds' above: data and flag share one aligned
+// 8-byte cell, which is single-copy atomic (the only atomicity relied on: the 16-byte store of a line is two such cells, each atomic on its own), the receiver zeroes
 // every line it reads, round e uses LL half e & 1, every pair exchanges at least one line. A cell holds
 // 6 message bytes and a 16-bit flag instead of 4 + 4, so a 16-byte line carries 12 message bytes and
 // 4/3 of the message crosses NVLink instead of 2x.

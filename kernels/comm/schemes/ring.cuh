@@ -9,10 +9,8 @@ namespace fluxrt {
 namespace coll {
 
 // Bulk reductions and allgathers along the ring rank -> rank + 1 (as NCCL's ring). Every rank pushes to
-// one peer only:
-// on 4x H200 single-destination pushes reach 345-355 GB/s per GPU with 48-128 blocks, all-to-all pushes
-// 335-336 with 128-132 (perf/fabric_probe.py --peers, perf/results/fabric-*-13e981e.json); the
-// pipelined rounds above push all-to-all.
+// one peer only: single-destination pushes reach a higher rate per GPU than all-to-all pushes, which the
+// pipelined rounds use (figures: docs/tuning.md, "Device-code constants").
 // The message is n chunks. Chunk c travels c+1 -> c+2 -> ... -> c, each rank adding its x, then, reduced,
 // once more around the ring until every rank holds it. Rank r, stage s, chunk c = (r + 2n - 1 - s) mod n:
 //   s = 0             send x[c]                                    (reduce-scatter stages: c = r - 1 - s)
@@ -31,8 +29,8 @@ namespace coll {
 //   credit [kCredit0][slice] on r: r + 1 has read entry u           (r refills it with u + depth)
 // Why steps within a stage: the next rank's stage s + 1 step i needs only step i of this rank's stage s,
 // so the ranks run in step, and each wait has substeps - 1 steps of copying to hide the previous
-// rank's fence and flag latency (with one step per stage that latency adds to every stage: 4x H200,
-// 64 KiB steps, 64 blocks: 7178 us at 1 GiB). depth >= 2 substeps lets a rank send stage s + 1 while
+// rank's fence and flag latency (with one step per stage that latency adds to every stage; docs/tuning.md
+// has the measurement). depth >= 2 substeps lets a rank send stage s + 1 while
 // the next rank still reads stage s. Where a block's whole slice fits one entry the host passes
 // substeps = 1 (collectives_plan.ring_geometry): each stage then pays one fence and one flag, which at
 // 32-128 MiB costs less than hiding the flag latency behind a second, half-size step.

@@ -18,8 +18,8 @@ namespace fluxrt {
 
 enum ReduceOp { kSum = 0, kMax = 1, kMin = 2 };
 
-// Vectors a thread reduces at a time in reduce_block (their loads of one source in flight together).
-// 4 against 1: the staged two-shot allreduce 6-12 % faster from 32 MiB on 4x H200.
+// Vectors a thread reduces at a time in reduce_block (their loads of one source in flight together; the
+// measured gain over 1 is in docs/tuning.md).
 constexpr u32 kReduceUnroll = 4;
 
 template <int OP>
@@ -84,11 +84,9 @@ enum FoldOptions : u32 { kPastAsZero = 1u, kByWord = 2u };
 // loaded); otherwise acc's values do (a plain sum from zero, or onto an accumulator). The loads of
 // kSrcBatch sources x kVecs vectors are in flight before their folds, which go in source order; sources
 // past n are not loaded (see kOpts).
-// kFirst peels source 0 out of the loop rather than selecting on s == 0 inside it, so that acc is
-// defined on every path. Left undefined on the path where the loop does not run (n == 0, which the
-// compiler cannot rule out), acc is not free: pack_vec of it is loop-invariant, and ptxas hoisted those
-// packs to the kernel's entry, where they held 16-20 registers through every loop of the ring kernels
-// (the bf16/fp16 reduce_scatter_ring_* spilled at the 128-register cap of __launch_bounds__(512)).
+// kFirst peels source 0 out of the loop, so that acc is defined on every path: an acc left undefined where
+// the loop does not run (n == 0) lets ptxas hoist its packs to the kernel's entry, holding registers
+// through every loop (the ring kernels then spill at their 128-register cap).
 template <class E, int OP, bool kFirst, u32 kVecs, u32 kSrcBatch, u32 kOpts = 0, class Load>
 __device__ __forceinline__ void fold_sources(float (&acc)[kVecs][E::kPerVec], u32 n, Load load) {
     constexpr bool kZeroPast = (kOpts & kPastAsZero) != 0;
