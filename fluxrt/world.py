@@ -105,11 +105,11 @@ class World:
         self.device_id = dev
         self.device = cupy.cuda.Device(dev)
         self.device.use()
-        # fluxrt.agreement's bounded exchanges: their own communicator, apart from the application's messages
-        self.agree_comm = comm.Dup()
-
         self._finalized = False
         self._boot_nvshmem()
+        # fluxrt.agreement's bounded exchanges: their own communicator, apart from the application's messages
+        # (made once NVSHMEM is up, so a failed boot leaves none behind)
+        self.agree_comm = comm.Dup()
         self.heap = SymmetricHeap(self)
         self._error_host, self.error_record = self._alloc_error_record()
         self.registry = Registry()

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CONFIGS = {            # name: (hook_wait, hook_epilogue, hook_reduce (0, 1 epilogue, 2 tail), hook_copy)
     "plain": (False, False, False, False),
@@ -26,23 +25,16 @@ CONFIGS = {            # name: (hook_wait, hook_epilogue, hook_reduce (0, 1 epil
     "hooks-tail-reduce": (False, True, 2, False),          # GEMM+ReduceScatter's reduce_mode='tail'
     "hooks-wait-copy": (True, False, False, True),         # AllGather+GEMM with its own shard copied by the GEMM
 }
-_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
-
-
 def facts(cubin: Path, cuobjdump: str) -> dict:
-    res = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    m = _RES.search(res)
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    lines = sass.splitlines()
+    """This script's summary of perf/sass_compare.py's facts of one cubin."""
+    from sass_compare import facts as sass_facts
 
-    def count(pattern: str) -> int:
-        return sum(1 for ln in lines if re.search(pattern, ln))
-
+    f = sass_facts(cubin, cuobjdump)
+    ops = f["ops"]
     return {
-        "registers": int(m.group(1)) if m else None, "stack_bytes": int(m.group(2)) if m else None,
-        "static_shared_bytes": int(m.group(3)) if m else None, "local_bytes": int(m.group(4)) if m else None,
-        "hgmma": count(r"\bHGMMA\b"), "utmaldg": count(r"\bUTMALDG\b"), "utmastg": count(r"\bUTMASTG\b"),
-        "syncs_mbarrier": count(r"\bSYNCS\b"), "ldl_stl": count(r"\b(LDL|STL)\b"),
+        "registers": f["registers"], "stack_bytes": f["stack"], "local_bytes": f["local"],
+        "hgmma": ops.get("HGMMA", 0), "utmaldg": ops.get("UTMALDG", 0), "utmastg": ops.get("UTMASTG", 0),
+        "syncs_mbarrier": ops.get("SYNCS", 0), "ldl_stl": ops.get("LDL", 0) + ops.get("STL", 0),
     }
 
 
