@@ -157,7 +157,12 @@ def as_array(x, *, name: str, op: str, writable: bool = False, stream=None, devi
     if ndarray is not None and isinstance(x, ndarray):   # the common case: no import, nothing to order
         a = x
     else:
-        info = inspect(x, name=name, op=op, error=error, type_error=type_error)
+        if not writable and hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+            # imported through DLPack whatever else it exports: its CAI (pointer, strides, read-only flag)
+            # would only be read and thrown away
+            info = _from_dlpack_attributes(x, name, op, type_error)
+        else:
+            info = inspect(x, name=name, op=op, error=error, type_error=type_error)
         if writable:
             check_writable(info, op, error)
         if device is not None and info.device is not None and info.device != device:

@@ -169,7 +169,7 @@ class World:
                 self.device.synchronize()
             except Exception as e:  # a failed kernel must not stop the teardown
                 log.warning("rank %d: device sync at finalize failed: %s", self.rank, e)
-            self.registry.close()   # the layers' state, newest first, while the heap is still there
+            self.registry.close()   # the layers' state, newest first; their symmetric memory goes with free_all
             self.heap.free_all()
             nvshmem.finalize()
         finally:
