@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..env import env_flag
 from ..errors import GemmArgumentError
-from .plan import H100_H200_SMS, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plain_plans, split_plans
+from .plan import H100_H200_SMS, GemmPlan, heuristic_plan, plain_plans, split_plans
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -177,13 +177,9 @@ def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: s
 
 
 def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
-    """The plans autotuning times: every tile shape the planner knows at its deepest ring (at most 6 stages),
-    grouped order, and the split-K plans the planner considers; the heuristic's own choice always among them."""
-    out = plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
-    h = heuristic_plan(m, n, k, out_dtype=out_dtype, num_sms=num_sms)
-    if h not in out:
-        out.insert(0, h)
-    return [p for p in out if p.smem_bytes("float32" if p.split_k > 1 else out_dtype) <= SMEM_LIMIT_BYTES]
+    """The plans autotuning times: the heuristic's whole choice set (every tile shape the planner knows at its
+    deepest ring, grouped order, and its split-K plans), so the heuristic's own pick is always among them."""
+    return plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
 
 
 def _time_us(packed, stream_ptr: int, reps: int, rounds: int) -> float:
