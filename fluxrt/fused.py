@@ -285,6 +285,36 @@ def _plan_call(ctx, x, residual, weight, eps, out, residual_out, quant, scales_o
     return tuple(launches), AllreduceNormResult(o, ro, sc)
 
 
+def add_rmsnorm(world: World, x, residual, weight, eps: float = 1e-6, *, out=None, residual_out=None, quant=None,
+                scales_out=None, stream=None) -> AllreduceNormResult:
+    """The residual add and RMSNorm of ``allreduce_rmsnorm`` alone, on this rank's (already reduced) x: the
+    unfused baseline (an allreduce, then this kernel), with the same device code. Local, not collective."""
+    from .streams import as_cupy_stream
+
+    s = as_cupy_stream(stream)
+    if quant not in QUANT_MODES:
+        raise CollectiveArgumentError(f"add_rmsnorm: quant {quant!r} not in {tuple(QUANT_MODES)}")
+    a = _array(x, "x", world, s)
+    if normalize_dtype(a.dtype) not in NORM_DTYPES or a.ndim != 2:
+        raise CollectiveArgumentError(f"add_rmsnorm: x must be bf16 or fp16 [T, H], got {a.dtype} {a.shape}")
+    rows, cols = a.shape
+    res, w = _array(residual, "residual", world, s), _array(weight, "weight", world, s)
+    if res.shape != a.shape or res.dtype != a.dtype or w.shape != (cols,) or w.dtype != a.dtype:
+        raise CollectiveArgumentError("add_rmsnorm: residual must match x, weight must be [H] of x's dtype")
+    o = _out(out, "out", np.dtype(np.uint8) if quant else a.dtype, a.shape, world, s, codes=quant is not None)
+    ro = _out(residual_out, "residual_out", a.dtype, a.shape, world, s)
+    sc = None if quant is None else _out(scales_out, "scales_out", np.dtype(np.float32),
+                                         scales_shape(rows, cols, quant), world, s)
+    threads = min(MAX_THREADS, 32 * _ceil_div(_ceil_div(cols * a.itemsize, LINE_BYTES), 32))
+    fn = kernels(world).get(f"fluxrt_add_rmsnorm_{NORM_DTYPES[normalize_dtype(a.dtype)]}")
+    args = (_u64(a.data.ptr), _u64(res.data.ptr), _u64(w.data.ptr), _u64(o.data.ptr), _u64(ro.data.ptr),
+            _u64(0 if sc is None else sc.data.ptr), _u32(rows), _u32(cols), np.float32(eps),
+            _u32(QUANT_MODES[quant]))
+    if rows:
+        PackedLaunch(fn, min(rows, 65535), threads, args).launch(s.ptr)
+    return AllreduceNormResult(o, ro, sc)
+
+
 def _out(arr, name: str, dtype, shape, world: World, stream, codes: bool = False):
     import cupy
 
@@ -300,5 +330,5 @@ def _out(arr, name: str, dtype, shape, world: World, stream, codes: bool = False
     return o
 
 
-__all__ = ["allreduce_rmsnorm", "AllreduceNormResult", "NormPlan", "NormPiece", "plan_allreduce_rmsnorm",
+__all__ = ["allreduce_rmsnorm", "add_rmsnorm", "AllreduceNormResult", "NormPlan", "NormPiece", "plan_allreduce_rmsnorm",
            "scales_shape", "QUANT_MODES"]

@@ -2,6 +2,7 @@
 // extern "C" entry points. Team parameters as in collectives.cu (one context, one epoch counter).
 //
 //   fluxrt_allreduce_norm_{ll,twoshot}_{bf16,fp16}              algorithms/allreduce_norm.cuh
+//   fluxrt_add_rmsnorm_{bf16,fp16} (the unfused norm, a baseline) algorithms/allreduce_norm.cuh
 //   fluxrt_compressed_{reduce_scatter,allreduce,allgather}_{fp8,int8}_{bf16,fp16,fp32}
 //                                                               algorithms/compressed.cuh
 #include "../comm/algorithms/allreduce_norm.cuh"
@@ -32,6 +33,10 @@ using fluxrt::Int8;
         fluxrt_allreduce_norm_twoshot_##NAME(FLUXRT_TEAM_PARAMS, FLUXRT_NORM_PARAMS, u64 chunk_rows,   \
                                              u64 row_pitch, u64 slot_bytes) {                           \
         allreduce_norm_twoshot<E>(FLUXRT_TEAM, FLUXRT_NORM_IO, chunk_rows, row_pitch, slot_bytes);      \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSM)                        \
+        fluxrt_add_rmsnorm_##NAME(FLUXRT_NORM_PARAMS) {                                                 \
+        add_rmsnorm<E>(FLUXRT_NORM_IO);                                                                 \
     }
 
 FLUXRT_ALLREDUCE_NORM(bf16, BF16)

@@ -138,6 +138,24 @@ def test_algorithms_give_the_same_bits(world, rows, cols):
         assert np.array_equal(u.get().view(np.uint16), v.get().view(np.uint16)), name
 
 
+def test_unfused_baseline_agrees(world):
+    """allreduce, then add_rmsnorm (the perf baseline): the same values up to the allreduce's own rounding."""
+    import fluxrt
+    import fluxrt.fused
+
+    rows, cols = 17, 2000
+    x, residual, weight = _inputs(world, 21, rows, cols, "bf16")
+    fused = fluxrt.fused.allreduce_rmsnorm(world, x, residual, weight)
+    reduced = fluxrt.allreduce(world, x)
+    sep = fluxrt.fused.add_rmsnorm(world, reduced, residual, weight)
+    world.device.synchronize()
+    world.check_errors()
+    a, b = _host(fused.out), _host(sep.out)
+    assert np.abs(a - b).max() <= 4 * _EPS["bf16"] * np.abs(a).max()
+    h, hs = _host(fused.residual_out), _host(sep.residual_out)
+    assert np.abs(h - hs).max() <= 4 * _EPS["bf16"] * np.abs(h).max()
+
+
 @pytest.mark.parametrize("quant", ["per_token", "per_block"])
 @pytest.mark.parametrize("rows, cols", [(1, 4096), (5, 1000), (33, 300), (130, 2048)])
 @pytest.mark.parametrize("algo", ["ll", "twoshot"])

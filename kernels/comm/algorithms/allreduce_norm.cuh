@@ -251,5 +251,26 @@ __device__ void allreduce_norm_twoshot(Team t, NormIO io, u64 chunk_rows, u64 ro
     }
 }
 
+// ---------------------------------------------------------------------------------------- add_rmsnorm
+// The same residual add and norm as a kernel of its own, on an already reduced x (one rank's data): the
+// baseline the fused rounds are measured against (fluxrt-perf allreduce_rmsnorm: an allreduce, then this).
+// One block a row (any grid); blockDim a multiple of 32.
+template <class E>
+__device__ void add_rmsnorm(NormIO io) {
+    static_assert(sizeof(typename E::T) == 2, "16-bit rows");
+    __shared__ float scratch[32];
+    const u64 rb = io.row_bytes(), L = io.lines();
+    for (u32 r = blockIdx.x; r < io.rows; r += gridDim.x) {
+        float sumsq = 0.f;
+        for (u64 j = threadIdx.x; j < L; j += blockDim.x) {
+            float acc[kNormLineElems];
+            const u64 v = load_line(io.x + (u64)r * rb, rb, j);
+            fold<E, kSum>(acc, reinterpret_cast<const typename E::T*>(&v), true);
+            store_line(io.residual_out + (u64)r * rb, rb, j, finish_line<E>(io, r, j, acc, &sumsq));
+        }
+        norm_row<E>(io, r, sumsq, [&](u64 j) { return load_line(io.residual_out + (u64)r * rb, rb, j); }, scratch);
+    }
+}
+
 }  // namespace coll
 }  // namespace fluxrt
