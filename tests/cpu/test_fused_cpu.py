@@ -124,3 +124,30 @@ def test_documented_errors_of_the_formats(fmt, one, two):
     rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
     assert rel(rs, ref) == pytest.approx(one, rel=0.05)
     assert rel(ar, ref) == pytest.approx(two, rel=0.05)
+
+
+def test_perf_allreduce_rmsnorm_is_a_subcommand_with_checked_flags():
+    from fluxrt.perf import cli
+    from fluxrt.perf import fused as perf_fused
+
+    assert cli.BENCHES["allreduce_rmsnorm"] == "fluxrt.perf.fused" and "allreduce_rmsnorm" in cli.SUMMARIES
+    args = perf_fused.parse_options(["-T", "1,8", "-H", "4097", "--impls", "fused,fluxrt_ar"])
+    assert args.tokens == (1, 8) and args.hidden == (4097,) and args.impl_list == ["fused", "fluxrt_ar"]
+    for bad in (["--impls", "fused,cublas"], ["-T", "0"], ["--algo", "ring"], ["-n", "0"]):
+        with pytest.raises(SystemExit):
+            perf_fused.parse_options(bad)
+    r = perf_fused.ratios({"fused": 10.0, "fluxrt_ar": 9.8, "nccl_ar+norm": 20.0, "fused_fp8": 10.2})
+    assert r["fused_over_fluxrt_ar"] == pytest.approx(10 / 9.8) and r["nccl_norm_over_fused"] == 2.0
+    assert r["fp8_over_fused"] == pytest.approx(1.02) and r["fluxrt_norm_over_fused"] is None
+
+
+@pytest.mark.parametrize("op", ["allreduce", "allgather", "reduce_scatter"])
+def test_collective_sweeps_take_compress(op):
+    from fluxrt.perf import collectives as perf_coll
+
+    _, args, _, _ = perf_coll.parse_options(op, ["--compress", "int8"])
+    assert args.compress == "int8"
+    with pytest.raises(SystemExit):
+        perf_coll.parse_options(op, ["--compress", "fp4"])
+    with pytest.raises(SystemExit):   # not on the ops without a compressed form
+        perf_coll.parse_options("alltoall", ["--compress", "fp8"])
