@@ -54,7 +54,9 @@ QUANT_MODES = {None: 0, "per_token": 1, "per_block": 2}  # kernels: NormQuant
 QUANT_GROUP = 128  # columns per scale of "per_block" (kNormGroup)
 LINE_BYTES = 8     # message bytes per LL line (kLLData); the twoshot's rows are padded to whole lines
 NORM_ALGOS = ("ll", "twoshot")
-MAX_THREADS = plan.THREADS
+# Threads of a block (one row a block): 256 keeps three blocks an SM (about 70 registers a thread), so the
+# grids of every rank can be resident together also when ranks share a GPU (launch/mps-check.sh)
+MAX_THREADS = 256
 _u64, _u32 = np.uint64, np.uint32
 
 
@@ -110,7 +112,7 @@ def plan_allreduce_rmsnorm(rows: int, cols: int, world_size: int, itemsize: int,
         if not fits_ll:
             raise CollectiveArgumentError(f"allreduce_rmsnorm: {rows} x {cols} rows do not fit the LL buffer "
                                           f"({ll_slot} bytes a slot); use algo='twoshot'")
-        grid = max(1, min(rows, tuning.ll_max_grid * 4))
+        grid = max(1, min(rows, tuning.ll_max_grid))
         return NormPlan("ll", (NormPiece(0, rows, grid),), threads, slot_bytes=ll_slot)
     row_pitch = lines * LINE_BYTES
     slot_cap = (half_bytes // (2 * world_size)) // plan.VEC_BYTES * plan.VEC_BYTES

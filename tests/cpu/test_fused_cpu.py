@@ -23,7 +23,7 @@ def _plan(rows, cols, n, algo="auto", half=HALF):
 def test_plan_covers_every_row_once_and_fits(n, rows, cols):
     p = _plan(rows, cols, n)
     lines = -(-cols * 2 // 8)
-    assert p.threads % 32 == 0 and 32 <= p.threads <= plan.THREADS
+    assert p.threads % 32 == 0 and 32 <= p.threads <= fused.MAX_THREADS
     covered = [r for piece in p.pieces for r in range(piece.row, piece.row + piece.rows)]
     assert covered == list(range(rows))
     if p.algo == "ll":
