@@ -506,6 +506,9 @@ def parser(op: str) -> argparse.ArgumentParser:
         ap.add_argument("--compress", default=None, choices=("fp8", "int8"),
                         help="add a column of fluxrt's compressed form (8-bit payload, 128-element block "
                              "scales) with its relative error against a float64 reference in the JSON")
+    ap.add_argument("--device", type=int, default=None,
+                    help="pin every rank to this GPU (several ranks on one GPU under CUDA MPS: a smoke run whose "
+                         "timings mean nothing)")
     ap.add_argument("--check-args", action="store_true",
                     help="keep fluxrt's cross-rank argument check on, as the library's default (an MPI "
                          "allgather per eager call; off in the sweep unless given)")
@@ -559,12 +562,12 @@ def main(argv=None, op: str = "allreduce") -> int:
         heap = 2 * opts.maxbytes + 2 * opts.element_size + workspace + (256 << 20)
     world_kw = {"timeout_s": opts.timeout} if opts.timeout > 0 else {}
     options = fluxrt.WorldOptions(heap_size=heap, check_collective_args=args.check_args, **world_kw)
-    with fluxrt.init(options=options) as world:
+    with fluxrt.init(device=args.device, options=options) as world:
         if opts.root != "all" and not 0 <= opts.root < world.size:
             ap.error(f"-r/--root {opts.root} outside {world.size} ranks")
         redop = opts.op if op in REDUCING and opts.op != "all" else "sum"
         runners = [FluxrtRunner(world, op, args.algo, redop, 0, workspace, args.symmetric, tuning)]
-        notes = []
+        notes = [] if args.device is None else [f"every rank on device {args.device}: timings mean nothing"]
         compress = getattr(args, "compress", None)
         if compress:
             if redop != "sum":

@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     ap.add_argument("--eps", type=float, default=1e-6)
     ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--device", type=int, default=None,
+                    help="pin every rank to this GPU (several ranks on one GPU under CUDA MPS: a smoke run whose "
+                         "timings mean nothing)")
     return ap
 
 
@@ -133,8 +136,8 @@ def main(argv=None) -> int:
 
     args = parse_options(argv)
     dtype = normalize_dtype(args.datatype)
-    with fluxrt.init(options=fluxrt.WorldOptions(check_collective_args=False)) as world:
-        notes = []
+    with fluxrt.init(device=args.device, options=fluxrt.WorldOptions(check_collective_args=False)) as world:
+        notes = [] if args.device is None else [f"every rank on device {args.device}: timings mean nothing"]
         comm = None
         if any(i.startswith("nccl") for i in args.impl_list):
             try:

@@ -401,3 +401,37 @@ def test_compressed_graph_replay_and_errors(world):
         fluxrt.allreduce(world, x, op="max", compress="int8")
     with pytest.raises(fluxrt.CollectiveArgumentError, match="error_feedback"):
         fluxrt.allreduce(world, x, compress="int8", error_feedback=cupy.zeros(count, np.float16))
+
+
+def test_messages_larger_than_the_workspace_go_in_pieces(world):
+    """A small workspace: the twoshot norm and the compressed collectives take several launches, which must
+    give the same result as one."""
+    import fluxrt
+    import fluxrt.compressed
+    import fluxrt.fused
+
+    ctx = fluxrt.Collectives(world, fluxrt.CollectivesOptions(workspace_bytes=1 << 20))
+    try:
+        rows, cols = 100, 4096
+        p = fluxrt.fused.plan_allreduce_rmsnorm(rows, cols, world.size, 2, ctx.half_bytes, ctx.ll_half_bytes,
+                                                ctx.tuning, "twoshot")
+        assert len(p.pieces) > 1
+        x, residual, weight = _inputs(world, 3, rows, cols, "bf16")
+        small = fluxrt.fused.allreduce_rmsnorm(world, x, residual, weight, algo="twoshot", ctx=ctx)
+        q = fluxrt.fused.allreduce_rmsnorm(world, x, residual, weight, algo="twoshot", quant="per_token", ctx=ctx)
+        big = fluxrt.fused.allreduce_rmsnorm(world, x, residual, weight, algo="twoshot")
+        count = 300001
+        assert len(fluxrt.compressed.compressed_pieces("allreduce", count, world.size, ctx.half_bytes)) > 1
+        y = _normal(world.rank + 50, (count,), "bf16")
+        ys = ctx.allreduce(y, compress="int8")
+        yb = fluxrt.allreduce(world, y, compress="int8")
+        world.device.synchronize()
+        world.check_errors()
+        assert np.array_equal(small.out.get().view(np.uint16), big.out.get().view(np.uint16))
+        assert np.array_equal(small.residual_out.get().view(np.uint16), big.residual_out.get().view(np.uint16))
+        _check_norm(world, x, residual, weight, 1e-6, "bf16", q, quant="per_token", what="pieces fp8")
+        ref = np.sum([a.astype(np.float64) for a in world.comm.allgather(_host(y))], axis=0)
+        assert _rel(_host(ys), ref) <= _REL[("int8", 2)] and _rel(_host(yb), ref) <= _REL[("int8", 2)]
+        _same_on_every_rank(world, [ys], "compressed pieces")
+    finally:
+        ctx.free()
