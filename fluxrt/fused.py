@@ -202,22 +202,26 @@ def allreduce_rmsnorm(world: World, x, residual, weight, eps: float = 1e-6, *, o
     Collective: every rank calls with the same shapes, dtype, eps and quant (checked across ranks unless
     the world's ``check_collective_args`` is off)."""
     ctx = ctx if ctx is not None else _coll.context(world)
-    key = None
-    if out is not None and residual_out is not None and (quant is None or scales_out is not None):
-        key = _coll._fast_key("allreduce_rmsnorm", x, out, residual, weight, residual_out, scales_out,
-                              float(eps), quant, algo)
-        if key is not None:
-            import cupy
-
-            if not all(isinstance(a, cupy.ndarray) for a in (residual, weight, residual_out)
-                       + (() if scales_out is None else (scales_out,))):
-                key = None
-            else:
-                key += tuple(a.data.ptr for a in (residual, weight, residual_out))
+    key = call_key(x, out, residual, weight, residual_out, scales_out, eps, quant, algo)
     result = (AllreduceNormResult(out, residual_out, scales_out) if key is not None else None)
     return ctx._call(key, lambda s: _plan_call(ctx, x, residual, weight, eps, out, residual_out, quant, scales_out,
                                                algo, s),
                      stream, False, result, (x, residual, weight))
+
+
+def call_key(x, out, residual, weight, residual_out, scales_out, eps, quant, algo) -> tuple | None:
+    """The key of a call's validated launches in the context's fast path (used when the world skips the
+    cross-rank check): every array's address and layout and the options; None unless every array is a
+    CuPy array and every output is given (an allocated output is new on each call)."""
+    import cupy
+
+    if out is None or residual_out is None or (quant is not None and scales_out is None):
+        return None
+    arrays = (x, out, residual, weight, residual_out) + (() if scales_out is None else (scales_out,))
+    if not all(isinstance(a, cupy.ndarray) for a in arrays):
+        return None
+    return ("allreduce_rmsnorm", float(eps), quant, algo) + tuple(
+        (a.data.ptr, a.shape, a.strides, a.dtype.str) for a in arrays)
 
 
 def _plan_call(ctx, x, residual, weight, eps, out, residual_out, quant, scales_out, algo, stream):

@@ -151,3 +151,28 @@ def test_collective_sweeps_take_compress(op):
         perf_coll.parse_options(op, ["--compress", "fp4"])
     with pytest.raises(SystemExit):   # not on the ops without a compressed form
         perf_coll.parse_options("alltoall", ["--compress", "fp8"])
+
+
+def test_fast_path_key_is_hashable_and_tells_calls_apart(monkeypatch):
+    """The key under which a call's launches are reused (the world's cross-rank check off): addresses and
+    layouts only, so it hashes; any other array or option is another key; missing outputs: no key."""
+    import cupy
+
+    class Fake:
+        def __init__(self, ptr, shape=(4, 64), dtype=np.uint16):
+            self.data = type("D", (), {"ptr": ptr})()
+            self.shape, self.dtype = shape, np.dtype(dtype)
+            self.strides = (shape[-1] * self.dtype.itemsize, self.dtype.itemsize)
+
+    monkeypatch.setattr(cupy, "ndarray", Fake)
+    x, res, w, out, ro = Fake(0x1000), Fake(0x2000), Fake(0x3000, (64,)), Fake(0x4000), Fake(0x5000)
+    key = fused.call_key(x, out, res, w, ro, None, 1e-6, None, "auto")
+    assert hash(key) == hash(fused.call_key(x, out, res, w, ro, None, 1e-6, None, "auto"))
+    others = [fused.call_key(x, out, Fake(0x6000), w, ro, None, 1e-6, None, "auto"),
+              fused.call_key(x, out, res, w, ro, None, 1e-5, None, "auto"),
+              fused.call_key(x, out, res, w, ro, None, 1e-6, None, "ll"),
+              fused.call_key(x, out, res, w, ro, Fake(0x7000, (4,), np.float32), 1e-6, "per_token", "auto")]
+    assert all(k is not None and k != key for k in others) and len({hash(k) for k in others}) == 4
+    assert fused.call_key(x, None, res, w, ro, None, 1e-6, None, "auto") is None
+    assert fused.call_key(x, out, res, w, ro, None, 1e-6, "per_token", "auto") is None
+    assert fused.call_key(x, out, res, [1.0], ro, None, 1e-6, None, "auto") is None
