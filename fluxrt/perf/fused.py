@@ -96,36 +96,14 @@ def ratios(times: dict) -> dict:
 
 
 def _time_rank_us(world: World, fn, stream, args) -> list[float]:
-    import cupy
+    """Microseconds per call of fn(stream) on each rank, timed as the collective sweeps time theirs."""
+    from types import SimpleNamespace
 
-    for _ in range(args.warmup_iters):
-        fn(stream)
-    stream.synchronize()
-    world.comm.Barrier()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    if args.cudagraph:
-        stream.begin_capture()
-        for _ in range(args.iters):
-            fn(stream)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        world.comm.Barrier()
-        start.record(stream)
-        for _ in range(args.cudagraph):
-            graph.launch(stream)
-        stop.record(stream)
-        calls = args.cudagraph * args.iters
-    else:
-        start.record(stream)
-        for _ in range(args.iters):
-            fn(stream)
-        stop.record(stream)
-        calls = args.iters
-    stop.synchronize()
-    world.check_errors()
-    t = cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls
-    return [float(v) for v in world.comm.allgather(t)]
+    from .collectives import _rank_times_us
+
+    opts = SimpleNamespace(warmup_iters=args.warmup_iters, iters=args.iters, graph_iters=args.cudagraph,
+                           blocking=False)
+    return _rank_times_us(world, lambda case, s: fn(s), None, stream, opts)
 
 
 def main(argv=None) -> int:
@@ -208,7 +186,6 @@ def main(argv=None) -> int:
                     cells += [f"{r['fused_over_fluxrt_ar']:.3f}" if r["fused_over_fluxrt_ar"] else "N/A",
                               f"{r['nccl_norm_over_fused']:.3f}" if r["nccl_norm_over_fused"] else "N/A"]
                     print("  " + " ".join(f"{c:>14}" for c in cells), flush=True)
-                del x, residual, weight, out, ro, reduced, out2, ro2, codes, scales
         if comm is not None:
             comm.destroy()
         if world.rank == 0 and args.json_path:
