@@ -23,6 +23,7 @@ bounds), without error feedback:
     fp8      2.6e-2      2.6e-2           3.6e-2
     int8     6.5e-3      6.5e-3           9.2e-3
 
+On an H200 (fluxrt-perf allgather --compress int8, 2 ranks, 256 KiB to 4 MiB) the kernels measured 6.6e-3.
 e4m3 keeps 3 mantissa bits, so an element's rounding error alone is about 2.6 % in this norm whatever the
 scale; int8 with 128-element blocks keeps about 7 bits for a block's amax of ~2.6 sigma.
 """
