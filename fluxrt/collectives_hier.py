@@ -52,6 +52,7 @@ MAX_NODES = 64        # remote::kMaxRailNodes
 MAX_PUT_BLOCKS = 32   # remote::kMaxRailBlocks
 THREADS = 512
 VEC = 16
+ONESHOT_BYTES = 256 << 10   # rail allreduce: one round up to this shard size (a latency choice; not measured)
 _PES_DTYPE = np.dtype([("pe", "<i4", (MAX_NODES,))])   # struct RailPes, by value
 _u64, _u32 = np.uint64, np.uint32
 
@@ -61,11 +62,14 @@ class HierarchicalOptions:
     """rail_bytes: symmetric receive buffer per rank, two halves of `nodes` slots (a rail round moves at most
     one slot per member; larger messages go in several rounds); the send buffer is one half more.
     put_blocks: blocks (and signal words) per rail member of a round; reduce_blocks: blocks of the reduce.
+    oneshot_bytes: the rail allreduce of a shard up to this size is one round (``rail_allreduce_algo``; None:
+    its rule).
     node: options of the node team's NVLink collectives."""
 
     rail_bytes: int = 64 << 20
     put_blocks: int = 8
     reduce_blocks: int = 64
+    oneshot_bytes: int | None = None
     node: CollectivesOptions | None = None
 
 
@@ -94,11 +98,21 @@ def reduce_grid(nvec: int, reduce_blocks: int) -> int:
     return max(1, min(int(reduce_blocks), math.ceil(nvec / (4 * THREADS))))
 
 
-def shard_elems(count: int, nodes_ranks: int, itemsize: int) -> int:
-    """Elements of each rank's shard of an allreduce of `count` over a node of `nodes_ranks` ranks: whole
-    16-byte vectors, so the rail reduce works in vectors (the message is padded up to G shards)."""
-    per = max(1, VEC // itemsize)
-    return max(per, math.ceil(math.ceil(count / nodes_ranks) / per) * per)
+def shard_elems(count: int, ranks_per_node: int, itemsize: int, nodes: int = 1) -> int:
+    """Elements of each rank's shard of an allreduce of `count` over nodes of `ranks_per_node` ranks: whole
+    16-byte vectors, `nodes` chunks of them (the rail's reduce-scatter), the message padded up to G shards."""
+    unit = max(1, VEC // itemsize) * nodes
+    return max(unit, math.ceil(math.ceil(count / ranks_per_node) / unit) * unit)
+
+
+def rail_allreduce_algo(shard_bytes: int, nodes: int, oneshot_bytes: int | None = None) -> str:
+    """'oneshot' (every member puts its whole shard to every member: one round, (N-1) shards sent) or 'rs_ag'
+    (reduce-scatter, then all-gather along the rail: two rounds, 2 (N-1) / N shards sent). oneshot_bytes None:
+    one-shot on 2 nodes (as many bytes as the two rounds) and for shards up to ONESHOT_BYTES; otherwise
+    one-shot exactly up to `oneshot_bytes`."""
+    if oneshot_bytes is None:
+        return "oneshot" if nodes <= 2 or shard_bytes <= ONESHOT_BYTES else "rs_ag"
+    return "oneshot" if shard_bytes <= oneshot_bytes else "rs_ag"
 
 
 # ------------------------------------------------------------------------------------------ the node team
@@ -209,7 +223,8 @@ class HierarchicalCollectives:
         self._last_stream = None
         self._freed = False
         world.device.synchronize()
-        world.registry.put(KEY, self, teardown=HierarchicalCollectives.free)
+        if KEY not in world.registry:   # the first one made is the world's (as Collectives)
+            world.registry.put(KEY, self, teardown=HierarchicalCollectives.free)
         if world.rank == 0:
             log.info("collectives: hierarchical, %d nodes x %d ranks; node team over NVLink, rails over NVSHMEM "
                      "(%d-byte slots)", self.nodes, self.ranks_per_node, self.slot_bytes)
@@ -272,22 +287,76 @@ class HierarchicalCollectives:
         w = self.world
         return _u64(w.timeout_ns), _u64(w.error_record), _u32(op_id(name)), _u32(w.rank)
 
-    def _rail_allreduce(self, buf, dt: str, red: str, s, name: str) -> None:
-        """buf (whole 16-byte vectors) <- its reduction along the rail, in place, node order."""
+    def _reduce_launch(self, fn, e: int, blocks: int, out_ptr: int, count: int, nbytes: int, name: str) -> tuple:
+        return (fn, reduce_grid(nbytes // VEC, self.options.reduce_blocks),
+                (self._pes, _u32(self.nodes), _u32(blocks), _u64(self.recv.data.ptr), _u64(self.half_bytes),
+                 _u64(self.slot_bytes), _u64(self.sig.data.ptr), _u64(e), _u64(out_ptr), _u64(count))
+                + self._watch(name))
+
+    def _rail_oneshot(self, buf, dt: str, red: str, s, name: str) -> None:
+        """buf (whole 16-byte vectors) <- its reduction along the rail, in place, in node order: every member
+        puts its whole buffer to every member and reduces all of them."""
         import cupy
 
         fn = self.module.get_function(f"fluxrt_rail_reduce_{dt}_{red}")
-        isz = buf.itemsize
         for start, nbytes in rail_pieces(buf.nbytes, self.slot_bytes):
             if nbytes:
                 cupy.cuda.runtime.memcpyAsync(self.send.data.ptr, buf.data.ptr + start, nbytes,
                                               cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
             e, blocks = self._rail_put(s, 0, nbytes)
-            count = nbytes // isz
+            f, grid, args = self._reduce_launch(fn, e, blocks, buf.data.ptr + start, nbytes // buf.itemsize, nbytes,
+                                                name)
+            PackedLaunch(f, grid, THREADS, args).launch(s.ptr)
+
+    def _rail_reduce_scatter(self, src, out, dt: str, red: str, s, name: str) -> None:
+        """out (q elements, contiguous) <- the reduction over the rail of every member's src[me], in node
+        order; src: (nodes, q), row d going to member d (may be strided)."""
+        import cupy
+
+        fn = self.module.get_function(f"fluxrt_rail_reduce_{dt}_{red}")
+        isz, q = out.itemsize, out.size
+        for start, nbytes in rail_pieces(q * isz, self.slot_bytes):
+            elems, st = nbytes // isz, start // isz
+            stride = -(-nbytes // VEC) * VEC   # every member's piece starts 16-byte aligned in the send buffer
+            if elems:
+                view = cupy.ndarray((self.nodes, stride // isz), out.dtype, self.send.data)[:, :elems]
+                view[...] = src[:, st:st + elems]
+            e, blocks = self._rail_put(s, stride, nbytes)
+            f, grid, args = self._reduce_launch(fn, e, blocks, out.data.ptr + start, elems, nbytes, name)
+            PackedLaunch(f, grid, THREADS, args).launch(s.ptr)
+
+    def _rail_allgather(self, out_ptr: int, block_bytes: int, s, name: str) -> None:
+        """The rail's all-gather of blocks of `block_bytes` at out_ptr + d * block_bytes: this member's block d
+        = node index is in place; the others arrive from their members."""
+        import cupy
+
+        mine = out_ptr + self.node_index * block_bytes
+        for start, nbytes in rail_pieces(block_bytes, self.slot_bytes):
+            if nbytes:
+                cupy.cuda.runtime.memcpyAsync(self.send.data.ptr, mine + start, nbytes,
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+            e, blocks = self._rail_put(s, 0, nbytes)
             args = (self._pes, _u32(self.nodes), _u32(blocks), _u64(self.recv.data.ptr), _u64(self.half_bytes),
-                    _u64(self.slot_bytes), _u64(self.sig.data.ptr), _u64(e), _u64(buf.data.ptr + start),
-                    _u64(count)) + self._watch(name)
-            PackedLaunch(fn, reduce_grid(nbytes // VEC, self.options.reduce_blocks), THREADS, args).launch(s.ptr)
+                    _u64(self.slot_bytes), _u64(self.sig.data.ptr), _u64(e), _u64(out_ptr + start),
+                    _u64(block_bytes), _u64(nbytes), _u32(self.node_index)) + self._watch(name)
+            grid = max(1, min(self.options.reduce_blocks, math.ceil(nbytes / (64 << 10))))
+            PackedLaunch(self._gather, grid, THREADS, args).launch(s.ptr)
+
+    def _rail_allreduce(self, buf, dt: str, red: str, s, name: str) -> str:
+        """buf (nodes chunks of whole 16-byte vectors) <- its reduction along the rail, in place, every member
+        the same bits; returns the algorithm (``rail_allreduce_algo``)."""
+        import cupy
+
+        algo = rail_allreduce_algo(buf.nbytes, self.nodes, self.options.oneshot_bytes)
+        if algo == "oneshot":
+            self._rail_oneshot(buf, dt, red, s, name)
+            return algo
+        q = buf.size // self.nodes
+        reduced = cupy.empty(q, buf.dtype)
+        self._rail_reduce_scatter(buf.reshape(self.nodes, q), reduced, dt, red, s, name)
+        buf[self.node_index * q:(self.node_index + 1) * q] = reduced
+        self._rail_allgather(buf.data.ptr, q * buf.itemsize, s, name)
+        return algo
 
     def _output(self, out, dtype, count: int, shape, op: str, stream):
         import cupy
@@ -327,7 +396,7 @@ class HierarchicalCollectives:
         caller, s = self._begin(stream, async_op)
         with s:
             count, isz = a.size, a.itemsize
-            shard = shard_elems(count, g, isz)
+            shard = shard_elems(count, g, isz, self.nodes)
             flat = a.reshape(-1)
             if shard * g == count:
                 xin = flat
@@ -339,7 +408,7 @@ class HierarchicalCollectives:
                 self.node.reduce_scatter(xin, mine, op=op, stream=s)
             else:
                 mine[...] = xin
-            self._rail_allreduce(mine, dt, red, s, "hier.allreduce")
+            rail_algo = self._rail_allreduce(mine, dt, red, s, "hier.allreduce")
             o_flat = o.reshape(-1)
             if self.node is None:
                 o_flat[:count] = mine[:count]
@@ -349,8 +418,8 @@ class HierarchicalCollectives:
                 full = cupy.empty(shard * g, a.dtype)
                 self.node.allgather(mine, full, stream=s)
                 o_flat[:count] = full[:count]
-        log.debug("rank %d: hierarchical allreduce of %d x %s: node reduce-scatter, rail allreduce of %d, "
-                  "node all-gather", world.rank, count, a.dtype, shard)
+        log.debug("rank %d: hierarchical allreduce of %d x %s: node reduce-scatter, rail allreduce (%s) of %d, "
+                  "node all-gather", world.rank, count, a.dtype, rail_algo, shard)
         return self._end(s, async_op, o, (a, o))
 
     @_nvtx("hier.reduce_scatter")
@@ -382,25 +451,10 @@ class HierarchicalCollectives:
         a, o, dt, red, c = got
         caller, s = self._begin(stream, async_op)
         with s:
-            isz = a.itemsize
             block = g * c                         # elements of one node's block
             xb = a.reshape(-1).reshape(nodes, block)
             mine = cupy.empty(block, a.dtype)      # this node's block, reduced along the rail
-            fn = self.module.get_function(f"fluxrt_rail_reduce_{dt}_{red}")
-            # pieces of whole vectors, so that every member's piece starts 16-byte aligned in the send buffer
-            slot = self.slot_bytes
-            for start, nbytes in rail_pieces(block * isz, slot):
-                elems = nbytes // isz
-                st = start // isz
-                stride = -(-nbytes // VEC) * VEC
-                if elems:
-                    view = cupy.ndarray((nodes, stride // isz), a.dtype, self.send.data)[:, :elems]
-                    view[...] = xb[:, st:st + elems]
-                e, blocks = self._rail_put(s, stride, nbytes)
-                args = (self._pes, _u32(nodes), _u32(blocks), _u64(self.recv.data.ptr), _u64(self.half_bytes),
-                        _u64(slot), _u64(self.sig.data.ptr), _u64(e), _u64(mine.data.ptr + start),
-                        _u64(elems)) + self._watch("hier.reduce_scatter")
-                PackedLaunch(fn, reduce_grid(nbytes // VEC, self.options.reduce_blocks), THREADS, args).launch(s.ptr)
+            self._rail_reduce_scatter(xb, mine, dt, red, s, "hier.reduce_scatter")
             o_flat = o.reshape(-1)
             if self.node is not None:
                 self.node.reduce_scatter(mine, o_flat[:c], op=op, stream=s)
@@ -411,7 +465,7 @@ class HierarchicalCollectives:
     @_nvtx("hier.allgather")
     def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
         """As ``Collectives.allgather``: the node gathers its block into out, then the rail exchanges blocks."""
-        world, n, g, nodes = self.world, self.world.size, self.ranks_per_node, self.nodes
+        world, n, g = self.world, self.world.size, self.ranks_per_node
         s0 = as_cupy_stream(stream)
 
         def prepare():
@@ -429,8 +483,6 @@ class HierarchicalCollectives:
                                     ("algo", "hierarchical")), err)
         a, o = got
         caller, s = self._begin(stream, async_op)
-        import cupy
-
         with s:
             block_bytes = g * a.nbytes
             o_bytes = o.reshape(-1).view(np.uint8)
@@ -439,16 +491,7 @@ class HierarchicalCollectives:
                 self.node.allgather(a.reshape(-1).view(np.uint8), mine, stream=s)
             elif mine.data.ptr != a.data.ptr:
                 mine[...] = a.reshape(-1).view(np.uint8)
-            for start, nbytes in rail_pieces(block_bytes, self.slot_bytes):
-                if nbytes:
-                    cupy.cuda.runtime.memcpyAsync(self.send.data.ptr, mine.data.ptr + start, nbytes,
-                                                  cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
-                e, blocks = self._rail_put(s, 0, nbytes)
-                args = (self._pes, _u32(nodes), _u32(blocks), _u64(self.recv.data.ptr), _u64(self.half_bytes),
-                        _u64(self.slot_bytes), _u64(self.sig.data.ptr), _u64(e), _u64(o_bytes.data.ptr + start),
-                        _u64(block_bytes), _u64(nbytes), _u32(self.node_index)) + self._watch("hier.allgather")
-                grid = max(1, min(self.options.reduce_blocks, math.ceil(nbytes / (64 << 10))))
-                PackedLaunch(self._gather, grid, THREADS, args).launch(s.ptr)
+            self._rail_allgather(o_bytes.data.ptr, block_bytes, s, "hier.allgather")
         return self._end(s, async_op, o, (a, o))
 
     def _not_across_nodes(self, name: str):
@@ -480,5 +523,5 @@ def context(world: World) -> HierarchicalCollectives:
     return ctx
 
 
-__all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "context", "put_grid", "rail_geometry",
-           "rail_pieces", "reduce_grid", "shard_elems"]
+__all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "context", "put_grid",
+           "rail_allreduce_algo", "rail_geometry", "rail_pieces", "reduce_grid", "shard_elems"]

@@ -6,7 +6,8 @@ import pytest
 
 from fluxrt import collectives_plan as plan
 from fluxrt import topology as topo
-from fluxrt.collectives_hier import MAX_NODES, MAX_PUT_BLOCKS, put_grid, rail_geometry, rail_pieces, shard_elems
+from fluxrt.collectives_hier import (MAX_NODES, MAX_PUT_BLOCKS, ONESHOT_BYTES, put_grid, rail_allreduce_algo,
+                                     rail_geometry, rail_pieces, shard_elems)
 from fluxrt.toolchain import kernel_root
 
 
@@ -150,9 +151,16 @@ def test_put_grid_and_shards():
     assert put_grid(1, 8) == 1 and put_grid(1 << 30, 8) == 8 and put_grid(1 << 30, 99) == MAX_PUT_BLOCKS
     assert shard_elems(1, 2, 4) == 4                      # one 16-byte vector
     assert shard_elems(1001, 2, 2) == 504                 # bf16: 501 -> whole vectors of 8
-    for count, g, isz in [(4096, 2, 4), (3, 1, 4), ((1 << 20) + 3, 2, 2)]:
-        s = shard_elems(count, g, isz)
-        assert s * g >= count and (s * isz) % 16 == 0
+    for count, g, isz, nodes in [(4096, 2, 4, 1), (3, 1, 4, 2), ((1 << 20) + 3, 2, 2, 4), (10, 8, 2, 16)]:
+        s = shard_elems(count, g, isz, nodes)
+        assert s * g >= count and (s * isz) % (16 * nodes) == 0
+
+
+def test_rail_allreduce_algo():
+    assert rail_allreduce_algo(1 << 30, 2) == "oneshot"               # 2 nodes: as many bytes, one round
+    assert rail_allreduce_algo(ONESHOT_BYTES, 8) == "oneshot"
+    assert rail_allreduce_algo(ONESHOT_BYTES + 16, 8) == "rs_ag"
+    assert rail_allreduce_algo(16, 2, oneshot_bytes=0) == "rs_ag"     # forced (the GPU test's second context)
 
 
 def test_rail_constants_mirror_the_kernel():

@@ -213,3 +213,25 @@ def test_remote_wait_is_bounded(world, hier):
         assert info.value.rank == 0 and info.value.peer in hier.rail
         assert "hier.allreduce" in str(info.value)
     world.comm.Barrier()
+
+
+def test_rail_reduce_scatter_then_allgather(world, hier):
+    """The rail allreduce in two rounds (reduce-scatter, all-gather), forced on a second context: same
+    reference, same bits on every rank."""
+    import fluxrt
+    from fluxrt.collectives import CollectivesOptions
+    from fluxrt.collectives_hier import HierarchicalCollectives, HierarchicalOptions
+
+    ctx = HierarchicalCollectives(world, HierarchicalOptions(rail_bytes=1 << 20, oneshot_bytes=0,
+                                                             node=CollectivesOptions(workspace_bytes=32 << 20)))
+    try:
+        for dtype, count in (("fp32", 5), ("bf16", 70001), ("fp32", (1 << 20) + 9)):   # last: several rounds
+            inputs = _inputs(count % 71 + 3, world.size, count, dtype)
+            out = _poisoned(count, dtype)
+            ctx.allreduce(_device(inputs[world.rank]), out)
+            world.synchronize()
+            got = _host(out)
+            _assert_reduced(got, inputs, "sum", dtype, f"rail reduce-scatter + all-gather {count} x {dtype}")
+            _same_on_every_rank(world, got, "rs_ag")
+    finally:
+        ctx.free()
