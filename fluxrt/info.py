@@ -223,18 +223,20 @@ def main(argv=None) -> int:
     parser.add_argument("--world", action="store_true",
                         help="boot a world (run under mpirun/srun/fluxrt-run) and print its topology: nodes, "
                              "node teams, the peers each rank reaches only through NVSHMEM")
+    parser.add_argument("--device", type=int, default=None,
+                        help="with --world: the GPU of every rank (default: the local rank's)")
     args = parser.parse_args(argv)
     if args.world:
-        return world_topology()
+        return world_topology(args.device)
     print(report())
     return 0
 
 
-def world_topology() -> int:
+def world_topology(device: int | None = None) -> int:
     """Every rank's view of the world's topology, printed by rank 0."""
     from . import world as _world
 
-    with _world.init() as w:
+    with _world.init(device=device) as w:
         lines = w.comm.gather(w.topology.describe(), root=0)
         if w.rank == 0:
             print("\n".join(lines[0][:-1] if lines[0] and lines[0][-1].startswith("  remote") else lines[0]))
