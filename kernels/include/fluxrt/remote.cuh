@@ -2,8 +2,8 @@
 // proxy, or its P2P transport), with the same contract as sync.cuh: a signal is raised only after the
 // data it guards is delivered, every wait is bounded and reports into the ErrorRecord.
 //
-//   put_signal_nbi_block   the block's threads put `bytes`, then NVSHMEM sets the peer's signal word to
-//                          `value` once the data is there (non-blocking: the source stays in use until quiet)
+//   put_signal_nbi_block   the block's threads put `bytes`, then the peer's signal word is set to `value`
+//                          behind the data (non-blocking: the source stays in use until quiet)
 //   put_nbi_block          a put without a signal (ordered before a later signal by fence or quiet)
 //   quiet                  completes every put this PE issued (sources reusable, data delivered)
 //   wait_signals           the block waits for n local signal words >= target (bounded, sync.cuh's
@@ -24,10 +24,19 @@ namespace remote {
 constexpr u32 kMaxRailNodes = 64;   // members of one rail (ranks with the same local index, one per node)
 constexpr u32 kMaxRailBlocks = 32;  // blocks (signal words) per (source, buffer half) of a rail round
 
+// Composed from a block put, the contract's publish and one signal rather than
+// nvshmemx_putmem_signal_nbi_block: over the P2P transport that call copies with every thread, meets, and
+// fences in thread 0 alone before the signal, and one thread's fence did not order the other threads'
+// NVLink stores on 4x H200 (sync.cuh). Here every thread fences its own stores (block_publish), then
+// nvshmem_fence orders the put before the signal on every transport (IB: same PE, delivery order).
 __device__ __forceinline__ void put_signal_nbi_block(void* dst, const void* src, u64 bytes, u64* sig, u64 value,
                                                      int pe) {
-    nvshmemx_putmem_signal_nbi_block(dst, src, bytes, reinterpret_cast<uint64_t*>(sig), value,
-                                     NVSHMEM_SIGNAL_SET, pe);
+    nvshmemx_putmem_nbi_block(dst, src, bytes, pe);
+    block_publish();
+    if (threadIdx.x == 0) {
+        nvshmem_fence();
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(sig), value, NVSHMEM_SIGNAL_SET, pe);
+    }
 }
 
 __device__ __forceinline__ void put_nbi_block(void* dst, const void* src, u64 bytes, int pe) {
