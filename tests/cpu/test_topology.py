@@ -167,3 +167,22 @@ def test_rail_constants_mirror_the_kernel():
     src = (kernel_root() / "include" / "fluxrt" / "remote.cuh").read_text()
     consts = {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr u32 (k\w+) = (\d+);", src)}
     assert consts["kMaxRailNodes"] == MAX_NODES and consts["kMaxRailBlocks"] == MAX_PUT_BLOCKS
+
+
+def test_multinode_doc_tables_are_the_models(capsys):
+    """docs/multinode.md shows what perf/multinode_model.py computes from its default inputs."""
+    import importlib.util
+    import sys
+
+    root = kernel_root().parent
+    spec = importlib.util.spec_from_file_location("multinode_model", root / "perf" / "multinode_model.py")
+    model = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = model   # its dataclass looks its module up
+    try:
+        spec.loader.exec_module(model)
+    finally:
+        sys.modules.pop(spec.name, None)
+    model.main([])
+    doc = (root / "docs" / "multinode.md").read_text()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows and all(row in doc for row in rows), [row for row in rows if row not in doc]
