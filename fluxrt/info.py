@@ -237,12 +237,11 @@ def world_topology(device: int | None = None) -> int:
     from . import world as _world
 
     with _world.init(device=device) as w:
-        lines = w.comm.gather(w.topology.describe(), root=0)
-        if w.rank == 0:
-            print("\n".join(lines[0][:-1] if lines[0] and lines[0][-1].startswith("  remote") else lines[0]))
-            for r, mine in enumerate(lines):
-                print("\n".join(line for line in mine[1:] if line.startswith(f"  rank {r}:") or
-                                line.startswith("  remote")))
+        every = w.comm.gather(w.topology.describe(), root=0)
+        if w.rank == 0:   # the nodes once, then each rank's own lines (its team, its NVSHMEM peers, its transport)
+            print("\n".join(line for line in every[0] if not line.startswith(("  rank", "  remote"))))
+            for mine in every:
+                print("\n".join(line for line in mine if line.startswith(("  rank", "  remote"))))
     return 0
 
 
