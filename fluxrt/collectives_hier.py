@@ -54,6 +54,8 @@ THREADS = 512
 VEC = 16
 ONESHOT_BYTES = 256 << 10   # rail allreduce: one round up to this shard size (a latency choice; not measured)
 _PES_DTYPE = np.dtype([("pe", "<i4", (MAX_NODES,))])   # struct RailPes, by value
+RAIL_DTYPES = ("bf16", "fp16", "fp32")   # the rail reduce kernels (kernels/comm/nvshmem_hier.cu)
+RAIL_OPS = ("sum", "max", "min")
 _u64, _u32 = np.uint64, np.uint32
 
 
@@ -384,6 +386,7 @@ class HierarchicalCollectives:
             _check_algo(algo)
             a = _as_array(x, "x", "allreduce", world, s0)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
+            check_rail_reduction(dt, red)
             o = self._output(out, a.dtype, a.size, a.shape, "allreduce", s0)
             _check_alias("allreduce", a, o, (0,))
             return a, o, dt, red
@@ -436,6 +439,7 @@ class HierarchicalCollectives:
             _check_algo(algo)
             a = _as_array(x, "x", "reduce_scatter", world, s0)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
+            check_rail_reduction(dt, red)
             if a.size % n:
                 raise CollectiveArgumentError(f"reduce_scatter: x has {a.size} elements, not a multiple of {n} ranks")
             c = a.size // n
@@ -509,6 +513,13 @@ class HierarchicalCollectives:
         self._not_across_nodes("broadcast")
 
 
+def check_rail_reduction(dt: str, red: str) -> None:
+    """Refuse, before any launch, a reduction the rail kernels do not have."""
+    if dt not in RAIL_DTYPES or red not in RAIL_OPS:
+        raise CollectiveArgumentError(f"reductions across nodes support {RAIL_DTYPES} with {RAIL_OPS}, got {dt} "
+                                      f"{red}")
+
+
 def _check_algo(algo: str) -> None:
     if algo not in ("auto", "hierarchical"):
         raise CollectiveArgumentError(f"algo={algo!r}: a world of several nodes runs the hierarchical path "
@@ -523,5 +534,5 @@ def context(world: World) -> HierarchicalCollectives:
     return ctx
 
 
-__all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "context", "put_grid",
+__all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "check_rail_reduction", "context", "put_grid",
            "rail_allreduce_algo", "rail_geometry", "rail_pieces", "reduce_grid", "shard_elems"]

@@ -6,8 +6,8 @@ import pytest
 
 from fluxrt import collectives_plan as plan
 from fluxrt import topology as topo
-from fluxrt.collectives_hier import (MAX_NODES, MAX_PUT_BLOCKS, ONESHOT_BYTES, put_grid, rail_allreduce_algo,
-                                     rail_geometry, rail_pieces, shard_elems)
+from fluxrt.collectives_hier import (MAX_NODES, MAX_PUT_BLOCKS, ONESHOT_BYTES, check_rail_reduction, put_grid,
+                                     rail_allreduce_algo, rail_geometry, rail_pieces, shard_elems)
 from fluxrt.toolchain import kernel_root
 
 
@@ -161,6 +161,19 @@ def test_rail_allreduce_algo():
     assert rail_allreduce_algo(ONESHOT_BYTES, 8) == "oneshot"
     assert rail_allreduce_algo(ONESHOT_BYTES + 16, 8) == "rs_ag"
     assert rail_allreduce_algo(16, 2, oneshot_bytes=0) == "rs_ag"     # forced (the GPU test's second context)
+
+
+def test_rail_reductions_are_the_kernels():
+    src = (kernel_root() / "comm" / "nvshmem_hier.cu").read_text()
+    built = set(re.findall(r"FLUXRT_RAIL_REDUCE\((\w+)_(\w+), ", src))
+    for dt in ("bf16", "fp16", "fp32"):
+        for red in ("sum", "max", "min"):
+            check_rail_reduction(dt, red)
+            assert (dt, red) in built
+    with pytest.raises(ValueError, match="across nodes"):
+        check_rail_reduction("fp64", "sum")
+    with pytest.raises(ValueError, match="across nodes"):
+        check_rail_reduction("fp32", "prod")
 
 
 def test_rail_constants_mirror_the_kernel():
