@@ -805,9 +805,17 @@ def _displs(displs, counts: np.ndarray, name: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ functional API
 def context(world: World) -> Collectives:
     """The world's default collectives context (in the world's registry); made (collectively) on the first
-    call, or by the first ``Collectives(world, options)``."""
+    call, or by the first ``Collectives(world, options)``. A world of several nodes (``world.topology``) gets
+    the hierarchical context (``collectives_plan.choose_path``)."""
     ctx = world.registry.get(_KEY)
     if ctx is None:
+        path, why = plan.choose_path(getattr(world, "topology", None))
+        if path == "hierarchical":   # ranks without NVLink pointers between them: fluxrt.collectives_hier
+            from . import collectives_hier
+
+            if collectives_hier.KEY not in world.registry and world.rank == 0:
+                log.info("collectives: path %s (%s)", path, why)
+            return collectives_hier.context(world)
         ctx = Collectives(world)   # registers itself
     return ctx
 
