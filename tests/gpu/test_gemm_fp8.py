@@ -215,10 +215,12 @@ def test_b_kxn_is_refused_with_the_layout_named():
 
 
 def test_autotune_fp8(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLUXRT_GEMM_TUNE_DIR", str(tmp_path))
-    import fluxrt.gemm.autotune as at
+    import sys
 
+    monkeypatch.setenv("FLUXRT_GEMM_TUNE_DIR", str(tmp_path))
+    at = sys.modules["fluxrt.gemm.autotune"]   # (fluxrt.gemm.autotune the attribute is the function)
     monkeypatch.setattr(at, "_paths", {})
+    monkeypatch.setattr(at, "_tables", {})
     rng = np.random.default_rng(10)
     a8, b8 = rand_fp8(rng, (512, 1024), "e4m3"), rand_fp8(rng, (768, 1024), "e4m3")
     da, db = cupy.asarray(a8.view(np.uint8)), cupy.asarray(b8.view(np.uint8))
