@@ -106,3 +106,45 @@ def test_model_pieces_behave():
     fused = C.ag_fused_us(8192, 7168, 8192, 4, "bfloat16", chunks_per_rank=2, reserved_sms=1, rates=RATES)
     assert fused == pytest.approx(1268.0, rel=0.1)
     assert seq == pytest.approx(1565.0, rel=0.1)
+
+
+# --- perf plumbing: the suite sweep and its summary ----------------------------------------------------------
+
+def test_tp_op_suite_shapes():
+    from fluxrt.perf import shapes, tp_ops
+
+    for op, layers in shapes.TP_OP_LAYERS.items():
+        for tp in (2, 4, 8):
+            suite = shapes.tp_op_suite(op, tp)
+            assert suite and len({x.key() for x in suite}) == len(suite)
+            assert {x.m for x in suite} == set(shapes.TP_OP_SUITES["tp"])
+            assert all(x.label.split("/")[1] in layers and x.label.endswith(f"tp{tp}") for x in suite)
+            hidden = {h for h, *_ in shapes.MODELS.values()}
+            # AllGather+GEMM: K is the hidden size; GEMM+ReduceScatter: N is
+            # (DeepSeek-V3's attention projections are the latent ones: see fluxrt.perf.shapes)
+            assert all((x.k if op == "ag_gemm" else x.n) in hidden for x in suite if x.label != f"deepseek-v3/qkv/tp{tp}")
+    args = tp_ops.build_parser("gemm_rs").parse_args(["--suite", "tp-quick"])
+    assert tp_ops.shapes_from_args("gemm_rs", args, 2) == [(x.m, x.n, x.k) for x in shapes.tp_op_suite("gemm_rs", 2,
+                                                                                                         "tp-quick")]
+    with pytest.raises(ValueError, match="--suite replaces"):
+        tp_ops.shapes_from_args("ag_gemm", tp_ops.build_parser("ag_gemm").parse_args(["--suite", "tp", "--M", "8"]))
+    assert all(inter % 64 == 0 for _, _, inter, _ in shapes.tp_mlp_suite(8))
+
+
+def test_baseline_fields_and_summary():
+    from fluxrt.perf import tp_ops
+
+    row = tp_ops.overlap_row("ag_gemm", 8192, 7168, 8192, 4, "bfloat16", 1.27, 1.23, 1.22, 0.35, 1.56, 1.41)
+    r = tp_ops.baseline_fields(row, {1: 1.6, 2: 1.5, 4: 1.55}, "fused", 2)
+    assert (r["decomposed_ms"], r["decomposed_chunks"], r["op_ms"]) == (1.5, 2, 1.27)
+    assert r["op_over_best"] == pytest.approx(1.27 / 1.41)
+    small = tp_ops.baseline_fields(dict(row, m=64, fused_ms=0.05, sequential_ms=0.04, torch_ms=None),
+                                   {1: 0.03}, "decomposed", 1)
+    assert small["op_ms"] == 0.03 and small["op_over_best"] == pytest.approx(1.0)
+    slow = tp_ops.baseline_fields(dict(row, m=128, fused_ms=2.0), {1: 1.6}, "fused", 1)
+    s = tp_ops.summary([r, small, slow])
+    assert s["fallback"] == ["64x7168x8192"] and s["over_target"] == ["128x7168x8192"]
+    assert s["geomean_sequential_over_op"] == pytest.approx(((1.56 / 1.27) * (0.04 / 0.03) * (1.56 / 2.0)) ** (1 / 3))
+    lines = tp_ops.format_table([r, small])
+    assert len({len(x) for x in lines}) == 1 and "decomposed" in lines[2]
+    assert "128x7168x8192" in tp_ops.summary_lines(s)[1]
