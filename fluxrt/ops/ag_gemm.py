@@ -70,7 +70,8 @@ class AllGatherGemm:
     shapes in the same order. ``max_m`` bounds M (the gathered A lives in a symmetric buffer of
     ``capacity_m`` rows: max_m with every shard padded to whole tiles); N and K are fixed. M must be a
     multiple of world; shards of whole ``128 * plan.chunks_per_rank`` rows take the fast path, other
-    shards are padded (the rule in :mod:`fluxrt.ops.plan`).
+    shards are padded (the rule in :mod:`fluxrt.ops.plan`). Unless ``plan.path`` is 'fused', the op also holds
+    the decomposed path's gathered A (max_m x K, device memory, not symmetric; :mod:`fluxrt.ops.decomposed`).
     """
 
     def __init__(self, world: World, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
@@ -80,7 +81,7 @@ class AllGatherGemm:
         w = world.size
         common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_ag_gemm)
         self._sms = common.num_sms(world)
-        common.setup_paths(self, world)
+        common.setup_paths(self, world, self.k)
         self.layout = ag_pad_layout(w, self.plan.chunks_per_rank)
         self.a_full = world.empty((self.capacity_m, self.k), self.dtype)
         self.pad = world.signal_pad(self.layout.slots)

@@ -111,15 +111,16 @@ def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bo
     return checked_on_every_rank(world, f"{name}.forward", local_checks)
 
 
-def setup_paths(op, world: World) -> None:
+def setup_paths(op, world: World, buffer_cols: int) -> None:
     """Both ops' state of the path choice (fluxrt.ops.cost): the choices made so far, and the decomposed
-    path's buffer and collectives context, made now unless the plan asks for the fused path only (a
-    capture must not allocate or make a context)."""
+    path's buffer of [max_m, buffer_cols] and the collectives context, made now unless the plan asks for
+    the fused path only (a capture must not allocate or make a context)."""
     from .cost import DEFAULT_RATES, OPS_RATES
 
     op._rates = OPS_RATES[DEFAULT_RATES]
     op._paths = {}
     op._decomposed = None
+    op._decomposed_cols = buffer_cols
     if op.plan.path != "fused":
         decomposed_state(op)
 
@@ -130,8 +131,7 @@ def decomposed_state(op):
     if op._decomposed is None:
         from .decomposed import DecomposedState
 
-        cols = op.k if type(op).__name__ == "AllGatherGemm" else op.n
-        op._decomposed = DecomposedState(op.world, op.max_m, cols, op.dtype, op._rates.comm_sms)
+        op._decomposed = DecomposedState(op.world, op.max_m, op._decomposed_cols, op.dtype, op._rates.comm_sms)
     return op._decomposed
 
 

@@ -72,7 +72,8 @@ class GemmReduceScatter:
     shards of whole 128-row tiles take the fast path, other shards are padded (the rule in
     :mod:`fluxrt.ops.plan`). N is fixed. Symmetric memory: ``2 * capacity_m * N`` partial elements per
     rank (capacity_m: max_m with every shard padded to whole tiles), twice that with comm_mode 'ce' (the
-    partials the owners pull, in two parities).
+    partials the owners pull, in two parities). Unless ``plan.path`` is 'fused', the op also holds the
+    decomposed path's partials (max_m x N, device memory, not symmetric; :mod:`fluxrt.ops.decomposed`).
     """
 
     def __init__(self, world: World, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
@@ -82,7 +83,7 @@ class GemmReduceScatter:
         w = world.size
         common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_gemm_rs)
         self._sms = common.num_sms(world)
-        common.setup_paths(self, world)
+        common.setup_paths(self, world, self.n)
         self.partial_dtype = self.plan.partial_dtype or self.dtype
         self.max_shard = self.capacity_m // w
         self.layout = rs_flag_layout(self.capacity_m, self.n, w)
