@@ -6,7 +6,8 @@ and on the same stream:
           algorithm), the counts known to the host
   dense   ONE cublasGemmEx of the same FLOPs: [sum M_g, K] x [K, N], the rate a grouped GEMM would have
           without its groups
-  torch   torch._grouped_mm (bf16, offsets on the device) where torch is installed and has it
+  torch   torch._grouped_mm (bf16, offsets on the device) where torch is installed and has it: eager calls
+          only, after every other measurement (a device-side assert in it would end the CUDA context)
 
 MoE cases: DeepSeek-V3 experts (7168 -> 2048 and 2048 -> 7168, 64 local experts) and Mixtral (4096 -> 14336 and
 14336 -> 4096, 2 local experts); the rows per expert are drawn from a seeded Zipf-like router (expert e of a
@@ -15,7 +16,8 @@ total row counts. Weights are [G, N, K] (trans_b=True, as nn.Linear stores them)
 
 Timing, per case, in alternating rounds: "graph" = `iters` calls captured once in a CUDA graph and replayed
 (kernel time; the loop's 64 launches included), "eager" = the same calls back to back between two events
-(host time included, as a user sees it). Ratios are baseline time / fluxrt time (> 1: fluxrt faster).
+(host time included, as a user sees it). Ratios are baseline time / fluxrt time (> 1: fluxrt faster);
+"tile_rows_128" counts the 128-row tiles the experts need (padding included), against rows / 128 for dense.
 
     python3 perf/grouped_gemm.py --json perf/results/gemm-grouped-h200-<date>-<commit>.json
 """
@@ -113,11 +115,9 @@ def _torch_grouped(a, b_gnk, counts, trans_b: bool, stream):
         return None, f"{type(e).__name__}: {e}"[:200]
 
 
-def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rounds, seed, check, plans):
+def operands(experts, k, n, rows, dtype, trans_b, seed):
+    """The case's tokens, weights, rows per expert (host) and offsets (device), seeded."""
     import cupy
-
-    from fluxrt.gemm import grouped_gemm
-    from fluxrt.gemm.grouped import grouped_plan
 
     np_dt = cupy.dtype(_np_dtype(dtype))
     counts = router_counts(experts, rows, seed)
@@ -125,10 +125,19 @@ def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rou
     rng = cupy.random.default_rng(seed)
     a = (rng.standard_normal((rows, k), dtype=cupy.float32) * 0.5).astype(np_dt)
     b = (rng.standard_normal((experts, n, k) if trans_b else (experts, k, n), dtype=cupy.float32) * 0.5).astype(np_dt)
-    offsets = cupy.asarray(offs_host)
-    out = cupy.empty((rows, n), dtype=np_dt)
-    out_loop = cupy.empty((rows, n), dtype=np_dt)
-    out_dense = cupy.empty((rows, n), dtype=np_dt)
+    return a, b, counts, offs_host, cupy.asarray(offs_host)
+
+
+def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rounds, seed, check, plans):
+    import cupy
+
+    from fluxrt.gemm import grouped_gemm
+    from fluxrt.gemm.grouped import grouped_plan
+
+    a, b, counts, offs_host, offsets = operands(experts, k, n, rows, dtype, trans_b, seed)
+    out = cupy.empty((rows, n), dtype=a.dtype)
+    out_loop = cupy.empty((rows, n), dtype=a.dtype)
+    out_dense = cupy.empty((rows, n), dtype=a.dtype)
     w_dense = b[int(np.argmax(counts))]     # one expert's weights: the dense GEMM of the same FLOPs
     stream = cupy.cuda.Stream(non_blocking=True)
     default = grouped_plan(rows, n, k, experts, in_dtype=dtype, out_dtype=dtype)
@@ -148,14 +157,10 @@ def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rou
     for name, plan in fl.items():
         impls[f"fluxrt:{name}"] = (lambda plan=plan: grouped_gemm(a, b, offsets, out, trans_b=trans_b, stream=stream,
                                                                    plan=plan))
-    torch_run, torch_note = _torch_grouped(a, b, counts, trans_b, stream) if dtype == "bfloat16" else \
-        (None, "bf16 only")
-    if torch_run is not None:
-        impls["torch"] = torch_run
     row = {"model": model, "gemm": gemm_name, "experts": experts, "rows": rows, "k": k, "n": n, "dtype": dtype,
            "layout": "NK" if trans_b else "KN", "empty_experts": int((counts == 0).sum()),
            "max_rows": int(counts.max()), "min_nonzero_rows": int(counts[counts > 0].min()),
-           "plan": default.describe(), "torch_note": torch_note}
+           "tile_rows_128": int(sum(-(-int(c) // 128) for c in counts)), "plan": default.describe()}
     flops = 2.0 * rows * n * k
     with stream:
         for fn in impls.values():   # compile, pack, warm up
@@ -186,9 +191,31 @@ def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rou
     row["speedup_vs_loop"] = row["loop_ms"] / row["fluxrt_ms"]
     row["ratio_vs_dense"] = row["dense_ms"] / row["fluxrt_ms"]
     row["speedup_vs_loop_eager"] = row["loop_eager_ms"] / row["fluxrt_eager_ms"]
-    if "torch_ms" in row:
-        row["ratio_vs_torch"] = row["torch_ms"] / row["fluxrt_ms"]
     return row
+
+
+def torch_case(row, trans_b, iters, rounds, seed) -> None:
+    """torch._grouped_mm on the case's operands, eager (torch allocates its own per-call workspace, which a
+    capture that torch does not know of would leave dangling), into row: torch_eager_ms and
+    ratio_vs_torch_eager. Run after every other measurement: a device-side assert in it ends the process's
+    CUDA context."""
+    import cupy
+
+    a, b, counts, _, _ = operands(row["experts"], row["k"], row["n"], row["rows"], row["dtype"], trans_b, seed)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    run, note = _torch_grouped(a, b, counts, trans_b, stream)
+    row["torch_note"] = note
+    if run is None:
+        return
+    with stream:
+        for _ in range(2):
+            run()
+        row["torch_eager_ms"] = float(np.median([_time(run, iters, stream) for _ in range(rounds)]))
+    row["ratio_vs_torch_eager"] = row["torch_eager_ms"] / row["fluxrt_eager_ms"]
+
+
+def seed_of(args, rows: int, experts: int) -> int:
+    return args.seed + rows + experts
 
 
 def _np_dtype(name: str):
@@ -222,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default=",".join(sorted({m for m, *_ in MODELS})), help="comma-separated")
     ap.add_argument("--rows", type=int, nargs="*", default=None, help="total rows (default: per model)")
     ap.add_argument("--plans", default="", help="extra grouped plans to time, e.g. 128x128s5,64x256s4")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch._grouped_mm baseline")
     ap.add_argument("--json", type=Path, default=None)
     return ap
 
@@ -239,7 +267,7 @@ def main(argv=None) -> int:
           f"{args.rounds} rounds (CUDA graph); ratio = baseline time / fluxrt time")
     hdr = (f"{'model':>11} {'gemm':>4} {'G':>3} {'rows':>6} {'K':>6} {'N':>6} {'0s':>3} {'max':>5} | "
            f"{'fluxrt ms':>9} {'TFLOP/s':>7} | {'loop ms':>8} {'x':>5} | {'dense ms':>8} {'x':>5} | "
-           f"{'torch ms':>8} {'x':>5} | eager loop x")
+           f"{'eager ms':>8} {'x loop':>6}")
     print(hdr)
     print("-" * len(hdr))
     rows, t0 = [], time.time()
@@ -249,7 +277,7 @@ def main(argv=None) -> int:
         for total in (args.rows or ROWS[model]):
             try:
                 r = bench_case(model, gname, experts, k, n, total, args.dtype, not args.kn, args.iters, args.rounds,
-                               args.seed + total + experts, bool(args.check), plans)
+                               seed_of(args, total, experts), bool(args.check), plans)
             except Exception as e:
                 print(f"{model:>11} {gname:>4} {experts:>3} {total:>6} {k:>6} {n:>6} | FAILED {type(e).__name__}: {e}",
                       flush=True)
@@ -257,23 +285,33 @@ def main(argv=None) -> int:
                              "error": f"{type(e).__name__}: {e}"})
                 continue
             rows.append(r)
-            tt = (f"{r['torch_ms']:8.4f} {r['ratio_vs_torch']:5.2f}" if "torch_ms" in r else f"{'-':>8} {'-':>5}")
             err = r.get("rel_err_vs_loop", 0.0)
             extra = "".join(f" {key[7:-3]} {r[key]:.4f}" for key in r if key.startswith("fluxrt:") and
                             key.endswith("_ms") and not key.endswith("eager_ms"))
             print(f"{model:>11} {gname:>4} {experts:>3} {total:>6} {k:>6} {n:>6} {r['empty_experts']:>3} "
                   f"{r['max_rows']:>5} | {r['fluxrt_ms']:9.4f} {r['fluxrt_tflops']:7.1f} | {r['loop_ms']:8.4f} "
-                  f"{r['speedup_vs_loop']:5.2f} | {r['dense_ms']:8.4f} {r['ratio_vs_dense']:5.2f} | {tt} | "
-                  f"{r['speedup_vs_loop_eager']:5.2f}{'  !! rel err %.2e' % err if err > 1e-2 else ''}{extra}",
+                  f"{r['speedup_vs_loop']:5.2f} | {r['dense_ms']:8.4f} {r['ratio_vs_dense']:5.2f} | "
+                  f"{r['fluxrt_eager_ms']:8.4f} {r['speedup_vs_loop_eager']:5.2f}{'  !! rel err %.2e' % err if err > 1e-2 else ''}{extra}",
                   flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
     ok = [r for r in rows if "fluxrt_ms" in r]
+    if args.dtype == "bfloat16" and not args.no_torch and ok:
+        print("# torch._grouped_mm, eager (after every other measurement)")
+        for r in ok:
+            try:
+                torch_case(r, not args.kn, args.iters, args.rounds, seed_of(args, r["rows"], r["experts"]))
+            except Exception as e:
+                r["torch_note"] = f"{type(e).__name__}: {e}"[:200]
+            t = f"{r['torch_eager_ms']:.4f} ms, fluxrt eager {r['ratio_vs_torch_eager']:.2f}x" \
+                if "torch_eager_ms" in r else r["torch_note"]
+            print(f"{r['model']:>11} {r['gemm']:>4} {r['rows']:>6}: torch {t}", flush=True)
     summary = {"cases": len(rows), "measured": len(ok),
                "geomean_speedup_vs_loop": geomean(r["speedup_vs_loop"] for r in ok),
                "geomean_ratio_vs_dense": geomean(r["ratio_vs_dense"] for r in ok),
                "min_speedup_vs_loop": min((r["speedup_vs_loop"] for r in ok), default=None),
                "min_ratio_vs_dense": min((r["ratio_vs_dense"] for r in ok), default=None),
                "geomean_speedup_vs_loop_eager": geomean(r["speedup_vs_loop_eager"] for r in ok),
+               "geomean_ratio_vs_torch_eager": geomean(r.get("ratio_vs_torch_eager") for r in ok),
                "seconds": time.time() - t0}
     print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     if args.json:

@@ -22,7 +22,6 @@ import logging
 import threading
 from collections import OrderedDict
 
-import numpy as np
 
 from ..arrays import as_array
 from ..dtypes import normalize_dtype
