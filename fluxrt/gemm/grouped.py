@@ -22,7 +22,6 @@ import logging
 import threading
 from collections import OrderedDict
 
-
 from ..arrays import as_array
 from ..dtypes import normalize_dtype
 from ..errors import GemmArgumentError, GemmTypeError
