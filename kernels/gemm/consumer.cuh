@@ -122,7 +122,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
     u32 phase = 0;
     typename Epilogue::ConsumerState es = epilogue.consumer_state(wg);
     const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per consumer
-    for (int t = sched.first; t < sched.total; t += sched.stride) {
+    for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int prev_stage = 0;
         const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
         if constexpr (kBlockScale) {
