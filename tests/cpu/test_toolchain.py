@@ -172,10 +172,13 @@ _DEVICE_LIBRARY_UNITS = [
     ("comm/collectives.cu", ()),
     ("comm/p2p.cu", ()),
     *[("ops/tp_ops.cu", (("FLUXRT_RS_PARTIAL", str(p)), ("FLUXRT_RS_OUT", str(o)))) for p in (0, 1, 2) for o in (0, 1)],
+    ("moe/dispatch.cu", ()),
 ]
 _ENTRY_POINTS = {
     "comm/p2p.cu": {"fluxrt_put_signal", "fluxrt_signal", "fluxrt_wait", "fluxrt_barrier", "fluxrt_pingpong"},
     "ops/tp_ops.cu": {"fluxrt_ops_signal_list", "fluxrt_ops_wait_list", "fluxrt_ops_delay", "fluxrt_rs_reduce"},
+    "moe/dispatch.cu": {"fluxrt_moe_stage", *(f"fluxrt_moe_{k}_{i}" for k in ("layout", "push", "combine_bf16",
+                                                                            "combine_fp16") for i in ("i32", "i64"))},
 }
 
 

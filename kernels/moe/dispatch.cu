@@ -1,0 +1,284 @@
+// MoE dispatch and combine over NVLink peer pointers (fluxrt/moe/dispatcher.py), on the device library.
+//
+// One dispatch is two launches, one combine two more; every cross-rank wait is the device library's
+// bounded wait, and the round's flag value (epoch) comes from a device counter, so a captured CUDA graph
+// replays with fresh epochs.
+//
+//   fluxrt_moe_layout_*     one block: ranks this rank's routing entries (token t, slot j) per expert in
+//                           entry order (deterministic: warp ballots, no atomics on positions), sends its
+//                           per-expert counts to every rank (a row of each rank's symmetric count matrix,
+//                           then a notify flag), waits for every rank's row, and from the whole matrix
+//                           computes where its rows go in each owner's receive buffer and, as an owner,
+//                           the per-local-expert offsets and counts (int32, on the device).
+//   fluxrt_moe_push         the grid: a warp per entry copies token t into row
+//                           dst_base[e] + chunk_base[c][e] + pos of its expert's owner (NVLink stores);
+//                           the last block to finish raises a data flag at every rank and waits for every
+//                           rank's data flag, so the kernel ends when this rank has received everything.
+//   fluxrt_moe_stage        the grid copies the expert outputs y into this rank's receive buffer (nothing
+//                           when y is that buffer); the last block raises a ready flag at every rank and
+//                           waits for every rank's.
+//   fluxrt_moe_combine_*    a warp per token pulls its k expert outputs from their owners' buffers and sums
+//                           them weighted in slot order 0 .. k-1 in fp32 (the same bits on every call).
+//
+// Receive layout of owner r: rows grouped by local expert, inside an expert by source rank, inside a source
+// by entry order (token, slot). A token routed to two experts of one rank is sent twice (once per row).
+//
+// Buffer reuse across calls: a source writes an owner's buffer (push) only after every rank's count row of
+// the same round arrived, and a rank sends its row only after its previous combine (which read the peers'
+// buffers) completed in stream order; an owner overwrites its buffer with y (stage) only after every source's
+// data flag, i.e. after every push into it.
+//
+// Compiled with NVRTC: builtin types only.
+#include "fluxrt/comm.cuh"
+
+namespace fluxrt {
+namespace moe {
+
+constexpr u32 kChunks = 32;         // layout: one warp ranks each contiguous chunk of the entries
+constexpr u32 kMaxExperts = 256;    // fluxrt/moe/dispatcher.py MAX_EXPERTS (shared count table of layout)
+constexpr u32 kMaxTopK = 32;        // fluxrt/moe/dispatcher.py MAX_TOP_K
+constexpr u32 kPullBatch = 8;       // combine: expert outputs of one token loaded before the first fold
+// Flag arrays (symmetric, [3][world] u64 per rank): word [kind * world + source].
+constexpr u32 kNotify = 0, kData = 1, kReady = 2;
+
+struct Team {
+    u32 rank, world;
+    u64 timeout_ns;
+    ErrorRecord* err;
+    u32 op;
+    __device__ __forceinline__ Watch watch() const { return Watch{timeout_ns, err, op, rank}; }
+};
+
+__device__ __forceinline__ u32 chunk_entries(u32 n) { return (n + kChunks - 1) / kChunks; }
+
+template <class Idx>
+__device__ __forceinline__ int expert_of(const Idx* idx, u32 i, u32 num_experts) {
+    const long long v = (long long)idx[i];
+    return v >= 0 && v < (long long)num_experts ? (int)v : -1;  // -1: a masked slot
+}
+
+// The last block of the grid to get here (after every thread of every block fenced its stores) returns
+// true, with a fence after its observation of the others' arrivals; it resets the counter for the next
+// launch (kernels of one Dispatcher run in stream order).
+__device__ __forceinline__ bool last_block(u32* done) {
+    __shared__ int last;
+    block_publish();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+        if (last) {
+            fence_acq_rel_sys();
+            *done = 0u;
+        }
+    }
+    __syncthreads();
+    return last != 0;
+}
+
+// Raise flag word [kind][rank] at every rank, then wait for word [kind][p] of every rank p here.
+__device__ __forceinline__ bool exchange_flags(const Team& t, const u64* flag_peers, const u64* flags, u32 kind,
+                                               u64 e) {
+    signal_peers(t.world, every_peer,
+                 [&](u32 q) { return reinterpret_cast<u64*>(flag_peers[q]) + kind * t.world + t.rank; }, e);
+    return wait_peers(t.watch(), t.world, every_peer, [&](u32 p) { return flags + kind * t.world + p; }, e);
+}
+
+template <class Idx>
+__device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
+                       u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,
+                       const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts) {
+    __shared__ int cnt[kChunks][kMaxExperts];
+    __shared__ int total[kMaxExperts];
+    __shared__ int before[kMaxExperts];
+    __shared__ u64 round;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 E = num_experts;
+    for (u32 i = threadIdx.x; i < kChunks * kMaxExperts; i += blockDim.x) cnt[i / kMaxExperts][i % kMaxExperts] = 0;
+    if (threadIdx.x == 0) {
+        round = atomicAdd(epoch, 1ull) + 1ull;
+        epoch[1] = round;  // the round of this dispatch, for its push and its combine
+    }
+    __syncthreads();
+    const u64 e = round;
+    const u32 n = tokens * k, per = chunk_entries(n);
+    // Positions inside each chunk per expert, in entry order: lanes with the same expert rank themselves
+    // by lane index; the lowest of them advances the chunk's count.
+    for (u32 c = warp; c < kChunks; c += blockDim.x >> 5) {
+        const u32 lo = c * per < n ? c * per : n, hi = lo + per < n ? lo + per : n;
+        for (u32 b = lo; b < hi; b += 32u) {
+            const u32 i = b + lane;
+            const int x = i < hi ? expert_of(idx, i, E) : -1;
+            const u32 same = __match_any_sync(0xffffffffu, x);
+            const u32 below = same & ((1u << lane) - 1u);
+            if (x >= 0) pos[i] = cnt[c][x] + __popc(below);
+            __syncwarp();
+            if (x >= 0 && below == 0) cnt[c][x] += __popc(same);
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        int run = 0;
+        for (u32 c = 0; c < kChunks; ++c) {
+            chunk_base[c * E + x] = run;
+            run += cnt[c][x];
+        }
+        total[x] = run;
+    }
+    __syncthreads();
+    // This rank's counts become row `rank` of every rank's matrix.
+    for (u32 i = threadIdx.x; i < t.world * E; i += blockDim.x) {
+        const u32 q = i / E, x = i % E;
+        reinterpret_cast<int*>(count_peers[q])[t.rank * E + x] = total[x];
+    }
+    if (!exchange_flags(t, flag_peers, flags, kNotify, e)) return;
+    // counts_all[s * E + x]: rows source s sends to expert x (pushed by s: loads bypass L1)
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        int sum = 0, mine = 0;
+        for (u32 s = 0; s < t.world; ++s) {
+            const int v = __ldcv(counts_all + s * E + x);
+            if (s < t.rank) mine += v;
+            sum += v;
+        }
+        total[x] = sum;
+        before[x] = mine;
+    }
+    __syncthreads();
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        const u32 first = x / local_experts * local_experts;
+        int start = 0;
+        for (u32 y = first; y < x; ++y) start += total[y];
+        dst_base[x] = start + before[x];
+        if (first == t.rank * local_experts) {
+            offsets[x - first] = start;
+            counts[x - first] = total[x];
+            if (x - first == local_experts - 1) offsets[local_experts] = start + total[x];
+        }
+    }
+}
+
+// x rows of row_bytes (a multiple of 16) each; recv_peers[r]: rank r's receive buffer mapped here.
+template <class Idx>
+__device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
+                     u32 local_experts, const char* x, u64 row_bytes, const u64* recv_peers, int* pos,
+                     const int* chunk_base, const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {
+    const u64 e = epoch[1];
+    const u32 lane = threadIdx.x & 31u;
+    const u32 n = tokens * k, per = chunk_entries(n);
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < n; i += warps) {
+        const int xe = expert_of(idx, i, num_experts);
+        if (xe < 0) continue;
+        const int row = dst_base[xe] + chunk_base[(i / per) * num_experts + xe] + pos[i];
+        char* dst = reinterpret_cast<char*>(recv_peers[xe / local_experts]) + (u64)row * row_bytes;
+        copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
+                   row_bytes / kVecBytes, lane, 32u, LoadNc{});
+        __syncwarp();
+        if (lane == 0) pos[i] = row;  // the handle of combine: where entry i's row lies at its owner
+    }
+    if (last_block(done)) exchange_flags(t, flag_peers, flags, kData, e);
+}
+
+__device__ void stage(const Team& t, const u64* epoch, const char* y, u64 y_rows, char* recv, u64 row_bytes,
+                      const int* offsets, u32 local_experts, const u64* flag_peers, const u64* flags, u32* done) {
+    const u64 e = epoch[1];
+    if (y != recv) {
+        const u64 rows_r = (u64)offsets[local_experts];
+        const u64 rows = rows_r < y_rows ? rows_r : y_rows;
+        copy_units(reinterpret_cast<uint4*>(recv), reinterpret_cast<const uint4*>(y), rows * row_bytes / kVecBytes,
+                   (u64)blockIdx.x * blockDim.x + threadIdx.x, (u64)gridDim.x * blockDim.x, LoadNc{});
+    }
+    if (last_block(done)) exchange_flags(t, flag_peers, flags, kReady, e);
+}
+
+// out[t] = sum over slots j in order of w[t, j] * (row pos[t k + j] of expert idx[t, j]'s owner), fp32.
+template <class E, class Idx>
+__device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k, u32 num_experts,
+                        u32 local_experts, const int* pos, const u64* recv_peers, u64 row_bytes,
+                        typename E::T* out) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    const u64 nvec = row_bytes / kVecBytes;
+    for (u32 tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); tok < tokens; tok += warps) {
+        // lane j < k holds slot j's source row (null when masked) and weight
+        const uint4* src = nullptr;
+        float w = 0.f;
+        if (lane < k) {
+            const u32 i = tok * k + lane;
+            const int xe = expert_of(idx, i, num_experts);
+            if (xe >= 0) {
+                src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(recv_peers[xe / local_experts]) +
+                                                     (u64)pos[i] * row_bytes);
+                w = weights[i];
+            }
+        }
+        uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(out) + (u64)tok * row_bytes);
+        for (u64 v = lane; v < nvec; v += 32u) {
+            float acc[E::kPerVec];
+#pragma unroll
+            for (u32 q = 0; q < E::kPerVec; ++q) acc[q] = 0.f;
+            for (u32 j0 = 0; j0 < k; j0 += kPullBatch) {
+                uint4 raw[kPullBatch];
+                float wj[kPullBatch];
+#pragma unroll
+                for (u32 b = 0; b < kPullBatch; ++b) {
+                    const u32 j = j0 + b < k ? j0 + b : 0u;
+                    const uint4* s = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, (u64)src, j));
+                    wj[b] = j0 + b < k && s ? __shfl_sync(0xffffffffu, w, j) : 0.f;
+                    raw[b] = j0 + b < k && s ? __ldcv(s + v) : make_uint4(0u, 0u, 0u, 0u);
+                }
+#pragma unroll
+                for (u32 b = 0; b < kPullBatch; ++b)
+                    if (j0 + b < k && wj[b] != 0.f) fold_vec_weighted<E>(acc, raw[b], wj[b]);
+            }
+            dst[v] = pack_vec<E>(acc);
+        }
+    }
+}
+
+}  // namespace moe
+}  // namespace fluxrt
+
+using fluxrt::ErrorRecord;
+using fluxrt::u32;
+using fluxrt::u64;
+using namespace fluxrt::moe;
+
+#define FLUXRT_MOE_TEAM_PARAMS u32 rank, u32 world, u64 timeout_ns, ErrorRecord *err, u32 op
+#define FLUXRT_MOE_TEAM Team{rank, world, timeout_ns, err, op}
+
+#define FLUXRT_MOE_INDEX(NAME, IDX)                                                                          \
+    extern "C" __global__ void fluxrt_moe_layout_##NAME(                                                     \
+        FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
+        u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,             \
+        const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts) {             \
+        layout(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, count_peers, counts_all,  \
+               flag_peers, flags, pos, chunk_base, dst_base, offsets, counts);                               \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_push_##NAME(                                                       \
+        FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,        \
+        u32 local_experts, const char* x, u64 row_bytes, const u64* recv_peers, int* pos,                    \
+        const int* chunk_base, const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {    \
+        push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_peers,   \
+             pos, chunk_base, dst_base, flag_peers, flags, done);                                            \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_combine_bf16_##NAME(                                               \
+        const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts, u32 local_experts,         \
+        const int* pos, const u64* recv_peers, u64 row_bytes, unsigned short* out) {                         \
+        combine<fluxrt::BF16>(idx, weights, tokens, k, num_experts, local_experts, pos, recv_peers,          \
+                              row_bytes, out);                                                               \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_combine_fp16_##NAME(                                               \
+        const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts, u32 local_experts,         \
+        const int* pos, const u64* recv_peers, u64 row_bytes, unsigned short* out) {                         \
+        combine<fluxrt::F16>(idx, weights, tokens, k, num_experts, local_experts, pos, recv_peers,           \
+                             row_bytes, out);                                                                \
+    }
+
+FLUXRT_MOE_INDEX(i32, int)
+FLUXRT_MOE_INDEX(i64, long long)
+
+extern "C" __global__ void fluxrt_moe_stage(FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const char* y, u64 y_rows,
+                                            char* recv, u64 row_bytes, const int* offsets, u32 local_experts,
+                                            const u64* flag_peers, const u64* flags, u32* done) {
+    stage(FLUXRT_MOE_TEAM, epoch, y, y_rows, recv, row_bytes, offsets, local_experts, flag_peers, flags, done);
+}
