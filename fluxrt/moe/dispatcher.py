@@ -290,7 +290,7 @@ class Dispatcher:
         grid = max(1, min(self.blocks, -(-t * k // warps)))
         self._fn[f"fluxrt_moe_push_{ix}"](
             (grid,), (self.options.threads,),
-            team + (self.epoch, idx) + common + (a, _u64(cfg.row_bytes), recv_t, self.pos, self.chunk_base,
+            team + (self.epoch, idx) + common + (a, _u64(cfg.row_bytes), _u32(cfg.recv_rows), recv_t, self.pos, self.chunk_base,
                                                  self.dst_base, flag_t, self.flags, self.done),
             stream=s)
         self._seq += 1

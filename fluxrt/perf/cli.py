@@ -15,6 +15,8 @@ BENCHES = {
     "broadcast": "fluxrt.perf.collectives:broadcast",
     "ag_gemm": "fluxrt.perf.tp_ops:ag_gemm",
     "gemm_rs": "fluxrt.perf.tp_ops:gemm_rs",
+    "moe_dispatch": "fluxrt.perf.moe:moe_dispatch",
+    "moe_combine": "fluxrt.perf.moe:moe_combine",
 }
 
 #: One line per subcommand for ``fluxrt-perf --help``.
@@ -28,6 +30,8 @@ SUMMARIES = {
     "broadcast": "broadcast_perf: fluxrt and NCCL side by side, -r root or all",
     "ag_gemm": "AllGather+GEMM fused vs GEMM alone, NCCL+cuBLAS, torch async-TP; overlap efficiency",
     "gemm_rs": "GEMM+ReduceScatter fused vs GEMM alone, cuBLAS+NCCL, torch async-TP; overlap efficiency",
+    "moe_dispatch": "MoE dispatch (DeepSeek-V3-, Mixtral-like; uniform, Zipf) vs NCCL all-to-all-v, DeepEP's GB/s",
+    "moe_combine": "MoE combine, the same cases, vs the reverse NCCL all-to-all-v",
 }
 
 

@@ -159,16 +159,18 @@ __device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u3
 // x rows of row_bytes (a multiple of 16) each; recv_peers[r]: rank r's receive buffer mapped here.
 template <class Idx>
 __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
-                     u32 local_experts, const char* x, u64 row_bytes, const u64* recv_peers, int* pos,
-                     const int* chunk_base, const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {
+                     u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,
+                     int* pos, const int* chunk_base, const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {
     const u64 e = epoch[1];
     const u32 lane = threadIdx.x & 31u;
-    const u32 n = tokens * k, per = chunk_entries(n);
+    // after a timed-out layout (the record is set) the rows are stale: push nothing, only end the round
+    const u32 n = error_raised(t.err) ? 0u : tokens * k, per = chunk_entries(n);
     const u32 warps = gridDim.x * (blockDim.x >> 5);
     for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < n; i += warps) {
         const int xe = expert_of(idx, i, num_experts);
         if (xe < 0) continue;
         const int row = dst_base[xe] + chunk_base[(i / per) * num_experts + xe] + pos[i];
+        if ((u32)row >= recv_rows) continue;  // cannot happen with a complete layout: bounds the damage otherwise
         char* dst = reinterpret_cast<char*>(recv_peers[xe / local_experts]) + (u64)row * row_bytes;
         copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
                    row_bytes / kVecBytes, lane, 32u, LoadNc{});
@@ -212,7 +214,10 @@ __device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k,
             }
         }
         uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(out) + (u64)tok * row_bytes);
-        for (u64 v = lane; v < nvec; v += 32u) {
+        // every lane runs every pass (the shuffles need the whole warp); lanes past the row only skip memory
+        for (u64 v0 = 0; v0 < nvec; v0 += 32u) {
+            const u64 v = v0 + lane;
+            const bool in_row = v < nvec;
             float acc[E::kPerVec];
 #pragma unroll
             for (u32 q = 0; q < E::kPerVec; ++q) acc[q] = 0.f;
@@ -223,14 +228,16 @@ __device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k,
                 for (u32 b = 0; b < kPullBatch; ++b) {
                     const u32 j = j0 + b < k ? j0 + b : 0u;
                     const uint4* s = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, (u64)src, j));
-                    wj[b] = j0 + b < k && s ? __shfl_sync(0xffffffffu, w, j) : 0.f;
-                    raw[b] = j0 + b < k && s ? __ldcv(s + v) : make_uint4(0u, 0u, 0u, 0u);
+                    const float ws = __shfl_sync(0xffffffffu, w, j);
+                    const bool use = j0 + b < k && s != nullptr;
+                    wj[b] = use ? ws : 0.f;
+                    raw[b] = use && in_row ? __ldcv(s + v) : make_uint4(0u, 0u, 0u, 0u);
                 }
 #pragma unroll
                 for (u32 b = 0; b < kPullBatch; ++b)
                     if (j0 + b < k && wj[b] != 0.f) fold_vec_weighted<E>(acc, raw[b], wj[b]);
             }
-            dst[v] = pack_vec<E>(acc);
+            if (in_row) dst[v] = pack_vec<E>(acc);
         }
     }
 }
@@ -256,10 +263,10 @@ using namespace fluxrt::moe;
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_push_##NAME(                                                       \
         FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,        \
-        u32 local_experts, const char* x, u64 row_bytes, const u64* recv_peers, int* pos,                    \
+        u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers, int* pos,     \
         const int* chunk_base, const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {    \
-        push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_peers,   \
-             pos, chunk_base, dst_base, flag_peers, flags, done);                                            \
+        push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_rows,     \
+             recv_peers, pos, chunk_base, dst_base, flag_peers, flags, done);                                \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_combine_bf16_##NAME(                                               \
         const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts, u32 local_experts,         \

@@ -120,3 +120,37 @@ def test_layout_model_groups_rows_by_expert_then_source_then_entry(world, num_ex
         assert [row for row, _, _ in got] == list(range(len(expect)))   # dense rows 0 .. R-1
         assert len(expect) <= max(len(i) for i in idxs) * world * k      # within the worst-case buffer
     assert total.sum() == sum(int((i >= 0).sum()) for i in idxs)
+
+
+# --- fluxrt-perf moe_dispatch / moe_combine without a GPU -------------------------------------------------
+def test_perf_routers_pick_distinct_experts_and_zipf_is_skewed():
+    from fluxrt.perf import moe as pm
+
+    rng = np.random.default_rng(3)
+    order = np.random.default_rng(1).permutation(256)
+    for routing in pm.ROUTINGS:
+        idx, w = pm.route(rng, 2048, 256, 8, routing, 1.0, order)
+        srt = np.sort(idx, axis=1)
+        assert idx.shape == (2048, 8) and idx.dtype == np.int32 and (srt[:, 1:] != srt[:, :-1]).all()
+        assert np.allclose(w.sum(axis=1), 1.0, atol=1e-5) and (w > 0).all()
+        load = np.bincount(idx.ravel(), minlength=256)
+        if routing == "zipf":
+            assert load[order[0]] == load.max() and load.max() > 8 * load.mean()
+        else:
+            assert load.max() < 2 * load.mean()
+
+
+def test_perf_layout_bytes_count_deepep_tokens_and_moved_rows():
+    from fluxrt.perf import moe as pm
+
+    idx = [np.array([[0, 1], [2, 3], [0, -1]]), np.array([[3, 2]])]   # 4 experts on 2 ranks: 2 each
+    lay = pm.layout_bytes(idx, 4, 2, 0, hidden=8)
+    # rank 0 gets: from rank 0 tokens 0 (twice) and 2 -> 2 tokens, 3 rows; from rank 1 nothing
+    assert lay["recv_bytes"] == 2 * 8 * 2 and lay["moved_bytes"] == 3 * 8 * 2
+    assert lay["matrix"].tolist() == [[3, 2], [0, 2]]
+
+
+def test_perf_subcommands_are_listed():
+    from fluxrt.perf import cli
+
+    assert {"moe_dispatch", "moe_combine"} <= set(cli.BENCHES) and set(cli.SUMMARIES) == set(cli.BENCHES)
