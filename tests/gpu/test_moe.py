@@ -86,6 +86,9 @@ extern "C" __global__ void scale_rows(unsigned short* recv, const int* offsets, 
 """
 
 
+_KERNELS: dict = {}
+
+
 def _local_scales(num_experts, world):
     import cupy
 
@@ -98,7 +101,9 @@ def _experts(recv, offsets, c, stream=None):
     read of the layout, so it can be captured."""
     import cupy
 
-    kernel = cupy.RawKernel(_SCALE_ROWS, "scale_rows")
+    kernel = _KERNELS.get("scale_rows")
+    if kernel is None:   # made once: a capture must not load a module
+        kernel = _KERNELS["scale_rows"] = cupy.RawKernel(_SCALE_ROWS, "scale_rows")
     kernel((recv.shape[0],), (128,), (recv, offsets, np.int32(offsets.size - 1), c, np.int32(recv.shape[1])),
            stream=stream)
 
