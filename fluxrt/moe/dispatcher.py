@@ -48,6 +48,7 @@ CHUNKS = 32
 FLAG_KINDS = 3         # notify, data, ready
 DTYPES = ("bfloat16", "float16")
 INDEX_DTYPES = {"int32": "i32", "int64": "i64"}
+FP8_MODES = ("", "token", "block")
 _u32, _u64 = np.uint32, np.uint64
 
 
@@ -60,11 +61,15 @@ class DispatcherOptions:
     """top_k: the most slots per token of any call; receive buffers hold max_tokens_per_rank * world * top_k
     rows (the worst case: nothing is ever dropped).
     blocks: grid of the push, stage and combine kernels (0: one per SM).
-    threads: threads per block of those kernels (a multiple of 32)."""
+    threads: threads per block of those kernels (a multiple of 32).
+    fp8: "" (16-bit rows), "token" or "block": FP8 dispatch, x quantized to e4m3 with one fp32 scale per token or
+    per 1x128 block (scale = amax / 448) and sent as such: dispatch returns (rows e4m3 [max rows, hidden],
+    scales fp32 [max rows, 1 or hidden / 128]); combine stays 16-bit."""
 
     top_k: int = 8
     blocks: int = 0
     threads: int = 512
+    fp8: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,14 +85,17 @@ class MoEConfig:
     dtype: str
     recv_rows: int          # rows of each rank's receive buffer
     row_bytes: int
+    fp8: str = ""
+    scale_row: int = 0      # fp32 scales per FP8 row (0: no FP8)
 
     @property
     def recv_bytes(self) -> int:
         return self.recv_rows * self.row_bytes
 
     def symmetric_bytes(self) -> int:
-        """Symmetric heap bytes a Dispatcher takes per rank (receive buffer, count matrix, flags)."""
-        return self.recv_bytes + self.world * self.num_experts * 4 + FLAG_KINDS * self.world * 8
+        """Symmetric heap bytes a Dispatcher takes per rank (receive buffers, count matrix, flags)."""
+        fp8 = self.recv_rows * (self.hidden + 4 * self.scale_row) if self.fp8 else 0
+        return self.recv_bytes + fp8 + self.world * self.num_experts * 4 + FLAG_KINDS * self.world * 8
 
 
 def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, dtype,
@@ -115,6 +123,11 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
         raise MoEArgumentError(f"Dispatcher: top_k must be in [1, {MAX_TOP_K}], got {options.top_k}")
     if options.threads <= 0 or options.threads % 32 or options.threads > 1024:
         raise MoEArgumentError(f"Dispatcher: threads={options.threads} must be a multiple of 32 up to 1024")
+    if options.fp8 not in FP8_MODES:
+        raise MoEArgumentError(f"Dispatcher: fp8={options.fp8!r} not in {FP8_MODES} ('' is 16-bit dispatch)")
+    if options.fp8 and hidden % (128 if options.fp8 == "block" else 16):
+        raise MoEArgumentError(f"Dispatcher: FP8 dispatch with {options.fp8} scales needs hidden a multiple of "
+                               f"{128 if options.fp8 == 'block' else 16}, got {hidden}")
     if options.blocks < 0:
         raise MoEArgumentError(f"Dispatcher: blocks must be >= 0 (0: one per SM), got {options.blocks}")
     rows = int(max_tokens_per_rank) * world_size * options.top_k
@@ -123,7 +136,8 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
                                "max_tokens_per_rank or top_k")
     return MoEConfig(world=world_size, num_experts=int(num_experts), local_experts=num_experts // world_size,
                      hidden=int(hidden), max_tokens=int(max_tokens_per_rank), top_k=options.top_k, dtype=name,
-                     recv_rows=rows, row_bytes=int(hidden) * 2)
+                     recv_rows=rows, row_bytes=int(hidden) * 2, fp8=options.fp8,
+                     scale_row={"": 0, "token": 1, "block": int(hidden) // 128}[options.fp8])
 
 
 def check_heap(cfg: MoEConfig, capacity: int, used: int, rank: int) -> None:
@@ -202,6 +216,12 @@ class Dispatcher:
             self.module = load_module(KERNEL_SOURCE)
             self._fn = {name: self.module.get_function(name) for name in self._kernel_names()}
             self.recv = world.empty((cfg.recv_rows, cfg.hidden), cfg.dtype)
+            self.recv_fp8 = self.recv_scales = None
+            if cfg.fp8:   # e4m3 rows and their scales, pushed instead of the 16-bit rows
+                self.recv_fp8 = world.empty((cfg.recv_rows, cfg.hidden), "float8_e4m3fn")
+                self.recv_scales = world.empty((cfg.recv_rows, cfg.scale_row), np.float32)
+                self.x_fp8 = cupy.empty((cfg.max_tokens, cfg.hidden), dtype=np.uint8)
+                self.x_scales = cupy.empty((cfg.max_tokens, cfg.scale_row), dtype=np.float32)
             self.count_matrix = world.zeros((n, cfg.num_experts), np.int32)
             self.flags = world.zeros((FLAG_KINDS * n,), np.uint64)   # never reset: compared with growing epochs
             self.epoch = cupy.zeros(2, dtype=np.uint64)                # [counter, this dispatch's round]
@@ -215,6 +235,7 @@ class Dispatcher:
 
             self.blocks = self.options.blocks or _num_sms(world.device_id)
             self._tables = (self.recv.peer_table, self.count_matrix.peer_table, self.flags.peer_table)
+            self._fp8_tables = (self.recv_fp8.peer_table, self.recv_scales.peer_table) if cfg.fp8 else None
             world.device.synchronize()
         self._team = {name: (_u32(world.rank), _u32(n), _u64(world.timeout_ns), _u64(world.error_record),
                              _u32(op_id(name))) for name in ("moe_dispatch", "moe_combine")}
@@ -224,7 +245,7 @@ class Dispatcher:
 
     @staticmethod
     def _kernel_names():
-        names = ["fluxrt_moe_stage"]
+        names = ["fluxrt_moe_stage", "fluxrt_moe_quantize_bf16", "fluxrt_moe_quantize_fp16"]
         for ix in INDEX_DTYPES.values():
             names += [f"fluxrt_moe_layout_{ix}", f"fluxrt_moe_push_{ix}", f"fluxrt_moe_combine_bf16_{ix}",
                       f"fluxrt_moe_combine_fp16_{ix}"]
@@ -237,8 +258,9 @@ class Dispatcher:
     def free(self) -> None:
         """Collective: release the symmetric buffers (the world's finalize does it otherwise)."""
         if self.world.active and not self._freed:
-            for a in (self.flags, self.count_matrix, self.recv):
-                self.world.free(a)
+            for a in (self.recv_scales, self.recv_fp8, self.flags, self.count_matrix, self.recv):
+                if a is not None:
+                    self.world.free(a)
         self._freed = True
 
     # --- dispatch ---------------------------------------------------------------------------------
@@ -247,7 +269,8 @@ class Dispatcher:
         """x [T, hidden] (T <= max_tokens_per_rank; T may differ across ranks), topk_idx [T, k] int32 or int64
         (expert ids; -1 masks a slot), topk_weights [T, k] float32. Returns (x_recv, handle): x_recv is the
         receive buffer [max rows, hidden], whose rows [0, handle.offsets[E_local]) are the tokens this rank's
-        experts received, grouped by local expert (inside an expert by source rank, then token and slot)."""
+        experts received, grouped by local expert (inside an expert by source rank, then token and slot).
+        With FP8 dispatch x_recv is (e4m3 rows, fp32 scales) in the same layout; combine then takes 16-bit y."""
         s = as_cupy_stream(stream)
         cfg = self.cfg
 
@@ -287,14 +310,24 @@ class Dispatcher:
                                                  self.chunk_base, self.dst_base, self.offsets, self.counts),
             stream=s)
         warps = self.options.threads // 32
+        if cfg.fp8:
+            kind = "bf16" if cfg.dtype == "bfloat16" else "fp16"
+            self._fn[f"fluxrt_moe_quantize_{kind}"](
+                (max(1, min(self.blocks, -(-t // warps))),), (self.options.threads,),
+                (a, _u32(t), _u32(cfg.hidden), np.int32(cfg.fp8 == "block"), self.x_fp8, self.x_scales), stream=s)
+            rows = (self.x_fp8, _u64(cfg.hidden), _u32(cfg.recv_rows), self._fp8_tables[0], self.x_scales,
+                    _u32(cfg.scale_row), self._fp8_tables[1])
+        else:
+            rows = (a, _u64(cfg.row_bytes), _u32(cfg.recv_rows), recv_t, _u64(0), _u32(0), _u64(0))
         grid = max(1, min(self.blocks, -(-t * k // warps)))
         self._fn[f"fluxrt_moe_push_{ix}"](
             (grid,), (self.options.threads,),
-            team + (self.epoch, idx) + common + (a, _u64(cfg.row_bytes), _u32(cfg.recv_rows), recv_t, self.pos, self.chunk_base,
-                                                 self.dst_base, flag_t, self.flags, self.done),
+            team + (self.epoch, idx) + common + rows + (self.pos, self.chunk_base, self.dst_base, flag_t, self.flags,
+                                                        self.done),
             stream=s)
         self._seq += 1
-        return self.recv, DispatchHandle(self, self._seq, t, k, idx, w, ix, s)
+        out = (self.recv_fp8, self.recv_scales) if cfg.fp8 else self.recv
+        return out, DispatchHandle(self, self._seq, t, k, idx, w, ix, s)
 
     # --- combine ----------------------------------------------------------------------------------
     @_nvtx("moe_combine")

@@ -14,6 +14,8 @@
 //                           dst_base[e] + chunk_base[c][e] + pos of its expert's owner (NVLink stores);
 //                           the last block to finish raises a data flag at every rank and waits for every
 //                           rank's data flag, so the kernel ends when this rank has received everything.
+//   fluxrt_moe_quantize_*   (FP8 dispatch) token rows to e4m3 and fp32 scales (per token or 1x128), pushed
+//                           with their scales instead of the 16-bit rows.
 //   fluxrt_moe_stage        the grid copies the expert outputs y into this rank's receive buffer (nothing
 //                           when y is that buffer); the last block raises a ready flag at every rank and
 //                           waits for every rank's.
@@ -160,7 +162,8 @@ __device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u3
 template <class Idx>
 __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
                      u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,
-                     int* pos, const int* chunk_base, const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {
+                     const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,
+                     const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {
     const u64 e = epoch[1];
     const u32 lane = threadIdx.x & 31u;
     // after a timed-out layout (the record is set) the rows are stale: push nothing, only end the round
@@ -174,6 +177,10 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
         char* dst = reinterpret_cast<char*>(recv_peers[xe / local_experts]) + (u64)row * row_bytes;
         copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
                    row_bytes / kVecBytes, lane, 32u, LoadNc{});
+        if (scale_row) {  // FP8 rows: their scales go to the same row of the owner's scale buffer
+            float* ds = reinterpret_cast<float*>(scale_peers[xe / local_experts]) + (u64)row * scale_row;
+            for (u32 q = lane; q < scale_row; q += 32u) ds[q] = scales[(u64)(i / k) * scale_row + q];
+        }
         __syncwarp();
         if (lane == 0) pos[i] = row;  // the handle of combine: where entry i's row lies at its owner
     }
@@ -242,6 +249,69 @@ __device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k,
     }
 }
 
+// FP8 dispatch: token rows of x quantized to e4m3 with one fp32 scale per `group` elements (the row: per
+// token; 128: 1x128 blocks), scale = amax / 448 (e4m3's largest finite value), q = e4m3(x / scale) rounded
+// to nearest even, saturated. A warp per token; a pass covers 32 vectors of 8 elements, so a 1x128 group is
+// the 16 vectors of one half-warp.
+constexpr float kE4m3Max = 448.f;
+
+__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float amax_over(float a, u32 lanes) {
+    for (u32 o = lanes / 2; o > 0; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    return a;
+}
+
+template <class E>
+__device__ void quantize(const typename E::T* x, u32 tokens, u32 hidden, bool block, unsigned char* q, float* scales) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    const u32 nvec = hidden / E::kPerVec, groups = block ? hidden / 128u : 1u;
+    for (u32 tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); tok < tokens; tok += warps) {
+        const uint4* row = reinterpret_cast<const uint4*>(x + (u64)tok * hidden);
+        float row_amax = 0.f;
+        if (!block) {
+            for (u32 v = lane; v < nvec; v += 32u) {
+                const uint4 raw = row[v];
+                const typename E::T* el = reinterpret_cast<const typename E::T*>(&raw);
+#pragma unroll
+                for (u32 i = 0; i < E::kPerVec; ++i) row_amax = fmaxf(row_amax, fabsf(E::to_f(el[i])));
+            }
+            row_amax = amax_over(row_amax, 32u);
+        }
+        for (u32 v0 = 0; v0 < nvec; v0 += 32u) {  // every lane runs every pass (shuffles)
+            const u32 v = v0 + lane;
+            float f[E::kPerVec];
+            float a = 0.f;
+            if (v < nvec) {
+                const uint4 raw = row[v];
+                const typename E::T* el = reinterpret_cast<const typename E::T*>(&raw);
+#pragma unroll
+                for (u32 i = 0; i < E::kPerVec; ++i) {
+                    f[i] = E::to_f(el[i]);
+                    a = fmaxf(a, fabsf(f[i]));
+                }
+            }
+            const float amax = block ? amax_over(a, 16u) : row_amax;
+            const float scale = amax > 0.f ? amax / kE4m3Max : 1.f;
+            if (v < nvec) {
+                u32 w[E::kPerVec / 4];
+#pragma unroll
+                for (u32 i = 0; i < E::kPerVec / 4; ++i)
+                    w[i] = (u32)e4m3x2(f[4 * i] / scale, f[4 * i + 1] / scale) |
+                           ((u32)e4m3x2(f[4 * i + 2] / scale, f[4 * i + 3] / scale) << 16);
+                *reinterpret_cast<uint2*>(q + (u64)tok * hidden + (u64)v * E::kPerVec) = make_uint2(w[0], w[1]);
+                if (block && (lane & 15u) == 0) scales[(u64)tok * groups + v / 16u] = scale;
+            }
+            if (!block && v0 == 0 && lane == 0) scales[tok] = scale;
+        }
+    }
+}
+
 }  // namespace moe
 }  // namespace fluxrt
 
@@ -263,10 +333,11 @@ using namespace fluxrt::moe;
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_push_##NAME(                                                       \
         FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,        \
-        u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers, int* pos,     \
-        const int* chunk_base, const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {    \
+        u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,               \
+        const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,         \
+        const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {                           \
         push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_rows,     \
-             recv_peers, pos, chunk_base, dst_base, flag_peers, flags, done);                                \
+             recv_peers, scales, scale_row, scale_peers, pos, chunk_base, dst_base, flag_peers, flags, done); \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_combine_bf16_##NAME(                                               \
         const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts, u32 local_experts,         \
@@ -283,6 +354,15 @@ using namespace fluxrt::moe;
 
 FLUXRT_MOE_INDEX(i32, int)
 FLUXRT_MOE_INDEX(i64, long long)
+
+extern "C" __global__ void fluxrt_moe_quantize_bf16(const unsigned short* x, u32 tokens, u32 hidden, int block,
+                                                    unsigned char* q, float* scales) {
+    quantize<fluxrt::BF16>(x, tokens, hidden, block != 0, q, scales);
+}
+extern "C" __global__ void fluxrt_moe_quantize_fp16(const unsigned short* x, u32 tokens, u32 hidden, int block,
+                                                    unsigned char* q, float* scales) {
+    quantize<fluxrt::F16>(x, tokens, hidden, block != 0, q, scales);
+}
 
 extern "C" __global__ void fluxrt_moe_stage(FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const char* y, u64 y_rows,
                                             char* recv, u64 row_bytes, const int* offsets, u32 local_experts,

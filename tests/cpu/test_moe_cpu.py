@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
     (dict(options=moe.DispatcherOptions(top_k=0)), "top_k"),
     (dict(options=moe.DispatcherOptions(threads=100)), "multiple of 32"),
     (dict(options=moe.DispatcherOptions(blocks=-1)), "blocks"),
+    (dict(options=moe.DispatcherOptions(fp8="e5m2")), "fp8="),
+    (dict(hidden=4104, options=moe.DispatcherOptions(fp8="block")), "multiple of 128"),
+    (dict(hidden=4104, options=moe.DispatcherOptions(fp8="token")), "multiple of 16"),
 ])
 def test_bad_configurations_are_named(kwargs, match):
     args = dict(world_size=4, num_experts=8, hidden=4096, max_tokens_per_rank=128, dtype="bf16") | kwargs
@@ -38,6 +41,13 @@ def test_receive_buffers_hold_the_worst_case():
     cfg = moe.check_config(4, 256, 7168, 4096, "bf16")
     assert (cfg.local_experts, cfg.recv_rows, cfg.row_bytes) == (64, 4096 * 4 * 8, 14336)
     assert cfg.symmetric_bytes() == 4096 * 4 * 8 * 14336 + 4 * 256 * 4 + 3 * 4 * 8
+
+
+def test_fp8_buffers_are_counted():
+    cfg = moe.check_config(4, 256, 7168, 4096, "bf16", moe.DispatcherOptions(fp8="block"))
+    rows = 4096 * 4 * 8
+    assert cfg.scale_row == 56 and cfg.symmetric_bytes() == rows * (14336 + 7168 + 56 * 4) + 4 * 256 * 4 + 96
+    assert moe.check_config(2, 8, 4096, 128, "bf16", moe.DispatcherOptions(fp8="token")).scale_row == 1
 
 
 def test_heap_exhausted_names_the_size_to_ask_for():

@@ -318,3 +318,52 @@ def test_heap_exhausted_is_named(world):
 
     with pytest.raises(fluxrt.HeapExhaustedError, match="heap_size"):
         moe.Dispatcher(world, num_experts=world.size, hidden=7168, max_tokens_per_rank=1 << 16, dtype="bf16")
+
+
+def _quantize_ref(x, block):
+    """numpy e4m3 quantization of bf16 rows: scale = amax / 448 per token or per 1x128 block (fp32)."""
+    import ml_dtypes
+
+    f = x.astype(np.float32)
+    g = f.reshape(f.shape[0], -1, 128) if block else f.reshape(f.shape[0], 1, -1)
+    amax = np.abs(g).max(axis=2, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    q = (g / scale).astype(ml_dtypes.float8_e4m3fn).reshape(f.shape)
+    return q.view(np.uint8), scale.reshape(f.shape[0], -1)
+
+
+@pytest.mark.parametrize("mode", ["token", "block"])
+def test_fp8_dispatch(world, rng, mode):
+    import cupy
+
+    import fluxrt.moe as moe
+
+    h, e, k = 256, 2 * world.size, 2
+    d = moe.Dispatcher(world, num_experts=e, hidden=h, max_tokens_per_rank=64, dtype="bf16",
+                       options=moe.DispatcherOptions(top_k=k, blocks=4, threads=128, fp8=mode))
+    try:
+        local = _rank_rng(rng, world)
+        t = 29 + 7 * world.rank
+        x = (local.standard_normal((t, h)) * np.exp(local.standard_normal((t, 1)))).astype(np.float32).astype(_bf16())
+        idx, w = _routing(local, t, k, e, masked=0.2)
+        xs, idxs = world.comm.allgather(x), world.comm.allgather(idx)
+        (q, sc), hd = d.dispatch(cupy.asarray(x), cupy.asarray(idx), cupy.asarray(w))
+        n = hd.num_recv()
+        qs = [_quantize_ref(xx, mode == "block") for xx in xs]
+        exp_q, exp_counts = _expected_recv(world, [a for a, _ in qs], idxs, e)
+        exp_s, _ = _expected_recv(world, [b for _, b in qs], idxs, e)
+        problems = _Problems()
+        if n != exp_q.shape[0] or not np.array_equal(hd.counts_host(), exp_counts):
+            problems.append(f"rank {world.rank}: {n} rows, expected {exp_q.shape[0]}")
+        else:
+            got_q = q[:n].view(np.uint8).get()
+            bad = int((got_q != exp_q).sum())
+            if bad:
+                problems.append(f"rank {world.rank}: {bad} of {got_q.size} e4m3 values differ")
+            if not np.array_equal(sc[:n].get(), exp_s):
+                problems.append(f"rank {world.rank}: scales differ")
+        d.combine(d.recv, hd)   # combine stays 16-bit; ends the round
+        world.synchronize()
+        problems.assert_none()
+    finally:
+        d.free()
