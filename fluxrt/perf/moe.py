@@ -93,6 +93,8 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=512)
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all-to-all-v baseline")
     p.add_argument("--check-args", action="store_true", help="compare arguments across ranks on every call")
+    p.add_argument("--device", type=int, default=None,
+                   help="every rank on this GPU (a correctness run under CUDA MPS: its timings mean nothing)")
     add_average_argument(p)
     add_timeout_argument(p)
     p.add_argument("--json", dest="json_path", default=None)
@@ -290,7 +292,7 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
 
     n = MPI.COMM_WORLD.Get_size()
     heap = size_probe * n + (64 << 20)
-    world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-heap // (1 << 30))}G",
+    world = fluxrt.init(device=args.device, options=fluxrt.WorldOptions(heap_size=f"{-(-heap // (1 << 30))}G",
                                                     check_collective_args=args.check_args, **world_kw))
     nccl = None
     try:
