@@ -166,8 +166,12 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
                      const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {
     const u64 e = epoch[1];
     const u32 lane = threadIdx.x & 31u;
-    // after a timed-out layout (the record is set) the rows are stale: push nothing, only end the round
-    const u32 n = error_raised(t.err) ? 0u : tokens * k, per = chunk_entries(n);
+    // after a timed-out layout (the record is set) the rows are stale: push nothing, only end the round. One
+    // read per block: the record is host memory, and a read per thread (64K of them over PCIe) cost ~2 ms.
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = error_raised(t.err);
+    __syncthreads();
+    const u32 n = failed ? 0u : tokens * k, per = chunk_entries(n);
     const u32 warps = gridDim.x * (blockDim.x >> 5);
     for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < n; i += warps) {
         const int xe = expert_of(idx, i, num_experts);
