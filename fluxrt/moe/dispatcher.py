@@ -178,8 +178,10 @@ class DispatchHandle:
         return self.counts.get()
 
     def recv_tokens(self):
-        """The received rows, [num_recv(), hidden] (a view of the receive buffer; a sync)."""
-        return self._d.recv[: self.num_recv()]
+        """The received rows, [num_recv(), hidden] (a view of the receive buffer; a sync); with FP8 dispatch
+        (e4m3 rows, their scales)."""
+        n, d = self.num_recv(), self._d
+        return (d.recv_fp8[:n], d.recv_scales[:n]) if d.cfg.fp8 else d.recv[:n]
 
 
 class Dispatcher:

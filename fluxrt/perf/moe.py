@@ -17,6 +17,8 @@ as an expert that writes its output over its input leaves it; no staging copy):
     moved_gbps                 the rows fluxrt actually moves (one per (token, expert) slot) / time
     nccl_us / nccl_gbps        NCCL all-to-all-v (grouped send/recv) of the same rows, already sorted by
                                destination (the sort is not timed); the reverse exchange for combine
+
+``--fp8 token|block`` measures FP8 dispatch (bytes: e4m3 rows and their scales; no NCCL baseline).
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def route(rng: np.random.Generator, tokens: int, experts: int, k: int, routing: 
     return idx, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def layout_bytes(idxs: list[np.ndarray], experts: int, world: int, rank: int, hidden: int, itemsize: int = 2) -> dict:
+def layout_bytes(idxs: list[np.ndarray], experts: int, world: int, rank: int, hidden: int,
+                 itemsize: float = 2) -> dict:
     """Bytes rank `rank` receives, from every rank's routing: DeepEP's (a token once per receiving rank) and the
     rows fluxrt moves (once per expert slot); and the rows each rank sends to each rank."""
     el = experts // world
@@ -77,7 +80,8 @@ def layout_bytes(idxs: list[np.ndarray], experts: int, world: int, rank: int, hi
         mine = owners == rank
         rows += int(mine.sum())
         unique += int(mine.any(axis=1).sum())
-    return {"recv_bytes": unique * hidden * itemsize, "moved_bytes": rows * hidden * itemsize, "matrix": matrix}
+    return {"recv_bytes": int(unique * hidden * itemsize), "moved_bytes": int(rows * hidden * itemsize),
+            "matrix": matrix}
 
 
 def build_parser(bench: str) -> argparse.ArgumentParser:
@@ -91,6 +95,8 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup-iters", type=int, default=5)
     p.add_argument("--blocks", type=int, default=0, help="push/combine grid (0: one block per SM)")
     p.add_argument("--threads", type=int, default=512)
+    p.add_argument("--fp8", default="", choices=("", "token", "block"),
+                   help="FP8 dispatch (e4m3 with per-token or 1x128 scales); bytes then count e4m3 rows and scales")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all-to-all-v baseline")
     p.add_argument("--check-args", action="store_true", help="compare arguments across ranks on every call")
     p.add_argument("--device", type=int, default=None,
@@ -149,9 +155,12 @@ def measure(world: World, model: str, tokens: int, routing: str, args, stream, n
     idx, w = route(rng, tokens, experts, k, routing, args.zipf_s, order)
     x = cupy.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32).astype(_bf16()))
     idxs = world.comm.allgather(idx)
-    lay = layout_bytes(idxs, experts, world.size, world.rank, hidden)
-    d = moe.Dispatcher(world, experts, hidden, tokens, "bf16",
-                       moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads))
+    opts = moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads, fp8=args.fp8)
+    cfg = moe.check_config(world.size, experts, hidden, tokens, "bf16", opts)
+    # bytes of one row on the wire, per element (FP8: e4m3 values and their fp32 scales)
+    itemsize = (hidden + 4 * cfg.scale_row) / hidden if args.fp8 else 2
+    lay = layout_bytes(idxs, experts, world.size, world.rank, hidden, itemsize)
+    d = moe.Dispatcher(world, experts, hidden, tokens, "bf16", opts)
     di, dw = cupy.asarray(idx), cupy.asarray(w)
     try:
         def once():
@@ -182,7 +191,7 @@ def measure(world: World, model: str, tokens: int, routing: str, args, stream, n
         d.free()
     red = lambda v: reduce_over_ranks(world.comm.allgather(statistics.median(v)), args.average)  # noqa: E731
     dispatch_us, combine_us = red(t_d), red(t_c)
-    row = {"model": model, "hidden": hidden, "experts": experts, "top_k": k, "tokens": tokens, "routing": routing,
+    row = {"model": model, "fp8": args.fp8, "hidden": hidden, "experts": experts, "top_k": k, "tokens": tokens, "routing": routing,
            "world": world.size, "recv_rows": n_recv, "recv_bytes": lay["recv_bytes"], "moved_bytes": lay["moved_bytes"],
            "dispatch_us": dispatch_us, "combine_us": combine_us}
     # bandwidths of this rank, then reduced like the times
@@ -286,7 +295,8 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
 
     # the largest case's receive buffer (it scales with the ranks: rows = tokens * world * top_k)
     size_probe = max(moe.check_config(1, MODELS[m][1], MODELS[m][0], t, "bf16",
-                                      moe.DispatcherOptions(top_k=MODELS[m][2])).recv_bytes for m, t, _ in cases)
+                                      moe.DispatcherOptions(top_k=MODELS[m][2], fp8=args.fp8)).symmetric_bytes()
+                     for m, t, _ in cases)
     world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
     from mpi4py import MPI
 
@@ -297,7 +307,9 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
     nccl = None
     try:
         stream = cupy.cuda.Stream(non_blocking=True)
-        if not args.no_nccl:
+        if args.fp8 and not args.no_nccl:
+            log.warning("--fp8: no NCCL baseline (it would move 16-bit rows); its columns are N/A")
+        if not args.no_nccl and not args.fp8:
             try:
                 nccl = _Nccl(world)
             except Exception as e:   # no libnccl, or ranks sharing a GPU (MPS), which NCCL refuses
