@@ -49,6 +49,7 @@ FLAG_KINDS = 3         # notify, data, ready
 DTYPES = ("bfloat16", "float16")
 INDEX_DTYPES = {"int32": "i32", "int64": "i64"}
 FP8_MODES = ("", "token", "block")
+MODES = ("throughput", "low_latency")
 _u32, _u64 = np.uint32, np.uint64
 
 
@@ -64,12 +65,17 @@ class DispatcherOptions:
     threads: threads per block of those kernels (a multiple of 32).
     fp8: "" (16-bit rows), "token" or "block": FP8 dispatch, x quantized to e4m3 with one fp32 scale per token or
     per 1x128 block (scale = amax / 448) and sent as such: dispatch returns (rows e4m3 [max rows, hidden],
-    scales fp32 [max rows, 1 or hidden / 128]); combine stays 16-bit."""
+    scales fp32 [max rows, 1 or hidden / 128]); combine stays 16-bit.
+    mode: "throughput" (counts exchanged first, rows pushed straight into the grouped layout: two flag round
+    trips) or "low_latency" (rows pushed into fixed slots per (source, expert) with their counts: one round
+    trip, then a local compaction; a staging buffer of num_experts * max_tokens_per_rank rows; every dispatch
+    must be combined before the next; 16-bit only)."""
 
     top_k: int = 8
     blocks: int = 0
     threads: int = 512
     fp8: str = ""
+    mode: str = "throughput"
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,12 @@ class MoEConfig:
     row_bytes: int
     fp8: str = ""
     scale_row: int = 0      # fp32 scales per FP8 row (0: no FP8)
+    mode: str = "throughput"
+
+    @property
+    def staging_rows(self) -> int:
+        """Rows of the low-latency staging buffer: a slot of max_tokens rows per (source rank, local expert)."""
+        return self.num_experts * self.max_tokens if self.mode == "low_latency" else 0
 
     @property
     def recv_bytes(self) -> int:
@@ -95,7 +107,7 @@ class MoEConfig:
     def symmetric_bytes(self) -> int:
         """Symmetric heap bytes a Dispatcher takes per rank (receive buffers, count matrix, flags)."""
         fp8 = self.recv_rows * (self.hidden + 4 * self.scale_row) if self.fp8 else 0
-        return self.recv_bytes + fp8 + self.world * self.num_experts * 4 + FLAG_KINDS * self.world * 8
+        return self.recv_bytes + fp8 + self.staging_rows * self.row_bytes + self.world * self.num_experts * 4 + FLAG_KINDS * self.world * 8
 
 
 def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, dtype,
@@ -128,6 +140,10 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
     if options.fp8 and hidden % (128 if options.fp8 == "block" else 16):
         raise MoEArgumentError(f"Dispatcher: FP8 dispatch with {options.fp8} scales needs hidden a multiple of "
                                f"{128 if options.fp8 == 'block' else 16}, got {hidden}")
+    if options.mode not in MODES:
+        raise MoEArgumentError(f"Dispatcher: mode={options.mode!r} not in {MODES}")
+    if options.mode == "low_latency" and options.fp8:
+        raise MoEArgumentError("Dispatcher: FP8 dispatch is for mode='throughput' only")
     if options.blocks < 0:
         raise MoEArgumentError(f"Dispatcher: blocks must be >= 0 (0: one per SM), got {options.blocks}")
     rows = int(max_tokens_per_rank) * world_size * options.top_k
@@ -137,7 +153,7 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
     return MoEConfig(world=world_size, num_experts=int(num_experts), local_experts=num_experts // world_size,
                      hidden=int(hidden), max_tokens=int(max_tokens_per_rank), top_k=options.top_k, dtype=name,
                      recv_rows=rows, row_bytes=int(hidden) * 2, fp8=options.fp8,
-                     scale_row={"": 0, "token": 1, "block": int(hidden) // 128}[options.fp8])
+                     scale_row={"": 0, "token": 1, "block": int(hidden) // 128}[options.fp8], mode=options.mode)
 
 
 def check_heap(cfg: MoEConfig, capacity: int, used: int, rank: int) -> None:
@@ -218,7 +234,9 @@ class Dispatcher:
             self.module = load_module(KERNEL_SOURCE)
             self._fn = {name: self.module.get_function(name) for name in self._kernel_names()}
             self.recv = world.empty((cfg.recv_rows, cfg.hidden), cfg.dtype)
-            self.recv_fp8 = self.recv_scales = None
+            self.recv_fp8 = self.recv_scales = self.staging = None
+            if cfg.staging_rows:
+                self.staging = world.empty((cfg.staging_rows, cfg.hidden), cfg.dtype)
             if cfg.fp8:   # e4m3 rows and their scales, pushed instead of the 16-bit rows
                 self.recv_fp8 = world.empty((cfg.recv_rows, cfg.hidden), "float8_e4m3fn")
                 self.recv_scales = world.empty((cfg.recv_rows, cfg.scale_row), np.float32)
@@ -238,10 +256,12 @@ class Dispatcher:
             self.blocks = self.options.blocks or _num_sms(world.device_id)
             self._tables = (self.recv.peer_table, self.count_matrix.peer_table, self.flags.peer_table)
             self._fp8_tables = (self.recv_fp8.peer_table, self.recv_scales.peer_table) if cfg.fp8 else None
+            self._staging_table = self.staging.peer_table if self.staging is not None else None
             world.device.synchronize()
         self._team = {name: (_u32(world.rank), _u32(n), _u64(world.timeout_ns), _u64(world.error_record),
                              _u32(op_id(name))) for name in ("moe_dispatch", "moe_combine")}
         self._seq = 0
+        self._last = None   # the latest dispatch's handle (low latency: it must be combined first)
         self._freed = False
         log.info("Dispatcher on %d ranks: %s (%d receive bytes per rank)", n, cfg, cfg.recv_bytes)
 
@@ -249,7 +269,8 @@ class Dispatcher:
     def _kernel_names():
         names = ["fluxrt_moe_stage", "fluxrt_moe_quantize_bf16", "fluxrt_moe_quantize_fp16"]
         for ix in INDEX_DTYPES.values():
-            names += [f"fluxrt_moe_layout_{ix}", f"fluxrt_moe_push_{ix}", f"fluxrt_moe_combine_bf16_{ix}",
+            names += [f"fluxrt_moe_layout_{ix}", f"fluxrt_moe_push_{ix}", f"fluxrt_moe_ll_push_{ix}",
+                      f"fluxrt_moe_ll_compact_{ix}", f"fluxrt_moe_combine_bf16_{ix}",
                       f"fluxrt_moe_combine_fp16_{ix}"]
         return names
 
@@ -260,7 +281,7 @@ class Dispatcher:
     def free(self) -> None:
         """Collective: release the symmetric buffers (the world's finalize does it otherwise)."""
         if self.world.active and not self._freed:
-            for a in (self.recv_scales, self.recv_fp8, self.flags, self.count_matrix, self.recv):
+            for a in (self.staging, self.recv_scales, self.recv_fp8, self.flags, self.count_matrix, self.recv):
                 if a is not None:
                     self.world.free(a)
         self._freed = True
@@ -278,6 +299,9 @@ class Dispatcher:
 
         def local_checks():
             self._check_live()
+            if cfg.mode == "low_latency" and self._last is not None and not self._last.combined:
+                raise MoEArgumentError("dispatch: low-latency mode needs the previous dispatch combined first (its "
+                                       "staging slots are reused without a handshake)")
             a = _intake(x, "x", "dispatch", self.world, s)
             if a.ndim != 2 or a.shape[1] != cfg.hidden:
                 raise MoEArgumentError(f"dispatch: x must be [T, {cfg.hidden}], got shape {tuple(a.shape)}")
@@ -306,6 +330,8 @@ class Dispatcher:
         team = self._team["moe_dispatch"]
         recv_t, count_t, flag_t = self._tables
         common = (_u32(t), _u32(k), _u32(cfg.num_experts), _u32(cfg.local_experts))
+        if cfg.mode == "low_latency":
+            return self._dispatch_low_latency(a, idx, w, t, k, ix, team, common, s)
         self._fn[f"fluxrt_moe_layout_{ix}"](
             (1,), (LAYOUT_THREADS,),
             team + (self.epoch, idx) + common + (count_t, self.count_matrix, flag_t, self.flags, self.pos,
@@ -329,7 +355,27 @@ class Dispatcher:
             stream=s)
         self._seq += 1
         out = (self.recv_fp8, self.recv_scales) if cfg.fp8 else self.recv
-        return out, DispatchHandle(self, self._seq, t, k, idx, w, ix, s)
+        self._last = DispatchHandle(self, self._seq, t, k, idx, w, ix, s)
+        return out, self._last
+
+    def _dispatch_low_latency(self, a, idx, w, t, k, ix, team, common, s):
+        cfg = self.cfg
+        _, count_t, flag_t = self._tables
+        warps = self.options.threads // 32
+        self._fn[f"fluxrt_moe_ll_push_{ix}"](
+            (max(1, min(self.blocks, -(-t * k // warps))),), (self.options.threads,),
+            team + (self.epoch, idx) + common + (a, _u64(cfg.row_bytes), _u32(cfg.max_tokens), self._staging_table,
+                                                 count_t, self.pos, flag_t, self.flags, self.done),
+            stream=s)
+        items = cfg.world * cfg.local_experts * cfg.max_tokens
+        self._fn[f"fluxrt_moe_ll_compact_{ix}"](
+            (max(1, min(self.blocks, -(-items // warps))),), (self.options.threads,),
+            team + (idx,) + common + (self.count_matrix, self.staging, _u32(cfg.max_tokens), self.recv,
+                                      _u64(cfg.row_bytes), self.pos, self.offsets, self.counts),
+            stream=s)
+        self._seq += 1
+        self._last = DispatchHandle(self, self._seq, t, k, idx, w, ix, s)
+        return self.recv, self._last
 
     # --- combine ----------------------------------------------------------------------------------
     @_nvtx("moe_combine")

@@ -97,6 +97,8 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=512)
     p.add_argument("--fp8", default="", choices=("", "token", "block"),
                    help="FP8 dispatch (e4m3 with per-token or 1x128 scales); bytes then count e4m3 rows and scales")
+    p.add_argument("--mode", default="throughput", choices=("throughput", "low_latency"),
+                   help="the Dispatcher's mode (low_latency: decode batches, one flag round trip per dispatch)")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all-to-all-v baseline")
     p.add_argument("--check-args", action="store_true", help="compare arguments across ranks on every call")
     p.add_argument("--device", type=int, default=None,
@@ -155,7 +157,8 @@ def measure(world: World, model: str, tokens: int, routing: str, args, stream, n
     idx, w = route(rng, tokens, experts, k, routing, args.zipf_s, order)
     x = cupy.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32).astype(_bf16()))
     idxs = world.comm.allgather(idx)
-    opts = moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads, fp8=args.fp8)
+    opts = moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads, fp8=args.fp8,
+                                mode=args.mode)
     cfg = moe.check_config(world.size, experts, hidden, tokens, "bf16", opts)
     # bytes of one row on the wire, per element (FP8: e4m3 values and their fp32 scales)
     itemsize = (hidden + 4 * cfg.scale_row) / hidden if args.fp8 else 2
@@ -191,7 +194,7 @@ def measure(world: World, model: str, tokens: int, routing: str, args, stream, n
         d.free()
     red = lambda v: reduce_over_ranks(world.comm.allgather(statistics.median(v)), args.average)  # noqa: E731
     dispatch_us, combine_us = red(t_d), red(t_c)
-    row = {"model": model, "fp8": args.fp8, "hidden": hidden, "experts": experts, "top_k": k, "tokens": tokens, "routing": routing,
+    row = {"model": model, "mode": args.mode, "fp8": args.fp8, "hidden": hidden, "experts": experts, "top_k": k, "tokens": tokens, "routing": routing,
            "world": world.size, "recv_rows": n_recv, "recv_bytes": lay["recv_bytes"], "moved_bytes": lay["moved_bytes"],
            "dispatch_us": dispatch_us, "combine_us": combine_us}
     # bandwidths of this rank, then reduced like the times
@@ -295,7 +298,8 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
 
     # the largest case's receive buffer (it scales with the ranks: rows = tokens * world * top_k)
     size_probe = max(moe.check_config(1, MODELS[m][1], MODELS[m][0], t, "bf16",
-                                      moe.DispatcherOptions(top_k=MODELS[m][2], fp8=args.fp8)).symmetric_bytes()
+                                      moe.DispatcherOptions(top_k=MODELS[m][2], fp8=args.fp8,
+                                                            mode=args.mode)).symmetric_bytes()
                      for m, t, _ in cases)
     world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
     from mpi4py import MPI

@@ -14,6 +14,9 @@
 //                           dst_base[e] + chunk_base[c][e] + pos of its expert's owner (NVLink stores);
 //                           the last block to finish raises a data flag at every rank and waits for every
 //                           rank's data flag, so the kernel ends when this rank has received everything.
+//   fluxrt_moe_ll_push_*,   low-latency mode (decode batches): rows pushed into fixed slots per (source,
+//   fluxrt_moe_ll_compact_*  expert) with the counts behind them and one flag round trip, then compacted
+//                           locally into the same grouped layout.
 //   fluxrt_moe_quantize_*   (FP8 dispatch) token rows to e4m3 and fp32 scales (per token or 1x128), pushed
 //                           with their scales instead of the 16-bit rows.
 //   fluxrt_moe_stage        the grid copies the expert outputs y into this rank's receive buffer (nothing
@@ -84,6 +87,36 @@ __device__ __forceinline__ bool exchange_flags(const Team& t, const u64* flag_pe
     return wait_peers(t.watch(), t.world, every_peer, [&](u32 p) { return flags + kind * t.world + p; }, e);
 }
 
+// The block reads every rank's count row (counts_all[s * E + x]: rows source s sends to expert x; pushed by
+// s, so loads bypass L1) and writes dst_base[x], the first row of this rank's rows to expert x in its owner's
+// buffer, and as an owner (offsets != nullptr) the first row and count of each local expert. total and before:
+// the block's shared scratch of kMaxExperts each.
+__device__ void rows_from_counts(const Team& t, const int* counts_all, u32 E, u32 local_experts, int* total,
+                                 int* before, int* dst_base, int* offsets, int* counts) {
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        int sum = 0, mine = 0;
+        for (u32 s = 0; s < t.world; ++s) {
+            const int v = __ldcv(counts_all + s * E + x);
+            if (s < t.rank) mine += v;
+            sum += v;
+        }
+        total[x] = sum;
+        before[x] = mine;
+    }
+    __syncthreads();
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        const u32 first = x / local_experts * local_experts;
+        int start = 0;
+        for (u32 y = first; y < x; ++y) start += total[y];
+        dst_base[x] = start + before[x];
+        if (offsets != nullptr && first == t.rank * local_experts) {
+            offsets[x - first] = start;
+            counts[x - first] = total[x];
+            if (x - first == local_experts - 1) offsets[local_experts] = start + total[x];
+        }
+    }
+}
+
 template <class Idx>
 __device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
                        u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,
@@ -133,29 +166,7 @@ __device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u3
         reinterpret_cast<int*>(count_peers[q])[t.rank * E + x] = total[x];
     }
     if (!exchange_flags(t, flag_peers, flags, kNotify, e)) return;
-    // counts_all[s * E + x]: rows source s sends to expert x (pushed by s: loads bypass L1)
-    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
-        int sum = 0, mine = 0;
-        for (u32 s = 0; s < t.world; ++s) {
-            const int v = __ldcv(counts_all + s * E + x);
-            if (s < t.rank) mine += v;
-            sum += v;
-        }
-        total[x] = sum;
-        before[x] = mine;
-    }
-    __syncthreads();
-    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
-        const u32 first = x / local_experts * local_experts;
-        int start = 0;
-        for (u32 y = first; y < x; ++y) start += total[y];
-        dst_base[x] = start + before[x];
-        if (first == t.rank * local_experts) {
-            offsets[x - first] = start;
-            counts[x - first] = total[x];
-            if (x - first == local_experts - 1) offsets[local_experts] = start + total[x];
-        }
-    }
+    rows_from_counts(t, counts_all, E, local_experts, total, before, dst_base, offsets, counts);
 }
 
 // x rows of row_bytes (a multiple of 16) each; recv_peers[r]: rank r's receive buffer mapped here.
@@ -189,6 +200,88 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
         if (lane == 0) pos[i] = row;  // the handle of combine: where entry i's row lies at its owner
     }
     if (last_block(done)) exchange_flags(t, flag_peers, flags, kData, e);
+}
+
+// Low-latency dispatch (decode batches): no count exchange before the data. A warp per entry ranks it among
+// the earlier entries of its expert (a ballot scan: the same order as the throughput layout) and pushes the row
+// into slot [this rank][local expert][position] of the owner's staging buffer ([world][E_local][max_tokens]
+// rows); the last block counts the entries per expert, writes the counts as row `rank` of every rank's count
+// matrix and exchanges data flags (one round trip). ll_compact then moves each owner's slots into the grouped
+// layout (a local copy) and turns positions into the rows combine reads. A token may name an expert once.
+template <class Idx>
+__device__ void ll_push(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
+                        u32 local_experts, const char* x, u64 row_bytes, u32 max_tokens, const u64* stage_peers,
+                        const u64* count_peers, int* pos, const u64* flag_peers, const u64* flags, u32* done) {
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = error_raised(t.err);  // once per block: the record is host memory
+    __syncthreads();
+    const u32 lane = threadIdx.x & 31u;
+    const u32 n = failed ? 0u : tokens * k;
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < n; i += warps) {
+        const int xe = expert_of(idx, i, num_experts);
+        if (xe < 0) continue;
+        u32 p = 0;
+        for (u32 b = 0; b < i; b += 32u) {
+            const u32 j = b + lane;
+            p += __popc(__ballot_sync(0xffffffffu, j < i && expert_of(idx, j, num_experts) == xe));
+        }
+        if (p >= max_tokens) continue;  // only a token naming one expert twice gets here
+        const u64 slot = ((u64)t.rank * local_experts + (u32)xe % local_experts) * max_tokens + p;
+        char* dst = reinterpret_cast<char*>(stage_peers[(u32)xe / local_experts]) + slot * row_bytes;
+        copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
+                   row_bytes / kVecBytes, lane, 32u, LoadNc{});
+        if (lane == 0) pos[i] = (int)p;
+    }
+    if (!last_block(done)) return;
+    __shared__ int cnt[kMaxExperts];
+    __shared__ u64 round;
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
+    if (threadIdx.x == 0) {
+        round = atomicAdd(epoch, 1ull) + 1ull;
+        epoch[1] = round;  // the round of this dispatch, for its combine
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        const int xe = expert_of(idx, i, num_experts);
+        if (xe >= 0) atomicAdd(&cnt[xe], 1);  // counts only: the order of the additions does not matter
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < t.world * num_experts; i += blockDim.x) {
+        const u32 q = i / num_experts, e = i % num_experts;
+        reinterpret_cast<int*>(count_peers[q])[t.rank * num_experts + e] = cnt[e];
+    }
+    exchange_flags(t, flag_peers, flags, kData, round);
+}
+
+template <class Idx>
+__device__ void ll_compact(const Team& t, const Idx* idx, u32 tokens, u32 k, u32 num_experts, u32 local_experts,
+                           const int* counts_all, const char* staging, u32 max_tokens, char* recv, u64 row_bytes,
+                           int* pos, int* offsets, int* counts) {
+    __shared__ int total[kMaxExperts], before[kMaxExperts], base[kMaxExperts];
+    rows_from_counts(t, counts_all, num_experts, local_experts, total, before, base,
+                     blockIdx.x == 0 ? offsets : nullptr, counts);
+    __syncthreads();
+    const u32 n = tokens * k;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int xe = expert_of(idx, i, num_experts);
+        if (xe >= 0) pos[i] += base[xe];  // position in (this rank, expert) -> row at the owner
+    }
+    // slot (source s, local expert l, row j < count) -> row offsets[l] + rows of sources before s + j
+    const u32 lane = threadIdx.x & 31u, warps = gridDim.x * (blockDim.x >> 5);
+    const u32 first = t.rank * local_experts;
+    const u64 items = (u64)t.world * local_experts * max_tokens;
+    for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+        const u32 pair = (u32)(it / max_tokens), j = (u32)(it % max_tokens);
+        const u32 s = pair / local_experts, l = pair % local_experts;
+        if ((int)j >= __ldcv(counts_all + s * num_experts + first + l)) continue;
+        int row = 0;
+        for (u32 y = first; y < first + l; ++y) row += total[y];
+        for (u32 q = 0; q < s; ++q) row += __ldcv(counts_all + q * num_experts + first + l);
+        copy_units(reinterpret_cast<uint4*>(recv + (u64)(row + (int)j) * row_bytes),
+                   reinterpret_cast<const uint4*>(staging + it * row_bytes), row_bytes / kVecBytes, lane, 32u,
+                   LoadCv{});
+    }
 }
 
 __device__ void stage(const Team& t, const u64* epoch, const char* y, u64 y_rows, char* recv, u64 row_bytes,
@@ -342,6 +435,20 @@ using namespace fluxrt::moe;
         const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {                           \
         push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_rows,     \
              recv_peers, scales, scale_row, scale_peers, pos, chunk_base, dst_base, flag_peers, flags, done); \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_ll_push_##NAME(                                                    \
+        FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
+        u32 local_experts, const char* x, u64 row_bytes, u32 max_tokens, const u64* stage_peers,             \
+        const u64* count_peers, int* pos, const u64* flag_peers, const u64* flags, u32* done) {              \
+        ll_push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, max_tokens, \
+                stage_peers, count_peers, pos, flag_peers, flags, done);                                     \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_ll_compact_##NAME(                                                 \
+        FLUXRT_MOE_TEAM_PARAMS, const IDX* idx, u32 tokens, u32 k, u32 num_experts, u32 local_experts,       \
+        const int* counts_all, const char* staging, u32 max_tokens, char* recv, u64 row_bytes, int* pos,     \
+        int* offsets, int* counts) {                                                                         \
+        ll_compact(FLUXRT_MOE_TEAM, idx, tokens, k, num_experts, local_experts, counts_all, staging,         \
+                   max_tokens, recv, row_bytes, pos, offsets, counts);                                       \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_combine_bf16_##NAME(                                               \
         const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts, u32 local_experts,         \

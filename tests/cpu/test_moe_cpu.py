@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (dict(options=moe.DispatcherOptions(threads=100)), "multiple of 32"),
     (dict(options=moe.DispatcherOptions(blocks=-1)), "blocks"),
     (dict(options=moe.DispatcherOptions(fp8="e5m2")), "fp8="),
+    (dict(options=moe.DispatcherOptions(mode="fast")), "mode="),
+    (dict(options=moe.DispatcherOptions(mode="low_latency", fp8="token")), "throughput' only"),
     (dict(hidden=4104, options=moe.DispatcherOptions(fp8="block")), "multiple of 128"),
     (dict(hidden=4104, options=moe.DispatcherOptions(fp8="token")), "multiple of 16"),
 ])
@@ -48,6 +50,12 @@ def test_fp8_buffers_are_counted():
     rows = 4096 * 4 * 8
     assert cfg.scale_row == 56 and cfg.symmetric_bytes() == rows * (14336 + 7168 + 56 * 4) + 4 * 256 * 4 + 96
     assert moe.check_config(2, 8, 4096, 128, "bf16", moe.DispatcherOptions(fp8="token")).scale_row == 1
+
+
+def test_low_latency_staging_is_counted():
+    cfg = moe.check_config(4, 256, 7168, 128, "bf16", moe.DispatcherOptions(mode="low_latency"))
+    assert cfg.staging_rows == 256 * 128
+    assert cfg.symmetric_bytes() == (128 * 4 * 8 + 256 * 128) * 14336 + 4 * 256 * 4 + 96
 
 
 def test_heap_exhausted_names_the_size_to_ask_for():
@@ -130,6 +138,20 @@ def test_layout_model_groups_rows_by_expert_then_source_then_entry(world, num_ex
         assert [row for row, _, _ in got] == list(range(len(expect)))   # dense rows 0 .. R-1
         assert len(expect) <= max(len(i) for i in idxs) * world * k      # within the worst-case buffer
     assert total.sum() == sum(int((i >= 0).sum()) for i in idxs)
+    # low latency: position among the source's earlier entries of the expert (ll_push), final row base + position
+    # (ll_compact, source side), and the owner's placement of slot (source, expert, position): the same rows
+    matrix = np.stack([np.bincount(i[i >= 0].ravel(), minlength=num_experts) for i in idxs])
+    for s, idx in enumerate(idxs):
+        flat = idx.reshape(-1)
+        for i, x in enumerate(flat):
+            if x < 0:
+                continue
+            p = int((flat[:i] == x).sum())
+            owner, l = divmod(int(x), el)
+            first = owner * el
+            placed = matrix[:, first:first + l].sum() + matrix[:s, first + l].sum() + p
+            base = matrix[:, first:x].sum() + matrix[:s, x].sum()
+            assert base + p == placed == rows[s][i]
 
 
 # --- fluxrt-perf moe_dispatch / moe_combine without a GPU -------------------------------------------------

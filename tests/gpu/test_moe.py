@@ -166,12 +166,12 @@ def _round(world, d, rng, tokens, k, *, masked=0.0, route=None, idx_dtype=np.int
     return x, idx, w, got
 
 
-@pytest.fixture(scope="module")
-def disp(world):
+@pytest.fixture(scope="module", params=["throughput", "low_latency"])
+def disp(world, request):
     import fluxrt.moe as moe
 
     d = moe.Dispatcher(world, num_experts=4 * world.size, hidden=HIDDEN, max_tokens_per_rank=160, dtype="bf16",
-                       options=moe.DispatcherOptions(top_k=4, blocks=8, threads=256))
+                       options=moe.DispatcherOptions(top_k=4, blocks=8, threads=256, mode=request.param))
     yield d
     d.free()
 
@@ -308,6 +308,9 @@ def test_bad_arguments_raise_on_every_rank(world, disp):
     recv2, h2 = disp.dispatch(xb, idx, w)
     with pytest.raises(moe.MoEArgumentError, match="earlier dispatch"):
         disp.combine(recv2, h)
+    if disp.cfg.mode == "low_latency":
+        with pytest.raises(moe.MoEArgumentError, match="combined first"):
+            disp.dispatch(xb, idx, w)
     disp.combine(recv2, h2)
     world.synchronize()
 
