@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import collectives_plan as plan
+from . import compressed as _compressed
 from . import log as _log
 from . import tuning_tables
 from .agreement import agree as _agree
@@ -435,9 +436,13 @@ class Collectives:
 
     # --- reductions -------------------------------------------------------------------------------
     @_nvtx("allreduce")
-    def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+    def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto",
+                  compress: str | None = None, error_feedback=None):
         """out = x[rank 0] op x[rank 1] op ... (elementwise; fp32 accumulation in rank order, so every rank
-        gets bitwise the same result). out=None allocates; out=x is in place."""
+        gets bitwise the same result). out=None allocates; out=x is in place. compress="fp8" or "int8": an
+        8-bit payload with block scales, optionally with an error-feedback buffer (``fluxrt.compressed``)."""
+        if compress is not None:
+            return _compressed.call(self, "allreduce", x, out, compress, error_feedback, op, algo, stream, async_op)
         return self._call(_fast_key("allreduce", x, out, op, algo), lambda s: self._plan_allreduce(x, out, op, algo, s),
                           stream, async_op, out, (x, out))
 
@@ -477,9 +482,12 @@ class Collectives:
 
     @_nvtx("reduce_scatter")
     def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
-                       algo: str = "auto"):
+                       algo: str = "auto", compress: str | None = None, error_feedback=None):
         """x holds world.size chunks of equal size; rank r gets the reduction of every rank's chunk r.
-        In place: out = x[r * chunk : (r + 1) * chunk] (flattened)."""
+        In place: out = x[r * chunk : (r + 1) * chunk] (flattened). compress: as allreduce's."""
+        if compress is not None:
+            return _compressed.call(self, "reduce_scatter", x, out, compress, error_feedback, op, algo, stream,
+                                    async_op)
         return self._call(_fast_key("reduce_scatter", x, out, op, algo),
                           lambda s: self._plan_reduce_scatter(x, out, op, algo, s), stream, async_op, out, (x, out))
 
@@ -523,9 +531,13 @@ class Collectives:
 
     # --- data movement ----------------------------------------------------------------------------
     @_nvtx("allgather")
-    def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+    def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto",
+                  compress: str | None = None, error_feedback=None):
         """out = concat(x of rank 0, x of rank 1, ...) (out=None: shape (n * x.shape[0], ...)). In place:
-        x = out[r * x.size : (r + 1) * x.size] (flattened)."""
+        x = out[r * x.size : (r + 1) * x.size] (flattened). compress: as allreduce's (not in place)."""
+        if compress is not None:
+            return _compressed.call(self, "allgather", x, out, compress, error_feedback, "sum", algo, stream,
+                                    async_op)
         return self._call(_fast_key("allgather", x, out, algo), lambda s: self._plan_allgather(x, out, algo, s),
                           stream, async_op, out, (x, out))
 
@@ -793,24 +805,37 @@ def _displs(displs, counts: np.ndarray, name: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ functional API
 def context(world: World) -> Collectives:
     """The world's default collectives context (in the world's registry); made (collectively) on the first
-    call, or by the first ``Collectives(world, options)``."""
+    call, or by the first ``Collectives(world, options)``. A world of several nodes (``world.topology``) gets
+    the hierarchical context (``collectives_plan.choose_path``)."""
     ctx = world.registry.get(_KEY)
     if ctx is None:
+        path, why = plan.choose_path(getattr(world, "topology", None))
+        if path == "hierarchical":   # ranks without NVLink pointers between them: fluxrt.collectives_hier
+            from . import collectives_hier
+
+            if collectives_hier.KEY not in world.registry and world.rank == 0:
+                log.info("collectives: path %s (%s)", path, why)
+            return collectives_hier.context(world)
         ctx = Collectives(world)   # registers itself
     return ctx
 
 
-def allreduce(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
+def allreduce(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto",
+              compress: str | None = None, error_feedback=None):
+    return context(world).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo, compress=compress,
+                                    error_feedback=error_feedback)
 
 
 def reduce_scatter(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
-                   algo: str = "auto"):
-    return context(world).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
+                   algo: str = "auto", compress: str | None = None, error_feedback=None):
+    return context(world).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo,
+                                         compress=compress, error_feedback=error_feedback)
 
 
-def allgather(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).allgather(x, out, stream=stream, async_op=async_op, algo=algo)
+def allgather(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto",
+              compress: str | None = None, error_feedback=None):
+    return context(world).allgather(x, out, stream=stream, async_op=async_op, algo=algo, compress=compress,
+                                    error_feedback=error_feedback)
 
 
 def alltoall(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
