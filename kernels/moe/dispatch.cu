@@ -35,6 +35,7 @@
 //
 // Compiled with NVRTC: builtin types only.
 #include "fluxrt/comm.cuh"
+#include "fluxrt/quant.cuh"
 
 namespace fluxrt {
 namespace moe {
@@ -346,65 +347,35 @@ __device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k,
     }
 }
 
-// FP8 dispatch: token rows of x quantized to e4m3 with one fp32 scale per `group` elements (the row: per
-// token; 128: 1x128 blocks), scale = amax / 448 (e4m3's largest finite value), q = e4m3(x / scale) rounded
-// to nearest even, saturated. A warp per token; a pass covers 32 vectors of 8 elements, so a 1x128 group is
-// the 16 vectors of one half-warp.
-constexpr float kE4m3Max = 448.f;
-
-__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float amax_over(float a, u32 lanes) {
-    for (u32 o = lanes / 2; o > 0; o /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    return a;
-}
-
+// FP8 dispatch: token rows of x quantized to e4m3 with one fp32 scale per token or per 1x128 block, as the
+// device library quantizes (fluxrt/quant.cuh: scale = amax / 448, code = e4m3(x / scale), 0 for an all-zero
+// group). A warp per token; a lane takes 4 elements a pass, so a pass is one 128-element block.
 template <class E>
 __device__ void quantize(const typename E::T* x, u32 tokens, u32 hidden, bool block, unsigned char* q, float* scales) {
     const u32 lane = threadIdx.x & 31u;
     const u32 warps = gridDim.x * (blockDim.x >> 5);
-    const u32 nvec = hidden / E::kPerVec, groups = block ? hidden / 128u : 1u;
+    const u32 nquad = hidden / 4u;
     for (u32 tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); tok < tokens; tok += warps) {
-        const uint4* row = reinterpret_cast<const uint4*>(x + (u64)tok * hidden);
-        float row_amax = 0.f;
+        const uint2* row = reinterpret_cast<const uint2*>(x + (u64)tok * hidden);
+        auto load4 = [&](u32 v, float (&f)[4]) {
+            const uint2 w = row[v];
+            f[0] = E::lo(w.x), f[1] = E::hi(w.x), f[2] = E::lo(w.y), f[3] = E::hi(w.y);
+            return fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
+        };
+        float row_scale = 0.f;
         if (!block) {
-            for (u32 v = lane; v < nvec; v += 32u) {
-                const uint4 raw = row[v];
-                const typename E::T* el = reinterpret_cast<const typename E::T*>(&raw);
-#pragma unroll
-                for (u32 i = 0; i < E::kPerVec; ++i) row_amax = fmaxf(row_amax, fabsf(E::to_f(el[i])));
-            }
-            row_amax = amax_over(row_amax, 32u);
+            float a = 0.f, f[4];
+            for (u32 v = lane; v < nquad; v += 32u) a = fmaxf(a, load4(v, f));
+            row_scale = group_scale<Fp8E4M3>(warp_max(a));
+            if (lane == 0) scales[tok] = row_scale;
         }
-        for (u32 v0 = 0; v0 < nvec; v0 += 32u) {  // every lane runs every pass (shuffles)
+        for (u32 v0 = 0; v0 < nquad; v0 += 32u) {  // every lane runs every pass (warp_max)
             const u32 v = v0 + lane;
-            float f[E::kPerVec];
-            float a = 0.f;
-            if (v < nvec) {
-                const uint4 raw = row[v];
-                const typename E::T* el = reinterpret_cast<const typename E::T*>(&raw);
-#pragma unroll
-                for (u32 i = 0; i < E::kPerVec; ++i) {
-                    f[i] = E::to_f(el[i]);
-                    a = fmaxf(a, fabsf(f[i]));
-                }
-            }
-            const float amax = block ? amax_over(a, 16u) : row_amax;
-            const float scale = amax > 0.f ? amax / kE4m3Max : 1.f;
-            if (v < nvec) {
-                u32 w[E::kPerVec / 4];
-#pragma unroll
-                for (u32 i = 0; i < E::kPerVec / 4; ++i)
-                    w[i] = (u32)e4m3x2(f[4 * i] / scale, f[4 * i + 1] / scale) |
-                           ((u32)e4m3x2(f[4 * i + 2] / scale, f[4 * i + 3] / scale) << 16);
-                *reinterpret_cast<uint2*>(q + (u64)tok * hidden + (u64)v * E::kPerVec) = make_uint2(w[0], w[1]);
-                if (block && (lane & 15u) == 0) scales[(u64)tok * groups + v / 16u] = scale;
-            }
-            if (!block && v0 == 0 && lane == 0) scales[tok] = scale;
+            float f[4] = {0.f, 0.f, 0.f, 0.f};
+            const float a = v < nquad ? load4(v, f) : 0.f;
+            const float scale = block ? group_scale<Fp8E4M3>(warp_max(a)) : row_scale;
+            if (v < nquad) reinterpret_cast<u32*>(q + (u64)tok * hidden)[v] = quantize4<Fp8E4M3>(f, scale);
+            if (block && lane == 0) scales[(u64)tok * (hidden / 128u) + v0 / 32u] = scale;
         }
     }
 }

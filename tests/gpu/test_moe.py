@@ -324,14 +324,15 @@ def test_heap_exhausted_is_named(world):
 
 
 def _quantize_ref(x, block):
-    """numpy e4m3 quantization of bf16 rows: scale = amax / 448 per token or per 1x128 block (fp32)."""
+    """numpy e4m3 quantization of bf16 rows: scale = amax / 448 per token or per 1x128 block (fp32); an all-zero
+    group has scale 0 and zero codes."""
     import ml_dtypes
 
     f = x.astype(np.float32)
     g = f.reshape(f.shape[0], -1, 128) if block else f.reshape(f.shape[0], 1, -1)
-    amax = np.abs(g).max(axis=2, keepdims=True)
-    scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
-    q = (g / scale).astype(ml_dtypes.float8_e4m3fn).reshape(f.shape)
+    scale = (np.abs(g).max(axis=2, keepdims=True) / np.float32(448.0)).astype(np.float32)
+    v = np.divide(g, scale, out=np.zeros_like(g), where=scale > 0)
+    q = v.astype(ml_dtypes.float8_e4m3fn).reshape(f.shape)
     return q.view(np.uint8), scale.reshape(f.shape[0], -1)
 
 
@@ -348,6 +349,7 @@ def test_fp8_dispatch(world, rng, mode):
         local = _rank_rng(rng, world)
         t = 29 + 7 * world.rank
         x = (local.standard_normal((t, h)) * np.exp(local.standard_normal((t, 1)))).astype(np.float32).astype(_bf16())
+        x[3] = 0   # an all-zero token: scale 0, zero codes
         idx, w = _routing(local, t, k, e, masked=0.2)
         xs, idxs = world.comm.allgather(x), world.comm.allgather(idx)
         (q, sc), hd = d.dispatch(cupy.asarray(x), cupy.asarray(idx), cupy.asarray(w))
