@@ -17,6 +17,8 @@ BENCHES = {
     "gemm_rs": "fluxrt.perf.tp_ops:gemm_rs",
     "allreduce_rmsnorm": "fluxrt.perf.fused",
     "mlp": "fluxrt.perf.mlp",
+    "moe_dispatch": "fluxrt.perf.moe:moe_dispatch",
+    "moe_combine": "fluxrt.perf.moe:moe_combine",
 }
 
 #: One line per subcommand for ``fluxrt-perf --help``.
@@ -32,6 +34,8 @@ SUMMARIES = {
     "gemm_rs": "GEMM+ReduceScatter fused vs GEMM alone, cuBLAS+NCCL, torch async-TP; overlap efficiency",
     "allreduce_rmsnorm": "fused allreduce+residual+RMSNorm vs fluxrt/NCCL allreduce + a separate norm, per T x H",
     "mlp": "TP MLP block (AG+GEMM, SiLU*up, GEMM+RS) eager and graph vs NCCL+cuBLAS unfused, torch async-TP",
+    "moe_dispatch": "MoE dispatch (DeepSeek-V3-, Mixtral-like; uniform, Zipf) vs NCCL all-to-all-v, DeepEP's GB/s",
+    "moe_combine": "MoE combine, the same cases, vs the reverse NCCL all-to-all-v",
 }
 
 
