@@ -48,7 +48,7 @@ want build && step build 240 python3 -m fluxrt.toolchain
 if want tests; then   # one step per file, so that a hang or a cascade in one file leaves the others their time
   for n in "${ranks[@]}"; do
     for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
-      [ "$f" = tests/gpu/test_gemm.py ] && continue
+      case "$f" in tests/gpu/test_gemm*.py|tests/gpu/test_grouped_gemm.py) continue;; esac   # single-GPU: the gemm step
       name=$(basename "$f" .py)
       TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-180}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider --color=no \
         -rs --maxfail="${MAXFAIL:-5}"
@@ -123,6 +123,8 @@ fi
 if want gemm; then
   TAIL=15 step gemm-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -x
   TAIL=15 step gemm-fp8-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm_fp8.py -q -p no:cacheprovider -x
+  TAIL=15 step gemm-grouped-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_grouped_gemm.py -q -p no:cacheprovider -x
+  TAIL=12 step gemm-grouped-bench "${GEMM_LIMIT:-150}" python3 perf/grouped_gemm.py --json "$RES/gemm-grouped.json"
   TAIL=60 step gemm-bench "${GEMM_LIMIT:-150}" python3 perf/bench_gemm.py ${GEMM_BENCH_ARGS:-} --json "$RES/gemm.json"
 fi
 if [[ ",$CHECK," == *",gemmsuite,"* ]]; then   # the shape suite against cuBLAS: heuristic plans, tuning, tuned plans
@@ -148,8 +150,10 @@ if want sanitize; then
   for tool in memcheck racecheck; do
     TAIL=12 step "sanitize-gemm-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
       --report-api-errors no "$py" -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -k "$small"
-    TAIL=12 step "sanitize-gemm-fp8-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
-      --report-api-errors no "$py" -m pytest tests/gpu/test_gemm_fp8.py -q -p no:cacheprovider -k test_sanitize_small
+    for t in "test_gemm_fp8:test_sanitize_small" "test_grouped_gemm:test_k_shorter_than_one_stage_and_n_tail"; do
+      TAIL=12 step "sanitize-${t%%:*}-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
+        --report-api-errors no "$py" -m pytest "tests/gpu/${t%%:*}.py" -q -p no:cacheprovider -k "${t#*:}"
+    done
   done
   if [ "$ngpu" -ge 2 ]; then   # the communication kernels, small cases, 2 ranks
     for t in "test_p2p.py:ring and (4099 or 1048576)" \
