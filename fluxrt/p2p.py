@@ -77,6 +77,7 @@ def _check_transfer(world: World, verb: str, mode: str, modes: tuple, peer: int,
                     stream) -> tuple[int, int]:
     """Validate a put/get before anything is launched; returns (local pointer, bytes). The local array
     is the source of a put and is written by a get."""
+    world.check_errors()   # a sticky device error raises here, before anything is launched
     what = _what(world, verb, peer)
     if mode not in modes:
         hint = " (copy-engine transfers are pulls: p2p.get)" if verb == "put" and mode == "copy_engine" else ""
