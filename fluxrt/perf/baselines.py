@@ -59,15 +59,16 @@ def format_nccl_version(code: int | None) -> str | None:
     return f"{code // 1000}.{(code % 1000) // 100}.{code % 100}"
 
 
-def library_versions() -> dict:
-    """fluxrt, Python, CuPy, CUDA runtime and driver, NCCL (through cupy.cuda.nccl) and MPI versions;
-    None for what cannot be read here. Never raises."""
+def library_versions(nccl_lib=None) -> dict:
+    """fluxrt, Python, CuPy, CUDA runtime and driver, NCCL and MPI versions; None for what cannot be read
+    here. NCCL's is read through `nccl_lib` (the sweep's binding, :mod:`fluxrt.perf.nccl_lib`), else through
+    the first binding that loads; ``nccl_binding`` names it. Never raises."""
     import platform
 
     import fluxrt
 
     v: dict = {"fluxrt": fluxrt.__version__, "python": platform.python_version(), "cupy": None,
-               "cuda_runtime": None, "cuda_driver": None, "nccl": None, "mpi": None}
+               "cuda_runtime": None, "cuda_driver": None, "nccl": None, "nccl_binding": None, "mpi": None}
     try:
         import cupy
 
@@ -77,10 +78,12 @@ def library_versions() -> dict:
     except Exception:  # no CuPy or no driver: recorded as None
         pass
     try:
-        from cupy.cuda import nccl
+        if nccl_lib is None:
+            from .nccl_lib import BINDINGS, choose
 
-        if getattr(nccl, "available", True):
-            v["nccl"] = format_nccl_version(nccl.get_version())
+            nccl_lib, _ = choose(BINDINGS[::-1])   # cupy.cuda.nccl first: what the callers without a binding use
+        v["nccl"] = format_nccl_version(nccl_lib.version_code())
+        v["nccl_binding"] = nccl_lib.name + (f" {nccl_lib.binding_version}" if nccl_lib.binding_version else "")
     except Exception:
         pass
     try:
@@ -112,21 +115,14 @@ def device_info(world: World) -> list[dict]:
 
 
 def nccl_registration(register: int) -> tuple[bool, str | None]:
-    """(registered, note) for nccl-tests' -R on the NCCL baseline. The buffers are CuPy or NVSHMEM
-    allocations shared with fluxrt, and registering them needs bindings cupy.cuda.nccl lacks
-    (ncclCommRegister / ncclCommWindowRegister): the note says why NCCL runs unregistered."""
-    if register == 0:
-        return False, None
-    kind = "local (ncclCommRegister)" if register == 1 else "symmetric window (ncclCommWindowRegister)"
-    for mod in ("nccl4py", "nccl.core"):
-        try:
-            __import__(mod)
-        except Exception:
-            continue
-        return False, (f"-R {register}: NCCL {kind} registration not done: {mod} imports, but this sweep "
-                       "does not call it yet; NCCL runs on unregistered buffers")
-    return False, (f"-R {register}: NCCL {kind} registration not possible: nccl4py is not importable "
-                   "(cupy.cuda.nccl has no registration call); NCCL runs on unregistered buffers")
+    """(registered, note) for nccl-tests' -R on the NCCL baseline. The sweeps run NCCL on ordinary buffers
+    ("nccl") and on ncclMemAlloc buffers registered as symmetric windows ("nccl-win", what -R 2 means in
+    nccl-tests) whatever -R says; -R 1 (ncclCommRegister of the ordinary buffers) is not done, and the
+    note says so."""
+    if register != 1:
+        return register == 2, None
+    return False, ("-R 1: NCCL local registration (ncclCommRegister) not done: the 'nccl' columns run on "
+                   "unregistered buffers; the 'nccl-win' columns are NCCL on registered symmetric windows (-R 2)")
 
 
 _cublas_lib = None

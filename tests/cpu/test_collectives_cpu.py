@@ -559,7 +559,7 @@ def test_parser_reads_nccl_tests_flags():
          "--algo", "oneshot", "--json", "r.json", "--plot", "r.png"])
     assert (ns.minbytes, ns.maxbytes, ns.iters, ns.warmup_iters, ns.graph_iters) == (8, 1 << 30, 50, 10, 1)
     assert (ns.datatype, ns.op, ns.algo, ns.json_path, ns.plot_path) == ("bf16", "max", "oneshot", "r.json", "r.png")
-    assert ns.impls == "fluxrt,nccl" and not ns.check_args
+    assert ns.impls == "fluxrt,nccl,nccl-win" and not ns.check_args
 
 
 @pytest.mark.parametrize("argv, op, message", [
