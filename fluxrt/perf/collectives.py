@@ -1,6 +1,8 @@
 """Collective sweeps in the manner of nccl-tests (all_reduce_perf, all_gather_perf, ...): fluxrt and NCCL
-(through cupy.cuda.nccl, communicator made from a unique id broadcast over the world's MPI communicator)
-measured in the same run on the same buffers, one table line per size with a time ratio.
+measured in the same run, one table line per size. NCCL runs in two modes (fluxrt.perf.nccl_lib): "nccl" on
+the same buffers as fluxrt, "nccl-win" on ncclMemAlloc buffers registered as symmetric windows (nccl-tests'
+-R 2, where NCCL runs its symmetric-memory kernels; needs nccl4py). The ratio column is the faster NCCL
+mode's time / fluxrt's time; the JSON's "ratios" say which mode that was.
 
 Sizes are nccl-tests' "size": the whole message (allreduce, broadcast: the buffer; allgather: the gathered
 output; reduce_scatter: the input; alltoall(v): each rank's send buffer). With -c 1 each size is first run
