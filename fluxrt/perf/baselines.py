@@ -89,7 +89,7 @@ def library_versions(nccl_lib=None) -> dict:
     try:
         from mpi4py import MPI
 
-        v["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
+        v["mpi"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]   # Open MPI's ends in NUL
     except Exception:
         pass
     return v
