@@ -1,6 +1,6 @@
-"""What every GPU sweep shares: the machine record of a results file, the NCCL baseline's communicator
-(made from a unique id broadcast over the world's MPI communicator) and datatypes, and the cuBLAS GEMM
-baseline of the GEMM benchmarks."""
+"""What every GPU sweep shares: the machine record of a results file, library versions and devices, what
+-R means for the NCCL baseline (whose binding, communicator and windows are fluxrt.perf.nccl_lib's), and
+the cuBLAS GEMM baseline of the GEMM benchmarks."""
 from __future__ import annotations
 
 import ctypes
@@ -22,24 +22,23 @@ def machine(world: World) -> dict:
 
 
 def nccl_communicator(world: World):
-    """An NCCL communicator over the world's ranks (collective). Raises ImportError, saying how to get
-    NCCL, when cupy.cuda.nccl cannot load libnccl.so.2."""
-    from cupy.cuda import nccl
+    """A cupy.cuda.nccl communicator over the world's ranks (collective), for the benches that call NCCL
+    through CuPy's API on ordinary buffers (fused, mlp; the collective sweeps and ag_gemm/gemm_rs take
+    fluxrt.perf.nccl_lib's, which also runs NCCL on registered windows). Raises ImportError (NcclUnavailable)
+    saying how to get NCCL when libnccl.so.2 cannot be loaded."""
+    from .nccl_lib import CupyNccl
 
-    if not getattr(nccl, "available", True):
-        raise ImportError("cupy.cuda.nccl cannot load libnccl.so.2 (pip install nvidia-nccl-cu13)")
-    uid = world.comm.bcast(nccl.get_unique_id() if world.rank == 0 else None, root=0)
-    return nccl.NcclCommunicator(world.size, uid, world.rank)
+    lib = CupyNccl()
+    uid = world.comm.bcast(lib.unique_id() if world.rank == 0 else None, root=0)
+    return lib.init(world.size, uid, world.rank)
 
 
 def nccl_datatype(dtype) -> int:
     """ncclDataType_t of a numpy dtype or name (bf16, fp16, fp32, int32)."""
-    from cupy.cuda import nccl
-
     from ..dtypes import short_name
+    from .nccl_lib import DATATYPES
 
-    return {"bf16": nccl.NCCL_BFLOAT16, "fp16": nccl.NCCL_FLOAT16, "fp32": nccl.NCCL_FLOAT32,
-            "int32": nccl.NCCL_INT32}[short_name(dtype)]
+    return DATATYPES[short_name(dtype)]
 
 
 def format_cuda_version(code: int | None) -> str | None:
