@@ -78,9 +78,9 @@ def library_versions(nccl_lib=None) -> dict:
         pass
     try:
         if nccl_lib is None:
-            from .nccl_lib import BINDINGS, choose
+            from .nccl_lib import choose
 
-            nccl_lib, _ = choose(BINDINGS[::-1])   # cupy.cuda.nccl first: what the callers without a binding use
+            nccl_lib, _ = choose()
         v["nccl"] = format_nccl_version(nccl_lib.version_code())
         v["nccl_binding"] = nccl_lib.name + (f" {nccl_lib.binding_version}" if nccl_lib.binding_version else "")
     except Exception:
