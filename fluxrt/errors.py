@@ -12,6 +12,17 @@ NO_PEER = (1 << 64) - 1
 class FluxrtError(RuntimeError):
     """Base class of every error fluxrt raises on purpose."""
 
+    def again(self) -> "FluxrtError":
+        """A fresh copy of this error for raising it once more (a sticky error: the original's traceback
+        is not extended by every later raise), with a note saying where it comes from."""
+        import copy
+
+        err = copy.copy(self)
+        err.__traceback__ = None
+        err.__notes__ = ["this error is sticky: every fluxrt call on the world raises it again until "
+                         "world.reset_error()"]
+        return err
+
 
 class DeviceError(FluxrtError):
     """No usable GPU, or fewer GPUs than ranks on a node."""
@@ -69,6 +80,9 @@ class WaitTimeoutError(FluxrtError, TimeoutError):
             f"(flag expected >= {expected}, last seen {observed}); "
             f"the peer may have crashed, be slower than FLUXRT_TIMEOUT_S, or skipped the call")
 
+    def __reduce__(self):
+        return type(self), (self.op, self.rank, self.peer, self.expected, self.observed)
+
 
 class AgreementTimeoutError(FluxrtError, TimeoutError):
     """Ranks did not all reach a collective call's host-side argument exchange within the world's timeout."""
@@ -78,6 +92,9 @@ class AgreementTimeoutError(FluxrtError, TimeoutError):
         super().__init__(
             f"{op}: rank {rank} waited {timeout_s:g} s for rank(s) {self.missing} to make the same call; they "
             "may have crashed, be stuck, or skipped the call (ranks are now out of step: end the job)")
+
+    def __reduce__(self):
+        return type(self), (self.op, self.rank, self.missing, self.timeout_s)
 
 
 class _OpRegistry:

@@ -103,6 +103,7 @@ def put(world: World, dst, src, peer: int, *, mode: str = "sm", stream=None, fla
 
     There is no copy-engine put: a flag released after a copy-engine write to a peer can reach the
     peer before the data does (seen on H200 NVLink), so copy-engine transfers are pulls (``get``)."""
+    world.check_errors()   # a sticky device error raises before anything is launched
     s = as_cupy_stream(stream)
     src_ptr, nbytes = _check_transfer(world, "put", mode, PUT_MODES, peer, local=src, remote=dst, stream=s)
     if mode == "nvshmem":
@@ -129,6 +130,7 @@ def get(world: World, dst, src, peer: int, *, mode: str = "copy_engine", stream=
     work after it on `stream` sees the data (a read completes only when the bytes are here).
     'copy_engine' pulls with cudaMemcpyAsync over NVLink and leaves the SMs free; 'nvshmem' uses
     nvshmemx_getmem_on_stream (any transport). Wait for the owner's 'ready' signal first."""
+    world.check_errors()
     s = as_cupy_stream(stream)
     dst_ptr, nbytes = _check_transfer(world, "get", mode, GET_MODES, peer, local=dst, remote=src, stream=s)
     if mode == "nvshmem":

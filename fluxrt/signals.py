@@ -80,6 +80,7 @@ def signal(world: World, flag_ptr: int, value: int, *, add: bool = False, stream
     via='kernel' (default): a one-thread kernel, fence.acq_rel.sys then st/red.release.sys.
     via='stream_op': cuStreamWriteValue64 (set only; no SM used). It orders after prior kernels' writes;
     like any signal it must not follow a copy-engine write to a peer (fluxrt.p2p.put says why)."""
+    world.check_errors()   # sticky: nothing more is launched on a world with a device error
     if via not in ("kernel", "stream_op"):
         raise ValueError(f"signal via {via!r}: use 'kernel' or 'stream_op'")
     s = as_cupy_stream(stream)
@@ -96,6 +97,7 @@ def signal(world: World, flag_ptr: int, value: int, *, add: bool = False, stream
 def wait(world: World, flag_ptr: int, value: int, *, peer: int | None = None, op: str = "wait", stream=None) -> None:
     """Stream-ordered bounded wait until the local flag at `flag_ptr` reaches `value`. `peer` names who is
     expected to signal, for the timeout report."""
+    world.check_errors()
     state(world).wait((1,), (1,), (_u64(flag_ptr), _u64(value), _u64(world.timeout_ns), _u64(world.error_record),
                                    np.uint32(op_id(op)), np.uint32(world.rank),
                                    _u64(NO_PEER if peer is None else peer)),
@@ -158,6 +160,7 @@ def wait_list(world: World, plist: PointerList, target: int, op: str, stream) ->
 def barrier(world: World, stream=None, op: str = "barrier") -> None:
     """Stream-ordered barrier across every rank of the world (one block signalling and waiting on every
     peer through the world's barrier pad)."""
+    world.check_errors()
     st = state(world)
     st.barrier_epoch += 1
     pad = st.barrier_pad

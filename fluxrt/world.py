@@ -170,9 +170,14 @@ class World:
         nbytes = ERROR_RECORD_WORDS * 8
         host = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
         ctypes.memset(host, 0, nbytes)
-        words = np.ctypeslib.as_array((ctypes.c_uint64 * ERROR_RECORD_WORDS).from_address(host))
-        self._error_words = words
+        self._bind_error_record(host)
         return host, host  # unified addressing: the device uses the host pointer as is
+
+    def _bind_error_record(self, host: int) -> None:
+        """Host views of the record's words at `host`: all of them (decoding) and word 0 (polling)."""
+        self._error = None   # the first device error seen: sticky until reset_error()
+        self._error_words = np.ctypeslib.as_array((ctypes.c_uint64 * ERROR_RECORD_WORDS).from_address(host))
+        self._error_status = ctypes.c_uint64.from_address(host)
 
     def finalize(self) -> None:
         """Free every symmetric allocation and shut NVSHMEM down. Collective; safe to call twice."""
@@ -223,6 +228,7 @@ class World:
     def empty(self, shape, dtype="float32"):
         """Collective: an uninitialised symmetric array (a cupy.ndarray subclass with ``peer(r)``)."""
         self.check_active()
+        self.check_errors()
         return self.heap.empty(shape, dtype)
 
     def zeros(self, shape, dtype="float32"):
@@ -250,6 +256,7 @@ class World:
         """Stream-ordered barrier across all ranks (a bounded device kernel; errors surface at
         ``synchronize``/``check_errors``)."""
         self.check_active()
+        self.check_errors()
         signals.barrier(self, stream)
 
     def synchronize(self, stream=None) -> None:
@@ -263,11 +270,38 @@ class World:
         self.check_errors()
 
     def check_errors(self) -> None:
-        """Raise (and clear) the error a bounded device wait recorded, if any. Does not synchronize."""
-        err = decode_error_record(self._error_words)
-        if err is not None:
-            self._error_words[:] = 0
-            raise err
+        """Raise the error a bounded device wait recorded, if any. Does not synchronize.
+
+        The error is sticky, as NCCL's asynchronous errors are: once seen, this and every later fluxrt
+        call on the world raises it again (the device record stays set too, so later kernels' waits
+        stop early instead of waiting out their bound) until :meth:`reset_error`."""
+        if self._error is None:
+            if not self._error_status.value:   # the fast path: one read of host-mapped memory
+                return
+            err = decode_error_record(self._error_words)
+            if err is None:   # a kernel is filling the record: the next check sees it
+                return
+            self._error = err
+            log.error("rank %d: %s (sticky: every later fluxrt call on this world raises it until "
+                      "world.reset_error())", self.rank, err)
+        raise self._error.again()
+
+    @property
+    def error(self):
+        """The sticky device error of this world (None while clear), without raising it."""
+        if self._error is None and self._error_status.value:
+            self._error = decode_error_record(self._error_words)
+        return self._error
+
+    def reset_error(self) -> None:
+        """Clear the sticky error and the device record, so calls run again. Local to this rank.
+
+        A timeout leaves the ranks out of step (a kernel that gave up left flags, workspace and the
+        outputs of the calls in flight in an undefined state), so the safe way on after an error is to end
+        the job. Reset only where every rank has synchronized and the program rebuilds what it uses (frees
+        and remakes its Collectives context and fused ops); the tests use it for that."""
+        self._error = None
+        self._error_words[:] = 0
 
     @property
     def timeout_ns(self) -> int:

@@ -49,11 +49,15 @@ if want tests; then   # one step per file, so that a hang or a cascade in one fi
   for n in "${ranks[@]}"; do
     for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
       case "$f" in tests/gpu/test_gemm*.py|tests/gpu/test_grouped_gemm.py) continue;; esac   # single-GPU: the gemm step
+      [ "$f" = tests/gpu/test_rank_killed.py ] && continue   # starts its own jobs: below, once
       name=$(basename "$f" .py)
       TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-180}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider --color=no \
         -rs --maxfail="${MAXFAIL:-5}"
     done
   done
+  # a rank SIGKILLed mid-call: the others raise within the bound and the job ends (jobs of its own, up to 4 ranks)
+  [ "$ngpu" -ge 2 ] && TAIL=12 step rank-killed "${TESTS_LIMIT:-180}" python3 -m pytest tests/gpu/test_rank_killed.py \
+    -q -p no:cacheprovider --color=no -rs -s
 fi
 if want p2p && [ "$ngpu" -ge 2 ]; then
   TAIL=40 step p2p "${BENCH_LIMIT:-240}" "${run[@]}" 2 -- python3 -m fluxrt.perf.cli p2p -b 4 -e 1G -n 20 -w 5 \

@@ -5,6 +5,7 @@
 # out by design (see docs/design.md, "Testing"). Logs under $OUT (default ./mps-check-out).
 #   source .whl/prelude.sh && bash launch/mps-check.sh            # test_world, test_p2p, test_ops, test_ops_decomposed, test_collectives
 #   MPS_FILES="p2p ops" MPS_RANKS=2 bash launch/mps-check.sh [TREE]   # TREE: another checkout to test
+#   MPS_SOLO_FILES (default rank_killed): files run in one process, which start their own 2-rank jobs
 set -uo pipefail
 tree=${1:-$(cd "$(dirname "$0")/.." && pwd)}
 OUT=${OUT:-$PWD/mps-check-out}
@@ -28,5 +29,14 @@ for f in ${MPS_FILES:-world p2p ops ops_decomposed collectives}; do   # fluxrt-r
   [ $rc -ne 0 ] && fail=1
   echo "== $f rc=$rc"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.log" | tail -"${MPS_TAIL:-8}"
+done
+# files that start MPI jobs of their own run in one process (the ranks they start share the GPU under MPS)
+for f in ${MPS_SOLO_FILES-rank_killed}; do
+  timeout -k 5 "${MPS_LIMIT:-150}" python3 -m pytest "tests/gpu/test_$f.py" -q -p no:cacheprovider --color=no -rs -s \
+    ${MPS_PYTEST_ARGS:-} > "$OUT/$f.log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && fail=1
+  echo "== $f rc=$rc"
+  grep -E "^(FAILED|ERROR)|passed|failed|after the kill" "$OUT/$f.log" | tail -"${MPS_TAIL:-8}"
 done
 exit $fail

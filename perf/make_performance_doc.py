@@ -133,7 +133,8 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 
 def sweep_table(rows: list[dict]) -> list[str]:
     """One line per case (size, and type, op and root where a sweep loops over them) and placement:
-    fluxrt's algorithm, time and busbw beside NCCL's, and the time ratio."""
+    fluxrt's algorithm, time and busbw beside NCCL's on ordinary buffers and on registered windows, and
+    the time ratio against the faster NCCL mode (which one in brackets)."""
     cases: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         key = (str(r.get("dtype", "")), str(r.get("redop", "")), int(r.get("root", -1)), bool(r.get("inplace")),
@@ -143,15 +144,18 @@ def sweep_table(rows: list[dict]) -> list[str]:
     out = []
     for key in sorted(cases):
         dtype, redop, root, inplace, b = key
-        f, n = cases[key].get("fluxrt"), cases[key].get("nccl")
-        ratio = f"{n['time_us'] / f['time_us']:.2f}x" if f and n and f.get("time_us") else "—"
+        f, n, w = (cases[key].get(i) for i in ("fluxrt", "nccl", "nccl-win"))
+        timed = [(r["time_us"], name) for r, name in ((n, "plain"), (w, "window")) if r and r.get("time_us")]
+        best = min(timed) if timed else None
+        ratio = f"{best[0] / f['time_us']:.2f}x ({best[1]})" if f and best and f.get("time_us") else "—"
         case = ", ".join(x for x in ((f"{dtype} {redop}" + (f" root {root}" if root >= 0 else "")
                                       if len(several) > 1 else ""), "in place" if inplace else "") if x)
         out.append([size(b) + (f" ({case})" if case else ""), f.get("algo", "") if f else "—",
-                    num(f["time_us"]) if f else "—", num(f["busbw"]) if f else "—", num(n["time_us"]) if n else "—",
-                    num(n["busbw"]) if n else "—", ratio, (f or {}).get("wrong", "—")])
+                    num(f["time_us"]) if f else "—", num(f["busbw"]) if f else "—",
+                    num(n["time_us"]) if n else "—", num(n["busbw"]) if n else "—",
+                    num(w["time_us"]) if w else "—", num(w["busbw"]) if w else "—", ratio, (f or {}).get("wrong", "—")])
     return table(["size", "fluxrt algo", "fluxrt µs", "fluxrt busbw GB/s", "NCCL µs", "NCCL busbw GB/s",
-                  "NCCL time / fluxrt time", "wrong"], out)
+                  "NCCL window µs", "NCCL window busbw GB/s", "faster NCCL time / fluxrt time", "wrong"], out)
 
 
 def generic_table(rows) -> list[str]:
@@ -258,7 +262,10 @@ def render(results_dir: Path = RESULTS) -> str:
              "and machine, the latest result. Older results are in the git history of `perf/results/`.",
              "Times are as each benchmark records them (sweeps: the mean of `-n` calls, over ranks as `-a` says);",
              "sizes are nccl-tests sizes (the whole message); busbw",
-             "uses the nccl-tests factors. \"NCCL time / fluxrt time\" above 1 means fluxrt is faster.",
+             "uses the nccl-tests factors. NCCL runs on ordinary buffers (\"NCCL\") and on buffers registered as",
+             "symmetric windows (\"NCCL window\", nccl-tests' `-R 2`); \"faster NCCL time / fluxrt time\" above 1",
+             "means fluxrt is faster than the faster of the two. Results without window columns (—) were taken",
+             "before the sweeps ran NCCL's window mode.",
              "Commands ran under `fluxrt-run -n <ranks> --` unless they say otherwise; paths in them are",
              "where the job wrote its output. Results whose options record no `average` were taken before",
              "fluxrt-perf had nccl-tests' `-a`: their times are the slowest rank's (as `-a 3` now), and",

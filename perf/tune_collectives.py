@@ -1,5 +1,5 @@
-"""Tune the collectives: time several fluxrt configurations (algorithm and Tuning overrides) and NCCL on
-the same buffers in one job, per message size, eager and graph-replayed, plus the host time of an eager call.
+"""Tune the collectives: time several fluxrt configurations (algorithm and Tuning overrides) and NCCL (on
+the same buffers, and on registered windows of its own: fluxrt.perf.nccl_lib) in one job, per message size, eager and graph-replayed, plus the host time of an eager call.
 What it prints picks the thresholds and grid sizes of ``fluxrt.collectives_plan.Tuning``.
 
     fluxrt-run -n 4 -- python3 perf/tune_collectives.py allreduce -b 8 -e 4M \\
@@ -84,13 +84,19 @@ def main(argv=None) -> int:
         runners = [bench.FluxrtRunner(world, op, algo, redop if op in bench.REDUCING else "sum", 0, ws,
                                       args.symmetric, tuning) for _, algo, ws, tuning in configs]
         names = [c for c, _, _, _ in configs]
-        if not args.no_nccl:
-            runners.append(bench.NcclRunner(world, op, opts.op, 0))
-            names.append("nccl")
+        nccl_comm = None
+        if not args.no_nccl:   # both NCCL modes: ordinary buffers and registered windows (own buffers)
+            nccl, notes, nccl_comm = bench.nccl_runners(world, op, opts.op, ["nccl", "nccl-win"])
+            runners += nccl
+            names += [r.name for r in nccl]
+            for note in notes if world.rank == 0 else ():
+                print(f"# {note}")
         sweep_sizes = sizes(opts, align=bench.size_align(op, esize, n))
         max_in, max_out = bench.buffer_elems(op, sweep_sizes[-1], esize, n)
         alloc = world.empty if args.symmetric else cupy.empty
         x_full, out_full = alloc(max(1, max_in), dtype=dtype), alloc(max(1, max_out), dtype=dtype)
+        own = {name: (run.buffers(max(1, max_in), max(1, max_out), dtype) if hasattr(run, "buffers") else None)
+               or (x_full, out_full) for name, run in zip(names, runners)}
         stream = cupy.cuda.Stream(non_blocking=True)
         factor = bus_bandwidth_factor(op, n)
         eager_opts = dataclasses.replace(opts, graph_iters=0)
@@ -98,11 +104,15 @@ def main(argv=None) -> int:
             print(f"# {op} {opts.datatype} on {n} ranks; eager us / graph us (per call) / host us per eager call")
             print("# size " + " | ".join(f"{name}" for name in names))
         for nbytes in sweep_sizes:
-            case = bench.Case(op, world, x_full, out_full, nbytes, dtype, redop, 0)
-            case.fill_input()
-            world.device.synchronize()
+            cases: dict = {}
             cells = []
             for name, run in zip(names, runners):
+                xb, ob = own[name]
+                if (xb.data.ptr, ob.data.ptr) not in cases:
+                    cases[xb.data.ptr, ob.data.ptr] = bench.Case(op, world, xb, ob, nbytes, dtype, redop, 0)
+                    cases[xb.data.ptr, ob.data.ptr].fill_input()
+                    world.device.synchronize()
+                case = cases[xb.data.ptr, ob.data.ptr]
                 wrong = bench._check(world, run, case, stream)
                 eager = bench._time_us(world, run, case, stream, eager_opts)
                 graph = bench._time_us(world, run, case, stream, opts) if opts.graph_iters else None
@@ -115,8 +125,11 @@ def main(argv=None) -> int:
                              f"{'' if not wrong else ' WRONG=%d' % wrong}")
             if world.rank == 0:
                 print(f"{nbytes:>11d} " + " | ".join(cells), flush=True)
+        world.device.synchronize()
         for r in runners:
             r.close()
+        if nccl_comm is not None:
+            nccl_comm.close()
         if args.symmetric:
             world.free(out_full)
             world.free(x_full)

@@ -91,6 +91,7 @@ def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bo
     is [M, N]) or ``a [M, K_local]`` (out is [M/world, N]); B is [K, N] or, with trans_b, [N, K]; out is
     optional. Returns (a, b, out or None, shard rows, M) as cupy views, ordered on the CuPy `stream`."""
     world, w = op.world, op.world.size
+    world.check_errors()   # a sticky device error: no new call on a world whose ranks are out of step
     a_name, a_form = ("a_shard", "[M/world, K]") if sharded_a else ("a", "[M, K_local]")
 
     def local_checks():

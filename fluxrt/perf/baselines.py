@@ -1,6 +1,6 @@
-"""What every GPU sweep shares: the machine record of a results file, the NCCL baseline's communicator
-(made from a unique id broadcast over the world's MPI communicator) and datatypes, and the cuBLAS GEMM
-baseline of the GEMM benchmarks."""
+"""What every GPU sweep shares: the machine record of a results file, library versions and devices, what
+-R means for the NCCL baseline (whose binding, communicator and windows are fluxrt.perf.nccl_lib's), and
+the cuBLAS GEMM baseline of the GEMM benchmarks."""
 from __future__ import annotations
 
 import ctypes
@@ -22,24 +22,23 @@ def machine(world: World) -> dict:
 
 
 def nccl_communicator(world: World):
-    """An NCCL communicator over the world's ranks (collective). Raises ImportError, saying how to get
-    NCCL, when cupy.cuda.nccl cannot load libnccl.so.2."""
-    from cupy.cuda import nccl
+    """A cupy.cuda.nccl communicator over the world's ranks (collective), for the benches that call NCCL
+    through CuPy's API on ordinary buffers (fused, mlp; the collective sweeps and ag_gemm/gemm_rs take
+    fluxrt.perf.nccl_lib's, which also runs NCCL on registered windows). Raises ImportError (NcclUnavailable)
+    saying how to get NCCL when libnccl.so.2 cannot be loaded."""
+    from .nccl_lib import CupyNccl
 
-    if not getattr(nccl, "available", True):
-        raise ImportError("cupy.cuda.nccl cannot load libnccl.so.2 (pip install nvidia-nccl-cu13)")
-    uid = world.comm.bcast(nccl.get_unique_id() if world.rank == 0 else None, root=0)
-    return nccl.NcclCommunicator(world.size, uid, world.rank)
+    lib = CupyNccl()
+    uid = world.comm.bcast(lib.unique_id() if world.rank == 0 else None, root=0)
+    return lib.init(world.size, uid, world.rank)
 
 
 def nccl_datatype(dtype) -> int:
     """ncclDataType_t of a numpy dtype or name (bf16, fp16, fp32, int32)."""
-    from cupy.cuda import nccl
-
     from ..dtypes import short_name
+    from .nccl_lib import DATATYPES
 
-    return {"bf16": nccl.NCCL_BFLOAT16, "fp16": nccl.NCCL_FLOAT16, "fp32": nccl.NCCL_FLOAT32,
-            "int32": nccl.NCCL_INT32}[short_name(dtype)]
+    return DATATYPES[short_name(dtype)]
 
 
 def format_cuda_version(code: int | None) -> str | None:
@@ -59,15 +58,16 @@ def format_nccl_version(code: int | None) -> str | None:
     return f"{code // 1000}.{(code % 1000) // 100}.{code % 100}"
 
 
-def library_versions() -> dict:
-    """fluxrt, Python, CuPy, CUDA runtime and driver, NCCL (through cupy.cuda.nccl) and MPI versions;
-    None for what cannot be read here. Never raises."""
+def library_versions(nccl_lib=None) -> dict:
+    """fluxrt, Python, CuPy, CUDA runtime and driver, NCCL and MPI versions; None for what cannot be read
+    here. NCCL's is read through `nccl_lib` (the sweep's binding, :mod:`fluxrt.perf.nccl_lib`), else through
+    the first binding that loads; ``nccl_binding`` names it. Never raises."""
     import platform
 
     import fluxrt
 
     v: dict = {"fluxrt": fluxrt.__version__, "python": platform.python_version(), "cupy": None,
-               "cuda_runtime": None, "cuda_driver": None, "nccl": None, "mpi": None}
+               "cuda_runtime": None, "cuda_driver": None, "nccl": None, "nccl_binding": None, "mpi": None}
     try:
         import cupy
 
@@ -77,16 +77,18 @@ def library_versions() -> dict:
     except Exception:  # no CuPy or no driver: recorded as None
         pass
     try:
-        from cupy.cuda import nccl
+        if nccl_lib is None:
+            from .nccl_lib import choose
 
-        if getattr(nccl, "available", True):
-            v["nccl"] = format_nccl_version(nccl.get_version())
+            nccl_lib, _ = choose()
+        v["nccl"] = format_nccl_version(nccl_lib.version_code())
+        v["nccl_binding"] = nccl_lib.name + (f" {nccl_lib.binding_version}" if nccl_lib.binding_version else "")
     except Exception:
         pass
     try:
         from mpi4py import MPI
 
-        v["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
+        v["mpi"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]   # Open MPI's ends in NUL
     except Exception:
         pass
     return v
@@ -112,21 +114,14 @@ def device_info(world: World) -> list[dict]:
 
 
 def nccl_registration(register: int) -> tuple[bool, str | None]:
-    """(registered, note) for nccl-tests' -R on the NCCL baseline. The buffers are CuPy or NVSHMEM
-    allocations shared with fluxrt, and registering them needs bindings cupy.cuda.nccl lacks
-    (ncclCommRegister / ncclCommWindowRegister): the note says why NCCL runs unregistered."""
-    if register == 0:
-        return False, None
-    kind = "local (ncclCommRegister)" if register == 1 else "symmetric window (ncclCommWindowRegister)"
-    for mod in ("nccl4py", "nccl.core"):
-        try:
-            __import__(mod)
-        except Exception:
-            continue
-        return False, (f"-R {register}: NCCL {kind} registration not done: {mod} imports, but this sweep "
-                       "does not call it yet; NCCL runs on unregistered buffers")
-    return False, (f"-R {register}: NCCL {kind} registration not possible: nccl4py is not importable "
-                   "(cupy.cuda.nccl has no registration call); NCCL runs on unregistered buffers")
+    """(registered, note) for nccl-tests' -R on the NCCL baseline. The sweeps run NCCL on ordinary buffers
+    ("nccl") and on ncclMemAlloc buffers registered as symmetric windows ("nccl-win", what -R 2 means in
+    nccl-tests) whatever -R says; -R 1 (ncclCommRegister of the ordinary buffers) is not done, and the
+    note says so."""
+    if register != 1:
+        return register == 2, None
+    return False, ("-R 1: NCCL local registration (ncclCommRegister) not done: the 'nccl' columns run on "
+                   "unregistered buffers; the 'nccl-win' columns are NCCL on registered symmetric windows (-R 2)")
 
 
 _cublas_lib = None

@@ -1,6 +1,8 @@
 """Collective sweeps in the manner of nccl-tests (all_reduce_perf, all_gather_perf, ...): fluxrt and NCCL
-(through cupy.cuda.nccl, communicator made from a unique id broadcast over the world's MPI communicator)
-measured in the same run on the same buffers, one table line per size with a time ratio.
+measured in the same run, one table line per size. NCCL runs in two modes (fluxrt.perf.nccl_lib): "nccl" on
+the same buffers as fluxrt, "nccl-win" on ncclMemAlloc buffers registered as symmetric windows (nccl-tests'
+-R 2, where NCCL runs its symmetric-memory kernels; needs nccl4py). The ratio column is the faster NCCL
+mode's time / fluxrt's time; the JSON's "ratios" say which mode that was.
 
 Sizes are nccl-tests' "size": the whole message (allreduce, broadcast: the buffer; allgather: the gathered
 output; reduce_scatter: the input; alltoall(v): each rank's send buffer). With -c 1 each size is first run
@@ -27,9 +29,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..collectives_plan import ALGO_PAIRS as _ALGO_PAIRS
-from ..dtypes import normalize_dtype
-from .baselines import (device_info, library_versions, machine, nccl_communicator, nccl_datatype,
-                        nccl_registration)
+from ..dtypes import normalize_dtype, short_name
+from . import nccl_lib
+from .baselines import device_info, library_versions, machine, nccl_registration
 from .report import (Row, Table, device_lines, differences_line, option_differences, plot, progress,
                      results_document, version_line, write_json)
 from .sweep import (AVERAGE_MODES, DTYPE_SIZES, SweepOptions, add_sweep_arguments, bus_bandwidth_factor,
@@ -296,46 +298,85 @@ class CompressedRunner:
 
 
 class NcclRunner:
-    name = "nccl"
+    """NCCL on the sweep's own buffers (impl "nccl"), or with ``window=True`` on buffers of its own from
+    ncclMemAlloc registered as symmetric windows (impl "nccl-win", nccl-tests' -R 2), where NCCL runs
+    its symmetric-memory kernels. Both modes share one communicator (:class:`nccl_lib.Communicator`)."""
 
-    def __init__(self, world: World, op: str, redop: str, root: int):
-        from cupy.cuda import nccl
-
-        self.nccl = nccl
-        self.comm = nccl_communicator(world)
-        self.op, self.root, self.n = op, root, world.size
-        self.redops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
-        self.redop = self.redops[redop]
+    def __init__(self, comm: nccl_lib.Communicator, op: str, redop: str, root: int, window: bool = False):
+        self.comm, self.lib, self.h = comm, comm.lib, comm.handle
+        self.window = window
+        self.name = nccl_lib.WINDOW if window else nccl_lib.PLAIN
+        self.op, self.root, self.n = op, root, comm.size
+        self.redop = nccl_lib.REDOPS[redop]
+        self._windows: list = []
 
     def algo_name(self, case: Case) -> str:
-        return "nccl"
+        return ""   # NCCL picks its own algorithm and protocol; the impl name says which buffers it had
 
     def inplace_ok(self) -> bool:
         # in place is NCCL's own layout for these; the alltoall here is grouped send/recv, which must
         # not read and write one buffer
         return self.op in INPLACE and self.op != "alltoall"
 
+    def buffers(self, in_elems: int, out_elems: int, dtype):
+        """(x, out) of this runner's own, or None to run on the sweep's buffers. Window mode: two windows
+        (collective; the previous ones are released first)."""
+        if not self.window:
+            return None
+        self.release_buffers()
+        self._windows = [nccl_lib.WindowBuffer(self.comm, in_elems, dtype),
+                         nccl_lib.WindowBuffer(self.comm, out_elems, dtype)]
+        return self._windows[0].array, self._windows[1].array
+
+    def release_buffers(self) -> None:
+        """Deregister and free the windows (the caller has synchronized the device)."""
+        for w in self._windows:
+            w.free()
+        self._windows = []
+
     def __call__(self, case: Case, stream) -> None:
-        x, out, s, dt = case.x.data.ptr, case.out.data.ptr, stream.ptr, nccl_datatype(case.dtype)
-        redop = self.redops.get(case.redop, self.redop)
+        lib, h = self.lib, self.h
+        x, out, s, dt = case.x.data.ptr, case.out.data.ptr, stream.ptr, nccl_lib.DATATYPES[short_name(case.dtype)]
+        redop = nccl_lib.REDOPS.get(case.redop, self.redop)
         if self.op == "allreduce":
-            self.comm.allReduce(x, out, case.in_elems, dt, redop, s)
+            lib.all_reduce(h, x, out, case.in_elems, dt, redop, s)
         elif self.op == "reduce_scatter":
-            self.comm.reduceScatter(x, out, case.out_elems, dt, redop, s)
+            lib.reduce_scatter(h, x, out, case.out_elems, dt, redop, s)
         elif self.op == "allgather":
-            self.comm.allGather(x, out, case.in_elems, dt, s)
+            lib.all_gather(h, x, out, case.in_elems, dt, s)
         elif self.op in ("alltoall", "alltoallv"):
             step = case.chunk * case.dtype.itemsize
-            self.nccl.groupStart()
+            lib.group_start()
             for p in range(self.n):
-                self.comm.send(x + p * step, case.chunk, dt, p, s)
-                self.comm.recv(out + p * step, case.chunk, dt, p, s)
-            self.nccl.groupEnd()
+                lib.send(h, x + p * step, case.chunk, dt, p, s)
+                lib.recv(h, out + p * step, case.chunk, dt, p, s)
+            lib.group_end()
         else:
-            self.comm.broadcast(x, out, case.in_elems, dt, case.root, s)
+            lib.broadcast(h, x, out, case.in_elems, dt, case.root, s)
 
     def close(self) -> None:
-        self.comm.destroy()
+        self.release_buffers()
+
+
+def nccl_runners(world: World, op: str, redop: str, modes) -> tuple[list, list[str], object]:
+    """The NCCL runners of `modes` (nccl_lib.MODES), the notes on what could not run, and the communicator
+    (None when NCCL is unavailable: the sweep runs without it and says why)."""
+    try:
+        lib, notes = nccl_lib.choose()
+    except nccl_lib.NcclUnavailable as e:
+        return [], [f"nccl baseline unavailable: {e}"], None
+    # every rank must agree on the binding: one rank's window registration alone would hang
+    names = world.comm.allgather(lib.name)
+    if len(set(names)) > 1:
+        return [], [f"nccl baseline not run: the ranks loaded different bindings ({', '.join(names)})"], None
+    comm = nccl_lib.Communicator(world, lib)
+    runners = [NcclRunner(comm, op, redop, 0) for m in modes if m == nccl_lib.PLAIN]
+    if nccl_lib.WINDOW in modes:
+        if lib.windows:
+            runners.append(NcclRunner(comm, op, redop, 0, window=True))
+    else:
+        notes = []
+    return runners, notes, comm
 
 
 # ------------------------------------------------------------------------------------------ measurement
@@ -397,10 +438,19 @@ def _check(world: World, run, case: Case, stream) -> int:
     return world.comm.allreduce(case.wrong(), op=MPI.SUM)
 
 
+def ratio_groups(impls) -> dict:
+    """The table's ratio columns: one per baseline that is not NCCL (fluxrt's compressed forms), then one
+    for NCCL, against the faster of its modes present."""
+    groups = {i: (i,) for i in impls[1:] if i not in nccl_lib.MODES}
+    modes = tuple(i for i in impls[1:] if i in nccl_lib.MODES)
+    return {**groups, "nccl": modes} if modes else groups
+
+
 def sweep(world: World, op: str, opts: SweepOptions, runners, out=None, symmetric: bool = False,
-          preamble=(), inplace: bool = True) -> list[Row]:
+          preamble=(), inplace: bool = True, table_out: list | None = None) -> list[Row]:
     """One table: every datatype (-d), reduction (-o) and root (-r) asked for, each over the sizes, each size
-    out of place then (where the op has one) in place."""
+    out of place then (where the op has one) in place. A runner with buffers of its own (NCCL's window
+    mode) gets cases on those, filled and checked the same way. `table_out`: the Table is appended to it."""
     import cupy
 
     n = world.size
@@ -409,8 +459,11 @@ def sweep(world: World, op: str, opts: SweepOptions, runners, out=None, symmetri
     roots = sweep_roots(opts, n, op == "broadcast")
     placements = (False, True) if inplace and op in INPLACE else (False,)
     factor = bus_bandwidth_factor(op, n)
-    table = Table(impls=tuple(r.name for r in runners), out=out if world.rank == 0 else io.StringIO(),
-                  show_algo=True, inplace=len(placements) > 1)
+    impls = tuple(r.name for r in runners)
+    table = Table(impls=impls, out=out if world.rank == 0 else io.StringIO(), show_algo=True,
+                  inplace=len(placements) > 1, ratios=ratio_groups(impls))
+    if table_out is not None:
+        table_out.append(table)
     table.header([*describe(opts), *preamble])
     alloc = world.empty if symmetric else cupy.empty
     for dt in dtypes:
@@ -420,17 +473,26 @@ def sweep(world: World, op: str, opts: SweepOptions, runners, out=None, symmetri
         max_in, max_out = buffer_elems(op, sweep_sizes[-1], esize, n)
         x_full = alloc(max(1, max_in), dtype=dtype)
         out_full = alloc(max(1, max_out), dtype=dtype)
+        own = {}
+        for run in runners:
+            got = run.buffers(max(1, max_in), max(1, max_out), dtype) if hasattr(run, "buffers") else None
+            own[run.name] = got if got is not None else (x_full, out_full)
         stream = cupy.cuda.Stream(non_blocking=True)
         combos = [(redop, root, nbytes) for redop in redops for root in roots for nbytes in sweep_sizes]
         for redop, root, nbytes in progress(combos, enabled=opts.progress and world.rank == 0, desc=op):
             line = []
             for ip in placements:
-                case = Case(op, world, x_full, out_full, nbytes, dtype, redop, max(root, 0), inplace=ip)
-                case.fill_input()
-                world.device.synchronize()
+                cases: dict = {}
                 for run in runners:
                     if ip and not run.inplace_ok():
                         continue
+                    xb, ob = own[run.name]
+                    key = (xb.data.ptr, ob.data.ptr)
+                    if key not in cases:
+                        cases[key] = Case(op, world, xb, ob, nbytes, dtype, redop, max(root, 0), inplace=ip)
+                        cases[key].fill_input()
+                        world.device.synchronize()
+                    case = cases[key]
                     if getattr(run, "lossy", False) and case.dtype.itemsize not in (2, 4) or (
                             getattr(run, "lossy", False) and case.dtype.kind in "iu"):
                         continue  # compressed forms take bf16, fp16 and fp32
@@ -446,6 +508,10 @@ def sweep(world: World, op: str, opts: SweepOptions, runners, out=None, symmetri
                                              wrong=wrong, root=root, inplace=ip, stats=rank_stats(times),
                                              scheme=scheme, algorithm=algorithm, rel_err=rel_err))
             table.add(line)
+        world.device.synchronize()
+        for run in runners:
+            if hasattr(run, "release_buffers"):
+                run.release_buffers()
         if symmetric:
             world.free(out_full)
             world.free(x_full)
@@ -489,7 +555,10 @@ def parser(op: str) -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_arguments(ap)
     ap.add_argument("--algo", default="auto", help="force a fluxrt algorithm (see fluxrt.collectives_plan.ALGOS)")
-    ap.add_argument("--impls", default="fluxrt,nccl", help="comma list of fluxrt,nccl (default: both)")
+    ap.add_argument("--impls", default="fluxrt,nccl,nccl-win",
+                    help="comma list of fluxrt, nccl (NCCL on the sweep's buffers) and nccl-win (NCCL on "
+                         "ncclMemAlloc buffers registered as symmetric windows, nccl-tests' -R 2; needs "
+                         "nccl4py); ratios are against the faster NCCL mode (default: %(default)s)")
     ap.add_argument("--no-inplace", dest="inplace", action="store_false",
                     help="out-of-place columns only (skip nccl-tests' in-place half)")
     ap.add_argument("--workspace", default=None,
@@ -528,8 +597,8 @@ def parse_options(op: str, argv) -> tuple[argparse.ArgumentParser, argparse.Name
     except ValueError as e:
         ap.error(str(e))
     impls = [i for i in args.impls.split(",") if i]
-    if not impls or set(impls) - {"fluxrt", "nccl"} or impls[0] != "fluxrt":
-        ap.error("--impls must start with fluxrt, e.g. fluxrt,nccl or fluxrt")
+    if not impls or set(impls) - {"fluxrt", *nccl_lib.MODES} or impls[0] != "fluxrt" or len(set(impls)) < len(impls):
+        ap.error("--impls must start with fluxrt, then any of nccl, nccl-win, e.g. fluxrt,nccl,nccl-win or fluxrt")
     args.impl_list = impls
     args.symmetric = bool(args.symmetric or opts.register)
     if args.algo != "auto" and args.algo not in ALGOS[op]:
@@ -568,21 +637,25 @@ def main(argv=None, op: str = "allreduce") -> int:
         redop = opts.op if op in REDUCING and opts.op != "all" else "sum"
         runners = [FluxrtRunner(world, op, args.algo, redop, 0, workspace, args.symmetric, tuning)]
         notes = [] if args.device is None else [f"every rank on device {args.device}: timings mean nothing"]
+        nccl_comm = None
         compress = getattr(args, "compress", None)
         if compress:
             if redop != "sum":
                 ap.error(f"--compress: compressed {op} sums only (-o sum)")
             runners.append(CompressedRunner(world, op, compress, runners[0].ctx))
             notes.append(f"fluxrt_{compress}: compressed payload; #wrong not checked (lossy), rel_err in the JSON")
-        if "nccl" in args.impl_list:
+        modes = [i for i in args.impl_list if i in nccl_lib.MODES]
+        if modes:
             try:
-                runners.append(NcclRunner(world, op, redop, 0))
+                nccl, more, nccl_comm = nccl_runners(world, op, redop, modes)
             except Exception as e:  # the baseline is optional: say why it is missing and go on
-                notes.append(f"nccl baseline unavailable: {e}")
+                nccl, more = [], [f"nccl baseline unavailable: {e}"]
+            runners += nccl
+            notes += more
             _, reg_note = nccl_registration(opts.register)
             if reg_note:
                 notes.append(reg_note)
-        versions = library_versions()
+        versions = library_versions(nccl_comm.lib if nccl_comm is not None else None)
         devices = device_info(world)
         library = dict(lib, **{f"tuning.{f.name}": getattr(DEFAULT_TUNING, f.name)
                                for f in dataclasses.fields(DEFAULT_TUNING)})
@@ -593,17 +666,22 @@ def main(argv=None, op: str = "allreduce") -> int:
             f"{'symmetric' if args.symmetric else 'plain cupy'}; time over ranks: {AVERAGE_MODES[opts.average]} (-a)",
             version_line(versions), *device_lines(devices), differences_line(diffs, WHY),
             *(f"# {n}" for n in notes)]
+        tables: list = []
         rows = sweep(world, op, opts, runners, out=sys.stdout, symmetric=args.symmetric, preamble=preamble,
-                     inplace=args.inplace)
+                     inplace=args.inplace, table_out=tables)
         for r in runners:
             r.close()
+        if nccl_comm is not None:
+            nccl_comm.close()
         if world.rank == 0:
             command = ["fluxrt-perf", op, *(sys.argv[2:] if argv is None else argv)]
             record = dict(dataclasses.asdict(opts), average_name=AVERAGE_MODES[opts.average],
                           algo=args.algo, impls=args.impl_list, symmetric=args.symmetric, inplace=args.inplace,
                           library=used, differs_from_library=diffs)
+            record["impls_run"] = [r.name for r in runners]
             doc = results_document(op, [dict(vars(r), op=op) for r in rows], command, machine=machine(world),
-                                   versions=versions, devices=devices, options=record, notes=notes)
+                                   versions=versions, devices=devices, options=record, notes=notes,
+                                   ratios=tables[0].ratio_entries())
             if opts.json_path:
                 write_json(opts.json_path, doc)
             if opts.plot_path:

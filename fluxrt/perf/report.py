@@ -97,22 +97,32 @@ def _fmt_time(us: float) -> str:
 
 
 class Table:
-    """nccl-tests-style table with one block of columns per implementation and a time ratio.
+    """nccl-tests-style table with one block of columns per implementation and time ratios.
 
-    ``impls[0]`` is the implementation under test (fluxrt); each further one is a baseline and gets a
-    ``ratio`` column = baseline time / ``impls[0]`` time, so > 1 means ``impls[0]`` is faster.
+    ``impls[0]`` is the implementation under test (fluxrt); the others are baselines. Each ratio column
+    is the fastest time of a group of baselines / ``impls[0]`` time, so > 1 means ``impls[0]`` is faster
+    than the best of that group. ``ratios`` maps a column's name to its group (default: one column per
+    baseline); the sweeps group NCCL's two modes (ordinary buffers, registered windows) into one column,
+    so the ratio is always against the faster NCCL.
     ``inplace=True`` adds nccl-tests' in-place half: the out-of-place blocks (and their ratios), then the
     in-place ones; a row goes to the half its ``inplace`` says, and a line is one size, type, op and root.
     Lines go to ``out`` (stdout by default): printing is this class's job, unlike the rest of fluxrt.
     """
 
     def __init__(self, impls: Sequence[str] = ("fluxrt", "nccl"), out: IO[str] | None = None,
-                 show_algo: bool = False, inplace: bool = False) -> None:
+                 show_algo: bool = False, inplace: bool = False,
+                 ratios: Mapping[str, Sequence[str]] | None = None) -> None:
         if not impls:
             raise ValueError("Table needs at least one implementation name")
         if len(set(impls)) != len(impls):
             raise ValueError(f"duplicate implementation names in {list(impls)}")
         self.impls = tuple(impls)
+        if ratios is None:
+            ratios = {b: (b,) for b in self.impls[1:]}
+        self.ratios = {name: tuple(group) for name, group in ratios.items()}
+        for name, group in self.ratios.items():
+            if not group or set(group) - set(self.impls[1:]):
+                raise ValueError(f"ratio {name!r}: its group {list(group)} must name baselines of {list(self.impls)}")
         self.out = out if out is not None else sys.stdout
         self.show_algo = show_algo
         self.inplace = inplace
@@ -123,9 +133,31 @@ class Table:
         for _ in self.placements:
             for _ in self.impls:
                 self._cols.extend(per_impl)
-            # One ratio column per baseline; its units cell names the baseline ("(nccl)").
-            self._cols.extend(("ratio", f"({b})", max(6, len(b) + 2)) for b in self.impls[1:])
+            # One ratio column per group; its units cell names the group ("(nccl)").
+            self._cols.extend(("ratio", f"({name})", max(6, len(name) + 2)) for name in self.ratios)
         self._block = len(per_impl)
+
+    def best(self, by_impl: Mapping[str, Row], group: Sequence[str]) -> Row | None:
+        """The fastest measured row of `group` among ``by_impl`` (None when none of them was measured)."""
+        timed = [by_impl[i] for i in group if i in by_impl and by_impl[i].time_us > 0]
+        return min(timed, key=lambda r: r.time_us) if timed else None
+
+    def ratio_entries(self) -> list[dict]:
+        """Every ratio of the table as JSON-able records: the line (size, type, op, root, placement), the
+        ratio's name, the baseline that was fastest and its time / impls[0]'s time."""
+        base, lines = self.impls[0], {}
+        for r in self.rows:
+            lines.setdefault((r.bytes, r.dtype, r.redop, r.root, bool(r.inplace)), {})[r.impl] = r
+        out = []
+        for (nbytes, dtype, redop, root, ip), by_impl in lines.items():
+            b = by_impl.get(base)
+            for name, group in self.ratios.items():
+                best = self.best(by_impl, group)
+                if b is None or best is None or b.time_us <= 0:
+                    continue
+                out.append({"bytes": nbytes, "dtype": dtype, "redop": redop, "root": root, "inplace": ip,
+                            "ratio": name, "against": best.impl, "ratio_value": best.time_us / b.time_us})
+        return out
 
     def label(self, impl: str, inplace: bool) -> str:
         """How the group line and the footer name one block."""
@@ -147,10 +179,11 @@ class Table:
         group line naming each implementation over its block, the column names and their units."""
         for text in preamble:
             self._write(text if text.startswith("#") else "# " + text)
-        if len(self.impls) > 1:
+        if self.ratios:
             base = self.impls[0]
-            others = ", ".join(f"{b} time / {base} time" for b in self.impls[1:])
-            self._write(f"# ratio = {others} (> 1: {base} faster)")
+            others = ", ".join(f"{name} = {' or '.join(group)} time" + (" (the faster)" if len(group) > 1 else "")
+                               + f" / {base} time" for name, group in self.ratios.items())
+            self._write(f"# ratio ({others}): > 1: {base} faster")
         widths = [w for _, _, w in self._cols]
         group = "#" + " " * (sum(widths[:len(_COMMON)]) + len(_COMMON) - 1)
         start = len(_COMMON)
@@ -159,7 +192,7 @@ class Table:
                 span = sum(widths[start:start + self._block]) + self._block
                 group += self.label(name, ip).center(span)
                 start += self._block
-            nratio = len(self.impls) - 1
+            nratio = len(self.ratios)
             group += " " * (sum(widths[start:start + nratio]) + nratio)
             start += nratio
         self._write(group)
@@ -196,8 +229,9 @@ class Table:
                 if self.show_algo:
                     cells.append(r.algo or "-")
             base = by_key.get((self.impls[0], ip))
-            for impl in self.impls[1:]:
-                other = by_key.get((impl, ip))
+            here = {impl: r for (impl, p), r in by_key.items() if p == ip}
+            for group in self.ratios.values():
+                other = self.best(here, group)
                 if base is None or other is None or base.time_us <= 0:
                     cells.append("N/A")
                 else:
@@ -230,15 +264,13 @@ class Table:
                               f"{sum(bws) / len(bws):.3f}" if bws else "N/A"))
         base = self.impls[0]
         for ip in self.placements:
-            line_key = lambda r: (r.bytes, r.dtype, r.redop, r.root)  # noqa: E731
-            base_t = {line_key(r): r.time_us for r in self.rows if r.impl == base and bool(r.inplace) == ip}
-            for impl in self.impls[1:]:
-                ratios = [r.time_us / base_t[line_key(r)] for r in self.rows
-                          if r.impl == impl and bool(r.inplace) == ip and base_t.get(line_key(r), 0) > 0
-                          and r.time_us > 0]
+            entries = [e for e in self.ratio_entries() if e["inplace"] == ip]
+            for name, group in self.ratios.items():
+                ratios = [e["ratio_value"] for e in entries if e["ratio"] == name and e["ratio_value"] > 0]
                 gm = f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}" if ratios else "N/A"
                 suffix = f", {'in-place' if ip else 'out-of-place'}" if self.inplace else ""
-                lines.append((f"Geomean ratio ({impl}/{base} time{suffix})", gm))
+                what = f"{' or '.join(group)} (the faster)" if len(group) > 1 else name
+                lines.append((f"Geomean ratio ({what}/{base} time{suffix})", gm))
         label_w = max(len(label) for label, _ in lines)
         self._write("#")
         for label, value in lines:
@@ -274,7 +306,8 @@ def environment(env: Mapping[str, str] | None = None, prefixes: Sequence[str] = 
 def results_document(bench: str, rows: Iterable[Row | Mapping], command: str | Sequence[str],
                      machine: Mapping | None = None, *, versions: Mapping | None = None,
                      devices: Sequence[Mapping] | None = None, options: Mapping | None = None,
-                     env: Mapping[str, str] | None = None, notes: Sequence[str] = ()) -> dict:
+                     env: Mapping[str, str] | None = None, notes: Sequence[str] = (),
+                     ratios: Sequence[Mapping] | None = None) -> dict:
     """A self-describing JSON-able record of one sweep: what ran, where, on which commit, the rows.
 
     ``machine`` comes from the caller (e.g. {"gpu_name": ..., "gpu_count": ...}): this module never
@@ -283,6 +316,8 @@ def results_document(bench: str, rows: Iterable[Row | Mapping], command: str | S
     rank) and ``options`` (the sweep's, with what differs from the library's defaults) come from the
     caller too; ``environment`` is taken from ``env`` (default os.environ, see :func:`environment`).
     Rows carry their per-rank statistics (time_min_us / time_avg_us / time_max_us) where measured.
+    ``ratios`` (:meth:`Table.ratio_entries`): per line, the baseline group's fastest time / fluxrt's, and
+    which baseline that was (the sweeps: the faster NCCL mode).
     """
     mach: dict = {"kind": os.environ.get("FLUXRT_MACHINE_KIND", "unknown"),
                   "gpu_name": "unknown", "gpu_count": None}
@@ -301,6 +336,7 @@ def results_document(bench: str, rows: Iterable[Row | Mapping], command: str | S
         "options": dict(options or {}),
         "notes": list(notes),
         "rows": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in rows],
+        **({"ratios": [dict(e) for e in ratios]} if ratios is not None else {}),
     }
 
 
@@ -316,7 +352,8 @@ def version_line(versions: Mapping) -> str:
         return versions.get(key) or "N/A"
 
     line = (f"# fluxrt {v('fluxrt')} | CUDA runtime {v('cuda_runtime')} driver {v('cuda_driver')} | "
-            f"NCCL {v('nccl')} | CuPy {v('cupy')} | Python {v('python')}")
+            f"NCCL {v('nccl')}" + (f" ({versions['nccl_binding']})" if versions.get("nccl_binding") else "")
+            + f" | CuPy {v('cupy')} | Python {v('python')}")
     return line + (f" | MPI {versions['mpi']}" if versions.get("mpi") else "")
 
 
@@ -351,7 +388,7 @@ def write_json(path: str | os.PathLike, doc: Mapping) -> Path:
 
 def plot(path: str | os.PathLike, rows: Iterable[Row], title: str) -> Path:
     """Save a PNG with latency (time vs size, log-log) and busbw (vs size, log-x), one line per
-    (impl, algo) — or per (impl, redop) when a row has no algo name.
+    (impl, algo), or per impl where a row names no algo of its own (the NCCL modes: nccl, nccl-win).
 
     Uses matplotlib's Agg canvas directly, never pyplot, so it works headless and does not change a
     caller's global backend.
@@ -365,7 +402,7 @@ def plot(path: str | os.PathLike, rows: Iterable[Row], title: str) -> Path:
 
     series: dict[str, list[Row]] = {}
     for r in rows:
-        label = f"{r.impl} {r.algo}" if r.algo else f"{r.impl} {r.redop}"
+        label = r.impl if r.algo in ("", r.impl) else f"{r.impl} {r.algo}"
         series.setdefault(label, []).append(r)
 
     fig = Figure(figsize=(12, 4.5))

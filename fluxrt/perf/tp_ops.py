@@ -6,8 +6,11 @@ mpirun with one GPU per rank:
     fused_ms        fluxrt.ops.AllGatherGemm / GemmReduceScatter
     gemm_ms_fluxrt  fluxrt.gemm.gemm alone, same shape
     gemm_ms_cublas  cupy.matmul (cuBLAS) alone
-    comm_ms_nccl    NCCL all-gather of A [M, K] / reduce-scatter of C [M, N] (cupy.cuda.nccl)
-    sequential_ms   NCCL then cuBLAS (AG) / cuBLAS then NCCL (RS) on one stream
+    comm_ms_nccl    NCCL all-gather of A [M, K] / reduce-scatter of C [M, N] on ordinary buffers
+    comm_ms_nccl_win  the same on ncclMemAlloc buffers registered as symmetric windows (nccl-tests -R 2;
+                    fluxrt.perf.nccl_lib, needs nccl4py)
+    sequential_ms   NCCL then cuBLAS (AG) / cuBLAS then NCCL (RS) on one stream; sequential_ms_win the
+                    same with NCCL on the windows. Overlap efficiency is taken against the faster of the two
     decomposed_ms   the ops' decomposed path (fluxrt.ops.decomposed: chunked fluxrt collectives beside fluxrt
                     GEMMs, no torch, no NCCL), the best of 1, 2 and 4 chunks (decomposed_chunks)
     torch_ms        torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter, when torch
@@ -44,8 +47,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..ops.plan import RS_REDUCE_MODES
+from . import nccl_lib
 from .shapes import TP_OP_SUITES, tp_op_suite
-from .baselines import device_info, library_versions, machine, nccl_communicator, nccl_datatype
+from .baselines import device_info, library_versions, machine
 from .report import device_lines, results_document, version_line, write_json
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype, reduce_over_ranks
 
@@ -136,25 +140,29 @@ def shapes_from_args(op: str, args, world: int = DEFAULT_SHAPES_TP) -> list[tupl
 
 
 def overlap_row(op: str, m: int, n: int, k: int, world: int, dtype: str, fused_ms: float, gemm_fluxrt: float,
-                gemm_cublas: float, comm_ms: float, sequential_ms: float, torch_ms: float | None) -> dict:
-    """One result row, with ECT-based overlap efficiency and TFLOP/s per GPU."""
+                gemm_cublas: float, comm_ms: float, sequential_ms: float, torch_ms: float | None,
+                comm_win_ms: float | None = None, sequential_win_ms: float | None = None) -> dict:
+    """One result row, with ECT-based overlap efficiency (against the faster sequential baseline: NCCL on
+    ordinary buffers or on registered windows) and TFLOP/s per GPU."""
     best = min(x for x in (gemm_fluxrt, gemm_cublas) if x is not None)
+    seqs = [x for x in (sequential_ms, sequential_win_ms) if x is not None]
     ect_fused = fused_ms - best
-    ect_seq = sequential_ms - best if sequential_ms is not None else 0.0
+    ect_seq = min(seqs) - best if seqs else 0.0
     eff = 1.0 - ect_fused / ect_seq if ect_seq > 0 else float("nan")
     return {"op": op, "m": m, "n": n, "k": k, "world": world, "dtype": dtype, "fused_ms": fused_ms,
             "gemm_ms_fluxrt": gemm_fluxrt, "gemm_ms_cublas": gemm_cublas, "comm_ms_nccl": comm_ms,
-            "sequential_ms": sequential_ms, "torch_ms": torch_ms, "overlap_eff": eff,
-            "tflops": 2.0 * m * n * k / (fused_ms * 1e-3) / 1e12}
+            "comm_ms_nccl_win": comm_win_ms, "sequential_ms": sequential_ms, "sequential_ms_win": sequential_win_ms,
+            "torch_ms": torch_ms, "overlap_eff": eff, "tflops": 2.0 * m * n * k / (fused_ms * 1e-3) / 1e12}
 
 
 def baseline_fields(row: dict, decomposed: dict, path: str, path_chunks: int) -> dict:
     """`row` (overlap_row) with the decomposed baseline (``decomposed``: chunks -> ms), the path the op's
-    cost model picks, that path's time (``op_ms``), and the ratios to the best baseline (sequential,
-    decomposed, torch async-TP)."""
+    cost model picks, that path's time (``op_ms``), and the ratios to the best baseline (sequential with
+    NCCL in either mode, decomposed, torch async-TP)."""
     best_dec = min(decomposed.items(), key=lambda x: x[1]) if decomposed else (None, None)
     op_ms = decomposed.get(path_chunks) if path == "decomposed" else row["fused_ms"]
-    baselines = [x for x in (row.get("sequential_ms"), best_dec[1], row.get("torch_ms")) if x]
+    baselines = [x for x in (row.get("sequential_ms"), row.get("sequential_ms_win"), best_dec[1], row.get("torch_ms"))
+                 if x]
     best = min(baselines) if baselines else None
     return dict(row, decomposed_ms=best_dec[1], decomposed_chunks=best_dec[0],
                 decomposed_all_ms={str(c): t for c, t in sorted(decomposed.items())}, path=path,
@@ -195,7 +203,8 @@ def summary_lines(s: dict) -> list[str]:
 # (header, row key or a derived ratio, width, decimals)
 _COLUMNS = (("M", "m", 6, None), ("N", "n", 6, None), ("K", "k", 6, None), ("fused", "fused_ms", 8, 3),
             ("gemm", "gemm_ms_fluxrt", 8, 3), ("cublas", "gemm_ms_cublas", 8, 3), ("nccl", "comm_ms_nccl", 8, 3),
-            ("seq", "sequential_ms", 8, 3), ("torch", "torch_ms", 8, 3), ("decomp", "decomposed_ms", 8, 3),
+            ("nccl-win", "comm_ms_nccl_win", 8, 3), ("seq", "sequential_ms", 8, 3),
+            ("seq-win", "sequential_ms_win", 8, 3), ("torch", "torch_ms", 8, 3), ("decomp", "decomposed_ms", 8, 3),
             ("path", "path", 10, None), ("op/best", "op_over_best", 7, 3), ("fused/cublas", "fused/cublas", 12, 3),
             ("torch/fused", "torch/fused", 11, 3), ("overlap", "overlap_eff", 8, 3), ("TFLOP/s", "tflops", 8, 1))
 
@@ -258,7 +267,8 @@ def plot_rows(path: str, rows: list[dict], title: str) -> None:
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     series = (("fluxrt fused", "fused_ms"), ("cuBLAS GEMM alone", "gemm_ms_cublas"),
-              ("NCCL+cuBLAS sequential", "sequential_ms"), ("fluxrt decomposed", "decomposed_ms"),
+              ("NCCL+cuBLAS sequential", "sequential_ms"),
+              ("NCCL window+cuBLAS sequential", "sequential_ms_win"), ("fluxrt decomposed", "decomposed_ms"),
               ("torch async-TP", "torch_ms"))
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):
@@ -320,13 +330,17 @@ class Timer:
         return cupy.cuda.get_elapsed_time(start, end)
 
 
-def _nccl_comm(world: World):
-    """An NCCL communicator over the world's ranks, or None (NCCL columns N/A) without NCCL."""
+def _nccl_comm(world: World) -> tuple:
+    """(an NCCL communicator over the world's ranks, notes): None (NCCL columns N/A) without NCCL; the
+    notes say why a mode is missing (window mode needs nccl4py)."""
     try:
-        return nccl_communicator(world)
-    except ImportError as e:
+        lib, notes = nccl_lib.choose()
+    except nccl_lib.NcclUnavailable as e:
         log.warning("%s: NCCL columns are N/A", e)
-        return None
+        return None, [f"nccl baseline unavailable: {e}"]
+    if len(set(world.comm.allgather(lib.name))) > 1:
+        return None, ["nccl baseline not run: the ranks loaded different NCCL bindings"]
+    return nccl_lib.Communicator(world, lib), notes
 
 
 class TorchBaseline:
@@ -390,11 +404,21 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
     from .. import gemm as fgemm
     from ..ops import AgGemmPlan, AllGatherGemm, GemmReduceScatter, GemmRsPlan, common, decomposed, plan_ag_gemm, \
         plan_gemm_rs
+    from ..dtypes import normalize_dtype, short_name
     from ..ops.cost import DECOMPOSED_CHUNKS, chunk_rows
 
     w, me = world.size, world.rank
     s = timer.stream
-    nt = nccl_datatype(dtype) if nccl_comm is not None else None
+    nt = nccl_lib.DATATYPES[short_name(dtype)]
+    lib, h = (nccl_comm.lib, nccl_comm.handle) if nccl_comm is not None else (None, None)
+    windows = nccl_comm is not None and lib.windows
+    wins: list = []   # NCCL's window buffers: registered collectively, freed after the shape
+
+    def window(shape):
+        buf = nccl_lib.WindowBuffer(nccl_comm, int(np.prod(shape)), normalize_dtype(dtype))
+        wins.append(buf)
+        return buf.array.reshape(shape)
+
     shard = m // w
     with s:
         if op == "ag_gemm":
@@ -416,11 +440,22 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
                                                   m, chunks, s)
 
             def comm():
-                nccl_comm.allGather(a_shard.data.ptr, a_full.data.ptr, a_shard.size, nt, s.ptr)
+                lib.all_gather(h, a_shard.data.ptr, a_full.data.ptr, a_shard.size, nt, s.ptr)
 
             def sequential():
                 comm()
                 gemm_cublas()
+
+            if windows:
+                a_shard_w, a_full_w = window((shard, k)), window((m, k))
+                a_shard_w[...] = a_shard
+
+                def comm_win():
+                    lib.all_gather(h, a_shard_w.data.ptr, a_full_w.data.ptr, a_shard_w.size, nt, s.ptr)
+
+                def sequential_win():
+                    comm_win()
+                    gemm_into(a_full_w, c)
         else:
             plan = plan_gemm_rs(m, n, k, w)
             overrides = {k: v for k, v in (("reduce_mode", args.reduce_mode), ("comm_mode", args.rs_comm),
@@ -441,11 +476,21 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
                                                   m, chunks, s)
 
             def comm():
-                nccl_comm.reduceScatter(c.data.ptr, out.data.ptr, out.size, nt, 0, s.ptr)   # 0 = ncclSum
+                lib.reduce_scatter(h, c.data.ptr, out.data.ptr, out.size, nt, nccl_lib.REDOPS["sum"], s.ptr)
 
             def sequential():
                 gemm_cublas()
                 comm()
+
+            if windows:
+                c_w, out_w = window((m, n)), window((shard, n))
+
+                def comm_win():
+                    lib.reduce_scatter(h, c_w.data.ptr, out_w.data.ptr, out_w.size, nt, nccl_lib.REDOPS["sum"], s.ptr)
+
+                def sequential_win():
+                    gemm_into(a_full, c_w)
+                    comm_win()
 
         # both ops time the same local GEMM: C [M, N] = A_full [M, K] @ B
         def gemm_cublas():
@@ -453,6 +498,12 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
 
         def gemm_fluxrt():
             fgemm.gemm(a_full, b, out=c, stream=s)
+
+        def gemm_into(a, dst):   # the sequential baselines' GEMM: cuBLAS (the fluxrt GEMM where it fails)
+            if cublas_ok:
+                cupy.matmul(a, b, out=dst)
+            else:
+                fgemm.gemm(a, b, out=dst, stream=s)
     cublas_ok = True
     try:
         with s:
@@ -482,9 +533,15 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
         calls["cublas"] = gemm_cublas
     if nccl_comm is not None:
         calls.update(comm=comm, sequential=sequential)
+    if windows:
+        calls.update(comm_win=comm_win, sequential_win=sequential_win)
     with s:
         t = timer.many(calls)
-    t_fused, t_fl, t_cb, t_comm, t_seq = (t.get(x) for x in ("fused", "fluxrt", "cublas", "comm", "sequential"))
+    t_fused, t_fl, t_cb, t_comm, t_seq, t_cw, t_sw = (
+        t.get(x) for x in ("fused", "fluxrt", "cublas", "comm", "sequential", "comm_win", "sequential_win"))
+    s.synchronize()
+    for buf in wins:
+        buf.free()
     t_torch = None
     if torch_base is not None and torch_base.ok:
         try:
@@ -500,7 +557,7 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
             torch_base.note = f"torch async-TP failed at {m}x{n}x{k}: {type(e).__name__}: {e}"
             log.warning("%s", torch_base.note)
     fused_op.free()
-    row = overlap_row(op, m, n, k, w, dtype, t_fused, t_fl, t_cb, t_comm, t_seq, t_torch)
+    row = overlap_row(op, m, n, k, w, dtype, t_fused, t_fl, t_cb, t_comm, t_seq, t_torch, t_cw, t_sw)
     return baseline_fields(row, {x: t[f"dec{x}"] for x in dec_calls}, choice.path, choice.chunks)
 
 
@@ -545,15 +602,16 @@ def main(argv=None, bench: str | None = None) -> int:
     world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
     world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G",
                                                     check_collective_args=args.check_args, **world_kw))
-    nccl_comm = None
+    nccl_comm, nccl_notes = None, []
     try:
         shapes = shapes_from_args(bench, args, world.size)   # an M the op cannot split: OpsArgumentError
         stream = cupy.cuda.Stream(non_blocking=True)
         timer = Timer(world, stream, args.warmup_iters, args.iters, args.average)
-        nccl_comm = _nccl_comm(world)
+        nccl_comm, nccl_notes = _nccl_comm(world)
         torch_base = None if args.no_torch else TorchBaseline(world)
         rows = []
-        versions, devices = library_versions(), device_info(world)
+        versions = library_versions(nccl_comm.lib if nccl_comm is not None else None)
+        devices = device_info(world)
         if world.rank == 0:
             print(f"# fluxrt-perf {bench}: world={world.size} dtype={args.datatype} iters={args.iters} "
                   f"warmup={args.warmup_iters}; times in ms (median per rank, {AVERAGE_MODES[args.average]} "
@@ -564,6 +622,8 @@ def main(argv=None, bench: str | None = None) -> int:
             if not args.check_args:
                 print("# options differing from the library's defaults: check_collective_args=False "
                       "(library: True; --check-args turns it on)")
+            for note in nccl_notes:
+                print(f"# {note}")
             if torch_base is not None and torch_base.note:
                 print(f"# {torch_base.note}")
             for line in format_table([]):
@@ -588,15 +648,14 @@ def main(argv=None, bench: str | None = None) -> int:
                                        versions=versions, devices=devices,
                                        options=dict(options, average_name=AVERAGE_MODES[args.average]))
                 doc["summary"] = summ
-                if torch_base is not None and torch_base.note:
-                    doc["notes"] = [torch_base.note]
+                doc["notes"] = nccl_notes + ([torch_base.note] if torch_base is not None and torch_base.note else [])
                 write_json(args.json_path, doc)
             if args.plot_path:
                 plot = plot_ratios if args.suite else plot_rows
                 plot(args.plot_path, rows, f"fluxrt {bench}, {world.size} GPUs, {args.datatype}")
     finally:
         if nccl_comm is not None:
-            nccl_comm.destroy()
+            nccl_comm.close()
         world.finalize()
     return 0
 

@@ -137,5 +137,24 @@ __device__ __forceinline__ u64 begin_round(u64* counter) {
 
 __device__ __forceinline__ u64 half_offset(const Team& t, u64 e) { return (e & 1ull) * t.half_bytes; }
 
+// ----------------------------------------------------------------------------------------- timeouts
+// A wait that timed out (or saw another waiter's error) ends the round; before it returns, the block or
+// thread poisons the part of the output it was responsible for and has not written (all of it, for
+// simplicity: what it wrote before the wait is overwritten too), so a caller who reads the output
+// without asking fluxrt for errors sees NaN, not numbers computed from stale data. Only what the failing
+// unit owns is touched: never a buffer its own rank's other blocks may still read to push to a peer.
+
+// Block-level: elements [lo, hi) of out.
+template <class T>
+__device__ __forceinline__ void poison_elems(T* out, u64 lo, u64 hi) {
+    if (lo < hi) poison_bytes(reinterpret_cast<char*>(out + lo), (hi - lo) * sizeof(T), threadIdx.x, blockDim.x);
+}
+
+// One thread: its lines first, first + stride, ... of an output of `bytes`, `data` bytes per line.
+__device__ __forceinline__ void poison_lines(char* out, u64 bytes, u64 first, u64 stride, u64 data) {
+    for (u64 at = first * data; at < bytes; at += stride * data)
+        poison_bytes(out + at, bytes - at < data ? bytes - at : data, 0, 1);
+}
+
 }  // namespace coll
 }  // namespace fluxrt

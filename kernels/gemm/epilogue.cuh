@@ -59,7 +59,8 @@ __device__ __forceinline__ void reduce_prefetch(const ReduceArgs& r, int chunk_r
 // In the epilogue: acc += every other source's partial of this thread's fragment (rows 16w + l/4 (+8),
 // column pairs 8g + 2(l%4), as in the staging writes).
 //   Stage 1, wait: thread s of the warpgroup spins (bounded, acquire.sys) on source s's flag of the tile;
-//     on timeout the error record names the source and the sum uses whatever is there (no hang).
+//     on timeout the error record names the source and the fragment becomes NaN (no hang, and no sum
+//     of whatever was there).
 //   Stage 2, sum: each thread acquires the flags itself (already up: no spin), which orders its loads
 //     after the sources' releases independently of the barrier; then it adds the sources in fixed order
 //     0, 1, ... (its own accumulator first) in fp32: the same bits whatever order the partials arrived in.
@@ -70,8 +71,8 @@ __device__ __forceinline__ void reduce_into_acc(float (&acc)[kAccRegs], const Re
     const long long flag = r.group_n > 0 ? n_tile / r.group_n : (long long)local_m_tile * n_tiles + n_tile;
     const fluxrt::Watch w{to.timeout_ns, to.err, r.op_id, to.rank};
     auto flag_of = [&](u32 s) { return r.flags + s * r.flag_stride + flag; };
-    fluxrt::wait_sources(w, r.sources, (u32)r.chunk, (u32)tid, 128u, flag_of, r.epoch);
-    named_bar_sync(1 + wg, 128);   // this consumer warpgroup only (ids 1, 2; 0 is __syncthreads)
+    const bool waited = fluxrt::wait_sources(w, r.sources, (u32)r.chunk, (u32)tid, 128u, flag_of, r.epoch);
+    const bool ok = named_bar_and(1 + wg, 128, waited);   // this consumer warpgroup only (ids 1, 2; 0 is __syncthreads)
     fluxrt::acquire_sources(r.sources, (u32)r.chunk, flag_of);
     const int warp = tid >> 5, lane = tid & 31;
     const long long row = reduce_row0(r, chunk_rows, m_tile, wg) + warp * 16 + (lane >> 2);
@@ -97,6 +98,10 @@ __device__ __forceinline__ void reduce_into_acc(float (&acc)[kAccRegs], const Re
                     acc[4 * (g0 + g) + 2 * hh + 1] += Out16::hi(v[g][hh]);
                 }
         }
+    }
+    if (!ok) {
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) acc[i] = __int_as_float(0x7fffffff);   // stored as NaN
     }
 }
 
@@ -152,8 +157,9 @@ __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, in
         auto flag_of = [&](u32 s) {
             return r.flags + s * r.flag_stride + ((int)s == r.chunk ? tile_flag : group_flag);
         };
-        fluxrt::wait_sources(w, r.sources, ~0u, (u32)lane, 32u, flag_of, r.epoch);   // wait
+        const bool waited = fluxrt::wait_sources(w, r.sources, ~0u, (u32)lane, 32u, flag_of, r.epoch);   // wait
         __syncwarp();
+        const bool slab_ok = __all_sync(~0u, waited) != 0;   // else the slab is written as all-ones (NaN)
         fluxrt::acquire_sources(r.sources, ~0u, flag_of);
         const int row0 = local_m_tile * kBM + (int)(slab % kTailSlabs) * kTailSlabRows;   // chunk-local
         const int n0 = n_tile * kBN;
@@ -185,7 +191,7 @@ __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, in
 #pragma unroll
                 for (int e = 0; e < 4; ++e) o[e] = Out16::pack2(acc[j][2 * e], acc[j][2 * e + 1]);
                 *reinterpret_cast<uint4*>(tail.out + ((long long)row[j] * N + col[j]) * kOutBytes) =
-                    make_uint4(o[0], o[1], o[2], o[3]);
+                    slab_ok ? make_uint4(o[0], o[1], o[2], o[3]) : make_uint4(~0u, ~0u, ~0u, ~0u);
             }
         }
     }

@@ -198,6 +198,15 @@ __device__ __forceinline__ void named_bar_sync(u32 id, u32 threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// bar.sync with an AND over the threads' predicates (bar.red.and.pred): the named barrier and a vote.
+__device__ __forceinline__ bool named_bar_and(u32 id, u32 threads, bool pred) {
+    u32 all;
+    asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.and.pred q, %2, %3, p;\n\t"
+                 "selp.u32 %0, 1, 0, q;\n\t}"
+                 : "=r"(all) : "r"((u32)pred), "r"(id), "r"(threads) : "memory");
+    return all != 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgmma shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"), 128-byte swizzle:
 //   bits  0-13  start address >> 4

@@ -85,9 +85,10 @@ __global__ void fluxrt_rs_reduce(const char* partials, long long src_stride_byte
         const long long tile_flag = flag_group_n > 0 ? n_tile / flag_group_n : (long long)m_tile * n_tiles + n_tile;
         auto flag_of = [&](u32 s) { return flags + s * flag_stride + tile_flag; };
         // Stage 1, wait: one thread per source spins on that source's flag (bounded; on timeout the
-        // error record names the source and the tile is summed from whatever is there).
-        fluxrt::wait_sources(w, world, skip_source, threadIdx.x, blockDim.x, flag_of, epoch);
-        __syncthreads();
+        // error record names the source and the tile is written as all-ones, NaN, instead of a sum of
+        // whatever was there).
+        const bool waited = fluxrt::wait_sources(w, world, skip_source, threadIdx.x, blockDim.x, flag_of, epoch);
+        const bool tile_ok = __syncthreads_and(waited) != 0;
         // Every reader acquires the flags itself (they are already >= epoch, so no spin): its own
         // acquire orders its partial loads after the sources' releases, independent of the barrier.
         fluxrt::acquire_sources(world, skip_source, flag_of);
@@ -111,7 +112,8 @@ __global__ void fluxrt_rs_reduce(const char* partials, long long src_stride_byte
             auto el = [&](u32 k) { return acc[k / Partial::kPerVec][k % Partial::kPerVec]; };
             const uint4 o = make_uint4(Out::pack2(el(0), el(1)), Out::pack2(el(2), el(3)), Out::pack2(el(4), el(5)),
                                        Out::pack2(el(6), el(7)));
-            *reinterpret_cast<uint4*>(out + ((long long)row * out_ld + col) * 2) = o;
+            *reinterpret_cast<uint4*>(out + ((long long)row * out_ld + col) * 2) =
+                tile_ok ? o : make_uint4(~0u, ~0u, ~0u, ~0u);
         }
         __syncthreads();  // the flag-waiting threads of the next tile start after this tile's reads
     }

@@ -559,7 +559,7 @@ def test_parser_reads_nccl_tests_flags():
          "--algo", "oneshot", "--json", "r.json", "--plot", "r.png"])
     assert (ns.minbytes, ns.maxbytes, ns.iters, ns.warmup_iters, ns.graph_iters) == (8, 1 << 30, 50, 10, 1)
     assert (ns.datatype, ns.op, ns.algo, ns.json_path, ns.plot_path) == ("bf16", "max", "oneshot", "r.json", "r.png")
-    assert ns.impls == "fluxrt,nccl" and not ns.check_args
+    assert ns.impls == "fluxrt,nccl,nccl-win" and not ns.check_args
 
 
 @pytest.mark.parametrize("argv, op, message", [
@@ -702,7 +702,7 @@ def test_every_collective_kernel_waits_for_the_previous_grid_before_touching_mem
     for device_fn in re.findall(r"^__device__ void (\w+)\(", src, re.M):
         body = re.search(rf"__device__ void {device_fn}\(.*?\n}}\n", src, re.S).group(0)
         if device_fn in ("copy_block", "reduce_slots", "reduce_step", "push_chunks", "exchange_pipe_pairwise",
-                         "norm_row"):
+                         "norm_row", "poison_received", "poison_block_share"):
             continue  # helpers called after the begin stage
         if device_fn == "add_rmsnorm":
             continue  # a local kernel (no round, no flags), launched without PDL

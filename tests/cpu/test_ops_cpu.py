@@ -294,12 +294,23 @@ def test_tp_ops_overlap_row_and_table():
     assert r["overlap_eff"] == pytest.approx(1 - 0.097 / 0.292, rel=1e-9)
     assert r["tflops"] == pytest.approx(2 * 8192 * 7168 * 8192 / 1.386e-3 / 1e12)
     assert set(r) == {"op", "m", "n", "k", "world", "dtype", "fused_ms", "gemm_ms_fluxrt", "gemm_ms_cublas",
-                      "comm_ms_nccl", "sequential_ms", "torch_ms", "overlap_eff", "tflops"}
-    r = tp_ops.baseline_fields(r, {1: 1.5}, "fused", 1)
-    lines = tp_ops.format_table([r, dict(r, torch_ms=None)])
-    assert lines[0].startswith("#") and "overlap" in lines[0]
+                      "comm_ms_nccl", "comm_ms_nccl_win", "sequential_ms", "sequential_ms_win", "torch_ms",
+                      "overlap_eff", "tflops"}
+    # NCCL on registered windows: the overlap is taken against the faster sequential baseline
+    w = tp_ops.overlap_row("ag_gemm", 8192, 7168, 8192, 4, "bfloat16", fused_ms=1.386, gemm_fluxrt=1.30,
+                           gemm_cublas=1.289, comm_ms=0.368, sequential_ms=1.581, torch_ms=1.386,
+                           comm_win_ms=0.30, sequential_win_ms=1.50)
+    assert w["overlap_eff"] == pytest.approx(1 - 0.097 / (1.50 - 1.289), rel=1e-9)
+    assert tp_ops.overlap_row("ag_gemm", 8192, 7168, 8192, 4, "bfloat16", fused_ms=1.386, gemm_fluxrt=1.30,
+                              gemm_cublas=1.289, comm_ms=0.368, sequential_ms=1.581, torch_ms=None,
+                              sequential_win_ms=1.7)["overlap_eff"] == pytest.approx(r["overlap_eff"])
+    w = tp_ops.baseline_fields(w, {1: 1.5}, "fused", 1)
+    assert w["best_baseline_ms"] == 1.386          # torch; the window sequential 1.50 beats the plain 1.581
+    lines = tp_ops.format_table([w, dict(w, torch_ms=None)])
+    assert lines[0].startswith("#") and "overlap" in lines[0] and "nccl-win" in lines[0] and "seq-win" in lines[0]
     assert len({len(x) for x in lines}) == 1          # columns line up
     assert "N/A" in lines[2] and "N/A" not in lines[1]
+    assert "N/A" in tp_ops.format_table([r])[1]       # no window columns measured: N/A
 
 
 class _FakeComm:

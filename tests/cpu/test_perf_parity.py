@@ -214,8 +214,9 @@ def test_header_lines():
 
 def test_nccl_registration_note():
     assert nccl_registration(0) == (False, None)
-    ok, note = nccl_registration(2)
-    assert not ok and "-R 2" in note and "unregistered" in note
+    assert nccl_registration(2) == (True, None)       # the nccl-win columns are -R 2
+    ok, note = nccl_registration(1)
+    assert not ok and "-R 1" in note and "unregistered" in note and "nccl-win" in note
 
 
 def test_results_document_versions_environment_devices_stats():

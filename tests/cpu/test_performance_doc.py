@@ -57,5 +57,5 @@ def test_latest_wins_and_sweep_mode_comes_from_the_command(tmp_path):
     assert kept["allreduce-eager-h200x4-np4"][1]["commit"] == "bbbbbbb"
     assert [p.name for p in old] == ["allreduce-h200x4-np4-2026-11-20.json"]
     text = mod.render(tmp_path)
-    assert "| 1 KiB | ll | 2 | 1 | 4 | 1 | 2.00x | 0 |" in text
+    assert "| 1 KiB | ll | 2 | 1 | 4 | 1 | — | — | 2.00x (plain) | 0 |" in text
     assert "nvidia-h200-x4 (4x NVIDIA H200)" in text and "`fluxrt-perf allreduce -b 8 -G 10`" in text

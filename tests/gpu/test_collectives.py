@@ -825,3 +825,56 @@ def test_cai_producer_on_its_own_stream(world):
     with pytest.raises(fluxrt.CollectiveArgumentError, match="written by this call"):
         fluxrt.allreduce(world, x, _CaiProducer(cupy.empty_like(x), readonly=True))
     world.synchronize()
+
+
+# ------------------------------------------------------------------------------------------ timeouts
+TIMED_OUT = [("allreduce", a) for a in ("ll", "ll12", "oneshot", "twoshot", "ll12_twoshot", "pipe", "ring")] + \
+            [("reduce_scatter", a) for a in ("ll", "push", "pipe", "ring")] + \
+            [("allgather", a) for a in ("ll", "push", "pipe", "ring")] + [("alltoall", "pipe")]
+
+
+@pytest.mark.parametrize("op, algo", TIMED_OUT)
+def test_a_timed_out_call_leaves_nan_and_a_sticky_error(world, monkeypatch, op, algo):
+    """Rank 0 skips the call. On every other rank the wait for rank 0 times out; the output then holds
+    NaN wherever the call could not compute the right value (every element that depends on rank 0's
+    data, and possibly more), never a number computed from stale data; every later call raises the same
+    error until world.reset_error(). The output starts as a finite sentinel, so any NaN is the kernel's."""
+    import dataclasses
+
+    import cupy
+
+    import fluxrt
+
+    n, r, count = world.size, world.rank, 8192 * world.size
+    monkeypatch.setattr(world, "options", dataclasses.replace(world.options, check_collective_args=False))
+    ctx = fluxrt.Collectives(world)   # its own rounds: out of step after the skipped call, then freed
+    try:
+        x = cupy.full(count, r + 1, dtype=cupy.float32)
+        size = {"reduce_scatter": count // n, "allgather": count * n}.get(op, count)
+        out = cupy.full(size, 12345.0, dtype=cupy.float32)
+        world.synchronize()
+        world.comm.Barrier()
+        if r != 0:
+            getattr(ctx, op)(x, out, algo=algo)
+            with pytest.raises(fluxrt.WaitTimeoutError) as err:
+                world.synchronize()
+            assert err.value.rank == r
+            got = _host(out)
+            if op in ("allreduce", "reduce_scatter"):
+                assert np.isnan(got).all(), f"{op}/{algo}: {int((~np.isnan(got)).sum())} of {got.size} not NaN"
+            else:
+                chunk = count if op == "allgather" else count // n   # what each rank sends this one
+                want = np.concatenate([np.full(chunk, p + 1.0) for p in range(n)])
+                assert np.isnan(got[:chunk]).all(), f"{op}/{algo}: rank 0's part is not NaN"
+                ok = np.isnan(got) | (got == want)
+                assert ok.all(), f"{op}/{algo}: {int((~ok).sum())} elements neither NaN nor right"
+            with pytest.raises(fluxrt.WaitTimeoutError):   # sticky: raised before anything launches
+                getattr(ctx, op)(x, out, algo=algo)
+            with pytest.raises(fluxrt.WaitTimeoutError):
+                world.barrier()
+            world.reset_error()
+            world.check_errors()
+        world.comm.Barrier()
+    finally:
+        world.reset_error()
+        ctx.free()

@@ -586,6 +586,47 @@ def test_ag_gemm_missing_peer_times_out_naming_it(world, rng, monkeypatch):
                 world.synchronize()
             assert err.value.peer == 0 and err.value.op.startswith("ag_gemm"), str(err.value)
             assert err.value.rank == world.rank
+            world.reset_error()   # sticky otherwise: the module's later tests share this world
         world.comm.Barrier()
     finally:
+        op.free()
+
+
+@pytest.mark.parametrize("mode", ["after", "tail", "epilogue"])
+def test_gemm_rs_missing_peer_leaves_nan_and_a_sticky_error(world, rng, monkeypatch, mode):
+    """Rank 0 skips the call: on every other rank the reduce's wait for rank 0's partial times out, and
+    every row of the output (each one sums rank 0's partial) reads NaN instead of a sum of whatever was
+    in the receive buffer; the next call raises the same error before it launches anything. comm_mode
+    'sm': the reduce itself waits for rank 0's tiles (with 'ce' the copy-engine pull waits, and its
+    flag is raised after the pull whatever came of the wait: docs/design.md, "How errors surface")."""
+    import dataclasses
+
+    import cupy
+
+    from fluxrt import WaitTimeoutError
+    from fluxrt.ops import GemmReduceScatter, GemmRsPlan
+
+    n, k, shard = 256, 128, 256
+    m = shard * world.size
+    plan = GemmRsPlan(reduce_mode=mode, comm_mode="sm")
+    op = GemmReduceScatter(world, m, n, k, "bf16", plan=plan.validate())
+    monkeypatch.setattr(world, "options", dataclasses.replace(world.options, check_collective_args=False))
+    try:
+        a, b = _dev(_rand(rng, (m, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16"))
+        out = cupy.zeros((shard, n), dtype=a.dtype)   # finite: any NaN is the kernels'
+        world.synchronize()
+        world.comm.Barrier()
+        if world.rank != 0:
+            op.forward(a, b, out=out)
+            with pytest.raises(WaitTimeoutError) as err:
+                world.synchronize()
+            assert err.value.peer == 0, str(err.value)
+            got = cupy.asnumpy(out).astype(np.float32)
+            assert np.isnan(got).all(), f"{mode}: {int((~np.isnan(got)).sum())} of {got.size} outputs not NaN"
+            with pytest.raises(WaitTimeoutError):
+                op.forward(a, b, out=out)
+            world.reset_error()
+        world.comm.Barrier()
+    finally:
+        world.reset_error()
         op.free()

@@ -101,6 +101,9 @@ def test_wait_timeout_names_op_rank_and_peer():
             assert (err.op, err.rank, err.peer) == ("test_silent_peer", 0, 1)
             assert "rank 0" in str(err) and "peer 1" in str(err)
             assert 0.5 <= elapsed < 5.0, elapsed
+            with pytest.raises(fluxrt.WaitTimeoutError):   # sticky: every later call raises it
+                world.barrier()
+            world.reset_error()
         world.comm.Barrier()  # rank 1 never signalled; everyone meets again on the host
         world.barrier()
         world.synchronize()

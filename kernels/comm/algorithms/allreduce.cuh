@@ -21,7 +21,7 @@ __device__ void allreduce_oneshot(Team t, const typename E::T* x, typename E::T*
     block_range(count, E::kPerVec, &lo, &hi);
     push_chunks<E>(t, x, 0, base, slot_bytes, lo, hi);                                   // stage push
     staged_signal(t, 0, e);                                                               // stage signal
-    if (!staged_wait(t, 0, e)) return;                                                    // stage wait
+    if (!staged_wait(t, 0, e)) return poison_elems(out, lo, hi);                          // stage wait
     reduce_slots<E, OP>(out, t.ws + base, slot_bytes, t.world, lo, hi);                 // stage consume
 }
 
@@ -37,6 +37,12 @@ __device__ void allreduce_twoshot(Team t, const typename E::T* x, typename E::T*
     const u64 area2 = base + (u64)t.world * slot_bytes;
     u64 lo, hi;
     block_range(chunk, E::kPerVec, &lo, &hi);
+    auto poison = [&] {  // this block's slice of every chunk of out
+        for (u32 p = 0; p < t.world; ++p) {
+            const u64 start = p * chunk;
+            poison_elems(out, start + lo < count ? start + lo : count, start + hi < count ? start + hi : count);
+        }
+    };
     // stage push (phase 0): slice [lo, hi) of chunk q goes to q, clipped to the message.
     for (u32 s = 0; s < t.world; ++s) {
         const u32 q = (t.rank + 1 + s) % t.world;
@@ -46,7 +52,7 @@ __device__ void allreduce_twoshot(Team t, const typename E::T* x, typename E::T*
         copy_block(dst, reinterpret_cast<const char*>(x + l), (h - l) * sizeof(T), false);
     }
     staged_signal(t, 0, e);
-    if (!staged_wait(t, 0, e)) return;
+    if (!staged_wait(t, 0, e)) return poison();
     // stage reduce: my chunk's slice, into my own area-2 slot (peers read nothing of mine: they get pushes).
     const u64 mine = (u64)t.rank * chunk;
     const u64 my_hi = mine + hi < count ? hi : (count > mine ? count - mine : 0);
@@ -61,7 +67,7 @@ __device__ void allreduce_twoshot(Team t, const typename E::T* x, typename E::T*
         copy_block(dst, reinterpret_cast<const char*>(reduced + my_lo), (my_hi - my_lo) * sizeof(T), true);
     }
     staged_signal(t, 1, e);
-    if (!staged_wait(t, 1, e)) return;
+    if (!staged_wait(t, 1, e)) return poison();
     // stage consume: every reduced chunk's slice into out.
     for (u32 p = 0; p < t.world; ++p) {
         const u64 start = p * chunk;
@@ -102,7 +108,8 @@ __device__ void allreduce_ll12(Team t, const typename E::T* x, typename E::T* ou
         u32 own[3] = {mine[0], mine[1], mine[2]};
         if (j != first) load12(src, bytes, j, own);
         u32 r[3];
-        if (!reduce_line12<E, OP>(t, t.ll + half, slot_bytes, j, f, own, r)) return;
+        if (!reduce_line12<E, OP>(t, t.ll + half, slot_bytes, j, f, own, r))
+            return poison_lines(reinterpret_cast<char*>(out), bytes, first, stride, kLL12Data);
         store12(reinterpret_cast<char*>(out), bytes, j, r);                              // stage store
     }
 }
@@ -142,6 +149,13 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
     const u64 f = ll12_flag(e), flag_bits = f << kLL12FlagShift;
     const u64 half = (e & 1ull) * t.ll_half_bytes;
     const u64 region1 = (u64)t.world * slot_bytes;
+    auto poison = [&] {  // this thread's lines of every chunk of out
+        for (u32 q = 0; q < t.world; ++q)
+            for (u64 j = first; j < len(q); j += stride) {
+                const u64 at = (q * chunk + j) * kLL12Data;
+                poison_bytes(reinterpret_cast<char*>(out) + at, bytes - at < kLL12Data ? bytes - at : kLL12Data, 0, 1);
+            }
+    };
     for (u64 j = first; j < chunk; j += stride) {                                       // stage push
         for (u32 s = 1; s < t.world; ++s) {
             const u32 q = (t.rank + s) % t.world;
@@ -155,7 +169,7 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
         u32 own[3] = {mine[0], mine[1], mine[2]};
         if (j != first && j < len(t.rank)) load12(src, bytes, t.rank * chunk + j, own);
         u32 r[3];
-        if (!reduce_line12<E, OP>(t, t.ll + half, slot_bytes, j, f, own, r)) return;
+        if (!reduce_line12<E, OP>(t, t.ll + half, slot_bytes, j, f, own, r)) return poison();
         if (j < len(t.rank)) store12(reinterpret_cast<char*>(out), bytes, t.rank * chunk + j, r);
         for (u32 s = 1; s < t.world; ++s) {                                             // stage forward
             const u32 q = (t.rank + s) % t.world;
@@ -171,7 +185,7 @@ __device__ void allreduce_ll12_twoshot(Team t, const typename E::T* x, typename 
                                [&](u32 p, const u32 (&w)[3]) {
                                    if (j < len(p)) store12(reinterpret_cast<char*>(out), bytes, p * chunk + j, w);
                                });
-        if (!ok) return;
+        if (!ok) return poison();
     }
 }
 

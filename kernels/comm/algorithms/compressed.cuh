@@ -117,6 +117,13 @@ __device__ void compressed_round(Team t, const typename E::T* x, u64 x_stride, t
     u64 lo, hi;
     block_range(groups, 1, &lo, &hi);
     auto area_slot = [&](u32 q, u64 area, u32 src) { return t.peer_ws(q) + area + (u64)src * slot_bytes; };
+    auto poison = [&] {  // a timed-out round: this block's groups of every chunk of out (team.cuh)
+        for (u32 p = 0; p < (kMode == kCompressedReduceScatter ? 1u : t.world); ++p) {
+            const u64 n = kMode == kCompressedAllgather ? chunk : len(kMode == kCompressedReduceScatter ? t.rank : p);
+            const u64 a = lo * kQGroup < n ? lo * kQGroup : n, b = hi * kQGroup < n ? hi * kQGroup : n;
+            poison_elems(out + (u64)p * out_stride, a, b);
+        }
+    };
     // stage push
     for (u64 k = lo + warp; k < hi; k += warps) {
         const u64 at = k * kQGroup + 4 * lane;
@@ -156,7 +163,7 @@ __device__ void compressed_round(Team t, const typename E::T* x, u64 x_stride, t
         }
     }
     staged_signal(t, 0, e);
-    if (!staged_wait(t, 0, e)) return;
+    if (!staged_wait(t, 0, e)) return poison();
     if (kMode != kCompressedAllgather) {
         for (u64 k = lo + warp; k < hi; k += warps) {                                    // stage reduce
             const u64 at = k * kQGroup + 4 * lane;
@@ -175,7 +182,7 @@ __device__ void compressed_round(Team t, const typename E::T* x, u64 x_stride, t
         }
         if (kMode == kCompressedReduceScatter) return;
         staged_signal(t, 1, e);
-        if (!staged_wait(t, 1, e)) return;
+        if (!staged_wait(t, 1, e)) return poison();
     }
     const u64 from = kMode == kCompressedAllgather ? base : area2;
     for (u32 p = 0; p < t.world; ++p)                                                    // stage gather

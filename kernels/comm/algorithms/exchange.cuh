@@ -12,6 +12,34 @@
 namespace fluxrt {
 namespace coll {
 
+// Whether [p, p + bytes) meets any of the bytes this rank sends (in place: a received range is also sent).
+__device__ __forceinline__ bool meets_sends(const Team& t, const ExchangeTable& tab, u64 p, u64 bytes) {
+    for (u32 q = 0; q < t.world; ++q)
+        if (tab.send_bytes[q] && p < tab.send_ptr[q] + tab.send_bytes[q] && tab.send_ptr[q] < p + bytes) return true;
+    return false;
+}
+
+// A failed round's output (see team.cuh): [lo_of(p), lo_of(p) + len_of(p)) of every pair's received
+// bytes, skipping, if `keep_sent`, ranges that this rank's other blocks may still read to send.
+template <class LoOf, class LenOf>
+__device__ void poison_received(const Team& t, const ExchangeTable& tab, LoOf lo_of, LenOf len_of, bool keep_sent) {
+    for (u32 p = 0; p < t.world; ++p) {
+        const u64 at = tab.recv_ptr[p] + lo_of(p), n = len_of(p);
+        if (n && !(keep_sent && meets_sends(t, tab, at, n)))
+            poison_bytes(reinterpret_cast<char*>(at), n, threadIdx.x, blockDim.x);
+    }
+}
+
+// The block's share of every pair's received bytes, as exchange() splits them.
+__device__ void poison_block_share(const Team& t, const ExchangeTable& tab) {
+    auto share = [&](u32 p, bool len) {
+        u64 lo, hi;
+        block_range(tab.recv_bytes[p], kVecBytes, &lo, &hi);
+        return len ? hi - lo : lo;
+    };
+    poison_received(t, tab, [&](u32 p) { return share(p, false); }, [&](u32 p) { return share(p, true); }, false);
+}
+
 // Exchange round (allgather, alltoall(v), broadcast): peer q receives tab.send_bytes[q] bytes from
 // tab.send_ptr[q]; what peer p sent lands at tab.recv_ptr[p]. Each pair's bytes are split over the blocks
 // in 16-byte units; sender and receiver agree on the byte count of their pair.
@@ -24,7 +52,7 @@ __device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes, bool 
     if (direct) {                                                                       // stage ready
         // the release orders this rank's earlier work on the output (stream order) before the flag
         release_peers(t.world, every_peer, [&](u32 q) { return t.peer_flag(q, flag_index(t, 1, t.rank)); }, e);
-        if (!staged_wait(t, 1, e)) return;
+        if (!staged_wait(t, 1, e)) return poison_block_share(t, tab);   // nothing pushed yet
     }
     for (u32 s = 0; s < t.world; ++s) {                                                 // stage push
         const u32 q = (t.rank + 1 + s) % t.world;
@@ -35,7 +63,8 @@ __device__ void exchange(Team t, const ExchangeTable& tab, u64 slot_bytes, bool 
         copy_block(dst, reinterpret_cast<const char*>(tab.send_ptr[q]) + lo, hi - lo, false);
     }
     staged_signal(t, 0, e);                                                               // stage signal
-    if (!staged_wait(t, 0, e) || direct) return;                                          // stage wait
+    if (!staged_wait(t, 0, e)) return poison_block_share(t, tab);                          // stage wait
+    if (direct) return;
     for (u32 p = 0; p < t.world; ++p) {                                                 // stage consume
         u64 lo, hi;
         block_range(tab.recv_bytes[p], kVecBytes, &lo, &hi);
@@ -79,7 +108,11 @@ __device__ void exchange_ll(Team t, const ExchangeTable& tab, u64 slot_bytes) {
             }
             if (j >= (bytes ? lines_of(bytes) : 1)) continue;
             u64 v;
-            if (!ll_take(t, ll_line(t.ll, half, p, slot_bytes, j), f, p, &v)) return;
+            if (!ll_take(t, ll_line(t.ll, half, p, slot_bytes, j), f, p, &v)) {
+                for (u32 o = 0; o < t.world; ++o)   // this thread's lines of every pair
+                    poison_lines(reinterpret_cast<char*>(tab.recv_ptr[o]), tab.recv_bytes[o], first, stride, kLLData);
+                return;
+            }
             if (bytes) store_line(dst, bytes, j, v);
         }
     }
@@ -114,7 +147,8 @@ __device__ void exchange_pipe_pairwise(const Team& t, const Pipe& pp, const Exch
         } else {
             const u32 p = (r + n - k) % n;
             for (u64 j = 0; j < steps_of(len[p], step); ++j) {
-                if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), 1u << p)) return;
+                if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), 1u << p))
+                    return poison_received(t, tab, [&](u32 o) { return lo[o]; }, [&](u32 o) { return len[o]; }, true);
                 copy_block(reinterpret_cast<char*>(tab.recv_ptr[p]) + lo[p] + j * step,  // stage consume
                            t.ws + pp.entry(t, 0, r, p, j), step_len(len[p], step, j), true);
                 pipe_signal(t, pp, kCredit0, pipe_value(pp.e, j), 1u << p);            // stage credit
@@ -162,8 +196,9 @@ __device__ void exchange_pipe(Team t, const ExchangeTable& tab, u64 slot_bytes, 
             pipe_signal(t, pp, kReady0, pipe_value(pp.e, j), mask | self);            // stage ready
         } else {
             const u64 mine = j < send_steps ? j : send_steps - 1;  // this rank's sender is past step j
-            if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, mine), self)) return;
-            if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), mask)) return;
+            if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, mine), self) ||
+                !pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), mask))
+                return poison_received(t, tab, [&](u32 o) { return lo[o]; }, [&](u32 o) { return len[o]; }, true);
             for (u32 p = 0; p < t.world; ++p) {                                        // stage consume
                 const u64 n = step_len(len[p], step, j);
                 char* dst = reinterpret_cast<char*>(tab.recv_ptr[p]) + lo[p] + j * step;

@@ -22,7 +22,7 @@ __device__ void reduce_scatter_round(Team t, const typename E::T* x, u64 chunk_s
     block_range(chunk, E::kPerVec, &lo, &hi);
     push_chunks<E>(t, x, chunk_stride, base, slot_bytes, lo, hi);                        // stage push
     staged_signal(t, 0, e);                                                               // stage signal
-    if (!staged_wait(t, 0, e)) return;                                                    // stage wait
+    if (!staged_wait(t, 0, e)) return poison_elems(out, lo, hi);                          // stage wait
     reduce_slots<E, OP>(out, t.ws + base, slot_bytes, t.world, lo, hi);                 // stage consume
 }
 
@@ -55,7 +55,8 @@ __device__ void reduce_ll(Team t, const typename E::T* x, u64 chunk_stride, type
         for (u32 p = 0; p < t.world; ++p) {
             u64 v;
             if (p == t.rank) v = load_line(own, bytes, j);
-            else if (!ll_take(t, ll_line(t.ll, half, p, slot_bytes, j), f, p, &v)) return;
+            else if (!ll_take(t, ll_line(t.ll, half, p, slot_bytes, j), f, p, &v))
+                return poison_lines(reinterpret_cast<char*>(out), bytes, first, stride, kLLData);
             accumulate_line<E, OP, V>(acc, v, p);
         }
         store_line(reinterpret_cast<char*>(out), bytes, j, pack_line<E, V>(acc));     // stage store
@@ -108,8 +109,10 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
         T* my_out = (two_phase ? out + t.rank * chunk : out) + lo;
         const u64 own = (two_phase ? t.rank * chunk : t.rank * chunk_stride) + lo;
         for (u64 j = 0; j < steps_of(len[t.rank], step); ++j) {
-            if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), peers)) return;
-            if (two_phase && j >= depth && !pipe_wait(t, pp, kCredit1, pipe_value(pp.e, j - depth), peers)) return;
+            // its chunk of out: only this role writes it, and no role of this rank reads it
+            if (!pipe_wait(t, pp, kReady0, pipe_value(pp.e, j), peers)) return poison_elems(my_out, 0, len[t.rank]);
+            if (two_phase && j >= depth && !pipe_wait(t, pp, kCredit1, pipe_value(pp.e, j - depth), peers))
+                return poison_elems(my_out, 0, len[t.rank]);
             const u32 p = threadIdx.x;
             if (p < t.world) {
                 srcs[p] = p == t.rank ? reinterpret_cast<const char*>(x + own + j * step) : t.ws + pp.entry(t, 0, t.rank, p, j);
@@ -129,7 +132,13 @@ __device__ void reduce_pipe(Team t, const typename E::T* x, u64 chunk_stride, ty
     } else {                                                                            // receiver (allreduce)
         for (u64 j = 0; j < steps; ++j) {
             const u32 mask = peers_with_step(t, len, step, j);
-            if (!pipe_wait(t, pp, kReady1, pipe_value(pp.e, j), mask)) return;
+            if (!pipe_wait(t, pp, kReady1, pipe_value(pp.e, j), mask)) {
+                // the other chunks of out; in place (x == out) this rank's sender may still read them
+                if (reinterpret_cast<const void*>(x) != reinterpret_cast<const void*>(out))
+                    for (u32 p = 0; p < t.world; ++p)
+                        if (p != t.rank) poison_elems(out + p * chunk + lo, 0, len[p]);
+                return;
+            }
             for (u32 p = 0; p < t.world; ++p) {
                 if (!((mask >> p) & 1u)) continue;
                 copy_block(reinterpret_cast<char*>(out + p * chunk + lo + j * step), t.ws + pp.entry(t, 1, t.rank, p, j),

@@ -97,8 +97,15 @@ __device__ void reduce_ring(Team t, const typename E::T* x, u64 x_stride, typena
                 const u64 us = (m * sends + (s - first)) * substeps + i;  // entry sent; received: us - substeps
                 const u64 ur = us - substeps;
                 if (!ring_wait(t, pp, prev, recv ? pipe_value(pp.e, ur) : 0, next,
-                               send && us >= depth ? pipe_value(pp.e, us - depth) : 0))
+                               send && us >= depth ? pipe_value(pp.e, us - depth) : 0)) {
+                    // this block's slice of every chunk it writes out (no other block touches it)
+                    for (u32 so = first > n - 1 ? first : n - 1; so <= last; ++so) {
+                        const u32 co = (t.rank + 2 * n - 1 - so) % n;
+                        const u64 vo = count > co * chunk ? count - co * chunk : 0;
+                        poison_elems(out + co * out_stride, lo, hi < vo ? hi : vo);
+                    }
                     return;
+                }
                 if (threadIdx.x == 0) {                                                    // stage reduce
                     u32 ns = 0, nd = 0;
                     if (recv) srcs[ns++] = ring_mine + (ur % depth) * pp.step;

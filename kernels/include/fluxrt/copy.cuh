@@ -5,6 +5,7 @@
 //   copy_strided    one destination: 16-byte vectors where dst and src share 16-byte alignment, 4-byte
 //                   words where they share 4-byte alignment, bytes otherwise and for head and tail
 //   copy_fanout     one source to several destinations (all 16- or 4-byte aligned, or bytes)
+//   poison_bytes    all-ones bytes over a range: what a call that timed out leaves in its output
 // Threads take units first, first + stride, ...: a block (threadIdx.x, blockDim.x) or a grid.
 // Source loads by policy: LoadNc (read-only path: data that stays unchanged during the kernel),
 // LoadFresh (pushed data: .cv, bypassing L1, so that a stale line of an earlier round is never hit;
@@ -86,6 +87,20 @@ __device__ __forceinline__ void copy_strided(char* __restrict__ dst, const char*
     }
     for (u64 i = first; i < head; i += stride) dst[i] = load(src + i);
     for (u64 j = done + first; j < bytes; j += stride) dst[j] = load(src + j);
+}
+
+// Fill [dst, dst + bytes) with 0xFF bytes, by threads lane, lane + lanes, ... (16-byte stores where
+// aligned). All-ones is a NaN in fp32, fp16 and bf16 (and -1 in integers): the output a timed-out wait
+// was to guard reads as NaN, never as plausible numbers computed from stale data. Failure path only.
+__device__ inline void poison_bytes(char* dst, u64 bytes, u32 lane, u32 lanes) {
+    const u64 to_aligned = (16u - (reinterpret_cast<u64>(dst) & 15u)) & 15u;
+    const u64 head = to_aligned < bytes ? to_aligned : bytes;
+    for (u64 i = lane; i < head; i += lanes) dst[i] = (char)0xFF;
+    uint4* v = reinterpret_cast<uint4*>(dst + head);
+    const u64 nvec = (bytes - head) / 16u;
+    const uint4 ones = make_uint4(~0u, ~0u, ~0u, ~0u);
+    for (u64 i = lane; i < nvec; i += lanes) v[i] = ones;
+    for (u64 i = head + nvec * 16u + lane; i < bytes; i += lanes) dst[i] = (char)0xFF;
 }
 
 // The block copies `bytes` from src to dst. fresh_src: src holds pushed data (loads bypass L1).

@@ -209,11 +209,15 @@ __device__ __forceinline__ bool every_peer(u32) { return true; }
 // `lane + lanes`, ... wait (bounded) for source s's flag_of(s) >= target, s < n, s != skip; the caller
 // then meets its readers (bar.sync, named barrier, __syncwarp) and every reader calls acquire_sources,
 // whose own acquires order its loads after the sources' releases. On timeout the record names s.
+// Returns false if one of this thread's waits gave up: a caller that votes on it across the readers
+// (bar.red.and, __all_sync) can poison what it would have computed from the missing source.
 template <class FlagOf>
-__device__ __forceinline__ void wait_sources(const Watch& w, u32 n, u32 skip, u32 lane, u32 lanes, FlagOf flag_of,
+__device__ __forceinline__ bool wait_sources(const Watch& w, u32 n, u32 skip, u32 lane, u32 lanes, FlagOf flag_of,
                                              u64 target) {
+    bool ok = true;
     for (u32 s = lane; s < n; s += lanes)
-        if (s != skip) wait_ge(flag_of(s), target, w, s);
+        if (s != skip && !wait_ge(flag_of(s), target, w, s)) ok = false;
+    return ok;
 }
 template <class FlagOf>
 __device__ __forceinline__ void acquire_sources(u32 n, u32 skip, FlagOf flag_of) {
