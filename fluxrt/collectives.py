@@ -166,22 +166,38 @@ def _machine_tuning(world: World) -> plan.Tuning:
 
 class CollectiveHandle:
     """An in-flight ``async_op=True`` collective. ``wait(stream)`` makes `stream` (default: the current
-    one) wait for it and returns the result; ``is_done()`` polls. Both raise a recorded device timeout."""
+    one) wait for it and returns the result; ``wait(host=True)`` blocks the host until it is done;
+    ``test()`` (or ``is_done()``) polls without blocking. All raise a recorded device timeout."""
 
     def __init__(self, world: World, event, result, keep):
         self._world, self._event, self.result, self._keep = world, event, result, keep
 
-    def wait(self, stream=None):
-        as_cupy_stream(stream).wait_event(self._event)
+    def wait(self, stream=None, *, host: bool = False):
+        """The result, once `stream` (host=False, the default: stream-ordered, the host goes on) or the
+        host (host=True) has waited for the call. Every device wait is bounded, so a host wait ends too."""
+        if host:
+            self._event.synchronize()
+            self._keep = None
+        else:
+            as_cupy_stream(stream).wait_event(self._event)
         self._world.check_errors()
         return self.result
 
-    def is_done(self) -> bool:
+    def test(self) -> bool:
+        """Whether the call has completed on the device (no blocking)."""
         done = self._event.done
         if done:
             self._world.check_errors()
             self._keep = None
         return done
+
+    is_done = test
+
+
+def wait_all(handles, stream=None, *, host: bool = False) -> list:
+    """``wait`` on every handle (stream-ordered, or on the host with host=True); their results in order. A
+    None in `handles` (a synchronous call's place) is passed through."""
+    return [None if h is None else h.wait(stream, host=host) for h in handles]
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -302,6 +318,10 @@ class Collectives:
         from .toolchain import load_module
 
         world.check_active()
+        if cupy.cuda.get_current_stream().is_capturing():
+            raise GraphCaptureError("collectives: the context allocates symmetric memory and synchronizes, which a "
+                                    "CUDA graph capture cannot contain; make it before capturing "
+                                    "(fluxrt.prepare(world) or Collectives(world))")
         options = options or CollectivesOptions()
         plan.check_world(world.size)
         ws = plan.VEC_BYTES * (int(options.workspace_bytes) // plan.VEC_BYTES)
@@ -878,41 +898,58 @@ def _displs(displs, counts: np.ndarray, name: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ functional API
-def context(world: World) -> Collectives:
+def context(world: World, stream=None) -> Collectives:
     """The world's default collectives context (in the world's registry); made (collectively) on the first
-    call, or by the first ``Collectives(world, options)``."""
+    call, or by the first ``Collectives(world, options)`` or ``prepare(world)``. A first call on a stream
+    that is capturing a CUDA graph raises GraphCaptureError instead (before anything is enqueued)."""
     ctx = world.registry.get(_KEY)
     if ctx is None:
+        if as_cupy_stream(stream).is_capturing():
+            raise GraphCaptureError(
+                "collectives: the first call of a world makes its context (symmetric workspace, flags: "
+                "allocations and a device synchronize), which a CUDA graph capture cannot contain; call "
+                "fluxrt.prepare(world) (collective) before capturing")
         ctx = Collectives(world)   # registers itself
     return ctx
 
 
+def prepare(world: World, dtypes=(), ops=("sum",), options: CollectivesOptions | None = None) -> Collectives:
+    """Make everything the world's collectives need before a CUDA graph capture: the context (collective:
+    every rank calls it; `options` for a new one) and the kernels of reductions of `dtypes` with `ops` that
+    are not in the base module (fp64, integers, prod, avg). A first call inside a capture then works."""
+    ctx = world.registry.get(_KEY)
+    if ctx is None:
+        ctx = Collectives(world, options)
+    ctx.prepare(dtypes, ops)
+    return ctx
+
+
 def allreduce(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
+    return context(world, stream).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
 
 
 def reduce_scatter(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
                    algo: str = "auto"):
-    return context(world).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
+    return context(world, stream).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
 
 
 def allgather(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).allgather(x, out, stream=stream, async_op=async_op, algo=algo)
+    return context(world, stream).allgather(x, out, stream=stream, async_op=async_op, algo=algo)
 
 
 def alltoall(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).alltoall(x, out, stream=stream, async_op=async_op, algo=algo)
+    return context(world, stream).alltoall(x, out, stream=stream, async_op=async_op, algo=algo)
 
 
 def alltoallv(world: World, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
               max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).alltoallv(x, send_counts, recv_counts, out, send_displs=send_displs,
+    return context(world, stream).alltoallv(x, send_counts, recv_counts, out, send_displs=send_displs,
                                     recv_displs=recv_displs, max_count=max_count, stream=stream,
                                     async_op=async_op, algo=algo)
 
 
 def broadcast(world: World, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).broadcast(x, out, root=root, stream=stream, async_op=async_op, algo=algo)
+    return context(world, stream).broadcast(x, out, root=root, stream=stream, async_op=async_op, algo=algo)
 
 
 def barrier(world: World, stream=None) -> None:   # World.barrier carries the NVTX range
@@ -927,5 +964,6 @@ alltoall.__doc__ = Collectives.alltoall.__doc__
 alltoallv.__doc__ = Collectives.alltoallv.__doc__
 broadcast.__doc__ = Collectives.broadcast.__doc__
 
-__all__ = ["Collectives", "CollectivesOptions", "CollectiveHandle", "context", "allreduce", "reduce_scatter",
+__all__ = ["Collectives", "CollectivesOptions", "CollectiveHandle", "context", "prepare", "wait_all", "allreduce",
+           "reduce_scatter",
            "allgather", "alltoall", "alltoallv", "broadcast", "barrier"]
