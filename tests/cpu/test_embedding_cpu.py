@@ -153,3 +153,26 @@ def test_ll12_only_for_elements_that_divide_its_line():
     assert plan.choose_algo("allreduce", t.ll12_min_bytes, 4, itemsize=8) == "ll"
     with pytest.raises(ValueError, match="12-byte line"):
         plan.choose_algo("allreduce", 4096, 4, algo="ll12_twoshot", itemsize=8)
+
+
+# ---------------------------------------------------------------------------------------------- XLA's buffers
+def test_xla_ffi_buffers_are_mutable_and_read_through_their_cai():
+    """jax.experimental.buffer_callback hands XLA's device buffers (jaxlib's FFI Buffer) to the callback: an
+    output is written in place, so it is not refused as an immutable JAX array, and it is viewed through its
+    __cuda_array_interface__ (no DLPack stream handshake inside XLA's execution)."""
+    from fluxrt import arrays
+
+    Buffer = type("Buffer", (), {
+        "__module__": "jaxlib._jax",
+        "__cuda_array_interface__": property(lambda self: {"shape": (4,), "typestr": "<f4", "data": (1 << 20, False),
+                                                          "version": 2, "strides": None}),
+        "__dlpack__": lambda self, stream=None: None,
+        "dtype": np.dtype(np.float32)})
+    info = arrays.inspect(Buffer(), name="out", op="allreduce")
+    assert not info.readonly and info.protocol == "cai"
+    arrays.check_writable(info, "allreduce")
+    Array = type("ArrayImpl", (), {"__module__": "jaxlib._jax", "__dlpack__": lambda self, stream=None: None,
+                                   "__dlpack_device__": lambda self: (2, 0), "shape": (4,),
+                                   "dtype": np.dtype(np.float32)})
+    with pytest.raises(fluxrt.errors.ArrayArgumentError, match="immutable JAX array"):
+        arrays.check_writable(arrays.inspect(Array(), name="out", op="allreduce"), "allreduce")

@@ -352,3 +352,42 @@ def test_jax_arrays_in_and_readonly_out_refused(world):
     _check(out, inputs, "sum", "fp32", "jax in")
     with pytest.raises(fluxrt.CollectiveArgumentError, match="immutable JAX array"):
         fluxrt.allreduce(world, x, jx)
+
+
+def test_collectives_inside_jax_jit(world):
+    """fluxrt.jax: allreduce, allgather and reduce_scatter (avg) as buffer callbacks inside jax.jit, on XLA's
+    stream and buffers, with JAX computing around them; and an allreduce in XLA's command buffer, replayed
+    with new inputs."""
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax", reason="jax not installed on this machine")
+    pytest.importorskip("jax.experimental.buffer_callback", reason="this JAX has no buffer_callback")
+    import cupy
+
+    import fluxrt.jax as fj
+
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("jax has no GPU backend here")
+    n, chunk = world.size, 2048
+    x = cupy.asnumpy(_data(90, world.rank, n * chunk, "fp32", "sum"))
+    inputs = world.comm.allgather(x)
+    jx = jax.device_put(x, dev)
+    y = jax.jit(lambda a: fj.allreduce(a, world=world) * 2.0)(jx)
+    g = jax.jit(lambda a: fj.allgather(a[:chunk] + 1.0, world=world))(jx)
+    r = jax.jit(lambda a: fj.reduce_scatter(a, world=world, op="avg"))(jx)
+    jax.block_until_ready((y, g, r))
+    world.check_errors()
+    _check(cupy.asarray(np.asarray(y) / 2.0), inputs, "sum", "fp32", "jit allreduce")
+    np.testing.assert_array_equal(np.asarray(g), np.concatenate([a[:chunk] + np.float32(1.0) for a in inputs]))
+    _check(cupy.asarray(np.asarray(r)), [a[world.rank * chunk:(world.rank + 1) * chunk] for a in inputs], "avg",
+           "fp32", "jit reduce_scatter avg")
+    step = jax.jit(lambda a: fj.allreduce(a * 2.0, world=world, command_buffer=True))
+    for rep in range(2):
+        v = cupy.asnumpy(_data(91 + rep, world.rank, 4096, "fp32", "sum"))
+        out = step(jax.device_put(v, dev))
+        out.block_until_ready()
+        world.check_errors()
+        _check(cupy.asarray(np.asarray(out) / 2.0), world.comm.allgather(v), "sum", "fp32", f"command buffer call {rep}")
