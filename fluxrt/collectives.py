@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import collectives_plan as plan
+from . import compressed as _compressed
 from . import log as _log
 from . import tuning_tables
 from .agreement import agree as _agree
@@ -535,10 +536,15 @@ class Collectives:
 
     # --- reductions -------------------------------------------------------------------------------
     @_nvtx("allreduce")
-    def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+    def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto",
+                  compress: str | None = None, error_feedback=None):
         """out = x[rank 0] op x[rank 1] op ... (elementwise), every rank bitwise the same result: 16- and
         32-bit floats accumulate in fp32, fp64 in fp64, integers wrap (int32, int64, uint8). op: sum, prod, max,
-        min, avg (floats: the sum divided by the ranks). out=None allocates; out=x is in place."""
+        min, avg (floats: the sum divided by the ranks). out=None allocates; out=x is in place. compress="fp8"
+        or "int8": an 8-bit payload with block scales, optionally with an error-feedback buffer
+        (``fluxrt.compressed``)."""
+        if compress is not None:
+            return _compressed.call(self, "allreduce", x, out, compress, error_feedback, op, algo, stream, async_op)
         return self._call(_fast_key("allreduce", x, out, op, algo), lambda s: self._plan_allreduce(x, out, op, algo, s),
                           stream, async_op, out, (x, out))
 
@@ -581,9 +587,12 @@ class Collectives:
 
     @_nvtx("reduce_scatter")
     def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
-                       algo: str = "auto"):
+                       algo: str = "auto", compress: str | None = None, error_feedback=None):
         """x holds world.size chunks of equal size; rank r gets the reduction of every rank's chunk r.
-        In place: out = x[r * chunk : (r + 1) * chunk] (flattened)."""
+        In place: out = x[r * chunk : (r + 1) * chunk] (flattened). compress: as allreduce's."""
+        if compress is not None:
+            return _compressed.call(self, "reduce_scatter", x, out, compress, error_feedback, op, algo, stream,
+                                    async_op)
         return self._call(_fast_key("reduce_scatter", x, out, op, algo),
                           lambda s: self._plan_reduce_scatter(x, out, op, algo, s), stream, async_op, out, (x, out))
 
@@ -630,9 +639,13 @@ class Collectives:
 
     # --- data movement ----------------------------------------------------------------------------
     @_nvtx("allgather")
-    def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+    def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto",
+                  compress: str | None = None, error_feedback=None):
         """out = concat(x of rank 0, x of rank 1, ...) (out=None: shape (n * x.shape[0], ...)). In place:
-        x = out[r * x.size : (r + 1) * x.size] (flattened)."""
+        x = out[r * x.size : (r + 1) * x.size] (flattened). compress: as allreduce's (not in place)."""
+        if compress is not None:
+            return _compressed.call(self, "allgather", x, out, compress, error_feedback, "sum", algo, stream,
+                                    async_op)
         return self._call(_fast_key("allgather", x, out, algo), lambda s: self._plan_allgather(x, out, algo, s),
                           stream, async_op, out, (x, out))
 
@@ -900,10 +913,18 @@ def _displs(displs, counts: np.ndarray, name: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ functional API
 def context(world: World, stream=None) -> Collectives:
     """The world's default collectives context (in the world's registry); made (collectively) on the first
-    call, or by the first ``Collectives(world, options)`` or ``prepare(world)``. A first call on a stream
-    that is capturing a CUDA graph raises GraphCaptureError instead (before anything is enqueued)."""
+    call, or by the first ``Collectives(world, options)`` or ``prepare(world)``. A world of several nodes
+    (``world.topology``) gets the hierarchical context (``collectives_plan.choose_path``). A first call on a
+    stream that is capturing a CUDA graph raises GraphCaptureError instead (before anything is enqueued)."""
     ctx = world.registry.get(_KEY)
     if ctx is None:
+        path, why = plan.choose_path(getattr(world, "topology", None))
+        if path == "hierarchical":   # ranks without NVLink pointers between them: fluxrt.collectives_hier
+            from . import collectives_hier
+
+            if collectives_hier.KEY not in world.registry and world.rank == 0:
+                log.info("collectives: path %s (%s)", path, why)
+            return collectives_hier.context(world)
         if as_cupy_stream(stream).is_capturing():
             raise GraphCaptureError(
                 "collectives: the first call of a world makes its context (symmetric workspace, flags: "
@@ -913,28 +934,36 @@ def context(world: World, stream=None) -> Collectives:
     return ctx
 
 
-def prepare(world: World, dtypes=(), ops=("sum",), options: CollectivesOptions | None = None) -> Collectives:
+def prepare(world: World, dtypes=(), ops=("sum",), options: CollectivesOptions | None = None):
     """Make everything the world's collectives need before a CUDA graph capture: the context (collective:
-    every rank calls it; `options` for a new one) and the kernels of reductions of `dtypes` with `ops` that
-    are not in the base module (fp64, integers, prod, avg). A first call inside a capture then works."""
+    every rank calls it; `options` for a new single-node one) and the kernels of reductions of `dtypes` with
+    `ops` that are not in the base module (fp64, integers, prod, avg). A first call inside a capture then
+    works."""
     ctx = world.registry.get(_KEY)
     if ctx is None:
-        ctx = Collectives(world, options)
-    ctx.prepare(dtypes, ops)
+        path, _ = plan.choose_path(getattr(world, "topology", None))
+        ctx = Collectives(world, options) if path != "hierarchical" else context(world)
+    if hasattr(ctx, "prepare"):
+        ctx.prepare(dtypes, ops)
     return ctx
 
 
-def allreduce(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world, stream).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
+def allreduce(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto",
+              compress: str | None = None, error_feedback=None):
+    return context(world, stream).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo,
+                                            compress=compress, error_feedback=error_feedback)
 
 
 def reduce_scatter(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
-                   algo: str = "auto"):
-    return context(world, stream).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo)
+                   algo: str = "auto", compress: str | None = None, error_feedback=None):
+    return context(world, stream).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo,
+                                                 compress=compress, error_feedback=error_feedback)
 
 
-def allgather(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world, stream).allgather(x, out, stream=stream, async_op=async_op, algo=algo)
+def allgather(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto",
+              compress: str | None = None, error_feedback=None):
+    return context(world, stream).allgather(x, out, stream=stream, async_op=async_op, algo=algo, compress=compress,
+                                            error_feedback=error_feedback)
 
 
 def alltoall(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):

@@ -642,6 +642,19 @@ def pieces(op: str, algo: str, count: int, itemsize: int, world_size: int, lay: 
     return chunked_pieces(count, itemsize, lay, algo, tuning)
 
 
+def choose_path(topology) -> tuple[str, str]:
+    """('flat', why) where every pair of ranks has NVLink pointers (one NVLink domain: the algorithms above),
+    ('hierarchical', why) otherwise: NVLink collectives inside each node, NVSHMEM's device API between nodes
+    (``fluxrt.collectives_hier``). `topology`: a ``fluxrt.topology.Topology`` (None: one node)."""
+    if topology is None or not topology.hierarchical:
+        return "flat", "every pair of ranks has NVLink pointers"
+    kind = "virtual " if topology.virtual else ""
+    sizes = sorted({len(n) for n in topology.nodes})
+    per = f"{sizes[0]} ranks" if len(sizes) == 1 else f"{sizes} ranks"
+    return "hierarchical", (f"{topology.num_nodes} {kind}nodes of {per}: node team over NVLink, "
+                            "between nodes over the NVSHMEM device API")
+
+
 def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: int, algo: str = "auto",
              direct_ok: bool = False, nbytes: int | None = None, tuning: Tuning = DEFAULT_TUNING) -> dict:
     """What a call would run, for logs and the perf table: algo, launches, grid of the first launch.
@@ -658,6 +671,6 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
             "grid": ps[0].grid if ps else 0, "slot_bytes": lay.slot_bytes}
 
 
-__all__ = ["ALGOS", "ALGO_PAIRS", "algo_pair", "PIPE_ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
+__all__ = ["choose_path", "ALGOS", "ALGO_PAIRS", "algo_pair", "PIPE_ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
            "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "ll12_fits", "layout", "describe",
            "bulk_grid", "ring_slices", "ring_step", "ring_geometry", "RingGeometry", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]

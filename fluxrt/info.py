@@ -22,6 +22,10 @@ DIST_NAMES = {"cupy": ("cupy-cuda13x", "cupy-cuda12x", "cupy"), "nvshmem4py": ("
               "ml_dtypes": ("ml_dtypes",)}
 ENV_PREFIXES = ("NVSHMEM_", "FLUXRT_", "NCCL_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_",
                 "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+# the launcher's view of the job: (variable, meaning) in order of preference
+_LAUNCH_VARS = (("SLURM_NNODES", "nodes"), ("SLURM_NTASKS", "ranks"), ("SLURM_NTASKS_PER_NODE", "ranks per node"),
+                ("OMPI_COMM_WORLD_SIZE", "ranks"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "ranks on this node"),
+                ("PMI_SIZE", "ranks"), ("MPI_LOCALNRANKS", "ranks on this node"))
 
 
 def _short(e: BaseException) -> str:
@@ -131,6 +135,27 @@ def topology(timeout_s: float = 20.0) -> str:
     return text if out.returncode == 0 else f"nvidia-smi topo -m: exit {out.returncode}: {text[:300]}"
 
 
+def multinode(env=None, ib_sysfs: str | None = None) -> list[tuple[str, str]]:
+    """How a job launched from here would be split into nodes: FLUXRT_TOPOLOGY, the launcher's counts and
+    NVSHMEM's remote transport. A running world logs its own ``world.topology`` (FLUXRT_DEBUG=info)."""
+    from . import topology as topo
+
+    env = os.environ if env is None else env
+    rows = []
+    try:
+        v = topo.parse_setting(env.get(topo.ENV))
+        rows.append(("FLUXRT_TOPOLOGY", "real nodes (COMM_TYPE_SHARED split)" if v is None else
+                     f"virtual: {v.nodes} nodes x {v.ranks_per_node} ranks; peers in another virtual node go "
+                     "through the NVSHMEM device API"))
+    except topo.TopologyError as e:
+        rows.append(("FLUXRT_TOPOLOGY", f"invalid: {e}"))
+    launcher = [f"{meaning} {env[var]} ({var})" for var, meaning in _LAUNCH_VARS if env.get(var)]
+    rows.append(("launcher", "; ".join(launcher) if launcher else "not inside an mpirun/srun job"))
+    ok, why = topo.remote_transport(env, *(() if ib_sysfs is None else (ib_sysfs,)))
+    rows.append(("remote transport", f"{'yes' if ok else 'none'}: {why}"))
+    return rows
+
+
 def environment(env=None) -> list[tuple[str, str]]:
     env = os.environ if env is None else env
     return sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES))
@@ -184,6 +209,7 @@ def report() -> str:
     out.extend(gpu_lines)
     out.append("== topology (nvidia-smi topo -m)")
     out.extend("  " + line for line in topology().splitlines())
+    section("nodes (fluxrt.topology)", multinode())
     section("NVSHMEM", heap())
     section("environment (NVSHMEM_*, FLUXRT_*, NCCL_*, CUDA_*)", environment() or [("(none set)", "")])
     section("caches", caches())
@@ -193,8 +219,29 @@ def report() -> str:
 def main(argv=None) -> int:
     import argparse
 
-    argparse.ArgumentParser(prog="python -m fluxrt.info", description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m fluxrt.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--world", action="store_true",
+                        help="boot a world (run under mpirun/srun/fluxrt-run) and print its topology: nodes, "
+                             "node teams, the peers each rank reaches only through NVSHMEM")
+    parser.add_argument("--device", type=int, default=None,
+                        help="with --world: the GPU of every rank (default: the local rank's)")
+    args = parser.parse_args(argv)
+    if args.world:
+        return world_topology(args.device)
     print(report())
+    return 0
+
+
+def world_topology(device: int | None = None) -> int:
+    """Every rank's view of the world's topology, printed by rank 0."""
+    from . import world as _world
+
+    with _world.init(device=device) as w:
+        every = w.comm.gather(w.topology.describe(), root=0)
+        if w.rank == 0:   # the nodes once, then each rank's own lines (its team, its NVSHMEM peers, its transport)
+            print("\n".join(line for line in every[0] if not line.startswith(("  rank", "  remote"))))
+            for mine in every:
+                print("\n".join(line for line in mine if line.startswith(("  rank", "  remote"))))
     return 0
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import log as _log
 from . import signals
+from . import topology as _topology
 from .env import env_flag
 from .errors import ERROR_RECORD_WORDS, DeviceError, NvshmemInitError, decode_error_record
 from .nvtx import annotate as _nvtx
@@ -112,15 +113,27 @@ class World:
         self._children: list[World] = []
         node = _node_communicator(comm)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        node_leader = node.bcast(self.rank, root=0)   # lowest world rank of the node (key=rank): names the node
         node.Free()
         from mpi4py import MPI
 
         _log.set_rank(MPI.COMM_WORLD.Get_rank())   # FLUXRT_DEBUG_FILE's %r
 
         dev, reason = _select_device(self.local_rank, self.local_size, device)
-        failures = [(r, why) for r, why in enumerate(comm.allgather(reason)) if why]
+        setting, topo_reason = None, None
+        try:   # FLUXRT_TOPOLOGY is read before anything collective can hang on it
+            setting = _topology.setting_from_env()
+            if setting is not None:
+                setting.node_of(self.size)
+        except _topology.TopologyError as e:
+            topo_reason = str(e)
+        every = comm.allgather((reason, topo_reason))
+        failures = [(r, why) for r, (why, _) in enumerate(every) if why]
         if failures:
             raise DeviceError("; ".join(f"rank {r}: {why}" for r, why in failures))
+        bad_setting = [(r, why) for r, (_, why) in enumerate(every) if why]
+        if bad_setting:
+            raise _topology.TopologyError("; ".join(f"rank {r}: {why}" for r, why in bad_setting))
         self.device_id = dev
         self.device = cupy.cuda.Device(dev)
         self.device.use()
@@ -132,6 +145,13 @@ class World:
         self.heap = SymmetricHeap(self)
         self._error_host, self.error_record = self._alloc_error_record()
         self.registry = Registry()
+        try:   # which peers NVLink pointers reach, which only NVSHMEM; no transport at all: fail on every rank
+            self.topology = _topology.discover(self, node_leader, setting)
+        except _topology.TopologyError:
+            self.finalize()
+            raise
+        if self.rank == 0 and self.topology.num_nodes > 1:
+            log.info("topology: %s", "\n".join(self.topology.describe()))
         # The barrier pad is symmetric memory: made now, collectively, not on some rank's first barrier.
         signals.state(self)
         if options.subworld_heap is not None:
@@ -147,7 +167,11 @@ class World:
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
         reason = None
-        if device is not None and device != root.device_id:
+        topo = getattr(root, "topology", None)
+        if topo is not None and topo.hierarchical:
+            reason = ("the root world spans nodes; sub-worlds run the one-node NVLink path only (the hierarchical "
+                      "path addresses the root's PEs)")
+        elif device is not None and device != root.device_id:
             reason = f"device {device} requested, but this process's NVSHMEM runs on GPU {root.device_id}"
         elif root.pool is None:
             reason = "no sub-world pool"
@@ -156,6 +180,7 @@ class World:
         if failures:
             raise NvshmemInitError("sub-world: " + "; ".join(f"rank {r}: {why}" for r, why in failures))
         self.pes = [pe for _, pe in every]   # NVSHMEM PE (root rank) of each member
+        self.topology = None                 # one NVLink domain (checked above): the flat collectives
         self.device_id, self.device = root.device_id, root.device
         self.device.use()
         self._finalized = False

@@ -122,6 +122,7 @@ fi
 # The GEMM engine is single-GPU: its tests and benchmark run once, outside MPI.
 if want gemm; then
   TAIL=15 step gemm-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -x
+  TAIL=15 step gemm-fp8-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm_fp8.py -q -p no:cacheprovider -x
   TAIL=60 step gemm-bench "${GEMM_LIMIT:-150}" python3 perf/bench_gemm.py ${GEMM_BENCH_ARGS:-} --json "$RES/gemm.json"
 fi
 if [[ ",$CHECK," == *",gemmsuite,"* ]]; then   # the shape suite against cuBLAS: heuristic plans, tuning, tuned plans
@@ -133,6 +134,10 @@ if [[ ",$CHECK," == *",gemmsuite,"* ]]; then   # the shape suite against cuBLAS:
     TAIL=14 step "gemm-suite-tuned-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" \
       --json "$RES/gemm-suite-tuned-$dt.json"
   done
+  for scale in tensor block; do   # fp8 against cuBLASLt (torch._scaled_mm; fluxrt alone without torch)
+    TAIL=4 step "gemm-fp8-$scale" "${SUITE_LIMIT:-300}" python3 perf/gemm_fp8.py --suite "${SUITE:-default}" \
+      --scale "$scale" --json "$RES/gemm-fp8-$scale.json"
+  done
 fi
 want sass && TAIL=5 step sass 120 python3 perf/sass_facts.py --json "$RES/sass.json"
 if want sanitize; then
@@ -143,6 +148,8 @@ if want sanitize; then
   for tool in memcheck racecheck; do
     TAIL=12 step "sanitize-gemm-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
       --report-api-errors no "$py" -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -k "$small"
+    TAIL=12 step "sanitize-gemm-fp8-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
+      --report-api-errors no "$py" -m pytest tests/gpu/test_gemm_fp8.py -q -p no:cacheprovider -k test_sanitize_small
   done
   if [ "$ngpu" -ge 2 ]; then   # the communication kernels, small cases, 2 ranks
     for t in "test_p2p.py:ring and (4099 or 1048576)" \

@@ -180,6 +180,28 @@ def gemm_suite_table(data: dict) -> list[str]:
     return lines + table(header, rows)
 
 
+def gemm_fp8_table(data: dict) -> list[str]:
+    """An fp8 GEMM suite run (perf/gemm_fp8.py): its summary, then per shape cuBLASLt (torch._scaled_mm) and
+    fluxrt kernel times (CUDA graph replays), the ratio (cuBLASLt time / fluxrt time), the eager ratio,
+    fluxrt's TFLOP/s, the outputs' difference and the plan."""
+    summ = data.get("summary") or {}
+    lines = [f"- summary: {', '.join(f'{k} {num(v)}' for k, v in summ.items())}", ""] if summ else []
+    header = ["M", "N", "K", "layer", "scales", "cuBLASLt µs", "fluxrt µs", "ratio", "ratio eager", "fluxrt TFLOP/s",
+              "rel diff vs cuBLASLt", "plan"]
+    rows = []
+    for r in data.get("rows", []):
+        if not isinstance(r, dict):
+            continue
+        diff = num(r.get("rel_err_vs_cublaslt", ""))
+        if r.get("baseline_disagrees"):
+            diff += " (baseline disagrees: not in the geomean)"
+        rows.append([r.get("m"), r.get("n"), r.get("k"), r.get("label"), r.get("scale"),
+                     num(r.get("cublaslt_us", r.get("baseline_error", ""))), num(r.get("fluxrt_us", "")),
+                     num(r.get("ratio", "")), num(r.get("ratio_eager", "")), num(r.get("fluxrt_tflops", "")), diff,
+                     r.get("plan", r.get("error", ""))])
+    return lines + table(header, rows)
+
+
 def section(key: str, path: Path, data: dict) -> list[str]:
     rows = data.get("rows") if "rows" in data else data.get("ms", [])
     lines = [f"### {key}", "",
@@ -196,6 +218,8 @@ def section(key: str, path: Path, data: dict) -> list[str]:
         lines += sweep_table(rows)
     elif data.get("bench") == "gemm-suite":
         lines += gemm_suite_table(data)
+    elif data.get("bench") == "gemm-fp8":
+        lines += gemm_fp8_table(data)
     else:
         lines += generic_table(rows)
     return lines + [""]

@@ -1,6 +1,6 @@
 """Hopper GEMM engine: ``C = A @ B`` (or ``A @ B.T``) with a main loop fluxrt owns (kernels/gemm/hopper_gemm.cu).
 
-Public entry point: :func:`gemm`. The fused ops (AllGather+GEMM, GEMM+ReduceScatter) use
+Public entry point: :func:`gemm` (16-bit inputs, or fp8 with per-tensor / block scales: :mod:`.fp8`). The fused ops (AllGather+GEMM, GEMM+ReduceScatter) use
 :func:`gemm_with_hooks`, which compiles the two hooks into the kernel:
 
 * :class:`ArrivalWait`   -- before loading A for a tile, the producer waits (bounded, acquire.sys, then
@@ -25,17 +25,18 @@ Modules: ``plan`` (tile shape, stages, order: pure Python), ``hooks`` (the fused
 (TMA descriptors and order tables), ``launch`` (one call from arguments to the launch).
 """
 from ..errors import GemmArgumentError, GemmTypeError
-from .checks import validate_gemm_args
+from .checks import Fp8Problem, validate_fp8_args, validate_gemm_args
 from .hooks import (BANDS_A, BANDS_C, DEFAULT_TIMEOUT_NS, REDUCE_WHERE, ArrivalWait, ChunkReduce, RowBands, ShardCopy,
                     TileDestinations, TileEpilogue, band_bits, reduce_hook_id)
 from .kernel import KERNEL_NAME, KERNEL_SOURCE, compile_options, kernel_defines
 from .launch import gemm, gemm_with_hooks
 from .autotune import TuneResult, autotune, plan_for, tuned_plan
 from .launch import clear_launch_cache
-from .plan import GemmPlan, heuristic_plan, plan_gemm
+from .plan import FP8_FORMATS, SCALE_MODES, GemmPlan, fp8_heuristic_plan, fp8_plans, heuristic_plan, plan_gemm
 
 __all__ = ["gemm", "gemm_with_hooks", "GemmPlan", "plan_gemm", "heuristic_plan", "plan_for", "autotune",
            "tuned_plan", "TuneResult", "clear_launch_cache", "ArrivalWait", "TileEpilogue", "TileDestinations",
            "ChunkReduce", "ShardCopy", "RowBands", "GemmArgumentError", "GemmTypeError", "validate_gemm_args",
+           "validate_fp8_args", "Fp8Problem", "fp8_plans", "fp8_heuristic_plan", "FP8_FORMATS", "SCALE_MODES",
            "kernel_defines", "compile_options", "band_bits", "reduce_hook_id", "BANDS_A", "BANDS_C",
            "DEFAULT_TIMEOUT_NS", "REDUCE_WHERE", "KERNEL_NAME", "KERNEL_SOURCE"]

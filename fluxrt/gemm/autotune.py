@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..env import env_flag
 from ..errors import GemmArgumentError
-from .plan import H100_H200_SMS, GemmPlan, heuristic_plan, plain_plans, split_plans
+from .plan import H100_H200_SMS, GemmPlan, fp8_plans, heuristic_plan, plain_plans, split_plans
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -199,8 +199,11 @@ def _time_us(packed, stream_ptr: int, reps: int, rounds: int) -> float:
 
 
 def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = None, stream=None,
-             plans: list[GemmPlan] | None = None, reps: int = 10, rounds: int = 3, force: bool = False) -> TuneResult:
+             plans: list[GemmPlan] | None = None, reps: int = 10, rounds: int = 3, force: bool = False,
+             fp8_format=None, scale_a=None, scale_b=None) -> TuneResult:
     """Time candidate plans for ``a @ b`` (or ``a @ b.T``) on these arrays and keep the fastest in the cache.
+    fp8 (``fp8_format``, scales: as :func:`fluxrt.gemm.gemm`): the candidates are :func:`fp8_plans` of the
+    call's scale mode, and the cache key names both fp8 types and the mode.
 
     Runs the GEMM (len(plans) x (2 + reps x rounds)) times into ``out`` (a scratch array when None) on
     ``stream`` and synchronizes it: not for use inside a CUDA-graph capture. A problem already in the
@@ -212,7 +215,15 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     from .checks import validate_gemm_args
     from .launch import _prepare, _stream_ptr
 
-    m, n, k, in_dt, out_dt = validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
+    fp8 = None
+    if fp8_format is not None:
+        from .checks import validate_fp8_args
+
+        fp8 = validate_fp8_args(a, b, out, trans_b=trans_b, fp8_format=fp8_format, scale_a=scale_a, scale_b=scale_b,
+                                out_dtype=out_dtype)
+        m, n, k, in_dt, out_dt = fp8.m, fp8.n, fp8.k, fp8.key_dtype, fp8.out_dtype
+    else:
+        m, n, k, in_dt, out_dt = validate_gemm_args(a, b, out, trans_b=trans_b, out_dtype=out_dtype)
     dev = cupy.cuda.runtime.getDevice()
     path = cache_path(dev)
     key = problem_key(m, n, k, in_dt, out_dt, trans_b)
@@ -224,18 +235,35 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     from .kernel import _num_sms
 
     sms = _num_sms(dev)
-    cands = plans if plans is not None else candidates(m, n, k, out_dt, sms)
+    if plans is not None:
+        cands = plans
+    elif fp8 is not None:
+        cands = fp8_plans(m, fp8.scale, out_dt)
+    else:
+        cands = candidates(m, n, k, out_dt, sms)
     if not cands:
         raise GemmArgumentError(f"gemm autotune: no candidate plan for {key}")
     sptr = _stream_ptr(stream)
     if out is None:
-        out = cupy.empty((m, n), dtype=cupy.dtype(a.dtype) if out_dtype is None else out_dtype)
+        if fp8 is not None:
+            from ..dtypes import normalize_dtype
+
+            out = cupy.empty((m, n), dtype=normalize_dtype(out_dt))
+        else:
+            out = cupy.empty((m, n), dtype=cupy.dtype(a.dtype) if out_dtype is None else out_dtype)
     timings = []
     t0 = time.perf_counter()
     for plan in cands:
         try:
-            packed, _, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, wait=None,
-                                    epilogue=None, stream_ptr=sptr)
+            if fp8 is not None:
+                from .fp8 import prepare as prepare_fp8
+
+                with cupy.cuda.ExternalStream(sptr):
+                    packed, _, _ = prepare_fp8(a, b, out, fp8_format=fp8_format, scale_a=scale_a, scale_b=scale_b,
+                                               plan=plan, out_dtype=out_dtype)
+            else:
+                packed, _, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, wait=None,
+                                        epilogue=None, stream_ptr=sptr)
             for _ in range(2):
                 packed.launch(sptr)
             us = _time_us(packed, sptr, reps, rounds)

@@ -2,6 +2,9 @@
 run on machines without a GPU and name the operand and shapes at fault)."""
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..arrays import ArrayInfo as _Info
@@ -12,7 +15,7 @@ from .hooks import REDUCE_WHERE, ArrivalWait, ChunkReduce, RowBands, ShardCopy, 
 from .plan import IN_DTYPES as IN_IDS
 from .plan import ITEMSIZE as _ITEMSIZE
 from .plan import OUT_DTYPES as OUT_IDS
-from .plan import TMA_ALIGN, GemmPlan
+from .plan import FP8_FORMATS, FP8_OUT_DTYPES, FP8_SCALE_BLOCK, TMA_ALIGN, GemmPlan
 
 WRITTEN = ("out", "ChunkReduce.out")   # operands the kernel stores into: they must be writable
 
@@ -104,6 +107,135 @@ def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str 
     return m, n, k, ia.dtype, out_dt
 
 
+
+
+@dataclass(frozen=True)
+class Fp8Problem:
+    """An fp8 GEMM call after its checks: sizes, the fp8 types of A and B (ml_dtypes names), the output type
+    and the scale mode (``none``, ``tensor``, ``block``)."""
+    m: int
+    n: int
+    k: int
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    scale: str
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k // FP8_SCALE_BLOCK)
+
+    @property
+    def key_dtype(self) -> str:
+        """The input part of a plan-cache key: both types and the scale mode."""
+        b = "" if self.b_dtype == self.a_dtype else f"x{self.b_dtype}"
+        return f"{self.a_dtype}{b}/{self.scale}"
+
+
+def fp8_formats(fp8_format) -> tuple[str, str]:
+    """('e4m3' | 'e5m2') or a pair (A's, B's) -> the ml_dtypes names of A's and B's types."""
+    pair = (fp8_format, fp8_format) if isinstance(fp8_format, str) else tuple(fp8_format or ())
+    if len(pair) != 2 or any(f not in FP8_FORMATS for f in pair):
+        raise GemmTypeError(f"gemm: fp8_format must be one of {', '.join(map(repr, FP8_FORMATS))} or a pair "
+                            f"(A's, B's) of them, got {fp8_format!r}")
+    return FP8_FORMATS[pair[0]], FP8_FORMATS[pair[1]]
+
+
+def _check_fp8_operand(info: _Info, fmt: str) -> None:
+    if info.dtype in FP8_FORMATS.values():
+        raise GemmTypeError(f"gemm: {info.name} has dtype {info.dtype}, which CuPy cannot hold; pass its bytes as "
+                            "uint8 (torch: t.view(torch.uint8)) with fp8_format")
+    if info.dtype != "uint8":
+        raise GemmTypeError(f"gemm: an fp8 GEMM reads {info.name} as uint8 bytes holding {fmt} values, got dtype "
+                            f"{info.dtype}")
+    _check_matrix(dataclasses.replace(info, dtype=fmt), (fmt,))
+
+
+def _check_scale(info: _Info, shape: tuple, what: str) -> None:
+    if info.dtype != "float32":
+        raise GemmTypeError(f"gemm: {info.name} must be float32, got {info.dtype}")
+    if info.shape != shape:
+        raise GemmArgumentError(f"gemm: {info.name} must have shape {shape} ({what}), got {info.shape}")
+    if info.strides is not None and len(shape) == 2 and shape[0] > 1 and shape[1] > 0 and \
+            info.strides != (shape[1] * 4, 4):
+        raise GemmArgumentError(f"gemm: {info.name} {shape} must be C-contiguous (row-major), got strides "
+                                f"{info.strides} bytes")
+    if info.ptr >= 0 and info.ptr % 4:
+        raise GemmArgumentError(f"gemm: {info.name} at 0x{info.ptr:x} is not 4-byte aligned")
+
+
+def validate_fp8_args(a, b, out=None, *, trans_b: bool = True, fp8_format="e4m3", scale_a=None, scale_b=None,
+                      out_dtype: str | None = None) -> Fp8Problem:
+    """Check the operands of an fp8 GEMM ``C = (A @ B.T)`` dequantised by the scales; makes no CUDA call.
+
+    A [M, K] and B [N, K] (``trans_b=True``: the only fp8 layout, both operands K-major as the tensor cores
+    read fp8) are uint8 arrays of fp8 bytes in ``fp8_format`` ('e4m3', 'e5m2', or a pair for A and B).
+    Scales (fp32 device arrays; both or neither):
+      per tensor  scale_a, scale_b of one element (shape () or (1,)): C = scale_a * scale_b * A @ B.T
+      block       scale_a [M, ceil(K/128)] (one per row and 128 K), scale_b [ceil(N/128), ceil(K/128)]
+                  (one per 128 x 128 block of B): C[i, j] = sum_kb scale_a[i, kb] * scale_b[j // 128, kb] *
+                  (A[i, kb-block] @ B[j, kb-block])
+    out: bf16 or fp16 [M, N] (out_dtype, default bf16, when None).
+    """
+    fa, fb = fp8_formats(fp8_format)
+    ia, ib = _inspect(a, "A"), _inspect(b, "B")
+    if not trans_b:
+        raise GemmArgumentError("gemm: fp8 GEMMs need B as [N, K] with trans_b=True (both operands K-major: the "
+                                "tensor cores read fp8 only that way, as cuBLASLt's 'TN'); transpose B once "
+                                "when it is made (weights usually are [N, K])")
+    _check_fp8_operand(ia, fa)
+    _check_fp8_operand(ib, fb)
+    m, k = ia.shape
+    n, kb = ib.shape
+    if kb != k:
+        raise GemmArgumentError(f"gemm: inner dimensions differ: A {ia.shape} is [M, K] with K={k}, B [N, K] "
+                                f"(trans_b=True) has shape {ib.shape} (K={kb})")
+    if m == 0 or n == 0 or k == 0:
+        raise GemmArgumentError(f"gemm: empty problem M={m} N={n} K={k} (A {ia.shape}, B {ib.shape})")
+    if m >= 1 << 31 or n >= 1 << 31 or k >= 1 << 31:
+        raise GemmArgumentError(f"gemm: dimensions must be < 2^31, got M={m} N={n} K={k}")
+    devices = {i.device for i in (ia, ib) if i.device is not None}
+    if out is not None:
+        io = _inspect(out, "out")
+        _check_matrix(io, FP8_OUT_DTYPES)
+        if io.shape != (m, n):
+            raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected (M, N) = ({m}, {n}) for A {ia.shape} "
+                                    f"and B [N, K] {ib.shape}")
+        if out_dtype is not None and out_dtype != io.dtype:
+            raise GemmTypeError(f"gemm: out is {io.dtype} but out_dtype={out_dtype}")
+        out_dt = io.dtype
+        if io.device is not None:
+            devices.add(io.device)
+    else:
+        out_dt = out_dtype or "bfloat16"
+        if out_dt not in FP8_OUT_DTYPES:
+            raise GemmTypeError(f"gemm: fp8 GEMM output {out_dt} not supported; use one of {', '.join(FP8_OUT_DTYPES)}")
+        if (n * _ITEMSIZE[out_dt]) % TMA_ALIGN:
+            raise GemmArgumentError(f"gemm: output rows would be {n * _ITEMSIZE[out_dt]} bytes (N={n}); need a "
+                                    f"multiple of {TMA_ALIGN}")
+    if (scale_a is None) != (scale_b is None):
+        raise GemmArgumentError("gemm: pass both scale_a and scale_b, or neither (unscaled fp8)")
+    scale = "none"
+    if scale_a is not None:
+        sa, sb = _inspect(scale_a, "scale_a"), _inspect(scale_b, "scale_b")
+        if (sa.ndim <= 1) != (sb.ndim <= 1) or max(sa.ndim, sb.ndim) > 2:
+            raise GemmArgumentError(f"gemm: scale_a {sa.shape} and scale_b {sb.shape} must both be per tensor "
+                                    "(one element, shape () or (1,)) or both block scales (2-D)")
+        kbs = -(-k // FP8_SCALE_BLOCK)
+        if sa.ndim <= 1:
+            scale = "tensor"
+            _check_scale(sa, (1,) * sa.ndim, "a per-tensor scale: one element")
+            _check_scale(sb, (1,) * sb.ndim, "a per-tensor scale: one element")
+        else:
+            scale = "block"
+            _check_scale(sa, (m, kbs), f"block scales of A: one per row and {FP8_SCALE_BLOCK} K, [M, ceil(K/128)]")
+            _check_scale(sb, (-(-n // FP8_SCALE_BLOCK), kbs),
+                         f"block scales of B: one per {FP8_SCALE_BLOCK}x{FP8_SCALE_BLOCK} block, "
+                         "[ceil(N/128), ceil(K/128)]")
+        devices |= {i.device for i in (sa, sb) if i.device is not None}
+    if len(devices) > 1:
+        raise GemmArgumentError(f"gemm: operands live on different devices {sorted(devices)}")
+    return Fp8Problem(m, n, k, fa, fb, out_dt, scale)
 
 
 def _ptr(x) -> int:

@@ -12,7 +12,8 @@ log = logging.getLogger("fluxrt.gemm")
 
 KERNEL_SOURCE = "gemm/hopper_gemm.cu"
 KERNEL_NAME = "fluxrt_gemm"
-IN_IDS = {"bfloat16": 0, "float16": 1}
+IN_IDS = {"bfloat16": 0, "float16": 1, "float8_e4m3fn": 2, "float8_e5m2": 3}
+SCALE_IDS = {"none": 0, "tensor": 1, "block": 2}
 OUT_IDS = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 _lock = threading.Lock()
@@ -21,10 +22,14 @@ _modules: dict = {}
 
 def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool = False,
                    hook_epilogue: bool = False, hook_reduce: int = 0,
-                   hook_copy: bool = False, bands: int = 0) -> tuple[tuple[str, str], ...]:
+                   hook_copy: bool = False, bands: int = 0, b_dtype: str | None = None,
+                   scale: str = "none") -> tuple[tuple[str, str], ...]:
     """-D macros that instantiate hopper_gemm.cu for one configuration. hook_reduce: 0 none, 1 (or True)
     hook 3 in the epilogue, 2 hook 3 in the tail (:attr:`ChunkReduce.hook_id`). bands: which operands are
-    :class:`RowBands` (:func:`band_bits`)."""
+    :class:`RowBands` (:func:`band_bits`). fp8 (in_dtype float8_*): b_dtype is B's fp8 type (default A's),
+    scale the dequantisation mode (fluxrt.gemm.plan.SCALE_MODES)."""
+    fp8 = (("FLUXRT_GEMM_IN_B", str(IN_IDS[b_dtype or in_dtype])), ("FLUXRT_GEMM_SCALE", str(SCALE_IDS[scale]))) \
+        if IN_IDS[in_dtype] >= 2 else ()
     # hook 4 and bands only when on: every configuration without them keeps its earlier macros (and cache key)
     return (("FLUXRT_GEMM_SPLIT_K", "1"),) * (plan.split_k > 1) + (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(IN_IDS[in_dtype])),
@@ -35,7 +40,7 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"),
             ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)),
             # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
-            ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_turns > 1 else "0"))
+            ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_turns > 1 else "0")) + fp8
 
 
 def compile_options(defines, arch: str | None = None):

@@ -214,8 +214,11 @@ _fast_lock = threading.Lock()
 
 def clear_launch_cache() -> None:
     """Forget every packed launch (after a plan cache changed, or to release their tensor maps)."""
+    from . import fp8
+
     with _fast_lock:
         _fast.clear()
+    fp8.clear_launch_cache()
 
 
 def _array_key(x):
@@ -252,7 +255,7 @@ def _fast_gemm(a, b, out, trans_b, stream, plan, out_dtype):
 
 @_nvtx("gemm")
 def gemm(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
-         out_dtype: str | None = None):
+         out_dtype: str | None = None, fp8_format=None, scale_a=None, scale_b=None):
     """``out = a @ b`` (``b`` is [K, N]) or ``a @ b.T`` (``trans_b=True``, ``b`` is [N, K]).
 
     a: [M, K] bf16 or fp16, C-contiguous, on the current device (any __cuda_array_interface__ / DLPack
@@ -260,8 +263,20 @@ def gemm(a, b, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan |
     when None). Rows must be 16-byte aligned: K and N multiples of 8 (N of 4 for fp32 out).
     stream: cupy stream, raw cudaStream_t int, or None (current stream). plan: see fluxrt.gemm.plan.
     Returns ``out``.
+
+    fp8: ``fp8_format`` ('e4m3', 'e5m2', or a pair for A and B) makes a and b uint8 arrays of fp8 bytes, b
+    [N, K] with ``trans_b=True``; ``scale_a`` / ``scale_b`` (fp32 device arrays, per tensor or block scales)
+    dequantise; out is bf16 (default) or fp16. See :mod:`fluxrt.gemm.fp8`.
     """
     import cupy
+
+    if fp8_format is not None:
+        from .fp8 import gemm_fp8
+
+        return gemm_fp8(a, b, out, trans_b=trans_b, fp8_format=fp8_format, scale_a=scale_a, scale_b=scale_b,
+                        stream=stream, plan=plan, out_dtype=out_dtype)
+    if scale_a is not None or scale_b is not None:
+        raise GemmArgumentError("gemm: scale_a / scale_b are for fp8 inputs: pass fp8_format='e4m3' or 'e5m2' too")
 
     if (type(a) is cupy.ndarray and type(b) is cupy.ndarray and (out is None or type(out) is cupy.ndarray)
             and a.ndim == 2 and b.ndim == 2):

@@ -8,7 +8,7 @@ Every field maps onto a compile-time macro or a launch argument of kernels/gemm/
 =============  =====================================================================================
 block_m        tile rows = 64 x consumers (one m64 wgmma row block per consumer warpgroup)
 block_n        tile columns = wgmma N (64, 128, 192, 256)
-block_k        64 (one 128-byte swizzled row of 16-bit inputs); fixed
+block_k        one 128-byte swizzled row: 64 for 16-bit inputs, 128 for fp8 (FP8_BLOCK_K); fixed per type
 stages         depth of the shared-memory ring of (A, B) K blocks
 consumers      consumer warpgroups (1 or 2); the producer warpgroup is always one
 cluster        CTAs per thread-block cluster: 1, or 2 (the pair shares the B tile through TMA multicast)
@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass
 
 BLOCK_K = 64
+FP8_BLOCK_K = 128                  # fp8: a 128-byte row is 128 elements (and one block-scale block of K)
+ROW_BYTES = 128                    # bytes of K per stage row, both input widths
 SMEM_LIMIT_BYTES = 232448          # 227 KiB: the opt-in maximum dynamic shared memory per block on H100/H200
 SMEM_ALIGN_BYTES = 1024            # the kernel aligns its base to a 128B-swizzle atom
 MAX_STAGES = 8
@@ -43,11 +45,17 @@ ORDERS = ("grouped", "hilbert")
 EPILOGUES = ("tma", "direct")
 C_STAGINGS = ("per_consumer", "shared")
 IN_DTYPES = ("bfloat16", "float16")
+# fp8 formats: the GEMM reads uint8 arrays (CuPy has no fp8 dtype) as one of these (ml_dtypes' names)
+FP8_FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+FP8_DTYPES = tuple(FP8_FORMATS.values())
+FP8_OUT_DTYPES = ("bfloat16", "float16")
+SCALE_MODES = ("none", "tensor", "block")   # fp8 dequantisation (FLUXRT_GEMM_SCALE 0, 1, 2)
+FP8_SCALE_BLOCK = 128                      # block scales: A 1 x 128, B 128 x 128
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 TMA_ALIGN = 16                     # bytes: TMA global addresses and row strides are multiples of 16
 
 
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}   # bytes per element of each GEMM dtype
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}   # bytes per element of each GEMM dtype
 
 
 def _bytes_of(dtype_name: str) -> int:
@@ -85,8 +93,9 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.block_m must be 64 * consumers = {64 * self.consumers}, got {self.block_m}")
         if self.block_n not in (64, 128, 192, 256):
             raise ValueError(f"GemmPlan.block_n must be one of 64, 128, 192, 256, got {self.block_n}")
-        if self.block_k != BLOCK_K:
-            raise ValueError(f"GemmPlan.block_k must be {BLOCK_K} (one 128-byte swizzled row), got {self.block_k}")
+        if self.block_k not in (BLOCK_K, FP8_BLOCK_K):
+            raise ValueError(f"GemmPlan.block_k must be {BLOCK_K} (16-bit inputs) or {FP8_BLOCK_K} (fp8): one 128-byte "
+                             f"swizzled row, got {self.block_k}")
         if self.cluster not in (1, 2):
             raise ValueError(f"GemmPlan.cluster must be 1 or 2 (CTAs sharing B by TMA multicast), got {self.cluster}")
         if self.order not in ORDERS:
@@ -123,7 +132,7 @@ class GemmPlan:
 
     # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
     def stage_bytes(self) -> int:
-        return (self.block_m + self.block_n) * self.block_k * 2
+        return (self.block_m + self.block_n) * ROW_BYTES
 
     @property
     def c_turns(self) -> int:
@@ -140,7 +149,7 @@ class GemmPlan:
         """Dynamic shared memory of the kernel; shard_copy: with GEMM hook 4 (its copier's buffer of one
         A piece and its barrier)."""
         barriers = 8 * (2 * self.stages + 2 * self.c_turns + int(shard_copy))
-        copy = self.block_m * self.block_k * 2 if shard_copy else 0
+        copy = self.block_m * ROW_BYTES if shard_copy else 0
         return (self.stages * self.stage_bytes() + self.c_staging_bytes(out_dtype) + copy + barriers
                 + SMEM_ALIGN_BYTES)
 
@@ -385,3 +394,34 @@ def tile_order(plan: GemmPlan, m: int, n: int) -> list[tuple[int, int]]:
 
 def replace(plan: GemmPlan, **changes) -> GemmPlan:
     return dataclasses.replace(plan, **changes)
+
+
+# --- fp8 ---------------------------------------------------------------------------------------------
+
+def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> list[GemmPlan]:
+    """The fp8 plans: every tile shape of :func:`plain_plans` with the fp8 K block (128). Block scales keep a
+    second set of accumulators per K block (the promotion), so their tiles are at most 128 wide (and lie in
+    one 128-column scale block of B)."""
+    if scale not in SCALE_MODES:
+        raise ValueError(f"unknown scale mode {scale!r} (expected one of {SCALE_MODES})")
+    out = []
+    for plan in plain_plans(m, out_dtype):
+        if scale == "block" and FP8_SCALE_BLOCK % plan.block_n:
+            continue
+        out.append(dataclasses.replace(plan, block_k=FP8_BLOCK_K))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def fp8_heuristic_plan(m: int, n: int, k: int, *, scale: str = "tensor", out_dtype: str = "bfloat16",
+                       num_sms: int = H100_H200_SMS) -> GemmPlan:
+    """The plan of an fp8 GEMM without measuring: least :func:`tile_cost` among :func:`fp8_plans` (no split-K).
+    K counts in 128-byte rows, like the 16-bit model's (an fp8 K block is as long as a 16-bit one)."""
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"unsupported fp8 output dtype {out_dtype!r} (expected one of {FP8_OUT_DTYPES})")
+    best = None
+    for plan in fp8_plans(m, scale, out_dtype):
+        cost = tile_cost(m, n, k // 2, plan.block_m, plan.block_n, plan.cluster, num_sms)
+        if best is None or cost < best[0] * 0.999:
+            best = (cost, plan)
+    return best[1].validate(out_dtype)

@@ -16,7 +16,9 @@ _order_tables: dict = {}
 _tmaps: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
 _TMAP_CACHE_SIZE = 256
 _TMAP_TYPES = {"bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", "float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
-               "float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"}
+               "float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32",
+               # fp8: bytes to TMA (the tensor cores interpret them; CUDA 12's driver has no fp8 map type)
+               "float8_e4m3fn": "CU_TENSOR_MAP_DATA_TYPE_UINT8", "float8_e5m2": "CU_TENSOR_MAP_DATA_TYPE_UINT8"}
 _TMAP_DTYPE = np.dtype([("opaque", "<u8", (16,))])  # CUtensorMap: 128 opaque bytes
 
 

@@ -15,6 +15,7 @@ BENCHES = {
     "broadcast": "fluxrt.perf.collectives:broadcast",
     "ag_gemm": "fluxrt.perf.tp_ops:ag_gemm",
     "gemm_rs": "fluxrt.perf.tp_ops:gemm_rs",
+    "allreduce_rmsnorm": "fluxrt.perf.fused",
 }
 
 #: One line per subcommand for ``fluxrt-perf --help``.
@@ -28,6 +29,7 @@ SUMMARIES = {
     "broadcast": "broadcast_perf: fluxrt and NCCL side by side, -r root or all",
     "ag_gemm": "AllGather+GEMM fused vs GEMM alone, NCCL+cuBLAS, torch async-TP; overlap efficiency",
     "gemm_rs": "GEMM+ReduceScatter fused vs GEMM alone, cuBLAS+NCCL, torch async-TP; overlap efficiency",
+    "allreduce_rmsnorm": "fused allreduce+residual+RMSNorm vs fluxrt/NCCL allreduce + a separate norm, per T x H",
 }
 
 

@@ -211,6 +211,90 @@ class FluxrtRunner:
         self.ctx.free()
 
 
+_normal_kernel = None
+COMPRESSIBLE = ("allreduce", "reduce_scatter", "allgather")
+_REF_PIECE = 1 << 24  # elements of the float64 reference made at a time
+
+
+def _normal(count: int, key: int, start: int = 0):
+    """Standard normal float32 values at positions start.. for `key` (a counter-based hash, so any range can
+    be made again without the rest: the float64 reference of a 1 GiB sweep is built piece by piece)."""
+    import cupy
+
+    global _normal_kernel
+    if _normal_kernel is None:
+        _normal_kernel = cupy.ElementwiseKernel(
+            "int64 key, int64 start", "float32 y",
+            """unsigned long long z = (unsigned long long)(i + start) * 0x9E3779B97F4A7C15ull
+                                      + (unsigned long long)(key + 1) * 0xD1B54A32D192ED03ull;
+               z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+               z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+               z ^= z >> 31;
+               const float u1 = ((float)(z >> 40) + 1.f) * (1.f / 16777217.f);
+               const float u2 = (float)((z >> 16) & 0xFFFFFFull) * (1.f / 16777216.f);
+               y = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);""", "fluxrt_perf_normal")
+    y = cupy.empty(count, dtype=np.float32)
+    _normal_kernel(np.int64(key), np.int64(start), y)
+    return y
+
+
+class CompressedRunner:
+    """fluxrt's compressed allreduce / reduce_scatter / allgather (``compress=``), on the fluxrt runner's
+    context. Lossy: instead of the exact check it reports the relative error against a float64 reference on
+    normally distributed inputs (``rel_error``)."""
+
+    lossy = True
+
+    def __init__(self, world: World, op: str, fmt: str, ctx):
+        self.world, self.op, self.fmt, self.ctx = world, op, fmt, ctx
+        self.name = f"fluxrt_{fmt}"
+
+    def algo_name(self, case: Case) -> str:
+        return f"compressed_{self.fmt}"
+
+    def inplace_ok(self) -> bool:
+        return False
+
+    def __call__(self, case: Case, stream) -> None:
+        getattr(self.ctx, self.op)(case.x, case.out, stream=stream, compress=self.fmt)
+
+    def rel_error(self, case: Case, stream) -> float:
+        """||out - reference|| / ||reference|| (the largest over ranks) on normal inputs; the case's input is
+        restored afterwards."""
+        import cupy
+
+        n, r = self.world.size, self.world.rank
+        case.x[...] = _normal(case.in_elems, r).astype(case.dtype)
+        self.world.device.synchronize()
+        self(case, stream)
+        stream.synchronize()
+        self.world.check_errors()
+        num = den = 0.0
+        for lo in range(0, case.out_elems, _REF_PIECE):
+            hi = min(case.out_elems, lo + _REF_PIECE)
+            if self.op == "allgather":
+                ref = cupy.concatenate([_normal(min(hi, (p + 1) * case.in_elems) - max(lo, p * case.in_elems), p,
+                                                max(lo, p * case.in_elems) - p * case.in_elems)
+                                        for p in range(n) if max(lo, p * case.in_elems) < min(hi, (p + 1) * case.in_elems)])
+                ref = ref.astype(np.float64)
+            else:
+                base = r * case.out_elems if self.op == "reduce_scatter" else 0
+                ref = cupy.zeros(hi - lo, dtype=np.float64)
+                for p in range(n):
+                    ref += _normal(hi - lo, p, base + lo).astype(case.dtype).astype(np.float64)
+            if self.op == "allgather":
+                ref = ref.astype(case.dtype).astype(np.float64)
+            d = case.out[lo:hi].astype(np.float64) - ref
+            num += float((d * d).sum())
+            den += float((ref * ref).sum())
+        case.fill_input()
+        rel = (num / den) ** 0.5 if den > 0 else 0.0
+        return float(max(self.world.comm.allgather(rel)))
+
+    def close(self) -> None:
+        pass
+
+
 class NcclRunner:
     name = "nccl"
 
@@ -347,7 +431,12 @@ def sweep(world: World, op: str, opts: SweepOptions, runners, out=None, symmetri
                 for run in runners:
                     if ip and not run.inplace_ok():
                         continue
-                    wrong = _check(world, run, case, stream) if opts.check else None
+                    if getattr(run, "lossy", False) and case.dtype.itemsize not in (2, 4) or (
+                            getattr(run, "lossy", False) and case.dtype.kind in "iu"):
+                        continue  # compressed forms take bf16, fp16 and fp32
+                    lossy = getattr(run, "lossy", False)
+                    wrong = _check(world, run, case, stream) if opts.check and not lossy else None
+                    rel_err = run.rel_error(case, stream) if lossy else None
                     times = _rank_times_us(world, run, case, stream, opts)
                     algo = run.algo_name(case)
                     scheme, algorithm = _ALGO_PAIRS.get((op, algo), ("", "")) if run.name == "fluxrt" else ("", "")
@@ -355,7 +444,7 @@ def sweep(world: World, op: str, opts: SweepOptions, runners, out=None, symmetri
                                              impl=run.name, algo=algo,
                                              time_us=reduce_over_ranks(times, opts.average), busbw_factor=factor,
                                              wrong=wrong, root=root, inplace=ip, stats=rank_stats(times),
-                                             scheme=scheme, algorithm=algorithm))
+                                             scheme=scheme, algorithm=algorithm, rel_err=rel_err))
             table.add(line)
         if symmetric:
             world.free(out_full)
@@ -413,6 +502,13 @@ def parser(op: str) -> argparse.ArgumentParser:
     ap.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
                     help="override a collectives_plan.Tuning field, e.g. --tune ll_max_bytes=256K "
                          "--tune bulk_max_grid=128 (repeatable)")
+    if op in COMPRESSIBLE:
+        ap.add_argument("--compress", default=None, choices=("fp8", "int8"),
+                        help="add a column of fluxrt's compressed form (8-bit payload, 128-element block "
+                             "scales) with its relative error against a float64 reference in the JSON")
+    ap.add_argument("--device", type=int, default=None,
+                    help="pin every rank to this GPU (several ranks on one GPU under CUDA MPS: a smoke run whose "
+                         "timings mean nothing)")
     ap.add_argument("--check-args", action="store_true",
                     help="keep fluxrt's cross-rank argument check on, as the library's default (an MPI "
                          "allgather per eager call; off in the sweep unless given)")
@@ -466,12 +562,18 @@ def main(argv=None, op: str = "allreduce") -> int:
         heap = 2 * opts.maxbytes + 2 * opts.element_size + workspace + (256 << 20)
     world_kw = {"timeout_s": opts.timeout} if opts.timeout > 0 else {}
     options = fluxrt.WorldOptions(heap_size=heap, check_collective_args=args.check_args, **world_kw)
-    with fluxrt.init(options=options) as world:
+    with fluxrt.init(device=args.device, options=options) as world:
         if opts.root != "all" and not 0 <= opts.root < world.size:
             ap.error(f"-r/--root {opts.root} outside {world.size} ranks")
         redop = opts.op if op in REDUCING and opts.op != "all" else "sum"
         runners = [FluxrtRunner(world, op, args.algo, redop, 0, workspace, args.symmetric, tuning)]
-        notes = []
+        notes = [] if args.device is None else [f"every rank on device {args.device}: timings mean nothing"]
+        compress = getattr(args, "compress", None)
+        if compress:
+            if redop != "sum":
+                ap.error(f"--compress: compressed {op} sums only (-o sum)")
+            runners.append(CompressedRunner(world, op, compress, runners[0].ctx))
+            notes.append(f"fluxrt_{compress}: compressed payload; #wrong not checked (lossy), rel_err in the JSON")
         if "nccl" in args.impl_list:
             try:
                 runners.append(NcclRunner(world, op, redop, 0))

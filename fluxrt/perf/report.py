@@ -63,12 +63,13 @@ class Row:
     time_max_us: float | None = None
     scheme: str = ""     # fluxrt's algo as a (scheme, algorithm) pair (collectives_plan.ALGO_PAIRS); "" elsewhere
     algorithm: str = ""
+    rel_err: float | None = None  # lossy (compressed) rows: ||out - float64 reference|| / ||reference||
 
     @classmethod
     def measured(cls, *, nbytes: int, count: int, dtype: str, redop: str, impl: str, algo: str,
                  time_us: float, busbw_factor: float, wrong: int | None = None,
                  root: int = -1, inplace: bool = False, stats: Mapping | None = None,
-                 scheme: str = "", algorithm: str = "") -> "Row":
+                 scheme: str = "", algorithm: str = "", rel_err: float | None = None) -> "Row":
         """A row with algbw and busbw derived from the time, so no caller gets the units wrong.
         ``stats``: {"min", "avg", "max"} over ranks (:func:`fluxrt.perf.sweep.rank_stats`)."""
         algbw = algbw_gbps(nbytes, time_us)
@@ -76,7 +77,7 @@ class Row:
         return cls(bytes=nbytes, count=count, dtype=dtype, redop=redop, impl=impl, algo=algo,
                    time_us=time_us, algbw=algbw, busbw=algbw * busbw_factor, wrong=wrong, root=root,
                    inplace=inplace, time_min_us=stats.get("min"), time_avg_us=stats.get("avg"),
-                   time_max_us=stats.get("max"), scheme=scheme, algorithm=algorithm)
+                   time_max_us=stats.get("max"), scheme=scheme, algorithm=algorithm, rel_err=rel_err)
 
 
 # (name, unit, width) of the columns shared by all implementations, then of each implementation's block.

@@ -39,14 +39,6 @@ using fluxrt::kSum;
 using fluxrt::kMax;
 using fluxrt::kMin;
 
-#define FLUXRT_TEAM_PARAMS                                                                              \
-    u64 *epoch, char *ws, const u64 *ws_peers, u64 *flags, const u64 *flags_peers, u64 half_bytes,     \
-        char *ll, const u64 *ll_peers, u64 ll_half_bytes, u32 rank, u32 world, u64 timeout_ns,         \
-        ErrorRecord *err, u32 op
-#define FLUXRT_TEAM                                                                                     \
-    Team{epoch, ws, ws_peers, flags, flags_peers, half_bytes, ll, ll_peers, ll_half_bytes, rank, world, \
-         timeout_ns, err, op}
-
 #define FLUXRT_REDUCTIONS_ANY(NAME, E, OP)                                                                \
     extern "C" __global__ void fluxrt_allreduce_oneshot_##NAME(FLUXRT_TEAM_PARAMS, const E::T* x,      \
                                                                  E::T* out, u64 count, u64 slot_bytes) { \

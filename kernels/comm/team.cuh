@@ -85,6 +85,16 @@ struct ExchangeTable {
     u64 send_dst[kMaxWorld];    // direct rounds: where peer q wants the data (in its output, mapped here)
 };
 
+// The team as the leading parameters of an extern "C" entry point, and the Team they make (for files of
+// entry points with `using` of fluxrt::u64, u32 and ErrorRecord; the host packs one team tuple for all).
+#define FLUXRT_TEAM_PARAMS                                                                              \
+    u64 *epoch, char *ws, const u64 *ws_peers, u64 *flags, const u64 *flags_peers, u64 half_bytes,     \
+        char *ll, const u64 *ll_peers, u64 ll_half_bytes, u32 rank, u32 world, u64 timeout_ns,         \
+        ErrorRecord *err, u32 op
+#define FLUXRT_TEAM                                                                                     \
+    Team{epoch, ws, ws_peers, flags, flags_peers, half_bytes, ll, ll_peers, ll_half_bytes, rank, world, \
+         timeout_ns, err, op}
+
 // ----------------------------------------------------------------------------------------- epochs
 // All threads call; returns the round's flag value. Every launch adds exactly kRoundUnit to the counter,
 // whatever its grid: block b adds its share (kRoundUnit / grid, block 0 also the remainder). Launches of

@@ -6,7 +6,15 @@
 //   FLUXRT_GEMM_BN            tile N (64..256, multiple of 64)           default 256
 //   FLUXRT_GEMM_CONSUMERS     consumer warpgroups; tile M = 64 * this    default 2
 //   FLUXRT_GEMM_STAGES        smem ring depth                            default 3
-//   FLUXRT_GEMM_IN            0 bf16, 1 fp16                             default 0
+//   FLUXRT_GEMM_IN            A's type: 0 bf16, 1 fp16, 2 fp8 e4m3, 3 fp8 e5m2     default 0
+//   FLUXRT_GEMM_IN_B          B's type when it differs from A's (fp8 only: 2 or 3)   default FLUXRT_GEMM_IN
+//                             fp8: tile K = 128 (one 128-byte row, as 64 for 16-bit), m64nNk32 wgmma, B
+//                             K-major only ([N, K]: PTX has no transposed fp8 operand)
+//   FLUXRT_GEMM_SCALE         fp8 dequantisation: 0 none; 1 per tensor (C = sa * sb * A@B, sa, sb fp32 scalars
+//                             in device memory); 2 block scales (DeepSeek-V3 style): A 1x128 per row and K
+//                             block ([M, K/128] fp32), B 128x128 ([N/128, K/128] fp32); each K block's product
+//                             is accumulated in fresh registers and added into the fp32 accumulators times
+//                             sa[row, kb] * sb[n / 128, kb]. Needs kBN <= 128.                  default 0
 //   FLUXRT_GEMM_OUT           0 bf16, 1 fp16, 2 fp32                     default 0
 //   FLUXRT_GEMM_B_KMAJOR      1: B is [N,K]; 0: B is [K,N]               default 0
 //   FLUXRT_GEMM_HOOK_WAIT     1: hook 1 (arrival wait before A loads)    default 0
@@ -62,6 +70,12 @@
 #ifndef FLUXRT_GEMM_IN
 #define FLUXRT_GEMM_IN 0
 #endif
+#ifndef FLUXRT_GEMM_IN_B
+#define FLUXRT_GEMM_IN_B FLUXRT_GEMM_IN
+#endif
+#ifndef FLUXRT_GEMM_SCALE
+#define FLUXRT_GEMM_SCALE 0
+#endif
 #ifndef FLUXRT_GEMM_OUT
 #define FLUXRT_GEMM_OUT 0
 #endif
@@ -104,10 +118,15 @@ constexpr int kConsumers = FLUXRT_GEMM_CONSUMERS;
 constexpr int kRowsPerConsumer = 64;                       // wgmma M
 constexpr int kBM = kRowsPerConsumer * kConsumers;          // tile rows
 constexpr int kBN = FLUXRT_GEMM_BN;                         // tile cols (= wgmma N)
-constexpr int kBK = 64;                                     // 64 x 2 B = one 128-byte swizzled row
+constexpr bool kFp8 = FLUXRT_GEMM_IN >= 2;
+constexpr int kInBytes = kFp8 ? 1 : 2;
+constexpr int kBK = 128 / kInBytes;                         // one 128-byte swizzled row (64 x 2 B, 128 x 1 B)
 constexpr int kStages = FLUXRT_GEMM_STAGES;
-constexpr int kWgmmaK = 16;                                 // K per wgmma instruction (16-bit inputs)
-constexpr int kInBytes = 2;
+constexpr int kWgmmaK = 32 / kInBytes;                      // K per wgmma instruction: 32 bytes of a row
+constexpr int kScaleMode = FLUXRT_GEMM_SCALE;
+constexpr bool kTensorScale = kScaleMode == 1;
+constexpr bool kBlockScale = kScaleMode == 2;
+constexpr int kScaleBlock = 128;                            // block scales: 1 x 128 (A), 128 x 128 (B)
 constexpr int kOutBytes = FLUXRT_GEMM_OUT == 2 ? 4 : 2;
 constexpr bool kBKMajor = FLUXRT_GEMM_B_KMAJOR != 0;
 constexpr bool kHookWait = FLUXRT_GEMM_HOOK_WAIT != 0;
@@ -128,6 +147,14 @@ constexpr bool kBandsC = (FLUXRT_GEMM_BANDS & 2) != 0;
 static_assert(!(kBandsA && kHookCopy), "hook 4 stores A's own rows through the 2-D map of A");
 static_assert(!(kBandsC && (kHookEpilogue || kEpiDirect)), "banded C is C itself, stored by the storer warp");
 constexpr bool kSplitK = FLUXRT_GEMM_SPLIT_K != 0;
+static_assert(FLUXRT_GEMM_IN >= 0 && FLUXRT_GEMM_IN <= 3, "input type 0..3");
+static_assert(kFp8 ? (FLUXRT_GEMM_IN_B == 2 || FLUXRT_GEMM_IN_B == 3) : FLUXRT_GEMM_IN_B == FLUXRT_GEMM_IN,
+              "B's type: an fp8 format with fp8 A, else A's type");
+static_assert(!kFp8 || kBKMajor, "fp8 wgmma reads B K-major only: B must be [N, K] (FLUXRT_GEMM_B_KMAJOR=1)");
+static_assert(kScaleMode == 0 || kFp8, "scales are for fp8 inputs");
+static_assert(kScaleMode >= 0 && kScaleMode <= 2, "scale mode 0..2");
+static_assert(!kBlockScale || (kBK == kScaleBlock && kScaleBlock % kBN == 0 && !kSplitK),
+              "block scales: one scale block per K block, tiles inside one 128-column scale block, no split-K");
 static_assert(!kSplitK || (kBandsC && !kBandsA && FLUXRT_GEMM_OUT == 2 && kCluster == 1 && !kHookWait &&
                            !kHookEpilogue), "split-K: fp32 partials into banded C, plain loads, no cluster");
 

@@ -2,31 +2,36 @@
 #pragma once
 
 #include "../gemm/config.cuh"
+#include "../gemm/params.cuh"
 #include "../gemm/scheduler.cuh"
 #include "../gemm/wgmma_ops.cuh"
 
 namespace fluxrt_sm90 {
 
-// wgmma dispatch for the configured N and input type.
-template <int N, int IN, int MN>
+// wgmma dispatch for the configured N and input types (A's, B's: 0 bf16, 1 fp16, 2 e4m3, 3 e5m2).
+template <int N, int IN, int INB, int MN>
 struct Mma;
-#define FLUXRT_GEMM_MMA(NN, IN_ID, FN)                                                          \
+#define FLUXRT_GEMM_MMA(NN, IN_ID, INB_ID, FN)                                                  \
     template <int MN>                                                                           \
-    struct Mma<NN, IN_ID, MN> {                                                                 \
+    struct Mma<NN, IN_ID, INB_ID, MN> {                                                         \
         static __device__ __forceinline__ void run(float (&d)[NN / 2], u64 a, u64 b, int acc) { \
             FN<MN>(d, a, b, acc);                                                               \
         }                                                                                       \
     };
-FLUXRT_GEMM_MMA(64, 0, wgmma_m64n64k16_bf16)
-FLUXRT_GEMM_MMA(128, 0, wgmma_m64n128k16_bf16)
-FLUXRT_GEMM_MMA(192, 0, wgmma_m64n192k16_bf16)
-FLUXRT_GEMM_MMA(256, 0, wgmma_m64n256k16_bf16)
-FLUXRT_GEMM_MMA(64, 1, wgmma_m64n64k16_f16)
-FLUXRT_GEMM_MMA(128, 1, wgmma_m64n128k16_f16)
-FLUXRT_GEMM_MMA(192, 1, wgmma_m64n192k16_f16)
-FLUXRT_GEMM_MMA(256, 1, wgmma_m64n256k16_f16)
+#define FLUXRT_GEMM_MMA_NS(IN_ID, INB_ID, T)                    \
+    FLUXRT_GEMM_MMA(64, IN_ID, INB_ID, wgmma_m64n64##T)         \
+    FLUXRT_GEMM_MMA(128, IN_ID, INB_ID, wgmma_m64n128##T)       \
+    FLUXRT_GEMM_MMA(192, IN_ID, INB_ID, wgmma_m64n192##T)       \
+    FLUXRT_GEMM_MMA(256, IN_ID, INB_ID, wgmma_m64n256##T)
+FLUXRT_GEMM_MMA_NS(0, 0, k16_bf16)
+FLUXRT_GEMM_MMA_NS(1, 1, k16_f16)
+FLUXRT_GEMM_MMA_NS(2, 2, k32_e4m3_e4m3)
+FLUXRT_GEMM_MMA_NS(2, 3, k32_e4m3_e5m2)
+FLUXRT_GEMM_MMA_NS(3, 2, k32_e5m2_e4m3)
+FLUXRT_GEMM_MMA_NS(3, 3, k32_e5m2_e5m2)
+#undef FLUXRT_GEMM_MMA_NS
 #undef FLUXRT_GEMM_MMA
-using TileMma = Mma<kBN, FLUXRT_GEMM_IN, kBKMajor ? 0 : 1>;
+using TileMma = Mma<kBN, FLUXRT_GEMM_IN, FLUXRT_GEMM_IN_B, kBKMajor ? 0 : 1>;
 
 // Stage s of the ring is free again: every consumer warpgroup of every CTA of the cluster arrives,
 // because the next TMA into stage s (B multicast) writes the shared memory of all of them. Called by
@@ -40,6 +45,62 @@ __device__ __forceinline__ void release_stage(u32 bar_empty, int tid) {
     }
 }
 
+// fp8 dequantisation (FLUXRT_GEMM_SCALE), the consumer's part. Variants, as types run_consumer takes:
+//   NoScale      C = A @ B
+//   TensorScale  C = sa * sb * (A @ B): one multiply per accumulator after a tile's last MMA
+//   BlockScale   C = sum over K blocks kb of sa[row, kb] * sb[n / 128, kb] * (A @ B)[kb]: each K block's
+//                MMAs start from zero in their own registers, and once they retired the consumer adds
+//                them into the fp32 accumulators with the scales (the promotion of DeepSeek-V3's FP8
+//                GEMMs: the scale changes per K block, so it cannot wait for the end of the tile).
+struct NoScale {
+    __device__ __forceinline__ void begin_tile(int, int, int) {}
+    __device__ __forceinline__ void finish(float (&)[kAccRegs]) const {}
+};
+
+struct TensorScale {
+    float s;
+    static __device__ __forceinline__ TensorScale of(const ScaleArgs& a) { return TensorScale{__ldg(a.a) * __ldg(a.b)}; }
+    __device__ __forceinline__ void begin_tile(int, int, int) {}
+    __device__ __forceinline__ void finish(float (&acc)[kAccRegs]) const {
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) acc[i] *= s;
+    }
+};
+
+// The thread's rows of the fragment (16w + l/4 and +8, clamped into A's rows: the tail rows of the last
+// tile are computed on zeros and never stored) and the tile's scale block of B.
+struct BlockScale {
+    const float* a;
+    const float* b;
+    int k_blocks, m;
+    const float* row0;     // this tile's scale rows of the thread
+    const float* row1;
+    const float* col;      // the tile's 128-column block of B
+
+    static __device__ __forceinline__ BlockScale of(const ScaleArgs& s, int m) {
+        return BlockScale{s.a, s.b, s.k_blocks, m, nullptr, nullptr, nullptr};
+    }
+    __device__ __forceinline__ void begin_tile(int m0, int n0, int tid) {
+        const int r = m0 + (tid >> 5) * 16 + ((tid & 31) >> 2);
+        row0 = a + (long long)min(r, m - 1) * k_blocks;
+        row1 = a + (long long)min(r + 8, m - 1) * k_blocks;
+        col = b + (long long)(n0 / kScaleBlock) * k_blocks;
+    }
+    // The K block's two row scales times its column scale (loaded before its MMAs: the loads fly meanwhile).
+    __device__ __forceinline__ float2 load(int kb) const {
+        const float sb = __ldg(col + kb);
+        return make_float2(__ldg(row0 + kb) * sb, __ldg(row1 + kb) * sb);
+    }
+    // acc += part * s; fragment registers 4g + {0,1} are the thread's first row, 4g + {2,3} its row + 8.
+    __device__ __forceinline__ void promote(float (&acc)[kAccRegs], const float (&part)[kAccRegs], float2 s) const {
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) acc[i] = fmaf(part[i], (i & 2) ? s.y : s.x, acc[i]);
+    }
+    __device__ __forceinline__ void finish(float (&)[kAccRegs]) const {}
+};
+
+using Scale = Select<kBlockScale, BlockScale, Select<kTensorScale, TensorScale, NoScale>::type>::type;
+
 // The smem and barriers a consumer warpgroup works with.
 struct ConsumerSmem {
     u32 smem;             // 1024-byte aligned base (shared::cta address)
@@ -51,9 +112,9 @@ struct ConsumerSmem {
 // One consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile of the schedule, then hands
 // the accumulators to the epilogue (Epilogue::store), which the mainloop calls back once per K block
 // (Epilogue::after_k_block, for work that overlaps the MMAs).
-template <class Epilogue>
+template <class Epilogue, class ScaleT>
 __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int wg, const ConsumerSmem& sm,
-                                             Epilogue& epilogue) {
+                                             Epilogue& epilogue, ScaleT scale) {
     const int tid = threadIdx.x & 127;  // thread within the warpgroup
     const int k_blocks = (K + kBK - 1) / kBK;
     float acc[kAccRegs];
@@ -64,25 +125,49 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
     for (int t = sched.first; t < sched.total; t += sched.stride) {
         int prev_stage = 0;
         const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
+        if constexpr (kBlockScale) {
+            int m_tile, n_tile;
+            sched.tile(t, m_tile, n_tile);
+            scale.begin_tile(m_tile * kBM + wg * kRowsPerConsumer, n_tile * kBN, tid);
+#pragma unroll
+            for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
+        }
         for (int kb = 0; kb < k_blocks; ++kb) {
             mbar_wait(sm.bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
             const u32 a_base = sm.smem + kOffA + stage * kTileABytes + a_rows_offset;
             const u32 b_base = sm.smem + kOffB + stage * kTileBBytes;
-            wgmma_fence();  // accumulator registers written before (epilogue reads, previous MMAs) -> wgmma
+            if constexpr (kBlockScale) {
+                // The K block's product in its own registers; once retired, its stage goes back to the
+                // loader and the product is scaled into acc (the other consumer's MMAs run meanwhile).
+                const float2 s = scale.load(kb);
+                float part[kAccRegs];
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
-                const u64 da = desc_kmajor(a_base + kk * kWgmmaK * kInBytes);
-                const u64 db = kBKMajor ? desc_kmajor(b_base + kk * kWgmmaK * kInBytes)
-                                        : desc_mnmajor(b_base + kk * kWgmmaK * 128u, kBAtomBytes);
-                TileMma::run(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);  // first MMA of a tile: D = A*B
-            }
-            wgmma_commit();
-            epilogue.after_k_block(tile, kb, k_blocks, wg, tid);
-            // Keep one group in flight: when the previous K block's group has retired, its stage's
-            // smem is no longer read by the tensor cores and goes back to the loader.
-            if (kb > 0) {
-                wgmma_wait<1>();
-                release_stage(sm.bars_empty + 8 * prev_stage, tid);
+                for (int kk = 0; kk < kBK / kWgmmaK; ++kk)
+                    TileMma::run(part, desc_kmajor(a_base + kk * kWgmmaK * kInBytes),
+                                 desc_kmajor(b_base + kk * kWgmmaK * kInBytes), kk > 0 ? 1 : 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+                reg_fence(part);
+                release_stage(sm.bars_empty + 8 * stage, tid);
+                scale.promote(acc, part, s);
+            } else {
+                wgmma_fence();  // accumulator registers written before (epilogue reads, previous MMAs) -> wgmma
+#pragma unroll
+                for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
+                    const u64 da = desc_kmajor(a_base + kk * kWgmmaK * kInBytes);
+                    const u64 db = kBKMajor ? desc_kmajor(b_base + kk * kWgmmaK * kInBytes)
+                                            : desc_mnmajor(b_base + kk * kWgmmaK * 128u, kBAtomBytes);
+                    TileMma::run(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);  // first MMA of a tile: D = A*B
+                }
+                wgmma_commit();
+                epilogue.after_k_block(tile, kb, k_blocks, wg, tid);
+                // Keep one group in flight: when the previous K block's group has retired, its stage's
+                // smem is no longer read by the tensor cores and goes back to the loader.
+                if (kb > 0) {
+                    wgmma_wait<1>();
+                    release_stage(sm.bars_empty + 8 * prev_stage, tid);
+                }
             }
             prev_stage = stage;
             if (++stage == kStages) {
@@ -90,9 +175,12 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 phase ^= 1;
             }
         }
-        wgmma_wait<0>();  // all MMAs of the tile retired: accumulators final
-        reg_fence(acc);
-        if (k_blocks > 0) release_stage(sm.bars_empty + 8 * prev_stage, tid);
+        if constexpr (!kBlockScale) {
+            wgmma_wait<0>();  // all MMAs of the tile retired: accumulators final
+            reg_fence(acc);
+            if (k_blocks > 0) release_stage(sm.bars_empty + 8 * prev_stage, tid);
+        }
+        scale.finish(acc);
         epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
     }
     epilogue.after_tiles(sched);

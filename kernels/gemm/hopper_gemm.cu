@@ -1,7 +1,7 @@
 // fluxrt Hopper GEMM (sm_90a): C[M,N] = A[M,K] @ B, fp32 accumulate.
 //
-//   A  row-major [M, K] (K-major), bf16 or fp16
-//   B  row-major [K, N] (MN-major, FLUXRT_GEMM_B_KMAJOR=0) or [N, K] ("trans_b", K-major, =1)
+//   A  row-major [M, K] (K-major), bf16, fp16, or fp8 (e4m3 / e5m2, with per-tensor or block scales)
+//   B  row-major [K, N] (MN-major, FLUXRT_GEMM_B_KMAJOR=0) or [N, K] ("trans_b", K-major, =1; fp8: only this)
 //   C  row-major [M, N], bf16 / fp16 / fp32
 //
 // One CTA = 1 producer warpgroup + FLUXRT_GEMM_CONSUMERS consumer warpgroups, persistent over tiles:
@@ -34,7 +34,7 @@
 //                  fluxrt/gemm/params.py)
 //   scheduler.cuh  persistent tile order (grouped / Hilbert, clusters, rank offset), row chunks
 //   mainloop.cuh   loader variants (plain, arrival wait, own-shard copy) and the copier
-//   consumer.cuh   wgmma main loop of a consumer warpgroup
+//   consumer.cuh   wgmma main loop of a consumer warpgroup, fp8 scale variants (per tensor, block)
 //   epilogue.cuh   epilogue variants (direct, TMA store, peer store + flag, chunk reduce, tail reduce),
 //                  the storer, and the sums of partials
 #include <fluxrt/comm.cuh>
@@ -88,6 +88,12 @@ __device__ __forceinline__ ChunkReduceEpilogue make_epilogue(const Params& p, Ro
 }
 __device__ __forceinline__ TailReduceEpilogue make_epilogue(const Params& p, RowChunks chunks, TailReduceEpilogue*) {
     return TailReduceEpilogue{{{chunks}, p.epilogue}, p.reduce, p.tail, p.timeout, p.gemm.m, p.gemm.n};
+}
+
+__device__ __forceinline__ NoScale make_scale(const Params&, NoScale*) { return NoScale{}; }
+__device__ __forceinline__ TensorScale make_scale(const Params& p, TensorScale*) { return TensorScale::of(p.scale); }
+__device__ __forceinline__ BlockScale make_scale(const Params& p, BlockScale*) {
+    return BlockScale::of(p.scale, p.gemm.m);
 }
 
 }  // namespace fluxrt_sm90
@@ -162,7 +168,7 @@ fluxrt_gemm(const __grid_constant__ Params p) {
         const int wg = warpgroup - 1;
         const ConsumerSmem sm{smem, smem_raw + pad, bars_full, bars_empty, bar_c_full + 8 * c_turn_of(wg),
                               bar_c_empty + 8 * c_turn_of(wg)};
-        run_consumer(sched, p.gemm.k, wg, sm, epilogue);
+        run_consumer(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr));
     }
     // Stage 3: with a cluster, no CTA may exit while its peer can still multicast into its shared memory
     // or arrive on its barriers: every thread of both CTAs meets here once all work is done.
@@ -178,4 +184,5 @@ extern "C" __device__ const unsigned int fluxrt_gemm_threads = kThreads;
 extern "C" __device__ const unsigned int fluxrt_gemm_smem_bytes = kSmemBytes + kSmemAlign;
 extern "C" __device__ const unsigned int fluxrt_gemm_block_m = kBM;
 extern "C" __device__ const unsigned int fluxrt_gemm_block_n = kBN;
+extern "C" __device__ const unsigned int fluxrt_gemm_block_k = kBK;
 extern "C" __device__ const unsigned int fluxrt_gemm_params_bytes = sizeof(Params);

@@ -81,6 +81,14 @@ struct CopyArgs {
     int row0, rows;             // whole chunks of chunk_rows
 };
 
+// fp8 dequantisation scales (FLUXRT_GEMM_SCALE), fp32 in device memory: read by the consumers, so graph
+// replays and in-place scale updates see the current values.
+struct ScaleArgs {
+    const float* a;             // per tensor: 1 value; block: [M, k_blocks] (1 x 128: a row, a K block)
+    const float* b;             // per tensor: 1 value; block: [ceil(N / 128), k_blocks] (128 x 128)
+    int k_blocks;               // block: ceil(K / 128), the row length of both scale arrays
+};
+
 struct Params {
     GemmArgs gemm;
     CopyArgs copy;
@@ -89,6 +97,7 @@ struct Params {
     EpilogueArgs epilogue;
     ReduceArgs reduce;
     TailArgs tail;
+    ScaleArgs scale;
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters are limited to 4 KiB");
 

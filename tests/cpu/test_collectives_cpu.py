@@ -640,8 +640,9 @@ def test_kernels_compile_with_every_entry_point():
         defines = () if code is None else (("FLUXRT_COLL_EXT", str(code)),)
         return code, compile_cubin("comm/collectives.cu", CompileOptions(arch="sm_90a", defines=defines)).read_bytes()
 
+    cubins = dict([build(None)])   # first alone: cuda.core's lazy imports are not safe from several threads at once
     with ThreadPoolExecutor(4) as pool:
-        cubins = dict(pool.map(build, wanted))
+        cubins.update(pool.map(build, [c for c in wanted if c is not None]))
     missing = [n for code, names in wanted.items() for n in names if n.encode() + b"\0" not in cubins[code]]
     assert not missing
 
@@ -728,8 +729,11 @@ def test_every_collective_kernel_waits_for_the_previous_grid_before_touching_mem
         assert body.index("begin_round") < body.index("// stage push")
     for device_fn in re.findall(r"^__device__ void (\w+)\(", src, re.M):
         body = re.search(rf"__device__ void {device_fn}\(.*?\n}}\n", src, re.S).group(0)
-        if device_fn in ("copy_block", "reduce_slots", "reduce_step", "push_chunks", "exchange_pipe_pairwise"):
+        if device_fn in ("copy_block", "reduce_slots", "reduce_step", "push_chunks", "exchange_pipe_pairwise",
+                         "norm_row"):
             continue  # helpers called after the begin stage
+        if device_fn == "add_rmsnorm":
+            continue  # a local kernel (no round, no flags), launched without PDL
         assert re.search(r"begin_round|begin_pipe", body), f"{device_fn} never begins a round"
 
 

@@ -1,0 +1,538 @@
+"""Hierarchical collectives: NVLink inside a node, NVSHMEM's device API between nodes.
+
+Chosen by ``collectives_plan.choose_path`` when the world's topology (``fluxrt.topology``) has ranks without
+NVLink pointers to each other (several nodes, or ``FLUXRT_TOPOLOGY=virtual:NxG`` on one node). The world is
+seen as nodes of G ranks and rails (the ranks with the same local index, one per node):
+
+    allreduce       reduce-scatter in the node (the NVLink collectives on the node team)
+                    -> allreduce of each rank's shard along its rail (NVSHMEM put-with-signal, bounded wait,
+                       fixed node order) -> all-gather in the node
+    reduce_scatter  reduce-scatter along the rail of the node blocks (G chunks each) -> reduce-scatter in the node
+    allgather       all-gather in the node -> all-gather of the node's block along the rail
+
+Each rail round (kernels/comm/nvshmem_hier.cu) puts one piece from the symmetric send buffer into every rail
+member's receive slot and raises one signal word per put block; the receivers wait for all of them (bounded
+by the world's timeout, naming the rank that never signalled) and reduce the slots in node order 0, 1, ...,
+so every rank gets bitwise the same allreduce result. Sources are staged in symmetric memory because the
+InfiniBand transports put only from registered memory.
+
+The node stages run the NVLink collectives on a ``NodeTeam``: the node's ranks as a world of their own,
+whose symmetric arrays map only the node's members. Epochs of the rail rounds are counted on the host, so
+these calls are not graph-capturable.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import collectives_plan as plan
+from .agreement import agree as _agree
+from .agreement import local as _local
+from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, _as_array, _check_alias, _move_dtype,
+                          _reduce_dtype, _redop)
+from .errors import CollectiveArgumentError, FluxrtError, op_id
+from .nvtx import annotate as _nvtx
+from .packed_launch import PackedLaunch
+from .registry import Registry
+from .streams import as_cupy_stream
+from .symmetric import _Allocation
+
+if TYPE_CHECKING:
+    from .world import World
+
+log = logging.getLogger(__name__)
+
+KERNEL_SOURCE = "comm/nvshmem_hier.cu"
+KEY = "fluxrt.collectives.hierarchical"
+MAX_NODES = 64        # remote::kMaxRailNodes
+MAX_PUT_BLOCKS = 32   # remote::kMaxRailBlocks
+THREADS = 512
+VEC = 16
+ONESHOT_BYTES = 256 << 10   # rail allreduce: one round up to this shard size (a latency choice; not measured)
+_PES_DTYPE = np.dtype([("pe", "<i4", (MAX_NODES,))])   # struct RailPes, by value
+RAIL_DTYPES = ("bf16", "fp16", "fp32")   # the rail reduce kernels (kernels/comm/nvshmem_hier.cu)
+RAIL_OPS = ("sum", "max", "min")
+_u64, _u32 = np.uint64, np.uint32
+
+
+@dataclass(frozen=True)
+class HierarchicalOptions:
+    """rail_bytes: symmetric receive buffer per rank, two halves of `nodes` slots (a rail round moves at most
+    one slot per member; larger messages go in several rounds); the send buffer is one half more.
+    put_blocks: blocks (and signal words) per rail member of a round; reduce_blocks: blocks of the reduce.
+    oneshot_bytes: the rail allreduce of a shard up to this size is one round (``rail_allreduce_algo``; None:
+    its rule).
+    node: options of the node team's NVLink collectives."""
+
+    rail_bytes: int = 64 << 20
+    put_blocks: int = 8
+    reduce_blocks: int = 64
+    oneshot_bytes: int | None = None
+    node: CollectivesOptions | None = None
+
+
+def rail_geometry(rail_bytes: int, nodes: int) -> tuple[int, int]:
+    """(half_bytes, slot_bytes) of the receive buffer: two halves of `nodes` slots of whole 16-byte vectors."""
+    slot = (int(rail_bytes) // 2 // nodes) // VEC * VEC
+    if slot < VEC:
+        raise CollectiveArgumentError(f"rail_bytes={rail_bytes} is too small for {nodes} nodes")
+    return slot * nodes, slot
+
+
+def rail_pieces(nbytes: int, slot_bytes: int) -> list[tuple[int, int]]:
+    """(start, bytes) of the rail rounds of an `nbytes` message: at least one round (every member takes part
+    in every round, even an empty one), each at most a slot."""
+    if nbytes <= 0:
+        return [(0, 0)]
+    return [(s, min(slot_bytes, nbytes - s)) for s in range(0, nbytes, slot_bytes)]
+
+
+def put_grid(nbytes: int, put_blocks: int) -> int:
+    """Blocks per rail member of a round: at most `put_blocks`, at least 64 KiB each (one for small pieces)."""
+    return max(1, min(int(put_blocks), MAX_PUT_BLOCKS, math.ceil(nbytes / (64 << 10))))
+
+
+def reduce_grid(nvec: int, reduce_blocks: int) -> int:
+    return max(1, min(int(reduce_blocks), math.ceil(nvec / (4 * THREADS))))
+
+
+def shard_elems(count: int, ranks_per_node: int, itemsize: int, nodes: int = 1) -> int:
+    """Elements of each rank's shard of an allreduce of `count` over nodes of `ranks_per_node` ranks: whole
+    16-byte vectors, `nodes` chunks of them (the rail's reduce-scatter), the message padded up to G shards."""
+    unit = max(1, VEC // itemsize) * nodes
+    return max(unit, math.ceil(math.ceil(count / ranks_per_node) / unit) * unit)
+
+
+def rail_allreduce_algo(shard_bytes: int, nodes: int, oneshot_bytes: int | None = None) -> str:
+    """'oneshot' (every member puts its whole shard to every member: one round, (N-1) shards sent) or 'rs_ag'
+    (reduce-scatter, then all-gather along the rail: two rounds, 2 (N-1) / N shards sent). oneshot_bytes None:
+    one-shot on 2 nodes (as many bytes as the two rounds) and for shards up to ONESHOT_BYTES; otherwise
+    one-shot exactly up to `oneshot_bytes`."""
+    if oneshot_bytes is None:
+        return "oneshot" if nodes <= 2 or shard_bytes <= ONESHOT_BYTES else "rs_ag"
+    return "oneshot" if shard_bytes <= oneshot_bytes else "rs_ag"
+
+
+# ------------------------------------------------------------------------------------------ the node team
+class _TeamHeap:
+    """The world's heap seen from a node team: the same allocations, peer tables of the members only."""
+
+    def __init__(self, heap, members: tuple[int, ...], team: "NodeTeam"):
+        self._heap, self.members, self.world = heap, members, team
+        self._allocs: dict[int, _Allocation] = {}
+
+    def find(self, ptr: int, nbytes: int):
+        a = self._heap.find(ptr, nbytes)
+        if a is None:
+            return None
+        t = self._allocs.get(a.base)
+        if t is None or t.nbytes != a.nbytes:
+            t = self._allocs[a.base] = _Allocation(a.base, a.nbytes, [a.peer_bases[m] for m in self.members])
+        return t
+
+
+class NodeTeam:
+    """One node's ranks as a world of their own, for the NVLink collectives: rank is the local index and
+    symmetric arrays map only the members. Symmetric allocation stays world-collective (nvshmem_malloc is),
+    so every node's team allocates in the same order at the same time."""
+
+    def __init__(self, world: World, members: tuple[int, ...], comm):
+        self.world, self.members = world, tuple(members)
+        self.rank, self.size = self.members.index(world.rank), len(self.members)
+        self.comm, self.agree_comm = comm, comm.Dup()
+        self.options, self.device, self.device_id = world.options, world.device, world.device_id
+        self.error_record = world.error_record
+        self.registry = Registry()
+        self.heap = _TeamHeap(world.heap, self.members, self)
+
+    @property
+    def timeout_ns(self) -> int:
+        return self.world.timeout_ns
+
+    @property
+    def active(self) -> bool:
+        return self.world.active
+
+    def check_active(self) -> None:
+        self.world.check_active()
+
+    def check_errors(self) -> None:
+        self.world.check_errors()
+
+    def empty(self, shape, dtype="float32"):
+        arr = self.world.heap.empty(shape, dtype)
+        arr._heap = self.heap
+        return arr
+
+    def zeros(self, shape, dtype="float32"):
+        import cupy
+
+        arr = self.empty(shape, dtype)
+        cupy.cuda.runtime.memset(arr.data.ptr, 0, arr.nbytes)
+        self.device.synchronize()
+        self.world.comm.Barrier()
+        return arr
+
+    def free(self, arr) -> None:
+        arr._heap = self.world.heap
+        self.world.heap.free(arr)
+
+    def close(self) -> None:
+        self.registry.close()
+        self.agree_comm.Free()
+        self.comm.Free()
+
+
+# ------------------------------------------------------------------------------------------ the context
+class HierarchicalCollectives:
+    """Per-world state of the hierarchical path: the node team's NVLink collectives, the rail's symmetric
+    send and receive buffers, its signal words and the NVSHMEM-API kernels. Collective to create."""
+
+    def __init__(self, world: World, options: HierarchicalOptions | None = None):
+        import cupy
+
+        from .toolchain import load_nvshmem_module
+
+        world.check_active()
+        topo = world.topology
+        if not topo.uniform:
+            raise CollectiveArgumentError(f"hierarchical collectives need nodes of equal size, got "
+                                          f"{[len(n) for n in topo.nodes]} ranks per node")
+        if topo.num_nodes > MAX_NODES:
+            raise CollectiveArgumentError(f"hierarchical collectives support up to {MAX_NODES} nodes, got "
+                                          f"{topo.num_nodes}")
+        self.world, self.options = world, options or HierarchicalOptions()
+        self.nodes, self.ranks_per_node = topo.num_nodes, len(topo.local_ranks)
+        self.node_index, self.rail = topo.node, topo.rail()
+        self.team = NodeTeam(world, topo.local_ranks, world.comm.Split(topo.node, key=world.rank))
+        self.node = Collectives(self.team, self.options.node) if self.ranks_per_node > 1 else None
+        self.half_bytes, self.slot_bytes = rail_geometry(self.options.rail_bytes, self.nodes)
+        self.recv = world.empty((2 * self.half_bytes,), np.uint8)
+        self.send = world.empty((self.half_bytes,), np.uint8)
+        self.sig = world.zeros((2 * MAX_NODES * MAX_PUT_BLOCKS,), np.uint64)   # zero: no round yet
+        self.module = load_nvshmem_module(KERNEL_SOURCE)
+        self._put = self.module.get_function("fluxrt_rail_put")
+        self._gather = self.module.get_function("fluxrt_rail_gather")
+        self._pes = np.zeros(1, _PES_DTYPE)
+        self._pes["pe"][0, :self.nodes] = self.rail
+        self.epoch = 0
+        self.side_stream = cupy.cuda.Stream(non_blocking=True)
+        self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
+        self._last_stream = None
+        self._freed = False
+        world.device.synchronize()
+        if KEY not in world.registry:   # the first one made is the world's (as Collectives)
+            world.registry.put(KEY, self, teardown=HierarchicalCollectives.free)
+        if world.rank == 0:
+            log.info("collectives: hierarchical, %d nodes x %d ranks; node team over NVLink, rails over NVSHMEM "
+                     "(%d-byte slots)", self.nodes, self.ranks_per_node, self.slot_bytes)
+
+    def free(self) -> None:
+        """Collective: release the node team's context and the rail buffers."""
+        if self._freed:
+            return
+        self._freed = True
+        if self.world.active:
+            self.team.close()   # the node context's teardown frees its symmetric memory
+            for a in (self.sig, self.send, self.recv):
+                self.world.free(a)
+        if self.world.registry.get(KEY) is self:
+            self.world.registry.pop(KEY)
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    def _begin(self, stream, async_op: bool):
+        """The stream the call runs on (the side stream after `stream` for async calls), ordered after the
+        previous call, which shares the rail buffers."""
+        world = self.world
+        if self._freed or not world.active:
+            world.check_active()
+            raise FluxrtError("this hierarchical collectives context has been freed")
+        world.check_errors()
+        caller = as_cupy_stream(stream)
+        s = caller
+        if async_op:
+            self._events[0].record(caller)
+            s = self.side_stream
+            s.wait_event(self._events[0])
+        last = self._last_stream
+        if last is not None and last.ptr != s.ptr:
+            self._events[1].record(last)
+            s.wait_event(self._events[1])
+        self._last_stream = s
+        return caller, s
+
+    def _end(self, s, async_op: bool, result, keep):
+        import cupy
+
+        if not async_op:
+            return result
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(s)
+        return CollectiveHandle(self.world, done, result, keep)
+
+    def _rail_put(self, s, src_stride: int, nbytes: int) -> tuple[int, int]:
+        """One rail round's puts from the send buffer (member d's piece at send + d * src_stride); returns
+        (epoch, blocks per member)."""
+        self.epoch += 1
+        blocks = put_grid(nbytes, self.options.put_blocks)
+        args = (self._pes, _u32(self.node_index), _u32(blocks), _u64(self.send.data.ptr), _u64(src_stride),
+                _u64(nbytes), _u64(self.recv.data.ptr), _u64(self.half_bytes), _u64(self.slot_bytes),
+                _u64(self.sig.data.ptr), _u64(self.epoch))
+        PackedLaunch(self._put, blocks * self.nodes, THREADS, args).launch(s.ptr)
+        return self.epoch, blocks
+
+    def _watch(self, name: str) -> tuple:
+        w = self.world
+        return _u64(w.timeout_ns), _u64(w.error_record), _u32(op_id(name)), _u32(w.rank)
+
+    def _reduce_launch(self, fn, e: int, blocks: int, out_ptr: int, count: int, nbytes: int, name: str) -> tuple:
+        return (fn, reduce_grid(nbytes // VEC, self.options.reduce_blocks),
+                (self._pes, _u32(self.nodes), _u32(blocks), _u64(self.recv.data.ptr), _u64(self.half_bytes),
+                 _u64(self.slot_bytes), _u64(self.sig.data.ptr), _u64(e), _u64(out_ptr), _u64(count))
+                + self._watch(name))
+
+    def _rail_oneshot(self, buf, dt: str, red: str, s, name: str) -> None:
+        """buf (whole 16-byte vectors) <- its reduction along the rail, in place, in node order: every member
+        puts its whole buffer to every member and reduces all of them."""
+        import cupy
+
+        fn = self.module.get_function(f"fluxrt_rail_reduce_{dt}_{red}")
+        for start, nbytes in rail_pieces(buf.nbytes, self.slot_bytes):
+            if nbytes:
+                cupy.cuda.runtime.memcpyAsync(self.send.data.ptr, buf.data.ptr + start, nbytes,
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+            e, blocks = self._rail_put(s, 0, nbytes)
+            f, grid, args = self._reduce_launch(fn, e, blocks, buf.data.ptr + start, nbytes // buf.itemsize, nbytes,
+                                                name)
+            PackedLaunch(f, grid, THREADS, args).launch(s.ptr)
+
+    def _rail_reduce_scatter(self, src, out, dt: str, red: str, s, name: str) -> None:
+        """out (q elements, contiguous) <- the reduction over the rail of every member's src[me], in node
+        order; src: (nodes, q), row d going to member d (may be strided)."""
+        import cupy
+
+        fn = self.module.get_function(f"fluxrt_rail_reduce_{dt}_{red}")
+        isz, q = out.itemsize, out.size
+        for start, nbytes in rail_pieces(q * isz, self.slot_bytes):
+            elems, st = nbytes // isz, start // isz
+            stride = -(-nbytes // VEC) * VEC   # every member's piece starts 16-byte aligned in the send buffer
+            if elems:
+                view = cupy.ndarray((self.nodes, stride // isz), out.dtype, self.send.data)[:, :elems]
+                view[...] = src[:, st:st + elems]
+            e, blocks = self._rail_put(s, stride, nbytes)
+            f, grid, args = self._reduce_launch(fn, e, blocks, out.data.ptr + start, elems, nbytes, name)
+            PackedLaunch(f, grid, THREADS, args).launch(s.ptr)
+
+    def _rail_allgather(self, out_ptr: int, block_bytes: int, s, name: str) -> None:
+        """The rail's all-gather of blocks of `block_bytes` at out_ptr + d * block_bytes: this member's block d
+        = node index is in place; the others arrive from their members."""
+        import cupy
+
+        mine = out_ptr + self.node_index * block_bytes
+        for start, nbytes in rail_pieces(block_bytes, self.slot_bytes):
+            if nbytes:
+                cupy.cuda.runtime.memcpyAsync(self.send.data.ptr, mine + start, nbytes,
+                                              cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+            e, blocks = self._rail_put(s, 0, nbytes)
+            args = (self._pes, _u32(self.nodes), _u32(blocks), _u64(self.recv.data.ptr), _u64(self.half_bytes),
+                    _u64(self.slot_bytes), _u64(self.sig.data.ptr), _u64(e), _u64(out_ptr + start),
+                    _u64(block_bytes), _u64(nbytes), _u32(self.node_index)) + self._watch(name)
+            grid = max(1, min(self.options.reduce_blocks, math.ceil(nbytes / (64 << 10))))
+            PackedLaunch(self._gather, grid, THREADS, args).launch(s.ptr)
+
+    def _rail_allreduce(self, buf, dt: str, red: str, s, name: str) -> str:
+        """buf (nodes chunks of whole 16-byte vectors) <- its reduction along the rail, in place, every member
+        the same bits; returns the algorithm (``rail_allreduce_algo``)."""
+        import cupy
+
+        algo = rail_allreduce_algo(buf.nbytes, self.nodes, self.options.oneshot_bytes)
+        if algo == "oneshot":
+            self._rail_oneshot(buf, dt, red, s, name)
+            return algo
+        q = buf.size // self.nodes
+        reduced = cupy.empty(q, buf.dtype)
+        self._rail_reduce_scatter(buf.reshape(self.nodes, q), reduced, dt, red, s, name)
+        buf[self.node_index * q:(self.node_index + 1) * q] = reduced
+        self._rail_allgather(buf.data.ptr, q * buf.itemsize, s, name)
+        return algo
+
+    def _output(self, out, dtype, count: int, shape, op: str, stream):
+        import cupy
+
+        if out is None:
+            return cupy.empty(shape, dtype=dtype)
+        o = _as_array(out, "out", op, self.world, stream, writable=True)
+        if o.dtype != dtype:
+            raise CollectiveArgumentError(f"out has dtype {o.dtype}, the input {dtype}")
+        if o.size < count:
+            raise CollectiveArgumentError(f"out too small: {o.size} elements, the result needs {count}")
+        return o
+
+    # --- collectives ------------------------------------------------------------------------------
+    @_nvtx("hier.allreduce")
+    def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+        """As ``Collectives.allreduce``: node reduce-scatter, rail allreduce over NVSHMEM, node all-gather.
+        The sum runs over the node's ranks first, then over nodes in node order (every rank the same bits)."""
+        import cupy
+
+        world, g = self.world, self.ranks_per_node
+        s0 = as_cupy_stream(stream)
+
+        def prepare():
+            _check_algo(algo)
+            a = _as_array(x, "x", "allreduce", world, s0)
+            dt, red = _reduce_dtype(a.dtype), _redop(op)
+            check_rail_reduction(dt, red)
+            o = self._output(out, a.dtype, a.size, a.shape, "allreduce", s0)
+            _check_alias("allreduce", a, o, (0,))
+            return a, o, dt, red
+
+        got, err = _local(prepare)
+        _agree(world, "allreduce", (("count", None if got is None else got[0].size),
+                                    ("dtype", None if got is None else got[2]),
+                                    ("op", None if got is None else got[3]), ("algo", "hierarchical")), err)
+        a, o, dt, red = got
+        caller, s = self._begin(stream, async_op)
+        with s:
+            count, isz = a.size, a.itemsize
+            shard = shard_elems(count, g, isz, self.nodes)
+            flat = a.reshape(-1)
+            if shard * g == count:
+                xin = flat
+            else:
+                xin = cupy.zeros(shard * g, a.dtype)
+                xin[:count] = flat
+            mine = cupy.empty(shard, a.dtype)
+            if self.node is not None:
+                self.node.reduce_scatter(xin, mine, op=op, stream=s)
+            else:
+                mine[...] = xin
+            rail_algo = self._rail_allreduce(mine, dt, red, s, "hier.allreduce")
+            o_flat = o.reshape(-1)
+            if self.node is None:
+                o_flat[:count] = mine[:count]
+            elif shard * g == count:
+                self.node.allgather(mine, o_flat, stream=s)
+            else:
+                full = cupy.empty(shard * g, a.dtype)
+                self.node.allgather(mine, full, stream=s)
+                o_flat[:count] = full[:count]
+        log.debug("rank %d: hierarchical allreduce of %d x %s: node reduce-scatter, rail allreduce (%s) of %d, "
+                  "node all-gather", world.rank, count, a.dtype, rail_algo, shard)
+        return self._end(s, async_op, o, (a, o))
+
+    @_nvtx("hier.reduce_scatter")
+    def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
+                       algo: str = "auto"):
+        """As ``Collectives.reduce_scatter``: the rail reduce-scatters the node blocks (G chunks each), then the
+        node reduce-scatters its block."""
+        import cupy
+
+        world, n, g, nodes = self.world, self.world.size, self.ranks_per_node, self.nodes
+        s0 = as_cupy_stream(stream)
+
+        def prepare():
+            _check_algo(algo)
+            a = _as_array(x, "x", "reduce_scatter", world, s0)
+            dt, red = _reduce_dtype(a.dtype), _redop(op)
+            check_rail_reduction(dt, red)
+            if a.size % n:
+                raise CollectiveArgumentError(f"reduce_scatter: x has {a.size} elements, not a multiple of {n} ranks")
+            c = a.size // n
+            shape = (a.shape[0] // n, *a.shape[1:]) if a.ndim and a.shape[0] % n == 0 else (c,)
+            o = self._output(out, a.dtype, c, shape, "reduce_scatter", s0)
+            _check_alias("reduce_scatter", a, o, (-world.rank * c * a.itemsize,))
+            return a, o, dt, red, c
+
+        got, err = _local(prepare)
+        _agree(world, "reduce_scatter", (("count", None if got is None else got[0].size),
+                                         ("dtype", None if got is None else got[2]),
+                                         ("op", None if got is None else got[3]), ("algo", "hierarchical")), err)
+        a, o, dt, red, c = got
+        caller, s = self._begin(stream, async_op)
+        with s:
+            block = g * c                         # elements of one node's block
+            xb = a.reshape(-1).reshape(nodes, block)
+            mine = cupy.empty(block, a.dtype)      # this node's block, reduced along the rail
+            self._rail_reduce_scatter(xb, mine, dt, red, s, "hier.reduce_scatter")
+            o_flat = o.reshape(-1)
+            if self.node is not None:
+                self.node.reduce_scatter(mine, o_flat[:c], op=op, stream=s)
+            else:
+                o_flat[:c] = mine
+        return self._end(s, async_op, o, (a, o))
+
+    @_nvtx("hier.allgather")
+    def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+        """As ``Collectives.allgather``: the node gathers its block into out, then the rail exchanges blocks."""
+        world, n, g = self.world, self.world.size, self.ranks_per_node
+        s0 = as_cupy_stream(stream)
+
+        def prepare():
+            _check_algo(algo)
+            a = _as_array(x, "x", "allgather", world, s0)
+            _move_dtype(a.dtype)
+            shape = (n * a.shape[0], *a.shape[1:]) if a.ndim else (n,)
+            o = self._output(out, a.dtype, n * a.size, shape, "allgather", s0)
+            _check_alias("allgather", a, o, (world.rank * a.nbytes,))
+            return a, o
+
+        got, err = _local(prepare)
+        _agree(world, "allgather", (("count", None if got is None else got[0].size),
+                                    ("dtype", None if got is None else got[0].dtype.str),
+                                    ("algo", "hierarchical")), err)
+        a, o = got
+        caller, s = self._begin(stream, async_op)
+        with s:
+            block_bytes = g * a.nbytes
+            o_bytes = o.reshape(-1).view(np.uint8)
+            mine = o_bytes[self.node_index * block_bytes:(self.node_index + 1) * block_bytes]
+            if self.node is not None:
+                self.node.allgather(a.reshape(-1).view(np.uint8), mine, stream=s)
+            elif mine.data.ptr != a.data.ptr:
+                mine[...] = a.reshape(-1).view(np.uint8)
+            self._rail_allgather(o_bytes.data.ptr, block_bytes, s, "hier.allgather")
+        return self._end(s, async_op, o, (a, o))
+
+    def _not_across_nodes(self, name: str):
+        raise CollectiveArgumentError(f"{name} across nodes is not implemented (the world has {self.nodes} nodes: "
+                                      f"{plan.choose_path(self.world.topology)[1]}); allreduce, reduce_scatter "
+                                      "and allgather are")
+
+    def alltoall(self, *args, **kwargs):
+        self._not_across_nodes("alltoall")
+
+    def alltoallv(self, *args, **kwargs):
+        self._not_across_nodes("alltoallv")
+
+    def broadcast(self, *args, **kwargs):
+        self._not_across_nodes("broadcast")
+
+
+def check_rail_reduction(dt: str, red: str) -> None:
+    """Refuse, before any launch, a reduction the rail kernels do not have."""
+    if dt not in RAIL_DTYPES or red not in RAIL_OPS:
+        raise CollectiveArgumentError(f"reductions across nodes support {RAIL_DTYPES} with {RAIL_OPS}, got {dt} "
+                                      f"{red}")
+
+
+def _check_algo(algo: str) -> None:
+    if algo not in ("auto", "hierarchical"):
+        raise CollectiveArgumentError(f"algo={algo!r}: a world of several nodes runs the hierarchical path "
+                                      "('auto' or 'hierarchical')")
+
+
+def context(world: World) -> HierarchicalCollectives:
+    """The world's hierarchical context (in its registry), made collectively on first use."""
+    ctx = world.registry.get(KEY)
+    if ctx is None:
+        ctx = HierarchicalCollectives(world)   # registers itself
+    return ctx
+
+
+__all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "check_rail_reduction", "context", "put_grid",
+           "rail_allreduce_algo", "rail_geometry", "rail_pieces", "reduce_grid", "shard_elems"]

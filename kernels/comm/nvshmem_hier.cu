@@ -1,0 +1,110 @@
+// The between-nodes stage of the hierarchical collectives (fluxrt/collectives_hier.py): rail rounds over
+// NVSHMEM's device API. A rail is the ranks with the same local index, one per node; rail member d is the
+// rank of node d. Round e of a rail:
+//
+//   fluxrt_rail_put      blocks x nodes blocks: block (b, d) = d * blocks + b puts part b of block d of the source (src +
+//                        d * src_stride, `bytes` each) into member d's receive buffer, half e & 1, slot `me`,
+//                        and sets member d's signal word [e & 1][me][b] to e (put-with-signal, non-blocking,
+//                        then quiet so the source may be reused once the kernel ends)
+//   fluxrt_rail_reduce_* every block waits (bounded) for all nodes x blocks signal words of the round, then
+//                        reduces its share of the slots in node order 0, 1, ... in fp32: every member of the
+//                        rail computes the same bits
+//   fluxrt_rail_gather   waits likewise, then copies slot p to out + p * out_stride (p != skip)
+//
+// Buffer halves: a member writes half h in round e + 2 only after round e + 1 completed on it, which needed
+// every member's round-(e + 1) data, sent after that member's round-e kernels (its reads of half h) ended.
+// Signal words are per half, so a round-(e + 1) signal never stands in for a missing round-e one.
+#include "fluxrt/comm.cuh"
+#include "fluxrt/remote.cuh"
+
+using fluxrt::BF16;
+using fluxrt::ErrorRecord;
+using fluxrt::F16;
+using fluxrt::F32;
+using fluxrt::kMax;
+using fluxrt::kMin;
+using fluxrt::kSum;
+using fluxrt::u32;
+using fluxrt::u64;
+using fluxrt::Watch;
+namespace remote = fluxrt::remote;
+
+struct RailPes {
+    int pe[remote::kMaxRailNodes];  // NVSHMEM PE of rail member d (by value: no upload)
+};
+
+__device__ __forceinline__ u64* rail_signal(u64* sig, u32 half, u32 src, u32 block) {
+    return sig + ((u64)half * remote::kMaxRailNodes + src) * remote::kMaxRailBlocks + block;
+}
+
+// The round's signal words (nodes x blocks) of this half, waited for by every block.
+__device__ __forceinline__ bool rail_wait(const RailPes& pes, u32 nodes, u32 blocks, u64* sig, u64 epoch,
+                                          const Watch& w) {
+    const u32 half = epoch & 1;
+    return remote::wait_signals(
+        w, nodes * blocks, [&](u32 i) { return rail_signal(sig, half, i / blocks, i % blocks); },
+        [&](u32 i) { return (u64)pes.pe[i / blocks]; }, epoch);
+}
+
+extern "C" __global__ void fluxrt_rail_put(RailPes pes, u32 me, u32 blocks, const char* src, u64 src_stride,
+                                           u64 bytes, char* recv, u64 half_bytes, u64 slot_bytes, u64* sig,
+                                           u64 epoch) {
+    const u32 d = blockIdx.x / blocks, b = blockIdx.x % blocks, half = epoch & 1;
+    u64 lo, hi;
+    fluxrt::split_range(bytes, fluxrt::kVecBytes, blocks, b, &lo, &hi);
+    char* dst = recv + half * half_bytes + me * slot_bytes + lo;
+    remote::put_signal_nbi_block(dst, src + d * src_stride + lo, hi - lo, rail_signal(sig, half, me, b), epoch,
+                                 pes.pe[d]);
+    __syncthreads();
+    if (threadIdx.x == 0) remote::quiet();
+}
+
+template <class E, int OP>
+__device__ __forceinline__ void rail_reduce(const RailPes& pes, u32 nodes, u32 put_blocks, const char* recv,
+                                            u64 half_bytes, u64 slot_bytes, u64* sig, u64 epoch,
+                                            typename E::T* out, u64 count, const Watch& w) {
+    if (!rail_wait(pes, nodes, put_blocks, sig, epoch, w)) return;
+    const char* h = recv + (epoch & 1) * half_bytes;
+    const u64 nvec = count / E::kPerVec;
+    u64 lo, hi;
+    fluxrt::split_range(nvec, 1, gridDim.x, blockIdx.x, &lo, &hi);
+    fluxrt::reduce_block<E, OP>(
+        nodes, hi - lo, [&](u32 p) { return reinterpret_cast<const uint4*>(h + p * slot_bytes) + lo; },
+        [&](u64 v, uint4 r) { reinterpret_cast<uint4*>(out)[lo + v] = r; });
+    if (blockIdx.x == gridDim.x - 1)
+        for (u64 e = nvec * E::kPerVec + threadIdx.x; e < count; e += blockDim.x)
+            out[e] = fluxrt::reduce_elem<E, OP>(
+                nodes, [&](u32 p) { return reinterpret_cast<const typename E::T*>(h + p * slot_bytes) + e; });
+}
+
+#define FLUXRT_RAIL_REDUCE(NAME, E, OP)                                                                      \
+    extern "C" __global__ void fluxrt_rail_reduce_##NAME(RailPes pes, u32 nodes, u32 put_blocks,            \
+                                                          const char* recv, u64 half_bytes, u64 slot_bytes, \
+                                                          u64* sig, u64 epoch, E::T* out, u64 count,        \
+                                                          u64 timeout_ns, ErrorRecord* err, u32 op,         \
+                                                          u32 rank) {                                       \
+        rail_reduce<E, OP>(pes, nodes, put_blocks, recv, half_bytes, slot_bytes, sig, epoch, out, count,    \
+                           Watch{timeout_ns, err, op, rank});                                               \
+    }
+
+FLUXRT_RAIL_REDUCE(bf16_sum, BF16, kSum)
+FLUXRT_RAIL_REDUCE(bf16_max, BF16, kMax)
+FLUXRT_RAIL_REDUCE(bf16_min, BF16, kMin)
+FLUXRT_RAIL_REDUCE(fp16_sum, F16, kSum)
+FLUXRT_RAIL_REDUCE(fp16_max, F16, kMax)
+FLUXRT_RAIL_REDUCE(fp16_min, F16, kMin)
+FLUXRT_RAIL_REDUCE(fp32_sum, F32, kSum)
+FLUXRT_RAIL_REDUCE(fp32_max, F32, kMax)
+FLUXRT_RAIL_REDUCE(fp32_min, F32, kMin)
+
+extern "C" __global__ void fluxrt_rail_gather(RailPes pes, u32 nodes, u32 put_blocks, const char* recv,
+                                              u64 half_bytes, u64 slot_bytes, u64* sig, u64 epoch, char* out,
+                                              u64 out_stride, u64 bytes, u32 skip, u64 timeout_ns,
+                                              ErrorRecord* err, u32 op, u32 rank) {
+    if (!rail_wait(pes, nodes, put_blocks, sig, epoch, Watch{timeout_ns, err, op, rank})) return;
+    const char* h = recv + (epoch & 1) * half_bytes;
+    u64 lo, hi;
+    fluxrt::split_range(bytes, fluxrt::kVecBytes, gridDim.x, blockIdx.x, &lo, &hi);
+    for (u32 p = 0; p < nodes; ++p)
+        if (p != skip) fluxrt::copy_block(out + p * out_stride + lo, h + p * slot_bytes + lo, hi - lo, true);
+}

@@ -1,0 +1,201 @@
+"""Topology (fluxrt.topology) and the hierarchical path's planning (collectives_plan.choose_path,
+fluxrt.collectives_hier), without a GPU."""
+import re
+
+import pytest
+
+from fluxrt import collectives_plan as plan
+from fluxrt import topology as topo
+from fluxrt.collectives_hier import (MAX_NODES, MAX_PUT_BLOCKS, ONESHOT_BYTES, check_rail_reduction, put_grid,
+                                     rail_allreduce_algo, rail_geometry, rail_pieces, shard_elems)
+from fluxrt.toolchain import kernel_root
+
+
+def _pointers(node_of, same_gpu=False):
+    """NVLink/P2P mappings inside each real node (every pair when the ranks share one node)."""
+    n = len(node_of)
+    return [[same_gpu or node_of[r] == node_of[q] for q in range(n)] for r in range(n)]
+
+
+@pytest.mark.parametrize("text, want", [(None, None), ("", None), ("auto", None), (" AUTO ", None),
+                                        ("virtual:2x2", (2, 2)), ("virtual:2X1", (2, 1)),
+                                        (" virtual : 16 x 8 ", (16, 8))])
+def test_parse_setting(text, want):
+    got = topo.parse_setting(text)
+    assert (None if got is None else (got.nodes, got.ranks_per_node)) == want
+
+
+@pytest.mark.parametrize("text", ["virtual", "virtual:2", "virtual:0x2", "virtual:2x0", "2x2", "real:2x2",
+                                  "virtual:-1x2"])
+def test_parse_setting_refuses(text):
+    with pytest.raises(topo.TopologyError, match="FLUXRT_TOPOLOGY"):
+        topo.parse_setting(text)
+
+
+def test_virtual_setting_must_fit_the_world():
+    with pytest.raises(topo.TopologyError, match="needs 4 ranks, the world has 2"):
+        topo.parse_setting("virtual:2x2").node_of(2)
+    assert topo.parse_setting("virtual:2x2").node_of(4) == (0, 0, 1, 1)
+
+
+def test_node_indices_from_leaders():
+    assert topo.node_indices([0, 0, 2, 2]) == (0, 0, 1, 1)
+    assert topo.node_indices([0, 1, 0, 1]) == (0, 1, 0, 1)     # round-robin placement
+    assert topo.node_indices([5, 5, 5]) == (0, 0, 0)
+
+
+def test_two_real_nodes_of_four():
+    leaders = [0] * 4 + [4] * 4
+    t = topo.build(5, leaders, _pointers(topo.node_indices(leaders)), [True] * 8, ["IBRC over mlx5_0"] * 8)
+    assert t.num_nodes == 2 and t.nodes == ((0, 1, 2, 3), (4, 5, 6, 7)) and not t.virtual
+    assert t.node == 1 and t.local_ranks == (4, 5, 6, 7) and t.local_index == 1
+    assert t.nvshmem_peers() == (0, 1, 2, 3) and t.rail() == (1, 5) and t.rail(2) == (2, 6)
+    assert t.hierarchical and t.uniform
+    assert t.reachable(0, 5) == (True, "NVSHMEM remote transport")
+    assert t.reachable(4, 6) == (True, "NVLink pointer")
+    t.check_reachable()
+    text = "\n".join(t.describe())
+    assert "node 1: ranks 4-7" in text and "NVSHMEM device API to 0-3" in text and "mlx5_0" in text
+    assert plan.choose_path(t)[0] == "hierarchical"
+
+
+def test_round_robin_placement_rails():
+    leaders = [0, 1, 0, 1]   # ranks 0, 2 on one node, 1, 3 on the other
+    t = topo.build(3, leaders, _pointers(topo.node_indices(leaders)), [True] * 4)
+    assert t.nodes == ((0, 2), (1, 3)) and t.local_ranks == (1, 3) and t.rail() == (2, 3)
+
+
+def test_unreachable_pair_named_at_init():
+    leaders = [0, 0, 2, 2]
+    why = ["IBRC over mlx5_0", "IBRC over mlx5_0", "NVSHMEM_REMOTE_TRANSPORT=none", "IBRC over mlx5_0"]
+    t = topo.build(0, leaders, _pointers(topo.node_indices(leaders)), [True, True, False, True], why)
+    with pytest.raises(topo.TopologyError) as info:
+        t.check_reachable()
+    msg = str(info.value)
+    assert "rank 0 cannot reach rank 2" in msg and "rank 2 cannot reach rank 0" in msg
+    assert "rank 1 cannot reach rank 3" not in msg        # both ends have a remote transport
+    assert "NVSHMEM_REMOTE_TRANSPORT=none" in msg and "docs/multinode.md" in msg
+
+
+def test_same_node_without_p2p_needs_a_remote_transport():
+    t = topo.build(0, [0, 0], [[True, False], [False, True]], [False, False], ["no HCA", "no HCA"])
+    ok, why = t.reachable(0, 1)
+    assert not ok and "same node without P2P" in why
+    assert t.hierarchical   # NVLink pointers missing inside the node
+
+
+@pytest.mark.parametrize("setting, n, rail1", [("virtual:2x2", 4, (1, 3)), ("virtual:2x1", 2, (0, 1)),
+                                               ("virtual:4x2", 8, (1, 3, 5, 7))])
+def test_virtual_nodes_on_one_node(setting, n, rail1):
+    v = topo.parse_setting(setting)
+    t = topo.build(1, [0] * n, _pointers([0] * n, same_gpu=True), [False] * n, ["no HCA"] * n, v)
+    assert t.virtual and t.num_nodes == v.nodes and len(t.local_ranks) == v.ranks_per_node
+    assert t.rail() == rail1
+    assert set(t.nvshmem_peers()) == set(range(n)) - set(t.local_ranks)
+    assert not t.nvlink(0, n - 1)
+    assert t.reachable(0, n - 1) == (True, "NVSHMEM P2P transport")   # no remote transport needed
+    t.check_reachable()
+    assert plan.choose_path(t) == ("hierarchical", f"{v.nodes} virtual nodes of {v.ranks_per_node} ranks: node "
+                                   "team over NVLink, between nodes over the NVSHMEM device API")
+
+
+def test_virtual_nodes_must_not_join_real_ones():
+    v = topo.parse_setting("virtual:1x4")
+    leaders = [0, 0, 2, 2]
+    with pytest.raises(topo.TopologyError, match="spans real nodes"):
+        topo.build(0, leaders, _pointers(topo.node_indices(leaders)), [True] * 4, setting=v)
+
+
+def test_one_node_is_flat():
+    t = topo.build(0, [0, 0, 0, 0], _pointers([0] * 4), [False] * 4)
+    assert not t.hierarchical and plan.choose_path(t)[0] == "flat" and plan.choose_path(None)[0] == "flat"
+    assert topo.single().nvshmem_peers() == ()
+
+
+def test_uneven_nodes_have_no_rails():
+    leaders = [0, 0, 0, 3]
+    t = topo.build(0, leaders, _pointers(topo.node_indices(leaders)), [True] * 4)
+    assert not t.uniform
+    with pytest.raises(topo.TopologyError, match="different sizes"):
+        t.rail()
+
+
+def test_remote_transport(tmp_path):
+    hcas = tmp_path / "ib"
+    assert topo.remote_transport({"NVSHMEM_REMOTE_TRANSPORT": "none"}, str(hcas)) == \
+        (False, "NVSHMEM_REMOTE_TRANSPORT=none")
+    ok, why = topo.remote_transport({}, str(hcas))
+    assert not ok and "no InfiniBand/RoCE device" in why
+    (hcas / "mlx5_0").mkdir(parents=True)
+    (hcas / "mlx5_1").mkdir()
+    assert topo.remote_transport({}, str(hcas)) == (True, "IBRC over mlx5_0, mlx5_1")
+    assert topo.remote_transport({"NVSHMEM_IB_ENABLE_IBGDA": "1"}, str(hcas)) == \
+        (True, "IBRC with IBGDA over mlx5_0, mlx5_1")
+    assert topo.remote_transport({"NVSHMEM_REMOTE_TRANSPORT": "ucx"}, str(tmp_path / "none"))[0]
+
+
+# --------------------------------------------------------------------------------- hierarchical planning
+def test_rail_geometry_and_pieces():
+    half, slot = rail_geometry(64 << 20, 2)
+    assert (half, slot) == (32 << 20, 16 << 20)
+    half, slot = rail_geometry(1000, 3)
+    assert slot % 16 == 0 and 2 * half <= 1000 and half == 3 * slot
+    with pytest.raises(ValueError):
+        rail_geometry(16, 4)
+    assert rail_pieces(0, 64) == [(0, 0)]
+    assert rail_pieces(100, 64) == [(0, 64), (64, 36)]
+    assert sum(b for _, b in rail_pieces(12345, 1024)) == 12345
+
+
+def test_put_grid_and_shards():
+    assert put_grid(1, 8) == 1 and put_grid(1 << 30, 8) == 8 and put_grid(1 << 30, 99) == MAX_PUT_BLOCKS
+    assert shard_elems(1, 2, 4) == 4                      # one 16-byte vector
+    assert shard_elems(1001, 2, 2) == 504                 # bf16: 501 -> whole vectors of 8
+    for count, g, isz, nodes in [(4096, 2, 4, 1), (3, 1, 4, 2), ((1 << 20) + 3, 2, 2, 4), (10, 8, 2, 16)]:
+        s = shard_elems(count, g, isz, nodes)
+        assert s * g >= count and (s * isz) % (16 * nodes) == 0
+
+
+def test_rail_allreduce_algo():
+    assert rail_allreduce_algo(1 << 30, 2) == "oneshot"               # 2 nodes: as many bytes, one round
+    assert rail_allreduce_algo(ONESHOT_BYTES, 8) == "oneshot"
+    assert rail_allreduce_algo(ONESHOT_BYTES + 16, 8) == "rs_ag"
+    assert rail_allreduce_algo(16, 2, oneshot_bytes=0) == "rs_ag"     # forced (the GPU test's second context)
+
+
+def test_rail_reductions_are_the_kernels():
+    src = (kernel_root() / "comm" / "nvshmem_hier.cu").read_text()
+    built = set(re.findall(r"FLUXRT_RAIL_REDUCE\((\w+)_(\w+), ", src))
+    for dt in ("bf16", "fp16", "fp32"):
+        for red in ("sum", "max", "min"):
+            check_rail_reduction(dt, red)
+            assert (dt, red) in built
+    with pytest.raises(ValueError, match="across nodes"):
+        check_rail_reduction("fp64", "sum")
+    with pytest.raises(ValueError, match="across nodes"):
+        check_rail_reduction("fp32", "prod")
+
+
+def test_rail_constants_mirror_the_kernel():
+    src = (kernel_root() / "include" / "fluxrt" / "remote.cuh").read_text()
+    consts = {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr u32 (k\w+) = (\d+);", src)}
+    assert consts["kMaxRailNodes"] == MAX_NODES and consts["kMaxRailBlocks"] == MAX_PUT_BLOCKS
+
+
+def test_multinode_doc_tables_are_the_models(capsys):
+    """docs/multinode.md shows what perf/multinode_model.py computes from its default inputs."""
+    import importlib.util
+    import sys
+
+    root = kernel_root().parent
+    spec = importlib.util.spec_from_file_location("multinode_model", root / "perf" / "multinode_model.py")
+    model = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = model   # its dataclass looks its module up
+    try:
+        spec.loader.exec_module(model)
+    finally:
+        sys.modules.pop(spec.name, None)
+    model.main([])
+    doc = (root / "docs" / "multinode.md").read_text()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows and all(row in doc for row in rows), [row for row in rows if row not in doc]

@@ -1,0 +1,288 @@
+"""Hierarchical collectives (node team over NVLink, rails over the NVSHMEM device API), checked on one node
+with FLUXRT_TOPOLOGY=virtual:NxG: e.g. `FLUXRT_TOPOLOGY=virtual:2x1 fluxrt-run -n 2 -- python -m pytest
+tests/gpu/test_multinode.py`, virtual:2x2 on 4 ranks (or all ranks on one GPU under MPS: launch/mps-check.sh).
+
+Results are compared with a float64 numpy reference of every rank's input (each rank makes all inputs from
+seeds) and must be bitwise equal on every rank.
+"""
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+_EPS = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -10, "fp32": 2.0 ** -23}
+_NEEDS = ("needs several (virtual) nodes: FLUXRT_TOPOLOGY=virtual:2x1 on 2 ranks or virtual:2x2 on 4 "
+          "(or a multi-node job)")
+
+
+@pytest.fixture(scope="module")
+def hier(world):
+    if not world.topology.hierarchical:
+        pytest.skip(_NEEDS)
+    import fluxrt.collectives as coll
+
+    ctx = coll.context(world)
+    from fluxrt.collectives_hier import HierarchicalCollectives
+
+    assert isinstance(ctx, HierarchicalCollectives)
+    return ctx
+
+
+def _np_dtype(name):
+    import fluxrt
+
+    return fluxrt.normalize_dtype(name)
+
+
+def _inputs(seed, n, count, dtype):
+    """Every rank's input (host, already rounded to `dtype`), the same on every rank."""
+    out = []
+    for r in range(n):
+        rng = np.random.default_rng(seed * 1000 + r)
+        x = rng.standard_normal(count).astype(np.float32)
+        if dtype == "int32":
+            x = rng.integers(-1000, 1000, count).astype(np.int32)
+        out.append(x.astype(_np_dtype(dtype)))
+    return out
+
+
+def _device(host):
+    import cupy
+
+    return cupy.asarray(host)
+
+
+def _poisoned(count, dtype):
+    import cupy
+
+    return cupy.full(count, np.nan if dtype != "int32" else -7, dtype=_np_dtype(dtype))
+
+
+def _host(a):
+    return a.get()
+
+
+def _digests(world, host) -> list:
+    """Every rank's sha256 of `host` (a collective call: made before any assertion, so that a failing rank
+    does not leave the others' later calls out of step)."""
+    return world.comm.allgather(hashlib.sha256(np.ascontiguousarray(host).tobytes()).hexdigest())
+
+
+def _bound(inputs, op, dtype):
+    """Sums: fp32 accumulation rounded to the dtype at every stage that stores a partial (the node's ring
+    hops, the node team's shard, the rail's result), each off by at most EPS times the sum of magnitudes."""
+    xs = np.stack([x.astype(np.float64) for x in inputs])
+    ref = {"sum": xs.sum(0), "max": xs.max(0), "min": xs.min(0)}[op]
+    if op != "sum":
+        return ref, np.zeros_like(ref)   # max/min of representable values is exact
+    eps = _EPS[dtype]
+    magnitude = np.abs(xs).sum(0)
+    return ref, eps * np.abs(ref) + (len(inputs) * eps + len(inputs) * 2.0 ** -23) * magnitude + 1e-7
+
+
+def _check(world, got, inputs, op, dtype, what):
+    """got against the float64 reference of `inputs`, and the same bits on every rank."""
+    every = _digests(world, got)
+    ref, bound = _bound(inputs, op, dtype)
+    g = got.astype(np.float64)
+    assert np.isfinite(g).all(), f"{what}: non-finite values (poison left)"
+    bad = np.abs(g - ref) > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {g.size} elements off, first at {int(np.argmax(bad))}: "
+                           f"{g[np.argmax(bad)]} vs {ref[np.argmax(bad)]}")
+    assert len(set(every)) == 1, f"{what}: results differ across ranks"
+
+
+def test_topology_is_virtual_nodes(world):
+    setting = os.environ.get("FLUXRT_TOPOLOGY", "")
+    if not setting.startswith("virtual:"):
+        pytest.skip(_NEEDS)
+    n_nodes, g = (int(v) for v in setting.split(":")[1].lower().split("x"))
+    t = world.topology
+    assert t.virtual and t.num_nodes == n_nodes and len(t.local_ranks) == g
+    assert t.local_ranks == tuple(range(t.node * g, (t.node + 1) * g))
+    assert set(t.nvshmem_peers()) == set(range(world.size)) - set(t.local_ranks)
+    assert t.rail() == tuple(k * g + world.rank % g for k in range(n_nodes))
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "fp16", "fp32"))
+@pytest.mark.parametrize("count", (1, 1001, 4096, (1 << 20) + 3))
+def test_allreduce(world, hier, dtype, count):
+    inputs = _inputs(count % 97 + len(dtype), world.size, count, dtype)
+    import fluxrt
+
+    out = _poisoned(count, dtype)
+    fluxrt.allreduce(world, _device(inputs[world.rank]), out)
+    world.synchronize()
+    got = _host(out)
+    _check(world, got, inputs, "sum", dtype, f"hierarchical allreduce {count} x {dtype}")
+
+
+@pytest.mark.parametrize("op", ("max", "min"))
+def test_allreduce_max_min(world, hier, op):
+    import fluxrt
+
+    inputs = _inputs(7, world.size, 33333, "fp32")
+    out = fluxrt.allreduce(world, _device(inputs[world.rank]), op=op)
+    world.synchronize()
+    got = _host(out)
+    _check(world, got, inputs, op, "fp32", f"hierarchical allreduce {op}")
+
+
+def test_allreduce_several_rail_rounds_in_place_and_async(world, hier):
+    """A message larger than a rail slot (several rounds, both buffer halves), in place, then async."""
+    import fluxrt
+
+    count = (hier.slot_bytes * hier.ranks_per_node * 5) // 2 // 4 + 5   # 2.5 slots per shard, fp32
+    inputs = _inputs(3, world.size, count, "fp32")
+    x = _device(inputs[world.rank])
+    fluxrt.allreduce(world, x, x)
+    world.synchronize()
+    got = _host(x)
+    y = _device(inputs[world.rank])
+    h = fluxrt.allreduce(world, y, async_op=True)
+    res = h.wait()
+    world.synchronize()
+    same = np.array_equal(_host(res), got)
+    _check(world, got, inputs, "sum", "fp32", "hierarchical allreduce, several rounds, in place")
+    assert same, "async allreduce differs from the in-place one"
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "fp32"))
+@pytest.mark.parametrize("chunk", (1, 777, (1 << 18) + 8))
+def test_reduce_scatter(world, hier, dtype, chunk):
+    import fluxrt
+
+    n = world.size
+    inputs = _inputs(chunk % 89 + 11, n, n * chunk, dtype)
+    out = _poisoned(chunk, dtype)
+    fluxrt.reduce_scatter(world, _device(inputs[world.rank]), out)
+    world.synchronize()
+    mine = [x[world.rank * chunk:(world.rank + 1) * chunk] for x in inputs]
+    ref, bound = _bound(mine, "sum", dtype)
+    g = _host(out).astype(np.float64)
+    bad = ~(np.abs(g - ref) <= bound)
+    every = world.comm.allgather(int(bad.sum()))
+    assert not any(every), (f"hierarchical reduce_scatter {chunk} x {dtype}: elements off per rank {every}, "
+                            f"first here at {int(np.argmax(bad))}")
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "int32", "fp32"))
+@pytest.mark.parametrize("chunk", (1, 1001, (1 << 20) + 1))
+def test_allgather(world, hier, dtype, chunk):
+    import fluxrt
+
+    n = world.size
+    inputs = _inputs(chunk % 83 + 5, n, chunk, dtype)
+    out = _poisoned(n * chunk, dtype)
+    fluxrt.allgather(world, _device(inputs[world.rank]), out)
+    world.synchronize()
+    got = _host(out)
+    every = _digests(world, got)
+    assert np.array_equal(got.view(np.uint8), np.concatenate(inputs).view(np.uint8)), "allgather differs"
+    assert len(set(every)) == 1
+
+
+def test_allgather_in_place(world, hier):
+    import fluxrt
+
+    n, chunk = world.size, 4099
+    inputs = _inputs(17, n, chunk, "fp32")
+    out = _poisoned(n * chunk, "fp32")
+    out[world.rank * chunk:(world.rank + 1) * chunk] = _device(inputs[world.rank])
+    fluxrt.allgather(world, out[world.rank * chunk:(world.rank + 1) * chunk], out)
+    world.synchronize()
+    ok = world.comm.allgather(bool(np.array_equal(_host(out), np.concatenate(inputs))))
+    assert all(ok), f"in-place allgather per rank: {ok}"
+
+
+@pytest.mark.parametrize("count", ((1 << 24) + 32, (1 << 24) + 5))
+def test_stages_of_a_large_allreduce(world, hier, count):
+    """Each stage of a large hierarchical allreduce against its own reference (node reduce-scatter on the node
+    team, rail allreduce, node all-gather), whole shards and padded; reports the first stage that fails."""
+    import cupy
+
+    from fluxrt.collectives_hier import shard_elems
+
+    g, k, li = hier.ranks_per_node, hier.node_index, world.topology.local_index
+    inputs = _inputs(count % 61 + 9, world.size, count, "fp32")
+    shard = shard_elems(count, g, 4, hier.nodes)
+    padded = [np.concatenate([x.astype(np.float64), np.zeros(shard * g - count)]) for x in inputs]
+    xin = cupy.zeros(shard * g, np.float32)
+    xin[:count] = _device(inputs[world.rank])
+    mine = cupy.full(shard, np.nan, np.float32)
+    status = {}
+    members = world.topology.local_ranks
+    if hier.node is not None:
+        hier.node.reduce_scatter(xin, mine)
+    else:
+        mine[...] = xin
+    world.synchronize()
+    want = sum(padded[r][li * shard:(li + 1) * shard] for r in members)
+    status["node_rs"] = int((~(np.abs(_host(mine) - want) <= 1e-4 * (1 + np.abs(want)))).sum())
+    hier._rail_allreduce(mine, "fp32", "sum", cupy.cuda.get_current_stream(), "hier.allreduce")
+    world.synchronize()
+    want = sum(p[li * shard:(li + 1) * shard] for p in padded)
+    status["rail"] = int((~(np.abs(_host(mine) - want) <= 1e-4 * (1 + np.abs(want)))).sum())
+    full = cupy.full(shard * g, np.nan, np.float32)
+    if hier.node is not None:
+        hier.node.allgather(mine, full)
+    else:
+        full[...] = mine
+    world.synchronize()
+    want = sum(padded)
+    status["node_ag"] = int((~(np.abs(_host(full) - want) <= 1e-4 * (1 + np.abs(want)))).sum())
+    every = world.comm.allgather((k, li, status))
+    assert all(not any(st.values()) for _, _, st in every), f"elements off per stage, (node, local, stages): {every}"
+
+
+def test_unsupported_op_names_the_path(world, hier):
+    import fluxrt
+
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="across nodes"):
+        fluxrt.alltoall(world, _device(np.zeros(world.size, np.float32)))
+
+
+def test_remote_wait_is_bounded(world, hier):
+    """A rail wait whose puts never come ends at the world's bound and names the op and the rail peer."""
+    import fluxrt
+    from fluxrt.collectives_hier import THREADS
+    from fluxrt.packed_launch import PackedLaunch
+
+    if world.rank == 0:
+        import cupy
+
+        fn = hier.module.get_function("fluxrt_rail_reduce_fp32_sum")
+        out = cupy.zeros(16, np.float32)
+        never = np.uint64(hier.epoch + 1001)   # an epoch no rank has sent
+        args = (hier._pes, np.uint32(hier.nodes), np.uint32(1), np.uint64(hier.recv.data.ptr),
+                np.uint64(hier.half_bytes), np.uint64(hier.slot_bytes), np.uint64(hier.sig.data.ptr), never,
+                np.uint64(out.data.ptr), np.uint64(16)) + hier._watch("hier.allreduce")
+        PackedLaunch(fn, 1, THREADS, args).launch(cupy.cuda.get_current_stream().ptr)
+        with pytest.raises(fluxrt.WaitTimeoutError) as info:
+            world.synchronize()
+        assert info.value.rank == 0 and info.value.peer in hier.rail
+        assert "hier.allreduce" in str(info.value)
+    world.comm.Barrier()
+
+
+def test_rail_reduce_scatter_then_allgather(world, hier):
+    """The rail allreduce in two rounds (reduce-scatter, all-gather), forced on a second context: same
+    reference, same bits on every rank."""
+    from fluxrt.collectives import CollectivesOptions
+    from fluxrt.collectives_hier import HierarchicalCollectives, HierarchicalOptions
+
+    ctx = HierarchicalCollectives(world, HierarchicalOptions(rail_bytes=1 << 20, oneshot_bytes=0,
+                                                             node=CollectivesOptions(workspace_bytes=32 << 20)))
+    try:
+        for dtype, count in (("fp32", 5), ("bf16", 70001), ("fp32", (1 << 20) + 9)):   # last: several rounds
+            inputs = _inputs(count % 71 + 3, world.size, count, dtype)
+            out = _poisoned(count, dtype)
+            ctx.allreduce(_device(inputs[world.rank]), out)
+            world.synchronize()
+            got = _host(out)
+            _check(world, got, inputs, "sum", dtype, f"rail reduce-scatter + all-gather {count} x {dtype}")
+    finally:
+        ctx.free()
