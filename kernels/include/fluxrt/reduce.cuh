@@ -25,7 +25,7 @@ constexpr u32 kReduceUnroll = 4;
 // Types of more than 8 elements a vector (uint8: 16 accumulators a vector) take half as many, so that a
 // 512-thread block's registers still fit (4 x 16 accumulators took the staged uint8 rounds past 128).
 template <class E>
-constexpr u32 reduce_unroll() { return E::kPerVec > 8 ? kReduceUnroll / 2 : kReduceUnroll; }
+constexpr u32 kReduceUnrollOf = E::kPerVec > 8 ? kReduceUnroll / 2 : kReduceUnroll;
 
 template <int OP>
 __device__ __forceinline__ float combine(float a, float b) {
@@ -150,12 +150,12 @@ __device__ __forceinline__ void fold_sources(typename E::Acc (&acc)[kVecs][E::kP
 }
 
 // The block's share of a reduction of `nvec` vectors: store(v, vector v of the reduction) for v < nvec,
-// vector v of source p at src(p) + v, n >= 1. A thread takes reduce_unroll<E>() vectors at a time, the
+// vector v of source p at src(p) + v, n >= 1. A thread takes kReduceUnrollOf<E> vectors at a time, the
 // loads of one source for all of them in flight together. Loads bypass L1 (.cv): sources may hold pushed
 // data.
 template <class E, int OP, class Src, class Store>
 __device__ __forceinline__ void reduce_block(u32 n, u64 nvec, Src src, Store store) {
-    constexpr u32 U = reduce_unroll<E>();
+    constexpr u32 U = kReduceUnrollOf<E>;
     u64 v = threadIdx.x;
     for (; v + (U - 1) * blockDim.x < nvec; v += U * blockDim.x) {
         typename E::Acc acc[U][E::kPerVec];
