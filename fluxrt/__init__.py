@@ -18,7 +18,7 @@ from .dtypes import bfloat16, normalize_dtype
 from .errors import (AgreementTimeoutError, CollectiveArgumentError, CollectiveMismatchError, CompileError, DeviceError, FluxrtError,
                      GraphCaptureError, HeapExhaustedError, NotSymmetricError, NvshmemInitError, WaitTimeoutError)
 from .world import World, WorldOptions, current, finalize, init
-from . import compressed, fused, ops
+from . import compressed, fused, moe, ops
 
 __version__ = "0.1.0"
 

@@ -202,6 +202,30 @@ def gemm_fp8_table(data: dict) -> list[str]:
     return lines + table(header, rows)
 
 
+def grouped_table(data: dict) -> list[str]:
+    """A grouped-GEMM run (perf/grouped_gemm.py): its summary, then per MoE case the experts' shape, fluxrt's
+    time (CUDA graph) beside the loop of cuBLAS calls, one dense cuBLAS GEMM of the same FLOPs and
+    torch._grouped_mm (eager), as baseline time / fluxrt time."""
+    summ = data.get("summary") or {}
+    lines = [f"- summary: {', '.join(f'{k} {num(v)}' for k, v in summ.items())}", ""] if summ else []
+    header = ["model", "GEMM", "experts", "rows", "K", "N", "empty", "max rows", "fluxrt ms", "TFLOP/s", "loop ms",
+              "loop / fluxrt", "dense ms", "dense / fluxrt", "torch eager ms", "torch / fluxrt (eager)", "plan"]
+    rows = []
+    for r in data.get("rows", []):
+        if not isinstance(r, dict):
+            continue
+        torch_ms, torch_x = r.get("torch_eager_ms"), r.get("ratio_vs_torch_eager")
+        if torch_x is None and torch_ms and r.get("fluxrt_eager_ms"):
+            torch_x = torch_ms / r["fluxrt_eager_ms"]
+        rows.append([r.get("model"), r.get("gemm"), r.get("experts"), r.get("rows"), r.get("k"), r.get("n"),
+                     num(r.get("empty_experts", "")), num(r.get("max_rows", "")), num(r.get("fluxrt_ms", "")),
+                     num(r.get("fluxrt_tflops", "")), num(r.get("loop_ms", "")), num(r.get("speedup_vs_loop", "")),
+                     num(r.get("dense_ms", "")), num(r.get("ratio_vs_dense", "")),
+                     num(torch_ms) if torch_ms is not None else "—", num(torch_x) if torch_x is not None else "—",
+                     r.get("plan", r.get("error", ""))])
+    return lines + table(header, rows)
+
+
 def section(key: str, path: Path, data: dict) -> list[str]:
     rows = data.get("rows") if "rows" in data else data.get("ms", [])
     lines = [f"### {key}", "",
@@ -220,6 +244,8 @@ def section(key: str, path: Path, data: dict) -> list[str]:
         lines += gemm_suite_table(data)
     elif data.get("bench") == "gemm-fp8":
         lines += gemm_fp8_table(data)
+    elif data.get("bench") == "gemm-grouped":
+        lines += grouped_table(data)
     else:
         lines += generic_table(rows)
     return lines + [""]

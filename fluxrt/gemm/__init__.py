@@ -17,6 +17,10 @@ Public entry point: :func:`gemm` (16-bit inputs, or fp8 with per-tensor / block 
   ops' padded calls read A in place (TMA fills the padding rows with zeros) or write C in place (TMA
   clips them), instead of copying through a padded buffer.
 
+Mixture-of-experts layers use :func:`grouped_gemm` (module ``grouped``): G problems ``a[rows of g] @ b[g]`` in one
+persistent launch, the groups' rows given by a device array of offsets that the host never reads (no host sync,
+graph-capturable).
+
 Every argument is validated before the first CUDA call (so mistakes surface as exceptions that name
 the shapes, and the checks run on CPU-only machines).
 
@@ -33,8 +37,10 @@ from .launch import gemm, gemm_with_hooks
 from .autotune import TuneResult, autotune, plan_for, tuned_plan
 from .launch import clear_launch_cache
 from .plan import FP8_FORMATS, SCALE_MODES, GemmPlan, fp8_heuristic_plan, fp8_plans, heuristic_plan, plan_gemm
+from .grouped import clear_grouped_cache, grouped_gemm, grouped_plan, validate_grouped_args
 
-__all__ = ["gemm", "gemm_with_hooks", "GemmPlan", "plan_gemm", "heuristic_plan", "plan_for", "autotune",
+__all__ = ["gemm", "gemm_with_hooks", "grouped_gemm", "grouped_plan", "validate_grouped_args", "clear_grouped_cache",
+           "GemmPlan", "plan_gemm", "heuristic_plan", "plan_for", "autotune",
            "tuned_plan", "TuneResult", "clear_launch_cache", "ArrivalWait", "TileEpilogue", "TileDestinations",
            "ChunkReduce", "ShardCopy", "RowBands", "GemmArgumentError", "GemmTypeError", "validate_gemm_args",
            "validate_fp8_args", "Fp8Problem", "fp8_plans", "fp8_heuristic_plan", "FP8_FORMATS", "SCALE_MODES",

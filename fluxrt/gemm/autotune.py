@@ -161,6 +161,18 @@ def tuned_plan(m: int, n: int, k: int, in_dtype: str, out_dtype: str, trans_b: b
     return _plan_from(entry["plan"]) if entry else None
 
 
+def tuned_us(m: int, n: int, k: int, in_dtype: str, out_dtype: str, trans_b: bool,
+             device_id: int | None = None) -> float | None:
+    """The cached winner's measured time in microseconds, or None (not tuned, or no cache for the device)."""
+    try:
+        entry = _table(cache_path(device_id)).get(problem_key(m, n, k, in_dtype, out_dtype, trans_b))
+    except Exception as e:   # no GPU to name the cache file
+        log.debug("gemm tune cache not consulted: %s", e)
+        return None
+    us = entry.get("us") if entry else None
+    return float(us) if us else None
+
+
 def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
              trans_b: bool = False, device_id: int | None = None, num_sms: int | None = None) -> GemmPlan:
     """The plan a :func:`fluxrt.gemm.gemm` call takes: the tuned one if the cache has it, else the

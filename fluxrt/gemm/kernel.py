@@ -23,15 +23,17 @@ _modules: dict = {}
 def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, hook_wait: bool = False,
                    hook_epilogue: bool = False, hook_reduce: int = 0,
                    hook_copy: bool = False, bands: int = 0, b_dtype: str | None = None,
-                   scale: str = "none") -> tuple[tuple[str, str], ...]:
+                   scale: str = "none", grouped: bool = False) -> tuple[tuple[str, str], ...]:
     """-D macros that instantiate hopper_gemm.cu for one configuration. hook_reduce: 0 none, 1 (or True)
     hook 3 in the epilogue, 2 hook 3 in the tail (:attr:`ChunkReduce.hook_id`). bands: which operands are
     :class:`RowBands` (:func:`band_bits`). fp8 (in_dtype float8_*): b_dtype is B's fp8 type (default A's),
-    scale the dequantisation mode (fluxrt.gemm.plan.SCALE_MODES)."""
+    scale the dequantisation mode (fluxrt.gemm.plan.SCALE_MODES). grouped: the grouped GEMM
+    (:func:`fluxrt.gemm.grouped_gemm`)."""
     fp8 = (("FLUXRT_GEMM_IN_B", str(IN_IDS[b_dtype or in_dtype])), ("FLUXRT_GEMM_SCALE", str(SCALE_IDS[scale]))) \
         if IN_IDS[in_dtype] >= 2 else ()
-    # hook 4 and bands only when on: every configuration without them keeps its earlier macros (and cache key)
-    return (("FLUXRT_GEMM_SPLIT_K", "1"),) * (plan.split_k > 1) + (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
+    # hook 4, bands and grouped only when on: every configuration without them keeps its earlier macros (and
+    # cache key)
+    return (("FLUXRT_GEMM_GROUPED", "1"),) * grouped + (("FLUXRT_GEMM_SPLIT_K", "1"),) * (plan.split_k > 1) + (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(IN_IDS[in_dtype])),
             ("FLUXRT_GEMM_OUT", str(OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),

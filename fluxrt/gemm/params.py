@@ -49,11 +49,13 @@ REDUCE_ARGS = _struct([("partials", PTR), ("source_bytes", I64), ("ld", I64), ("
                        ("epoch", U64), ("chunk", I32), ("sources", U32), ("group_n", I32), ("op_id", U32)])
 TAIL_ARGS = _struct([("out", PTR), ("counter", PTR)])
 SCALE_ARGS = _struct([("a", PTR), ("b", PTR), ("k_blocks", I32)])
+GROUP_ARGS = _struct([("offsets", PTR), ("groups", I32), ("offsets_64", I32)])
 COPY_ARGS = _struct([("tmap_a_own", TMAP[1], 64), ("counters", PTR), ("row0", I32), ("rows", I32)])
 
 PARAMS, _PARAMS_ALIGN = _struct([
     ("gemm", GEMM_ARGS), ("copy", COPY_ARGS), ("timeout", TIMEOUT_ARGS), ("wait", WAIT_ARGS),
     ("epilogue", EPILOGUE_ARGS), ("reduce", REDUCE_ARGS), ("tail", TAIL_ARGS), ("scale", SCALE_ARGS),
+    ("group", GROUP_ARGS),
 ])
 
 
@@ -86,4 +88,4 @@ def gemm_params(**gemm) -> np.ndarray:
 
 
 __all__ = ["PARAMS", "GEMM_ARGS", "TIMEOUT_ARGS", "WAIT_ARGS", "EPILOGUE_ARGS", "REDUCE_ARGS", "TAIL_ARGS",
-           "COPY_ARGS", "SCALE_ARGS", "gemm_params", "leaf_fields", "new_params"]
+           "COPY_ARGS", "SCALE_ARGS", "GROUP_ARGS", "gemm_params", "leaf_fields", "new_params"]

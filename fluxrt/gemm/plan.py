@@ -53,6 +53,9 @@ SCALE_MODES = ("none", "tensor", "block")   # fp8 dequantisation (FLUXRT_GEMM_SC
 FP8_SCALE_BLOCK = 128                      # block scales: A 1 x 128, B 128 x 128
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 TMA_ALIGN = 16                     # bytes: TMA global addresses and row strides are multiples of 16
+MAX_GROUPS = 256                   # grouped GEMM: groups per call (kMaxGroups of the kernel)
+GROUP_TABLE_BYTES = (2 * (MAX_GROUPS + 1) + 2) * 4   # its shared-memory table: first rows, tile-row prefix sums,
+                                                     # work items
 
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}   # bytes per element of each GEMM dtype
@@ -145,12 +148,13 @@ class GemmPlan:
             return 0
         return self.block_m // self.c_turns * self.block_n * _bytes_of(out_dtype)
 
-    def smem_bytes(self, out_dtype: str = "bfloat16", shard_copy: bool = False) -> int:
+    def smem_bytes(self, out_dtype: str = "bfloat16", shard_copy: bool = False, grouped: bool = False) -> int:
         """Dynamic shared memory of the kernel; shard_copy: with GEMM hook 4 (its copier's buffer of one
-        A piece and its barrier)."""
+        A piece and its barrier); grouped: the grouped GEMM (its group table)."""
         barriers = 8 * (2 * self.stages + 2 * self.c_turns + int(shard_copy))
         copy = self.block_m * ROW_BYTES if shard_copy else 0
-        return (self.stages * self.stage_bytes() + self.c_staging_bytes(out_dtype) + copy + barriers
+        table = GROUP_TABLE_BYTES if grouped else 0
+        return (self.stages * self.stage_bytes() + self.c_staging_bytes(out_dtype) + copy + barriers + table
                 + SMEM_ALIGN_BYTES)
 
     @property

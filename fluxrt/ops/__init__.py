@@ -15,10 +15,15 @@ printable dataclass and can be passed to the constructor to override the default
 Both are collective (same calls, same shapes, same order on every rank), reusable without re-allocation
 and stream-ordered; M must be a multiple of world. Shards of whole 128-row tiles (AllGatherGemm: times
 plan.chunks_per_rank) take the fast path, other shards are padded inside the op (fluxrt.ops.plan).
+Each call runs the fused kernel or, where a cost model predicts it to lose and inside a CUDA-graph capture,
+the decomposed path (chunked collectives beside plain GEMMs; fluxrt.ops.cost, fluxrt.ops.decomposed);
+``plan.path`` or ``forward(..., path=...)`` overrides the choice. TPMLP is the MLP block built on both.
 """
 from .ag_gemm import AllGatherGemm
+from .cost import PathChoice, choose_path
 from .gemm_rs import GemmReduceScatter
+from .mlp import TPMLP
 from .plan import AgGemmPlan, GemmRsPlan, OpsArgumentError, plan_ag_gemm, plan_gemm_rs
 
-__all__ = ["AllGatherGemm", "GemmReduceScatter", "AgGemmPlan", "GemmRsPlan", "OpsArgumentError",
-           "plan_ag_gemm", "plan_gemm_rs"]
+__all__ = ["AllGatherGemm", "GemmReduceScatter", "TPMLP", "AgGemmPlan", "GemmRsPlan", "OpsArgumentError",
+           "PathChoice", "choose_path", "plan_ag_gemm", "plan_gemm_rs"]

@@ -51,7 +51,7 @@ from ..nvtx import annotate as _nvtx
 from ..gemm import BANDS_C, ArrivalWait, RowBands, ShardCopy, gemm_with_hooks
 from ..gemm.plan import SMEM_LIMIT_BYTES
 from ..streams import as_cupy_stream
-from . import common
+from . import common, decomposed
 from .plan import AgGemmPlan, ag_gemm_plan, ag_pad_layout, check_rows, \
     plan_ag_gemm, pull_order
 
@@ -70,7 +70,8 @@ class AllGatherGemm:
     shapes in the same order. ``max_m`` bounds M (the gathered A lives in a symmetric buffer of
     ``capacity_m`` rows: max_m with every shard padded to whole tiles); N and K are fixed. M must be a
     multiple of world; shards of whole ``128 * plan.chunks_per_rank`` rows take the fast path, other
-    shards are padded (the rule in :mod:`fluxrt.ops.plan`).
+    shards are padded (the rule in :mod:`fluxrt.ops.plan`). Unless ``plan.path`` is 'fused', the op also holds
+    the decomposed path's gathered A (max_m x K, device memory, not symmetric; :mod:`fluxrt.ops.decomposed`).
     """
 
     def __init__(self, world: World, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
@@ -79,10 +80,11 @@ class AllGatherGemm:
 
         w = world.size
         common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_ag_gemm)
+        self._sms = common.num_sms(world)
+        common.setup_paths(self, world, self.k)
         self.layout = ag_pad_layout(w, self.plan.chunks_per_rank)
         self.a_full = world.empty((self.capacity_m, self.k), self.dtype)
         self.pad = world.signal_pad(self.layout.slots)
-        self._sms = common.num_sms(world)
         me, cpr, L, pad = world.rank, self.plan.chunks_per_rank, self.layout, self.pad
         peers = pull_order(me, w)
         pull = self.plan.comm_mode == "pull"
@@ -142,8 +144,11 @@ class AllGatherGemm:
 
     # --- the op -------------------------------------------------------------------------------------
     @_nvtx("ag_gemm.forward")
-    def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False):
+    def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False, path: str | None = None):
         """C [M, N] = allgather(a_shard) @ b (b.T with trans_b). Stream-ordered on `stream`.
+
+        path: None (the plan's: 'auto' lets fluxrt.ops.cost choose per M, see :meth:`path_choice`), 'fused' or
+        'decomposed' for this call.
 
         out: optional [M, N] array of the input dtype. return_a: also return the gathered A [M, K]: in pull
         mode a view of the symmetric buffer (overwritten by this rank's next call; for a padded call a
@@ -152,6 +157,13 @@ class AllGatherGemm:
         world, me = self.world, self.world.rank
         s = as_cupy_stream(stream)
         a, b, out, shard, m = common.forward_operands(self, OP, a_shard, b, out, s, sharded_a=True)
+        choice = common.choose_call_path(self, OP, "ag_gemm", m, s, path)
+        if choice.path == "decomposed":
+            if out is None:
+                out = common.alloc_on((m, self.n), self.dtype, world, s)
+            out, gathered = decomposed.ag_gemm(self, self._decomposed, a, b, out, shard, m, choice.chunks, s,
+                                               return_a=return_a)
+            return (out, gathered) if return_a else out
         pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
         # a padded call's GEMM writes out in place: its rows are bands of `pad` with `shard` real ones
         c_bands = RowBands(shard, pad) if pad != shard and self._bands_fit() else None
@@ -249,6 +261,12 @@ class AllGatherGemm:
                 p2p.put(self.world, view, view, p, mode="sm", stream=c,
                         flag_ptr=self.pad.peer_ptr(p, self.layout.chunk(me, ci)), flag_value=epoch,
                         blocks=self.plan.push_blocks)
+
+    def path_choice(self, m: int, stream=None, path: str | None = None):
+        """The :class:`fluxrt.ops.cost.PathChoice` of an M-row call on `stream` (fused or decomposed, and
+        why). Collective on its first use per M (ranks agree on rank 0's choice)."""
+        check_rows(OP, m, self.world.size, self.max_m)
+        return common.choose_call_path(self, OP, "ag_gemm", m, as_cupy_stream(stream), path)
 
     def gemm_plan(self, m: int):
         """The GemmPlan an M-row call uses (over its padded rows; tile order starts at this rank's shard)."""

@@ -111,6 +111,63 @@ def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bo
     return checked_on_every_rank(world, f"{name}.forward", local_checks)
 
 
+def setup_paths(op, world: World, buffer_cols: int) -> None:
+    """Both ops' state of the path choice (fluxrt.ops.cost): the choices made so far, and the decomposed
+    path's buffer of [max_m, buffer_cols] and the collectives context, made now unless the plan asks for
+    the fused path only (a capture must not allocate or make a context)."""
+    from .cost import DEFAULT_RATES, OPS_RATES
+
+    op._rates = OPS_RATES[DEFAULT_RATES]
+    op._paths = {}
+    op._decomposed = None
+    op._decomposed_cols = buffer_cols
+    if op.plan.path != "fused":
+        decomposed_state(op)
+
+
+def decomposed_state(op):
+    """The op's DecomposedState (AllGather+GEMM: gathered A [max_m, K]; GEMM+ReduceScatter: partials
+    [max_m, N]), made on first use."""
+    if op._decomposed is None:
+        from .decomposed import DecomposedState
+
+        op._decomposed = DecomposedState(op.world, op.max_m, op._decomposed_cols, op.dtype, op._rates.comm_sms)
+    return op._decomposed
+
+
+def choose_call_path(op, name: str, cost_op: str, m: int, stream, path: str | None):
+    """The PathChoice of an M-row call on `stream` (fluxrt.ops.cost.choose_path with the op's plan, `path`
+    overriding plan.path), made once per (M, capture, path) and agreed across ranks: every rank takes rank
+    0's (the GEMM autotune cache the model reads is per host). Logged at INFO."""
+    import dataclasses
+
+    from ..gemm.autotune import tuned_us
+    from .cost import PathChoice, choose_path
+
+    capturing = bool(stream.is_capturing())
+    key = (m, capturing, path)
+    got = op._paths.get(key)
+    if got is not None:
+        return got
+    plan = op.plan if path is None else dataclasses.replace(op.plan, path=path).validate()
+    world, dt, tb = op.world, op.dtype, op.trans_b
+    mine = choose_path(cost_op, m, op.n, op.k, world.size, plan, dt, capturing=capturing, num_sms=op._sms,
+                       rates=op._rates, tuned_us=lambda mm, nn, kk: tuned_us(mm, nn, kk, dt, dt, tb, world.device_id))
+    first = agreement.exchange(world, f"{name}.path", (mine.path, mine.chunks))[0]
+    got = mine if first == (mine.path, mine.chunks) else PathChoice(
+        first[0], first[1], f"rank 0's choice (this rank: {mine})", mine.fused_us, mine.decomposed_us, mine.candidates)
+    if got.path == "decomposed" and op._decomposed is None:
+        if capturing:
+            raise OpsArgumentError(f"{name}: the decomposed path's buffers are made outside a capture: construct "
+                                   "the op with plan.path 'auto' or 'decomposed', or call it once with "
+                                   "path='decomposed' before capturing")
+        decomposed_state(op)
+    op._paths[key] = got
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s: rank %d, M=%d%s: path %s", name, world.rank, m, " (capturing)" if capturing else "", got)
+    return got
+
+
 def checked_on_every_rank(world: World, op: str, local_checks):
     """Run this rank's argument checks, ``local_checks() -> (result, signature dict)``, and agree on the
     call across ranks (fluxrt.agreement): a rank whose own checks failed makes every rank raise, and

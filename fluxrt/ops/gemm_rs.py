@@ -50,7 +50,7 @@ from ..errors import op_id
 from ..nvtx import annotate as _nvtx
 from ..gemm import BANDS_A, ChunkReduce, RowBands, TileDestinations, TileEpilogue, gemm_with_hooks, reduce_hook_id
 from ..streams import as_cupy_stream
-from . import common
+from . import common, decomposed
 from .plan import MIN_TILE_COLS, GemmRsPlan, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
     rs_ce_groups, rs_flag_layout, rs_gemm_plan, rs_reduce_grid
 
@@ -72,7 +72,8 @@ class GemmReduceScatter:
     shards of whole 128-row tiles take the fast path, other shards are padded (the rule in
     :mod:`fluxrt.ops.plan`). N is fixed. Symmetric memory: ``2 * capacity_m * N`` partial elements per
     rank (capacity_m: max_m with every shard padded to whole tiles), twice that with comm_mode 'ce' (the
-    partials the owners pull, in two parities).
+    partials the owners pull, in two parities). Unless ``plan.path`` is 'fused', the op also holds the
+    decomposed path's partials (max_m x N, device memory, not symmetric; :mod:`fluxrt.ops.decomposed`).
     """
 
     def __init__(self, world: World, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
@@ -81,12 +82,13 @@ class GemmReduceScatter:
 
         w = world.size
         common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_gemm_rs)
+        self._sms = common.num_sms(world)
+        common.setup_paths(self, world, self.n)
         self.partial_dtype = self.plan.partial_dtype or self.dtype
         self.max_shard = self.capacity_m // w
         self.layout = rs_flag_layout(self.capacity_m, self.n, w)
         self.recv = world.empty((PARITIES, w, self.max_shard, self.n), self.partial_dtype)
         self.pad = world.signal_pad(self.layout.slots)
-        self._sms = common.num_sms(world)
         me = world.rank
         ce = self.plan.comm_mode == "ce"
         with world.device:
@@ -126,11 +128,17 @@ class GemmReduceScatter:
         self._op_tiles = "gemm_rs.tiles"
 
     @_nvtx("gemm_rs.forward")
-    def forward(self, a, b, out=None, stream=None):
-        """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered."""
+    def forward(self, a, b, out=None, stream=None, *, path: str | None = None):
+        """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered.
+        path: None (the plan's), 'fused' or 'decomposed' for this call (see :meth:`path_choice`)."""
         world = self.world
         s = as_cupy_stream(stream)
         a, b, out, shard, m = common.forward_operands(self, OP, a, b, out, s, sharded_a=False)
+        choice = common.choose_call_path(self, OP, "gemm_rs", m, s, path)
+        if choice.path == "decomposed":
+            if out is None:
+                out = common.alloc_on((shard, self.n), self.dtype, world, s)
+            return decomposed.gemm_rs(self, self._decomposed, a, b, out, shard, m, choice.chunks, s)
         pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
         gplan = self._call_plan(m_pad, pad != shard)
 
@@ -231,6 +239,12 @@ class GemmReduceScatter:
                 np.uint64(world.timeout_ns), np.uint64(world.error_record), np.uint32(self._op_reduce),
                 np.uint32(world.rank))
         self._reduce((grid,), (_REDUCE_THREADS,), args, stream=stream)
+
+    def path_choice(self, m: int, stream=None, path: str | None = None):
+        """The :class:`fluxrt.ops.cost.PathChoice` of an M-row call on `stream` (fused or decomposed, and
+        why). Collective on its first use per M (ranks agree on rank 0's choice)."""
+        check_rows(OP, m, self.world.size, self.max_m)
+        return common.choose_call_path(self, OP, "gemm_rs", m, as_cupy_stream(stream), path)
 
     def gemm_plan(self, m: int):
         """The GemmPlan an M-row call uses (over its padded rows; tile order starts at rank+1's rows, own

@@ -52,7 +52,7 @@ __all__ = ["AgGemmPlan", "GemmRsPlan", "OpsArgumentError", "AG_COMM_MODES", "RS_
            "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "padded_shard", "capacity_rows", "pull_order",
            "ag_pad_layout",
            "ag_gemm_plan", "rs_gemm_plan", "aligned_group_m", "rs_flag_layout", "rs_tile_offset", "ag_tile_offset",
-           "rs_reduce_grid", "rs_ce_groups", "RS_COMM_MODES"]
+           "rs_reduce_grid", "rs_ce_groups", "RS_COMM_MODES", "PATHS"]
 
 TILE_ROWS = 128              # GEMM tile height (GemmPlan.block_m with two consumer warpgroups)
 MIN_TILE_COLS = 64           # narrowest GEMM tile: flag pads are sized for it
@@ -80,14 +80,21 @@ class AgGemmPlan:
         release, so they must always find a free SM. None: 1 for 'pull', push_blocks for 'push'.
     push_blocks: CTAs of each push kernel (comm_mode='push').
     gemm: a GemmPlan to use instead of planning per call (m_tile_offset and max_ctas are set per call).
+    path: 'auto' (the cost model of fluxrt.ops.cost picks per M: the fused kernel, or the decomposed
+        path where the fused one is predicted to lose, and always inside a CUDA-graph capture),
+        'fused' or 'decomposed'.
+    decomposed_chunks: chunks of the decomposed path (None: the cost model's choice).
     """
     chunks_per_rank: int = 1
     comm_mode: str = "pull"
     comm_sms: int | None = None
     push_blocks: int = 8
     gemm: GemmPlan | None = None
+    path: str = "auto"
+    decomposed_chunks: int | None = None
 
     def validate(self) -> "AgGemmPlan":
+        _check_path(self)
         if self.chunks_per_rank < 1:
             raise OpsArgumentError(f"AgGemmPlan.chunks_per_rank must be >= 1, got {self.chunks_per_rank}")
         if self.comm_mode not in AG_COMM_MODES:
@@ -134,6 +141,8 @@ class GemmRsPlan:
     partial_dtype: element type of the partials sent to owners: None (the input type) or 'float32'
         (twice the traffic, no intermediate rounding).
     gemm: a GemmPlan to use instead of planning per call (m_tile_offset and max_ctas are set per call).
+    path, decomposed_chunks: as :class:`AgGemmPlan` (the decomposed path reduces in the collectives' fp32
+        and ignores partial_dtype).
     """
     comm_mode: str = "ce"
     ce_groups: int = 4
@@ -141,8 +150,11 @@ class GemmRsPlan:
     reduce_blocks: int = 8
     partial_dtype: str | None = None
     gemm: GemmPlan | None = None
+    path: str = "auto"
+    decomposed_chunks: int | None = None
 
     def validate(self) -> "GemmRsPlan":
+        _check_path(self)
         if self.comm_mode not in RS_COMM_MODES:
             raise OpsArgumentError(f"GemmRsPlan.comm_mode must be one of {RS_COMM_MODES}, got {self.comm_mode!r}")
         if self.ce_groups < 1:
@@ -179,6 +191,18 @@ class GemmRsPlan:
         if self.reduce_mode == "concurrent":
             return self.reduce_blocks
         return 1 if self.comm_mode == "ce" else 0
+
+
+PATHS = ("auto", "fused", "decomposed")
+
+
+def _check_path(plan) -> None:
+    name = type(plan).__name__
+    if plan.path not in PATHS:
+        raise OpsArgumentError(f"{name}.path must be one of {PATHS}, got {plan.path!r}")
+    c = plan.decomposed_chunks
+    if c is not None and (not isinstance(c, int) or c < 1):
+        raise OpsArgumentError(f"{name}.decomposed_chunks must be None or an int >= 1, got {c!r}")
 
 
 def _check_gemm_override(plan: GemmPlan | None) -> None:

@@ -16,6 +16,9 @@ BENCHES = {
     "ag_gemm": "fluxrt.perf.tp_ops:ag_gemm",
     "gemm_rs": "fluxrt.perf.tp_ops:gemm_rs",
     "allreduce_rmsnorm": "fluxrt.perf.fused",
+    "mlp": "fluxrt.perf.mlp",
+    "moe_dispatch": "fluxrt.perf.moe:moe_dispatch",
+    "moe_combine": "fluxrt.perf.moe:moe_combine",
 }
 
 #: One line per subcommand for ``fluxrt-perf --help``.
@@ -30,6 +33,9 @@ SUMMARIES = {
     "ag_gemm": "AllGather+GEMM fused vs GEMM alone, NCCL+cuBLAS, torch async-TP; overlap efficiency",
     "gemm_rs": "GEMM+ReduceScatter fused vs GEMM alone, cuBLAS+NCCL, torch async-TP; overlap efficiency",
     "allreduce_rmsnorm": "fused allreduce+residual+RMSNorm vs fluxrt/NCCL allreduce + a separate norm, per T x H",
+    "mlp": "TP MLP block (AG+GEMM, SiLU*up, GEMM+RS) eager and graph vs NCCL+cuBLAS unfused, torch async-TP",
+    "moe_dispatch": "MoE dispatch (DeepSeek-V3-, Mixtral-like; uniform, Zipf) vs NCCL all-to-all-v, DeepEP's GB/s",
+    "moe_combine": "MoE combine, the same cases, vs the reverse NCCL all-to-all-v",
 }
 
 

@@ -119,6 +119,44 @@ def random_suite(count: int = 24, seed: int = 2406) -> list[Shape]:
     return out
 
 
+# The fused tensor-parallel ops' sweep (``fluxrt-perf ag_gemm / gemm_rs --suite``): the column-parallel layers
+# feed AllGather+GEMM, the row-parallel ones GEMM+ReduceScatter.
+TP_OP_LAYERS = {"ag_gemm": ("qkv", "gate_up"), "gemm_rs": ("o", "down")}
+TP_OP_SUITES = {"tp": (1024, 2048, 4096, 8192, 16384), "tp-quick": (1024, 4096, 16384)}
+
+
+def tp_op_suite(op: str, tp: int, name: str = "tp") -> list[Shape]:
+    """Per-rank GEMMs of `op` ('ag_gemm' or 'gemm_rs') over every model's layers of TP_OP_LAYERS at TP=`tp`
+    (AllGather+GEMM: N per rank, K = hidden; GEMM+ReduceScatter: N = hidden, K per rank), at each M of
+    TP_OP_SUITES[name] (M: rows over all ranks), [K, N] weights, duplicates removed."""
+    if op not in TP_OP_LAYERS:
+        raise KeyError(f"unknown fused op {op!r}; one of {', '.join(TP_OP_LAYERS)}")
+    if name not in TP_OP_SUITES:
+        raise KeyError(f"unknown TP op suite {name!r}; one of {', '.join(TP_OP_SUITES)}")
+    seen, out = set(), []
+    for model in MODELS:
+        dims = layer_dims(model, tp)
+        for layer in TP_OP_LAYERS[op]:
+            n, k = dims[layer]
+            for m in TP_OP_SUITES[name]:
+                s = Shape(m, n, k, "KN", f"{model}/{layer}/tp{tp}")
+                if s.key() not in seen and m % tp == 0:
+                    seen.add(s.key())
+                    out.append(s)
+    return out
+
+
+def tp_mlp_suite(tp: int, name: str = "tp") -> list[tuple[int, int, int, str]]:
+    """(M, hidden, intermediate over all ranks, label) of every model's MLP block at TP=`tp`, at each M of
+    TP_OP_SUITES[name]."""
+    out = []
+    for model, (h, inter, *_rest) in MODELS.items():
+        if inter % (8 * tp):
+            continue
+        out += [(m, h, inter, f"{model}/mlp/tp{tp}") for m in TP_OP_SUITES[name] if m % tp == 0]
+    return out
+
+
 SUITES = {
     "full": full_suite,
     "core": core_suite,

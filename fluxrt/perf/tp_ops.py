@@ -8,10 +8,14 @@ mpirun with one GPU per rank:
     gemm_ms_cublas  cupy.matmul (cuBLAS) alone
     comm_ms_nccl    NCCL all-gather of A [M, K] / reduce-scatter of C [M, N] (cupy.cuda.nccl)
     sequential_ms   NCCL then cuBLAS (AG) / cuBLAS then NCCL (RS) on one stream
+    decomposed_ms   the ops' decomposed path (fluxrt.ops.decomposed: chunked fluxrt collectives beside fluxrt
+                    GEMMs, no torch, no NCCL), the best of 1, 2 and 4 chunks (decomposed_chunks)
     torch_ms        torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter, when torch
                     imports and sets up (never a dependency; skipped with a note otherwise)
     overlap_eff     FLUX: ECT = t - best GEMM alone; E = 1 - ECT_fused / ECT_sequential
     tflops          2 M N K / fused time, per GPU
+    path, op_ms     the path the op's cost model picks (fluxrt.ops.cost) and that path's time
+    op/best         op_ms over the best baseline (sequential, decomposed, torch); the issue's target is <= 1.01
 
 Timing: each measurement is warmed up, then each timed iteration starts with every rank synchronized
 (MPI barrier after a stream sync), a short GPU delay so the host can enqueue the whole call before the
@@ -20,7 +24,9 @@ GPU starts it, and CUDA events around the call; the row reports the median per r
 The fluxrt, cuBLAS and NCCL calls of a shape are timed in turns (one of each per round), so that clock
 drift over the run (H200s under a sustained GEMM vary by several %) does not bias their ratios; torch
 is timed right after them.
-Shapes: ``--M M --N N --K K`` or ``--shapes MxNxK,...`` (default: the three TP shapes of DEFAULT_SHAPES).
+Shapes: ``--M M --N N --K K`` or ``--shapes MxNxK,...`` (default: the three TP shapes of DEFAULT_SHAPES), or
+``--suite tp|tp-quick``: the GEMM shape suite's tensor-parallel layers at TP = the world size
+(fluxrt.perf.shapes.tp_op_suite), with geometric means and the shapes over target after the table.
 Flags as every fluxrt-perf subcommand: -n iterations, -w warm-up, -c check, -d type, -a, -T.
 """
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import sys
@@ -37,6 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..ops.plan import RS_REDUCE_MODES
+from .shapes import TP_OP_SUITES, tp_op_suite
 from .baselines import device_info, library_versions, machine, nccl_communicator, nccl_datatype
 from .report import device_lines, results_document, version_line, write_json
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype, reduce_over_ranks
@@ -73,6 +81,9 @@ def build_parser(op: str) -> argparse.ArgumentParser:
     p.add_argument("--N", dest="n", type=int, metavar="N", help="columns of B and C")
     p.add_argument("--K", dest="k", type=int, metavar="K", help="inner dimension of this rank's GEMM")
     p.add_argument("--shapes", help="comma-separated MxNxK list (instead of --M --N --K)")
+    p.add_argument("--suite", choices=sorted(TP_OP_SUITES), default=None,
+                   help="the shape suite's TP layers of this op at TP = world size (instead of --shapes)")
+    p.add_argument("--no-decomposed", action="store_true", help="skip the decomposed-path baseline")
     p.add_argument("-d", "--datatype", default="bf16", type=normalize_datatype, help="bf16|fp16 (default bf16)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per measurement (default 20)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed warm-up iterations (default 5)")
@@ -110,6 +121,10 @@ def default_shapes(op: str, world: int) -> list[tuple[int, int, int]]:
 
 
 def shapes_from_args(op: str, args, world: int = DEFAULT_SHAPES_TP) -> list[tuple[int, int, int]]:
+    if getattr(args, "suite", None):
+        if args.shapes or any(v is not None for v in (args.m, args.n, args.k)):
+            raise ValueError("--suite replaces --shapes / --M --N --K: give one of them")
+        return [(x.m, x.n, x.k) for x in tp_op_suite(op, world, args.suite)]
     if args.shapes:
         return parse_shapes(args.shapes)
     given = [args.m, args.n, args.k]
@@ -133,10 +148,55 @@ def overlap_row(op: str, m: int, n: int, k: int, world: int, dtype: str, fused_m
             "tflops": 2.0 * m * n * k / (fused_ms * 1e-3) / 1e12}
 
 
+def baseline_fields(row: dict, decomposed: dict, path: str, path_chunks: int) -> dict:
+    """`row` (overlap_row) with the decomposed baseline (``decomposed``: chunks -> ms), the path the op's
+    cost model picks, that path's time (``op_ms``), and the ratios to the best baseline (sequential,
+    decomposed, torch async-TP)."""
+    best_dec = min(decomposed.items(), key=lambda x: x[1]) if decomposed else (None, None)
+    op_ms = decomposed.get(path_chunks) if path == "decomposed" else row["fused_ms"]
+    baselines = [x for x in (row.get("sequential_ms"), best_dec[1], row.get("torch_ms")) if x]
+    best = min(baselines) if baselines else None
+    return dict(row, decomposed_ms=best_dec[1], decomposed_chunks=best_dec[0],
+                decomposed_all_ms={str(c): t for c, t in sorted(decomposed.items())}, path=path,
+                path_chunks=path_chunks, op_ms=op_ms, best_baseline_ms=best,
+                op_over_best=op_ms / best if best and op_ms else None,
+                fused_over_best=row["fused_ms"] / best if best else None)
+
+
+TARGET_OVER_BEST = 1.01   # issue: on every shape, the op <= 1.01x min(sequential, decomposed, torch async-TP)
+
+
+def summary(rows: list[dict]) -> dict:
+    """Geometric means of the op's speedup over each baseline, the shapes over target, the fallbacks."""
+    def geomean(key):
+        xs = [r[key] / r["op_ms"] for r in rows if r.get(key) and r.get("op_ms")]
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+    def shape(r):
+        return f"{r['m']}x{r['n']}x{r['k']}"
+
+    return {"shapes": len(rows), "geomean_sequential_over_op": geomean("sequential_ms"),
+            "geomean_torch_over_op": geomean("torch_ms"), "geomean_decomposed_over_op": geomean("decomposed_ms"),
+            "over_target": [shape(r) for r in rows if (r.get("op_over_best") or 0) > TARGET_OVER_BEST],
+            "fallback": [shape(r) for r in rows if r.get("path") == "decomposed"]}
+
+
+def summary_lines(s: dict) -> list[str]:
+    def f(x):
+        return "N/A" if x is None else f"{x:.3f}"
+
+    return [f"# {s['shapes']} shapes; geometric mean speedup of the op: {f(s['geomean_sequential_over_op'])}x over "
+            f"NCCL+cuBLAS sequential, {f(s['geomean_torch_over_op'])}x over torch async-TP, "
+            f"{f(s['geomean_decomposed_over_op'])}x over the decomposed path",
+            f"# over target (op > {TARGET_OVER_BEST}x best baseline): {', '.join(s['over_target']) or 'none'}",
+            f"# decomposed path chosen: {', '.join(s['fallback']) or 'none'}"]
+
+
 # (header, row key or a derived ratio, width, decimals)
 _COLUMNS = (("M", "m", 6, None), ("N", "n", 6, None), ("K", "k", 6, None), ("fused", "fused_ms", 8, 3),
             ("gemm", "gemm_ms_fluxrt", 8, 3), ("cublas", "gemm_ms_cublas", 8, 3), ("nccl", "comm_ms_nccl", 8, 3),
-            ("seq", "sequential_ms", 8, 3), ("torch", "torch_ms", 8, 3), ("fused/cublas", "fused/cublas", 12, 3),
+            ("seq", "sequential_ms", 8, 3), ("torch", "torch_ms", 8, 3), ("decomp", "decomposed_ms", 8, 3),
+            ("path", "path", 10, None), ("op/best", "op_over_best", 7, 3), ("fused/cublas", "fused/cublas", 12, 3),
             ("torch/fused", "torch/fused", 11, 3), ("overlap", "overlap_eff", 8, 3), ("TFLOP/s", "tflops", 8, 1))
 
 
@@ -163,8 +223,34 @@ def format_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def plot_ratios(path: str, rows: list[dict], title: str) -> None:
+    """A suite: per shape, each baseline's time over the op's (above 1: the op is faster), and the target."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(8, 0.35 * len(rows)), 4.8))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    series = (("NCCL+cuBLAS sequential", "sequential_ms"), ("decomposed (fluxrt)", "decomposed_ms"),
+              ("torch async-TP", "torch_ms"))
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        pts = [(j + i * width, r[key] / r["op_ms"]) for j, r in enumerate(rows) if r.get(key) and r.get("op_ms")]
+        if pts:
+            ax.bar([x for x, _ in pts], [y for _, y in pts], width, label=label)
+    ax.axhline(1 / TARGET_OVER_BEST, color="k", lw=0.8, ls="--", label="target (baseline / op >= 1/1.01)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['m']}x{r['n']}x{r['k']}" + ("*" if r.get("path") == "decomposed" else "")
+                        for r in rows], rotation=90, fontsize=7)
+    ax.set_ylabel("baseline time / op time")
+    ax.set_title(title + " (* decomposed path chosen)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot_rows(path: str, rows: list[dict], title: str) -> None:
-    """Grouped bars per shape: fused, cuBLAS alone, NCCL+cuBLAS sequential, torch async-TP."""
+    """Grouped bars per shape: fused, cuBLAS alone, NCCL+cuBLAS sequential, decomposed, torch async-TP."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -172,7 +258,8 @@ def plot_rows(path: str, rows: list[dict], title: str) -> None:
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     series = (("fluxrt fused", "fused_ms"), ("cuBLAS GEMM alone", "gemm_ms_cublas"),
-              ("NCCL+cuBLAS sequential", "sequential_ms"), ("torch async-TP", "torch_ms"))
+              ("NCCL+cuBLAS sequential", "sequential_ms"), ("fluxrt decomposed", "decomposed_ms"),
+              ("torch async-TP", "torch_ms"))
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):
         xs = [j + i * width for j, r in enumerate(rows) if r.get(key)]
@@ -301,7 +388,9 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
     import cupy
 
     from .. import gemm as fgemm
-    from ..ops import AgGemmPlan, AllGatherGemm, GemmReduceScatter, GemmRsPlan, plan_ag_gemm, plan_gemm_rs
+    from ..ops import AgGemmPlan, AllGatherGemm, GemmReduceScatter, GemmRsPlan, common, decomposed, plan_ag_gemm, \
+        plan_gemm_rs
+    from ..ops.cost import DECOMPOSED_CHUNKS, chunk_rows
 
     w, me = world.size, world.rank
     s = timer.stream
@@ -320,7 +409,11 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
             c = cupy.empty((m, n), dtype=a_shard.dtype)
 
             def fused():
-                fused_op.forward(a_shard, b, out=c, stream=s)
+                fused_op.forward(a_shard, b, out=c, stream=s, path="fused")
+
+            def decomposed_call(chunks):
+                return lambda: decomposed.ag_gemm(fused_op, common.decomposed_state(fused_op), a_shard, b, c, shard,
+                                                  m, chunks, s)
 
             def comm():
                 nccl_comm.allGather(a_shard.data.ptr, a_full.data.ptr, a_shard.size, nt, s.ptr)
@@ -341,7 +434,11 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
             out = cupy.empty((shard, n), dtype=a_full.dtype)
 
             def fused():
-                fused_op.forward(a_full, b, out=out, stream=s)
+                fused_op.forward(a_full, b, out=out, stream=s, path="fused")
+
+            def decomposed_call(chunks):
+                return lambda: decomposed.gemm_rs(fused_op, common.decomposed_state(fused_op), a_full, b, out, shard,
+                                                  m, chunks, s)
 
             def comm():
                 nccl_comm.reduceScatter(c.data.ptr, out.data.ptr, out.size, nt, 0, s.ptr)   # 0 = ncclSum
@@ -367,10 +464,20 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
         gemm_cublas = gemm_fluxrt  # noqa: F811 (sequential() picks this up)
     s.synchronize()
     world.comm.Barrier()
+    # the decomposed baseline at each chunk count that cuts the shard differently
+    dec_calls, cuts = {}, set()
+    for chunks in () if args.no_decomposed else DECOMPOSED_CHUNKS:
+        cut = tuple(chunk_rows(shard, chunks))
+        if cut not in cuts:
+            cuts.add(cut)
+            dec_calls[chunks] = decomposed_call(chunks)
+    choice = fused_op.path_choice(m, s)
     if args.check and nccl_comm is not None:
         with s:
             _check_once(op, world, fused, sequential, c if op == "ag_gemm" else out, s)
-    calls = {"fused": fused, "fluxrt": gemm_fluxrt}
+            for fn in dec_calls.values():
+                _check_once(op, world, fn, sequential, c if op == "ag_gemm" else out, s)
+    calls = {"fused": fused, "fluxrt": gemm_fluxrt, **{f"dec{x}": fn for x, fn in dec_calls.items()}}
     if cublas_ok:
         calls["cublas"] = gemm_cublas
     if nccl_comm is not None:
@@ -393,7 +500,8 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
             torch_base.note = f"torch async-TP failed at {m}x{n}x{k}: {type(e).__name__}: {e}"
             log.warning("%s", torch_base.note)
     fused_op.free()
-    return overlap_row(op, m, n, k, w, dtype, t_fused, t_fl, t_cb, t_comm, t_seq, t_torch)
+    row = overlap_row(op, m, n, k, w, dtype, t_fused, t_fl, t_cb, t_comm, t_seq, t_torch)
+    return baseline_fields(row, {x: t[f"dec{x}"] for x in dec_calls}, choice.path, choice.chunks)
 
 
 def _check_once(op, world: World, fused, sequential, result, s) -> None:
@@ -460,12 +568,18 @@ def main(argv=None, bench: str | None = None) -> int:
                 print(f"# {torch_base.note}")
             for line in format_table([]):
                 print(line, flush=True)
+        labels = {(x.m, x.n, x.k): x.label for x in tp_op_suite(bench, world.size, args.suite)} if args.suite else {}
         for m, n, k in shapes:
             row = measure_shape(bench, world, m, n, k, dtype, args, timer, nccl_comm, torch_base)
+            if (m, n, k) in labels:
+                row["label"] = labels[(m, n, k)]
             rows.append(row)
             if world.rank == 0:
                 print(format_table([row])[1], flush=True)
         if world.rank == 0:
+            summ = summary(rows)
+            for line in summary_lines(summ):
+                print(line)
             if torch_base is not None and torch_base.note and torch_base.ok:
                 print(f"# {torch_base.note}")
             if args.json_path:
@@ -473,11 +587,13 @@ def main(argv=None, bench: str | None = None) -> int:
                 doc = results_document(bench, rows, ["fluxrt-perf", bench] + argv, machine=machine(world),
                                        versions=versions, devices=devices,
                                        options=dict(options, average_name=AVERAGE_MODES[args.average]))
+                doc["summary"] = summ
                 if torch_base is not None and torch_base.note:
                     doc["notes"] = [torch_base.note]
                 write_json(args.json_path, doc)
             if args.plot_path:
-                plot_rows(args.plot_path, rows, f"fluxrt {bench}, {world.size} GPUs, {args.datatype}")
+                plot = plot_ratios if args.suite else plot_rows
+                plot(args.plot_path, rows, f"fluxrt {bench}, {world.size} GPUs, {args.datatype}")
     finally:
         if nccl_comm is not None:
             nccl_comm.destroy()

@@ -53,6 +53,12 @@
 //                             A and B are 3-D maps with the split as a coordinate: A [M][splits][k] read
 //                             as (k, split, row); B [N][splits][k] as (k, split, n), or [splits][k][N] as
 //                             (n, k, split). A separate kernel sums the partials in split order. default 0
+//   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; no hooks, no cluster, no bands, staged epilogue):
+//                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
+//                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a
+//                             3-D map with the group as its outer coordinate; a tile that ends past its
+//                             group's last row is stored by the storer warp with row-masked st.global
+//                             instead of TMA (TMA clips only at the tensor's end).            default 0
 // With every hook 0 the hook code is not compiled (if constexpr), and the hook arguments are ignored.
 #pragma once
 
@@ -109,6 +115,9 @@
 #ifndef FLUXRT_GEMM_C_SHARED
 #define FLUXRT_GEMM_C_SHARED 0
 #endif
+#ifndef FLUXRT_GEMM_GROUPED
+#define FLUXRT_GEMM_GROUPED 0
+#endif
 
 namespace fluxrt_sm90 {
 
@@ -157,6 +166,15 @@ static_assert(!kBlockScale || (kBK == kScaleBlock && kScaleBlock % kBN == 0 && !
               "block scales: one scale block per K block, tiles inside one 128-column scale block, no split-K");
 static_assert(!kSplitK || (kBandsC && !kBandsA && FLUXRT_GEMM_OUT == 2 && kCluster == 1 && !kHookWait &&
                            !kHookEpilogue), "split-K: fp32 partials into banded C, plain loads, no cluster");
+
+constexpr bool kGrouped = FLUXRT_GEMM_GROUPED != 0;
+constexpr int kMaxGroups = 256;
+static_assert(!kGrouped || (!kHookWait && !kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC &&
+                            !kSplitK && !kEpiDirect),
+              "grouped GEMM: plain loads, no cluster, C staged for the storer's row-masked boundary stores");
+// fp8 grouped: the scale variants would need the tile's group (B's scales) and first row (A's) from the group
+// table instead of m_tile * kBM; not wired yet.
+static_assert(!kGrouped || !kFp8, "grouped GEMM: 16-bit inputs (fp8 grouped is not wired yet)");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread
@@ -208,7 +226,11 @@ constexpr u32 kOffCopy = kOffC + kCBytes;
 constexpr u32 kOffBars = kOffCopy + kCopyBytes;
 // full[], empty[], c_full[], c_empty[], then (hook 4) copy_full
 constexpr u32 kNumBars = 2 * kStages + 2 * kCTurns + (kHookCopy ? 1 : 0);
-constexpr u32 kSmemBytes = kOffBars + kNumBars * 8;
+// Grouped GEMM: the groups' first rows (clamped offsets) and the prefix sums of their tile rows, kMaxGroups + 1
+// ints each, then the number of work items (and one int of padding).
+constexpr u32 kOffGroups = kOffBars + kNumBars * 8;
+constexpr u32 kGroupTableBytes = kGrouped ? (2u * (kMaxGroups + 1) + 2u) * 4u : 0u;
+constexpr u32 kSmemBytes = kOffGroups + kGroupTableBytes;
 constexpr u32 kSmemAlign = 1024;
 static_assert(kSmemBytes + kSmemAlign <= 232448, "tile config exceeds 227 KiB of shared memory");
 

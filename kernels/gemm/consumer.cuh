@@ -86,15 +86,19 @@ struct BlockScale {
         row1 = a + (long long)min(r + 8, m - 1) * k_blocks;
         col = b + (long long)(n0 / kScaleBlock) * k_blocks;
     }
-    // The K block's two row scales times its column scale (loaded before its MMAs: the loads fly meanwhile).
-    __device__ __forceinline__ float2 load(int kb) const {
-        const float sb = __ldg(col + kb);
-        return make_float2(__ldg(row0 + kb) * sb, __ldg(row1 + kb) * sb);
+    // A K block's scales of the thread's two rows and of the tile's columns, as loaded: they are multiplied
+    // only in promote(), so that no instruction waits for the loads before the block's MMAs have retired.
+    struct Loaded {
+        float row0, row1, col;
+    };
+    __device__ __forceinline__ Loaded load(int kb) const {
+        return Loaded{__ldg(row0 + kb), __ldg(row1 + kb), __ldg(col + kb)};
     }
-    // acc += part * s; fragment registers 4g + {0,1} are the thread's first row, 4g + {2,3} its row + 8.
-    __device__ __forceinline__ void promote(float (&acc)[kAccRegs], const float (&part)[kAccRegs], float2 s) const {
+    // acc += part * sa[row] * sb; fragment registers 4g + {0,1} are the thread's first row, 4g + {2,3} its row + 8.
+    __device__ __forceinline__ void promote(float (&acc)[kAccRegs], const float (&part)[kAccRegs], Loaded s) const {
+        const float s0 = s.row0 * s.col, s1 = s.row1 * s.col;
 #pragma unroll
-        for (int i = 0; i < kAccRegs; ++i) acc[i] = fmaf(part[i], (i & 2) ? s.y : s.x, acc[i]);
+        for (int i = 0; i < kAccRegs; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
     }
     __device__ __forceinline__ void finish(float (&)[kAccRegs]) const {}
 };
@@ -122,24 +126,33 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
     u32 phase = 0;
     typename Epilogue::ConsumerState es = epilogue.consumer_state(wg);
     const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per consumer
-    for (int t = sched.first; t < sched.total; t += sched.stride) {
+    for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int prev_stage = 0;
         const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
+        // Block scales: the scales of K blocks kb + 1 and kb + 2 are in flight while kb is computed (they come
+        // from L2: the ring leaves little L1, and an L2 round trip is longer than one K block's MMAs).
+        BlockScale::Loaded s_next{}, s_after{};
         if constexpr (kBlockScale) {
             int m_tile, n_tile;
             sched.tile(t, m_tile, n_tile);
             scale.begin_tile(m_tile * kBM + wg * kRowsPerConsumer, n_tile * kBN, tid);
+            s_next = scale.load(0);
+            if (k_blocks > 1) s_after = scale.load(1);
 #pragma unroll
             for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
         }
         for (int kb = 0; kb < k_blocks; ++kb) {
+            const BlockScale::Loaded s = s_next;
+            if constexpr (kBlockScale) {
+                s_next = s_after;
+                if (kb + 2 < k_blocks) s_after = scale.load(kb + 2);
+            }
             mbar_wait(sm.bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
             const u32 a_base = sm.smem + kOffA + stage * kTileABytes + a_rows_offset;
             const u32 b_base = sm.smem + kOffB + stage * kTileBBytes;
             if constexpr (kBlockScale) {
                 // The K block's product in its own registers; once retired, its stage goes back to the
                 // loader and the product is scaled into acc (the other consumer's MMAs run meanwhile).
-                const float2 s = scale.load(kb);
                 float part[kAccRegs];
                 wgmma_fence();
 #pragma unroll

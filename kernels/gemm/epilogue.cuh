@@ -288,6 +288,42 @@ struct TmaStoreEpilogue : StagedEpilogue {
     }
 };
 
+// Grouped GEMM: tiles that end inside their group go to C by TMA store as with TmaStoreEpilogue; a tile whose
+// rows run past its group's end (into the next group's rows, which another tile owns) is stored by the storer
+// warp's 32 lanes with 16-byte st.global of its rows before the end only (store_rows).
+struct GroupedStoreEpilogue : TmaStoreEpilogue {
+    char* c;    // C, row-major [M, N]
+    int n;
+
+    // Staging of consumers [0, kConsumersPerTurn) of the turn (at smem + kOffC) -> C rows [y0, y0 + 64 per
+    // consumer) below row_end, columns [n0, n0 + kBN) below N (N * kOutBytes % 16 == 0: a 16-byte unit is in
+    // or out whole). Consecutive lanes take consecutive 16-byte units of a row (the staging's 128B swizzle
+    // undone per row), so a warp writes 512 contiguous bytes of C per instruction at 128x256 bf16.
+    __device__ __forceinline__ void store_rows(u32 smem, int y0, int row_end, int n0, int lane) const {
+        constexpr int kUnitsPerRow = kBN * kOutBytes / 16;
+        constexpr int kUnitCols = 16 / kOutBytes;
+#pragma unroll 1
+        for (int w = 0; w < kConsumersPerTurn; ++w) {
+            const int y = y0 + w * kRowsPerConsumer;
+            const int valid = min(kRowsPerConsumer, row_end - y);
+            const u32 src = smem + kOffC + w * kCConsumerBytes;
+#pragma unroll 1   // the storer has 40 registers (setmaxnreg)
+            for (int i = lane; i < valid * kUnitsPerRow; i += 32) {
+                const int r = i / kUnitsPerRow, q = i % kUnitsPerRow;
+                const int slab = q / 8, unit = q % 8;
+                const int col = n0 + slab * kCCols + unit * kUnitCols;
+                if (col < n) {
+                    const uint4 v = ld_shared_v4(src + slab * kCSlabBytes + r * 128u + ((unit ^ (r & 7)) << 4));
+                    *reinterpret_cast<uint4*>(c_ptr(y + r, col)) = v;
+                }
+            }
+        }
+    }
+    __device__ __forceinline__ char* c_ptr(int row, int col) const {
+        return c + ((long long)row * n + col) * kOutBytes;
+    }
+};
+
 // Hook 2: destination row r of a tile -> row r - chunk * chunk_rows of dst_tmaps[chunk]; then the flag of
 // the tile in the chunk's flag table (or of its group of tile columns).
 struct PeerStoreEpilogue : StagedEpilogue {
@@ -421,10 +457,12 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
                                            u32 bar_c_empty) {
     const int lane = threadIdx.x & 31;
     u32 phase = 0;
-    for (int t = sched.first; t < sched.total; t += sched.stride) {
+    for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int m_tile, n_tile;
         const bool real = sched.tile(t, m_tile, n_tile);
-        const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+        GroupTile rows{0, 0, 0};
+        if constexpr (kGrouped) rows = sched.rows(m_tile);
+        const int m0 = kGrouped ? rows.row0 : m_tile * kBM, n0 = n_tile * kBN;
 #pragma unroll
         for (int turn = 0; turn < kCTurns; ++turn) {
             const bool last_turn = turn == kCTurns - 1;
@@ -435,6 +473,16 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
                 if (lane == 0) mbar_arrive(bar_next_empty);
                 __syncwarp();
                 continue;
+            }
+            if constexpr (kGrouped) {
+                const int row_end = rows.row_end;
+                if (m0 + kBM > row_end) {   // the tile ends past its group: row-masked stores
+                    epilogue.store_rows(smem, m0 + row0, row_end, n0, lane);
+                    __syncwarp();                // every lane's staging reads are done
+                    if (lane == 0) mbar_arrive(bar_next_empty);
+                    __syncwarp();
+                    continue;
+                }
             }
             const StoreTarget d = epilogue.target(m0, row0);
             if (lane == 0) {

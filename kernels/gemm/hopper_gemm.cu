@@ -32,11 +32,12 @@
 // Components (each its own header, composed below from the -D configuration of config.cuh):
 //   params.cuh     the kernel parameter: one struct, one member struct per concern (host mirror:
 //                  fluxrt/gemm/params.py)
-//   scheduler.cuh  persistent tile order (grouped / Hilbert, clusters, rank offset), row chunks
+//   scheduler.cuh  persistent tile order (grouped / Hilbert, clusters, rank offset), row chunks, and the
+//                  group table of the grouped GEMM (FLUXRT_GEMM_GROUPED)
 //   mainloop.cuh   loader variants (plain, arrival wait, own-shard copy) and the copier
 //   consumer.cuh   wgmma main loop of a consumer warpgroup, fp8 scale variants (per tensor, block)
-//   epilogue.cuh   epilogue variants (direct, TMA store, peer store + flag, chunk reduce, tail reduce),
-//                  the storer, and the sums of partials
+//   epilogue.cuh   epilogue variants (direct, TMA store, grouped store, peer store + flag, chunk reduce,
+//                  tail reduce), the storer, and the sums of partials
 #include <fluxrt/comm.cuh>
 
 // Spelled relative to kernels/include (always on the include path) so that NVRTC, which compiles the
@@ -55,10 +56,10 @@ namespace fluxrt_sm90 {
 using Mainloop = Select<kHookCopy, OwnShardMainloop,
                         Select<kHookWait, ArrivalWaitMainloop<AllOfA>, PlainMainloop>::type>::type;
 using Epilogue =
-    Select<kEpiDirect, DirectEpilogue,
+    Select<kGrouped, GroupedStoreEpilogue, Select<kEpiDirect, DirectEpilogue,
            Select<kReduceTail, TailReduceEpilogue,
                   Select<kReduceEpilogue, ChunkReduceEpilogue,
-                         Select<kHookEpilogue, PeerStoreEpilogue, TmaStoreEpilogue>::type>::type>::type>::type;
+                         Select<kHookEpilogue, PeerStoreEpilogue, TmaStoreEpilogue>::type>::type>::type>::type>::type;
 
 __device__ __forceinline__ AllOfA make_a_source(const Params& p, AllOfA*) { return AllOfA{&p.gemm.tmap_a}; }
 __device__ __forceinline__ OwnShardOfA make_a_source(const Params& p, OwnShardOfA*) {
@@ -78,6 +79,10 @@ __device__ __forceinline__ DirectEpilogue make_epilogue(const Params& p, RowChun
 }
 __device__ __forceinline__ TmaStoreEpilogue make_epilogue(const Params& p, RowChunks chunks, TmaStoreEpilogue*) {
     return TmaStoreEpilogue{{chunks}, &p.gemm.tmap_c};
+}
+__device__ __forceinline__ GroupedStoreEpilogue make_epilogue(const Params& p, RowChunks chunks,
+                                                              GroupedStoreEpilogue*) {
+    return GroupedStoreEpilogue{{{chunks}, &p.gemm.tmap_c}, static_cast<char*>(p.gemm.c_direct), p.gemm.n};
 }
 __device__ __forceinline__ PeerStoreEpilogue make_epilogue(const Params& p, RowChunks chunks, PeerStoreEpilogue*) {
     return PeerStoreEpilogue{{chunks}, p.epilogue};
@@ -122,7 +127,8 @@ fluxrt_gemm(const __grid_constant__ Params p) {
     const u32 bar_c_empty = bar_c_full + 8 * kCTurns;    // c_empty[kCTurns]
     const u32 bar_copy_full = bar_c_empty + 8 * kCTurns;  // hook 4: the copier's expect_tx
 
-    const Schedule sched = Schedule::of(p.gemm);
+    // grouped: the group table is read only after the barrier below
+    const Schedule sched = Schedule::of(p.gemm, GroupTable{smem + kOffGroups, p.group.groups});
     const RowChunks chunks = RowChunks::of(p.gemm);
     Epilogue epilogue = make_epilogue(p, chunks, (Epilogue*)nullptr);
 
@@ -144,6 +150,11 @@ fluxrt_gemm(const __grid_constant__ Params p) {
         tma_prefetch_desc(&p.gemm.tmap_b);
         if constexpr (kHookCopy) tma_prefetch_desc(&p.copy.tmap_a_own);
         if constexpr ((!kHookEpilogue || kReduceEpilogue) && !kEpiDirect) tma_prefetch_desc(&p.gemm.tmap_c);
+    }
+    if constexpr (kGrouped) {   // warp 1 reads the offsets while thread 0 initialises the barriers
+        if (threadIdx.x / 32 == 1)
+            GroupTable::build(p.group, p.gemm.m, (p.gemm.n + kBN - 1) / kBN,
+                              reinterpret_cast<int*>(smem_raw + pad + kOffGroups), (int)(threadIdx.x & 31));
     }
     if constexpr (kCluster > 1) cluster_sync(); else __syncthreads();
 

@@ -88,10 +88,11 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
     const int k_blocks = (K + kBK - 1) / kBK;
     int stage = 0;
     u32 phase = 0;
-    for (int t = sched.first; t < sched.total; t += sched.stride) {
+    for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int m_tile, n_tile;
         sched.tile(t, m_tile, n_tile);
-        const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+        const GroupTile rows = sched.rows(m_tile);   // grouped: B's group and A's first row
+        const int m0 = rows.row0, n0 = n_tile * kBN;
         mainloop.before_tile(m0);
         const ARows a = mainloop.a.rows(m0);
         // banded A: the tile's rows are rows [a.row % band_rows, + kBM) of band a.row / band_rows
@@ -113,6 +114,8 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                 // box {64 K, kBN / kCluster rows of N}: with a cluster, this CTA's share of the rows
                 if constexpr (kSplitK) {
                     tma_load_3d(b_dst, tmap_b, k0, a_band, n0, full);
+                } else if constexpr (kGrouped) {   // B [G][N][K] as (k, n, group)
+                    tma_load_3d(b_dst, tmap_b, k0, n0, rows.group, full);
                 } else if constexpr (kCluster == 1) {
                     tma_load_2d(b_dst, tmap_b, k0, n0, full);
                 } else {
@@ -125,6 +128,8 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                 for (int j = 0; j < kBN / 64; ++j) {  // boxes {64 N, 64 K}: one 128-byte wide slab each
                     if constexpr (kSplitK)
                         tma_load_3d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, a_band, full);
+                    else if constexpr (kGrouped)   // B [G][K][N] as (n, k, group)
+                        tma_load_3d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, rows.group, full);
                     else if constexpr (kCluster == 1)
                         tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
                     else if (j % kCluster == (int)sched.cta_rank)   // slab j comes from CTA j % kCluster

@@ -4,7 +4,7 @@
 // the host by fluxrt/gemm/params.py; tests/cpu/test_gemm_params.py compiles the field offsets and sizes
 // and compares them with that layout. Change both together.
 //
-// Size: 832 bytes, below the 4 KiB kernel-parameter limit of every CUDA version (static_assert below).
+// Size: 896 bytes, below the 4 KiB kernel-parameter limit of every CUDA version (static_assert below).
 #pragma once
 
 #include <fluxrt/comm.cuh>
@@ -89,6 +89,16 @@ struct ScaleArgs {
     int k_blocks;               // block: ceil(K / 128), the row length of both scale arrays
 };
 
+// Grouped GEMM (FLUXRT_GEMM_GROUPED): group g is A's rows [offsets[g], offsets[g + 1]) times B[g]. The
+// offsets are read by the kernel only (no host sync: a call can be captured in a CUDA graph); each is
+// clamped to [0, M] and a group with offsets[g + 1] <= offsets[g] is empty, so no offsets can make the
+// kernel touch memory outside A, B and C.
+struct GroupArgs {
+    const void* offsets;        // G + 1 prefix sums of the groups' rows, int32 or int64
+    int groups;                 // G, 1 .. kMaxGroups
+    int offsets_64;             // 1: offsets are int64
+};
+
 struct Params {
     GemmArgs gemm;
     CopyArgs copy;
@@ -98,6 +108,7 @@ struct Params {
     ReduceArgs reduce;
     TailArgs tail;
     ScaleArgs scale;
+    GroupArgs group;
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters are limited to 4 KiB");
 

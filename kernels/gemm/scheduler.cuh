@@ -6,6 +6,94 @@
 
 namespace fluxrt_sm90 {
 
+// Grouped GEMM (FLUXRT_GEMM_GROUPED): where a tile row of the schedule's grid lies. The grid's tile rows are
+// the groups' tile rows one after another (group g has ceil(M_g / kBM) of them, an empty group none); tile
+// row r of group g covers A's and C's rows [first_row[g] + r * kBM, min(+ kBM, row_end of g)).
+struct GroupTile {
+    int group;
+    int row0;       // first row of the tile in A and C
+    int row_end;    // one past the group's last row: the tile's rows from here on belong to the next group
+};
+
+// The table every role of a CTA reads, in shared memory at `table` (a shared::cta address):
+//   first_row[g], g <= kMaxGroups   offsets[g] clamped to [0, M] (M past G)
+//   tile_rows[g], g <= kMaxGroups   tile rows of groups 0 .. g - 1 (the grid's tile rows from G on)
+//   tile_rows[kMaxGroups + 1]       the grid's work items (tile rows x n_tiles)
+// A group ends at max(first_row[g], first_row[g + 1]): offsets that decrease make empty groups, never rows
+// outside [0, M). Read with ld.shared at every use: kept in registers, the grid size made the consumers
+// (128 accumulators) and the storer (40 registers) spill.
+struct GroupTable {
+    u32 table;
+    int groups;
+
+    static constexpr u32 kTileRowsOffset = 4u * (kMaxGroups + 1);
+
+    // Built by one warp before the CTA's first barrier: lane l takes groups 8l .. 8l + 7 (kMaxGroups = 256
+    // = 32 x 8), reads their offsets (9 per lane, the next lane's first included), counts tile rows and
+    // scans the counts across the warp.
+    static __device__ __forceinline__ void build(const GroupArgs& a, int M, int n_tiles, int* first_row,
+                                                 int lane) {
+        constexpr int kPer = kMaxGroups / 32;
+        static_assert(kMaxGroups % 32 == 0, "groups split evenly over a warp");
+        int* tile_rows = first_row + (kMaxGroups + 1);
+        int start[kPer + 1];
+#pragma unroll
+        for (int j = 0; j <= kPer; ++j) {
+            const int g = kPer * lane + j;
+            long long v = M;   // past G: the table's end (counts there are 0 anyway)
+            if (g <= a.groups)
+                v = a.offsets_64 ? static_cast<const long long*>(a.offsets)[g]
+                                 : (long long)static_cast<const int*>(a.offsets)[g];
+            start[j] = (int)(v < 0 ? 0 : (v > M ? M : v));
+        }
+        int count[kPer], sum = 0;
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+            const int g = kPer * lane + j;
+            const int rows = g < a.groups ? max(0, start[j + 1] - start[j]) : 0;
+            count[j] = (rows + kBM - 1) / kBM;
+            sum += count[j];
+        }
+        int incl = sum;   // inclusive scan of the lanes' sums
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(~0u, incl, d);
+            if (lane >= d) incl += v;
+        }
+        int prefix = incl - sum;
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+            const int g = kPer * lane + j;
+            first_row[g] = start[j];
+            tile_rows[g] = prefix;
+            prefix += count[j];
+        }
+        if (lane == 31) {
+            first_row[kMaxGroups] = start[kPer];
+            tile_rows[kMaxGroups] = prefix;
+            tile_rows[kMaxGroups + 1] = prefix * n_tiles;
+        }
+    }
+
+    __device__ __forceinline__ int first_row(int g) const { return ld_shared_s32(table + 4u * g); }
+    __device__ __forceinline__ int tile_rows(int g) const { return ld_shared_s32(table + kTileRowsOffset + 4u * g); }
+    __device__ __forceinline__ int total_tile_rows() const { return tile_rows(kMaxGroups); }
+    __device__ __forceinline__ int items() const { return tile_rows(kMaxGroups + 1); }
+
+    // Tile row r (< total_tile_rows()) -> its group (the last g with tile_rows[g] <= r: never an empty one,
+    // whose successor starts at the same tile row) and rows. Binary search over G + 1 entries.
+    __device__ __forceinline__ GroupTile locate(int r) const {
+        int lo = 0, hi = groups;   // tile_rows[lo] <= r < tile_rows[hi]
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (tile_rows(mid) <= r) lo = mid;
+            else hi = mid;
+        }
+        const int first = first_row(lo);
+        return GroupTile{lo, first + (r - tile_rows(lo)) * kBM, max(first, first_row(lo + 1))};
+    }
+};
+
 // Tile scheduler. Work items are (slot row, n_tile) of a [m_slots, n_tiles] grid, one slot row = kCluster
 // consecutive M tiles (one per CTA of a cluster, which share the B tile). A cluster takes items
 // t = cluster id, + number of clusters, ...; item t -> (slot row, n_tile):
@@ -20,9 +108,11 @@ struct Schedule {
     int first, stride;          // this cluster's first item, number of clusters
     int cta_rank;               // rank in the cluster
     const u32* order_table;
+    GroupTable groups;          // grouped GEMM only
 
-    // The schedule of this CTA's cluster for the call in `g`.
-    static __device__ __forceinline__ Schedule of(const GemmArgs& g) {
+    // The schedule of this CTA's cluster for the call in `g` (grouped: with the CTA's group table, whose
+    // contents are read only once the roles run).
+    static __device__ __forceinline__ Schedule of(const GemmArgs& g, GroupTable groups = GroupTable{0u, 0}) {
         Schedule s;
         s.m_tiles = (g.m + kBM - 1) / kBM;
         s.n_tiles = (g.n + kBN - 1) / kBN;
@@ -34,14 +124,34 @@ struct Schedule {
         s.stride = (int)(gridDim.x / kCluster);
         s.cta_rank = kCluster > 1 ? (int)cluster_ctarank() : 0;
         s.order_table = g.order_table;
+        s.groups = groups;
         return s;
+    }
+
+    // Grouped GEMM: the grid's tile rows are the groups' (m_tiles, m_slots and total above are not used: they
+    // count A's rows), read from the table at every use, in grouped order without rank offset.
+    __device__ __forceinline__ int slot_rows() const {
+        if constexpr (kGrouped) return groups.total_tile_rows();
+        else return m_slots;
+    }
+    // One past the last work item (the persistent loops' bound).
+    __device__ __forceinline__ int end() const {
+        if constexpr (kGrouped) return groups.items();
+        else return total;
+    }
+
+    // The rows of tile row m_tile: with groups, located in the table; otherwise rows m_tile * kBM on, of
+    // group 0 (row_end is not used).
+    __device__ __forceinline__ GroupTile rows(int m_tile) const {
+        if constexpr (kGrouped) return groups.locate(m_tile);
+        else return GroupTile{0, m_tile * kBM, 0};
     }
 
     // Returns false for the phantom tile of an odd m_tiles (cluster of 2, last slot row): that CTA still
     // runs the pipeline on a real tile's rows, so that its half of B reaches the peer, but stores nothing.
     __device__ __forceinline__ bool tile(int t, int& m_tile, int& n_tile) const {
         int row, n;
-        if (order_table != nullptr) {
+        if (!kGrouped && order_table != nullptr) {   // grouped: the host has no table (it cannot know the grid)
             const u32 packed = __ldg(order_table + t);
             row = (int)(packed >> 16);
             n = (int)(packed & 0xFFFFu);
@@ -49,10 +159,15 @@ struct Schedule {
             const int per_group = group_m * n_tiles;
             const int g = t / per_group;
             const int first_row = g * group_m;
-            const int rows = min(m_slots - first_row, group_m);
+            const int rows = min(slot_rows() - first_row, group_m);
             const int r = t - g * per_group;
             row = first_row + r % rows;
             n = r / rows;
+        }
+        if constexpr (kGrouped) {   // no cluster, no rank offset
+            m_tile = row;
+            n_tile = n;
+            return true;
         }
         int m = row * kCluster + cta_rank;
         const bool real = m < m_tiles;

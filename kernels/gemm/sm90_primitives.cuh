@@ -122,6 +122,22 @@ __device__ __forceinline__ void bulk_wait_read_all() {
 }
 // Wait until every committed store has completed (its writes are performed).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// 4 bytes of shared memory at a shared::cta address (the grouped GEMM's group table). Volatile: read again at
+// every use instead of held in a register across the main loop.
+__device__ __forceinline__ int ld_shared_s32(u32 addr) {
+    int v;
+    asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+// 16 bytes of shared memory at a shared::cta address (the grouped storer's row-masked stores read C staging).
+__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
 // Generic-proxy shared-memory writes (st.shared) -> visible to async-proxy reads (TMA store, wgmma).
 __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

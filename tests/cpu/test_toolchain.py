@@ -173,12 +173,15 @@ _DEVICE_LIBRARY_UNITS = [
     ("comm/p2p.cu", ()),
     ("comm/fused.cu", ()),
     *[("ops/tp_ops.cu", (("FLUXRT_RS_PARTIAL", str(p)), ("FLUXRT_RS_OUT", str(o)))) for p in (0, 1, 2) for o in (0, 1)],
+    ("moe/dispatch.cu", ()),
 ]
 _ENTRY_POINTS = {
     "comm/p2p.cu": {"fluxrt_put_signal", "fluxrt_signal", "fluxrt_wait", "fluxrt_barrier", "fluxrt_pingpong"},
     "comm/fused.cu": {"fluxrt_allreduce_norm_ll_bf16", "fluxrt_allreduce_norm_twoshot_fp16",
                       "fluxrt_compressed_allreduce_fp8_bf16", "fluxrt_compressed_allgather_int8_fp32"},
     "ops/tp_ops.cu": {"fluxrt_ops_signal_list", "fluxrt_ops_wait_list", "fluxrt_ops_delay", "fluxrt_rs_reduce"},
+    "moe/dispatch.cu": {"fluxrt_moe_stage", *(f"fluxrt_moe_{k}_{i}" for k in ("layout", "push", "combine_bf16",
+                                                                            "combine_fp16") for i in ("i32", "i64"))},
 }
 
 

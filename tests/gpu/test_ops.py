@@ -14,6 +14,18 @@ import pytest
 
 pytestmark = pytest.mark.multirank
 
+
+@pytest.fixture(autouse=True)
+def _fused_kernels_only(monkeypatch):
+    """This module tests the fused kernels: the path choice (fluxrt.ops.cost), which would run some of its
+    small shapes on the decomposed path, never leaves them here (test_ops_decomposed.py tests that path)."""
+    import dataclasses
+
+    from fluxrt.ops import cost
+
+    rates = {k: dataclasses.replace(v, margin=float("inf")) for k, v in cost.OPS_RATES.items()}
+    monkeypatch.setattr(cost, "OPS_RATES", rates)
+
 TOL = {"bfloat16": 1.5e-2, "float16": 4e-3}   # max |err| / max |ref|: output rounding + partial rounding
 
 

@@ -8,6 +8,7 @@
 //                                        acc[j] (op)= 16-byte vector j of every source, in source order;
 //                                        kSrcBatch sources x kVecs vectors of loads in flight together
 //                                        (kFirst: source 0 starts the accumulation; n >= 1)
+//   fold_vec_weighted<E>(acc, raw, w)    acc[k] = fma(w, element k, acc[k]) (weighted sums in caller's order)
 //   pack<E>(acc, el)                     E::Acc -> elements, one cvt each (floats);  E::pack2 rounds a pair at once
 //   reduce_block<E, OP>(n, nvec, src, store)   the block's strided loop over vectors of n sources
 //   reduce_elem<E, OP>(n, at)            one element of n sources (tails, misaligned data)
@@ -83,6 +84,15 @@ __device__ __forceinline__ void fold_vec(typename E::Acc (&acc)[E::kPerVec], con
     } else {
         fold<E, OP>(acc, reinterpret_cast<const typename E::T*>(&raw), first);
     }
+}
+
+// acc[k] = fma(w, element k of a 16-byte vector, acc[k]): one term of a weighted sum whose terms the caller
+// adds in a fixed order (MoE combine: a token's expert outputs in slot order).
+template <class E>
+__device__ __forceinline__ void fold_vec_weighted(float (&acc)[E::kPerVec], const uint4& raw, float w) {
+    const typename E::T* el = reinterpret_cast<const typename E::T*>(&raw);
+#pragma unroll
+    for (u32 k = 0; k < E::kPerVec; ++k) acc[k] = fmaf(w, E::to_f(el[k]), acc[k]);
 }
 
 template <class E, u32 V>

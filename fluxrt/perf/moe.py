@@ -1,0 +1,354 @@
+"""MoE dispatch and combine benchmarks: ``fluxrt-perf moe_dispatch`` and ``fluxrt-perf moe_combine``.
+
+Cases (``--models``, ``--tokens``, ``--routing``): DeepSeek-V3-like (hidden 7168, 256 experts, top-8) at 4096
+tokens per rank (prefill) and 128 (decode); Mixtral-like (hidden 4096, 8 experts, top-2) at the same token
+counts; experts spread evenly over the ranks; routing uniform (k distinct experts per token, each equally
+likely) or Zipf (expert popularity 1 / (i + 1)^s over a fixed random order of the experts, s = --zipf-s,
+k distinct per token by Gumbel top-k).
+
+Per case, under mpirun with one GPU per rank, each timed iteration starts with every rank synchronized and a
+short GPU delay, then CUDA events around dispatch and around combine (combine of the receive buffer in place,
+as an expert that writes its output over its input leaves it; no staging copy):
+
+    dispatch_us / combine_us   median per rank, reduced over ranks by -a (default 1: mean; 3: max)
+    dispatch_gbps              DeepEP's definition: bytes of the tokens this rank receives (a token counted
+                               once per receiving rank, however many of its experts are there) / time
+    combine_gbps               the same bytes / combine time (DeepEP: combine sends what dispatch received)
+    moved_gbps                 the rows fluxrt actually moves (one per (token, expert) slot) / time
+    nccl_us / nccl_gbps        NCCL all-to-all-v (grouped send/recv) of the same rows, already sorted by
+                               destination (the sort is not timed); the reverse exchange for combine
+
+``--fp8 token|block`` measures FP8 dispatch (bytes: e4m3 rows and their scales; no NCCL baseline).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .baselines import device_info, library_versions, machine, nccl_communicator, nccl_datatype
+from .report import device_lines, results_document, version_line, write_json
+from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, reduce_over_ranks
+
+if TYPE_CHECKING:
+    from ..world import World
+
+log = logging.getLogger(__name__)
+
+BENCHES = ("moe_dispatch", "moe_combine")
+MODELS = {   # hidden, experts, top-k
+    "deepseek": (7168, 256, 8),
+    "mixtral": (4096, 8, 2),
+}
+ROUTINGS = ("uniform", "zipf")
+DEFAULT_TOKENS = (4096, 128)
+LAUNCH_SLACK_S = 200e-6
+
+
+def route(rng: np.random.Generator, tokens: int, experts: int, k: int, routing: str, zipf_s: float = 1.0,
+          order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(topk_idx int32 [tokens, k], topk_weights float32 [tokens, k]): k distinct experts per token."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing {routing!r} not in {ROUTINGS}")
+    if routing == "uniform":
+        logp = np.zeros(experts)
+    else:
+        order = np.arange(experts) if order is None else order
+        logp = np.empty(experts)
+        logp[order] = -zipf_s * np.log(np.arange(1, experts + 1))
+    keys = logp[None, :] + rng.gumbel(size=(tokens, experts))
+    idx = np.argsort(-keys, axis=1)[:, :k].astype(np.int32)
+    w = rng.random((tokens, k)).astype(np.float32) + 0.05
+    return idx, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def layout_bytes(idxs: list[np.ndarray], experts: int, world: int, rank: int, hidden: int,
+                 itemsize: float = 2) -> dict:
+    """Bytes rank `rank` receives, from every rank's routing: DeepEP's (a token once per receiving rank) and the
+    rows fluxrt moves (once per expert slot); and the rows each rank sends to each rank."""
+    el = experts // world
+    unique = rows = 0
+    matrix = np.zeros((world, world), np.int64)   # [source, owner] rows
+    for s, idx in enumerate(idxs):
+        owners = np.where(idx >= 0, idx // el, -1)
+        for r in range(world):
+            matrix[s, r] = int((owners == r).sum())
+        mine = owners == rank
+        rows += int(mine.sum())
+        unique += int(mine.any(axis=1).sum())
+    return {"recv_bytes": int(unique * hidden * itemsize), "moved_bytes": int(rows * hidden * itemsize),
+            "matrix": matrix}
+
+
+def build_parser(bench: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"fluxrt-perf {bench}", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="deepseek,mixtral", help=f"comma list of {sorted(MODELS)}")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens per rank, comma list")
+    p.add_argument("--routing", default="uniform,zipf", help=f"comma list of {ROUTINGS}")
+    p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of the skewed router")
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-w", "--warmup-iters", type=int, default=5)
+    p.add_argument("--blocks", type=int, default=0, help="push/combine grid (0: one block per SM)")
+    p.add_argument("--threads", type=int, default=512)
+    p.add_argument("--fp8", default="", choices=("", "token", "block"),
+                   help="FP8 dispatch (e4m3 with per-token or 1x128 scales); bytes then count e4m3 rows and scales")
+    p.add_argument("--mode", default="throughput", choices=("throughput", "low_latency"),
+                   help="the Dispatcher's mode (low_latency: decode batches, one flag round trip per dispatch)")
+    p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all-to-all-v baseline")
+    p.add_argument("--check-args", action="store_true", help="compare arguments across ranks on every call")
+    p.add_argument("--device", type=int, default=None,
+                   help="every rank on this GPU (a correctness run under CUDA MPS: its timings mean nothing)")
+    add_average_argument(p)
+    add_timeout_argument(p)
+    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--plot", dest="plot_path", default=None)
+    return p
+
+
+def _cases(args) -> list[tuple[str, int, str]]:
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    bad = [m for m in models if m not in MODELS] + [r for r in routings if r not in ROUTINGS]
+    if bad:
+        raise SystemExit(f"unknown model or routing {bad}: models {sorted(MODELS)}, routings {ROUTINGS}")
+    tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    return [(m, t, r) for m in models for t in tokens for r in routings]
+
+
+class _Nccl:
+    """NCCL all-to-all-v (grouped send/recv) of the same rows as the dispatch, sorted by destination."""
+
+    def __init__(self, world: World):
+        from cupy.cuda import nccl
+
+        self.nccl, self.comm, self.world = nccl, nccl_communicator(world), world
+
+    def exchange(self, send, send_rows, recv, recv_rows, hidden, dtype, stream) -> None:
+        row = hidden * send.itemsize
+        dt = nccl_datatype(dtype)
+        so = np.concatenate(([0], np.cumsum(send_rows)))
+        ro = np.concatenate(([0], np.cumsum(recv_rows)))
+        self.nccl.groupStart()
+        for p in range(self.world.size):
+            if send_rows[p]:
+                self.comm.send(send.data.ptr + int(so[p]) * row, int(send_rows[p]) * hidden, dt, p, stream.ptr)
+            if recv_rows[p]:
+                self.comm.recv(recv.data.ptr + int(ro[p]) * row, int(recv_rows[p]) * hidden, dt, p, stream.ptr)
+        self.nccl.groupEnd()
+
+    def close(self) -> None:
+        self.comm.destroy()
+
+
+def measure(world: World, model: str, tokens: int, routing: str, args, stream, nccl: _Nccl | None) -> dict:
+    import cupy
+
+    from .. import moe
+    from ..ops import common
+
+    hidden, experts, k = MODELS[model]
+    rng = np.random.default_rng([tokens, experts, world.rank, ROUTINGS.index(routing)])
+    order = np.random.default_rng(experts).permutation(experts)   # the hot experts: the same on every rank
+    idx, w = route(rng, tokens, experts, k, routing, args.zipf_s, order)
+    x = cupy.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32).astype(_bf16()))
+    idxs = world.comm.allgather(idx)
+    opts = moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads, fp8=args.fp8,
+                                mode=args.mode)
+    cfg = moe.check_config(world.size, experts, hidden, tokens, "bf16", opts)
+    # bytes of one row on the wire, per element (FP8: e4m3 values and their fp32 scales)
+    itemsize = (hidden + 4 * cfg.scale_row) / hidden if args.fp8 else 2
+    lay = layout_bytes(idxs, experts, world.size, world.rank, hidden, itemsize)
+    d = moe.Dispatcher(world, experts, hidden, tokens, "bf16", opts)
+    di, dw = cupy.asarray(idx), cupy.asarray(w)
+    try:
+        def once():
+            recv, h = d.dispatch(x, di, dw, stream=stream)
+            return d.combine(recv, h, stream=stream)
+
+        for _ in range(args.warmup_iters):
+            once()
+        stream.synchronize()
+        world.check_errors()
+        t_d, t_c = [], []
+        ev = [cupy.cuda.Event() for _ in range(3)]
+        for _ in range(args.iters):
+            stream.synchronize()
+            world.comm.Barrier()
+            common.delay(world, LAUNCH_SLACK_S, stream)
+            ev[0].record(stream)
+            recv, h = d.dispatch(x, di, dw, stream=stream)
+            ev[1].record(stream)
+            d.combine(recv, h, stream=stream)
+            ev[2].record(stream)
+            ev[2].synchronize()
+            t_d.append(cupy.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
+            t_c.append(cupy.cuda.get_elapsed_time(ev[1], ev[2]) * 1e3)
+        world.check_errors()
+        n_recv = h.num_recv()
+    finally:
+        d.free()
+    red = lambda v: reduce_over_ranks(world.comm.allgather(statistics.median(v)), args.average)  # noqa: E731
+    dispatch_us, combine_us = red(t_d), red(t_c)
+    row = {"model": model, "mode": args.mode, "fp8": args.fp8, "hidden": hidden, "experts": experts, "top_k": k, "tokens": tokens, "routing": routing,
+           "world": world.size, "recv_rows": n_recv, "recv_bytes": lay["recv_bytes"], "moved_bytes": lay["moved_bytes"],
+           "dispatch_us": dispatch_us, "combine_us": combine_us}
+    # bandwidths of this rank, then reduced like the times
+    row["dispatch_gbps"] = reduce_over_ranks(world.comm.allgather(lay["recv_bytes"] / (statistics.median(t_d) * 1e3)),
+                                             1)
+    row["combine_gbps"] = reduce_over_ranks(world.comm.allgather(lay["recv_bytes"] / (statistics.median(t_c) * 1e3)),
+                                            1)
+    row["moved_gbps"] = reduce_over_ranks(world.comm.allgather(lay["moved_bytes"] / (statistics.median(t_d) * 1e3)), 1)
+    if nccl is not None:
+        row.update(_nccl_times(world, nccl, idx, lay["matrix"], hidden, experts, x, args, stream))
+        row["nccl_dispatch_gbps"] = reduce_over_ranks(world.comm.allgather(
+            lay["recv_bytes"] / (row.pop("_nccl_d_mine") * 1e3)), 1)
+        row["nccl_combine_gbps"] = reduce_over_ranks(world.comm.allgather(
+            lay["recv_bytes"] / (row.pop("_nccl_c_mine") * 1e3)), 1)
+    return row
+
+
+def _bf16():
+    from ..dtypes import bfloat16
+
+    return bfloat16
+
+
+def _nccl_times(world: World, nccl: _Nccl, idx, matrix, hidden, experts, x, args, stream) -> dict:
+    import cupy
+
+    from ..ops import common
+
+    el = experts // world.size
+    owners = np.where(idx >= 0, idx // el, world.size).reshape(-1)
+    order = np.argsort(owners, kind="stable")
+    tok = order[owners[order] < world.size] // idx.shape[1]
+    send = x[cupy.asarray(tok)] if tok.size else cupy.empty((0, hidden), x.dtype)
+    send_rows, recv_rows = matrix[world.rank], matrix[:, world.rank]
+    recv = cupy.empty((max(1, int(recv_rows.sum())), hidden), x.dtype)
+    times = {"d": [], "c": []}
+    ev = [cupy.cuda.Event() for _ in range(3)]
+    for it in range(args.warmup_iters + args.iters):
+        stream.synchronize()
+        world.comm.Barrier()
+        common.delay(world, LAUNCH_SLACK_S, stream)
+        ev[0].record(stream)
+        nccl.exchange(send, send_rows, recv, recv_rows, hidden, x.dtype, stream)
+        ev[1].record(stream)
+        nccl.exchange(recv, recv_rows, send, send_rows, hidden, x.dtype, stream)
+        ev[2].record(stream)
+        ev[2].synchronize()
+        if it >= args.warmup_iters:
+            times["d"].append(cupy.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
+            times["c"].append(cupy.cuda.get_elapsed_time(ev[1], ev[2]) * 1e3)
+    md, mc = statistics.median(times["d"]), statistics.median(times["c"])
+    return {"nccl_dispatch_us": reduce_over_ranks(world.comm.allgather(md), args.average),
+            "nccl_combine_us": reduce_over_ranks(world.comm.allgather(mc), args.average),
+            "_nccl_d_mine": md, "_nccl_c_mine": mc}
+
+
+COLUMNS = {
+    "moe_dispatch": ("dispatch_us", "dispatch_gbps", "moved_gbps", "nccl_dispatch_us", "nccl_dispatch_gbps"),
+    "moe_combine": ("combine_us", "combine_gbps", "nccl_combine_us", "nccl_combine_gbps"),
+}
+
+
+def format_row(bench: str, row: dict | None) -> str:
+    head = f"{'model':>9} {'tokens':>6} {'routing':>8} {'recv_MB':>8}"
+    if row is None:
+        return head + "".join(f" {c:>18}" for c in COLUMNS[bench])
+    cells = "".join(f" {row[c]:>18.2f}" if isinstance(row.get(c), float) else f" {'N/A':>18}" for c in COLUMNS[bench])
+    return f"{row['model']:>9} {row['tokens']:>6} {row['routing']:>8} {row['recv_bytes'] / 1e6:>8.2f}" + cells
+
+
+def plot_rows(path: str, bench: str, rows: list[dict], title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    key = "dispatch" if bench == "moe_dispatch" else "combine"
+    fig = Figure(figsize=(10, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    labels = [f"{r['model']}\n{r['tokens']} {r['routing']}" for r in rows]
+    pos = np.arange(len(rows))
+    ax.bar(pos - 0.2, [r[f"{key}_gbps"] for r in rows], 0.4, label="fluxrt")
+    ax.bar(pos + 0.2, [r.get(f"nccl_{key}_gbps") or 0.0 for r in rows], 0.4, label="NCCL all-to-all-v")
+    ax.set_xticks(pos, labels, fontsize="small")
+    ax.set(ylabel="GB/s per rank (DeepEP's bytes)", title=title)
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+
+
+def main(argv=None, bench: str = "moe_dispatch") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(bench).parse_args(argv)
+    cases = _cases(args)
+
+    import cupy
+
+    import fluxrt
+
+    from .. import moe
+
+    # the largest case's receive buffer (it scales with the ranks: rows = tokens * world * top_k)
+    size_probe = max(moe.check_config(1, MODELS[m][1], MODELS[m][0], t, "bf16",
+                                      moe.DispatcherOptions(top_k=MODELS[m][2], fp8=args.fp8,
+                                                            mode=args.mode)).symmetric_bytes()
+                     for m, t, _ in cases)
+    world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
+    from mpi4py import MPI
+
+    n = MPI.COMM_WORLD.Get_size()
+    heap = size_probe * n + (64 << 20)
+    world = fluxrt.init(device=args.device, options=fluxrt.WorldOptions(heap_size=f"{-(-heap // (1 << 30))}G",
+                                                    check_collective_args=args.check_args, **world_kw))
+    nccl = None
+    try:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        if args.fp8 and not args.no_nccl:
+            log.warning("--fp8: no NCCL baseline (it would move 16-bit rows); its columns are N/A")
+        if not args.no_nccl and not args.fp8:
+            try:
+                nccl = _Nccl(world)
+            except Exception as e:   # no libnccl, or ranks sharing a GPU (MPS), which NCCL refuses
+                log.warning("NCCL baseline unavailable (%s): its columns are N/A", e)
+        versions, devices = library_versions(), device_info(world)
+        if world.rank == 0:
+            print(f"# fluxrt-perf {bench}: world={world.size} bf16 iters={args.iters} warmup={args.warmup_iters}; "
+                  f"times in us (median per rank, {AVERAGE_MODES[args.average]} over ranks), GB/s per rank")
+            print(version_line(versions))
+            for line in device_lines(devices):
+                print(line)
+            print(format_row(bench, None), flush=True)
+        rows = []
+        for model, tokens, routing in cases:
+            if MODELS[model][1] % world.size:
+                continue
+            row = measure(world, model, tokens, routing, args, stream, nccl)
+            rows.append(row)
+            if world.rank == 0:
+                print(format_row(bench, row), flush=True)
+        if world.rank == 0:
+            if args.json_path:
+                options = {k: v for k, v in vars(args).items() if k not in ("json_path", "plot_path")}
+                doc = results_document(bench, rows, ["fluxrt-perf", bench] + argv, machine=machine(world),
+                                       versions=versions, devices=devices,
+                                       options=dict(options, average_name=AVERAGE_MODES[args.average]))
+                write_json(args.json_path, doc)
+            if args.plot_path:
+                plot_rows(args.plot_path, bench, rows, f"fluxrt {bench}, {world.size} GPUs, bf16")
+    finally:
+        if nccl is not None:
+            nccl.close()
+        world.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+// MoE dispatch and combine over NVLink peer pointers (fluxrt/moe/dispatcher.py), on the device library.
+//
+// One dispatch is two launches, one combine two more; every cross-rank wait is the device library's
+// bounded wait, and the round's flag value (epoch) comes from a device counter, so a captured CUDA graph
+// replays with fresh epochs.
+//
+//   fluxrt_moe_layout_*     one block: ranks this rank's routing entries (token t, slot j) per expert in
+//                           entry order (deterministic: warp ballots, no atomics on positions), sends its
+//                           per-expert counts to every rank (a row of each rank's symmetric count matrix,
+//                           then a notify flag), waits for every rank's row, and from the whole matrix
+//                           computes where its rows go in each owner's receive buffer and, as an owner,
+//                           the per-local-expert offsets and counts (int32, on the device).
+//   fluxrt_moe_push         the grid: a warp per entry copies token t into row
+//                           dst_base[e] + chunk_base[c][e] + pos of its expert's owner (NVLink stores);
+//                           the last block to finish raises a data flag at every rank and waits for every
+//                           rank's data flag, so the kernel ends when this rank has received everything.
+//   fluxrt_moe_ll_push_*,   low-latency mode (decode batches): rows pushed into fixed slots per (source,
+//   fluxrt_moe_ll_compact_*  expert) with the counts behind them and one flag round trip, then compacted
+//                           locally into the same grouped layout.
+//   fluxrt_moe_quantize_*   (FP8 dispatch) token rows to e4m3 and fp32 scales (per token or 1x128), pushed
+//                           with their scales instead of the 16-bit rows.
+//   fluxrt_moe_stage        the grid copies the expert outputs y into this rank's receive buffer (nothing
+//                           when y is that buffer); the last block raises a ready flag at every rank and
+//                           waits for every rank's.
+//   fluxrt_moe_combine_*    a warp per token pulls its k expert outputs from their owners' buffers and sums
+//                           them weighted in slot order 0 .. k-1 in fp32 (the same bits on every call).
+//
+// Receive layout of owner r: rows grouped by local expert, inside an expert by source rank, inside a source
+// by entry order (token, slot). A token routed to two experts of one rank is sent twice (once per row).
+//
+// Buffer reuse across calls: a source writes an owner's buffer (push) only after every rank's count row of
+// the same round arrived, and a rank sends its row only after its previous combine (which read the peers'
+// buffers) completed in stream order; an owner overwrites its buffer with y (stage) only after every source's
+// data flag, i.e. after every push into it.
+//
+// Compiled with NVRTC: builtin types only.
+#include "fluxrt/comm.cuh"
+#include "fluxrt/quant.cuh"
+
+namespace fluxrt {
+namespace moe {
+
+constexpr u32 kChunks = 32;         // layout: one warp ranks each contiguous chunk of the entries
+constexpr u32 kMaxExperts = 256;    // fluxrt/moe/dispatcher.py MAX_EXPERTS (shared count table of layout)
+constexpr u32 kMaxTopK = 32;        // fluxrt/moe/dispatcher.py MAX_TOP_K
+constexpr u32 kPullBatch = 8;       // combine: expert outputs of one token loaded before the first fold
+// Flag arrays (symmetric, [3][world] u64 per rank): word [kind * world + source].
+constexpr u32 kNotify = 0, kData = 1, kReady = 2;
+
+struct Team {
+    u32 rank, world;
+    u64 timeout_ns;
+    ErrorRecord* err;
+    u32 op;
+    __device__ __forceinline__ Watch watch() const { return Watch{timeout_ns, err, op, rank}; }
+};
+
+__device__ __forceinline__ u32 chunk_entries(u32 n) { return (n + kChunks - 1) / kChunks; }
+
+template <class Idx>
+__device__ __forceinline__ int expert_of(const Idx* idx, u32 i, u32 num_experts) {
+    const long long v = (long long)idx[i];
+    return v >= 0 && v < (long long)num_experts ? (int)v : -1;  // -1: a masked slot
+}
+
+// The last block of the grid to get here (after every thread of every block fenced its stores) returns
+// true, with a fence after its observation of the others' arrivals; it resets the counter for the next
+// launch (kernels of one Dispatcher run in stream order).
+__device__ __forceinline__ bool last_block(u32* done) {
+    __shared__ int last;
+    block_publish();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+        if (last) {
+            fence_acq_rel_sys();
+            *done = 0u;
+        }
+    }
+    __syncthreads();
+    return last != 0;
+}
+
+// Raise flag word [kind][rank] at every rank, then wait for word [kind][p] of every rank p here.
+__device__ __forceinline__ bool exchange_flags(const Team& t, const u64* flag_peers, const u64* flags, u32 kind,
+                                               u64 e) {
+    signal_peers(t.world, every_peer,
+                 [&](u32 q) { return reinterpret_cast<u64*>(flag_peers[q]) + kind * t.world + t.rank; }, e);
+    return wait_peers(t.watch(), t.world, every_peer, [&](u32 p) { return flags + kind * t.world + p; }, e);
+}
+
+// The block reads every rank's count row (counts_all[s * E + x]: rows source s sends to expert x; pushed by
+// s, so loads bypass L1) and writes dst_base[x], the first row of this rank's rows to expert x in its owner's
+// buffer, and as an owner (offsets != nullptr) the first row and count of each local expert. total and before:
+// the block's shared scratch of kMaxExperts each.
+__device__ void rows_from_counts(const Team& t, const int* counts_all, u32 E, u32 local_experts, int* total,
+                                 int* before, int* dst_base, int* offsets, int* counts) {
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        int sum = 0, mine = 0;
+        for (u32 s = 0; s < t.world; ++s) {
+            const int v = __ldcv(counts_all + s * E + x);
+            if (s < t.rank) mine += v;
+            sum += v;
+        }
+        total[x] = sum;
+        before[x] = mine;
+    }
+    __syncthreads();
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        const u32 first = x / local_experts * local_experts;
+        int start = 0;
+        for (u32 y = first; y < x; ++y) start += total[y];
+        dst_base[x] = start + before[x];
+        if (offsets != nullptr && first == t.rank * local_experts) {
+            offsets[x - first] = start;
+            counts[x - first] = total[x];
+            if (x - first == local_experts - 1) offsets[local_experts] = start + total[x];
+        }
+    }
+}
+
+template <class Idx>
+__device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
+                       u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,
+                       const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts) {
+    __shared__ int cnt[kChunks][kMaxExperts];
+    __shared__ int total[kMaxExperts];
+    __shared__ int before[kMaxExperts];
+    __shared__ u64 round;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const u32 E = num_experts;
+    for (u32 i = threadIdx.x; i < kChunks * kMaxExperts; i += blockDim.x) cnt[i / kMaxExperts][i % kMaxExperts] = 0;
+    if (threadIdx.x == 0) {
+        round = atomicAdd(epoch, 1ull) + 1ull;
+        epoch[1] = round;  // the round of this dispatch, for its push and its combine
+    }
+    __syncthreads();
+    const u64 e = round;
+    const u32 n = tokens * k, per = chunk_entries(n);
+    // Positions inside each chunk per expert, in entry order: lanes with the same expert rank themselves
+    // by lane index; the lowest of them advances the chunk's count.
+    for (u32 c = warp; c < kChunks; c += blockDim.x >> 5) {
+        const u32 lo = c * per < n ? c * per : n, hi = lo + per < n ? lo + per : n;
+        for (u32 b = lo; b < hi; b += 32u) {
+            const u32 i = b + lane;
+            const int x = i < hi ? expert_of(idx, i, E) : -1;
+            const u32 same = __match_any_sync(0xffffffffu, x);
+            const u32 below = same & ((1u << lane) - 1u);
+            if (x >= 0) pos[i] = cnt[c][x] + __popc(below);
+            __syncwarp();
+            if (x >= 0 && below == 0) cnt[c][x] += __popc(same);
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        int run = 0;
+        for (u32 c = 0; c < kChunks; ++c) {
+            chunk_base[c * E + x] = run;
+            run += cnt[c][x];
+        }
+        total[x] = run;
+    }
+    __syncthreads();
+    // This rank's counts become row `rank` of every rank's matrix.
+    for (u32 i = threadIdx.x; i < t.world * E; i += blockDim.x) {
+        const u32 q = i / E, x = i % E;
+        reinterpret_cast<int*>(count_peers[q])[t.rank * E + x] = total[x];
+    }
+    if (!exchange_flags(t, flag_peers, flags, kNotify, e)) return;
+    rows_from_counts(t, counts_all, E, local_experts, total, before, dst_base, offsets, counts);
+}
+
+// x rows of row_bytes (a multiple of 16) each; recv_peers[r]: rank r's receive buffer mapped here.
+template <class Idx>
+__device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
+                     u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,
+                     const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,
+                     const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {
+    const u64 e = epoch[1];
+    const u32 lane = threadIdx.x & 31u;
+    // after a timed-out layout (the record is set) the rows are stale: push nothing, only end the round. One
+    // read per block: the record is host memory, and a read per thread (64K of them over PCIe) cost ~2 ms.
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = error_raised(t.err);
+    __syncthreads();
+    const u32 n = failed ? 0u : tokens * k, per = chunk_entries(n);
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < n; i += warps) {
+        const int xe = expert_of(idx, i, num_experts);
+        if (xe < 0) continue;
+        const int row = dst_base[xe] + chunk_base[(i / per) * num_experts + xe] + pos[i];
+        if ((u32)row >= recv_rows) continue;  // cannot happen with a complete layout: bounds the damage otherwise
+        char* dst = reinterpret_cast<char*>(recv_peers[xe / local_experts]) + (u64)row * row_bytes;
+        copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
+                   row_bytes / kVecBytes, lane, 32u, LoadNc{});
+        if (scale_row) {  // FP8 rows: their scales go to the same row of the owner's scale buffer
+            float* ds = reinterpret_cast<float*>(scale_peers[xe / local_experts]) + (u64)row * scale_row;
+            for (u32 q = lane; q < scale_row; q += 32u) ds[q] = scales[(u64)(i / k) * scale_row + q];
+        }
+        __syncwarp();
+        if (lane == 0) pos[i] = row;  // the handle of combine: where entry i's row lies at its owner
+    }
+    if (last_block(done)) exchange_flags(t, flag_peers, flags, kData, e);
+}
+
+// Low-latency dispatch (decode batches): no count exchange before the data. A warp per entry ranks it among
+// the earlier entries of its expert (a ballot scan: the same order as the throughput layout) and pushes the row
+// into slot [this rank][local expert][position] of the owner's staging buffer ([world][E_local][max_tokens]
+// rows); the last block counts the entries per expert, writes the counts as row `rank` of every rank's count
+// matrix and exchanges data flags (one round trip). ll_compact then moves each owner's slots into the grouped
+// layout (a local copy) and turns positions into the rows combine reads. A token may name an expert once.
+template <class Idx>
+__device__ void ll_push(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
+                        u32 local_experts, const char* x, u64 row_bytes, u32 max_tokens, const u64* stage_peers,
+                        const u64* count_peers, int* pos, const u64* flag_peers, const u64* flags, u32* done) {
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = error_raised(t.err);  // once per block: the record is host memory
+    __syncthreads();
+    const u32 lane = threadIdx.x & 31u;
+    const u32 n = failed ? 0u : tokens * k;
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < n; i += warps) {
+        const int xe = expert_of(idx, i, num_experts);
+        if (xe < 0) continue;
+        u32 p = 0;
+        for (u32 b = 0; b < i; b += 32u) {
+            const u32 j = b + lane;
+            p += __popc(__ballot_sync(0xffffffffu, j < i && expert_of(idx, j, num_experts) == xe));
+        }
+        if (p >= max_tokens) continue;  // only a token naming one expert twice gets here
+        const u64 slot = ((u64)t.rank * local_experts + (u32)xe % local_experts) * max_tokens + p;
+        char* dst = reinterpret_cast<char*>(stage_peers[(u32)xe / local_experts]) + slot * row_bytes;
+        copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
+                   row_bytes / kVecBytes, lane, 32u, LoadNc{});
+        if (lane == 0) pos[i] = (int)p;
+    }
+    if (!last_block(done)) return;
+    __shared__ int cnt[kMaxExperts];
+    __shared__ u64 round;
+    for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
+    if (threadIdx.x == 0) {
+        round = atomicAdd(epoch, 1ull) + 1ull;
+        epoch[1] = round;  // the round of this dispatch, for its combine
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        const int xe = expert_of(idx, i, num_experts);
+        if (xe >= 0) atomicAdd(&cnt[xe], 1);  // counts only: the order of the additions does not matter
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < t.world * num_experts; i += blockDim.x) {
+        const u32 q = i / num_experts, e = i % num_experts;
+        reinterpret_cast<int*>(count_peers[q])[t.rank * num_experts + e] = cnt[e];
+    }
+    exchange_flags(t, flag_peers, flags, kData, round);
+}
+
+template <class Idx>
+__device__ void ll_compact(const Team& t, const Idx* idx, u32 tokens, u32 k, u32 num_experts, u32 local_experts,
+                           const int* counts_all, const char* staging, u32 max_tokens, char* recv, u64 row_bytes,
+                           int* pos, int* offsets, int* counts) {
+    __shared__ int total[kMaxExperts], before[kMaxExperts], base[kMaxExperts];
+    rows_from_counts(t, counts_all, num_experts, local_experts, total, before, base,
+                     blockIdx.x == 0 ? offsets : nullptr, counts);
+    __syncthreads();
+    const u32 n = tokens * k;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int xe = expert_of(idx, i, num_experts);
+        if (xe >= 0) pos[i] += base[xe];  // position in (this rank, expert) -> row at the owner
+    }
+    // slot (source s, local expert l, row j < count) -> row offsets[l] + rows of sources before s + j
+    const u32 lane = threadIdx.x & 31u, warps = gridDim.x * (blockDim.x >> 5);
+    const u32 first = t.rank * local_experts;
+    const u64 items = (u64)t.world * local_experts * max_tokens;
+    for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+        const u32 pair = (u32)(it / max_tokens), j = (u32)(it % max_tokens);
+        const u32 s = pair / local_experts, l = pair % local_experts;
+        if ((int)j >= __ldcv(counts_all + s * num_experts + first + l)) continue;
+        int row = 0;
+        for (u32 y = first; y < first + l; ++y) row += total[y];
+        for (u32 q = 0; q < s; ++q) row += __ldcv(counts_all + q * num_experts + first + l);
+        copy_units(reinterpret_cast<uint4*>(recv + (u64)(row + (int)j) * row_bytes),
+                   reinterpret_cast<const uint4*>(staging + it * row_bytes), row_bytes / kVecBytes, lane, 32u,
+                   LoadCv{});
+    }
+}
+
+__device__ void stage(const Team& t, const u64* epoch, const char* y, u64 y_rows, char* recv, u64 row_bytes,
+                      const int* offsets, u32 local_experts, const u64* flag_peers, const u64* flags, u32* done) {
+    const u64 e = epoch[1];
+    if (y != recv) {
+        const u64 rows_r = (u64)offsets[local_experts];
+        const u64 rows = rows_r < y_rows ? rows_r : y_rows;
+        copy_units(reinterpret_cast<uint4*>(recv), reinterpret_cast<const uint4*>(y), rows * row_bytes / kVecBytes,
+                   (u64)blockIdx.x * blockDim.x + threadIdx.x, (u64)gridDim.x * blockDim.x, LoadNc{});
+    }
+    if (last_block(done)) exchange_flags(t, flag_peers, flags, kReady, e);
+}
+
+// out[t] = sum over slots j in order of w[t, j] * (row pos[t k + j] of expert idx[t, j]'s owner), fp32.
+template <class E, class Idx>
+__device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k, u32 num_experts,
+                        u32 local_experts, const int* pos, const u64* recv_peers, u64 row_bytes,
+                        typename E::T* out) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    const u64 nvec = row_bytes / kVecBytes;
+    for (u32 tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); tok < tokens; tok += warps) {
+        // lane j < k holds slot j's source row (null when masked) and weight
+        const uint4* src = nullptr;
+        float w = 0.f;
+        if (lane < k) {
+            const u32 i = tok * k + lane;
+            const int xe = expert_of(idx, i, num_experts);
+            if (xe >= 0) {
+                src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(recv_peers[xe / local_experts]) +
+                                                     (u64)pos[i] * row_bytes);
+                w = weights[i];
+            }
+        }
+        uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(out) + (u64)tok * row_bytes);
+        // every lane runs every pass (the shuffles need the whole warp); lanes past the row only skip memory
+        for (u64 v0 = 0; v0 < nvec; v0 += 32u) {
+            const u64 v = v0 + lane;
+            const bool in_row = v < nvec;
+            float acc[E::kPerVec];
+#pragma unroll
+            for (u32 q = 0; q < E::kPerVec; ++q) acc[q] = 0.f;
+            for (u32 j0 = 0; j0 < k; j0 += kPullBatch) {
+                uint4 raw[kPullBatch];
+                float wj[kPullBatch];
+#pragma unroll
+                for (u32 b = 0; b < kPullBatch; ++b) {
+                    const u32 j = j0 + b < k ? j0 + b : 0u;
+                    const uint4* s = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, (u64)src, j));
+                    const float ws = __shfl_sync(0xffffffffu, w, j);
+                    const bool use = j0 + b < k && s != nullptr;
+                    wj[b] = use ? ws : 0.f;
+                    raw[b] = use && in_row ? __ldcv(s + v) : make_uint4(0u, 0u, 0u, 0u);
+                }
+#pragma unroll
+                for (u32 b = 0; b < kPullBatch; ++b)
+                    if (j0 + b < k && wj[b] != 0.f) fold_vec_weighted<E>(acc, raw[b], wj[b]);
+            }
+            if (in_row) dst[v] = pack_vec<E>(acc);
+        }
+    }
+}
+
+// FP8 dispatch: token rows of x quantized to e4m3 with one fp32 scale per token or per 1x128 block, as the
+// device library quantizes (fluxrt/quant.cuh: scale = amax / 448, code = e4m3(x / scale), 0 for an all-zero
+// group). A warp per token; a lane takes 4 elements a pass, so a pass is one 128-element block.
+template <class E>
+__device__ void quantize(const typename E::T* x, u32 tokens, u32 hidden, bool block, unsigned char* q, float* scales) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warps = gridDim.x * (blockDim.x >> 5);
+    const u32 nquad = hidden / 4u;
+    for (u32 tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); tok < tokens; tok += warps) {
+        const uint2* row = reinterpret_cast<const uint2*>(x + (u64)tok * hidden);
+        auto load4 = [&](u32 v, float (&f)[4]) {
+            const uint2 w = row[v];
+            f[0] = E::lo(w.x), f[1] = E::hi(w.x), f[2] = E::lo(w.y), f[3] = E::hi(w.y);
+            return fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3])));
+        };
+        float row_scale = 0.f;
+        if (!block) {
+            float a = 0.f, f[4];
+            for (u32 v = lane; v < nquad; v += 32u) a = fmaxf(a, load4(v, f));
+            row_scale = group_scale<Fp8E4M3>(warp_max(a));
+            if (lane == 0) scales[tok] = row_scale;
+        }
+        for (u32 v0 = 0; v0 < nquad; v0 += 32u) {  // every lane runs every pass (warp_max)
+            const u32 v = v0 + lane;
+            float f[4] = {0.f, 0.f, 0.f, 0.f};
+            const float a = v < nquad ? load4(v, f) : 0.f;
+            const float scale = block ? group_scale<Fp8E4M3>(warp_max(a)) : row_scale;
+            if (v < nquad) reinterpret_cast<u32*>(q + (u64)tok * hidden)[v] = quantize4<Fp8E4M3>(f, scale);
+            if (block && lane == 0) scales[(u64)tok * (hidden / 128u) + v0 / 32u] = scale;
+        }
+    }
+}
+
+}  // namespace moe
+}  // namespace fluxrt
+
+using fluxrt::ErrorRecord;
+using fluxrt::u32;
+using fluxrt::u64;
+using namespace fluxrt::moe;
+
+#define FLUXRT_MOE_TEAM_PARAMS u32 rank, u32 world, u64 timeout_ns, ErrorRecord *err, u32 op
+#define FLUXRT_MOE_TEAM Team{rank, world, timeout_ns, err, op}
+
+#define FLUXRT_MOE_INDEX(NAME, IDX)                                                                          \
+    extern "C" __global__ void fluxrt_moe_layout_##NAME(                                                     \
+        FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
+        u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,             \
+        const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts) {             \
+        layout(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, count_peers, counts_all,  \
+               flag_peers, flags, pos, chunk_base, dst_base, offsets, counts);                               \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_push_##NAME(                                                       \
+        FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,        \
+        u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,               \
+        const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,         \
+        const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {                           \
+        push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_rows,     \
+             recv_peers, scales, scale_row, scale_peers, pos, chunk_base, dst_base, flag_peers, flags, done); \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_ll_push_##NAME(                                                    \
+        FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
+        u32 local_experts, const char* x, u64 row_bytes, u32 max_tokens, const u64* stage_peers,             \
+        const u64* count_peers, int* pos, const u64* flag_peers, const u64* flags, u32* done) {              \
+        ll_push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, max_tokens, \
+                stage_peers, count_peers, pos, flag_peers, flags, done);                                     \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_ll_compact_##NAME(                                                 \
+        FLUXRT_MOE_TEAM_PARAMS, const IDX* idx, u32 tokens, u32 k, u32 num_experts, u32 local_experts,       \
+        const int* counts_all, const char* staging, u32 max_tokens, char* recv, u64 row_bytes, int* pos,     \
+        int* offsets, int* counts) {                                                                         \
+        ll_compact(FLUXRT_MOE_TEAM, idx, tokens, k, num_experts, local_experts, counts_all, staging,         \
+                   max_tokens, recv, row_bytes, pos, offsets, counts);                                       \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_combine_bf16_##NAME(                                               \
+        const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts, u32 local_experts,         \
+        const int* pos, const u64* recv_peers, u64 row_bytes, unsigned short* out) {                         \
+        combine<fluxrt::BF16>(idx, weights, tokens, k, num_experts, local_experts, pos, recv_peers,          \
+                              row_bytes, out);                                                               \
+    }                                                                                                        \
+    extern "C" __global__ void fluxrt_moe_combine_fp16_##NAME(                                               \
+        const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts, u32 local_experts,         \
+        const int* pos, const u64* recv_peers, u64 row_bytes, unsigned short* out) {                         \
+        combine<fluxrt::F16>(idx, weights, tokens, k, num_experts, local_experts, pos, recv_peers,           \
+                             row_bytes, out);                                                                \
+    }
+
+FLUXRT_MOE_INDEX(i32, int)
+FLUXRT_MOE_INDEX(i64, long long)
+
+extern "C" __global__ void fluxrt_moe_quantize_bf16(const unsigned short* x, u32 tokens, u32 hidden, int block,
+                                                    unsigned char* q, float* scales) {
+    quantize<fluxrt::BF16>(x, tokens, hidden, block != 0, q, scales);
+}
+extern "C" __global__ void fluxrt_moe_quantize_fp16(const unsigned short* x, u32 tokens, u32 hidden, int block,
+                                                    unsigned char* q, float* scales) {
+    quantize<fluxrt::F16>(x, tokens, hidden, block != 0, q, scales);
+}
+
+extern "C" __global__ void fluxrt_moe_stage(FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const char* y, u64 y_rows,
+                                            char* recv, u64 row_bytes, const int* offsets, u32 local_experts,
+                                            const u64* flag_peers, const u64* flags, u32* done) {
+    stage(FLUXRT_MOE_TEAM, epoch, y, y_rows, recv, row_bytes, offsets, local_experts, flag_peers, flags, done);
+}

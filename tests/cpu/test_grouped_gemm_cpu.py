@@ -1,0 +1,142 @@
+"""Grouped GEMM without a GPU: argument checks, plan, the host mirror of the kernel's group table, and the
+grouped kernel compiled for sm_90a (its layout constants against the planner's)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from fluxrt.gemm import GemmArgumentError, GemmTypeError, compile_options, grouped_gemm, kernel_defines
+from fluxrt.gemm.grouped import (check_grouped_plan, group_tiles, grouped_grid, grouped_max_stages, grouped_plan,
+                                 validate_grouped_args)
+from fluxrt.gemm.plan import MAX_GROUPS, SMEM_LIMIT_BYTES, GemmPlan
+
+from test_gemm_cpu import BF16, _cubin_u32, _nvrtc_available, arr
+
+
+def args(m=300, k=128, n=256, g=4, trans_b=False, odt=np.int32, **kw):
+    b = arr((g, n, k) if trans_b else (g, k, n))
+    return dict(a=arr((m, k)), b=b, offsets=arr((g + 1,), odt), trans_b=trans_b, **kw)
+
+
+def test_valid_args_describe_the_problem():
+    p = validate_grouped_args(**args())
+    assert (p.m, p.n, p.k, p.groups, p.in_dtype, p.out_dtype, p.offsets_dtype) == \
+        (300, 256, 128, 4, "bfloat16", "bfloat16", "int32")
+    p = validate_grouped_args(**args(trans_b=True, odt=np.int64, out_dtype="float32"))
+    assert (p.n, p.k, p.out_dtype, p.offsets_dtype) == (256, 128, "float32", "int64")
+    assert validate_grouped_args(**args(m=0)).m == 0   # a rank that received no tokens
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (dict(a=arr((300, 64))), GemmArgumentError, "inner dimensions"),
+    (dict(b=arr((4, 128))), GemmArgumentError, "3-D"),
+    (dict(a=arr((300, 128), np.float16)), GemmTypeError, "same 16-bit type"),
+    (dict(a=arr((300, 128), np.float32), b=arr((4, 128, 256), np.float32)), GemmTypeError, "supported"),
+    (dict(offsets=arr((4,), np.int32)), GemmArgumentError, r"\[G \+ 1\]"),
+    (dict(offsets=arr((5,), np.float32)), GemmTypeError, "int32, int64"),
+    (dict(offsets=arr((5,), np.int32, strides=(8,))), GemmArgumentError, "contiguous"),
+    (dict(offsets=arr((5,), np.int64, ptr=(1 << 32) + 4)), GemmArgumentError, "8-byte aligned"),
+    (dict(b=arr((4, 128, 256), strides=(2 * 128 * 256 * 2, 256 * 2, 2))), GemmArgumentError, "C-contiguous"),
+    (dict(b=arr((4, 128, 100)), out=None), GemmArgumentError, "multiples of 16"),
+    (dict(out=arr((299, 256))), GemmArgumentError, r"expected \(M, N\)"),
+    (dict(out=arr((300, 256), np.int8)), GemmTypeError, "supported"),
+    (dict(out=arr((300, 256)), out_dtype="float32"), GemmTypeError, "out_dtype"),
+])
+def test_bad_arguments_raise_before_any_cuda_call(change, err, match):
+    kw = args()
+    kw.update(change)
+    with pytest.raises(err, match=match):
+        validate_grouped_args(**kw)
+
+
+def test_group_count_limits():
+    with pytest.raises(GemmArgumentError, match=f"1..{MAX_GROUPS}"):
+        validate_grouped_args(**args(g=MAX_GROUPS + 1))
+    with pytest.raises(GemmArgumentError, match=f"1..{MAX_GROUPS}"):
+        validate_grouped_args(a=arr((8, 128)), b=arr((0, 128, 256)), offsets=arr((1,), np.int32))
+    assert validate_grouped_args(**args(g=MAX_GROUPS)).groups == MAX_GROUPS
+
+
+def test_grouped_gemm_checks_before_cupy():
+    """Fake arrays never reach CuPy: the checks raise first (on machines without a GPU too)."""
+    kw = args()
+    kw["offsets"] = arr((3,), np.int32)
+    with pytest.raises(GemmArgumentError):
+        grouped_gemm(**kw)
+
+
+def test_plans_fit_with_the_group_table():
+    for out in ("bfloat16", "float16", "float32"):
+        p = grouped_plan(8192, 2048, 7168, 64, out_dtype=out)
+        check_grouped_plan(p, out)
+        assert p.smem_bytes(out, grouped=True) <= SMEM_LIMIT_BYTES
+        assert p.stages >= 3 and p.stages == min(grouped_max_stages(p, out), 6)
+    assert grouped_plan(8192, 2048, 7168, 64).block_n == 256
+    assert grouped_plan(8192, 128, 7168, 64).block_n == 128
+    with pytest.raises(GemmArgumentError, match="cluster=1"):
+        check_grouped_plan(GemmPlan(cluster=2), "bfloat16")
+    with pytest.raises(GemmArgumentError, match="group table"):   # 4 shared-staging stages leave no room
+        check_grouped_plan(GemmPlan(stages=4, c_staging="shared"), "bfloat16")
+
+
+def test_grid_counts_every_possible_tile_row():
+    p = GemmPlan()
+    assert grouped_grid(p, 300, 256, 4, 132) == (3 + 4) * 1
+    assert grouped_grid(p, 1 << 20, 7168, 64, 132) == 132
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_group_table_covers_every_row_once(seed):
+    """The host mirror of the kernel's table: every row of every group in exactly one tile row of its own
+    group, tiles never start outside their group, and offsets out of range or decreasing stay inside [0, M)."""
+    rng = np.random.default_rng(seed)
+    g = int(rng.integers(1, MAX_GROUPS + 1))
+    sizes = rng.integers(0, 300, size=g) * (rng.random(g) < 0.7)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    m = int(offs[-1])
+    tiles = group_tiles(offs, m, 128)
+    covered = np.zeros(m, dtype=int)
+    for grp, r0, end in tiles:
+        assert offs[grp] <= r0 < end == offs[grp + 1]
+        covered[r0:min(r0 + 128, end)] += 1
+    assert (covered == 1).all()
+    assert len(tiles) == sum(-(-int(s) // 128) for s in sizes)
+    bad = rng.integers(-50, m + 50, size=g + 1)   # garbage offsets: rows stay in [0, M)
+    for grp, r0, end in group_tiles(bad, m, 128):
+        assert 0 <= r0 < end <= m
+
+
+def test_kernel_defines_grouped_only_when_on():
+    plan = grouped_plan(8192, 2048, 7168, 64)
+    assert dict(kernel_defines(plan, "bfloat16", "bfloat16", True, grouped=True))["FLUXRT_GEMM_GROUPED"] == "1"
+    assert "FLUXRT_GEMM_GROUPED" not in dict(kernel_defines(plan, "bfloat16", "bfloat16", True))
+
+
+GROUPED_CONFIGS = [
+    (grouped_plan(8192, 2048, 7168, 64), "bfloat16", "bfloat16", False),
+    (grouped_plan(8192, 2048, 7168, 64), "bfloat16", "bfloat16", True),
+    (grouped_plan(8192, 2048, 7168, 64, in_dtype="float16", out_dtype="float16"), "float16", "float16", True),
+    (grouped_plan(8192, 2048, 7168, 64, out_dtype="float32"), "bfloat16", "float32", False),
+    (GemmPlan(block_n=128, stages=4), "bfloat16", "bfloat16", False),
+    (GemmPlan(block_m=64, consumers=1, stages=4), "bfloat16", "bfloat16", False),
+]
+
+
+@pytest.mark.parametrize("cfg", GROUPED_CONFIGS, ids=lambda c: f"{c[0].describe()}-{c[1]}-{c[2]}-tb{int(c[3])}"
+                                                                 .replace(" ", "_"))
+def test_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    from fluxrt.gemm.params import PARAMS
+    from fluxrt.toolchain import compile_cubin
+
+    monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
+    plan, in_dt, out_dt, tb = cfg
+    data = compile_cubin("gemm/hopper_gemm.cu", compile_options(kernel_defines(plan, in_dt, out_dt, tb, grouped=True),
+                                                                arch="sm_90a")).read_bytes()
+    assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, grouped=True)
+    assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
+    assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize

@@ -1,0 +1,188 @@
+"""MoE dispatcher without a GPU: argument checks, buffer sizing and the heap check, the kernel's constants,
+and a numpy model of the layout kernel's arithmetic (chunked ranking, count matrix, destination rows) against
+the grouping the GPU tests expect."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import fluxrt
+from fluxrt import moe
+from fluxrt.moe import dispatcher as dmod
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_experts=6), "multiple of the 4 ranks"),
+    (dict(num_experts=512), r"num_experts must be in \[1, 256\]"),
+    (dict(hidden=100), "multiple of 8"),
+    (dict(max_tokens_per_rank=0), "positive"),
+    (dict(dtype="float32"), "bf16 or fp16"),
+    (dict(dtype="no such type"), "not understood"),
+    (dict(options=moe.DispatcherOptions(top_k=0)), "top_k"),
+    (dict(options=moe.DispatcherOptions(threads=100)), "multiple of 32"),
+    (dict(options=moe.DispatcherOptions(blocks=-1)), "blocks"),
+    (dict(options=moe.DispatcherOptions(fp8="e5m2")), "fp8="),
+    (dict(options=moe.DispatcherOptions(mode="fast")), "mode="),
+    (dict(options=moe.DispatcherOptions(mode="low_latency", fp8="token")), "throughput' only"),
+    (dict(hidden=4104, options=moe.DispatcherOptions(fp8="block")), "multiple of 128"),
+    (dict(hidden=4104, options=moe.DispatcherOptions(fp8="token")), "multiple of 16"),
+])
+def test_bad_configurations_are_named(kwargs, match):
+    args = dict(world_size=4, num_experts=8, hidden=4096, max_tokens_per_rank=128, dtype="bf16") | kwargs
+    with pytest.raises(moe.MoEArgumentError, match=match):
+        moe.check_config(**args)
+
+
+def test_receive_buffers_hold_the_worst_case():
+    cfg = moe.check_config(4, 256, 7168, 4096, "bf16")
+    assert (cfg.local_experts, cfg.recv_rows, cfg.row_bytes) == (64, 4096 * 4 * 8, 14336)
+    assert cfg.symmetric_bytes() == 4096 * 4 * 8 * 14336 + 4 * 256 * 4 + 3 * 4 * 8
+
+
+def test_fp8_buffers_are_counted():
+    cfg = moe.check_config(4, 256, 7168, 4096, "bf16", moe.DispatcherOptions(fp8="block"))
+    rows = 4096 * 4 * 8
+    assert cfg.scale_row == 56 and cfg.symmetric_bytes() == rows * (14336 + 7168 + 56 * 4) + 4 * 256 * 4 + 96
+    assert moe.check_config(2, 8, 4096, 128, "bf16", moe.DispatcherOptions(fp8="token")).scale_row == 1
+
+
+def test_low_latency_staging_is_counted():
+    cfg = moe.check_config(4, 256, 7168, 128, "bf16", moe.DispatcherOptions(mode="low_latency"))
+    assert cfg.staging_rows == 256 * 128
+    assert cfg.symmetric_bytes() == (128 * 4 * 8 + 256 * 128) * 14336 + 4 * 256 * 4 + 96
+
+
+def test_heap_exhausted_names_the_size_to_ask_for():
+    cfg = moe.check_config(4, 256, 7168, 4096, "bf16")
+    with pytest.raises(fluxrt.HeapExhaustedError, match=r"heap_size='3G'.*max_tokens_per_rank"):
+        dmod.check_heap(cfg, capacity=1 << 30, used=0, rank=1)
+    dmod.check_heap(cfg, capacity=4 << 30, used=0, rank=1)
+
+
+def test_constructor_checks_before_any_allocation():
+    world = SimpleNamespace(size=2, rank=0, options=SimpleNamespace(check_collective_args=False),
+                            check_active=lambda: None, heap=SimpleNamespace(capacity=1 << 30, used=0))
+    with pytest.raises(moe.MoEArgumentError, match="multiple of the 2 ranks"):
+        moe.Dispatcher(world, num_experts=3, hidden=64, max_tokens_per_rank=8)
+
+
+def test_kernel_constants_match_the_host():
+    src = (ROOT / "kernels/moe/dispatch.cu").read_text()
+    consts = dict(re.findall(r"\b(k\w+) = (\d+)[;,]", src))
+    assert int(consts["kMaxExperts"]) == moe.MAX_EXPERTS
+    assert int(consts["kMaxTopK"]) == moe.MAX_TOP_K
+    assert int(consts["kChunks"]) == dmod.CHUNKS == dmod.LAYOUT_THREADS // 32
+    assert [int(consts[k]) for k in ("kNotify", "kData", "kReady")] == list(range(dmod.FLAG_KINDS))
+
+
+# --- a numpy model of fluxrt_moe_layout and fluxrt_moe_push's row arithmetic ------------------------------
+def _model_rows(idxs, num_experts, world):
+    """For every rank s: the destination row of each of its entries (-1: masked), as the kernels compute it."""
+    el = num_experts // world
+    chunk_base, totals, pos = [], [], []
+    for idx in idxs:
+        flat = idx.reshape(-1)
+        n = flat.size
+        per = -(-n // dmod.CHUNKS)
+        cnt = np.zeros((dmod.CHUNKS, num_experts), np.int64)
+        p = np.full(n, -1, np.int64)
+        for c in range(dmod.CHUNKS):
+            for i in range(min(c * per, n), min(c * per + per, n)):   # lanes in order == entries in order
+                x = flat[i]
+                if 0 <= x < num_experts:
+                    p[i] = cnt[c, x]
+                    cnt[c, x] += 1
+        base = np.cumsum(cnt, axis=0) - cnt
+        chunk_base.append(base)
+        totals.append(cnt.sum(axis=0))
+        pos.append((p, per))
+    matrix = np.stack(totals)            # matrix[s, e]: rows s sends to expert e
+    total = matrix.sum(axis=0)
+    rows = []
+    for s, idx in enumerate(idxs):
+        before = matrix[:s].sum(axis=0)
+        dst_base = np.array([total[e // el * el:e].sum() + before[e] for e in range(num_experts)])
+        p, per = pos[s]
+        flat = idx.reshape(-1)
+        r = np.full(flat.size, -1, np.int64)
+        for i, x in enumerate(flat):
+            if 0 <= x < num_experts:
+                r[i] = dst_base[x] + chunk_base[s][i // per, x] + p[i]
+        rows.append(r)
+    return rows, total
+
+
+@pytest.mark.parametrize("world, num_experts, k, masked", [(2, 8, 2, 0.0), (4, 16, 4, 0.2), (4, 4, 3, 0.1),
+                                                             (3, 12, 8, 0.0)])
+def test_layout_model_groups_rows_by_expert_then_source_then_entry(world, num_experts, k, masked):
+    rng = np.random.default_rng(world * 100 + k)
+    el = num_experts // world
+    idxs = []
+    for s in range(world):
+        t = int(rng.integers(0, 300))
+        idx = np.stack([rng.choice(num_experts, size=k, replace=False) for _ in range(t)]).reshape(t, k)
+        idxs.append(np.where(rng.random((t, k)) < masked, -1, idx))
+    rows, total = _model_rows(idxs, num_experts, world)
+    for r in range(world):
+        expect = [(s, i) for le in range(el) for s in range(world)
+                  for i, x in enumerate(idxs[s].reshape(-1)) if x == r * el + le]
+        got = sorted(((int(rows[s][i]), s, i) for s in range(world) for i, x in enumerate(idxs[s].reshape(-1))
+                      if x >= 0 and x // el == r))
+        assert [(s, i) for _, s, i in got] == expect
+        assert [row for row, _, _ in got] == list(range(len(expect)))   # dense rows 0 .. R-1
+        assert len(expect) <= max(len(i) for i in idxs) * world * k      # within the worst-case buffer
+    assert total.sum() == sum(int((i >= 0).sum()) for i in idxs)
+    # low latency: position among the source's earlier entries of the expert (ll_push), final row base + position
+    # (ll_compact, source side), and the owner's placement of slot (source, expert, position): the same rows
+    matrix = np.stack([np.bincount(i[i >= 0].ravel(), minlength=num_experts) for i in idxs])
+    for s, idx in enumerate(idxs):
+        flat = idx.reshape(-1)
+        for i, x in enumerate(flat):
+            if x < 0:
+                continue
+            p = int((flat[:i] == x).sum())
+            owner, l = divmod(int(x), el)
+            first = owner * el
+            placed = matrix[:, first:first + l].sum() + matrix[:s, first + l].sum() + p
+            base = matrix[:, first:x].sum() + matrix[:s, x].sum()
+            assert base + p == placed == rows[s][i]
+
+
+# --- fluxrt-perf moe_dispatch / moe_combine without a GPU -------------------------------------------------
+def test_perf_routers_pick_distinct_experts_and_zipf_is_skewed():
+    from fluxrt.perf import moe as pm
+
+    rng = np.random.default_rng(3)
+    order = np.random.default_rng(1).permutation(256)
+    for routing in pm.ROUTINGS:
+        idx, w = pm.route(rng, 2048, 256, 8, routing, 1.0, order)
+        srt = np.sort(idx, axis=1)
+        assert idx.shape == (2048, 8) and idx.dtype == np.int32 and (srt[:, 1:] != srt[:, :-1]).all()
+        assert np.allclose(w.sum(axis=1), 1.0, atol=1e-5) and (w > 0).all()
+        load = np.bincount(idx.ravel(), minlength=256)
+        if routing == "zipf":
+            assert load[order[0]] == load.max() and load.max() > 8 * load.mean()
+        else:
+            assert load.max() < 2 * load.mean()
+
+
+def test_perf_layout_bytes_count_deepep_tokens_and_moved_rows():
+    from fluxrt.perf import moe as pm
+
+    idx = [np.array([[0, 1], [2, 3], [0, -1]]), np.array([[3, 2]])]   # 4 experts on 2 ranks: 2 each
+    lay = pm.layout_bytes(idx, 4, 2, 0, hidden=8)
+    # rank 0 gets: from rank 0 tokens 0 (twice) and 2 -> 2 tokens, 3 rows; from rank 1 nothing
+    assert lay["recv_bytes"] == 2 * 8 * 2 and lay["moved_bytes"] == 3 * 8 * 2
+    assert lay["matrix"].tolist() == [[3, 2], [0, 2]]
+
+
+def test_perf_subcommands_are_listed():
+    from fluxrt.perf import cli
+
+    assert {"moe_dispatch", "moe_combine"} <= set(cli.BENCHES) and set(cli.SUMMARIES) == set(cli.BENCHES)

@@ -1,0 +1,172 @@
+"""Grouped GEMM (MoE experts) on a GPU: every group against a float64 reference, with M tails, empty groups, K
+shorter than one ring stage, both weight layouts, int32/int64 offsets, rows outside every group left alone, and
+a CUDA-graph capture with the offsets changed between replays.
+
+Run on an H100/H200: python3 -m pytest tests/gpu/test_grouped_gemm.py -q
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def _gpu_skip_reason() -> str | None:
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver / no device
+        return f"no CUDA device ({type(e).__name__}: {e})"
+    if n == 0:
+        return "no CUDA device"
+    cc = cupy.cuda.Device(0).compute_capability
+    if cc != "90":
+        return f"the GEMM kernel targets sm_90a (Hopper); device 0 is sm_{cc}"
+    return None
+
+
+_reason = _gpu_skip_reason()
+pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+
+from fluxrt.gemm import GemmArgumentError, grouped_gemm  # noqa: E402
+from fluxrt.gemm.grouped import grouped_plan  # noqa: E402
+from fluxrt.gemm.plan import GemmPlan  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+NP_DT = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-3}
+NAN_BITS = {"bfloat16": 0x7FC0, "float16": 0x7E00}
+
+
+def rand_matrix(rng, shape, dtype: str) -> np.ndarray:
+    """Random values in +-[0.25, 1): never zero, exactly representable once rounded to `dtype`."""
+    mag = rng.uniform(0.25, 1.0, size=shape)
+    sign = np.where(rng.random(size=shape) < 0.5, -1.0, 1.0)
+    return (mag * sign).astype(NP_DT[dtype])
+
+
+def poisoned(shape, dtype: str):
+    out = cupy.empty(shape, dtype=NP_DT[dtype])
+    if dtype == "float32":
+        out.fill(np.nan)
+    else:
+        out.view(cupy.uint16).fill(NAN_BITS[dtype])
+    return out
+
+
+def offsets_of(sizes) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def check_groups(out, a: np.ndarray, b: np.ndarray, offs: np.ndarray, trans_b: bool, out_dtype: str) -> None:
+    """Every group's rows against float64 a[rows] @ b[g] (relative Frobenius error per group); rows past
+    offsets[G] must still hold the poison."""
+    c = cupy.asnumpy(out).astype(np.float64)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    for g in range(len(offs) - 1):
+        r0, r1 = int(offs[g]), int(offs[g + 1])
+        if r1 == r0:
+            continue
+        ref = a64[r0:r1] @ (b64[g].T if trans_b else b64[g])
+        got = c[r0:r1]
+        assert not np.isnan(got).any(), f"group {g}: {np.isnan(got).sum()} elements never written"
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < TOL[out_dtype], f"group {g} rows [{r0}, {r1}): relative error {err:.3g}"
+    assert np.isnan(c[int(offs[-1]):]).all(), "rows outside every group were written"
+
+
+def run_case(sizes, n, k, *, trans_b=False, in_dtype="bfloat16", out_dtype="bfloat16", offsets_dtype="int32",
+             extra_rows=0, plan=None, seed=0):
+    rng = np.random.default_rng(seed)
+    g = len(sizes)
+    offs = offsets_of(sizes)
+    m = int(offs[-1]) + extra_rows
+    a = rand_matrix(rng, (m, k), in_dtype)
+    b = rand_matrix(rng, (g, n, k) if trans_b else (g, k, n), in_dtype)
+    out = poisoned((m, n), out_dtype)
+    res = grouped_gemm(cupy.asarray(a), cupy.asarray(b), cupy.asarray(offs.astype(offsets_dtype)), out,
+                       trans_b=trans_b, plan=plan)
+    assert res is out
+    cupy.cuda.get_current_stream().synchronize()
+    check_groups(out, a, b, offs, trans_b, out_dtype)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("in_dtype", ["bfloat16", "float16"])
+def test_tails_and_empty_groups(trans_b, in_dtype):
+    # tails of every kind: 1 row, 127, 128, 129, 300; empty groups first, between and last
+    sizes = [0, 1, 127, 0, 128, 129, 0, 300, 5, 0]
+    run_case(sizes, n=384, k=320, trans_b=trans_b, in_dtype=in_dtype, out_dtype=in_dtype)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_k_shorter_than_one_stage_and_n_tail(trans_b):
+    # K = 40 < one 64-wide K block (zero-filled by TMA within the group's own B), N = 200: a partial N tile
+    run_case([3, 200, 0, 64], n=200, k=40, trans_b=trans_b)
+
+
+@pytest.mark.parametrize("offsets_dtype", ["int32", "int64"])
+def test_offsets_dtypes_and_rows_outside_groups(offsets_dtype):
+    run_case([70, 0, 190], n=256, k=128, offsets_dtype=offsets_dtype, extra_rows=77)
+
+
+def test_fp32_out_and_128x128_plan():
+    run_case([0, 33, 250, 1], n=128, k=192, out_dtype="float32")
+    run_case([131, 2, 0, 400], n=512, k=256, plan=GemmPlan(block_n=128, stages=4))
+
+
+def test_many_groups_skewed():
+    rng = np.random.default_rng(7)
+    sizes = (rng.zipf(1.6, size=256) - 1).clip(0, 700)   # G = 256, many empty, a few long
+    sizes[:8] = 0
+    run_case(list(sizes), n=256, k=256, trans_b=True, seed=3)
+
+
+def test_one_consumer_plan():
+    run_case([5, 64, 65, 0, 200], n=256, k=128, plan=GemmPlan(block_m=64, consumers=1, stages=4))
+
+
+def test_no_rows_launches_nothing():
+    a = cupy.empty((0, 64), dtype=BF16)
+    b = cupy.asarray(rand_matrix(np.random.default_rng(1), (3, 64, 128), "bfloat16"))
+    offs = cupy.zeros((4,), dtype=cupy.int32)
+    out = grouped_gemm(a, b, offs)
+    assert out.shape == (0, 128) and out.dtype == BF16
+
+
+def test_graph_capture_reads_offsets_on_device():
+    """Captured once with out= given, replayed with other offsets written into the same device array: the
+    replay computes the new groups (the host never read them)."""
+    rng = np.random.default_rng(11)
+    g, n, k, m = 8, 256, 256, 1024
+    a = rand_matrix(rng, (m, k), "bfloat16")
+    b = rand_matrix(rng, (g, k, n), "bfloat16")
+    da, db = cupy.asarray(a), cupy.asarray(b)
+    offs_dev = cupy.asarray(offsets_of([128] * g).astype(np.int32))
+    out = poisoned((m, n), "bfloat16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        grouped_gemm(da, db, offs_dev, out, stream=stream)   # first call builds the launch outside the capture
+        stream.begin_capture()
+        grouped_gemm(da, db, offs_dev, out, stream=stream)
+        graph = stream.end_capture()
+    for sizes in ([0, 500, 3, 0, 129, 128, 0, 264], [1024, 0, 0, 0, 0, 0, 0, 0], [0] * 7 + [1000]):
+        offs = offsets_of(sizes)
+        offs_dev.set(offs.astype(np.int32), stream=stream)
+        out.view(cupy.uint16).fill(NAN_BITS["bfloat16"])
+        graph.launch(stream)
+        stream.synchronize()
+        check_groups(out, a, b, offs, False, "bfloat16")
+
+
+def test_bad_plans_and_shapes_raise():
+    a = cupy.zeros((64, 64), dtype=BF16)
+    b = cupy.zeros((2, 64, 64), dtype=BF16)
+    offs = cupy.zeros((3,), dtype=cupy.int32)
+    with pytest.raises(GemmArgumentError, match="cluster=1"):
+        grouped_gemm(a, b, offs, plan=dataclasses.replace(grouped_plan(64, 64, 64, 2), cluster=2))
+    with pytest.raises(GemmArgumentError, match=r"\[G \+ 1\]"):
+        grouped_gemm(a, b, cupy.zeros((2,), dtype=cupy.int32))

@@ -1,0 +1,374 @@
+"""GPU tests of MoE dispatch and combine (fluxrt.moe.Dispatcher) under mpirun on 2 or 4 ranks (or on one GPU
+under CUDA MPS: launch/mps-check.sh with MPS_FILES=moe).
+
+Every rank routes its own random tokens; the reference gathers every rank's tokens and routing over MPI and
+builds, in numpy, what each owner must receive (rows grouped by local expert, then source rank, then token and
+slot: compared bit for bit, since dispatch only copies) and what combine must return (float64 weighted sums
+of a known per-expert function of the tokens, compared with a relative error bound). Receive buffers and
+outputs are poisoned with NaN first.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+HIDDEN = 264          # 16-byte rows, not a multiple of 128
+TOL = 1.5e-2          # max |err| / max |ref| for bf16 outputs (rounding of y and of the sum)
+
+
+def _bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _scale(num_experts):
+    """The test's experts: expert e multiplies its tokens by c[e] (so a row delivered to the wrong expert shows)."""
+    return (1.0 + 0.125 * np.arange(num_experts)).astype(np.float32)
+
+
+def _routing(rng, tokens, k, num_experts, masked=0.0):
+    """k distinct experts per token (-1 for a masked slot with probability `masked`), and positive weights."""
+    if tokens == 0:
+        return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
+    idx = np.stack([rng.choice(num_experts, size=k, replace=False) for _ in range(tokens)]).reshape(tokens, k)
+    if masked:
+        idx = np.where(rng.random((tokens, k)) < masked, -1, idx)
+    w = rng.random((tokens, k)).astype(np.float32) + 0.1
+    return idx.astype(np.int32), w
+
+
+def _expected_recv(world, xs, idxs, num_experts):
+    """Rows owner `world.rank` must receive, and its per-local-expert counts."""
+    el = num_experts // world.size
+    rows, counts = [], []
+    for le in range(el):
+        e = world.rank * el + le
+        n = 0
+        for s in range(world.size):
+            for i, ex in enumerate(idxs[s].reshape(-1)):
+                if ex == e:
+                    rows.append(xs[s][i // idxs[s].shape[1]])
+                    n += 1
+        counts.append(n)
+    h = xs[0].shape[1]
+    return (np.stack(rows) if rows else np.zeros((0, h), xs[0].dtype)), np.array(counts, np.int32)
+
+
+def _expected_out(x, idx, w, num_experts):
+    """float64 reference of combine after the test's experts: sum_j w[t, j] * bf16(c[e] * x[t])."""
+    c = _scale(num_experts)
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            if e >= 0:
+                y = (x[t].astype(np.float32) * c[e]).astype(_bf16())
+                out[t] += float(w[t, j]) * y.astype(np.float64)
+    return out
+
+
+_SCALE_ROWS = r"""
+extern "C" __global__ void scale_rows(unsigned short* recv, const int* offsets, int el, const float* c, int hidden) {
+    const int r = blockIdx.x;
+    if (r >= offsets[el]) return;
+    int i = 0;
+    while (i + 1 < el && offsets[i + 1] <= r) ++i;   // the local expert of row r
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+        const float f = __uint_as_float((unsigned)recv[(long long)r * hidden + j] << 16) * c[i];
+        unsigned b = __float_as_uint(f);
+        b += 0x7FFFu + ((b >> 16) & 1u);              // round to nearest even, as ml_dtypes
+        recv[(long long)r * hidden + j] = (unsigned short)(b >> 16);
+    }
+}
+"""
+
+
+_KERNELS: dict = {}
+
+
+def _local_scales(num_experts, world):
+    import cupy
+
+    el = num_experts // world.size
+    return cupy.asarray(_scale(num_experts)[world.rank * el:(world.rank + 1) * el])
+
+
+def _experts(recv, offsets, c, stream=None):
+    """The test's experts on the GPU, in place on the received rows: rows of local expert i times c[i]; no host
+    read of the layout, so it can be captured."""
+    import cupy
+
+    kernel = _KERNELS.get("scale_rows")
+    if kernel is None:   # made once: a capture must not load a module
+        kernel = _KERNELS["scale_rows"] = cupy.RawKernel(_SCALE_ROWS, "scale_rows")
+    kernel((recv.shape[0],), (128,), (recv, offsets, np.int32(offsets.size - 1), c, np.int32(recv.shape[1])),
+           stream=stream)
+
+
+def _poison(a):
+    a.view(np.uint16).fill(0x7FC0)
+
+
+def _rel_err(got, ref):
+    got = np.asarray(got, np.float64)
+    if not np.isfinite(got).all():
+        return np.inf
+    return np.abs(got - ref).max(initial=0.0) / max(np.abs(ref).max(initial=0.0), 1e-30)
+
+
+def _rank_rng(rng, world):
+    """A generator of this rank's own data, drawn from the test's generator (which every rank advances alike)."""
+    return np.random.default_rng([int(rng.integers(1 << 31)), world.rank])
+
+
+class _Problems(list):
+    def assert_none(self):
+        assert not self, "; ".join(self[:5]) + (f" (+{len(self) - 5} more)" if len(self) > 5 else "")
+
+
+def _round(world, d, rng, tokens, k, *, masked=0.0, route=None, idx_dtype=np.int32, problems, what=""):
+    """One dispatch -> experts -> combine, checked against the reference; problems collected (not asserted),
+    so that no rank leaves the others waiting in the next collective step."""
+    import cupy
+
+    e = d.cfg.num_experts
+    rng = _rank_rng(rng, world)
+    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32).astype(_bf16())
+    idx, w = route(rng, tokens) if route else _routing(rng, tokens, k, e, masked)
+    idx = idx.astype(idx_dtype)
+    xs, idxs = world.comm.allgather(x), world.comm.allgather(idx)
+    _poison(d.recv)
+    recv, h = d.dispatch(cupy.asarray(x), cupy.asarray(idx), cupy.asarray(w))
+    exp_rows, exp_counts = _expected_recv(world, xs, idxs, e)
+    n = h.num_recv()
+    got_counts = h.counts_host()
+    offsets = h.offsets.get()
+    if n != exp_rows.shape[0] or not np.array_equal(got_counts, exp_counts):
+        problems.append(f"{what} rank {world.rank}: received {n} rows counts {got_counts.tolist()}, expected "
+                        f"{exp_rows.shape[0]} counts {exp_counts.tolist()}")
+    elif not np.array_equal(offsets, np.concatenate(([0], np.cumsum(exp_counts))).astype(np.int32)):
+        problems.append(f"{what} rank {world.rank}: offsets {offsets.tolist()}")
+    elif not np.array_equal(recv[:n].get().view(np.uint16), exp_rows.view(np.uint16)):
+        bad = np.nonzero((recv[:n].get().view(np.uint16) != exp_rows.view(np.uint16)).any(axis=1))[0]
+        problems.append(f"{what} rank {world.rank}: {bad.size} received rows differ (first {bad[:8].tolist()})")
+    _experts(recv, h.offsets, _local_scales(e, world))
+    out = cupy.empty((tokens, HIDDEN), dtype=_bf16())
+    _poison(out)
+    got = d.combine(recv, h, out=out)
+    ref = _expected_out(x, idx, w, e)
+    err = _rel_err(got.get().astype(np.float64), ref)
+    if not err < TOL:
+        problems.append(f"{what} rank {world.rank}: combine relative error {err:.3g}")
+    world.check_errors()
+    return x, idx, w, got
+
+
+@pytest.fixture(scope="module", params=["throughput", "low_latency"])
+def disp(world, request):
+    import fluxrt.moe as moe
+
+    d = moe.Dispatcher(world, num_experts=4 * world.size, hidden=HIDDEN, max_tokens_per_rank=160, dtype="bf16",
+                       options=moe.DispatcherOptions(top_k=4, blocks=8, threads=256, mode=request.param))
+    yield d
+    d.free()
+
+
+def test_dispatch_combine_random_routing(world, disp, rng):
+    problems = _Problems()
+    for tokens in (37 + 13 * world.rank, 1, 97):   # T differs per rank; not a multiple of anything
+        _round(world, disp, rng, tokens, 4, problems=problems, what=f"T={tokens}")
+    problems.assert_none()
+
+
+def test_int64_routing_and_masked_slots(world, disp, rng):
+    problems = _Problems()
+    _round(world, disp, rng, 53, 3, masked=0.3, idx_dtype=np.int64, problems=problems)
+    problems.assert_none()
+
+
+def test_rank_without_tokens(world, disp, rng):
+    problems = _Problems()
+    _round(world, disp, rng, 0 if world.rank == 0 else 29, 2, problems=problems)
+    problems.assert_none()
+
+
+def test_experts_without_tokens_and_all_to_one_expert(world, disp, rng):
+    e = disp.cfg.num_experts
+    problems = _Problems()
+
+    def even_only(rng, t):   # odd experts (and, with 2 ranks, whole halves of the ranks' experts) get nothing
+        idx = np.stack([rng.choice(np.arange(0, e, 2), size=2, replace=False) for _ in range(t)]).reshape(t, 2)
+        return idx.astype(np.int32), rng.random((t, 2)).astype(np.float32) + 0.1
+
+    def one_expert(rng, t):  # every token of every rank to expert 1 (slot 1 masked)
+        idx = np.stack([np.full(t, 1), np.full(t, -1)], axis=1)
+        return idx.astype(np.int32), rng.random((t, 2)).astype(np.float32) + 0.1
+
+    _round(world, disp, rng, 41, 2, route=even_only, problems=problems, what="even experts")
+    _round(world, disp, rng, 160, 2, route=one_expert, problems=problems, what="one expert")
+    problems.assert_none()
+
+
+def test_two_slots_to_the_same_rank(world, disp, rng):
+    el = disp.local_experts
+    problems = _Problems()
+
+    def same_rank(rng, t):   # slots 0 and 1 on two experts of one rank, slot 2 elsewhere
+        owner = rng.integers(0, world.size, size=t)
+        a = owner * el + rng.integers(0, el // 2, size=t)
+        b = owner * el + el // 2 + rng.integers(0, el - el // 2, size=t)
+        c = (owner + 1) % world.size * el
+        return np.stack([a, b, c], axis=1).astype(np.int32), rng.random((t, 3)).astype(np.float32) + 0.1
+
+    _round(world, disp, rng, 64, 3, route=same_rank, problems=problems)
+    problems.assert_none()
+
+
+def test_back_to_back_changing_routing_and_bitwise_repeat(world, disp, rng):
+    import cupy
+
+    problems = _Problems()
+    first = None
+    for it in range(30):
+        tokens = int(rng.integers(1, 161))
+        _round(world, disp, rng, tokens, int(rng.integers(1, 5)), masked=0.1, problems=problems, what=f"iter {it}")
+    # the same inputs twice: the same bits
+    x = cupy.asarray(rng.standard_normal((77, HIDDEN)).astype(np.float32).astype(_bf16()))
+    idx, w = (cupy.asarray(a) for a in _routing(rng, 77, 4, disp.cfg.num_experts))
+    for _ in range(2):
+        recv, h = disp.dispatch(x, idx, w)
+        out = disp.combine(recv, h)
+        if first is None:
+            first = out.get()
+        elif not np.array_equal(out.get().view(np.uint16), first.view(np.uint16)):
+            problems.append(f"rank {world.rank}: a repeated combine gave other bits")
+    problems.assert_none()
+
+
+def test_graph_capture(world, disp, rng):
+    import cupy
+
+    e, t, k = disp.cfg.num_experts, 90, 4
+    x = cupy.zeros((t, HIDDEN), dtype=_bf16())
+    idx = cupy.zeros((t, k), dtype=np.int32)
+    w = cupy.zeros((t, k), dtype=np.float32)
+    out = cupy.empty((t, HIDDEN), dtype=_bf16())
+    c = _local_scales(e, world)
+    s = cupy.cuda.Stream(non_blocking=True)
+
+    def body():
+        recv, h = disp.dispatch(x, idx, w, stream=s)
+        _experts(recv, h.offsets, c, stream=s)   # on the device: no host read
+        disp.combine(recv, h, out=out, stream=s)
+
+    body()   # compile and warm up outside the capture
+    s.synchronize()
+    with s:
+        s.begin_capture()
+        body()
+        graph = s.end_capture()
+    problems = _Problems()
+    rng = _rank_rng(rng, world)
+    for rep in range(3):
+        xh = rng.standard_normal((t, HIDDEN)).astype(np.float32).astype(_bf16())
+        ih, wh = _routing(rng, t, k, e, masked=0.1)
+        x.set(xh)
+        idx.set(ih)
+        w.set(wh)
+        _poison(out)
+        cupy.cuda.Device().synchronize()
+        world.comm.Barrier()
+        graph.launch(s)
+        s.synchronize()
+        world.check_errors()
+        err = _rel_err(out.get().astype(np.float64), _expected_out(xh, ih, wh, e))
+        if not err < TOL:
+            problems.append(f"replay {rep} rank {world.rank}: relative error {err:.3g}")
+    problems.assert_none()
+
+
+def test_bad_arguments_raise_on_every_rank(world, disp):
+    import cupy
+
+    import fluxrt.moe as moe
+
+    x = cupy.zeros((4, HIDDEN), dtype=np.float16)   # the Dispatcher is bf16
+    idx = cupy.zeros((4, 2), dtype=np.int32)
+    w = cupy.zeros((4, 2), dtype=np.float32)
+    with pytest.raises(moe.MoEArgumentError, match="bf16|other ranks"):
+        disp.dispatch(x if world.rank == 0 else x.astype(_bf16()), idx, w)
+    xb = cupy.zeros((4, HIDDEN), dtype=_bf16())
+    recv, h = disp.dispatch(xb, idx, w)
+    disp.combine(recv, h)
+    with pytest.raises(moe.MoEArgumentError, match="combined already"):
+        disp.combine(recv, h)
+    recv2, h2 = disp.dispatch(xb, idx, w)
+    with pytest.raises(moe.MoEArgumentError, match="earlier dispatch"):
+        disp.combine(recv2, h)
+    if disp.cfg.mode == "low_latency":
+        with pytest.raises(moe.MoEArgumentError, match="combined first"):
+            disp.dispatch(xb, idx, w)
+    disp.combine(recv2, h2)
+    world.synchronize()
+
+
+def test_heap_exhausted_is_named(world):
+    import fluxrt
+    import fluxrt.moe as moe
+
+    with pytest.raises(fluxrt.HeapExhaustedError, match="heap_size"):
+        moe.Dispatcher(world, num_experts=world.size, hidden=7168, max_tokens_per_rank=1 << 16, dtype="bf16")
+
+
+def _quantize_ref(x, block):
+    """numpy e4m3 quantization of bf16 rows: scale = amax / 448 per token or per 1x128 block (fp32); an all-zero
+    group has scale 0 and zero codes."""
+    import ml_dtypes
+
+    f = x.astype(np.float32)
+    g = f.reshape(f.shape[0], -1, 128) if block else f.reshape(f.shape[0], 1, -1)
+    scale = (np.abs(g).max(axis=2, keepdims=True) / np.float32(448.0)).astype(np.float32)
+    v = np.divide(g, scale, out=np.zeros_like(g), where=scale > 0)
+    q = v.astype(ml_dtypes.float8_e4m3fn).reshape(f.shape)
+    return q.view(np.uint8), scale.reshape(f.shape[0], -1)
+
+
+@pytest.mark.parametrize("mode", ["token", "block"])
+def test_fp8_dispatch(world, rng, mode):
+    import cupy
+
+    import fluxrt.moe as moe
+
+    h, e, k = 256, 2 * world.size, 2
+    d = moe.Dispatcher(world, num_experts=e, hidden=h, max_tokens_per_rank=64, dtype="bf16",
+                       options=moe.DispatcherOptions(top_k=k, blocks=4, threads=128, fp8=mode))
+    try:
+        local = _rank_rng(rng, world)
+        t = 29 + 7 * world.rank
+        x = (local.standard_normal((t, h)) * np.exp(local.standard_normal((t, 1)))).astype(np.float32).astype(_bf16())
+        x[3] = 0   # an all-zero token: scale 0, zero codes
+        idx, w = _routing(local, t, k, e, masked=0.2)
+        xs, idxs = world.comm.allgather(x), world.comm.allgather(idx)
+        (q, sc), hd = d.dispatch(cupy.asarray(x), cupy.asarray(idx), cupy.asarray(w))
+        n = hd.num_recv()
+        qs = [_quantize_ref(xx, mode == "block") for xx in xs]
+        exp_q, exp_counts = _expected_recv(world, [a for a, _ in qs], idxs, e)
+        exp_s, _ = _expected_recv(world, [b for _, b in qs], idxs, e)
+        problems = _Problems()
+        if n != exp_q.shape[0] or not np.array_equal(hd.counts_host(), exp_counts):
+            problems.append(f"rank {world.rank}: {n} rows, expected {exp_q.shape[0]}")
+        else:
+            got_q = q[:n].view(np.uint8).get()
+            bad = int((got_q != exp_q).sum())
+            if bad:
+                problems.append(f"rank {world.rank}: {bad} of {got_q.size} e4m3 values differ")
+            if not np.array_equal(sc[:n].get(), exp_s):
+                problems.append(f"rank {world.rank}: scales differ")
+        d.combine(d.recv, hd)   # combine stays 16-bit; ends the round
+        world.synchronize()
+        problems.assert_none()
+    finally:
+        d.free()
