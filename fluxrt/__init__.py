@@ -13,10 +13,10 @@ _log.configure()                 # FLUXRT_DEBUG / FLUXRT_DEBUG_FILE
 _install_abort_excepthook()      # FLUXRT_ABORT_ON_EXCEPTION=1 (fluxrt-run)
 
 from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, allgather, allreduce, alltoall,
-                          alltoallv, barrier, broadcast, reduce_scatter)
+                          alltoallv, barrier, broadcast, prepare, reduce_scatter, wait_all)
 from .dtypes import bfloat16, normalize_dtype
 from .errors import (AgreementTimeoutError, CollectiveArgumentError, CollectiveMismatchError, CompileError, DeviceError, FluxrtError,
-                     HeapExhaustedError, NotSymmetricError, NvshmemInitError, WaitTimeoutError)
+                     GraphCaptureError, HeapExhaustedError, NotSymmetricError, NvshmemInitError, WaitTimeoutError)
 from .world import World, WorldOptions, current, finalize, init
 from . import compressed, fused, moe, ops
 
@@ -27,5 +27,5 @@ __all__ = [
     "FluxrtError", "DeviceError", "NvshmemInitError", "HeapExhaustedError", "CollectiveMismatchError",
     "NotSymmetricError", "CompileError", "WaitTimeoutError", "AgreementTimeoutError", "CollectiveArgumentError",
     "Collectives", "CollectivesOptions", "CollectiveHandle", "allreduce", "reduce_scatter", "allgather",
-    "alltoall", "alltoallv", "broadcast", "barrier",
+    "alltoall", "alltoallv", "broadcast", "barrier", "prepare", "wait_all", "GraphCaptureError",
 ]

@@ -64,8 +64,14 @@ def _producer(x) -> str:
 
 
 def _is_jax(producer: str) -> bool:
-    """jax.Array (ArrayImpl, tracers) is immutable; recognised by its type's module so jax is never imported."""
-    return producer.split(".", 1)[0] in ("jax", "jaxlib")
+    """jax.Array (ArrayImpl, tracers) is immutable; recognised by its type's module so jax is never imported.
+    XLA's FFI ``Buffer`` (what ``jax.experimental.buffer_callback`` hands a callback: XLA's own device buffers,
+    the outputs written in place) is not."""
+    return producer.split(".", 1)[0] in ("jax", "jaxlib") and not _is_xla_buffer(producer)
+
+
+def _is_xla_buffer(producer: str) -> bool:
+    return producer.split(".", 1)[0] in ("jax", "jaxlib") and producer.rsplit(".", 1)[-1] == "Buffer"
 
 
 def _cupy_ndarray():
@@ -101,7 +107,7 @@ def inspect(x, *, name: str, op: str, error: type = ArrayArgumentError, type_err
     cai = _cai(x)
     if cai is not None:   # a pointer and strides before any CUDA call; imported through DLPack if it can be
         info = _from_cai(x, cai, name, op, error)
-        return dataclasses.replace(info, protocol="dlpack") if dlpack else info
+        return dataclasses.replace(info, protocol="dlpack") if dlpack and not _is_xla_buffer(info.producer) else info
     if dlpack:
         return _from_dlpack_attributes(x, name, op, type_error)
     raise type_error(f"{op}: {name} of type {type(x).__name__} is not a CUDA array "
@@ -157,7 +163,8 @@ def as_array(x, *, name: str, op: str, writable: bool = False, stream=None, devi
     if ndarray is not None and isinstance(x, ndarray):   # the common case: no import, nothing to order
         a = x
     else:
-        if not writable and hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+        if (not writable and hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)
+                and not _is_xla_buffer(_producer(x))):   # XLA's buffers: by their CAI pointer, no handshake
             # imported through DLPack whatever else it exports: its CAI (pointer, strides, read-only flag)
             # would only be read and thrown away
             info = _from_dlpack_attributes(x, name, op, type_error)

@@ -54,7 +54,8 @@ from .agreement import exchange as _exchange
 from .agreement import local as _local
 from .arrays import as_array
 from .dtypes import bfloat16, normalize_dtype
-from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, NotSymmetricError, op_id
+from .errors import (CollectiveArgumentError, CollectiveMismatchError, FluxrtError, GraphCaptureError, NotSymmetricError,
+                     op_id)
 from .nvtx import annotate as _nvtx
 from .packed_launch import PackedLaunch
 from .streams import as_cupy_stream
@@ -65,7 +66,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KERNEL_SOURCE = "comm/collectives.cu"
-_REDUCE_DTYPES = {bfloat16: "bf16", np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
+_REDUCE_DTYPES = {bfloat16: "bf16", np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32",
+                  np.dtype(np.float64): "fp64", np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
+                  np.dtype(np.uint8): "uint8"}
+_FLOAT_REDUCE = ("bf16", "fp16", "fp32", "fp64")   # the element types with avg
+_DTYPE_OF = {name: d for d, name in _REDUCE_DTYPES.items()}
+# The base module's reductions; every other (element type, op) is in the element type's extension module
+# (collectives.cu built with -DFLUXRT_COLL_EXT=<code>), compiled and loaded when first needed.
+BASE_REDUCTIONS = frozenset((d, o) for d in ("bf16", "fp16", "fp32") for o in ("sum", "max", "min"))
+EXT_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp64": 3, "int32": 4, "int64": 5, "uint8": 6}
+_DIVIDE_THREADS, _DIVIDE_MAX_GRID = 256, 1024
 _TABLE_ROWS = 5  # struct ExchangeTable: send_ptr, send_bytes, recv_ptr, recv_bytes, send_dst
 _TABLE_DTYPE = np.dtype([("words", "<u8", (_TABLE_ROWS * plan.MAX_WORLD,))])  # passed by value
 _u64, _u32 = np.uint64, np.uint32
@@ -157,22 +167,38 @@ def _machine_tuning(world: World) -> plan.Tuning:
 
 class CollectiveHandle:
     """An in-flight ``async_op=True`` collective. ``wait(stream)`` makes `stream` (default: the current
-    one) wait for it and returns the result; ``is_done()`` polls. Both raise a recorded device timeout."""
+    one) wait for it and returns the result; ``wait(host=True)`` blocks the host until it is done;
+    ``test()`` (or ``is_done()``) polls without blocking. All raise a recorded device timeout."""
 
     def __init__(self, world: World, event, result, keep):
         self._world, self._event, self.result, self._keep = world, event, result, keep
 
-    def wait(self, stream=None):
-        as_cupy_stream(stream).wait_event(self._event)
+    def wait(self, stream=None, *, host: bool = False):
+        """The result, once `stream` (host=False, the default: stream-ordered, the host goes on) or the
+        host (host=True) has waited for the call. Every device wait is bounded, so a host wait ends too."""
+        if host:
+            self._event.synchronize()
+            self._keep = None
+        else:
+            as_cupy_stream(stream).wait_event(self._event)
         self._world.check_errors()
         return self.result
 
-    def is_done(self) -> bool:
+    def test(self) -> bool:
+        """Whether the call has completed on the device (no blocking)."""
         done = self._event.done
         if done:
             self._world.check_errors()
             self._keep = None
         return done
+
+    is_done = test
+
+
+def wait_all(handles, stream=None, *, host: bool = False) -> list:
+    """``wait`` on every handle (stream-ordered, or on the host with host=True); their results in order. A
+    None in `handles` (a synchronous call's place) is passed through."""
+    return [None if h is None else h.wait(stream, host=host) for h in handles]
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -186,8 +212,27 @@ def _as_array(x, name: str, op: str, world: World, stream, writable: bool = Fals
 def _reduce_dtype(dtype) -> str:
     d = normalize_dtype(dtype)
     if d not in _REDUCE_DTYPES:
-        raise CollectiveArgumentError(f"reductions support bf16, fp16 and fp32, got {d}")
+        raise CollectiveArgumentError(f"reductions support bf16, fp16, fp32, fp64, int32, int64 and uint8, got {d}")
     return _REDUCE_DTYPES[d]
+
+
+def _reduction(dtype, op: str) -> tuple[str, str]:
+    """(element type, op) names of a reduction, checked: avg is for floating-point types only."""
+    dt, red = _reduce_dtype(dtype), _redop(op)
+    if red == "avg" and dt not in _FLOAT_REDUCE:
+        raise CollectiveArgumentError(f"reduction op 'avg' is for floating-point types, not {dt} (use sum and "
+                                      "divide as the program needs)")
+    return dt, red
+
+
+def kernel_module_code(name: str) -> int | None:
+    """The FLUXRT_COLL_EXT code of the module holding kernel `name` (None: the base module)."""
+    if name.startswith("fluxrt_divide_"):
+        return EXT_CODES[name[len("fluxrt_divide_"):]]
+    parts = name.rsplit("_", 2)
+    if len(parts) == 3 and parts[1] in EXT_CODES and (parts[1], parts[2]) not in BASE_REDUCTIONS:
+        return EXT_CODES[parts[1]]
+    return None
 
 
 def _move_dtype(dtype) -> np.dtype:
@@ -195,6 +240,11 @@ def _move_dtype(dtype) -> np.dtype:
     if d != bfloat16 and d.kind not in "fiub":
         raise CollectiveArgumentError(f"unsupported dtype {d}: use bf16, fp16, fp32, int32 or another numeric type")
     return d
+
+
+def _kernel_op(red: str) -> str:
+    """The op of the reduction kernel: avg runs the sum, then divides."""
+    return "sum" if red == "avg" else red
 
 
 def _redop(op: str) -> str:
@@ -269,6 +319,10 @@ class Collectives:
         from .toolchain import load_module
 
         world.check_active()
+        if cupy.cuda.get_current_stream().is_capturing():
+            raise GraphCaptureError("collectives: the context allocates symmetric memory and synchronizes, which a "
+                                    "CUDA graph capture cannot contain; make it before capturing "
+                                    "(fluxrt.prepare(world) or Collectives(world))")
         options = options or CollectivesOptions()
         plan.check_world(world.size)
         ws = plan.VEC_BYTES * (int(options.workspace_bytes) // plan.VEC_BYTES)
@@ -297,6 +351,8 @@ class Collectives:
         self._order_event = cupy.cuda.Event(disable_timing=True)
         self._last_stream = None
         self._kernels: dict = {}
+        self._ext_modules: dict = {}
+        self._capturing_stream = None
         self._fast: dict = {}
         self._team_base = (_u64(self.epoch.data.ptr), _u64(self.workspace.data.ptr),
                            _u64(self.workspace.peer_table.data.ptr), _u64(self.flags.data.ptr),
@@ -322,11 +378,54 @@ class Collectives:
     def _kernel(self, name: str):
         fn = self._kernels.get(name)
         if fn is None:
-            fn = self._kernels[name] = self.module.get_function(name)
+            code = kernel_module_code(name)
+            module = self.module if code is None else self._ext_module(code)
+            fn = self._kernels[name] = module.get_function(name)
         return fn
 
-    def _launch(self, name: str, grid: int, args: tuple, block: int = plan.THREADS) -> PackedLaunch:
-        return PackedLaunch(self._kernel(name), grid, block, args, pdl=bool(self.tuning.pdl))
+    def _ext_module(self, code: int):
+        """The extension module of element type `code` (compiled on first use: not inside a capture)."""
+        mod = self._ext_modules.get(code)
+        if mod is None:
+            from .toolchain import CompileOptions, load_module
+
+            dt = next(d for d, c in EXT_CODES.items() if c == code)
+            capturing = self._capturing_stream
+            if capturing is not None and capturing.is_capturing():
+                raise GraphCaptureError(
+                    f"collectives: the {dt} reductions beyond bf16/fp16/fp32 sum, max and min are compiled and "
+                    "loaded on their first call, which a CUDA graph capture cannot contain; call "
+                    f"fluxrt.prepare(world, dtypes=[{dt!r}], ops=[...]) (or Collectives.prepare) before capturing")
+            mod = load_module(KERNEL_SOURCE, CompileOptions(defines=(("FLUXRT_COLL_EXT", str(code)),)))
+            # RawModule loads its cubin on the first lookup: do it here, outside any capture
+            mod.get_function(f"fluxrt_divide_{dt}" if dt in _FLOAT_REDUCE else f"fluxrt_allreduce_oneshot_{dt}_sum")
+            self._ext_modules[code] = mod
+        return mod
+
+    def _check_loaded(self, dt: str, red: str) -> None:
+        """Before a reduction that needs an extension module inside a capture: load it now, or refuse."""
+        if (dt, _kernel_op(red)) in BASE_REDUCTIONS and red != "avg":
+            return
+        if EXT_CODES[dt] not in self._ext_modules:
+            self._ext_module(EXT_CODES[dt])  # raises GraphCaptureError inside a capture
+
+    def _divide(self, dt: str, o, count: int) -> PackedLaunch:
+        """avg's last launch: out[:count] /= ranks (a plain launch: it does not wait for its predecessor
+        with griddepcontrol, so it takes no programmatic dependent launch)."""
+        grid = max(1, min(_DIVIDE_MAX_GRID, -(-count // _DIVIDE_THREADS)))
+        return self._launch(f"fluxrt_divide_{dt}", grid, (_u64(o.data.ptr), _u64(count), _u32(self.world.size)),
+                            block=_DIVIDE_THREADS, pdl=False)
+
+    def prepare(self, dtypes=(), ops=("sum",)) -> None:
+        """Load now what calls reducing `dtypes` with `ops` would otherwise compile and load on their first call
+        (the reductions outside bf16/fp16/fp32 sum, max and min), so that a first call can be captured in a
+        CUDA graph. Local (no communication); everything else a call needs is made with the context."""
+        for d in dtypes:
+            for o in ops:
+                self._check_loaded(*_reduction(d, o))
+
+    def _launch(self, name: str, grid: int, args: tuple, block: int = plan.THREADS, pdl: bool = True) -> PackedLaunch:
+        return PackedLaunch(self._kernel(name), grid, block, args, pdl=pdl and bool(self.tuning.pdl))
 
     def _layout(self, op: str, algo: str, itemsize: int) -> plan.Layout:
         """Slots of the buffer half `algo` uses (LL rounds have their own buffer)."""
@@ -388,6 +487,7 @@ class Collectives:
         cross-rank check wanted), else validate, agree and plan through `plan_call(stream)` -> (launches,
         out). Every public call comes through here, which converts its stream (once)."""
         s = as_cupy_stream(stream)
+        self._capturing_stream = s
         if self.world.options.check_collective_args:
             key = None  # every call is compared across ranks
         launches = self._fast.get(key) if key is not None else None
@@ -438,9 +538,11 @@ class Collectives:
     @_nvtx("allreduce")
     def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto",
                   compress: str | None = None, error_feedback=None):
-        """out = x[rank 0] op x[rank 1] op ... (elementwise; fp32 accumulation in rank order, so every rank
-        gets bitwise the same result). out=None allocates; out=x is in place. compress="fp8" or "int8": an
-        8-bit payload with block scales, optionally with an error-feedback buffer (``fluxrt.compressed``)."""
+        """out = x[rank 0] op x[rank 1] op ... (elementwise), every rank bitwise the same result: 16- and
+        32-bit floats accumulate in fp32, fp64 in fp64, integers wrap (int32, int64, uint8). op: sum, prod, max,
+        min, avg (floats: the sum divided by the ranks). out=None allocates; out=x is in place. compress="fp8"
+        or "int8": an 8-bit payload with block scales, optionally with an error-feedback buffer
+        (``fluxrt.compressed``)."""
         if compress is not None:
             return _compressed.call(self, "allreduce", x, out, compress, error_feedback, op, algo, stream, async_op)
         return self._call(_fast_key("allreduce", x, out, op, algo), lambda s: self._plan_allreduce(x, out, op, algo, s),
@@ -451,8 +553,9 @@ class Collectives:
 
         def prepare():
             a = _as_array(x, "x", "allreduce", world, stream)
-            dt, red = _reduce_dtype(a.dtype), _redop(op)
-            chosen = plan.choose_algo("allreduce", a.nbytes, world.size, algo, tuning=self.tuning)
+            dt, red = _reduction(a.dtype, op)
+            self._check_loaded(dt, red)
+            chosen = plan.choose_algo("allreduce", a.nbytes, world.size, algo, tuning=self.tuning, itemsize=a.itemsize)
             o = self._output(out, "out", a.dtype, a.size, a.shape, "allreduce", stream)
             _check_alias("allreduce", a, o, (0,))
             return a, o, dt, red, chosen
@@ -463,7 +566,7 @@ class Collectives:
         _agree(world, "allreduce", sig, err)
         a, o, dt, red, chosen = got
         lay, pieces = _allreduce_plan(a.size, a.itemsize, world.size, chosen, self._half(chosen), self.tuning)
-        name = f"fluxrt_allreduce_{chosen}_{dt}_{red}"
+        name = f"fluxrt_allreduce_{chosen}_{dt}_{_kernel_op(red)}"
         team = self._teams["allreduce"]
         isz = a.itemsize
         launches = []
@@ -478,6 +581,8 @@ class Collectives:
             else:
                 args = team + (xp, op_, _u64(p.count), _u64(lay.slot_bytes))
             launches.append(self._launch(name, p.grid, args, block=plan.block_threads(chosen, self.tuning)))
+        if red == "avg":
+            launches.append(self._divide(dt, o, a.size))
         return tuple(launches), o
 
     @_nvtx("reduce_scatter")
@@ -497,8 +602,9 @@ class Collectives:
 
         def prepare():
             a = _as_array(x, "x", "reduce_scatter", world, stream)
-            dt, red = _reduce_dtype(a.dtype), _redop(op)
-            chosen = plan.choose_algo("reduce_scatter", a.nbytes, n, algo, tuning=self.tuning)
+            dt, red = _reduction(a.dtype, op)
+            self._check_loaded(dt, red)
+            chosen = plan.choose_algo("reduce_scatter", a.nbytes, n, algo, tuning=self.tuning, itemsize=a.itemsize)
             if a.size % n:
                 raise CollectiveArgumentError(f"reduce_scatter: x has {a.size} elements, not a multiple of "
                                               f"{n} ranks")
@@ -515,7 +621,7 @@ class Collectives:
         a, o, dt, red, c, chosen = got
         lay = self._layout("reduce_scatter", chosen, a.itemsize)
         prefix = {"ll": "ll_", "pipe": "pipe_", "ring": "ring_"}.get(chosen, "")
-        name = f"fluxrt_reduce_scatter_{prefix}{dt}_{red}"
+        name = f"fluxrt_reduce_scatter_{prefix}{dt}_{_kernel_op(red)}"
         team = self._teams["reduce_scatter"]
         isz = a.itemsize
 
@@ -527,6 +633,8 @@ class Collectives:
 
         launches = tuple(self._launch(name, p.grid, args(p), block=plan.block_threads(chosen, self.tuning))
                          for p in _pieces("reduce_scatter", chosen, c, isz, n, lay, self.tuning))
+        if red == "avg":
+            launches += (self._divide(dt, o, c),)
         return launches, o
 
     # --- data movement ----------------------------------------------------------------------------
@@ -803,10 +911,11 @@ def _displs(displs, counts: np.ndarray, name: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ functional API
-def context(world: World) -> Collectives:
+def context(world: World, stream=None) -> Collectives:
     """The world's default collectives context (in the world's registry); made (collectively) on the first
-    call, or by the first ``Collectives(world, options)``. A world of several nodes (``world.topology``) gets
-    the hierarchical context (``collectives_plan.choose_path``)."""
+    call, or by the first ``Collectives(world, options)`` or ``prepare(world)``. A world of several nodes
+    (``world.topology``) gets the hierarchical context (``collectives_plan.choose_path``). A first call on a
+    stream that is capturing a CUDA graph raises GraphCaptureError instead (before anything is enqueued)."""
     ctx = world.registry.get(_KEY)
     if ctx is None:
         path, why = plan.choose_path(getattr(world, "topology", None))
@@ -816,41 +925,60 @@ def context(world: World) -> Collectives:
             if collectives_hier.KEY not in world.registry and world.rank == 0:
                 log.info("collectives: path %s (%s)", path, why)
             return collectives_hier.context(world)
+        if as_cupy_stream(stream).is_capturing():
+            raise GraphCaptureError(
+                "collectives: the first call of a world makes its context (symmetric workspace, flags: "
+                "allocations and a device synchronize), which a CUDA graph capture cannot contain; call "
+                "fluxrt.prepare(world) (collective) before capturing")
         ctx = Collectives(world)   # registers itself
+    return ctx
+
+
+def prepare(world: World, dtypes=(), ops=("sum",), options: CollectivesOptions | None = None):
+    """Make everything the world's collectives need before a CUDA graph capture: the context (collective:
+    every rank calls it; `options` for a new single-node one) and the kernels of reductions of `dtypes` with
+    `ops` that are not in the base module (fp64, integers, prod, avg). A first call inside a capture then
+    works."""
+    ctx = world.registry.get(_KEY)
+    if ctx is None:
+        path, _ = plan.choose_path(getattr(world, "topology", None))
+        ctx = Collectives(world, options) if path != "hierarchical" else context(world)
+    if hasattr(ctx, "prepare"):
+        ctx.prepare(dtypes, ops)
     return ctx
 
 
 def allreduce(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto",
               compress: str | None = None, error_feedback=None):
-    return context(world).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo, compress=compress,
-                                    error_feedback=error_feedback)
+    return context(world, stream).allreduce(x, out, op=op, stream=stream, async_op=async_op, algo=algo,
+                                            compress=compress, error_feedback=error_feedback)
 
 
 def reduce_scatter(world: World, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
                    algo: str = "auto", compress: str | None = None, error_feedback=None):
-    return context(world).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo,
-                                         compress=compress, error_feedback=error_feedback)
+    return context(world, stream).reduce_scatter(x, out, op=op, stream=stream, async_op=async_op, algo=algo,
+                                                 compress=compress, error_feedback=error_feedback)
 
 
 def allgather(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto",
               compress: str | None = None, error_feedback=None):
-    return context(world).allgather(x, out, stream=stream, async_op=async_op, algo=algo, compress=compress,
-                                    error_feedback=error_feedback)
+    return context(world, stream).allgather(x, out, stream=stream, async_op=async_op, algo=algo, compress=compress,
+                                            error_feedback=error_feedback)
 
 
 def alltoall(world: World, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).alltoall(x, out, stream=stream, async_op=async_op, algo=algo)
+    return context(world, stream).alltoall(x, out, stream=stream, async_op=async_op, algo=algo)
 
 
 def alltoallv(world: World, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
               max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).alltoallv(x, send_counts, recv_counts, out, send_displs=send_displs,
+    return context(world, stream).alltoallv(x, send_counts, recv_counts, out, send_displs=send_displs,
                                     recv_displs=recv_displs, max_count=max_count, stream=stream,
                                     async_op=async_op, algo=algo)
 
 
 def broadcast(world: World, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
-    return context(world).broadcast(x, out, root=root, stream=stream, async_op=async_op, algo=algo)
+    return context(world, stream).broadcast(x, out, root=root, stream=stream, async_op=async_op, algo=algo)
 
 
 def barrier(world: World, stream=None) -> None:   # World.barrier carries the NVTX range
@@ -865,5 +993,6 @@ alltoall.__doc__ = Collectives.alltoall.__doc__
 alltoallv.__doc__ = Collectives.alltoallv.__doc__
 broadcast.__doc__ = Collectives.broadcast.__doc__
 
-__all__ = ["Collectives", "CollectivesOptions", "CollectiveHandle", "context", "allreduce", "reduce_scatter",
+__all__ = ["Collectives", "CollectivesOptions", "CollectiveHandle", "context", "prepare", "wait_all", "allreduce",
+           "reduce_scatter",
            "allgather", "alltoall", "alltoallv", "broadcast", "barrier"]

@@ -229,7 +229,7 @@ class Tuning:
 
 DEFAULT_TUNING = Tuning()
 
-REDUCE_OPS = ("sum", "max", "min")
+REDUCE_OPS = ("sum", "prod", "max", "min", "avg")  # avg: floats only (the sum divided by the ranks)
 RING_OPS = ("allreduce", "reduce_scatter", "allgather")  # the ops with a ring round
 PAIRWISE_OPS = ("alltoall", "allgather")  # the ops with pairwise phases
 ALGOS = {
@@ -284,10 +284,11 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direct_ok: bool = False,
-                tuning: Tuning = DEFAULT_TUNING, overlaps: bool = False, half_bytes: int | None = None) -> str:
-    """The algorithm `op` uses for an `nbytes` message; see :func:`_choose_algo`. Logged at INFO
-    (FLUXRT_DEBUG=INFO) with the sizes it was chosen for."""
-    chosen = _choose_algo(op, nbytes, world_size, algo, direct_ok, tuning, overlaps, half_bytes)
+                tuning: Tuning = DEFAULT_TUNING, overlaps: bool = False, half_bytes: int | None = None,
+                itemsize: int = 1) -> str:
+    """The algorithm `op` uses for an `nbytes` message of `itemsize`-byte elements; see :func:`_choose_algo`.
+    Logged at INFO (FLUXRT_DEBUG=INFO) with the sizes it was chosen for."""
+    chosen = _choose_algo(op, nbytes, world_size, algo, direct_ok, tuning, overlaps, half_bytes, itemsize)
     if _log.isEnabledFor(logging.INFO):
         _log.info("%s: %d bytes on %d ranks (%d per pair) -> algo %s (%s%s%s)", op, nbytes, world_size,
                   pair_bytes(op, nbytes, world_size), chosen, "auto" if algo == "auto" else "forced",
@@ -295,8 +296,15 @@ def choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direc
     return chosen
 
 
+def ll12_fits(itemsize: int) -> bool:
+    """Whether an LL12 line (12 message bytes) holds whole elements of `itemsize` bytes: the LL12 reductions
+    combine the elements of one line (fp64 and int64 have no LL12 round)."""
+    return LL12_DATA_BYTES % max(1, itemsize) == 0
+
+
 def _choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", direct_ok: bool = False,
-                 tuning: Tuning = DEFAULT_TUNING, overlaps: bool = False, half_bytes: int | None = None) -> str:
+                 tuning: Tuning = DEFAULT_TUNING, overlaps: bool = False, half_bytes: int | None = None,
+                 itemsize: int = 1) -> str:
     """The algorithm `op` uses for an `nbytes` message (`algo` forces one, for measurement).
 
     'push' stages through the workspace; 'direct' pushes straight into the peers' outputs and needs
@@ -314,15 +322,18 @@ def _choose_algo(op: str, nbytes: int, world_size: int, algo: str = "auto", dire
                              "overlap the input")
         if algo in LL_ALGOS and tuning.ll_max_bytes == 0:
             raise ValueError(f"{op}: algo {algo!r} needs an LL buffer (Tuning.ll_max_bytes > 0)")
+        if algo in ("ll12", "ll12_twoshot") and not ll12_fits(itemsize):
+            raise ValueError(f"{op}: algo {algo!r} needs elements that divide a 12-byte line, not {itemsize}-byte ones")
         if algo == "pairwise" and overlaps:
             raise ValueError(f"{op} of {nbytes} bytes: algo 'pairwise' needs an output apart from the input "
                              "(in place, use 'pipe' or 'auto')")
         return algo
-    if (op == "allreduce" and world_size > 1 and tuning.ll_max_bytes > 0
+    ll12_ok = ll12_fits(itemsize)
+    if (op == "allreduce" and world_size > 1 and tuning.ll_max_bytes > 0 and ll12_ok
             and tuning.ll12_twoshot_min_bytes <= nbytes <= tuning.ll12_twoshot_max_bytes):
         return "ll12_twoshot"
     if world_size > 1 and pair_bytes(op, nbytes, world_size) <= tuning.ll_max_bytes:
-        ll12 = op == "allreduce" and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
+        ll12 = op == "allreduce" and ll12_ok and tuning.ll12_min_bytes > 0 and nbytes >= tuning.ll12_min_bytes
         return "ll12" if ll12 else "ll"
     if op == "allgather":
         ring_min = tuning.two_rank_allgather_ring_min_bytes if world_size == 2 else tuning.allgather_ring_min_bytes
@@ -651,7 +662,7 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
     algorithm is chosen by (default count * itemsize); `half_bytes`: the workspace half (the LL buffer
     half follows from `tuning`)."""
     a = choose_algo(op, count * itemsize if nbytes is None else nbytes, world_size, algo, direct_ok, tuning,
-                    half_bytes=half_bytes)
+                    half_bytes=half_bytes, itemsize=itemsize)
     half = tuning.ll_buffer_bytes(world_size) // 2 if a in LL_ALGOS else half_bytes
     lay = layout(op, a, half, world_size, itemsize)
     ps = pieces(op, a, count, itemsize, world_size, lay, tuning)
@@ -661,5 +672,5 @@ def describe(op: str, count: int, itemsize: int, world_size: int, half_bytes: in
 
 
 __all__ = ["choose_path", "ALGOS", "ALGO_PAIRS", "algo_pair", "PIPE_ALGOS", "REDUCE_OPS", "DEFAULT_TUNING", "Layout", "Piece", "Tuning", "allreduce_pieces",
-           "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "layout", "describe",
+           "alltoallv_pieces", "chunked_pieces", "direct_pieces", "pieces", "choose_algo", "ll12_fits", "layout", "describe",
            "bulk_grid", "ring_slices", "ring_step", "ring_geometry", "RingGeometry", "ll_grid", "ll12_grid", "ll12_twoshot_chunk", "ll12_twoshot_grid", "block_threads", "oneshot_grid", "pipe_roles", "pipe_slices", "pipe_step", "pair_bytes", "check_world", "MAX_WORLD"]

@@ -64,6 +64,12 @@ class GemmTypeError(FluxrtError, TypeError):
     """A GEMM operand has an unsupported type or dtype."""
 
 
+class GraphCaptureError(FluxrtError):
+    """A call would need work a CUDA graph capture cannot contain (allocating symmetric memory, compiling or
+    loading kernels); raised before anything is enqueued, so the capture is left intact. Make the resources
+    first (``fluxrt.prepare`` or the context's constructor)."""
+
+
 class CompileError(FluxrtError):
     """A kernel failed to compile or link; the message carries the compiler log."""
 

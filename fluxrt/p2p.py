@@ -109,10 +109,11 @@ def put(world: World, dst, src, peer: int, *, mode: str = "sm", stream=None, fla
     if mode == "nvshmem":
         from nvshmem import bindings
 
+        pe = world.pe(peer)   # a sub-world's rank is not its NVSHMEM PE
         if flag_ptr:
-            bindings.putmem_signal_on_stream(dst.data.ptr, src_ptr, nbytes, flag_ptr, flag_value, 0, peer, s.ptr)
+            bindings.putmem_signal_on_stream(dst.data.ptr, src_ptr, nbytes, flag_ptr, flag_value, 0, pe, s.ptr)
         else:
-            bindings.putmem_on_stream(dst.data.ptr, src_ptr, nbytes, peer, s.ptr)
+            bindings.putmem_on_stream(dst.data.ptr, src_ptr, nbytes, pe, s.ptr)
         return
     dst_ptr = dst.peer_ptr(peer)
     if dst_ptr == 0:
@@ -136,7 +137,7 @@ def get(world: World, dst, src, peer: int, *, mode: str = "copy_engine", stream=
     if mode == "nvshmem":
         from nvshmem import bindings
 
-        bindings.getmem_on_stream(dst_ptr, src.data.ptr, nbytes, peer, s.ptr)
+        bindings.getmem_on_stream(dst_ptr, src.data.ptr, nbytes, world.pe(peer), s.ptr)
         return
     src_ptr = src.peer_ptr(peer)
     if src_ptr == 0:

@@ -216,3 +216,127 @@ class SymmetricHeap:
 def _suggest(nbytes: int) -> str:
     gib = max(1, math.ceil(nbytes * 1.25 / (1 << 30)))
     return f"{gib}G"
+
+
+# ------------------------------------------------------------------------------------------ sub-world heaps
+def common_fit(free_lists, nbytes: int) -> int | None:
+    """The lowest offset at which `nbytes` are free in every list of `free_lists` (one per rank: sorted,
+    disjoint (start, end) ranges), or None. A pure function of its arguments, so every rank that gathered
+    the same lists picks the same offset."""
+    common = [tuple(r) for r in free_lists[0]]
+    for ranges in free_lists[1:]:
+        out, i, j = [], 0, 0
+        while i < len(common) and j < len(ranges):
+            lo, hi = max(common[i][0], ranges[j][0]), min(common[i][1], ranges[j][1])
+            if lo < hi:
+                out.append((lo, hi))
+            if common[i][1] < ranges[j][1]:
+                i += 1
+            else:
+                j += 1
+        common = out
+    for lo, hi in common:
+        if hi - lo >= nbytes:
+            return lo
+    return None
+
+
+class SubworldPool:
+    """One symmetric allocation of the NVSHMEM job's heap that the sub-worlds of a process carve their
+    symmetric memory from. A range is symmetric among the members of one sub-world only: they agree on an
+    offset that is free on each of them (``common_fit`` over their gathered free lists), so worlds that share
+    some ranks (a TP group and a DP group) never overlap on a shared rank, and worlds on disjoint ranks may
+    use the same offsets."""
+
+    def __init__(self, array):
+        alloc = array._allocation()
+        self.array = array
+        self.base, self.nbytes = alloc.base, alloc.nbytes
+        self.pe_bases = list(alloc.peer_bases)   # by NVSHMEM PE (the root world's rank)
+        self._used: dict[int, int] = {}           # offset -> bytes
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        out, at = [], 0
+        for off in sorted(self._used):
+            if off > at:
+                out.append((at, off))
+            at = off + self._used[off]
+        if at < self.nbytes:
+            out.append((at, self.nbytes))
+        return out
+
+    def take(self, off: int, nbytes: int) -> None:
+        self._used[off] = nbytes
+
+    def give_back(self, off: int) -> None:
+        self._used.pop(off, None)
+
+    @property
+    def used(self) -> int:
+        return sum(self._used.values())
+
+
+class SubworldHeap(SymmetricHeap):
+    """The symmetric memory of a sub-world: ranges of the process's ``SubworldPool`` at offsets its members
+    agree on (one exchange over the sub-world's communicator per allocation). Peer views go through the
+    NVSHMEM PE of each member."""
+
+    def __init__(self, world: World, pool: SubworldPool):
+        self.world, self.pool = world, pool
+        self.capacity = pool.nbytes
+        self._allocs: dict[int, _Allocation] = {}
+        self._offsets: dict[int, int] = {}
+        self.used = 0
+
+    def empty(self, shape, dtype):
+        import cupy
+
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        dtype = normalize_dtype(dtype)
+        self._check_collective(shape, dtype)
+        nbytes = max(1, math.prod(shape)) * dtype.itemsize
+        span = -(-nbytes // _ALIGN) * _ALIGN
+        world = self.world
+        mine = self.pool.free_ranges()
+        every = world.comm.allgather(mine) if world.size > 1 else [mine]
+        off = common_fit(every, span)
+        if off is None:
+            raise HeapExhaustedError(
+                f"sub-world allocation of {nbytes} bytes (shape {shape}, {dtype}) does not fit in the sub-world "
+                f"pool ({self.pool.used} of {self.pool.nbytes} bytes in use on rank {world.rank}, free ranges "
+                "must coincide on every member); reserve a larger one with WorldOptions(subworld_heap=...) at the "
+                "first fluxrt.init, or split(..., pool_bytes=...)")
+        self.pool.take(off, span)
+        base = self.pool.base + off
+        peers = [self.pool.pe_bases[pe] + off if self.pool.pe_bases[pe] else 0 for pe in world.pes]
+        self._allocs[base] = _Allocation(base=base, nbytes=nbytes, peer_bases=peers)
+        self._offsets[base] = off
+        self.used += span
+        mem = cupy.cuda.UnownedMemory(base, nbytes, self, world.device_id)
+        arr = symmetric_array_type()(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+        arr._heap = self
+        log.debug("rank %d: sub-world alloc %s %s at pool offset 0x%x", world.rank, shape, dtype, off)
+        return arr
+
+    def free(self, arr) -> None:
+        """Collective over the sub-world: the range goes back to the pool once every member is done with it."""
+        alloc = self._allocs.get(arr.data.ptr)
+        if alloc is None:
+            raise NotSymmetricError("free() needs the array returned by world.empty/zeros (not a view, "
+                                    "not already freed)")
+        self.world.device.synchronize()
+        if not getattr(self.world, "_finalizing", False):
+            self.world.comm.Barrier()   # no member still writes into this range when it is reused
+        self._release(alloc.base)
+        arr._heap = None
+
+    def _release(self, base: int) -> None:
+        alloc = self._allocs.pop(base)
+        self.used -= -(-alloc.nbytes // _ALIGN) * _ALIGN
+        self.pool.give_back(self._offsets.pop(base))
+
+    def free_all(self) -> None:
+        for base in list(self._allocs):
+            self._release(base)

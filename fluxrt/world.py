@@ -1,15 +1,23 @@
 """The world: ranks from an mpi4py communicator, one GPU per rank, NVSHMEM booted over that communicator.
 
-``fluxrt.init(comm=None, device=None)`` is the only entry point. A World holds the communicator, the
-device, the symmetric heap, the error record that bounded device waits report into, and a registry
-(``fluxrt.registry``) in which the layers above it (p2p, collectives, fused ops) keep their per-world
-state; it imports none of them. One world per process at a time (NVSHMEM is a per-process runtime);
-sub-communicators each boot their own NVSHMEM job, so two halves of COMM_WORLD can run side by side.
+``fluxrt.init(comm=None, device=None)`` is the entry point. A World holds its own duplicate of the
+communicator (fluxrt's messages never interleave with the program's), the device, the symmetric heap, the
+error record that bounded device waits report into, and a registry (``fluxrt.registry``) in which the
+layers above it (p2p, collectives, fused ops) keep their per-world state; it imports none of them.
+
+NVSHMEM is one runtime per process: the first ``fluxrt.init`` of a process boots it (the root world).
+Further worlds on the same processes are sub-worlds of the root: ``world.split(color, key)``, or another
+``fluxrt.init(comm)`` while the root is active. They share the root's NVSHMEM job and heap and have their own
+ranks, communicator, symmetric memory (ranges of the root's sub-world pool: ``WorldOptions.subworld_heap``),
+flags, collectives context and error record, so a TP group and a DP group of the same ranks run side by side.
+Sub-communicators without an active root each boot their own NVSHMEM job, so two halves of COMM_WORLD can
+also run as two root worlds.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -24,7 +32,7 @@ from .errors import ERROR_RECORD_WORDS, DeviceError, NvshmemInitError, decode_er
 from .nvtx import annotate as _nvtx
 from .registry import Registry
 from .streams import stream_handle
-from .symmetric import SymmetricHeap, parse_bytes
+from .symmetric import SubworldHeap, SubworldPool, SymmetricHeap, parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,9 @@ class WorldOptions:
 
     heap_size: symmetric heap per rank ('4G', bytes); sets NVSHMEM_SYMMETRIC_SIZE for this boot.
         None keeps the environment's value (NVSHMEM's default: 1 GiB).
+    subworld_heap: part of the heap reserved at boot for sub-worlds ('1G', bytes); needed by a second
+        ``fluxrt.init(comm)`` while this world is active. None: reserved by the first ``split`` instead
+        (its ``pool_bytes``, default half of the heap then free).
     timeout_s: bound of every device-side wait; a wait that expires raises WaitTimeoutError.
     check_collective_args: compare collective arguments (allocation shape/dtype, ...) across ranks
         over MPI before acting on them.
@@ -51,6 +62,7 @@ class WorldOptions:
     """
 
     heap_size: str | int | None = None
+    subworld_heap: str | int | None = None
     timeout_s: float = field(default_factory=lambda: float(os.environ.get("FLUXRT_TIMEOUT_S", "30")))
     check_collective_args: bool = True
     abort_on_error: bool = field(default_factory=lambda: env_flag("FLUXRT_ABORT_ON_ERROR", True))
@@ -83,15 +95,22 @@ def _select_device(local_rank: int, local_size: int, device: int | None) -> tupl
 
 
 class World:
-    """Ranks, their GPUs and the symmetric heap of one NVSHMEM job. Create with ``fluxrt.init``."""
+    """Ranks, their GPUs and the symmetric heap of one NVSHMEM job (or of a sub-world on the job of `root`).
+    Create with ``fluxrt.init`` or ``world.split``. `comm` becomes the world's own (a duplicate the caller
+    made for it), freed at finalize."""
 
-    def __init__(self, comm, device: int | None, options: WorldOptions):
+    def __init__(self, comm, device: int | None, options: WorldOptions, root: "World | None" = None):
+        if root is not None:
+            self._init_sub(comm, device, options, root)
+            return
         import cupy
 
         self.options = options
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.root, self.pes, self.pool = self, list(range(self.size)), None
+        self._children: list[World] = []
         node = _node_communicator(comm)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node_leader = node.bcast(self.rank, root=0)   # lowest world rank of the node (key=rank): names the node
@@ -135,8 +154,85 @@ class World:
             log.info("topology: %s", "\n".join(self.topology.describe()))
         # The barrier pad is symmetric memory: made now, collectively, not on some rank's first barrier.
         signals.state(self)
+        if options.subworld_heap is not None:
+            self._reserve_pool(options.subworld_heap)
         log.info("rank %d/%d (local %d/%d) on GPU %d: NVSHMEM up, heap %d bytes", self.rank, self.size,
                  self.local_rank, self.local_size, dev, self.heap.capacity)
+
+    def _init_sub(self, comm, device: int | None, options: WorldOptions, root: "World") -> None:
+        """A sub-world of `root` over `comm` (every member's root is the same NVSHMEM job; init checked)."""
+        self.options, self.comm, self.root = options, comm, root
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        node = _node_communicator(comm)
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+        reason = None
+        topo = getattr(root, "topology", None)
+        if topo is not None and topo.hierarchical:
+            reason = ("the root world spans nodes; sub-worlds run the one-node NVLink path only (the hierarchical "
+                      "path addresses the root's PEs)")
+        elif device is not None and device != root.device_id:
+            reason = f"device {device} requested, but this process's NVSHMEM runs on GPU {root.device_id}"
+        elif root.pool is None:
+            reason = "no sub-world pool"
+        every = comm.allgather((reason, root.rank))
+        failures = [(r, why) for r, (why, _) in enumerate(every) if why]
+        if failures:
+            raise NvshmemInitError("sub-world: " + "; ".join(f"rank {r}: {why}" for r, why in failures))
+        self.pes = [pe for _, pe in every]   # NVSHMEM PE (root rank) of each member
+        self.topology = None                 # one NVLink domain (checked above): the flat collectives
+        self.device_id, self.device = root.device_id, root.device
+        self.device.use()
+        self._finalized = False
+        self._children = []
+        self.pool = root.pool
+        self.agree_comm = comm.Dup()
+        self.heap = SubworldHeap(self, root.pool)
+        self._error_host, self.error_record = self._alloc_error_record()
+        self.registry = Registry()
+        signals.state(self)
+        root._children.append(self)
+        log.info("rank %d/%d: sub-world of PEs %s on GPU %d", self.rank, self.size, self.pes, self.device_id)
+
+    def _reserve_pool(self, nbytes) -> None:
+        """Collective over the root world: the symmetric pool its sub-worlds allocate from."""
+        if nbytes is None:
+            nbytes = (self.heap.capacity - self.heap.used) // 2
+        nbytes = (parse_bytes(nbytes) // (2 << 20)) * (2 << 20)
+        if nbytes <= 0:
+            raise ValueError(f"sub-world pool of {nbytes} bytes: give a size of at least 2 MiB")
+        self.pool = SubworldPool(self.heap.empty((nbytes,), np.uint8))
+
+    @property
+    def is_subworld(self) -> bool:
+        return self.root is not self
+
+    def pe(self, rank: int) -> int:
+        """The NVSHMEM PE of this world's `rank` (the same number in a root world)."""
+        return self.pes[rank]
+
+    def split(self, color, key: int | None = None, *, options: WorldOptions | None = None,
+              pool_bytes: str | int | None = None) -> "World | None":
+        """Collective: the sub-world of the ranks that pass the same `color`, ordered by `key` (default: this
+        world's rank), on this process's NVSHMEM heap; None for a rank whose color is None (MPI.UNDEFINED).
+        The first split of a root world without ``WorldOptions.subworld_heap`` reserves the sub-world pool
+        (`pool_bytes`, default half of the heap then free)."""
+        from mpi4py import MPI
+
+        self.check_active()
+        root = self.root
+        if root.pool is None:
+            if self.is_subworld:
+                raise NvshmemInitError("split: this sub-world's root has no sub-world pool")
+            root._reserve_pool(pool_bytes if pool_bytes is not None else self.options.subworld_heap)
+        sub = self.comm.Split(MPI.UNDEFINED if color is None else int(color), self.rank if key is None else int(key))
+        if sub == MPI.COMM_NULL:
+            return None
+        try:
+            return World(sub, None, options or self.options, root=root)
+        except BaseException:
+            sub.Free()
+            raise
 
     # --- boot / teardown ------------------------------------------------------------------------
     def _boot_nvshmem(self) -> None:
@@ -151,6 +247,8 @@ class World:
         try:
             uid = nvshmem.get_unique_id(empty=self.rank != 0)
             self.comm.Bcast(uid._data.view(np.int8), root=0)
+            # names this NVSHMEM job: a later fluxrt.init(comm) checks that all of comm's processes run in it
+            self.job_token = hashlib.sha256(uid._data.view(np.uint8).tobytes()).hexdigest()
             nvshmem.init(device=Device(self.device_id), uid=uid, rank=self.rank, nranks=self.size,
                          initializer_method="uid")
         except Exception as e:
@@ -184,6 +282,11 @@ class World:
         global _active
         if self._finalized:
             return
+        if self.is_subworld:
+            self._finalize_sub()
+            return
+        for child in reversed(list(self._children)):   # collective over each child: the same order everywhere
+            child.finalize()
         self._finalized = True
         import cupy
         import nvshmem.core as nvshmem
@@ -199,13 +302,43 @@ class World:
             nvshmem.finalize()
         finally:
             cupy.cuda.runtime.freeHost(self._error_host)
-            try:
-                self.agree_comm.Free()
-            except Exception as e:
-                log.warning("rank %d: freeing the agreement communicator failed: %s", self.rank, e)
+            self._free_comms()
             if _active is self:
                 _active = None
         log.info("rank %d: NVSHMEM finalized", self.rank)
+
+    def _finalize_sub(self) -> None:
+        """A sub-world's teardown: its layers' state, then its ranges back to the pool once every member is
+        done with them; NVSHMEM stays up for the root."""
+        import cupy
+
+        self._finalized = True
+        self._finalizing = True
+        try:
+            for child in reversed(list(self._children)):
+                child.finalize()
+            self.device.use()
+            try:
+                self.device.synchronize()
+            except Exception as e:
+                log.warning("rank %d: device sync at sub-world finalize failed: %s", self.rank, e)
+            self.registry.close()
+            self.comm.Barrier()   # no member still touches this world's ranges when they are reused
+            self.heap.free_all()
+        finally:
+            cupy.cuda.runtime.freeHost(self._error_host)
+            self._free_comms()
+            parent_children = self.root._children
+            if self in parent_children:
+                parent_children.remove(self)
+        log.info("rank %d: sub-world finalized", self.rank)
+
+    def _free_comms(self) -> None:
+        for c in (self.agree_comm, self.comm):
+            try:
+                c.Free()
+            except Exception as e:
+                log.warning("rank %d: freeing a communicator failed: %s", self.rank, e)
 
     @property
     def active(self) -> bool:
@@ -356,14 +489,32 @@ def init(comm=None, device: int | None = None, options: WorldOptions | None = No
     global _active, _atexit_registered
     from mpi4py import MPI
 
-    if _active is not None and _active.active:
-        raise NvshmemInitError(f"a fluxrt world is already active in this process ({_active!r}); "
-                               "finalize it first (NVSHMEM is one runtime per process)")
     comm = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
         raise TypeError(f"comm must be an mpi4py communicator, got {comm!r}")
-    world = World(comm, device, options or WorldOptions())
-    _active = world
+    root = _active if _active is not None and _active.active else None
+    own = comm.Dup()   # fluxrt's traffic on its own communicator, apart from the program's
+    try:
+        tokens = own.allgather(None if root is None else root.job_token)
+        if all(t is None for t in tokens):
+            world = World(own, device, options or WorldOptions())
+            _active = world
+        elif root is not None and all(t == root.job_token for t in tokens):
+            if root.pool is None:
+                raise NvshmemInitError(
+                    f"a fluxrt world is already active in this process ({root!r}); a second world on its NVSHMEM "
+                    "job needs the sub-world pool: pass WorldOptions(subworld_heap='1G') to the first fluxrt.init, "
+                    "or make sub-worlds with world.split(color, key)")
+            world = World(own, device, options or root.options, root=root)
+        else:
+            have = [r for r, t in enumerate(tokens) if t is not None]
+            raise NvshmemInitError(
+                f"fluxrt.init over {len(tokens)} ranks: ranks {have} have an active fluxrt world and the others "
+                "have none or another one (NVSHMEM is one runtime per process: a second world must lie within "
+                "the first one's ranks)")
+    except BaseException:
+        own.Free()
+        raise
     if not _atexit_registered:
         atexit.register(_finalize_at_exit)
         _atexit_registered = True

@@ -451,10 +451,16 @@ def test_world_size_limit():
 def test_reduce_dtypes_and_ops():
     assert coll._reduce_dtype("bf16") == "bf16" and coll._reduce_dtype(np.float32) == "fp32"
     assert coll._reduce_dtype("fp16") == "fp16"
-    with pytest.raises(CollectiveArgumentError, match="bf16, fp16 and fp32"):
-        coll._reduce_dtype(np.int32)
+    for d, name in ((np.float64, "fp64"), (np.int32, "int32"), (np.int64, "int64"), (np.uint8, "uint8")):
+        assert coll._reduce_dtype(d) == name
+    with pytest.raises(CollectiveArgumentError, match="int64 and uint8"):
+        coll._reduce_dtype(np.int16)
     with pytest.raises(CollectiveArgumentError, match="prod"):
-        coll._redop("prod")
+        coll._redop("product")
+    assert coll._reduction(np.float64, "avg") == ("fp64", "avg")
+    assert coll._reduction(np.uint8, "prod") == ("uint8", "prod")
+    with pytest.raises(CollectiveArgumentError, match="floating-point"):
+        coll._reduction(np.int32, "avg")
     assert coll._redop("MAX") == "max"
     assert coll._move_dtype("int32") == np.dtype(np.int32)
     with pytest.raises(CollectiveArgumentError):
@@ -601,21 +607,43 @@ def test_table_line_with_algo_and_ratio():
 # ---------------------------------------------------------------------------------------------- kernels
 
 
+def _reduction_entry_points(dt: str, red: str) -> list[str]:
+    names = [f"fluxrt_allreduce_ll_{dt}_{red}", f"fluxrt_allreduce_oneshot_{dt}_{red}",
+             f"fluxrt_allreduce_twoshot_{dt}_{red}", f"fluxrt_reduce_scatter_{dt}_{red}",
+             f"fluxrt_reduce_scatter_ll_{dt}_{red}", f"fluxrt_allreduce_pipe_{dt}_{red}",
+             f"fluxrt_reduce_scatter_pipe_{dt}_{red}", f"fluxrt_allreduce_ring_{dt}_{red}",
+             f"fluxrt_reduce_scatter_ring_{dt}_{red}"]
+    if plan.ll12_fits(np.dtype(coll._DTYPE_OF[dt]).itemsize):
+        names += [f"fluxrt_allreduce_ll12_{dt}_{red}", f"fluxrt_allreduce_ll12_twoshot_{dt}_{red}"]
+    return names
+
+
 def test_kernels_compile_with_every_entry_point():
+    """Every kernel the host can name is in the module kernel_module_code routes it to: the base module and
+    each element type's extension module."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from fluxrt.toolchain import CompileOptions, compile_cubin
 
-    cubin = compile_cubin("comm/collectives.cu", CompileOptions(arch="sm_90a")).read_bytes()
-    names = ["fluxrt_exchange", "fluxrt_exchange_ll", "fluxrt_exchange_pipe"]
-    for dt in ("bf16", "fp16", "fp32"):
+    wanted: dict = {None: ["fluxrt_exchange", "fluxrt_exchange_ll", "fluxrt_exchange_pipe", "fluxrt_allgather_ring"]}
+    for dt in coll.EXT_CODES:
         for red in plan.REDUCE_OPS:
-            names += [f"fluxrt_allreduce_ll_{dt}_{red}", f"fluxrt_allreduce_ll12_{dt}_{red}",
-                      f"fluxrt_allreduce_ll12_twoshot_{dt}_{red}",
-                      f"fluxrt_allreduce_oneshot_{dt}_{red}",
-                      f"fluxrt_allreduce_twoshot_{dt}_{red}", f"fluxrt_reduce_scatter_{dt}_{red}",
-                      f"fluxrt_reduce_scatter_ll_{dt}_{red}", f"fluxrt_allreduce_pipe_{dt}_{red}",
-                      f"fluxrt_reduce_scatter_pipe_{dt}_{red}", f"fluxrt_allreduce_ring_{dt}_{red}",
-                      f"fluxrt_reduce_scatter_ring_{dt}_{red}"]
-    missing = [n for n in names if n.encode() + b"\0" not in cubin]
+            if red == "avg":
+                if dt in coll._FLOAT_REDUCE:
+                    wanted.setdefault(coll.kernel_module_code(f"fluxrt_divide_{dt}"), []).append(f"fluxrt_divide_{dt}")
+                continue
+            for name in _reduction_entry_points(dt, red):
+                wanted.setdefault(coll.kernel_module_code(name), []).append(name)
+    assert set(wanted) == {None, *coll.EXT_CODES.values()}
+
+    def build(code):
+        defines = () if code is None else (("FLUXRT_COLL_EXT", str(code)),)
+        return code, compile_cubin("comm/collectives.cu", CompileOptions(arch="sm_90a", defines=defines)).read_bytes()
+
+    cubins = dict([build(None)])   # first alone: cuda.core's lazy imports are not safe from several threads at once
+    with ThreadPoolExecutor(4) as pool:
+        cubins.update(pool.map(build, [c for c in wanted if c is not None]))
+    missing = [n for code, names in wanted.items() for n in names if n.encode() + b"\0" not in cubins[code]]
     assert not missing
 
 

@@ -82,6 +82,20 @@ class FakeArray:
         return self.mem.view(self.data.ptr, self.size, self.dtype)
 
 
+_MODEL_DTYPES = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32),
+                 "fp64": np.dtype(np.float64), "int32": np.dtype(np.int32), "int64": np.dtype(np.int64),
+                 "uint8": np.dtype(np.uint8)}
+_MODEL_FNS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _acc(dtype) -> np.dtype:
+    """The kernels' accumulator (E::Acc): fp32 for the 16- and 32-bit floats, uint32 for uint8, else the type."""
+    d = np.dtype(dtype)
+    if d == np.uint8:
+        return np.dtype(np.uint32)
+    return d if d in (np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64)) else np.dtype(np.float32)
+
+
 class Kernel:
     def __init__(self, name: str):
         self.name = name
@@ -122,7 +136,8 @@ class Model:
             c.world, c.half_bytes, c._fast = world, WORKSPACE // 2, {}
             c.tuning, c.ll_half_bytes = TUNING, self.ll_bytes // 2
             c._kernels = {}
-            c._launch = lambda name, grid, args, block=plan.THREADS: SimpleNamespace(
+            c._check_loaded = lambda dt, red: None   # no modules to load in the model
+            c._launch = lambda name, grid, args, block=plan.THREADS, pdl=True: SimpleNamespace(
                 kernel=Kernel(name), grid=grid, args=args, block=block)
             c._teams = {name: ("team", r) for name in plan.ALGOS}
             c._output = lambda out, name, dtype, count, shape, op, stream, r=r: (
@@ -131,7 +146,7 @@ class Model:
 
     def array(self, rank: int, count: int, dtype, values=None) -> FakeArray:
         a = FakeArray(self.mem, self.mem.alloc(rank, count * np.dtype(dtype).itemsize), count, dtype)
-        a.get()[...] = (-7 if np.dtype(dtype).kind in "iu" else np.nan) if values is None else values
+        a.get()[...] = (np.array(-7).astype(dtype) if np.dtype(dtype).kind in "iu" else np.nan) if values is None else values
         return a
 
     def symmetric(self, count: int, dtype) -> list[FakeArray]:
@@ -169,6 +184,14 @@ class Model:
     # --- the kernels' model ---------------------------------------------------------------------------
     def run(self, launch_per_rank) -> None:
         names = {launch.kernel.name for launch in launch_per_rank}
+        if len(names) == 1 and next(iter(names)).startswith("fluxrt_divide_"):  # avg: a plain local launch
+            dtype = _MODEL_DTYPES[next(iter(names))[len("fluxrt_divide_"):]]
+            for launch in launch_per_rank:
+                out, count, ranks = (int(v) for v in launch.args)
+                assert ranks == self.n
+                v = self.mem.view(out, count, dtype)
+                v[...] = (v.astype(_acc(dtype)) / _acc(dtype).type(ranks)).astype(dtype)
+            return
         grids = {launch.grid for launch in launch_per_rank}
         assert len(names) == 1 and len(grids) == 1, f"ranks launch different kernels: {names} {grids}"
         name, grid = names.pop(), grids.pop()
@@ -275,8 +298,8 @@ class Model:
                         self._ll_take(r, p, half, slot, int(tabs[r][2][p]), int(tabs[r][3][p]), flag)
             return
         kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
-        dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
-        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        dtype = _MODEL_DTYPES[dt]
+        fn = _MODEL_FNS[red]
         isz = dtype.itemsize
         if kind == "allreduce_ll":
             srcs = [(int(x), 0, int(out), int(count)) for x, out, count, _ in tails]
@@ -292,11 +315,11 @@ class Model:
             parts = []
             for p in range(n):
                 if p == r:
-                    parts.append(self.mem.view(x + r * stride * isz, count, dtype).astype(np.float32))
+                    parts.append(self.mem.view(x + r * stride * isz, count, dtype).astype(_acc(dtype)))
                 else:
                     tmp = self.mem.alloc(r, count * isz + 16)
                     self._ll_take(r, p, half, slot, tmp, count * isz, flag)
-                    parts.append(self.mem.view(tmp, count, dtype).astype(np.float32))
+                    parts.append(self.mem.view(tmp, count, dtype).astype(_acc(dtype)))
             acc = parts[0]
             for part in parts[1:]:
                 acc = fn(acc, part)
@@ -320,8 +343,8 @@ class Model:
         assert 1 <= flag <= 0xFFFF
         kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
         assert kind == "allreduce_ll12"
-        dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
-        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        dtype = _MODEL_DTYPES[dt]
+        fn = _MODEL_FNS[red]
         isz = dtype.itemsize
         srcs = [(int(x), int(out), int(count)) for x, out, count, _ in tails]
         assert len({count for _, _, count in srcs}) == 1
@@ -345,7 +368,7 @@ class Model:
             parts = []
             for p in range(n):
                 if p == r:
-                    parts.append(self.mem.view(x, count, dtype).astype(np.float32))
+                    parts.append(self.mem.view(x, count, dtype).astype(_acc(dtype)))
                     continue
                 at = self.ll[r] - BASE + half + p * slot
                 raw = self.mem.bytes[at:at + lines * plan.LL_LINE_BYTES]
@@ -354,7 +377,7 @@ class Model:
                 assert (flags == flag).all(), f"rank {r} waits forever for an LL12 line from rank {p}"
                 raw[...] = 0
                 data = cells[:, :6].reshape(-1)[:nbytes].copy()
-                parts.append(data.view(dtype).astype(np.float32))
+                parts.append(data.view(dtype).astype(_acc(dtype)))
             acc = parts[0]
             for part in parts[1:]:
                 acc = fn(acc, part)
@@ -390,8 +413,8 @@ class Model:
         assert all(int(t[-1]) == slot for t in tails) and 2 * n * slot <= self.ll_bytes // 2
         kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
         assert kind == "allreduce_ll12_twoshot"
-        dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
-        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        dtype = _MODEL_DTYPES[dt]
+        fn = _MODEL_FNS[red]
         srcs = [(int(x), int(out), int(count)) for x, out, count, _ in tails]
         assert len({count for _, _, count in srcs}) == 1
         nbytes = srcs[0][2] * dtype.itemsize
@@ -418,7 +441,7 @@ class Model:
             acc = None
             for p in range(n):
                 raw = part(xs[r], r) if p == r else self._ll12_take(r, half, 0, slot, p, moved[r], flag)
-                v = raw.view(dtype).astype(np.float32)
+                v = raw.view(dtype).astype(_acc(dtype))
                 acc = v if acc is None else fn(acc, v)
             reduced.append(acc.astype(dtype).view(np.uint8))
         for r in range(n):                                                   # forward
@@ -435,17 +458,17 @@ class Model:
 
     def _reduction(self, kind, dt, red, grid, half, tails) -> None:
         n = self.n
-        dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
+        dtype = _MODEL_DTYPES[dt]
         isz = dtype.itemsize
         vec = plan.VEC_BYTES // isz
-        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+        fn = _MODEL_FNS[red]
         slot = int(tails[0][-1])
         view = self.mem.view
 
         def reduce_into(r, dst, base, lo, hi):
-            acc = view(self.ws[r] + base, hi, dtype)[lo:hi].astype(np.float32)
+            acc = view(self.ws[r] + base, hi, dtype)[lo:hi].astype(_acc(dtype))
             for p in range(1, n):
-                acc = fn(acc, view(self.ws[r] + base + p * slot, hi, dtype)[lo:hi].astype(np.float32))
+                acc = fn(acc, view(self.ws[r] + base + p * slot, hi, dtype)[lo:hi].astype(_acc(dtype)))
             view(dst, hi, dtype)[lo:hi] = acc.astype(dtype)
 
         if kind == "allreduce_oneshot":
@@ -523,8 +546,8 @@ class PipeRound:
                     self.actors.append(run(r, b, grid, tabs[r]))
         else:
             kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
-            self.dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
-            self.fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+            self.dtype = _MODEL_DTYPES[dt]
+            self.fn = _MODEL_FNS[red]
             two = kind == "allreduce_pipe"
             self.roles = 3 if two else 2
             geometry = {tuple(int(v) for v in t[-3:]) for t in tails}
@@ -707,11 +730,11 @@ class PipeRound:
                 parts = []
                 for p in range(n):
                     if p == r:
-                        parts.append(view(x + (own + j * step) * isz, k, dtype).astype(np.float32))
+                        parts.append(view(x + (own + j * step) * isz, k, dtype).astype(_acc(dtype)))
                     else:
                         ptr, key = self.entry(0, r, p, sl, j)
                         self.take(key, p, j)
-                        parts.append(view(ptr, k, dtype).astype(np.float32))
+                        parts.append(view(ptr, k, dtype).astype(_acc(dtype)))
                         self.ring[key] = None
                 acc = parts[0]
                 for part in parts[1:]:
@@ -769,8 +792,8 @@ class RingRound(PipeRound):
             kind, self.dtype, self.fn = "allgather_ring", np.dtype(np.uint8), None
         else:
             kind, dt, red = name[len("fluxrt_"):].rsplit("_", 2)
-            self.dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[dt]
-            self.fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[red]
+            self.dtype = _MODEL_DTYPES[dt]
+            self.fn = _MODEL_FNS[red]
         geometry = {tuple(int(v) for v in t[-3:]) for t in tails}  # (step, depth, substeps)
         assert len(geometry) == 1, f"ranks disagree on the ring geometry: {geometry}"
         for r, t in enumerate(tails):
@@ -824,9 +847,9 @@ class RingRound(PipeRound):
                 if len(parts) == 1:  # one source: copied as bits
                     res = parts[0].copy()
                 else:
-                    acc = parts[0].astype(np.float32)
+                    acc = parts[0].astype(_acc(dtype))
                     for part in parts[1:]:
-                        acc = self.fn(acc, part.astype(np.float32))
+                        acc = self.fn(acc, part.astype(_acc(dtype)))
                     res = acc.astype(dtype)
                 if send:
                     ptr, key = self.entry(nxt, b, us)
@@ -843,14 +866,14 @@ class RingRound(PipeRound):
 
 def _ring_reference(inputs, redop, chunk, dtype):
     """Chunk c as the ring reduces it: x[c+1] op x[c+2] op ... op x[c], rounded to the dtype at each hop."""
-    fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[redop]
+    fn = _MODEL_FNS[redop]
     n, count = len(inputs), inputs[0].size
     out = np.empty(count, dtype)
     for c in range(n):
         lo, hi = min(count, c * chunk), min(count, (c + 1) * chunk)
         acc = inputs[(c + 1) % n][lo:hi]
         for k in range(2, n + 1):
-            acc = fn(acc.astype(np.float32), inputs[(c + k) % n][lo:hi].astype(np.float32)).astype(dtype)
+            acc = fn(acc.astype(_acc(dtype)), inputs[(c + k) % n][lo:hi].astype(_acc(dtype))).astype(dtype)
         out[lo:hi] = acc
     return out
 
@@ -863,10 +886,11 @@ def _inputs(n, count, dtype, seed):
 
 
 def _reference(inputs, redop):
-    fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[redop]
-    acc = inputs[0].astype(np.float32)
+    fn = _MODEL_FNS[redop]
+    dtype = inputs[0].dtype
+    acc = inputs[0].astype(_acc(dtype))
     for a in inputs[1:]:
-        acc = fn(acc, a.astype(np.float32))
+        acc = fn(acc, a.astype(_acc(dtype)))
     return acc
 
 
@@ -897,6 +921,41 @@ def test_allreduce_model(n, algo, dtype, redop, count, in_place):
         want = _reference(ins, redop).astype(dtype)
     for r in range(n):
         np.testing.assert_array_equal(outs[r].get(), want)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("algo", ["auto", "ll", "ll12", "oneshot", "twoshot", "pipe", "ring"])
+@pytest.mark.parametrize("dtype, redop", [(np.float64, "sum"), (np.float64, "avg"), (np.float32, "prod"),
+                                          (bfloat16, "avg"), (np.int32, "sum"), (np.int32, "prod"),
+                                          (np.int64, "max"), (np.uint8, "sum"), (np.uint8, "min")])
+@pytest.mark.parametrize("count", [1, 13, 4099, 40_000])
+def test_allreduce_model_more_types(n, algo, dtype, redop, count):
+    """fp64 and integer reductions, prod and avg: fp64 sums in fp64, integers wrap, avg divides the sum; ll12
+    is refused for 8-byte elements (and 'auto' never picks it for them)."""
+    m = Model(n)
+    ins = _inputs(n, count, dtype, count + n)
+    if np.dtype(dtype).kind in "iu" and redop == "prod":
+        ins = [np.where(np.arange(count) % 3 == 0, a, a % 7).astype(dtype) for a in ins]  # some wrap, some not
+    xs = [m.array(r, count, dtype, ins[r]) for r in range(n)]
+    outs = [m.array(r, count, dtype) for r in range(n)]
+    if algo == "ll12" and np.dtype(dtype).itemsize == 8:
+        with pytest.raises(ValueError, match="12-byte line"):
+            m.call("allreduce", [(xs[r], outs[r]) for r in range(n)], op=redop, algo=algo)
+        return
+    m.call("allreduce", [(xs[r], outs[r]) for r in range(n)], op=redop, algo=algo)
+    kernel_op = "sum" if redop == "avg" else redop
+    if algo == "ring":
+        vec = plan.VEC_BYTES // np.dtype(dtype).itemsize
+        want = _ring_reference(ins, kernel_op, -(-(-(-count // n)) // vec) * vec, dtype)
+    else:
+        with np.errstate(over="ignore"):
+            want = _reference(ins, kernel_op).astype(dtype)
+    if redop == "avg":
+        want = (want.astype(_acc(dtype)) / _acc(dtype).type(n)).astype(dtype)
+    for r in range(n):
+        np.testing.assert_array_equal(outs[r].get(), want)
+    if np.dtype(dtype) == np.float64 and redop == "sum" and count > 1:  # close to the exact sum too
+        np.testing.assert_allclose(outs[0].get(), np.sum(ins, axis=0), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("n", [2, 4])

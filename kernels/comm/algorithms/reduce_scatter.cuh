@@ -51,7 +51,7 @@ __device__ void reduce_ll(Team t, const typename E::T* x, u64 chunk_stride, type
     }
     const char* own = reinterpret_cast<const char*>(x + t.rank * chunk_stride);
     for (u64 j = first; j < lines; j += stride) {                                       // stage take
-        float acc[V];
+        typename E::Acc acc[V];
         for (u32 p = 0; p < t.world; ++p) {
             u64 v;
             if (p == t.rank) v = load_line(own, bytes, j);

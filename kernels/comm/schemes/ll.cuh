@@ -88,12 +88,12 @@ __device__ __forceinline__ char* ll_line(char* ll, u64 half, u32 src, u64 slot_b
 
 // acc (op)= the V elements packed in one line; p == 0 starts the accumulation.
 template <class E, int OP, u32 V>
-__device__ __forceinline__ void accumulate_line(float (&acc)[V], u64 v, u32 p) {
+__device__ __forceinline__ void accumulate_line(typename E::Acc (&acc)[V], u64 v, u32 p) {
     fold<E, OP>(acc, reinterpret_cast<const typename E::T*>(&v), p == 0);
 }
 
 template <class E, u32 V>
-__device__ __forceinline__ u64 pack_line(const float (&acc)[V]) {
+__device__ __forceinline__ u64 pack_line(const typename E::Acc (&acc)[V]) {
     u64 r = 0;
     pack<E>(acc, reinterpret_cast<typename E::T*>(&r));
     return r;
@@ -183,12 +183,12 @@ __device__ __forceinline__ bool ll12_wait(const Team& t, const char* line, u64 f
 
 // acc (op)= the V elements of one line's 12 bytes; p == 0 starts the accumulation.
 template <class E, int OP, u32 V>
-__device__ __forceinline__ void accumulate12(float (&acc)[V], const u32 (&w)[3], u32 p) {
+__device__ __forceinline__ void accumulate12(typename E::Acc (&acc)[V], const u32 (&w)[3], u32 p) {
     fold<E, OP>(acc, reinterpret_cast<const typename E::T*>(&w[0]), p == 0);
 }
 
 template <class E, u32 V>
-__device__ __forceinline__ void pack12(const float (&acc)[V], u32 (&w)[3]) {
+__device__ __forceinline__ void pack12(const typename E::Acc (&acc)[V], u32 (&w)[3]) {
     w[0] = w[1] = w[2] = 0u;
     pack<E>(acc, reinterpret_cast<typename E::T*>(&w[0]));
 }
@@ -232,7 +232,7 @@ __device__ __forceinline__ bool take12(const Team& t, char* region, u64 slot_byt
 template <class E, int OP>
 __device__ __forceinline__ bool reduce_line12(const Team& t, char* region, u64 slot_bytes, u64 j, u64 f,
                                               const u32 (&own)[3], u32 (&r)[3]) {
-    float acc[kLL12Data / sizeof(typename E::T)];
+    typename E::Acc acc[kLL12Data / sizeof(typename E::T)];
     if (!take12(t, region, slot_bytes, j, f, t.everyone(), own,
                 [&](u32 p, const u32 (&w)[3]) { accumulate12<E, OP>(acc, w, p); }))
         return false;

@@ -1,5 +1,6 @@
-// Deterministic reduction of partials: sources combined in fixed order 0, 1, ..., n - 1 in fp32, so
-// every rank (and every run) computes bitwise the same value whatever order the partials arrived in.
+// Deterministic reduction of partials: sources combined in fixed order 0, 1, ..., n - 1 in E::Acc (fp32 for
+// the 16- and 32-bit floats, fp64 for fp64, wrapping integers for the integers), so every rank (and every
+// run) computes bitwise the same value whatever order the partials arrived in.
 // Used by the collectives' reductions, GEMM+ReduceScatter's reduce kernel and the GEMM's reduce hooks.
 //
 //   fold<E, OP>(acc, el, first)          acc[k] (op)= element k of a packed group (first: acc[k] = x)
@@ -8,7 +9,7 @@
 //                                        kSrcBatch sources x kVecs vectors of loads in flight together
 //                                        (kFirst: source 0 starts the accumulation; n >= 1)
 //   fold_vec_weighted<E>(acc, raw, w)    acc[k] = fma(w, element k, acc[k]) (weighted sums in caller's order)
-//   pack<E>(acc, el)                     fp32 -> elements, one cvt each;  E::pack2 rounds a pair at once
+//   pack<E>(acc, el)                     E::Acc -> elements, one cvt each (floats);  E::pack2 rounds a pair at once
 //   reduce_block<E, OP>(n, nvec, src, store)   the block's strided loop over vectors of n sources
 //   reduce_elem<E, OP>(n, at)            one element of n sources (tails, misaligned data)
 #pragma once
@@ -17,23 +18,52 @@
 
 namespace fluxrt {
 
-enum ReduceOp { kSum = 0, kMax = 1, kMin = 2 };
+enum ReduceOp { kSum = 0, kMax = 1, kMin = 2, kProd = 3 };
 
 // Vectors a thread reduces at a time in reduce_block (their loads of one source in flight together; the
 // measured gain over 1 is in docs/tuning.md).
 constexpr u32 kReduceUnroll = 4;
+// Types of more than 8 elements a vector (uint8: 16 accumulators a vector) take half as many, so that a
+// 512-thread block's registers still fit (4 x 16 accumulators took the staged uint8 rounds past 128).
+template <class E>
+constexpr u32 kReduceUnrollOf = E::kPerVec > 8 ? kReduceUnroll / 2 : kReduceUnroll;
 
 template <int OP>
 __device__ __forceinline__ float combine(float a, float b) {
     if (OP == kSum) return a + b;
+    if (OP == kProd) return a * b;
     if (OP == kMax) return fmaxf(a, b);
     return fminf(a, b);
 }
 
+template <int OP>
+__device__ __forceinline__ double combine(double a, double b) {
+    if (OP == kSum) return a + b;
+    if (OP == kProd) return a * b;
+    if (OP == kMax) return fmax(a, b);
+    return fmin(a, b);
+}
+
+// Integers: sums and products in the unsigned type of the same width, which wraps (signed overflow is
+// undefined in C++), as NCCL's integer reductions do.
+template <int OP, class I, class U>
+__device__ __forceinline__ I combine_int(I a, I b) {
+    if (OP == kSum) return (I)((U)a + (U)b);
+    if (OP == kProd) return (I)((U)a * (U)b);
+    if (OP == kMax) return a > b ? a : b;
+    return a < b ? a : b;
+}
+template <int OP>
+__device__ __forceinline__ int combine(int a, int b) { return combine_int<OP, int, u32>(a, b); }
+template <int OP>
+__device__ __forceinline__ long long combine(long long a, long long b) { return combine_int<OP, long long, u64>(a, b); }
+template <int OP>
+__device__ __forceinline__ u32 combine(u32 a, u32 b) { return combine_int<OP, u32, u32>(a, b); }
+
 // acc[k] (op)= E::to_f(el[k]) for k < V; first: acc[k] = E::to_f(el[k]) (the first source starts the
 // accumulation, so -0.0 and max/min keep their value).
 template <class E, int OP, u32 V>
-__device__ __forceinline__ void fold(float (&acc)[V], const typename E::T* el, bool first) {
+__device__ __forceinline__ void fold(typename E::Acc (&acc)[V], const typename E::T* el, bool first) {
 #pragma unroll
     for (u32 k = 0; k < V; ++k) acc[k] = first ? E::to_f(el[k]) : combine<OP>(acc[k], E::to_f(el[k]));
 }
@@ -42,7 +72,7 @@ __device__ __forceinline__ void fold(float (&acc)[V], const typename E::T* el, b
 // E::hi; the same values as element by element, in other instructions (bf16's high element is one AND
 // instead of a byte permute and a shift).
 template <class E, int OP, bool kByWord = false>
-__device__ __forceinline__ void fold_vec(float (&acc)[E::kPerVec], const uint4& raw, bool first) {
+__device__ __forceinline__ void fold_vec(typename E::Acc (&acc)[E::kPerVec], const uint4& raw, bool first) {
     if constexpr (kByWord) {
         static_assert(sizeof(typename E::T) == 2, "by word: 16-bit types");
         const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -66,13 +96,13 @@ __device__ __forceinline__ void fold_vec_weighted(float (&acc)[E::kPerVec], cons
 }
 
 template <class E, u32 V>
-__device__ __forceinline__ void pack(const float (&acc)[V], typename E::T* el) {
+__device__ __forceinline__ void pack(const typename E::Acc (&acc)[V], typename E::T* el) {
 #pragma unroll
     for (u32 k = 0; k < V; ++k) el[k] = E::from_f(acc[k]);
 }
 
 template <class E>
-__device__ __forceinline__ uint4 pack_vec(const float (&acc)[E::kPerVec]) {
+__device__ __forceinline__ uint4 pack_vec(const typename E::Acc (&acc)[E::kPerVec]) {
     uint4 res;
     pack<E>(acc, reinterpret_cast<typename E::T*>(&res));
     return res;
@@ -98,7 +128,7 @@ enum FoldOptions : u32 { kPastAsZero = 1u, kByWord = 2u };
 // the loop does not run (n == 0) lets ptxas hoist its packs to the kernel's entry, holding registers
 // through every loop (the ring kernels then spill at their 128-register cap).
 template <class E, int OP, bool kFirst, u32 kVecs, u32 kSrcBatch, u32 kOpts = 0, class Load>
-__device__ __forceinline__ void fold_sources(float (&acc)[kVecs][E::kPerVec], u32 n, Load load) {
+__device__ __forceinline__ void fold_sources(typename E::Acc (&acc)[kVecs][E::kPerVec], u32 n, Load load) {
     constexpr bool kZeroPast = (kOpts & kPastAsZero) != 0;
     constexpr bool kWords = (kOpts & kByWord) != 0;
     static_assert(!kZeroPast || (OP == kSum && !kFirst), "+0.0 is the identity of a sum from +0.0 only");
@@ -130,20 +160,21 @@ __device__ __forceinline__ void fold_sources(float (&acc)[kVecs][E::kPerVec], u3
 }
 
 // The block's share of a reduction of `nvec` vectors: store(v, vector v of the reduction) for v < nvec,
-// vector v of source p at src(p) + v, n >= 1. A thread takes kReduceUnroll vectors at a time, the loads of one
-// source for all of them in flight together. Loads bypass L1 (.cv): sources may hold pushed data.
+// vector v of source p at src(p) + v, n >= 1. A thread takes kReduceUnrollOf<E> vectors at a time, the
+// loads of one source for all of them in flight together. Loads bypass L1 (.cv): sources may hold pushed
+// data.
 template <class E, int OP, class Src, class Store>
 __device__ __forceinline__ void reduce_block(u32 n, u64 nvec, Src src, Store store) {
-    constexpr u32 U = kReduceUnroll;
+    constexpr u32 U = kReduceUnrollOf<E>;
     u64 v = threadIdx.x;
     for (; v + (U - 1) * blockDim.x < nvec; v += U * blockDim.x) {
-        float acc[U][E::kPerVec];
+        typename E::Acc acc[U][E::kPerVec];
         fold_sources<E, OP, true, U, 1>(acc, n, [&](u32 p, u32 u) { return __ldcv(src(p) + v + u * blockDim.x); });
 #pragma unroll
         for (u32 u = 0; u < U; ++u) store(v + u * blockDim.x, pack_vec<E>(acc[u]));
     }
     for (; v < nvec; v += blockDim.x) {
-        float acc[1][E::kPerVec];
+        typename E::Acc acc[1][E::kPerVec];
         fold_sources<E, OP, true, 1, 1>(acc, n, [&](u32 p, u32) { return __ldcv(src(p) + v); });
         store(v, pack_vec<E>(acc[0]));
     }
@@ -152,9 +183,9 @@ __device__ __forceinline__ void reduce_block(u32 n, u64 nvec, Src src, Store sto
 // One element of the reduction over n sources: *at(p) of each source p, in source order.
 template <class E, int OP, class At>
 __device__ __forceinline__ typename E::T reduce_elem(u32 n, At at) {
-    float acc = 0.f;
+    typename E::Acc acc = 0;
     for (u32 p = 0; p < n; ++p) {
-        const float x = E::to_f(*at(p));
+        const typename E::Acc x = E::to_f(*at(p));
         acc = p == 0 ? x : combine<OP>(acc, x);
     }
     return E::from_f(acc);

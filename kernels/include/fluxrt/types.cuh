@@ -4,7 +4,10 @@
 //
 //   E::T          storage type of one element
 //   E::kPerVec    elements per 16-byte vector
-//   E::to_f(x)    one element -> fp32;  E::from_f(f)  fp32 -> one element (round to nearest even)
+//   E::Acc        type a reduction accumulates in: fp32 for the 16- and 32-bit floats, the element's own
+//                 type for fp64 and the integers (uint8: 32 bits, truncated back; sums and products wrap)
+//   E::to_f(x)    one element -> E::Acc;  E::from_f(f)  E::Acc -> one element (floats: round to nearest
+//                 even)
 //   E::lo(w), E::hi(w), E::pack2(lo, hi)   (16-bit types) element 0 / 1 of a packed 32-bit pair, and
 //                 two fp32 values rounded into one pair (one cvt for both)
 #pragma once
@@ -26,6 +29,7 @@ __device__ __forceinline__ float f16_to_f32(unsigned short v) {
 }
 
 struct F32 {
+    typedef float Acc;
     typedef float T;
     static constexpr u32 kPerVec = 4;
     static constexpr bool kArithmetic = true;
@@ -34,6 +38,7 @@ struct F32 {
 };
 
 struct F16 {
+    typedef float Acc;
     typedef unsigned short T;
     static constexpr u32 kPerVec = 8;
     static constexpr bool kArithmetic = true;
@@ -53,6 +58,7 @@ struct F16 {
 };
 
 struct BF16 {
+    typedef float Acc;
     typedef unsigned short T;
     static constexpr u32 kPerVec = 8;
     static constexpr bool kArithmetic = true;
@@ -69,6 +75,45 @@ struct BF16 {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
+};
+
+// Element types that only the collectives' reductions use (the GEMM and the fused ops stay on the float
+// types above). They accumulate in their own type, so fp64 keeps every bit and integer sums and products
+// wrap as two's complement, as NCCL's do.
+struct F64 {
+    typedef double T;
+    typedef double Acc;
+    static constexpr u32 kPerVec = 2;
+    static constexpr bool kArithmetic = true;
+    static __device__ __forceinline__ double to_f(double v) { return v; }
+    static __device__ __forceinline__ double from_f(double v) { return v; }
+};
+
+struct I32 {
+    typedef int T;
+    typedef int Acc;
+    static constexpr u32 kPerVec = 4;
+    static constexpr bool kArithmetic = true;
+    static __device__ __forceinline__ int to_f(int v) { return v; }
+    static __device__ __forceinline__ int from_f(int v) { return v; }
+};
+
+struct I64 {
+    typedef long long T;
+    typedef long long Acc;
+    static constexpr u32 kPerVec = 2;
+    static constexpr bool kArithmetic = true;
+    static __device__ __forceinline__ long long to_f(long long v) { return v; }
+    static __device__ __forceinline__ long long from_f(long long v) { return v; }
+};
+
+struct U8 {
+    typedef unsigned char T;
+    typedef u32 Acc;  // the low 8 bits of a 32-bit sum or product are those of the 8-bit one
+    static constexpr u32 kPerVec = 16;
+    static constexpr bool kArithmetic = true;
+    static __device__ __forceinline__ u32 to_f(unsigned char v) { return v; }
+    static __device__ __forceinline__ unsigned char from_f(u32 v) { return (unsigned char)v; }
 };
 
 // Raw bytes, for rounds that only ever copy (one source per stage); no arithmetic.

@@ -1,0 +1,178 @@
+"""Embedding fluxrt in other codes, without a GPU: the sub-world pool's offset agreement, async handles'
+host waits, and the refusals that keep a CUDA graph capture intact."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import fluxrt
+from fluxrt import collectives as coll
+from fluxrt import collectives_plan as plan
+from fluxrt.symmetric import SubworldPool, common_fit
+
+
+# ---------------------------------------------------------------------------------------------- sub-world pool
+def test_common_fit_is_the_lowest_range_free_on_every_rank():
+    assert common_fit([[(0, 100)]], 100) == 0
+    assert common_fit([[(0, 100)]], 101) is None
+    # rank 0 uses [0, 40), rank 1 uses [30, 60): the first common gap of 20 starts at 60
+    assert common_fit([[(40, 100)], [(0, 30), (60, 100)]], 20) == 60
+    assert common_fit([[(40, 100)], [(0, 30), (60, 100)]], 41) is None
+    # a gap that exists on each rank at different places is no common gap
+    assert common_fit([[(0, 10), (50, 60)], [(10, 50)]], 5) is None
+    assert common_fit([[(0, 64), (128, 512)], [(32, 256)], [(0, 512)]], 64) == 128
+
+
+def _pool(nbytes=4096):
+    arr = SimpleNamespace(_allocation=lambda: SimpleNamespace(base=1 << 20, nbytes=nbytes, peer_bases=[1 << 20, 2 << 20]))
+    return SubworldPool(arr)
+
+
+def test_pool_ranges_follow_takes_and_give_backs():
+    p = _pool()
+    assert p.free_ranges() == [(0, 4096)]
+    p.take(0, 512)
+    p.take(1024, 512)
+    assert p.free_ranges() == [(512, 1024), (1536, 4096)] and p.used == 1024
+    p.give_back(0)
+    assert p.free_ranges() == [(0, 1024), (1536, 4096)]
+
+
+def test_overlapping_worlds_never_share_a_range_on_a_common_rank():
+    """Four processes, TP groups {0,1} {2,3} and DP groups {0,2} {1,3}, allocating in turn: every range a
+    world takes is free on all of its members, so no process holds two overlapping ranges."""
+    pools = [_pool(1 << 16) for _ in range(4)]
+    groups = [(0, 1), (2, 3), (0, 2), (1, 3)]
+    held = {r: [] for r in range(4)}
+    rng = np.random.default_rng(0)
+    for step in range(40):
+        g = groups[step % 4]
+        size = int(rng.integers(1, 8)) * 512
+        off = common_fit([pools[r].free_ranges() for r in g], size)
+        assert off is not None
+        for r in g:
+            pools[r].take(off, size)
+            held[r].append((off, off + size))
+        if step % 5 == 4:  # a world frees its oldest range on all members
+            r0 = g[0]
+            lo, hi = held[r0][0]
+            for r in g:
+                if (lo, hi) in held[r]:
+                    held[r].remove((lo, hi))
+                    pools[r].give_back(lo)
+    for r in range(4):
+        spans = sorted(held[r])
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"process {r} holds overlapping ranges"
+
+
+def test_world_options_reserve_a_subworld_pool_by_name():
+    assert fluxrt.WorldOptions(subworld_heap="1G").subworld_heap == "1G"
+    assert fluxrt.WorldOptions().subworld_heap is None
+
+
+# ---------------------------------------------------------------------------------------------- handles
+class _Event:
+    def __init__(self, done):
+        self.done, self.synced = done, 0
+
+    def synchronize(self):
+        self.synced += 1
+        self.done = True
+
+
+def _handle(done, errors=None):
+    world = SimpleNamespace(check_errors=lambda: errors and (_ for _ in ()).throw(errors))
+    return coll.CollectiveHandle(world, _Event(done), "result", ("keep",))
+
+
+def test_handles_test_and_wait_on_the_host():
+    h = _handle(False)
+    assert h.test() is False and h.is_done() is False
+    assert h.wait(host=True) == "result" and h._event.synced == 1 and h._keep is None
+    assert h.test() is True
+    hs = [_handle(False), None, _handle(True)]
+    assert fluxrt.wait_all(hs, host=True) == ["result", None, "result"]
+    assert hs[0]._event.synced == 1
+
+
+def test_a_host_wait_raises_the_recorded_device_timeout():
+    err = fluxrt.WaitTimeoutError("allreduce", 0, 1, 5, 4)
+    with pytest.raises(fluxrt.WaitTimeoutError, match="peer 1"):
+        _handle(False, err).wait(host=True)
+
+
+# ---------------------------------------------------------------------------------------------- graph capture
+class _Stream:
+    def __init__(self, capturing):
+        self.capturing, self.ptr = capturing, 1
+
+    def is_capturing(self):
+        return self.capturing
+
+
+def test_a_first_call_inside_a_capture_is_refused_before_anything_runs(monkeypatch):
+    monkeypatch.setattr(coll, "as_cupy_stream", lambda s: s)
+    made = []
+    monkeypatch.setattr(coll, "Collectives", lambda *a, **k: made.append(a))
+    world = SimpleNamespace(registry={})
+    with pytest.raises(fluxrt.GraphCaptureError, match="fluxrt.prepare"):
+        coll.context(world, _Stream(True))
+    assert not made
+    coll.context(world, _Stream(False))
+    assert made
+
+
+def test_extension_kernels_are_refused_inside_a_capture_unless_prepared(monkeypatch):
+    c = object.__new__(coll.Collectives)
+    c._ext_modules, c._capturing_stream = {}, _Stream(True)
+    with pytest.raises(fluxrt.GraphCaptureError, match="'fp64'"):
+        c._check_loaded("fp64", "sum")
+    c._check_loaded("bf16", "sum")            # base module: nothing to load
+    with pytest.raises(fluxrt.GraphCaptureError):
+        c._check_loaded("fp32", "avg")        # the division kernel lives in fp32's extension module
+    c._ext_modules[coll.EXT_CODES["fp64"]] = "loaded"
+    c._check_loaded("fp64", "prod")
+
+
+def test_kernel_module_routing():
+    assert coll.kernel_module_code("fluxrt_allreduce_ll_bf16_sum") is None
+    assert coll.kernel_module_code("fluxrt_allreduce_ring_fp32_max") is None
+    assert coll.kernel_module_code("fluxrt_allreduce_ll_bf16_prod") == coll.EXT_CODES["bf16"]
+    assert coll.kernel_module_code("fluxrt_reduce_scatter_pipe_fp64_sum") == coll.EXT_CODES["fp64"]
+    assert coll.kernel_module_code("fluxrt_divide_fp16") == coll.EXT_CODES["fp16"]
+    assert coll.kernel_module_code("fluxrt_exchange_pipe") is None
+    assert coll.kernel_module_code("fluxrt_allgather_ring") is None
+
+
+def test_ll12_only_for_elements_that_divide_its_line():
+    assert plan.ll12_fits(2) and plan.ll12_fits(4) and plan.ll12_fits(1) and not plan.ll12_fits(8)
+    t = plan.DEFAULT_TUNING
+    mid = (t.ll12_twoshot_min_bytes + t.ll12_twoshot_max_bytes) // 2
+    assert plan.choose_algo("allreduce", mid, 4, itemsize=2) == "ll12_twoshot"
+    assert plan.choose_algo("allreduce", mid, 4, itemsize=8) not in plan.LL_ALGOS[1:]
+    assert plan.choose_algo("allreduce", t.ll12_min_bytes, 4, itemsize=8) == "ll"
+    with pytest.raises(ValueError, match="12-byte line"):
+        plan.choose_algo("allreduce", 4096, 4, algo="ll12_twoshot", itemsize=8)
+
+
+# ---------------------------------------------------------------------------------------------- XLA's buffers
+def test_xla_ffi_buffers_are_mutable_and_read_through_their_cai():
+    """jax.experimental.buffer_callback hands XLA's device buffers (jaxlib's FFI Buffer) to the callback: an
+    output is written in place, so it is not refused as an immutable JAX array, and it is viewed through its
+    __cuda_array_interface__ (no DLPack stream handshake inside XLA's execution)."""
+    from fluxrt import arrays
+
+    Buffer = type("Buffer", (), {
+        "__module__": "jaxlib._jax",
+        "__cuda_array_interface__": property(lambda self: {"shape": (4,), "typestr": "<f4", "data": (1 << 20, False),
+                                                          "version": 2, "strides": None}),
+        "__dlpack__": lambda self, stream=None: None,
+        "dtype": np.dtype(np.float32)})
+    info = arrays.inspect(Buffer(), name="out", op="allreduce")
+    assert not info.readonly and info.protocol == "cai"
+    arrays.check_writable(info, "allreduce")
+    Array = type("ArrayImpl", (), {"__module__": "jaxlib._jax", "__dlpack__": lambda self, stream=None: None,
+                                   "__dlpack_device__": lambda self: (2, 0), "shape": (4,),
+                                   "dtype": np.dtype(np.float32)})
+    with pytest.raises(fluxrt.errors.ArrayArgumentError, match="immutable JAX array"):
+        arrays.check_writable(arrays.inspect(Array(), name="out", op="allreduce"), "allreduce")
