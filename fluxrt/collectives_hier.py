@@ -374,10 +374,13 @@ class HierarchicalCollectives:
 
     # --- collectives ------------------------------------------------------------------------------
     @_nvtx("hier.allreduce")
-    def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto"):
+    def allreduce(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False, algo: str = "auto",
+                  compress: str | None = None, error_feedback=None):
         """As ``Collectives.allreduce``: node reduce-scatter, rail allreduce over NVSHMEM, node all-gather.
         The sum runs over the node's ranks first, then over nodes in node order (every rank the same bits)."""
         import cupy
+
+        _uncompressed("allreduce", compress, error_feedback)
 
         world, g = self.world, self.ranks_per_node
         s0 = as_cupy_stream(stream)
@@ -427,10 +430,12 @@ class HierarchicalCollectives:
 
     @_nvtx("hier.reduce_scatter")
     def reduce_scatter(self, x, out=None, *, op: str = "sum", stream=None, async_op: bool = False,
-                       algo: str = "auto"):
+                       algo: str = "auto", compress: str | None = None, error_feedback=None):
         """As ``Collectives.reduce_scatter``: the rail reduce-scatters the node blocks (G chunks each), then the
         node reduce-scatters its block."""
         import cupy
+
+        _uncompressed("reduce_scatter", compress, error_feedback)
 
         world, n, g, nodes = self.world, self.world.size, self.ranks_per_node, self.nodes
         s0 = as_cupy_stream(stream)
@@ -467,8 +472,10 @@ class HierarchicalCollectives:
         return self._end(s, async_op, o, (a, o))
 
     @_nvtx("hier.allgather")
-    def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+    def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto",
+                  compress: str | None = None, error_feedback=None):
         """As ``Collectives.allgather``: the node gathers its block into out, then the rail exchanges blocks."""
+        _uncompressed("allgather", compress, error_feedback)
         world, n, g = self.world, self.world.size, self.ranks_per_node
         s0 = as_cupy_stream(stream)
 
@@ -536,3 +543,10 @@ def context(world: World) -> HierarchicalCollectives:
 
 __all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "check_rail_reduction", "context", "put_grid",
            "rail_allreduce_algo", "rail_geometry", "rail_pieces", "reduce_grid", "shard_elems"]
+
+
+def _uncompressed(name: str, compress, error_feedback) -> None:
+    """Compressed payloads (``compress=``) are single-node kernels; refused here before anything launches."""
+    if compress is not None or error_feedback is not None:
+        raise CollectiveArgumentError(f"{name}: compress={compress!r} across nodes is not implemented (the "
+                                      "compressed kernels run within one node); call without compress")

@@ -199,3 +199,27 @@ def test_multinode_doc_tables_are_the_models(capsys):
     doc = (root / "docs" / "multinode.md").read_text()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert rows and all(row in doc for row in rows), [row for row in rows if row not in doc]
+
+
+def test_hierarchical_methods_take_every_keyword_of_the_single_node_ones():
+    """The module-level collectives pass the same keywords to whichever context the world has: the
+    hierarchical one must accept every keyword of the single-node one (and refuse what it cannot do)."""
+    import inspect
+
+    from fluxrt.collectives import Collectives
+    from fluxrt.collectives_hier import HierarchicalCollectives
+
+    for name in ("allreduce", "reduce_scatter", "allgather"):
+        single = set(inspect.signature(getattr(Collectives, name)).parameters)
+        hier = set(inspect.signature(getattr(HierarchicalCollectives, name)).parameters)
+        assert single <= hier, (name, single - hier)
+
+
+def test_hierarchical_refuses_compression_before_any_launch():
+    from fluxrt.collectives_hier import _uncompressed
+    from fluxrt.errors import CollectiveArgumentError
+
+    _uncompressed("allreduce", None, None)   # the plain call passes
+    for compress, feedback in (("fp8", None), ("int8", None), (None, object())):
+        with pytest.raises(CollectiveArgumentError, match="across nodes is not implemented"):
+            _uncompressed("allreduce", compress, feedback)
