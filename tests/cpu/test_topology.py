@@ -166,6 +166,9 @@ def test_rail_allreduce_algo():
 def test_rail_reductions_are_the_kernels():
     src = (kernel_root() / "comm" / "nvshmem_hier.cu").read_text()
     built = set(re.findall(r"FLUXRT_RAIL_REDUCE\((\w+)_(\w+), ", src))
+    if "FLUXRT_BASE_REDUCTIONS(FLUXRT_RAIL_REDUCE)" in src:   # instantiated from the device library's list
+        base = (kernel_root() / "include" / "fluxrt" / "reduce.cuh").read_text()
+        built |= set(re.findall(r"X\((\w+)_(\w+), ", base))
     for dt in ("bf16", "fp16", "fp32"):
         for red in ("sum", "max", "min"):
             check_rail_reduction(dt, red)
