@@ -300,8 +300,8 @@ def test_perf_layer_baseline_layout_groups_rows_by_expert():
     rng = np.random.default_rng(7)
     idxs = []
     for s in range(world):
-        t = [5, 0, 9][s]
-        idx = np.stack([rng.choice(experts, size=k, replace=False) for _ in range(t)]).reshape(t, k)
+        t = [5, 0, 9][s]   # a rank without tokens too
+        idx = np.array([rng.choice(experts, size=k, replace=False) for _ in range(t)], np.int64).reshape(t, k)
         idxs.append(np.where(rng.random((t, k)) < 0.2, -1, idx).astype(np.int32))
     lays = [pm.baseline_layout(idxs, experts, world, r) for r in range(world)]
     # a slot's "row" is (source, slot); the send buffers and the all-to-all-v, simulated
