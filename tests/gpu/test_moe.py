@@ -523,7 +523,7 @@ def test_layer_graph_capture_and_replay_with_changed_routing(world, moe_layer, r
 
     layer, t, k = moe_layer.layer, 90, 4
     x = cupy.zeros((t, HIDDEN), dtype=_bf16())
-    idx = cupy.zeros((t, k), dtype=np.int32)
+    idx = cupy.asarray(np.tile(np.arange(k, dtype=np.int32), (t, 1)))   # distinct experts (low latency's rule)
     w = cupy.zeros((t, k), dtype=np.float32)
     out = cupy.empty((t, HIDDEN), dtype=_bf16())
     s = cupy.cuda.Stream(non_blocking=True)
@@ -566,7 +566,7 @@ def test_layer_bad_arguments_raise_on_every_rank(world, moe_layer, rng):
 
     layer = moe_layer.layer
     x = cupy.zeros((8, HIDDEN), dtype=_bf16())
-    idx = cupy.zeros((8, 2), dtype=np.int32)
+    idx = cupy.asarray(np.tile(np.arange(2, dtype=np.int32), (8, 1)))
     w = cupy.ones((8, 2), dtype=np.float32)
     bad_out = cupy.empty((7 if world.rank == 0 else 8, HIDDEN), dtype=_bf16())
     with pytest.raises(moe.MoEArgumentError, match=r"out must be bf16 \[8, 264\]|other ranks"):
