@@ -171,6 +171,7 @@ class MoELayer:
                     bufs = (cupy.zeros((el, 2 * f, h), dtype=dt), cupy.zeros((el, h, f), dtype=dt),
                             cupy.empty((r, 2 * f), dtype=dt), cupy.empty((r, f), dtype=dt),
                             cupy.empty((cfg.moe.max_tokens, h), dtype=dt))
+                    world.device.synchronize()   # the zeroed weights, before set_weights on any stream
             except cupy.cuda.memory.OutOfMemoryError as e:
                 raise MoEArgumentError(
                     f"{OP}: rank {world.rank} cannot allocate {cfg.device_bytes()} device bytes (weights "
