@@ -313,8 +313,8 @@ class _LayerBaseline:
     def __init__(self, world: World, layer, nccl: _Nccl, idx, w, x, idxs, stream):
         import cupy
 
-        from ..ops.mlp import SILU_MUL_THREADS, load_silu_mul, silu_mul_grid
         from ..ops.common import num_sms
+        from ..ops.mlp import SILU_MUL_THREADS, load_silu_mul, silu_mul_grid
         from ..toolchain import load_module
         from .baselines import cublas_gemm
 
@@ -337,7 +337,6 @@ class _LayerBaseline:
         self.perm = cupy.asarray(lay["perm"])
         self.inv = cupy.asarray(np.argsort(lay["perm"]))
         self.n_send, self.n_recv = n_send, n_recv
-        self.calls = []
         off = 0
         gate_up, down = [], []
         for e, m in enumerate(lay["expert_rows"].tolist()):
