@@ -51,6 +51,11 @@ if want tests; then   # one step per file, so that a hang or a cascade in one fi
       case "$f" in tests/gpu/test_gemm*.py|tests/gpu/test_grouped_gemm.py) continue;; esac   # single-GPU: the gemm step
       [ "$f" = tests/gpu/test_rank_killed.py ] && continue   # starts its own jobs: below, once
       name=$(basename "$f" .py)
+      if [ "$f" = tests/gpu/test_multinode.py ]; then   # the hierarchical path: one node as 2 virtual nodes
+        FLUXRT_TOPOLOGY=virtual:2x$((n / 2)) TAIL=12 step "$name-virtual2x$((n / 2))-np$n" "${TESTS_LIMIT:-180}" \
+          "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider --color=no -rs --maxfail="${MAXFAIL:-5}"
+        continue
+      fi
       TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-180}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider --color=no \
         -rs --maxfail="${MAXFAIL:-5}"
     done
@@ -116,6 +121,14 @@ if want ops; then
   for n in "${bench_ranks[@]}"; do
     for op in ag_gemm gemm_rs; do
       TAIL=20 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" -d bf16 \
+        --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
+    done
+    TAIL=20 step "mlp-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli mlp -d bf16 \
+      --json "$RES/mlp-np$n.json"
+    TAIL=20 step "allreduce-rmsnorm-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli \
+      allreduce_rmsnorm --json "$RES/allreduce-rmsnorm-np$n.json"
+    for op in moe_dispatch moe_combine; do
+      TAIL=20 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" \
         --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
     done
     # shards that are not whole tiles: what the padded path costs against a whole-tile M

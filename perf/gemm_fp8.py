@@ -17,7 +17,6 @@ M >= 1024, the shapes the FP8 target of issue #30 counts).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -28,14 +27,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fluxrt.perf.shapes import SUITES, suite  # noqa: E402
+from fluxrt.perf.timing import eager_ms, geomean  # noqa: E402
 
 # byte ranges of fp8 magnitudes drawn at random (sign bit separate): about 2^-3 .. 2^3, no NaN or Inf
 _MAG_BYTES = {"e4m3": (0x20, 0x58), "e5m2": (0x30, 0x4C)}
 
 
-def geomean(xs) -> float:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def rand_fp8_bytes(rng, shape, fmt: str):
@@ -47,16 +44,6 @@ def rand_fp8_bytes(rng, shape, fmt: str):
     return (mag | sign).astype(cupy.uint8)
 
 
-def _events_ms(fn, iters: int, stream) -> float:
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    for _ in range(iters):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / iters
 
 
 def _torch_block_scale_layouts(torch, sa, sb):
@@ -140,7 +127,7 @@ def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool) -> d
         eager = {name: [] for name in impls}
         for _ in range(rounds):
             for name, fn in impls.items():
-                eager[name].append(_events_ms(fn, iters, stream))
+                eager[name].append(eager_ms(fn, iters, stream))
         for name in impls:
             row[f"{name}_eager_us"] = 1e3 * float(np.median(eager[name]))
         if torch is not None:
@@ -156,7 +143,7 @@ def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool) -> d
             times = {name: [] for name in graphs}
             for _ in range(rounds):
                 for name, g in graphs.items():
-                    times[name].append(_events_ms(g.replay, 1, stream) / iters)
+                    times[name].append(eager_ms(g.replay, 1, stream) / iters)
             for name in graphs:
                 row[f"{name}_us"] = 1e3 * float(np.median(times[name]))
         else:

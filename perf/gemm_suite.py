@@ -18,7 +18,6 @@ Ratios are cuBLAS time / fluxrt time (> 1: fluxrt faster); geometric means over 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fluxrt.perf.baselines import cublas_gemm  # noqa: E402
 from fluxrt.perf.shapes import SUITES, Shape, suite  # noqa: E402
+from fluxrt.perf.timing import capture, eager_ms_and_host_us, geomean, graph_ms  # noqa: E402
 
 
 def _np_dtype(name: str):
@@ -37,45 +37,12 @@ def _np_dtype(name: str):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float16)
 
 
-def _time_eager(fn, iters: int, stream) -> tuple[float, float]:
-    """(ms per call between events, host us per call)."""
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    t1 = time.perf_counter()
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / iters, (t1 - t0) * 1e6 / iters
 
 
-def _capture(fn, iters: int, stream):
-    stream.begin_capture()
-    try:
-        for _ in range(iters):
-            fn()
-    finally:
-        graph = stream.end_capture()
-    return graph
 
 
-def _time_graph(graph, iters: int, stream) -> float:
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    graph.launch(stream)
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / iters
 
 
-def geomean(xs) -> float:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, autotune: bool, check: bool) -> dict:
@@ -123,24 +90,24 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
         host = {"cublas": [], "fluxrt": []}
         for _ in range(rounds):
             for name, fn in (("cublas", run_cublas), ("fluxrt", run_fluxrt)):
-                ms, us = _time_eager(fn, iters, stream)
+                ms, us = eager_ms_and_host_us(fn, iters, stream)
                 eager[name].append(ms)
                 host[name].append(us)
         for name in eager:
             row[f"{name}_eager_ms"] = float(np.median(eager[name]))
             row[f"{name}_host_us"] = float(np.median(host[name]))
         row["ratio_eager"] = row["cublas_eager_ms"] / row["fluxrt_eager_ms"]
-        row["matmul_eager_ms"] = float(np.median([_time_eager(run_matmul, iters, stream)[0] for _ in range(rounds)]))
+        row["matmul_eager_ms"] = float(np.median([eager_ms_and_host_us(run_matmul, iters, stream)[0] for _ in range(rounds)]))
         if graphs:
             try:
-                gs = {name: _capture(fn, iters, stream) for name, fn in (("cublas", run_cublas),
+                gs = {name: capture(fn, iters, stream) for name, fn in (("cublas", run_cublas),
                                                                           ("fluxrt", run_fluxrt))}
                 for g in gs.values():
                     g.launch(stream)
                 times = {"cublas": [], "fluxrt": []}
                 for _ in range(rounds):
                     for name, g in gs.items():
-                        times[name].append(_time_graph(g, iters, stream))
+                        times[name].append(graph_ms(g, iters, stream))
                 for name in times:
                     row[f"{name}_graph_ms"] = float(np.median(times[name]))
                 row["ratio_graph"] = row["cublas_graph_ms"] / row["fluxrt_graph_ms"]

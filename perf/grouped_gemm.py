@@ -24,7 +24,6 @@ Timing, per case, in alternating rounds: "graph" = `iters` calls captured once i
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fluxrt.perf.baselines import cublas_gemm  # noqa: E402
+from fluxrt.perf.timing import capture, eager_ms, geomean, graph_ms  # noqa: E402
 
 # (model, gemm, experts, K, N)
 MODELS = [("deepseek-v3", "up", 64, 7168, 2048), ("deepseek-v3", "down", 64, 2048, 7168),
@@ -53,37 +53,10 @@ def router_counts(experts: int, rows: int, seed: int, skew: float = 1.2, zero_fr
     return rng.multinomial(rows, w / w.sum())
 
 
-def _time(fn, iters: int, stream) -> float:
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    for _ in range(iters):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / iters
 
 
-def _graph(fn, iters: int, stream):
-    stream.begin_capture()
-    try:
-        for _ in range(iters):
-            fn()
-    finally:
-        graph = stream.end_capture()
-    return graph
 
 
-def _time_graph(graph, iters: int, stream) -> float:
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    graph.launch(stream)
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / iters
 
 
 def _torch_grouped(a, b_gnk, counts, trans_b: bool, stream):
@@ -172,15 +145,15 @@ def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rou
             impls["fluxrt:default"]()
             stream.synchronize()
             row["rel_err_vs_loop"] = float(cupy.linalg.norm(out.astype(cupy.float64) - r64) / cupy.linalg.norm(r64))
-        graphs = {name: _graph(fn, iters, stream) for name, fn in impls.items()}
+        graphs = {name: capture(fn, iters, stream) for name, fn in impls.items()}
         for g in graphs.values():
             g.launch(stream)
         times = {name: [] for name in impls}
         eager = {name: [] for name in impls}
         for _ in range(rounds):
             for name in impls:
-                times[name].append(_time_graph(graphs[name], iters, stream))
-                eager[name].append(_time(impls[name], iters, stream))
+                times[name].append(graph_ms(graphs[name], iters, stream))
+                eager[name].append(eager_ms(impls[name], iters, stream))
         stream.synchronize()
     for name in impls:
         key = name.replace("fluxrt:default", "fluxrt")
@@ -210,7 +183,7 @@ def torch_case(row, trans_b, iters, rounds, seed) -> None:
     with stream:
         for _ in range(2):
             run()
-        row["torch_eager_ms"] = float(np.median([_time(run, iters, stream) for _ in range(rounds)]))
+        row["torch_eager_ms"] = float(np.median([eager_ms(run, iters, stream) for _ in range(rounds)]))
     row["ratio_vs_torch_eager"] = row["torch_eager_ms"] / row["fluxrt_eager_ms"]
 
 
@@ -224,9 +197,6 @@ def _np_dtype(name: str):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float16)
 
 
-def geomean(xs) -> float:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def _plan(text: str):

@@ -102,15 +102,7 @@ using fluxrt::kMin;
 #define FLUXRT_REDUCTIONS(NAME, E, OP) FLUXRT_REDUCTIONS_ANY(NAME, E, OP) FLUXRT_REDUCTIONS_LL12(NAME, E, OP)
 
 #ifndef FLUXRT_COLL_EXT
-FLUXRT_REDUCTIONS(bf16_sum, BF16, kSum)
-FLUXRT_REDUCTIONS(bf16_max, BF16, kMax)
-FLUXRT_REDUCTIONS(bf16_min, BF16, kMin)
-FLUXRT_REDUCTIONS(fp16_sum, F16, kSum)
-FLUXRT_REDUCTIONS(fp16_max, F16, kMax)
-FLUXRT_REDUCTIONS(fp16_min, F16, kMin)
-FLUXRT_REDUCTIONS(fp32_sum, F32, kSum)
-FLUXRT_REDUCTIONS(fp32_max, F32, kMax)
-FLUXRT_REDUCTIONS(fp32_min, F32, kMin)
+FLUXRT_BASE_REDUCTIONS(FLUXRT_REDUCTIONS)
 
 // Allgather along the ring: stages n - 1 .. 2n - 2 of reduce_ring, in bytes. x holds this rank's chunk
 // only (x_stride 0), out all n chunks; in place (x == out + rank * chunk) this rank's chunk is not copied.

@@ -87,15 +87,7 @@ __device__ __forceinline__ void rail_reduce(const RailPes& pes, u32 nodes, u32 p
                            Watch{timeout_ns, err, op, rank});                                               \
     }
 
-FLUXRT_RAIL_REDUCE(bf16_sum, BF16, kSum)
-FLUXRT_RAIL_REDUCE(bf16_max, BF16, kMax)
-FLUXRT_RAIL_REDUCE(bf16_min, BF16, kMin)
-FLUXRT_RAIL_REDUCE(fp16_sum, F16, kSum)
-FLUXRT_RAIL_REDUCE(fp16_max, F16, kMax)
-FLUXRT_RAIL_REDUCE(fp16_min, F16, kMin)
-FLUXRT_RAIL_REDUCE(fp32_sum, F32, kSum)
-FLUXRT_RAIL_REDUCE(fp32_max, F32, kMax)
-FLUXRT_RAIL_REDUCE(fp32_min, F32, kMin)
+FLUXRT_BASE_REDUCTIONS(FLUXRT_RAIL_REDUCE)
 
 extern "C" __global__ void fluxrt_rail_gather(RailPes pes, u32 nodes, u32 put_blocks, const char* recv,
                                               u64 half_bytes, u64 slot_bytes, u64* sig, u64 epoch, char* out,

@@ -277,3 +277,13 @@ def test_gemm_benches_share_the_vocabulary():
     assert gemm_datatype("half") == "float16"
     with pytest.raises(ValueError, match="bf16 or fp16"):
         gemm_datatype("fp32")
+
+
+def test_geomean_of_the_bench_scripts_leaves_out_missing_ratios():
+    import math
+
+    from fluxrt.perf.timing import geomean
+
+    assert math.isclose(geomean([2.0, 8.0]), 4.0)
+    assert math.isclose(geomean([0.5, None, 0.0, -1.0, 2.0]), 1.0)   # missing or non-positive ratios left out
+    assert math.isnan(geomean([None, 0.0]))

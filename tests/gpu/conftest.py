@@ -31,8 +31,18 @@ NO_GPU = "no CUDA GPU on this machine (the GPU suite runs on a GPU node: launch/
 FEW_RANKS = f"needs >= 2 MPI ranks, got {RANKS} (run: fluxrt-run -n 2 -- python -m pytest tests/gpu)"
 
 
+def _hopper_skip_reason() -> str | None:
+    if GPUS == 0:
+        return NO_GPU
+    import cupy
+
+    cc = cupy.cuda.Device(int(os.environ.get("FLUXRT_TEST_DEVICE", "0"))).compute_capability
+    return None if cc == "90" else f"the GEMM kernels target sm_90a (Hopper wgmma and TMA); this GPU is sm_{cc}"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "multirank: needs >= 2 MPI ranks with one GPU each")
+    config.addinivalue_line("markers", "hopper: needs a Hopper GPU (sm_90a kernels)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,6 +53,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=NO_GPU))
         elif RANKS < 2 and item.get_closest_marker("multirank"):
             item.add_marker(pytest.mark.skip(reason=FEW_RANKS))
+        elif item.get_closest_marker("hopper") and (reason := _hopper_skip_reason()):
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,7 @@ cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 
-def _gpu_skip_reason() -> str | None:
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no driver / no device
-        return f"no CUDA device ({type(e).__name__}: {e})"
-    if n == 0:
-        return "no CUDA device"
-    cc = cupy.cuda.Device(0).compute_capability
-    if cc != "90":
-        return f"the GEMM kernel targets sm_90a (Hopper); device 0 is sm_{cc}"
-    return None
-
-
-_reason = _gpu_skip_reason()
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+pytestmark = pytest.mark.hopper   # skipped off Hopper, with the reason (conftest.py)
 
 from fluxrt.gemm import GemmArgumentError, grouped_gemm  # noqa: E402
 from fluxrt.gemm.grouped import grouped_plan  # noqa: E402

@@ -20,6 +20,19 @@ namespace fluxrt {
 
 enum ReduceOp { kSum = 0, kMax = 1, kMin = 2, kProd = 3 };
 
+// The base reductions every reducing collective instantiates (16- and 32-bit floats x sum, max, min), as an
+// X-macro: X(name, element type, op). Other element types and prod live in per-type extension modules.
+#define FLUXRT_BASE_REDUCTIONS(X)                                                                       \
+    X(bf16_sum, ::fluxrt::BF16, ::fluxrt::kSum)                                                          \
+    X(bf16_max, ::fluxrt::BF16, ::fluxrt::kMax)                                                          \
+    X(bf16_min, ::fluxrt::BF16, ::fluxrt::kMin)                                                          \
+    X(fp16_sum, ::fluxrt::F16, ::fluxrt::kSum)                                                           \
+    X(fp16_max, ::fluxrt::F16, ::fluxrt::kMax)                                                           \
+    X(fp16_min, ::fluxrt::F16, ::fluxrt::kMin)                                                           \
+    X(fp32_sum, ::fluxrt::F32, ::fluxrt::kSum)                                                           \
+    X(fp32_max, ::fluxrt::F32, ::fluxrt::kMax)                                                           \
+    X(fp32_min, ::fluxrt::F32, ::fluxrt::kMin)
+
 // Vectors a thread reduces at a time in reduce_block (their loads of one source in flight together; the
 // measured gain over 1 is in docs/tuning.md).
 constexpr u32 kReduceUnroll = 4;
