@@ -127,7 +127,7 @@ if want ops; then
       --json "$RES/mlp-np$n.json"
     TAIL=20 step "allreduce-rmsnorm-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli \
       allreduce_rmsnorm --json "$RES/allreduce-rmsnorm-np$n.json"
-    for op in moe_dispatch moe_combine; do
+    for op in moe_dispatch moe_combine moe_layer; do
       TAIL=20 step "$op-np$n" "${BENCH_LIMIT:-240}" "${run[@]}" "$n" -- python3 -m fluxrt.perf.cli "$op" \
         --json "$RES/$op-np$n.json" --plot "$RES/$op-np$n.png"
     done

@@ -42,7 +42,23 @@ log = logging.getLogger(__name__)
 OP = "TPMLP"
 KERNEL_SOURCE = "ops/mlp.cu"
 _THREADS = 256
+SILU_MUL_THREADS = _THREADS   # threads per block of both activation entries (their __launch_bounds__)
 _DTYPE_CODE = {"bfloat16": 0, "float16": 1}
+
+
+def load_silu_mul(dtype: str, *, bounded: bool = False):
+    """The activation kernel of kernels/ops/mlp.cu for `dtype` ('bfloat16' or 'float16'): ``fluxrt_silu_mul``
+    (rows given by the host) or ``fluxrt_silu_mul_bounded`` (rows bounded by an int32 on the device: the MoE
+    layer's received rows). Loaded on the current device."""
+    from ..toolchain import CompileOptions, load_module
+
+    opts = CompileOptions(defines=(("FLUXRT_MLP_DTYPE", str(_DTYPE_CODE[dtype])),))
+    return load_module(KERNEL_SOURCE, opts).get_function("fluxrt_silu_mul_bounded" if bounded else "fluxrt_silu_mul")
+
+
+def silu_mul_grid(rows: int, ffn: int, sms: int) -> int:
+    """Blocks of an activation launch over `rows` rows of `ffn` outputs (a grid-stride loop: at most 8 per SM)."""
+    return max(1, min(-(-rows * (ffn // 8) // _THREADS), 8 * sms))
 
 
 class TPMLP:
@@ -52,8 +68,6 @@ class TPMLP:
     def __init__(self, world: World, max_m: int, hidden: int, ffn: int, dtype="bf16", *, trans_b: bool = False,
                  ag_plan: AgGemmPlan | None = None, rs_plan: GemmRsPlan | None = None):
         import cupy
-
-        from ..toolchain import CompileOptions, load_module
 
         if ffn <= 0 or ffn % 8:
             raise OpsArgumentError(f"{OP}: ffn={ffn} must be a positive multiple of 8 (16-byte rows for TMA)")
@@ -66,8 +80,7 @@ class TPMLP:
             self.h = cupy.empty((self.max_m, 2 * ffn), dtype=dt)
             self.act = cupy.empty((self.max_m, ffn), dtype=dt)
             self.y = cupy.empty((self.max_m // world.size, hidden), dtype=dt)
-            opts = CompileOptions(defines=(("FLUXRT_MLP_DTYPE", str(_DTYPE_CODE[self.dtype])),))
-            self._silu_mul = load_module(KERNEL_SOURCE, opts).get_function("fluxrt_silu_mul")
+            self._silu_mul = load_silu_mul(self.dtype)
         self._sms = common.num_sms(world)
 
     @_nvtx("tp_mlp.forward")
@@ -94,7 +107,7 @@ class TPMLP:
         """act [rows, ffn] = silu(h[:, :ffn]) * h[:, ffn:] on `stream` (the block's own buffers)."""
         rows = int(h.shape[0])
         vecs = self.ffn // 8
-        grid = max(1, min(-(-rows * vecs // _THREADS), 8 * self._sms))
+        grid = silu_mul_grid(rows, self.ffn, self._sms)
         with self.world.device:
             self._silu_mul((grid,), (_THREADS,), (np.uint64(h.data.ptr), np.uint64(act.data.ptr), np.uint64(rows),
                                                   np.uint64(vecs)), stream=stream)

@@ -19,6 +19,7 @@ BENCHES = {
     "mlp": "fluxrt.perf.mlp",
     "moe_dispatch": "fluxrt.perf.moe:moe_dispatch",
     "moe_combine": "fluxrt.perf.moe:moe_combine",
+    "moe_layer": "fluxrt.perf.moe:moe_layer",
 }
 
 #: One line per subcommand for ``fluxrt-perf --help``.
@@ -36,6 +37,7 @@ SUMMARIES = {
     "mlp": "TP MLP block (AG+GEMM, SiLU*up, GEMM+RS) eager and graph vs NCCL+cuBLAS unfused, torch async-TP",
     "moe_dispatch": "MoE dispatch (DeepSeek-V3-, Mixtral-like; uniform, Zipf) vs NCCL all-to-all-v, DeepEP's GB/s",
     "moe_combine": "MoE combine, the same cases, vs the reverse NCCL all-to-all-v",
+    "moe_layer": "MoE layer (dispatch, grouped GEMMs, combine) eager and graph vs NCCL a2a-v + cuBLAS per expert",
 }
 
 

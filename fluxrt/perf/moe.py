@@ -1,4 +1,4 @@
-"""MoE dispatch and combine benchmarks: ``fluxrt-perf moe_dispatch`` and ``fluxrt-perf moe_combine``.
+"""MoE benchmarks: ``fluxrt-perf moe_dispatch``, ``moe_combine`` and ``moe_layer``.
 
 Cases (``--models``, ``--tokens``, ``--routing``): DeepSeek-V3-like (hidden 7168, 256 experts, top-8) at 4096
 tokens per rank (prefill) and 128 (decode); Mixtral-like (hidden 4096, 8 experts, top-2) at the same token
@@ -19,6 +19,20 @@ as an expert that writes its output over its input leaves it; no staging copy):
                                destination (the sort is not timed); the reverse exchange for combine
 
 ``--fp8 token|block`` measures FP8 dispatch (bytes: e4m3 rows and their scales; no NCCL baseline).
+
+``moe_layer``: the whole layer (fluxrt.moe.MoELayer: dispatch -> grouped GEMM gate/up -> SiLU * up -> grouped
+GEMM down -> combine, one stream), expert FFN size ``--ffn`` (default the model's: DeepSeek-V3 2048, Mixtral
+14336), bf16, random weights; per case, calls timed in turns (fluxrt.perf.tp_ops.Timer):
+
+    layer_us          MoELayer.forward, eager
+    graph_us          the same call captured in a CUDA graph, one replay
+    dispatch_us, experts_us, combine_us   the eager call's stages (events between them, separate iterations)
+    baseline_us       NCCL all-to-all-v of the rows sorted by expert -> a gather into expert order -> per
+                      local expert cuBLAS gate/up -> SiLU * up (the same kernel) -> per expert cuBLAS down ->
+                      the gather back -> the reverse all-to-all-v -> the weighted sum per token (the
+                      Dispatcher's combine kernel over the local rows); the host knows the layout (not timed)
+    speedup           baseline_us / layer_us
+    experts_tflops    the experts' GEMM flops (6 F H per received row) / experts_us
 """
 from __future__ import annotations
 
@@ -39,14 +53,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BENCHES = ("moe_dispatch", "moe_combine")
+BENCHES = ("moe_dispatch", "moe_combine", "moe_layer")
 MODELS = {   # hidden, experts, top-k
     "deepseek": (7168, 256, 8),
     "mixtral": (4096, 8, 2),
 }
+FFN = {"deepseek": 2048, "mixtral": 14336}   # an expert's intermediate size (moe_layer)
 ROUTINGS = ("uniform", "zipf")
 DEFAULT_TOKENS = (4096, 128)
 LAUNCH_SLACK_S = 200e-6
+KERNEL_SOURCE_MOE = "moe/dispatch.cu"
 
 
 def route(rng: np.random.Generator, tokens: int, experts: int, k: int, routing: str, zipf_s: float = 1.0,
@@ -95,8 +111,16 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup-iters", type=int, default=5)
     p.add_argument("--blocks", type=int, default=0, help="push/combine grid (0: one block per SM)")
     p.add_argument("--threads", type=int, default=512)
-    p.add_argument("--fp8", default="", choices=("", "token", "block"),
-                   help="FP8 dispatch (e4m3 with per-token or 1x128 scales); bytes then count e4m3 rows and scales")
+    if bench == "moe_layer":
+        p.add_argument("--ffn", type=int, default=0, help="an expert's intermediate size (0: the model's, "
+                       + ", ".join(f"{m} {f}" for m, f in FFN.items()) + ")")
+        p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                       help="compare the layer's output with the NCCL + cuBLAS baseline's once (default 1)")
+        p.set_defaults(fp8="")
+    else:
+        p.add_argument("--fp8", default="", choices=("", "token", "block"),
+                       help="FP8 dispatch (e4m3 with per-token or 1x128 scales); bytes then count e4m3 rows and "
+                            "scales")
     p.add_argument("--mode", default="throughput", choices=("throughput", "low_latency"),
                    help="the Dispatcher's mode (low_latency: decode batches, one flag round trip per dispatch)")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all-to-all-v baseline")
@@ -251,9 +275,232 @@ def _nccl_times(world: World, nccl: _Nccl, idx, matrix, hidden, experts, x, args
             "_nccl_d_mine": md, "_nccl_c_mine": mc}
 
 
+# --- moe_layer ------------------------------------------------------------------------------------------
+def baseline_layout(idxs: list[np.ndarray], experts: int, world: int, rank: int) -> dict:
+    """The NCCL + cuBLAS baseline's layout for rank `rank`, from every rank's routing (host side, not timed):
+
+    send_slots   this rank's valid slots (flat t * k + j) in send order: by expert, then slot (so by owner too)
+    send_rows    [world] rows this rank sends to each rank; recv_rows [world] rows it receives from each
+    perm         [rows received] the row of the all-to-all's receive buffer (by source, then the source's send
+                 order) that row i of the expert-grouped buffer (by local expert, then source) takes
+    expert_rows  [E_local] rows of each local expert in the grouped buffer
+    slot_pos     int32 [T * k] each slot's row in the send-order buffer (0 for a masked slot)"""
+    el = experts // world
+    mine = idxs[rank].reshape(-1)
+    valid = np.nonzero(mine >= 0)[0]
+    send_slots = valid[np.argsort(mine[valid], kind="stable")]
+    slot_pos = np.zeros(mine.size, np.int32)
+    slot_pos[send_slots] = np.arange(send_slots.size, dtype=np.int32)
+    send_rows = np.bincount(mine[send_slots] // el, minlength=world).astype(np.int64)
+    # per source: its rows to this rank, in its send order (by expert), as local expert ids
+    per_src = []
+    for idx in idxs:
+        f = idx.reshape(-1)
+        ex = np.sort(f[(f >= rank * el) & (f < (rank + 1) * el)], kind="stable")
+        per_src.append(ex - rank * el)
+    recv_rows = np.array([p.size for p in per_src], np.int64)
+    base = np.concatenate(([0], np.cumsum(recv_rows)))
+    perm = [base[s] + np.nonzero(per_src[s] == le)[0] for le in range(el) for s in range(world)]
+    perm = np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64)
+    expert_rows = np.array([sum(int((p == le).sum()) for p in per_src) for le in range(el)], np.int64)
+    return {"send_slots": send_slots, "send_rows": send_rows, "recv_rows": recv_rows, "perm": perm,
+            "expert_rows": expert_rows, "slot_pos": slot_pos}
+
+
+class _LayerBaseline:
+    """NCCL all-to-all-v + a loop of cuBLAS calls per local expert, on one stream, with the layer's weights."""
+
+    def __init__(self, world: World, layer, nccl: _Nccl, idx, w, x, idxs, stream):
+        import cupy
+
+        from ..ops.common import num_sms
+        from ..ops.mlp import SILU_MUL_THREADS, load_silu_mul, silu_mul_grid
+        from ..toolchain import load_module
+        from .baselines import cublas_gemm
+
+        cfg = layer.cfg
+        el, hidden, ffn = cfg.local_experts, cfg.moe.hidden, cfg.ffn
+        lay = baseline_layout(idxs, cfg.moe.num_experts, world.size, world.rank)
+        self.lay, self.nccl, self.stream, self.hidden = lay, nccl, stream, hidden
+        t, k = idx.shape
+        n_send, n_recv = int(lay["send_rows"].sum()), int(lay["recv_rows"].sum())
+        dt = x.dtype
+        tok = cupy.asarray(lay["send_slots"] // k)
+        self.x, self.tok = x, tok
+        self.send = cupy.empty((max(1, n_send), hidden), dt)
+        self.recv = cupy.empty((max(1, n_recv), hidden), dt)
+        self.grouped = cupy.empty((max(1, n_recv), hidden), dt)
+        self.h = cupy.empty((max(1, n_recv), 2 * ffn), dt)
+        self.act = cupy.empty((max(1, n_recv), ffn), dt)
+        self.back = cupy.empty((max(1, n_send), hidden), dt)
+        self.out = cupy.empty((t, hidden), dt)
+        self.perm = cupy.asarray(lay["perm"])
+        self.inv = cupy.asarray(np.argsort(lay["perm"]))
+        self.n_send, self.n_recv = n_send, n_recv
+        off = 0
+        gate_up, down = [], []
+        for e, m in enumerate(lay["expert_rows"].tolist()):
+            if m:
+                gate_up.append(cublas_gemm(self.grouped[off:off + m], layer.w_gate_up[e], self.h[off:off + m], True,
+                                           stream.ptr))
+                down.append(cublas_gemm(self.act[off:off + m], layer.w_down[e], self.grouped[off:off + m], True,
+                                        stream.ptr))
+            off += m
+        self.gate_up, self.down = gate_up, down
+        self.silu = load_silu_mul(cfg.moe.dtype)
+        self.silu_args = ((silu_mul_grid(n_recv, ffn, num_sms(world)),), (SILU_MUL_THREADS,),
+                          (np.uint64(self.h.data.ptr), np.uint64(self.act.data.ptr), np.uint64(n_recv),
+                           np.uint64(ffn // 8)))
+        # the weighted sum per token: the Dispatcher's combine kernel, every owner's rows in the local buffer
+        kind = {"bfloat16": "bf16", "float16": "fp16"}[cfg.moe.dtype]
+        ix = {"int32": "i32", "int64": "i64"}[idx.dtype.name]
+        self.combine = load_module(KERNEL_SOURCE_MOE).get_function(f"fluxrt_moe_combine_{kind}_{ix}")
+        self.table = cupy.full(world.size, self.back.data.ptr, dtype=np.uint64)
+        self.pos = cupy.asarray(lay["slot_pos"])
+        warps = 512 // 32
+        self.combine_args = ((max(1, min(num_sms(world), -(-t // warps))),), (512,),
+                             (idx, w, np.uint32(t), np.uint32(k), np.uint32(cfg.moe.num_experts), np.uint32(el),
+                              self.pos, self.table, np.uint64(hidden * dt.itemsize), self.out))
+
+    def run(self) -> None:
+        import cupy
+
+        s, lay = self.stream, self.lay
+        with s:
+            if self.n_send:
+                cupy.take(self.x.view(np.uint16), self.tok, axis=0, out=self.send[:self.n_send].view(np.uint16))
+            self.nccl.exchange(self.send, lay["send_rows"], self.recv, lay["recv_rows"], self.hidden, self.x.dtype, s)
+            if self.n_recv:
+                cupy.take(self.recv[:self.n_recv].view(np.uint16), self.perm, axis=0,
+                          out=self.grouped[:self.n_recv].view(np.uint16))
+                for g in self.gate_up:
+                    g()
+                self.silu(*self.silu_args, stream=s)
+                for g in self.down:
+                    g()
+                cupy.take(self.grouped[:self.n_recv].view(np.uint16), self.inv, axis=0,
+                          out=self.recv[:self.n_recv].view(np.uint16))
+            self.nccl.exchange(self.recv, lay["recv_rows"], self.back, lay["send_rows"], self.hidden, self.x.dtype, s)
+            self.combine(*self.combine_args, stream=s)
+
+
+def _random_weights(layer, seed: int, stream) -> None:
+    """N(0, 1/H) gate/up and N(0, 1/F) down weights, an expert at a time (no full-size fp32 temporary)."""
+    import cupy
+
+    cfg = layer.cfg
+    g = cupy.random.default_rng(seed)
+    with stream:
+        for e in range(cfg.local_experts):
+            layer.w_gate_up[e] = (g.standard_normal(layer.w_gate_up.shape[1:], dtype=np.float32)
+                                  / np.float32(np.sqrt(cfg.moe.hidden))).astype(layer.w_gate_up.dtype)
+            layer.w_down[e] = (g.standard_normal(layer.w_down.shape[1:], dtype=np.float32)
+                               / np.float32(np.sqrt(cfg.ffn))).astype(layer.w_down.dtype)
+
+
+def measure_layer(world: World, model: str, tokens: int, routing: str, args, timer, nccl: _Nccl | None) -> dict:
+    import cupy
+    from mpi4py import MPI
+
+    from .. import moe
+
+    hidden, experts, k = MODELS[model]
+    ffn = args.ffn or FFN[model]
+    s = timer.stream
+    rng = np.random.default_rng([tokens, experts, world.rank, ROUTINGS.index(routing)])
+    order = np.random.default_rng(experts).permutation(experts)
+    idx, w = route(rng, tokens, experts, k, routing, args.zipf_s, order)
+    idxs = world.comm.allgather(idx)
+    lay = layout_bytes(idxs, experts, world.size, world.rank, hidden)
+    opts = moe.MoELayerOptions(dispatch=moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads,
+                                                              mode=args.mode))
+    layer = moe.MoELayer(world, experts, hidden, ffn, tokens, "bf16", opts)
+    base = None
+    try:
+        with s:
+            x = cupy.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32).astype(_bf16()))
+            di, dw = cupy.asarray(idx), cupy.asarray(w)
+            y = cupy.empty((tokens, hidden), dtype=x.dtype)
+        _random_weights(layer, 1000 + world.rank, s)
+
+        def eager():
+            layer.forward(x, di, dw, out=y, stream=s)
+
+        eager()   # compiles and loads every kernel outside the capture
+        s.synchronize()
+        with s:
+            s.begin_capture()
+            eager()
+            graph = s.end_capture()
+        calls = {"layer": eager, "graph": lambda: graph.launch(s)}
+        check = None
+        if nccl is not None:
+            base = _LayerBaseline(world, layer, nccl, di, dw, x, idxs, s)
+            calls["baseline"] = base.run
+            if args.check:
+                eager()
+                base.run()
+                s.synchronize()
+                world.check_errors()
+                got, ref = y.astype(np.float32), base.out.astype(np.float32)
+                err = float(cupy.abs(got - ref).max()) / max(float(cupy.abs(ref).max()), 1e-30)
+                check = world.comm.allreduce(err, op=MPI.MAX)
+                if not check < 3e-2:
+                    log.warning("moe_layer %s %d %s: the layer differs from NCCL + cuBLAS: relative error %.3g",
+                                model, tokens, routing, check)
+        t = timer.many(calls)
+        stages = _stage_times(world, layer, x, di, dw, y, s, args)
+        n_recv = int(layer.dispatcher.offsets[-1].get())
+    finally:
+        layer.free()
+    red = lambda v: reduce_over_ranks(world.comm.allgather(v), 1)   # noqa: E731
+    row = {"model": model, "mode": args.mode, "hidden": hidden, "ffn": ffn, "experts": experts, "top_k": k,
+           "tokens": tokens, "routing": routing, "world": world.size, "recv_rows": n_recv,
+           "recv_bytes": lay["recv_bytes"], "moved_bytes": lay["moved_bytes"],
+           "layer_us": t["layer"] * 1e3, "graph_us": t["graph"] * 1e3, "baseline_us": None, "speedup": None,
+           "check_rel_err": check}
+    row.update({f"{name}_us": v for name, v in stages.items()})
+    row["experts_tflops"] = red(6.0 * n_recv * ffn * hidden / (stages["experts"] * 1e-6) / 1e12) \
+        if stages["experts"] > 0 else None
+    if "baseline" in t:
+        row["baseline_us"] = t["baseline"] * 1e3
+        row["speedup"] = t["baseline"] / t["layer"]
+    return row
+
+
+def _stage_times(world: World, layer, x, di, dw, y, s, args) -> dict:
+    """Medians of the eager call's stages (events between dispatch, experts and combine), reduced over ranks."""
+    import cupy
+
+    from ..ops import common
+
+    ev = [cupy.cuda.Event() for _ in range(4)]
+    times = {"dispatch": [], "experts": [], "combine": []}
+    for it in range(args.warmup_iters + args.iters):
+        s.synchronize()
+        world.comm.Barrier()
+        common.delay(world, LAUNCH_SLACK_S, s)
+        ev[0].record(s)
+        h = layer.dispatch(x, di, dw, stream=s)
+        ev[1].record(s)
+        layer.experts(h, stream=s)
+        ev[2].record(s)
+        layer.combine(h, out=y, stream=s)
+        ev[3].record(s)
+        ev[3].synchronize()
+        if it >= args.warmup_iters:
+            for i, name in enumerate(times):
+                times[name].append(cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3)
+    world.check_errors()
+    return {name: reduce_over_ranks(world.comm.allgather(statistics.median(v)), args.average)
+            for name, v in times.items()}
+
+
 COLUMNS = {
     "moe_dispatch": ("dispatch_us", "dispatch_gbps", "moved_gbps", "nccl_dispatch_us", "nccl_dispatch_gbps"),
     "moe_combine": ("combine_us", "combine_gbps", "nccl_combine_us", "nccl_combine_gbps"),
+    "moe_layer": ("layer_us", "graph_us", "dispatch_us", "experts_us", "combine_us", "baseline_us", "speedup",
+                  "experts_tflops"),
 }
 
 
@@ -269,12 +516,24 @@ def plot_rows(path: str, bench: str, rows: list[dict], title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    key = "dispatch" if bench == "moe_dispatch" else "combine"
     fig = Figure(figsize=(10, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     labels = [f"{r['model']}\n{r['tokens']} {r['routing']}" for r in rows]
     pos = np.arange(len(rows))
+    if bench == "moe_layer":
+        series = (("fluxrt MoELayer", "layer_us"), ("graph replay", "graph_us"),
+                  ("NCCL a2a-v + cuBLAS per expert", "baseline_us"))
+        for i, (label, key) in enumerate(series):
+            ax.bar(pos + (i - 1) * 0.27, [r.get(key) or 0.0 for r in rows], 0.27, label=label)
+        ax.set_xticks(pos, labels, fontsize="small")
+        ax.set(ylabel="us per layer (lower is better)", title=title)
+        ax.legend()
+        ax.grid(True, axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=120)
+        return
+    key = "dispatch" if bench == "moe_dispatch" else "combine"
     ax.bar(pos - 0.2, [r[f"{key}_gbps"] for r in rows], 0.4, label="fluxrt")
     ax.bar(pos + 0.2, [r.get(f"nccl_{key}_gbps") or 0.0 for r in rows], 0.4, label="NCCL all-to-all-v")
     ax.set_xticks(pos, labels, fontsize="small")
@@ -311,6 +570,11 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
     nccl = None
     try:
         stream = cupy.cuda.Stream(non_blocking=True)
+        timer = None
+        if bench == "moe_layer":
+            from .tp_ops import Timer
+
+            timer = Timer(world, stream, args.warmup_iters, args.iters, args.average)
         if args.fp8 and not args.no_nccl:
             log.warning("--fp8: no NCCL baseline (it would move 16-bit rows); its columns are N/A")
         if not args.no_nccl and not args.fp8:
@@ -321,7 +585,8 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
         versions, devices = library_versions(), device_info(world)
         if world.rank == 0:
             print(f"# fluxrt-perf {bench}: world={world.size} bf16 iters={args.iters} warmup={args.warmup_iters}; "
-                  f"times in us (median per rank, {AVERAGE_MODES[args.average]} over ranks), GB/s per rank")
+                  f"times in us (median per rank, {AVERAGE_MODES[args.average]} over ranks), GB/s per rank"
+                  + ("; speedup = baseline_us / layer_us" if bench == "moe_layer" else ""))
             print(version_line(versions))
             for line in device_lines(devices):
                 print(line)
@@ -330,7 +595,10 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
         for model, tokens, routing in cases:
             if MODELS[model][1] % world.size:
                 continue
-            row = measure(world, model, tokens, routing, args, stream, nccl)
+            if bench == "moe_layer":
+                row = measure_layer(world, model, tokens, routing, args, timer, nccl)
+            else:
+                row = measure(world, model, tokens, routing, args, stream, nccl)
             rows.append(row)
             if world.rank == 0:
                 print(format_row(bench, row), flush=True)

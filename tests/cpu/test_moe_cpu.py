@@ -186,3 +186,160 @@ def test_perf_subcommands_are_listed():
     from fluxrt.perf import cli
 
     assert {"moe_dispatch", "moe_combine"} <= set(cli.BENCHES) and set(cli.SUMMARIES) == set(cli.BENCHES)
+
+
+# --- MoELayer without a GPU: argument checks, buffer sizing, the device-bounded activation -------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ffn_hidden=100), "ffn_hidden=100 must be a positive multiple of 8"),
+    (dict(ffn_hidden=0), "ffn_hidden=0"),
+    (dict(ffn_hidden=512.0), "ffn_hidden=512.0"),
+    (dict(options=moe.MoELayerOptions(dispatch=moe.DispatcherOptions(fp8="block"))), "FP8 dispatch"),
+    (dict(options=moe.DispatcherOptions()), "must be a MoELayerOptions"),
+    (dict(options=moe.MoELayerOptions(dispatch=None)), "must be a DispatcherOptions"),
+    (dict(options=moe.MoELayerOptions(dispatch=moe.DispatcherOptions(top_k=0))), "top_k"),
+    (dict(num_experts=6), "multiple of the 4 ranks"),
+    (dict(dtype="float32"), "bf16 or fp16"),
+    (dict(options=moe.MoELayerOptions(gate_up_plan="fast")), "gate_up_plan must be a fluxrt.gemm.GemmPlan"),
+])
+def test_layer_bad_configurations_are_named(kwargs, match):
+    args = dict(world_size=4, num_experts=8, hidden=4096, ffn_hidden=1024, max_tokens_per_rank=128,
+                dtype="bf16") | kwargs
+    with pytest.raises(moe.MoEArgumentError, match=match):
+        moe.check_layer_config(**args)
+
+
+def test_layer_plans_are_checked_for_the_grouped_kernel():
+    from fluxrt.gemm import GemmPlan
+
+    bad = moe.MoELayerOptions(down_plan=GemmPlan(split_k=2))
+    with pytest.raises(moe.MoEArgumentError, match="options.down_plan: grouped_gemm"):
+        moe.check_layer_config(2, 8, 4096, 1024, 128, "bf16", bad)
+    from fluxrt.gemm.grouped import grouped_plan
+
+    good = moe.MoELayerOptions(gate_up_plan=grouped_plan(4096, 2048, 4096, 4))
+    assert moe.check_layer_config(2, 8, 4096, 1024, 128, "bf16", good).ffn == 1024
+
+
+def test_layer_buffers_hold_the_worst_case():
+    opts = moe.MoELayerOptions(dispatch=moe.DispatcherOptions(top_k=8))
+    cfg = moe.check_layer_config(4, 256, 7168, 2048, 4096, "bf16", opts)
+    rows = 4096 * 4 * 8                       # max_tokens x world x top_k: nothing is dropped
+    assert cfg.moe.recv_rows == rows and cfg.local_experts == 64
+    assert cfg.weight_bytes() == 64 * (2 * 2048 * 7168 + 7168 * 2048) * 2
+    assert cfg.intermediate_bytes() == (rows * (2 * 2048 + 2048) + 4096 * 7168) * 2   # h, act, default out
+    assert cfg.device_bytes() == cfg.weight_bytes() + cfg.intermediate_bytes()
+    # the GEMMs' output y lives in the Dispatcher's receive buffer: no symmetric bytes beyond the Dispatcher's
+    assert cfg.symmetric_bytes() == moe.check_config(4, 256, 7168, 4096, "bf16", opts.dispatch).symmetric_bytes()
+    assert cfg.expert_flops(10) == 6 * 10 * 2048 * 7168
+
+
+def test_layer_constructor_checks_before_any_allocation():
+    world = SimpleNamespace(size=2, rank=0, options=SimpleNamespace(check_collective_args=False),
+                            check_active=lambda: None, heap=SimpleNamespace(capacity=1 << 30, used=0))
+    with pytest.raises(moe.MoEArgumentError, match="ffn_hidden"):
+        moe.MoELayer(world, num_experts=4, hidden=64, ffn_hidden=12, max_tokens_per_rank=8)
+    with pytest.raises(moe.MoEArgumentError, match="FP8"):
+        moe.MoELayer(world, 4, 64, 64, 8, options=moe.MoELayerOptions(dispatch=moe.DispatcherOptions(fp8="token")))
+
+
+def test_grouped_gemm_over_the_receive_buffer_touches_only_received_rows():
+    """The layer runs its GEMMs with M = the receive buffer's rows and the groups' offsets from the dispatch,
+    whose last entry (the received rows) is below M: the grouped kernel's tile rows (its host mirror) cover
+    exactly rows [0, offsets[-1]), each tile inside one group; the CTAs still fill the SMs."""
+    from fluxrt.gemm.grouped import group_tiles, grouped_grid, grouped_plan
+
+    m = 4096 * 2 * 4
+    for offsets in ([0, 3, 3, 200, 457], [0, 0, 0, 0, 0], [0, 128, 256, 384, 512], [0, 1, 130, 130, 131]):
+        plan = grouped_plan(m, 2048, 4096, 4)
+        tiles = group_tiles(offsets, m, plan.block_m)
+        covered = sorted(r for _, first, end in tiles for r in range(first, min(first + plan.block_m, end)))
+        assert covered == list(range(offsets[-1]))
+        for g, first, end in tiles:
+            assert offsets[g] <= first < end <= offsets[g + 1]
+        assert grouped_grid(plan, m, 2048, 4, 132) == 132
+
+
+def test_layer_activation_is_the_mlp_kernel_with_a_device_row_bound():
+    from fluxrt.ops import mlp
+
+    src = (ROOT / "kernels/ops/mlp.cu").read_text()
+    assert src.count("silu(E::lo(gw[k]))") == 1          # one body, two entries
+    for entry in ("fluxrt_silu_mul", "fluxrt_silu_mul_bounded"):
+        assert re.search(rf"__launch_bounds__\({mlp.SILU_MUL_THREADS}\) {entry}\(", src)
+    layer_src = (ROOT / "fluxrt/moe/layer.py").read_text()
+    assert "load_silu_mul(" in layer_src and "__global__" not in layer_src and "RawKernel" not in layer_src
+    assert mlp.silu_mul_grid(0, 64, 132) == 1 and mlp.silu_mul_grid(1 << 20, 2048, 132) == 8 * 132
+
+
+def test_layer_forward_checks_its_arguments_before_the_dispatch(monkeypatch):
+    """Bad arguments raise from forward's own (agreed) checks, before dispatch launches anything."""
+    from fluxrt.moe import layer as lmod
+
+    monkeypatch.setattr(lmod, "as_cupy_stream", lambda s: s)
+    layer = moe.MoELayer.__new__(moe.MoELayer)
+    cfg = moe.check_layer_config(2, 4, 64, 64, 8, "bf16")
+    calls = []
+    world = SimpleNamespace(size=1, rank=0, options=SimpleNamespace(check_collective_args=False),
+                            check_active=lambda: None, check_errors=lambda: None, device_id=0)
+    layer.world, layer.cfg, layer._freed = world, cfg, False
+    layer.dispatch = lambda *a, **k: calls.append("dispatch")
+    with pytest.raises(moe.MoEArgumentError, match="moe_layer on rank 0: x is a host numpy array"):
+        layer.forward(np.zeros((4, 64), np.float32), None, None)
+    assert calls == []
+
+
+# --- fluxrt-perf moe_layer without a GPU ----------------------------------------------------------------------
+def test_perf_layer_baseline_layout_groups_rows_by_expert():
+    """The NCCL + cuBLAS baseline's host layout: what each rank sends (by expert), receives (by source), the
+    gather into expert order, and each slot's row in the send-order buffer, checked by simulating the
+    all-to-all-v in numpy."""
+    from fluxrt.perf import moe as pm
+
+    world, experts, k = 3, 6, 2
+    el = experts // world
+    rng = np.random.default_rng(7)
+    idxs = []
+    for s in range(world):
+        t = [5, 0, 9][s]   # a rank without tokens too
+        idx = np.array([rng.choice(experts, size=k, replace=False) for _ in range(t)], np.int64).reshape(t, k)
+        idxs.append(np.where(rng.random((t, k)) < 0.2, -1, idx).astype(np.int32))
+    lays = [pm.baseline_layout(idxs, experts, world, r) for r in range(world)]
+    # a slot's "row" is (source, slot); the send buffers and the all-to-all-v, simulated
+    send = [[(s, int(i)) for i in lays[s]["send_slots"]] for s in range(world)]
+    for r in range(world):
+        lay = lays[r]
+        recv = []
+        for s in range(world):
+            first = int(lays[s]["send_rows"][:r].sum())
+            recv += send[s][first:first + int(lays[s]["send_rows"][r])]
+            assert lay["recv_rows"][s] == lays[s]["send_rows"][r]
+        grouped = [recv[i] for i in lay["perm"]]
+        expect = [(s, i) for le in range(el) for s in range(world)
+                  for i in range(idxs[s].size) if idxs[s].reshape(-1)[i] == r * el + le]
+        assert sorted(grouped) == sorted(expect)
+        experts_of = [int(idxs[s].reshape(-1)[i]) - r * el for s, i in grouped]
+        assert experts_of == sorted(experts_of)                      # grouped by local expert
+        assert lay["expert_rows"].tolist() == [experts_of.count(le) for le in range(el)]
+        assert sorted(lay["perm"].tolist()) == list(range(len(recv)))  # a permutation
+    for s in range(world):   # slot_pos: each valid slot's row in its send buffer
+        flat = idxs[s].reshape(-1)
+        for i in np.nonzero(flat >= 0)[0]:
+            assert send[s][lays[s]["slot_pos"][i]] == (s, int(i))
+        owners = [int(flat[i]) // el for _, i in send[s]]
+        assert owners == sorted(owners)
+
+
+def test_perf_layer_subcommand_and_columns():
+    from fluxrt.perf import cli
+    from fluxrt.perf import moe as pm
+
+    assert "moe_layer" in cli.BENCHES and cli.BENCHES["moe_layer"] == "fluxrt.perf.moe:moe_layer"
+    args = pm.build_parser("moe_layer").parse_args(["--ffn", "512"])
+    assert args.ffn == 512 and args.fp8 == "" and args.check == 1
+    assert set(pm.FFN) == set(pm.MODELS)
+    row = {"model": "mixtral", "tokens": 128, "routing": "zipf", "recv_bytes": 1e6, "layer_us": 10.0,
+           "graph_us": 8.0, "dispatch_us": 2.0, "experts_us": 5.0, "combine_us": 3.0, "baseline_us": None,
+           "speedup": None, "experts_tflops": 1.0}
+    line = pm.format_row("moe_layer", row)
+    assert "N/A" in line and "10.00" in line
+    assert len(pm.format_row("moe_layer", None).split()) == 4 + len(pm.COLUMNS["moe_layer"])

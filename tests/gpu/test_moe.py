@@ -372,3 +372,210 @@ def test_fp8_dispatch(world, rng, mode):
         problems.assert_none()
     finally:
         d.free()
+
+
+# --- MoELayer: dispatch -> grouped GEMM gate/up -> SiLU * up -> grouped GEMM down -> combine -------------------
+FFN = 200             # 2 F = 400: neither a multiple of a tile nor of 128
+LAYER_TOL = 3e-2      # max |err| / max |ref|: bf16 roundings of h, act, y and out over the float64 reference
+_POISON = 0x7FC0      # a bf16 NaN
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def _layer_reference(x, idx, w, wgu, wd):
+    """float64 of the whole layer for this rank's tokens: out[t] = sum_j w[t, j] * FFN_e(x[t]), e = idx[t, j],
+    FFN_e(v) = Wd[e] (silu(Wg[e] v) * (Wu[e] v)) with Wg, Wu the first and last F rows of wgu[e]."""
+    x64 = x.astype(np.float64)
+    out = np.zeros(x.shape, np.float64)
+    f = wd.shape[2]
+    for e in np.unique(idx[idx >= 0]):
+        t, j = np.nonzero(idx == e)
+        h = x64[t] @ wgu[e].T
+        y = (_silu(h[:, :f]) * h[:, f:]) @ wd[e].T
+        np.add.at(out, t, w[t, j].astype(np.float64)[:, None] * y)
+    return out
+
+
+class _Layer:
+    """A MoELayer with known weights: every rank draws every expert's weights from one seed and loads its own."""
+
+    def __init__(self, world, mode):
+        import cupy
+
+        import fluxrt.moe as moe
+
+        e = 4 * world.size
+        self.layer = moe.MoELayer(world, num_experts=e, hidden=HIDDEN, ffn_hidden=FFN, max_tokens_per_rank=160,
+                                  dtype="bf16", options=moe.MoELayerOptions(
+                                      dispatch=moe.DispatcherOptions(top_k=4, blocks=8, threads=256, mode=mode)))
+        g = np.random.default_rng(2025)
+        self.wgu = (g.standard_normal((e, 2 * FFN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32).astype(_bf16())
+        self.wd = (g.standard_normal((e, HIDDEN, FFN)) / np.sqrt(FFN)).astype(np.float32).astype(_bf16())
+        el, r = self.layer.local_experts, world.rank
+        mine = slice(r * el, (r + 1) * el)
+        # gate and up given separately: the layer stores them as one [E_local, 2 F, H] array
+        self.layer.set_weights(w_gate=cupy.asarray(self.wgu[mine, :FFN]), w_up=cupy.asarray(self.wgu[mine, FFN:]),
+                               w_down=cupy.asarray(self.wd[mine]))
+        self.stored_ok = np.array_equal(self.layer.w_gate_up.get().view(np.uint16), self.wgu[mine].view(np.uint16))
+        self.wgu64, self.wd64 = self.wgu.astype(np.float64), self.wd.astype(np.float64)
+        self.num_experts = e
+
+    def reference(self, x, idx, w):
+        return _layer_reference(x, idx, w, self.wgu64, self.wd64)
+
+
+@pytest.fixture(scope="module", params=["throughput", "low_latency"])
+def moe_layer(world, request):
+    lay = _Layer(world, request.param)
+    yield lay
+    lay.layer.free()
+
+
+def _layer_round(world, lay, rng, tokens, k, *, masked=0.0, route=None, problems, what="", check_untouched=False):
+    """One forward against the float64 reference; problems collected (no rank leaves the others waiting)."""
+    import cupy
+
+    layer = lay.layer
+    rng = _rank_rng(rng, world)
+    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32).astype(_bf16())
+    idx, w = route(rng, tokens) if route else _routing(rng, tokens, k, lay.num_experts, masked)
+    out = cupy.empty((tokens, HIDDEN), dtype=_bf16())
+    world.comm.Barrier()   # every rank's previous combine (which read this rank's receive buffer) has ended
+    for a in (out, layer.h, layer.act, layer.dispatcher.recv):
+        _poison(a)
+    got = layer.forward(cupy.asarray(x), cupy.asarray(idx), cupy.asarray(w), out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    world.check_errors()
+    err = _rel_err(got.get().astype(np.float64), lay.reference(x, idx, w))
+    if not err < LAYER_TOL:
+        problems.append(f"{what} rank {world.rank}: layer relative error {err:.3g}")
+    if check_untouched:   # rows past the received ones: the GEMMs and the activation never touch them
+        n = int(layer.dispatcher.offsets[-1].get())
+        for name, a in (("h", layer.h), ("act", layer.act), ("receive buffer", layer.dispatcher.recv)):
+            if not (a[n:].view(np.uint16) == _POISON).all():
+                problems.append(f"{what} rank {world.rank}: {name} rows past the {n} received were written")
+    return x, idx, w, got
+
+
+def test_layer_matches_the_float64_reference(world, moe_layer, rng):
+    problems = _Problems()
+    if not moe_layer.stored_ok:
+        problems.append(f"rank {world.rank}: separate gate/up weights were not stored as [gate; up]")
+    for tokens in (37 + 13 * world.rank, 1, 97, 160):   # T differs per rank; not a multiple of anything
+        _layer_round(world, moe_layer, rng, tokens, 4, masked=0.1, problems=problems, what=f"T={tokens}",
+                     check_untouched=True)
+    problems.assert_none()
+
+
+def test_layer_experts_without_tokens(world, moe_layer, rng):
+    e = moe_layer.num_experts
+    problems = _Problems()
+
+    def even_only(rng, t):   # odd experts receive nothing
+        idx = np.array([rng.choice(np.arange(0, e, 2), size=2, replace=False) for _ in range(t)], np.int32)
+        return idx.reshape(t, 2), rng.random((t, 2)).astype(np.float32) + 0.1
+
+    def one_expert(rng, t):  # every token of every rank to expert e - 1: every other expert is empty
+        idx = np.stack([np.full(t, e - 1), np.full(t, -1)], axis=1)
+        return idx.astype(np.int32), rng.random((t, 2)).astype(np.float32) + 0.1
+
+    _layer_round(world, moe_layer, rng, 41, 2, route=even_only, problems=problems, what="even experts",
+                 check_untouched=True)
+    _layer_round(world, moe_layer, rng, 160, 2, route=one_expert, problems=problems, what="one expert")
+    _layer_round(world, moe_layer, rng, 0 if world.rank == 0 else 29, 3, problems=problems, what="rank 0 empty")
+    problems.assert_none()
+
+
+def test_layer_back_to_back_changing_routing(world, moe_layer, rng):
+    problems = _Problems()
+    for it in range(20):
+        tokens = int(rng.integers(1, 161))
+        _layer_round(world, moe_layer, rng, tokens, int(rng.integers(1, 5)), masked=0.1, problems=problems,
+                     what=f"iter {it}")
+    problems.assert_none()
+
+
+class _Allocations:
+    """Counts CuPy allocations (pool and device) while active."""
+
+    def __init__(self):
+        import cupy
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = "fluxrt-test-allocations"
+
+            def __init__(self):
+                self.n = 0
+
+            def alloc_preprocess(self, **kw):
+                self.n += 1
+
+            def malloc_preprocess(self, **kw):
+                self.n += 1
+
+        self.hook = Hook()
+
+
+def test_layer_graph_capture_and_replay_with_changed_routing(world, moe_layer, rng):
+    import cupy
+
+    layer, t, k = moe_layer.layer, 90, 4
+    x = cupy.zeros((t, HIDDEN), dtype=_bf16())
+    idx = cupy.asarray(np.tile(np.arange(k, dtype=np.int32), (t, 1)))   # distinct experts (low latency's rule)
+    w = cupy.zeros((t, k), dtype=np.float32)
+    out = cupy.empty((t, HIDDEN), dtype=_bf16())
+    s = cupy.cuda.Stream(non_blocking=True)
+    layer.forward(x, idx, w, out=out, stream=s)   # compile and warm up outside the capture
+    s.synchronize()
+    allocs = _Allocations()
+    with allocs.hook:   # the steady state allocates nothing (a graph keeps pointing at live buffers)
+        layer.forward(x, idx, w, out=out, stream=s)
+        s.synchronize()
+    problems = _Problems()
+    if allocs.hook.n:
+        problems.append(f"rank {world.rank}: a steady-state forward made {allocs.hook.n} allocations")
+    with s:
+        s.begin_capture()
+        layer.forward(x, idx, w, out=out, stream=s)
+        graph = s.end_capture()
+    local = _rank_rng(rng, world)
+    for rep in range(3):
+        xh = local.standard_normal((t, HIDDEN)).astype(np.float32).astype(_bf16())
+        ih, wh = _routing(local, t, k, moe_layer.num_experts, masked=0.1)
+        x.set(xh)
+        idx.set(ih)
+        w.set(wh)
+        _poison(out)
+        cupy.cuda.Device().synchronize()
+        world.comm.Barrier()
+        graph.launch(s)
+        s.synchronize()
+        world.check_errors()
+        err = _rel_err(out.get().astype(np.float64), moe_layer.reference(xh, ih, wh))
+        if not err < LAYER_TOL:
+            problems.append(f"replay {rep} rank {world.rank}: relative error {err:.3g}")
+    problems.assert_none()
+
+
+def test_layer_bad_arguments_raise_on_every_rank(world, moe_layer, rng):
+    import cupy
+
+    import fluxrt.moe as moe
+
+    layer = moe_layer.layer
+    x = cupy.zeros((8, HIDDEN), dtype=_bf16())
+    idx = cupy.asarray(np.tile(np.arange(2, dtype=np.int32), (8, 1)))
+    w = cupy.ones((8, 2), dtype=np.float32)
+    bad_out = cupy.empty((7 if world.rank == 0 else 8, HIDDEN), dtype=_bf16())
+    with pytest.raises(moe.MoEArgumentError, match=r"out must be bf16 \[8, 264\]|other ranks"):
+        layer.forward(x, idx, w, out=bad_out)
+    with pytest.raises(moe.MoEArgumentError, match="set_weights: w_down must be bf16"):
+        layer.set_weights(w_down=cupy.zeros((layer.local_experts, FFN, HIDDEN), dtype=_bf16()))
+    with pytest.raises(moe.MoEArgumentError, match="w_gate and w_up go together"):
+        layer.set_weights(w_gate=cupy.zeros((layer.local_experts, FFN, HIDDEN), dtype=_bf16()))
+    # nothing was left half done: the next call runs and is right
+    problems = _Problems()
+    _layer_round(world, moe_layer, rng, 33, 2, problems=problems, what="after the errors")
+    problems.assert_none()
