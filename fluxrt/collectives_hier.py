@@ -34,7 +34,7 @@ from .agreement import agree as _agree
 from .agreement import local as _local
 from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, _as_array, _check_alias, _move_dtype,
                           _reduce_dtype, _redop)
-from .errors import CollectiveArgumentError, FluxrtError, op_id
+from .errors import CollectiveArgumentError, FluxrtError, GraphCaptureError, op_id
 from .nvtx import annotate as _nvtx
 from .packed_launch import PackedLaunch
 from .registry import Registry
@@ -380,12 +380,12 @@ class HierarchicalCollectives:
         The sum runs over the node's ranks first, then over nodes in node order (every rank the same bits)."""
         import cupy
 
-        _uncompressed("allreduce", compress, error_feedback)
-
         world, g = self.world, self.ranks_per_node
         s0 = as_cupy_stream(stream)
 
         def prepare():
+            _uncompressed("allreduce", compress, error_feedback)
+            _not_capturing("allreduce", s0)
             _check_algo(algo)
             a = _as_array(x, "x", "allreduce", world, s0)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
@@ -435,12 +435,12 @@ class HierarchicalCollectives:
         node reduce-scatters its block."""
         import cupy
 
-        _uncompressed("reduce_scatter", compress, error_feedback)
-
         world, n, g, nodes = self.world, self.world.size, self.ranks_per_node, self.nodes
         s0 = as_cupy_stream(stream)
 
         def prepare():
+            _uncompressed("reduce_scatter", compress, error_feedback)
+            _not_capturing("reduce_scatter", s0)
             _check_algo(algo)
             a = _as_array(x, "x", "reduce_scatter", world, s0)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
@@ -475,11 +475,12 @@ class HierarchicalCollectives:
     def allgather(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto",
                   compress: str | None = None, error_feedback=None):
         """As ``Collectives.allgather``: the node gathers its block into out, then the rail exchanges blocks."""
-        _uncompressed("allgather", compress, error_feedback)
         world, n, g = self.world, self.world.size, self.ranks_per_node
         s0 = as_cupy_stream(stream)
 
         def prepare():
+            _uncompressed("allgather", compress, error_feedback)
+            _not_capturing("allgather", s0)
             _check_algo(algo)
             a = _as_array(x, "x", "allgather", world, s0)
             _move_dtype(a.dtype)
@@ -525,6 +526,13 @@ def check_rail_reduction(dt: str, red: str) -> None:
     if dt not in RAIL_DTYPES or red not in RAIL_OPS:
         raise CollectiveArgumentError(f"reductions across nodes support {RAIL_DTYPES} with {RAIL_OPS}, got {dt} "
                                       f"{red}")
+
+
+def _not_capturing(name: str, stream) -> None:
+    """Rail epochs are counted on the host: a captured rail round would replay with a stale epoch."""
+    if stream.is_capturing():
+        raise GraphCaptureError(f"{name} across nodes cannot be captured in a CUDA graph (the rail rounds' epochs "
+                                "are counted on the host); call it outside the capture")
 
 
 def _check_algo(algo: str) -> None:

@@ -41,6 +41,7 @@ from .dtypes import bfloat16, normalize_dtype
 from .errors import CollectiveArgumentError, op_id
 from .nvtx import annotate as _nvtx
 from .packed_launch import PackedLaunch
+from .topology import require_one_domain
 
 if TYPE_CHECKING:
     from .world import World
@@ -201,7 +202,9 @@ def allreduce_rmsnorm(world: World, x, residual, weight, eps: float = 1e-6, *, o
     in `scales_out`, [T] or [T, ceil(H / 128)]). ctx: the ``Collectives`` context (default: the world's).
     Collective: every rank calls with the same shapes, dtype, eps and quant (checked across ranks unless
     the world's ``check_collective_args`` is off)."""
-    ctx = ctx if ctx is not None else _coll.context(world)
+    if ctx is None:   # the world's context: on a world of several nodes, the hierarchical one has no fused kernels
+        require_one_domain(world, "allreduce_rmsnorm", CollectiveArgumentError)
+        ctx = _coll.context(world)
     key = call_key(x, out, residual, weight, residual_out, scales_out, eps, quant, algo)
     result = (AllreduceNormResult(out, residual_out, scales_out) if key is not None else None)
     return ctx._call(key, lambda s: _plan_call(ctx, x, residual, weight, eps, out, residual_out, quant, scales_out,

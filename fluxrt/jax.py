@@ -24,6 +24,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from . import collectives as _coll
+from .errors import CollectiveArgumentError, GraphCaptureError
 
 if TYPE_CHECKING:
     from .world import World
@@ -50,7 +51,10 @@ def _call(name: str, x, out_shape, world, command_buffer: bool, dtypes, ops, run
     jax, buffer_callback = _api()
     world = _world(world)
     if command_buffer:   # the callback runs inside XLA's graph capture: nothing may be made there
-        _coll.prepare(world, dtypes=dtypes, ops=ops)
+        ctx = _coll.prepare(world, dtypes=dtypes, ops=ops)
+        if not isinstance(ctx, _coll.Collectives):
+            raise GraphCaptureError(f"{name}: command_buffer=True on a world of several nodes: the hierarchical "
+                                    "collectives cannot be captured in a CUDA graph; use command_buffer=False")
     out = jax.ShapeDtypeStruct(out_shape, x.dtype)
 
     def callback(ctx, o, a):
@@ -79,7 +83,7 @@ def reduce_scatter(x, *, world: "World | None" = None, op: str = "sum", algo: st
     """fluxrt.reduce_scatter: rank r gets the reduction of every rank's r-th slice of the first axis."""
     n = _world(world).size
     if not x.ndim or x.shape[0] % n:
-        raise ValueError(f"reduce_scatter: the first axis of x {tuple(x.shape)} must split into {n} ranks")
+        raise CollectiveArgumentError(f"reduce_scatter: the first axis of x {tuple(x.shape)} must split into {n} ranks")
     return _call("reduce_scatter", x, (x.shape[0] // n, *x.shape[1:]), world, command_buffer, (x.dtype,), (op,),
                  functools.partial(_run_reduce_scatter, op=op, algo=algo))
 

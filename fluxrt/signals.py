@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import NO_PEER, op_id
+from .errors import NO_PEER, CollectiveArgumentError, op_id
 from .streams import as_cupy_stream
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ class _Flags:
         self._lists = None
         self.barrier_pad = world.zeros((world.size,), np.uint64)
         self.barrier_epoch = 0
+        # the barrier kernel stores into every peer's pad through its NVLink pointer (none to another node)
+        self.barrier_unreachable = [r for r in range(world.size) if self.barrier_pad.peer_ptr(r) == 0]
 
     def lists(self):
         """(signal_list, wait_list) kernels, loaded on first use (they live with the fused ops' kernels,
@@ -162,6 +164,11 @@ def barrier(world: World, stream=None, op: str = "barrier") -> None:
     peer through the world's barrier pad)."""
     world.check_errors()
     st = state(world)
+    if st.barrier_unreachable:
+        raise CollectiveArgumentError(
+            f"{op}: the device barrier needs NVLink pointers to every rank; rank {world.rank} has none to ranks "
+            f"{st.barrier_unreachable} (another node). Across nodes use world.comm.Barrier() (host) or order "
+            "the work with the collectives (docs/multinode.md)")
     st.barrier_epoch += 1
     pad = st.barrier_pad
     threads = max(32, 32 * math.ceil(world.size / 32))

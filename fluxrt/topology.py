@@ -259,5 +259,19 @@ def single(rank: int = 0) -> Topology:
     return Topology(rank=rank, node_of=(0,), pointer=((True,),), remote=(False,), remote_why=("",))
 
 
+def require_one_domain(world, op: str, error=TopologyError) -> None:
+    """Refuse, before anything is allocated or launched, an op whose kernels need NVLink pointers between every
+    pair of ranks on a world without them (several nodes, or ``FLUXRT_TOPOLOGY=virtual:NxG``). The topology is
+    the same on every rank, so every rank raises."""
+    topo = getattr(world, "topology", None)
+    if topo is None or not topo.hierarchical:
+        return
+    kind = "virtual " if topo.virtual else ""
+    raise error(f"{op} runs over NVLink pointers between every pair of ranks; this world has {topo.num_nodes} "
+                f"{kind}nodes (ranks {_ranges(topo.nvshmem_peers())} are reached only through NVSHMEM from rank "
+                f"{topo.rank}). Across nodes fluxrt runs allreduce, reduce_scatter and allgather "
+                "(docs/multinode.md); run this op on a world of one node")
+
+
 __all__ = ["ENV", "Topology", "TopologyError", "VirtualNodes", "build", "discover", "node_indices", "parse_setting",
-           "remote_transport", "setting_from_env", "single"]
+           "remote_transport", "require_one_domain", "setting_from_env", "single"]

@@ -33,6 +33,7 @@ from ..dtypes import normalize_dtype, short_name
 from ..errors import FluxrtError, HeapExhaustedError, op_id
 from ..nvtx import annotate as _nvtx
 from ..streams import as_cupy_stream
+from ..topology import require_one_domain
 
 if TYPE_CHECKING:
     from ..world import World
@@ -210,6 +211,7 @@ class Dispatcher:
         from ..toolchain import load_module
 
         world.check_active()
+        require_one_domain(world, "Dispatcher()", MoEArgumentError)
         self.world = world
         self.options = options or DispatcherOptions()
 

@@ -42,6 +42,7 @@ from ..dtypes import normalize_dtype, short_name
 from ..errors import GemmArgumentError
 from ..nvtx import annotate as _nvtx
 from ..streams import as_cupy_stream
+from ..topology import require_one_domain
 from .dispatcher import (DispatchHandle, Dispatcher, DispatcherOptions, MoEArgumentError, MoEConfig,
                          _checked_on_every_rank, _intake, check_config)
 
@@ -149,6 +150,7 @@ class MoELayer:
         from ..ops.mlp import load_silu_mul, silu_mul_grid
 
         world.check_active()
+        require_one_domain(world, f"{OP}()", MoEArgumentError)
         self.world = world
         self.options = MoELayerOptions() if options is None else options
 

@@ -11,6 +11,7 @@ import numpy as np
 from .. import agreement, signals
 from ..arrays import as_array
 from ..dtypes import normalize_dtype, short_name
+from ..topology import require_one_domain
 from .plan import MAX_WORLD, OpsArgumentError, capacity_rows, check_rows, padded_shard
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, tra
     """Both fused ops' constructor checks, agreed across ranks (a mismatch or a local error raises on every
     rank): sets obj.world, dtype, max_m, n, k, trans_b, plan (``plan`` or ``planner(max_m, n, k, world
     size)``, validated) and capacity_m (the rows its buffers hold, shards padded to whole tiles)."""
+    require_one_domain(world, f"{op}()", OpsArgumentError)
     obj.world = world
 
     def local_checks():

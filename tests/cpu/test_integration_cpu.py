@@ -1,0 +1,80 @@
+"""Features that must compose: the NVLink-only entries (allreduce+RMSNorm, MoE, the fused GEMM ops, the device
+barrier) refuse a world of several nodes with a fluxrt error before anything is allocated or launched; the
+hierarchical collectives refuse a CUDA graph capture; fluxrt.jax's errors are fluxrt errors. No GPU: worlds are
+test doubles carrying a two-node topology."""
+import types
+
+import numpy as np
+import pytest
+
+import fluxrt
+from fluxrt import errors, signals
+from fluxrt.topology import Topology, require_one_domain
+
+
+def _two_nodes(virtual: bool = False) -> Topology:
+    every = tuple((True,) * 4 for _ in range(4))
+    return Topology(rank=0, node_of=(0, 0, 1, 1), pointer=every, remote=(True,) * 4, remote_why=("",) * 4,
+                    virtual=virtual)
+
+
+def _world(topology):
+    def nothing_else(*args, **kwargs):
+        raise AssertionError("the op went past its topology check")
+
+    return types.SimpleNamespace(topology=topology, rank=0, size=4, check_active=lambda: None,
+                                 check_errors=lambda: None, comm=None, registry=None, device=None,
+                                 empty=nothing_else, zeros=nothing_else, signal_pad=nothing_else)
+
+
+@pytest.mark.parametrize("virtual", [False, True])
+def test_require_one_domain_refuses_several_nodes_only(virtual):
+    require_one_domain(_world(None), "op")
+    require_one_domain(_world(fluxrt.topology.single()), "op")
+    with pytest.raises(errors.CollectiveArgumentError, match="2 (virtual )?nodes.*ranks 2-3"):
+        require_one_domain(_world(_two_nodes(virtual)), "op", errors.CollectiveArgumentError)
+
+
+def test_allreduce_rmsnorm_on_several_nodes_raises_a_fluxrt_error():
+    with pytest.raises(errors.CollectiveArgumentError, match="allreduce_rmsnorm.*nodes"):
+        fluxrt.fused.allreduce_rmsnorm(_world(_two_nodes()), None, None, None)
+
+
+def test_moe_on_several_nodes_raises_before_allocating():
+    w = _world(_two_nodes())
+    with pytest.raises(fluxrt.moe.MoEArgumentError, match="Dispatcher"):
+        fluxrt.moe.Dispatcher(w, 8, 128, 16)
+    with pytest.raises(fluxrt.moe.MoEArgumentError, match="MoELayer|moe_layer"):
+        fluxrt.moe.MoELayer(w, 8, 128, 256, 16)
+
+
+@pytest.mark.parametrize("cls", ["AllGatherGemm", "GemmReduceScatter", "TPMLP"])
+def test_fused_gemm_ops_on_several_nodes_raise_before_allocating(cls):
+    from fluxrt.ops.plan import OpsArgumentError
+
+    with pytest.raises(OpsArgumentError, match="nodes"):
+        getattr(fluxrt.ops, cls)(_world(_two_nodes()), 256, 256, 256)
+
+
+def test_device_barrier_refuses_ranks_without_pointers():
+    w = _world(_two_nodes())
+    st = types.SimpleNamespace(barrier_unreachable=[2, 3])
+    w.registry = types.SimpleNamespace(get_or_create=lambda key, make: st)
+    with pytest.raises(errors.CollectiveArgumentError, match=r"barrier.*\[2, 3\]"):
+        signals.barrier(w)
+
+
+def test_hierarchical_calls_refuse_a_graph_capture():
+    from fluxrt.collectives_hier import _not_capturing
+
+    _not_capturing("allreduce", types.SimpleNamespace(is_capturing=lambda: False))
+    with pytest.raises(errors.GraphCaptureError, match="allreduce across nodes"):
+        _not_capturing("allreduce", types.SimpleNamespace(is_capturing=lambda: True))
+
+
+def test_jax_reduce_scatter_shape_error_is_a_fluxrt_error():
+    import fluxrt.jax as fj
+
+    w = types.SimpleNamespace(size=4)
+    with pytest.raises(errors.CollectiveArgumentError):
+        fj.reduce_scatter(np.zeros((6, 2), np.float32), world=w)
