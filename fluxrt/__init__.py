@@ -17,6 +17,7 @@ from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, all
 from .dtypes import bfloat16, normalize_dtype
 from .errors import (AgreementTimeoutError, CollectiveArgumentError, CollectiveMismatchError, CompileError, DeviceError, FluxrtError,
                      GraphCaptureError, HeapExhaustedError, NotSymmetricError, NvshmemInitError, WaitTimeoutError)
+from .topology import TopologyError
 from .world import World, WorldOptions, current, finalize, init
 from . import compressed, fused, moe, ops
 
@@ -27,5 +28,6 @@ __all__ = [
     "FluxrtError", "DeviceError", "NvshmemInitError", "HeapExhaustedError", "CollectiveMismatchError",
     "NotSymmetricError", "CompileError", "WaitTimeoutError", "AgreementTimeoutError", "CollectiveArgumentError",
     "Collectives", "CollectivesOptions", "CollectiveHandle", "allreduce", "reduce_scatter", "allgather",
-    "alltoall", "alltoallv", "broadcast", "barrier", "prepare", "wait_all", "GraphCaptureError",
+    "alltoall", "alltoallv", "broadcast", "barrier", "prepare", "wait_all", "GraphCaptureError", "TopologyError",
+    "compressed", "fused", "moe", "ops",
 ]

@@ -936,15 +936,20 @@ def context(world: World, stream=None) -> Collectives:
 
 def prepare(world: World, dtypes=(), ops=("sum",), options: CollectivesOptions | None = None):
     """Make everything the world's collectives need before a CUDA graph capture: the context (collective:
-    every rank calls it; `options` for a new single-node one) and the kernels of reductions of `dtypes` with
-    `ops` that are not in the base module (fp64, integers, prod, avg). A first call inside a capture then
-    works."""
+    every rank calls it; `options` for a new one: on a world of several nodes, its node stage's) and the kernels
+    of reductions of `dtypes` with `ops` that are not in the base module (fp64, integers, prod, avg). A first
+    call inside a capture then works (on a single node: the hierarchical calls are not capturable)."""
     ctx = world.registry.get(_KEY)
     if ctx is None:
         path, _ = plan.choose_path(getattr(world, "topology", None))
-        ctx = Collectives(world, options) if path != "hierarchical" else context(world)
-    if hasattr(ctx, "prepare"):
-        ctx.prepare(dtypes, ops)
+        if path != "hierarchical":
+            ctx = Collectives(world, options)
+        else:
+            from . import collectives_hier
+
+            ctx = collectives_hier.context(world, None if options is None else
+                                           collectives_hier.HierarchicalOptions(node=options))
+    ctx.prepare(dtypes, ops)
     return ctx
 
 

@@ -231,6 +231,13 @@ class HierarchicalCollectives:
             log.info("collectives: hierarchical, %d nodes x %d ranks; node team over NVLink, rails over NVSHMEM "
                      "(%d-byte slots)", self.nodes, self.ranks_per_node, self.slot_bytes)
 
+    def prepare(self, dtypes=(), ops=("sum",)) -> None:
+        """``fluxrt.prepare`` on a world of several nodes: refuse now the reductions the rail kernels do not have
+        (they are all loaded with the context). Local."""
+        for d in dtypes:
+            for o in ops:
+                check_rail_reduction(_reduce_dtype(d), _redop(o))
+
     def free(self) -> None:
         """Collective: release the node team's context and the rail buffers."""
         if self._freed:
@@ -424,8 +431,8 @@ class HierarchicalCollectives:
                 full = cupy.empty(shard * g, a.dtype)
                 self.node.allgather(mine, full, stream=s)
                 o_flat[:count] = full[:count]
-        log.debug("rank %d: hierarchical allreduce of %d x %s: node reduce-scatter, rail allreduce (%s) of %d, "
-                  "node all-gather", world.rank, count, a.dtype, rail_algo, shard)
+        log.info("rank %d: hierarchical allreduce of %d x %s: node reduce-scatter, rail allreduce (%s) of %d, "
+                 "node all-gather", world.rank, count, a.dtype, rail_algo, shard)
         return self._end(s, async_op, o, (a, o))
 
     @_nvtx("hier.reduce_scatter")
@@ -469,6 +476,8 @@ class HierarchicalCollectives:
                 self.node.reduce_scatter(mine, o_flat[:c], op=op, stream=s)
             else:
                 o_flat[:c] = mine
+        log.info("rank %d: hierarchical reduce_scatter of %d x %s: rail reduce-scatter of %d node blocks, node "
+                 "reduce-scatter of %d", world.rank, a.size, a.dtype, nodes, block)
         return self._end(s, async_op, o, (a, o))
 
     @_nvtx("hier.allgather")
@@ -504,6 +513,8 @@ class HierarchicalCollectives:
             elif mine.data.ptr != a.data.ptr:
                 mine[...] = a.reshape(-1).view(np.uint8)
             self._rail_allgather(o_bytes.data.ptr, block_bytes, s, "hier.allgather")
+        log.info("rank %d: hierarchical allgather of %d x %s: node all-gather, rail all-gather of %d-byte node "
+                 "blocks", world.rank, a.size, a.dtype, block_bytes)
         return self._end(s, async_op, o, (a, o))
 
     def _not_across_nodes(self, name: str):
@@ -541,11 +552,11 @@ def _check_algo(algo: str) -> None:
                                       "('auto' or 'hierarchical')")
 
 
-def context(world: World) -> HierarchicalCollectives:
-    """The world's hierarchical context (in its registry), made collectively on first use."""
+def context(world: World, options: HierarchicalOptions | None = None) -> HierarchicalCollectives:
+    """The world's hierarchical context (in its registry), made collectively on first use (with `options`)."""
     ctx = world.registry.get(KEY)
     if ctx is None:
-        ctx = HierarchicalCollectives(world)   # registers itself
+        ctx = HierarchicalCollectives(world, options)   # registers itself
     return ctx
 
 

@@ -30,6 +30,7 @@ scale; int8 with 128-element blocks keeps about 7 bits for a block's amax of ~2.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,8 @@ from .packed_launch import PackedLaunch
 
 if TYPE_CHECKING:
     from .collectives import Collectives
+
+log = logging.getLogger(__name__)
 
 COMPRESS_FORMATS = ("fp8", "int8")
 COMPRESSED_OPS = ("allreduce", "reduce_scatter", "allgather")
@@ -180,6 +183,9 @@ def _plan(ctx, op, x, out, compress, error_feedback, redop, algo, stream):
     tm = team(ctx, f"{op}:{fmt}")
     isz = a.itemsize
     efp = 0 if ef is None else ef.data.ptr
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s compress=%s: %d x %s on %d ranks (%d wire bytes per rank's %d)%s", op, fmt, a.size, a.dtype, n,
+                 wire_bytes(a.size, isz)[1], a.nbytes, ", error feedback" if ef is not None else "")
     launches = []
     if op == "allreduce":
         total = a.size

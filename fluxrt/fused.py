@@ -280,6 +280,9 @@ def _plan_call(ctx, x, residual, weight, eps, out, residual_out, quant, scales_o
     tm = team(ctx, "allreduce_rmsnorm")
     rb, ob = cols * a.itemsize, cols * o.itemsize
     groups = 1 if quant == "per_token" else _ceil_div(cols, QUANT_GROUP)
+    if log.isEnabledFor(logging.INFO):
+        log.info("allreduce_rmsnorm: [%d, %d] %s on %d ranks -> algo %s (%s), %d launch(es), quant %s", rows, cols,
+                 a.dtype, n, p.algo, "auto" if algo == "auto" else "forced", len(p.pieces), quant)
     launches = []
     for piece in p.pieces:
         io = (_u64(a.data.ptr + piece.row * rb), _u64(res.data.ptr + piece.row * rb), _u64(w.data.ptr),

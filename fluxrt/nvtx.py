@@ -1,7 +1,8 @@
 """NVTX ranges around fluxrt's public calls, for Nsight Systems timelines.
 
-FLUXRT_NVTX=1 (read once, when fluxrt is imported) wraps every public entry point -- the collectives,
-``gemm``, the fused ops' ``forward``, p2p ``put``/``get``, ``World.barrier`` -- in an NVTX range named
+FLUXRT_NVTX=1 (read once, when fluxrt is imported) wraps every public entry point -- the collectives (``hier.*``
+across nodes), ``gemm``, ``grouped_gemm``, the fused ops' ``forward``, ``allreduce_rmsnorm``, MoE dispatch,
+combine and layer, p2p ``put``/``get``, ``World.barrier`` -- in an NVTX range named
 ``fluxrt.<op>``, pushed with CuPy's ``cupy.cuda.nvtx`` (or the ``nvtx`` package when CuPy's is missing).
 Off (the default), :func:`annotate` returns the function itself: no wrapper, no cost. Nothing CUDA is
 imported here; the NVTX module is looked up at the first range.

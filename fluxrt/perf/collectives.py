@@ -173,14 +173,24 @@ class FluxrtRunner:
                  tuning=None):
         import fluxrt
 
+        from .. import collectives_hier
+        from ..collectives_plan import choose_path
+
         options = fluxrt.CollectivesOptions(workspace_bytes=workspace_bytes, tuning=tuning)  # None: the machine's table
-        self.ctx = fluxrt.Collectives(world, options)
+        # a world of several (or virtual) nodes times the path its collectives take: the hierarchical one
+        self.hierarchical = choose_path(getattr(world, "topology", None))[0] == "hierarchical"
+        if self.hierarchical:
+            self.ctx = collectives_hier.HierarchicalCollectives(world, collectives_hier.HierarchicalOptions(node=options))
+        else:
+            self.ctx = fluxrt.Collectives(world, options)
         self.op, self.algo, self.redop, self.root, self.n = op, algo, redop, root, world.size
         self.symmetric = symmetric
 
     def algo_name(self, case: Case) -> str:
         from ..collectives_plan import describe as plan_describe
 
+        if self.hierarchical:
+            return "hierarchical"
         count = {"reduce_scatter": case.out_elems, "alltoall": case.chunk, "alltoallv": case.chunk}.get(
             self.op, case.in_elems)
         isz = case.dtype.itemsize

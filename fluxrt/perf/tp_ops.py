@@ -402,7 +402,7 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
     import cupy
 
     from .. import gemm as fgemm
-    from ..ops import AgGemmPlan, AllGatherGemm, GemmReduceScatter, GemmRsPlan, common, decomposed, plan_ag_gemm, \
+    from ..ops import AgGemmPlan, AllGatherGemm, GemmReduceScatter, common, decomposed, plan_ag_gemm, \
         plan_gemm_rs
     from ..dtypes import normalize_dtype, short_name
     from ..ops.cost import DECOMPOSED_CHUNKS, chunk_rows

@@ -2,8 +2,6 @@
 grouped kernel compiled for sm_90a (its layout constants against the planner's)."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -12,7 +10,7 @@ from fluxrt.gemm.grouped import (check_grouped_plan, group_tiles, grouped_grid, 
                                  validate_grouped_args)
 from fluxrt.gemm.plan import MAX_GROUPS, SMEM_LIMIT_BYTES, GemmPlan
 
-from test_gemm_cpu import BF16, _cubin_u32, _nvrtc_available, arr
+from test_gemm_cpu import _cubin_u32, _nvrtc_available, arr
 
 
 def args(m=300, k=128, n=256, g=4, trans_b=False, odt=np.int32, **kw):

@@ -78,3 +78,58 @@ def test_jax_reduce_scatter_shape_error_is_a_fluxrt_error():
     w = types.SimpleNamespace(size=4)
     with pytest.raises(errors.CollectiveArgumentError):
         fj.reduce_scatter(np.zeros((6, 2), np.float32), world=w)
+
+
+def test_public_names_exist_and_every_error_is_a_fluxrt_error():
+    import inspect
+
+    import fluxrt.compressed  # noqa: F401
+    import fluxrt.gemm
+    import fluxrt.ops.plan
+
+    for name in fluxrt.__all__:
+        assert hasattr(fluxrt, name), name
+    assert issubclass(fluxrt.TopologyError, fluxrt.FluxrtError)
+    for mod in (fluxrt.errors, fluxrt.topology, fluxrt.moe, fluxrt.ops.plan, fluxrt.gemm, fluxrt.registry):
+        for name, obj in vars(mod).items():
+            if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__.startswith("fluxrt"):
+                assert issubclass(obj, fluxrt.FluxrtError), f"{mod.__name__}.{name}"
+
+
+def test_prepare_on_several_nodes_checks_the_rail_reductions_and_passes_the_options(monkeypatch):
+    from fluxrt import collectives, collectives_hier
+
+    made = []
+
+    class Recorder:
+        def __init__(self, world, options=None):
+            made.append(options)
+            self.checked = []
+
+        prepare = collectives_hier.HierarchicalCollectives.prepare
+
+    monkeypatch.setattr(collectives_hier, "HierarchicalCollectives", Recorder)
+    w = _world(_two_nodes())
+    w.registry = fluxrt.registry.Registry()
+    opts = collectives.CollectivesOptions(workspace_bytes=1 << 20)
+    ctx = collectives.prepare(w, dtypes=("bf16", "fp32"), ops=("sum", "max"), options=opts)
+    assert isinstance(ctx, Recorder) and made[0].node is opts
+    for dtype, op in (("float64", "sum"), ("int32", "sum"), ("bf16", "avg"), ("fp32", "prod")):
+        with pytest.raises(errors.CollectiveArgumentError, match="across nodes"):
+            ctx.prepare((dtype,), (op,))
+
+
+def test_fluxrt_perf_times_the_hierarchical_path_on_several_nodes(monkeypatch):
+    from fluxrt import collectives_hier
+    from fluxrt.perf import collectives as perf
+
+    made = []
+
+    class Recorder:
+        def __init__(self, world, options=None):
+            made.append(options)
+
+    monkeypatch.setattr(collectives_hier, "HierarchicalCollectives", Recorder)
+    r = perf.FluxrtRunner(_world(_two_nodes(virtual=True)), "allreduce", "auto", "sum", 0, 1 << 20, False)
+    assert isinstance(r.ctx, Recorder) and made[0].node.workspace_bytes == 1 << 20
+    assert r.algo_name(None) == "hierarchical"

@@ -622,7 +622,7 @@ def test_graph_capture_and_replay(world):
 
     import fluxrt
 
-    n, r = world.size, world.rank
+    n = world.size
     count = 5000
     x = cupy.empty(count, dtype=fluxrt.bfloat16)
     out = _poisoned(count, "bf16")

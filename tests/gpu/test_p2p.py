@@ -160,7 +160,7 @@ def test_views_stay_symmetric_and_results_do_not(world):
 def test_nvshmem_device_api_put_signal(world, rng):
     import cupy
 
-    from fluxrt.errors import NO_PEER, op_id
+    from fluxrt.errors import op_id
     from fluxrt.toolchain import load_nvshmem_module
 
     mod = load_nvshmem_module("comm/nvshmem_p2p.cu")
