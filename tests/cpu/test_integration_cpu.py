@@ -133,3 +133,14 @@ def test_fluxrt_perf_times_the_hierarchical_path_on_several_nodes(monkeypatch):
     r = perf.FluxrtRunner(_world(_two_nodes(virtual=True)), "allreduce", "auto", "sum", 0, 1 << 20, False)
     assert isinstance(r.ctx, Recorder) and made[0].node.workspace_bytes == 1 << 20
     assert r.algo_name(None) == "hierarchical"
+
+
+def test_jax_command_buffer_on_several_nodes_raises_at_trace(monkeypatch):
+    import fluxrt.jax as fj
+    from fluxrt import collectives
+
+    monkeypatch.setattr(fj, "_api", lambda: (None, None))
+    monkeypatch.setattr(collectives, "prepare", lambda world, dtypes=(), ops=(): object())   # not a Collectives
+    x = types.SimpleNamespace(shape=(8,), ndim=1, dtype=np.float32)
+    with pytest.raises(errors.GraphCaptureError, match="several nodes"):
+        fj.allreduce(x, world=_world(_two_nodes()), command_buffer=True)
