@@ -205,6 +205,9 @@ def allreduce_rmsnorm(world: World, x, residual, weight, eps: float = 1e-6, *, o
     if ctx is None:   # the world's context: on a world of several nodes, the hierarchical one has no fused kernels
         require_one_domain(world, "allreduce_rmsnorm", CollectiveArgumentError)
         ctx = _coll.context(world)
+    elif not isinstance(ctx, _coll.Collectives):
+        raise CollectiveArgumentError(f"allreduce_rmsnorm: ctx must be a fluxrt.Collectives (one NVLink domain), got "
+                                      f"{type(ctx).__name__}")
     key = call_key(x, out, residual, weight, residual_out, scales_out, eps, quant, algo)
     result = (AllreduceNormResult(out, residual_out, scales_out) if key is not None else None)
     return ctx._call(key, lambda s: _plan_call(ctx, x, residual, weight, eps, out, residual_out, quant, scales_out,

@@ -144,3 +144,11 @@ def test_jax_command_buffer_on_several_nodes_raises_at_trace(monkeypatch):
     x = types.SimpleNamespace(shape=(8,), ndim=1, dtype=np.float32)
     with pytest.raises(errors.GraphCaptureError, match="several nodes"):
         fj.allreduce(x, world=_world(_two_nodes()), command_buffer=True)
+
+
+def test_allreduce_rmsnorm_refuses_a_context_without_fused_kernels():
+    from fluxrt.collectives_hier import HierarchicalCollectives
+
+    ctx = HierarchicalCollectives.__new__(HierarchicalCollectives)
+    with pytest.raises(errors.CollectiveArgumentError, match="ctx must be a fluxrt.Collectives"):
+        fluxrt.fused.allreduce_rmsnorm(_world(None), None, None, None, ctx=ctx)
