@@ -237,3 +237,26 @@ def test_decomposed_fp8_pieces_on_simulated_ranks(monkeypatch, op_name, mode, sh
             ref = sum(_deq(x, s, 1, "e4m3") @ _deq(y, t, 128, "e4m3").T for x, y, s, t in inputs)
             ref = ref[r * shard:(r + 1) * shard]
         np.testing.assert_allclose(results[r], ref, rtol=1e-12, atol=1e-9, err_msg=f"rank {r}")
+
+
+# --- fluxrt-perf ag_gemm / gemm_rs --fp8: its pure parts -----------------------------------------------------
+
+def test_fp8_bench_flags_rows_table_and_summary():
+    from fluxrt.perf import tp_ops, tp_ops_fp8 as F
+
+    args = tp_ops.build_parser("ag_gemm").parse_args(["--fp8", "block", "--M", "8192", "--N", "7168", "--K", "8192"])
+    assert (args.fp8, args.fp8_format) == ("block", "e4m3")
+    assert tp_ops.build_parser("gemm_rs").parse_args([]).fp8 is None
+    with pytest.raises(SystemExit):
+        tp_ops.build_parser("ag_gemm").parse_args(["--fp8", "row"])
+    fast = F.fp8_row("ag_gemm", 8192, 7168, 8192, 4, "bfloat16", "e4m3", "block", 1.02, 1.0, 2,
+                     {1: 1.3, 2: 1.02, 4: 1.05})
+    slow = F.fp8_row("ag_gemm", 4096, 7168, 8192, 4, "bfloat16", "e4m3", "block", 0.6, 0.5, 1, {1: 0.6})
+    small = F.fp8_row("ag_gemm", 1024, 7168, 8192, 4, "bfloat16", "e4m3", "block", 0.3, 0.1, 1, {1: 0.3})
+    assert fast["op_over_gemm"] == pytest.approx(1.02) and not fast["over_target"]
+    assert slow["over_target"] and not small["over_target"] and small["target"] is None
+    s = F.fp8_summary([fast, slow, small])
+    assert s["over_target"] == ["4096x7168x8192"]
+    assert s["geomean_op_over_gemm"] == pytest.approx((1.02 * 1.2) ** 0.5)
+    lines = F.format_fp8_table([fast, slow])
+    assert len({len(x) for x in lines}) == 1 and "e4m3/block" in lines[1] and "N/A" in lines[2]
