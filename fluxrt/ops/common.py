@@ -119,7 +119,7 @@ def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bo
                                        "fp8=Fp8Options(...)")
             return (a, b, out, shard, m), sig
         sa, sb = fp8_scales(op, name, scales, shard if sharded_a else m, stream, world)
-        sig["scales"] = (tuple(sa.shape), tuple(sb.shape))
+        sig["scales"] = (op.fp8.scale, int(sa.size), int(sb.size))   # () and (1,) alike
         return (a, b, out, shard, m, sa, sb), sig
 
     return checked_on_every_rank(world, f"{name}.forward", local_checks)
