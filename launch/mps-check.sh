@@ -3,7 +3,7 @@
 # fewer GPUs than ranks. Timings from such a run mean nothing; kernels that want every SM (the persistent GEMM
 # of the fused ops, the largest collective grids) cannot all be resident at once, so some of their cases time
 # out by design (see docs/design.md, "Testing"). Logs under $OUT (default ./mps-check-out).
-#   source .whl/prelude.sh && bash launch/mps-check.sh            # world p2p ops ops_decomposed collectives embedding moe fused_collectives
+#   source .whl/prelude.sh && bash launch/mps-check.sh            # world p2p ops ops_decomposed ops_fp8 collectives embedding moe fused_collectives
 #   FLUXRT_TOPOLOGY=virtual:2x1 MPS_FILES=multinode MPS_SOLO_FILES= bash launch/mps-check.sh   # the hierarchical path
 #   MPS_FILES="p2p ops" MPS_RANKS=2 bash launch/mps-check.sh [TREE]   # TREE: another checkout to test
 #   MPS_SOLO_FILES (default rank_killed): files run in one process, which start their own 2-rank jobs
@@ -21,7 +21,7 @@ cd "$tree"
 export PYTHONPATH=$tree${PYTHONPATH:+:${PYTHONPATH#"$tree":}}
 timeout 120 python3 -m fluxrt.toolchain > "$OUT/build.log" 2>&1; echo "== build rc=$?"
 fail=0
-for f in ${MPS_FILES:-world p2p ops ops_decomposed collectives embedding moe fused_collectives}; do   # fluxrt-run passes CUDA_*, FLUXRT_* and PYTHONPATH to the ranks
+for f in ${MPS_FILES:-world p2p ops ops_decomposed ops_fp8 collectives embedding moe fused_collectives}; do   # fluxrt-run passes CUDA_*, FLUXRT_* and PYTHONPATH to the ranks
   limit_var="MPS_LIMIT_${f^^}"
   # shellcheck disable=SC2086
   timeout -k 5 "${!limit_var:-${MPS_LIMIT:-150}}" python3 -m fluxrt.launch --oversubscribe -n "${MPS_RANKS:-2}" -- \

@@ -17,13 +17,15 @@ and stream-ordered; M must be a multiple of world. Shards of whole 128-row tiles
 plan.chunks_per_rank) take the fast path, other shards are padded inside the op (fluxrt.ops.plan).
 Each call runs the fused kernel or, where a cost model predicts it to lose and inside a CUDA-graph capture,
 the decomposed path (chunked collectives beside plain GEMMs; fluxrt.ops.cost, fluxrt.ops.decomposed);
-``plan.path`` or ``forward(..., path=...)`` overrides the choice. TPMLP is the MLP block built on both.
+``plan.path`` or ``forward(..., path=...)`` overrides the choice. ``fp8=Fp8Options(format, scale)`` makes
+either op take fp8 inputs with per-tensor or block scales (decomposed path only). TPMLP is the MLP block
+built on both.
 """
 from .ag_gemm import AllGatherGemm
 from .cost import PathChoice, choose_path
 from .gemm_rs import GemmReduceScatter
 from .mlp import TPMLP
-from .plan import AgGemmPlan, GemmRsPlan, OpsArgumentError, plan_ag_gemm, plan_gemm_rs
+from .plan import AgGemmPlan, Fp8Options, GemmRsPlan, OpsArgumentError, plan_ag_gemm, plan_gemm_rs
 
-__all__ = ["AllGatherGemm", "GemmReduceScatter", "TPMLP", "AgGemmPlan", "GemmRsPlan", "OpsArgumentError",
+__all__ = ["AllGatherGemm", "GemmReduceScatter", "TPMLP", "AgGemmPlan", "GemmRsPlan", "Fp8Options", "OpsArgumentError",
            "PathChoice", "choose_path", "plan_ag_gemm", "plan_gemm_rs"]

@@ -52,7 +52,8 @@ from ..gemm import BANDS_C, ArrivalWait, RowBands, ShardCopy, gemm_with_hooks
 from ..gemm.plan import SMEM_LIMIT_BYTES
 from ..streams import as_cupy_stream
 from . import common, decomposed
-from .plan import AgGemmPlan, ag_gemm_plan, ag_pad_layout, check_rows, \
+from ..gemm.plan import FP8_SCALE_BLOCK
+from .plan import AgGemmPlan, Fp8Options, OpsArgumentError, ag_gemm_plan, ag_pad_layout, check_rows, \
     plan_ag_gemm, pull_order
 
 if TYPE_CHECKING:
@@ -72,15 +73,26 @@ class AllGatherGemm:
     multiple of world; shards of whole ``128 * plan.chunks_per_rank`` rows take the fast path, other
     shards are padded (the rule in :mod:`fluxrt.ops.plan`). Unless ``plan.path`` is 'fused', the op also holds
     the decomposed path's gathered A (max_m x K, device memory, not symmetric; :mod:`fluxrt.ops.decomposed`).
+
+    fp8: :class:`fluxrt.ops.Fp8Options`: A and B are uint8 fp8 bytes (B [N, K], trans_b=True), ``dtype`` is
+    the output's, ``forward`` takes ``scale_a`` (this rank's: one element, or block scales [M/world,
+    ceil(K/128)]) and ``scale_b``; the op gathers the fp8 rows and their scales on the decomposed path
+    (its only one) and holds no symmetric memory.
     """
 
     def __init__(self, world: World, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
-                 plan: AgGemmPlan | None = None):
+                 plan: AgGemmPlan | None = None, fp8: Fp8Options | None = None):
         import cupy
 
         w = world.size
-        common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_ag_gemm)
+        common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_ag_gemm, fp8)
         self._sms = common.num_sms(world)
+        if self.fp8 is not None:
+            scales = (w,) if self.fp8.scale == "tensor" else (self.max_m, -(-self.k // FP8_SCALE_BLOCK))
+            common.setup_paths(self, world, self.k, self.in_dtype, scales)
+            with world.device:
+                self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+            return
         common.setup_paths(self, world, self.k)
         self.layout = ag_pad_layout(w, self.plan.chunks_per_rank)
         self.a_full = world.empty((self.capacity_m, self.k), self.dtype)
@@ -118,6 +130,7 @@ class AllGatherGemm:
         """This rank's slot of the gathered A for an M-row call: write the shard there and pass the view
         to ``forward`` to skip the copy. Enqueues (on `stream`) the wait that makes the slot writable:
         peers have finished reading it in the previous call. Write after this call, on that stream."""
+        self._no_fp8("shard_buffer")
         shard = check_rows(OP, m, self.world.size, self.max_m)
         pad, _ = common.padded_rows(self, shard)
         if self.plan.comm_mode == "pull" and self.pad.epoch > 0:
@@ -130,9 +143,15 @@ class AllGatherGemm:
         copy of its rows made on `stream`. Pull mode: valid on the caller's stream until this rank's next
         call. Push mode: a peer's rows may be overwritten as soon as that peer starts its next call; use
         ``forward(..., return_a=True)``, which copies them before the op lets the peers push again."""
+        self._no_fp8("gathered")
         shard = check_rows(OP, m, self.world.size, self.max_m)
         pad, _ = common.padded_rows(self, shard)
         return self._gathered(m, shard, pad, as_cupy_stream(stream), copy=pad != shard)
+
+    def _no_fp8(self, what: str) -> None:
+        if self.fp8 is not None:
+            raise OpsArgumentError(f"{OP}.{what}: an fp8 op has no symmetric gather buffer (it gathers on the "
+                                   "decomposed path); use forward(..., return_a=True)")
 
     def _gathered(self, m: int, shard: int, pad: int, s, *, copy: bool):
         if not copy:
@@ -144,7 +163,8 @@ class AllGatherGemm:
 
     # --- the op -------------------------------------------------------------------------------------
     @_nvtx("ag_gemm.forward")
-    def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False, path: str | None = None):
+    def forward(self, a_shard, b, out=None, stream=None, *, return_a: bool = False, path: str | None = None,
+                scale_a=None, scale_b=None):
         """C [M, N] = allgather(a_shard) @ b (b.T with trans_b). Stream-ordered on `stream`.
 
         path: None (the plan's: 'auto' lets fluxrt.ops.cost choose per M, see :meth:`path_choice`), 'fused' or
@@ -153,16 +173,21 @@ class AllGatherGemm:
         out: optional [M, N] array of the input dtype. return_a: also return the gathered A [M, K]: in pull
         mode a view of the symmetric buffer (overwritten by this rank's next call; for a padded call a
         copy), in push mode a copy (peers push into that buffer once they start their next call).
+
+        scale_a, scale_b: an fp8 op's scales (fp32 device arrays, see the class docstring); return_a then
+        gives the gathered fp8 bytes [M, K] (uint8).
         """
         world, me = self.world, self.world.rank
         s = as_cupy_stream(stream)
-        a, b, out, shard, m = common.forward_operands(self, OP, a_shard, b, out, s, sharded_a=True)
+        ops = common.forward_operands(self, OP, a_shard, b, out, s, sharded_a=True, scales=(scale_a, scale_b))
+        a, b, out, shard, m = ops[:5]
+        sa, sb = ops[5:] or (None, None)
         choice = common.choose_call_path(self, OP, "ag_gemm", m, s, path)
         if choice.path == "decomposed":
             if out is None:
                 out = common.alloc_on((m, self.n), self.dtype, world, s)
             out, gathered = decomposed.ag_gemm(self, self._decomposed, a, b, out, shard, m, choice.chunks, s,
-                                               return_a=return_a)
+                                               return_a=return_a, scale_a=sa, scale_b=sb)
             return (out, gathered) if return_a else out
         pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
         # a padded call's GEMM writes out in place: its rows are bands of `pad` with `shard` real ones
@@ -294,9 +319,12 @@ class AllGatherGemm:
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""
+        if self.fp8 is not None:   # none: the decomposed path's buffers are plain device memory
+            return
         self.pad.free()
         self.world.free(self.a_full)
 
     def __repr__(self) -> str:
         return (f"AllGatherGemm(max_m={self.max_m}, n={self.n}, k={self.k}, dtype={self.dtype}, "
-                f"trans_b={self.trans_b}, world={self.world.size}, plan={self.plan})")
+                f"trans_b={self.trans_b}, world={self.world.size}, plan={self.plan}"
+                + (f", fp8={self.fp8})" if self.fp8 is not None else ")"))

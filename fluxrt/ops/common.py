@@ -12,7 +12,7 @@ from .. import agreement, signals
 from ..arrays import as_array
 from ..dtypes import normalize_dtype, short_name
 from ..topology import require_one_domain
-from .plan import MAX_WORLD, OpsArgumentError, capacity_rows, check_rows, padded_shard
+from .plan import MAX_WORLD, Fp8Options, OpsArgumentError, capacity_rows, check_rows, padded_shard
 
 if TYPE_CHECKING:
     from ..world import World
@@ -66,10 +66,12 @@ def check_problem(world: World, op: str, max_m: int, n: int, k: int) -> tuple[in
     return int(max_m), int(n), int(k)
 
 
-def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, trans_b: bool, plan, planner) -> None:
+def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, trans_b: bool, plan, planner,
+              fp8: Fp8Options | None = None) -> None:
     """Both fused ops' constructor checks, agreed across ranks (a mismatch or a local error raises on every
     rank): sets obj.world, dtype, max_m, n, k, trans_b, plan (``plan`` or ``planner(max_m, n, k, world
-    size)``, validated) and capacity_m (the rows its buffers hold, shards padded to whole tiles)."""
+    size)``, validated), capacity_m (the rows its buffers hold, shards padded to whole tiles), fp8 (the
+    validated Fp8Options or None) and in_dtype (A's and B's element type: dtype, or uint8 with fp8)."""
     require_one_domain(world, f"{op}()", OpsArgumentError)
     obj.world = world
 
@@ -79,8 +81,10 @@ def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, tra
         obj.trans_b = bool(trans_b)
         obj.plan = (plan or planner(obj.max_m, obj.n, obj.k, world.size)).validate()
         obj.capacity_m = capacity_rows(obj.max_m, world.size, obj.plan.row_multiple)
+        obj.fp8 = check_fp8_options(op, fp8, obj)
+        obj.in_dtype = "uint8" if obj.fp8 is not None else obj.dtype
         return None, {"max_m": obj.max_m, "n": obj.n, "k": obj.k, "dtype": obj.dtype, "trans_b": obj.trans_b,
-                      "plan": repr(obj.plan)}
+                      "plan": repr(obj.plan), "fp8": repr(obj.fp8)}
 
     checked_on_every_rank(world, f"{op}()", local_checks)
     if log.isEnabledFor(logging.INFO):
@@ -88,10 +92,11 @@ def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, tra
                  obj.trans_b, world.size, obj.plan)
 
 
-def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bool):
+def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bool, scales=(None, None)):
     """Both fused ops' forward checks, agreed across ranks: A is ``a_shard [M/world, K]`` (sharded_a; out
     is [M, N]) or ``a [M, K_local]`` (out is [M/world, N]); B is [K, N] or, with trans_b, [N, K]; out is
-    optional. Returns (a, b, out or None, shard rows, M) as cupy views, ordered on the CuPy `stream`."""
+    optional. Returns (a, b, out or None, shard rows, M) as cupy views, ordered on the CuPy `stream`; for
+    an fp8 op (A, B uint8) also the checked ``scales`` (scale_a, scale_b): (a, b, out, shard, M, sa, sb)."""
     world, w = op.world, op.world.size
     world.check_errors()   # a sticky device error: no new call on a world whose ranks are out of step
     a_name, a_form = ("a_shard", "[M/world, K]") if sharded_a else ("a", "[M, K_local]")
@@ -103,27 +108,39 @@ def forward_operands(op, name: str, a_in, b_in, out_in, stream, *, sharded_a: bo
             raise OpsArgumentError(f"{name}: {a_name} must be 2-D {a_form}, got shape {tuple(a.shape)}")
         m = int(a.shape[0]) * (w if sharded_a else 1)
         shard = check_rows(name, m, w, op.max_m)
-        check_matrix(a, a_name, name, (shard if sharded_a else m, op.k), op.dtype, world)
-        check_matrix(b, "b", name, (op.n, op.k) if op.trans_b else (op.k, op.n), op.dtype, world)
+        check_matrix(a, a_name, name, (shard if sharded_a else m, op.k), op.in_dtype, world)
+        check_matrix(b, "b", name, (op.n, op.k) if op.trans_b else (op.k, op.n), op.in_dtype, world)
         out = None
         if out_in is not None:
             out = as_device_array(out_in, "out", name, stream, writable=True)
             check_matrix(out, "out", name, (m if sharded_a else shard, op.n), op.dtype, world)
-        return (a, b, out, shard, m), {"m": m, "b": tuple(b.shape), "dtype": op.dtype}
+        sig = {"m": m, "b": tuple(b.shape), "dtype": op.dtype}
+        if op.fp8 is None:
+            if any(x is not None for x in scales):
+                raise OpsArgumentError(f"{name}: scale_a / scale_b are for fp8 inputs: construct the op with "
+                                       "fp8=Fp8Options(...)")
+            return (a, b, out, shard, m), sig
+        sa, sb = fp8_scales(op, name, scales, shard if sharded_a else m, stream, world)
+        sig["scales"] = (op.fp8.scale, int(sa.size), int(sb.size))   # () and (1,) alike
+        return (a, b, out, shard, m, sa, sb), sig
 
     return checked_on_every_rank(world, f"{name}.forward", local_checks)
 
 
-def setup_paths(op, world: World, buffer_cols: int) -> None:
+def setup_paths(op, world: World, buffer_cols: int, buffer_dtype: str | None = None,
+                scale_shape: tuple | None = None) -> None:
     """Both ops' state of the path choice (fluxrt.ops.cost): the choices made so far, and the decomposed
-    path's buffer of [max_m, buffer_cols] and the collectives context, made now unless the plan asks for
-    the fused path only (a capture must not allocate or make a context)."""
+    path's buffer of [max_m, buffer_cols] (buffer_dtype, default op.dtype; with scale_shape also an fp32
+    buffer of gathered fp8 scales) and the collectives context, made now unless the plan asks for the fused
+    path only (a capture must not allocate or make a context)."""
     from .cost import DEFAULT_RATES, OPS_RATES
 
     op._rates = OPS_RATES[DEFAULT_RATES]
     op._paths = {}
     op._decomposed = None
     op._decomposed_cols = buffer_cols
+    op._decomposed_dtype = buffer_dtype or op.dtype
+    op._decomposed_scales = scale_shape
     if op.plan.path != "fused":
         decomposed_state(op)
 
@@ -134,8 +151,63 @@ def decomposed_state(op):
     if op._decomposed is None:
         from .decomposed import DecomposedState
 
-        op._decomposed = DecomposedState(op.world, op.max_m, op._decomposed_cols, op.dtype, op._rates.comm_sms)
+        op._decomposed = DecomposedState(op.world, op.max_m, op._decomposed_cols, op._decomposed_dtype,
+                                         op._rates.comm_sms, scale_shape=op._decomposed_scales)
     return op._decomposed
+
+
+def check_fp8_options(op: str, fp8, obj) -> Fp8Options | None:
+    """The fp8 option of a constructor (None: 16-bit inputs), validated against the op's layout and plan."""
+    if fp8 is None:
+        return None
+    if not isinstance(fp8, Fp8Options):
+        raise OpsArgumentError(f"{op}: fp8 must be a fluxrt.ops.Fp8Options or None, got {type(fp8).__name__}")
+    fp8 = fp8.validate()
+    if not obj.trans_b:
+        raise OpsArgumentError(f"{op}: fp8 inputs need B as [N, K] with trans_b=True (the tensor cores read fp8 "
+                               "operands K-major only)")
+    if obj.k % 16:
+        raise OpsArgumentError(f"{op}: fp8 inputs need K={obj.k} to be a multiple of 16 (16-byte rows of fp8 "
+                               "bytes for TMA)")
+    if obj.plan.path == "fused":
+        raise OpsArgumentError(f"{op}: plan.path='fused' with fp8 inputs: the fused kernels have no fp8 hooks "
+                               "yet; use path='auto' or 'decomposed'")
+    return fp8
+
+
+def fp8_scales(op, name: str, scales, rows: int, stream, world: World):
+    """scale_a and scale_b of an fp8 call (fp32, C-contiguous, on the world's device): per tensor one
+    element each; block scales scale_a [rows of A, ceil(K/128)], scale_b [ceil(N/128), ceil(K/128)]."""
+    from ..gemm.plan import FP8_SCALE_BLOCK
+
+    if any(x is None for x in scales):
+        raise OpsArgumentError(f"{name}: fp8 inputs need scale_a and scale_b (fp32 device arrays; "
+                               f"scale={op.fp8.scale!r})")
+    kbs = -(-op.k // FP8_SCALE_BLOCK)
+    if op.fp8.scale == "tensor":
+        shapes = (((), (1,)), ((), (1,)))
+        what = "one element, shape () or (1,)"
+    else:
+        shapes = (((rows, kbs),), ((-(-op.n // FP8_SCALE_BLOCK), kbs),))
+        what = f"block scales: scale_a [{rows}, ceil(K/{FP8_SCALE_BLOCK})], scale_b [ceil(N/{FP8_SCALE_BLOCK}), " \
+               f"ceil(K/{FP8_SCALE_BLOCK})]"
+    out = []
+    for x_in, nm, ok in zip(scales, ("scale_a", "scale_b"), shapes):
+        x = as_device_array(x_in, nm, name, stream)
+        if tuple(x.shape) not in ok:
+            raise OpsArgumentError(f"{name}: {nm} has shape {tuple(x.shape)}, expected {ok[-1]} "
+                                   f"(scale={op.fp8.scale!r}: {what})")
+        if x.dtype.name != "float32":
+            raise OpsArgumentError(f"{name}: {nm} is {short_name(x.dtype)}, expected fp32")
+        if not x.flags.c_contiguous:
+            raise OpsArgumentError(f"{name}: {nm} {tuple(x.shape)} must be C-contiguous (strides {x.strides})")
+        if x.data.ptr % 4:
+            raise OpsArgumentError(f"{name}: {nm} starts at 0x{x.data.ptr:x}, not 4-byte aligned")
+        if x.device.id != world.device_id:
+            raise OpsArgumentError(f"{name}: {nm} is on device {x.device.id}, the world uses device "
+                                   f"{world.device_id}")
+        out.append(x)
+    return out
 
 
 def choose_call_path(op, name: str, cost_op: str, m: int, stream, path: str | None):
@@ -154,8 +226,10 @@ def choose_call_path(op, name: str, cost_op: str, m: int, stream, path: str | No
         return got
     plan = op.plan if path is None else dataclasses.replace(op.plan, path=path).validate()
     world, dt, tb = op.world, op.dtype, op.trans_b
+    key = dt if op.fp8 is None else fp8_problem(op, 0, op.n, op.k).key_dtype   # the autotune cache's input key
     mine = choose_path(cost_op, m, op.n, op.k, world.size, plan, dt, capturing=capturing, num_sms=op._sms,
-                       rates=op._rates, tuned_us=lambda mm, nn, kk: tuned_us(mm, nn, kk, dt, dt, tb, world.device_id))
+                       rates=op._rates, tuned_us=lambda mm, nn, kk: tuned_us(mm, nn, kk, key, dt, tb, world.device_id),
+                       fp8=op.fp8 is not None)
     first = agreement.exchange(world, f"{name}.path", (mine.path, mine.chunks))[0]
     got = mine if first == (mine.path, mine.chunks) else PathChoice(
         first[0], first[1], f"rank 0's choice (this rank: {mine})", mine.fused_us, mine.decomposed_us, mine.candidates)
@@ -169,6 +243,14 @@ def choose_call_path(op, name: str, cost_op: str, m: int, stream, path: str | No
     if log.isEnabledFor(logging.INFO):
         log.info("%s: rank %d, M=%d%s: path %s", name, world.rank, m, " (capturing)" if capturing else "", got)
     return got
+
+
+def fp8_problem(op, m: int, n: int, k: int):
+    """The fluxrt.gemm Fp8Problem of an m x n x k GEMM of an fp8 op (plan choice and autotune key)."""
+    from ..gemm.checks import Fp8Problem, fp8_formats
+
+    fa, fb = fp8_formats(op.fp8.format)
+    return Fp8Problem(m, n, k, fa, fb, op.dtype, op.fp8.scale)
 
 
 def checked_on_every_rank(world: World, op: str, local_checks):

@@ -23,7 +23,11 @@ Every call of AllGatherGemm / GemmReduceScatter runs one of two paths:
   ``comm_sms``) and the per-chunk hand-off latency of the fused path.
 
 and picks the fused path unless the best decomposed plan is predicted faster by ``OpsRates.margin``.
-A call inside a CUDA-graph capture always takes the decomposed path: the fused kernels compare their flags
+Calls with fp8 inputs (``fp8=True``: the ops' :class:`~fluxrt.ops.plan.Fp8Options`) always take the
+decomposed path, since the fused kernels have no fp8 hooks; the model then only picks its chunk count (fp8
+gathered bytes for AllGather+GEMM, output-type partials for GEMM+ReduceScatter, the GEMM times the
+autotune cache's fp8 ones or ``fp8_gemm_factor`` of the 16-bit model's). A call inside a CUDA-graph
+capture always takes the decomposed path: the fused kernels compare their flags
 with per-call epochs the host passes as kernel arguments, so a replayed graph would reuse one call's
 epochs and read flags that are already up; the collectives keep their epochs on the device.
 ``AgGemmPlan.path`` / ``GemmRsPlan.path`` override the choice ("fused" or "decomposed"), and
@@ -59,6 +63,8 @@ class OpsRates:
     reduce_gbps: HBM bytes per second of the fused GEMM+ReduceScatter's reduce of its own rows.
     us_per_unit: microseconds per unit of the GEMM heuristic's cost model (fluxrt.gemm.plan.tile_cost).
     margin: the decomposed path is chosen only when predicted faster than fused by this factor.
+    fp8_gemm_factor: an fp8 GEMM's time over the 16-bit one's of the same shape, where the autotune cache
+        has no fp8 time (the tensor cores' fp8 rate is twice the 16-bit one).
     """
     pull_gbps: float
     collective_gbps: float
@@ -71,6 +77,7 @@ class OpsRates:
     reduce_gbps: float
     us_per_unit: float
     margin: float
+    fp8_gemm_factor: float = 0.5
 
 
 OPS_RATES = {
@@ -221,16 +228,19 @@ def rs_decomposed_us(m: int, n: int, k: int, world: int, dtype: str, chunks: int
 
 def choose_path(op: str, m: int, n: int, k: int, world: int, plan, dtype: str = "bfloat16", *,
                 capturing: bool = False, num_sms: int = H100_H200_SMS, rates: OpsRates | None = None,
-                tuned_us=None) -> PathChoice:
+                tuned_us=None, fp8: bool = False) -> PathChoice:
     """The path of one call of `op` ('ag_gemm' or 'gemm_rs') with M rows in total on `world` ranks, from
     the op's plan (``plan.path``, ``plan.decomposed_chunks``, its SMs reserved for communication). Pure:
     every rank computes it from the same arguments (the ops still agree on rank 0's choice, since the
-    autotune cache is per host)."""
+    autotune cache is per host). fp8: the call has fp8 inputs (decomposed only; `tuned_us` then gives fp8
+    GEMM times)."""
     if op not in ("ag_gemm", "gemm_rs"):
         raise OpsArgumentError(f"choose_path: unknown op {op!r}")
     rates = rates or OPS_RATES[DEFAULT_RATES]
     path = getattr(plan, "path", "auto")
     fixed = getattr(plan, "decomposed_chunks", None)
+    if fp8:
+        return _fp8_choice(op, m, n, k, world, path, fixed, dtype, capturing, num_sms, rates, tuned_us)
     if capturing and path == "fused":
         raise OpsArgumentError(f"{op}: path='fused' inside a CUDA-graph capture: the fused kernels take per-call "
                                "epochs from the host, so a replay would reuse them; use path='auto' or 'decomposed'")
@@ -259,6 +269,32 @@ def choose_path(op: str, m: int, n: int, k: int, world: int, plan, dtype: str = 
         return PathChoice("decomposed", best_c, why, fused, best_us, cands)
     why = f"predicted {fused:.1f} us fused vs {best_us:.1f} us decomposed ({_chunks(best_c)})"
     return PathChoice("fused", best_c, why, fused, best_us, cands)
+
+
+def _fp8_choice(op: str, m: int, n: int, k: int, world: int, path: str, fixed, dtype: str, capturing: bool,
+                num_sms: int, rates: OpsRates, tuned_us) -> PathChoice:
+    if path == "fused":
+        raise OpsArgumentError(f"{op}: path='fused' with fp8 inputs: the fused kernels have no fp8 hooks yet; use "
+                               "path='auto' or 'decomposed' (the fp8 GEMM per chunk beside chunked collectives)")
+
+    def fp8_us(mm: int, nn: int, kk: int) -> float:
+        us = tuned_us(mm, nn, kk) if tuned_us is not None else None
+        if us is None:
+            us = gemm_us(mm, nn, kk, dtype, num_sms=num_sms, rates=rates) * rates.fp8_gemm_factor
+        return us
+
+    dec_fn = ag_decomposed_us if op == "ag_gemm" else rs_decomposed_us
+    # AllGather+GEMM moves fp8 bytes; GEMM+ReduceScatter reduces output-type (16-bit) partials
+    itemsize = 1 if op == "ag_gemm" else 2
+    cands = tuple((c, dec_fn(m, n, k, world, dtype, c, itemsize=itemsize, num_sms=num_sms, rates=rates,
+                             tuned_us=fp8_us)) for c in ((fixed,) if fixed else DECOMPOSED_CHUNKS))
+    best_c, best_us = min(cands, key=lambda x: x[1])
+    why = "fp8 inputs: the fused kernels have no fp8 hooks, the fp8 GEMM runs per chunk beside the collectives"
+    if world == 1:
+        return PathChoice("decomposed", 1, "one rank: a plain fp8 GEMM", None, dict(cands).get(1, best_us), cands)
+    if fixed is None and len(cands) > 1:
+        why += f" ({_chunks(best_c)} predicted best: {best_us:.1f} us)"
+    return PathChoice("decomposed", best_c, why, None, best_us, cands)
 
 
 def _chunks(c: int) -> str:

@@ -23,6 +23,15 @@ rows; one GEMM, then one reduce_scatter) on S alone. With several, the GEMMs lea
 SMs to the collectives (a persistent GEMM holds every SM it is given until it ends; without free SMs a
 collective would wait for the GEMM and nothing would overlap).
 
+FP8 inputs (the ops' ``fp8=Fp8Options``; the only path they have): A's rows are uint8 fp8 bytes, so the
+allgather moves half the bytes of bf16, and every GEMM is the fp8 GEMM (:mod:`fluxrt.gemm.fp8`) with the
+rows' scales. AllGather+GEMM gathers the scales beside the rows: per tensor, every rank's one scale
+(one allgather of world floats before the first chunk; each peer's rows are multiplied with their own
+rank's scale, so ranks need not agree on one: with one chunk that is one GEMM per rank instead of one of
+all M rows); block scales, each chunk's [rows, ceil(K/128)] scale rows with the chunk's rows. GEMM+
+ReduceScatter's GEMMs read the caller's scales (block: the piece's scale rows) and write output-type
+partials, which the reduce_scatter sums as in the 16-bit path.
+
 Every step is a stream-ordered launch or event: the path can be captured in a CUDA graph and replayed
 (the collectives keep their round counters on the device). The buffers are the op's own (allocated once,
 sized for max_m), so a captured graph keeps pointing at live memory; the collectives' context is made
@@ -47,9 +56,12 @@ __all__ = ["DecomposedState", "ag_gemm", "gemm_rs"]
 
 class DecomposedState:
     """The decomposed path's per-op state: a buffer of ``rows x cols`` (AllGather+GEMM: the gathered A
-    [max_m, K]; GEMM+ReduceScatter: the partials [max_m, N]) and the GEMM plans of its pieces."""
+    [max_m, K]; GEMM+ReduceScatter: the partials [max_m, N]), with `scale_shape` an fp32 buffer of gathered
+    fp8 scales (AllGather+GEMM: [world] per tensor, [max_m, ceil(K/128)] block), and the GEMM plans of its
+    pieces."""
 
-    def __init__(self, world: World, rows: int, cols: int, dtype: str, comm_sms: int):
+    def __init__(self, world: World, rows: int, cols: int, dtype: str, comm_sms: int, *,
+                 scale_shape: tuple | None = None):
         import cupy
 
         from ..dtypes import normalize_dtype
@@ -57,6 +69,7 @@ class DecomposedState:
         self.world = world
         with world.device:
             self.buffer = cupy.empty((rows, cols), dtype=normalize_dtype(dtype))
+            self.scales = cupy.empty(scale_shape, dtype=cupy.float32) if scale_shape else None
         collectives.context(world)   # made collectively now: never inside a capture or a timed call
         self.comm_sms = comm_sms
         self._plans: dict = {}
@@ -68,67 +81,111 @@ class DecomposedState:
         p = self._plans.get(key)
         if p is None:
             p = plan_for(m, n, k, in_dtype=dtype, out_dtype=dtype, trans_b=trans_b, device_id=self.world.device_id)
-            if capped and p.split_k == 1 and p.cluster == 1:
-                free = max(1, common.num_sms(self.world) - self.comm_sms)
-                p = dataclasses.replace(p, max_ctas=min(free, p.max_ctas or free))
+            p = self._cap(p, capped)
             self._plans[key] = p
         return p
 
+    def fp8_plan(self, prob, capped: bool):
+        """The fp8 GEMM plan of a piece (`prob`: its fluxrt.gemm Fp8Problem), capped as :meth:`plan`'s."""
+        from ..gemm.fp8 import plan_fp8
 
-def ag_gemm(op, st: DecomposedState, a, b, out, shard: int, m: int, chunks: int, s, *, return_a: bool = False):
-    """C [M, N] = allgather(a [shard, K]) @ b on the caller's stream `s` (the module docstring's steps)."""
+        key = (prob, capped)
+        p = self._plans.get(key)
+        if p is None:
+            p = self._cap(plan_fp8(prob, self.world.device_id, common.num_sms(self.world)), capped)
+            self._plans[key] = p
+        return p
+
+    def _cap(self, p, capped: bool):
+        if capped and p.split_k == 1 and p.cluster == 1:
+            free = max(1, common.num_sms(self.world) - self.comm_sms)
+            p = dataclasses.replace(p, max_ctas=min(free, p.max_ctas or free))
+        return p
+
+
+def _mm(op, st: DecomposedState, a, b, out, s, capped: bool, scale_a=None, scale_b=None) -> None:
+    """out = a @ b (b.T with trans_b) of one piece: the 16-bit GEMM, or with an fp8 op the fp8 GEMM with the
+    piece's scales."""
+    rows = a.shape[0]
+    if op.fp8 is None:
+        gemm(a, b, out, trans_b=op.trans_b, stream=s, plan=st.plan(rows, op.n, op.k, op.dtype, op.trans_b, capped))
+    else:
+        gemm(a, b, out, trans_b=True, stream=s, fp8_format=op.fp8.format, scale_a=scale_a, scale_b=scale_b,
+             plan=st.fp8_plan(common.fp8_problem(op, rows, op.n, op.k), capped))
+
+
+def ag_gemm(op, st: DecomposedState, a, b, out, shard: int, m: int, chunks: int, s, *, return_a: bool = False,
+            scale_a=None, scale_b=None):
+    """C [M, N] = allgather(a [shard, K]) @ b on the caller's stream `s` (the module docstring's steps); an
+    fp8 op passes its scales (block: scale_a [shard, ceil(K/128)])."""
     world, w, me = op.world, op.world.size, op.world.rank
     rows = chunk_rows(shard, chunks)
-    g = st.buffer
-    n, k, dt, tb = op.n, op.k, op.dtype, op.trans_b
+    g, sg = st.buffer, st.scales
+    k = op.k
+    tensor = op.fp8 is not None and op.fp8.scale == "tensor"
+    block = op.fp8 is not None and op.fp8.scale == "block"
     gathered = None
     with world.device:
         if len(rows) == 1:
             collectives.allgather(world, a, out=g[:m], stream=s)
-            gemm(g[:m], b, out, trans_b=tb, stream=s, plan=st.plan(m, n, k, dt, tb, False))
+            if tensor:   # every rank's rows with that rank's scale
+                collectives.allgather(world, scale_a, out=sg[:w], stream=s)
+                for p in range(w):
+                    _mm(op, st, g[p * shard:(p + 1) * shard], b, out[p * shard:(p + 1) * shard], s, False,
+                        sg[p:p + 1], scale_b)
+            else:
+                if block:
+                    collectives.allgather(world, scale_a, out=sg[:m], stream=s)
+                _mm(op, st, g[:m], b, out, s, False, sg[:m] if block else None, scale_b)
             if return_a:
                 gathered = g[:m]
             return out, gathered
         c = op.comm_stream
         common.join(c, s)
-        gemm(a, b, out[me * shard:(me + 1) * shard], trans_b=tb, stream=s, plan=st.plan(shard, n, k, dt, tb, True))
+        _mm(op, st, a, b, out[me * shard:(me + 1) * shard], s, True, scale_a, scale_b)
+        if tensor:   # before the first chunk's event: every peer GEMM reads its rank's scale
+            collectives.allgather(world, scale_a, out=sg[:w], stream=c)
         off = 0
         for r in rows:
             piece = g[w * off:w * (off + r)]
             collectives.allgather(world, a[off:off + r], out=piece, stream=c)
+            if block:
+                spiece = sg[w * off:w * (off + r)]
+                collectives.allgather(world, scale_a[off:off + r], out=spiece, stream=c)
             common.join(s, c)
-            plan = st.plan(r, n, k, dt, tb, True)
             for d in range(1, w):
                 p = (me + d) % w
-                gemm(piece[p * r:(p + 1) * r], b, out[p * shard + off:p * shard + off + r], trans_b=tb, stream=s,
-                     plan=plan)
+                sa = sg[p:p + 1] if tensor else spiece[p * r:(p + 1) * r] if block else None
+                _mm(op, st, piece[p * r:(p + 1) * r], b, out[p * shard + off:p * shard + off + r], s, True, sa,
+                    scale_b)
             off += r
         if return_a:   # chunk-major in the buffer: rank-major rows for the caller
-            gathered = common.alloc_on((m, k), dt, world, s)
+            gathered = common.alloc_on((m, k), op.in_dtype, world, s)
             _unchunk(gathered, g, rows, w, shard, s)
     return out, gathered
 
 
-def gemm_rs(op, st: DecomposedState, a, b, out, shard: int, m: int, chunks: int, s):
-    """out [shard, N] = this rank's rows of sum over ranks of a [M, K] @ b, on the caller's stream `s`."""
+def gemm_rs(op, st: DecomposedState, a, b, out, shard: int, m: int, chunks: int, s, *, scale_a=None, scale_b=None):
+    """out [shard, N] = this rank's rows of sum over ranks of a [M, K] @ b, on the caller's stream `s`; an fp8
+    op passes its scales (block: scale_a [M, ceil(K/128)])."""
     world, w, me = op.world, op.world.size, op.world.rank
     rows = chunk_rows(shard, chunks)
     part = st.buffer
-    n, k, dt, tb = op.n, op.k, op.dtype, op.trans_b
+    block = op.fp8 is not None and op.fp8.scale == "block"
     with world.device:
         if len(rows) == 1:
-            gemm(a, b, part[:m], trans_b=tb, stream=s, plan=st.plan(m, n, k, dt, tb, False))
+            _mm(op, st, a, b, part[:m], s, False, scale_a, scale_b)
             collectives.reduce_scatter(world, part[:m], out=out, stream=s)
             return out
         c = op.comm_stream
         off = 0
         for r in rows:
             piece = part[w * off:w * (off + r)]
-            plan = st.plan(r, n, k, dt, tb, True)
             for d in range(1, w + 1):
                 p = (me + d) % w   # my own rows last, as the fused op
-                gemm(a[p * shard + off:p * shard + off + r], b, piece[p * r:(p + 1) * r], trans_b=tb, stream=s,
-                     plan=plan)
+                lo = p * shard + off
+                _mm(op, st, a[lo:lo + r], b, piece[p * r:(p + 1) * r], s, True,
+                    scale_a[lo:lo + r] if block else scale_a, scale_b)
             common.join(c, s)
             collectives.reduce_scatter(world, piece, out=out[off:off + r], stream=c)
             off += r

@@ -51,7 +51,7 @@ from ..nvtx import annotate as _nvtx
 from ..gemm import BANDS_A, ChunkReduce, RowBands, TileDestinations, TileEpilogue, gemm_with_hooks, reduce_hook_id
 from ..streams import as_cupy_stream
 from . import common, decomposed
-from .plan import MIN_TILE_COLS, GemmRsPlan, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
+from .plan import MIN_TILE_COLS, Fp8Options, GemmRsPlan, PARITIES, TILE_ROWS, check_rows, plan_gemm_rs, \
     rs_ce_groups, rs_flag_layout, rs_gemm_plan, rs_reduce_grid
 
 if TYPE_CHECKING:
@@ -74,16 +74,26 @@ class GemmReduceScatter:
     rank (capacity_m: max_m with every shard padded to whole tiles), twice that with comm_mode 'ce' (the
     partials the owners pull, in two parities). Unless ``plan.path`` is 'fused', the op also holds the
     decomposed path's partials (max_m x N, device memory, not symmetric; :mod:`fluxrt.ops.decomposed`).
+
+    fp8: :class:`fluxrt.ops.Fp8Options`: A and B are uint8 fp8 bytes (B [N, K_local], trans_b=True),
+    ``dtype`` is the output's and the partials', ``forward`` takes ``scale_a`` (one element, or block scales
+    [M, ceil(K_local/128)]) and ``scale_b``; the fp8 GEMMs' partials are reduce-scattered on the decomposed
+    path (its only one) and the op holds no symmetric memory.
     """
 
     def __init__(self, world: World, max_m: int, n: int, k: int, dtype="bf16", *, trans_b: bool = False,
-                 plan: GemmRsPlan | None = None):
+                 plan: GemmRsPlan | None = None, fp8: Fp8Options | None = None):
         import cupy
 
         w = world.size
-        common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_gemm_rs)
+        common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_gemm_rs, fp8)
         self._sms = common.num_sms(world)
         common.setup_paths(self, world, self.n)
+        if self.fp8 is not None:
+            self.partial_dtype = self.dtype
+            with world.device:
+                self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+            return
         self.partial_dtype = self.plan.partial_dtype or self.dtype
         self.max_shard = self.capacity_m // w
         self.layout = rs_flag_layout(self.capacity_m, self.n, w)
@@ -128,17 +138,21 @@ class GemmReduceScatter:
         self._op_tiles = "gemm_rs.tiles"
 
     @_nvtx("gemm_rs.forward")
-    def forward(self, a, b, out=None, stream=None, *, path: str | None = None):
+    def forward(self, a, b, out=None, stream=None, *, path: str | None = None, scale_a=None, scale_b=None):
         """This rank's [M/world, N] slice of sum over ranks of a @ b (b.T with trans_b), stream-ordered.
-        path: None (the plan's), 'fused' or 'decomposed' for this call (see :meth:`path_choice`)."""
+        path: None (the plan's), 'fused' or 'decomposed' for this call (see :meth:`path_choice`).
+        scale_a, scale_b: an fp8 op's scales (fp32 device arrays, see the class docstring)."""
         world = self.world
         s = as_cupy_stream(stream)
-        a, b, out, shard, m = common.forward_operands(self, OP, a, b, out, s, sharded_a=False)
+        ops = common.forward_operands(self, OP, a, b, out, s, sharded_a=False, scales=(scale_a, scale_b))
+        a, b, out, shard, m = ops[:5]
+        sa, sb = ops[5:] or (None, None)
         choice = common.choose_call_path(self, OP, "gemm_rs", m, s, path)
         if choice.path == "decomposed":
             if out is None:
                 out = common.alloc_on((shard, self.n), self.dtype, world, s)
-            return decomposed.gemm_rs(self, self._decomposed, a, b, out, shard, m, choice.chunks, s)
+            return decomposed.gemm_rs(self, self._decomposed, a, b, out, shard, m, choice.chunks, s, scale_a=sa,
+                                      scale_b=sb)
         pad, m_pad = common.padded_rows(self, shard)   # pad == shard: the fast path
         gplan = self._call_plan(m_pad, pad != shard)
 
@@ -261,6 +275,8 @@ class GemmReduceScatter:
 
     def free(self) -> None:
         """Collective: return the symmetric buffers (the heap synchronizes the device first)."""
+        if self.fp8 is not None:   # none: the decomposed path's buffers are plain device memory
+            return
         self.pad.free()
         self.world.free(self.recv)
         if self.plan.comm_mode == "ce":
@@ -269,4 +285,5 @@ class GemmReduceScatter:
 
     def __repr__(self) -> str:
         return (f"GemmReduceScatter(max_m={self.max_m}, n={self.n}, k={self.k}, dtype={self.dtype}, "
-                f"trans_b={self.trans_b}, world={self.world.size}, plan={self.plan})")
+                f"trans_b={self.trans_b}, world={self.world.size}, plan={self.plan}"
+                + (f", fp8={self.fp8})" if self.fp8 is not None else ")"))

@@ -52,7 +52,7 @@ __all__ = ["AgGemmPlan", "GemmRsPlan", "OpsArgumentError", "AG_COMM_MODES", "RS_
            "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "padded_shard", "capacity_rows", "pull_order",
            "ag_pad_layout",
            "ag_gemm_plan", "rs_gemm_plan", "aligned_group_m", "rs_flag_layout", "rs_tile_offset", "ag_tile_offset",
-           "rs_reduce_grid", "rs_ce_groups", "RS_COMM_MODES", "PATHS"]
+           "rs_reduce_grid", "rs_ce_groups", "RS_COMM_MODES", "PATHS", "Fp8Options", "FP8_OP_SCALES"]
 
 TILE_ROWS = 128              # GEMM tile height (GemmPlan.block_m with two consumer warpgroups)
 MIN_TILE_COLS = 64           # narrowest GEMM tile: flag pads are sized for it
@@ -194,6 +194,37 @@ class GemmRsPlan:
 
 
 PATHS = ("auto", "fused", "decomposed")
+FP8_OP_SCALES = ("tensor", "block")   # the fp8 scale modes of the tensor-parallel ops
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """FP8 inputs of AllGatherGemm / GemmReduceScatter (the ops' ``fp8=`` option): A and B are uint8 arrays of
+    fp8 bytes read as ``format``, the op's ``dtype`` is the output (bf16 or fp16), B is [N, K] (trans_b=True),
+    and ``forward`` takes fp32 ``scale_a`` / ``scale_b`` device arrays (:mod:`fluxrt.gemm.fp8`).
+
+    format: 'e4m3', 'e5m2', or a pair (A's, B's).
+    scale: 'tensor' (scale_a and scale_b of one element each; scale_a may differ between ranks: AllGather+GEMM
+        gathers every rank's and multiplies each rank's rows with its own) or 'block' (scale_a [rows of A,
+        ceil(K/128)] per row and 128 K, gathered with A's rows; scale_b [ceil(N/128), ceil(K/128)]).
+
+    Such calls always take the decomposed path (the fused kernels have no fp8 hooks): AllGather+GEMM gathers
+    the fp8 bytes (half the bytes of bf16) and the scales, GEMM+ReduceScatter reduce-scatters the output-type
+    partials of its fp8 GEMMs.
+    """
+    format: str | tuple = "e4m3"
+    scale: str = "tensor"
+
+    def validate(self) -> "Fp8Options":
+        from ..gemm.checks import fp8_formats
+
+        try:
+            fp8_formats(self.format)
+        except Exception as e:
+            raise OpsArgumentError(f"Fp8Options.format: {e}") from None
+        if self.scale not in FP8_OP_SCALES:
+            raise OpsArgumentError(f"Fp8Options.scale must be one of {FP8_OP_SCALES}, got {self.scale!r}")
+        return self
 
 
 def _check_path(plan) -> None:

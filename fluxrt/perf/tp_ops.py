@@ -31,6 +31,8 @@ Shapes: ``--M M --N N --K K`` or ``--shapes MxNxK,...`` (default: the three TP s
 ``--suite tp|tp-quick``: the GEMM shape suite's tensor-parallel layers at TP = the world size
 (fluxrt.perf.shapes.tp_op_suite), with geometric means and the shapes over target after the table.
 Flags as every fluxrt-perf subcommand: -n iterations, -w warm-up, -c check, -d type, -a, -T.
+``--fp8 tensor|block``: the ops with fp8 inputs (fluxrt.ops.Fp8Options) timed against the fp8 GEMM alone
+instead (fluxrt.perf.tp_ops_fp8; -d is then the output type).
 """
 from __future__ import annotations
 
@@ -103,6 +105,9 @@ def build_parser(op: str) -> argparse.ArgumentParser:
                    help="RS: how partials reach their owner (copy engine or SM stores; override the planner)")
     p.add_argument("--ce-groups", type=int, default=None, help="RS 'ce': column groups per owner (override)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch async-TP baseline")
+    p.add_argument("--fp8", choices=("tensor", "block"), default=None,
+                   help="fp8 inputs with per-tensor or block scales: the op against the fp8 GEMM alone")
+    p.add_argument("--fp8-format", choices=("e4m3", "e5m2"), default="e4m3", help="with --fp8 (default e4m3)")
     p.add_argument("--check-args", action="store_true",
                    help="keep the ops' cross-rank argument check on (an MPI allgather per call; off by default "
                         "in the sweep, as in the collective sweeps)")
@@ -591,6 +596,10 @@ def main(argv=None, bench: str | None = None) -> int:
         print(f"fluxrt-perf {bench}: datatype {args.datatype} not supported (bf16 or fp16)", file=sys.stderr)
         return 2
     shapes = shapes_from_args(bench, args)   # validated before the world starts (world size not known yet)
+    if args.fp8:
+        from .tp_ops_fp8 import main_fp8
+
+        return main_fp8(bench, args, argv, dtype)
 
     import cupy
 
