@@ -286,7 +286,13 @@ class SubworldHeap(SymmetricHeap):
         self.capacity = pool.nbytes
         self._allocs: dict[int, _Allocation] = {}
         self._offsets: dict[int, int] = {}
-        self.used = 0
+        self.own_used = 0   # bytes of this sub-world's own allocations
+
+    @property
+    def used(self) -> int:
+        """Bytes of the pool in use on this rank, by every sub-world that shares it: ``capacity - used`` is
+        what this rank still has, as for the root world's heap."""
+        return self.pool.used
 
     def empty(self, shape, dtype):
         import cupy
@@ -313,7 +319,7 @@ class SubworldHeap(SymmetricHeap):
         peers = [self.pool.pe_bases[pe] + off if self.pool.pe_bases[pe] else 0 for pe in world.pes]
         self._allocs[base] = _Allocation(base=base, nbytes=nbytes, peer_bases=peers)
         self._offsets[base] = off
-        self.used += span
+        self.own_used += span
         mem = cupy.cuda.UnownedMemory(base, nbytes, self, world.device_id)
         arr = symmetric_array_type()(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
         arr._heap = self
@@ -334,7 +340,7 @@ class SubworldHeap(SymmetricHeap):
 
     def _release(self, base: int) -> None:
         alloc = self._allocs.pop(base)
-        self.used -= -(-alloc.nbytes // _ALIGN) * _ALIGN
+        self.own_used -= -(-alloc.nbytes // _ALIGN) * _ALIGN
         self.pool.give_back(self._offsets.pop(base))
 
     def free_all(self) -> None:

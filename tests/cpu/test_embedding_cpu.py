@@ -38,6 +38,19 @@ def test_pool_ranges_follow_takes_and_give_backs():
     assert p.free_ranges() == [(0, 1024), (1536, 4096)]
 
 
+def test_a_subworld_heap_counts_what_every_subworld_holds_in_the_shared_pool():
+    """capacity - used is what this rank still has: a TP and a DP world on one pool see each other's bytes
+    (a size check made on one of them, as the MoE Dispatcher's, must not pass when the pool is full)."""
+    from fluxrt.symmetric import SubworldHeap
+
+    p = _pool()
+    tp, dp = SubworldHeap(SimpleNamespace(rank=0), p), SubworldHeap(SimpleNamespace(rank=0), p)
+    assert tp.capacity == dp.capacity == 4096 and tp.used == dp.used == 0
+    p.take(0, 3072)   # the DP world's allocation on this rank
+    assert tp.used == dp.used == 3072 and tp.capacity - tp.used == 1024
+    assert tp.own_used == 0
+
+
 def test_overlapping_worlds_never_share_a_range_on_a_common_rank():
     """Four processes, TP groups {0,1} {2,3} and DP groups {0,2} {1,3}, allocating in turn: every range a
     world takes is free on all of its members, so no process holds two overlapping ranges."""
