@@ -51,6 +51,44 @@ def _check_matrix(info: _Info, allowed: tuple[str, ...]) -> None:
                                 f"{TMA_ALIGN}-byte aligned")
 
 
+def _check_problem(ia: _Info, ib: _Info, out, m: int, n: int, k: int, kb: int, bdesc: str, *,
+                   out_ids: tuple[str, ...], default_out: str, out_dtype: str | None, what: str = "out_dtype",
+                   out_rows: int | None = None, out_rows_note: str = "") -> tuple[str, set]:
+    """The checks every GEMM flavour shares: inner dimensions, sizes, the output (given: layout, shape, dtype,
+    device, no aliasing; allocated: a supported dtype with 16-byte rows). Returns (out dtype, devices seen)."""
+    if kb != k:
+        raise GemmArgumentError(f"gemm: inner dimensions differ: A {ia.shape} is [M, K] with K={k}, "
+                                f"{bdesc} has shape {ib.shape} (K={kb})")
+    if m == 0 or n == 0 or k == 0:
+        raise GemmArgumentError(f"gemm: empty problem M={m} N={n} K={k} (A {ia.shape}, B {ib.shape})")
+    if m >= 1 << 31 or n >= 1 << 31 or k >= 1 << 31:
+        raise GemmArgumentError(f"gemm: dimensions must be < 2^31, got M={m} N={n} K={k}")
+    devices = {i.device for i in (ia, ib) if i.device is not None}
+    if out is None:
+        out_dt = out_dtype or default_out
+        if out_dt not in out_ids:
+            raise GemmTypeError(f"gemm: {what} {out_dt} not supported; use one of {', '.join(out_ids)}")
+        if (n * _ITEMSIZE[out_dt]) % TMA_ALIGN:
+            raise GemmArgumentError(f"gemm: output rows would be {n * _ITEMSIZE[out_dt]} bytes (N={n}); "
+                                    f"need a multiple of {TMA_ALIGN}")
+        return out_dt, devices
+    io = _inspect(out, "out")
+    _check_matrix(io, out_ids)
+    if out_rows is not None and io.shape != (out_rows, n):
+        raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected ({out_rows}, {n}) ({out_rows_note})")
+    if out_rows is None and io.shape != (m, n):
+        raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected (M, N) = ({m}, {n}) for "
+                                f"A {ia.shape} and {bdesc} {ib.shape}")
+    if out_dtype is not None and out_dtype != io.dtype:
+        raise GemmTypeError(f"gemm: out is {io.dtype} but out_dtype={out_dtype}")
+    if io.device is not None:
+        devices.add(io.device)
+    for other in (ia, ib):
+        if other.ptr >= 0 and io.ptr == other.ptr:
+            raise GemmArgumentError(f"gemm: out aliases {other.name}; in-place GEMM is not supported")
+    return io.dtype, devices
+
+
 def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = None,
                        out_rows: int | None = None,
                        out_rows_note: str = "") -> tuple[int, int, int, str, str]:
@@ -71,37 +109,8 @@ def validate_gemm_args(a, b, out=None, *, trans_b: bool = False, out_dtype: str 
     else:
         kb, n = ib.shape
         bdesc = "B [K, N] (trans_b=False)"
-    if kb != k:
-        raise GemmArgumentError(f"gemm: inner dimensions differ: A {ia.shape} is [M, K] with K={k}, "
-                                f"{bdesc} has shape {ib.shape} (K={kb})")
-    if m == 0 or n == 0 or k == 0:
-        raise GemmArgumentError(f"gemm: empty problem M={m} N={n} K={k} (A {ia.shape}, B {ib.shape})")
-    if m >= 1 << 31 or n >= 1 << 31 or k >= 1 << 31:
-        raise GemmArgumentError(f"gemm: dimensions must be < 2^31, got M={m} N={n} K={k}")
-    devices = {i.device for i in (ia, ib) if i.device is not None}
-    if out is not None:
-        io = _inspect(out, "out")
-        _check_matrix(io, tuple(OUT_IDS))
-        if out_rows is not None and io.shape != (out_rows, n):
-            raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected ({out_rows}, {n}) ({out_rows_note})")
-        if out_rows is None and io.shape != (m, n):
-            raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected (M, N) = ({m}, {n}) for "
-                                    f"A {ia.shape} and {bdesc} {ib.shape}")
-        if out_dtype is not None and out_dtype != io.dtype:
-            raise GemmTypeError(f"gemm: out is {io.dtype} but out_dtype={out_dtype}")
-        out_dt = io.dtype
-        if io.device is not None:
-            devices.add(io.device)
-        for other in (ia, ib):
-            if other.ptr >= 0 and io.ptr == other.ptr:
-                raise GemmArgumentError(f"gemm: out aliases {other.name}; in-place GEMM is not supported")
-    else:
-        out_dt = out_dtype or ia.dtype
-        if out_dt not in OUT_IDS:
-            raise GemmTypeError(f"gemm: out_dtype {out_dt} not supported; use one of {', '.join(OUT_IDS)}")
-        if (n * _ITEMSIZE[out_dt]) % TMA_ALIGN:
-            raise GemmArgumentError(f"gemm: output rows would be {n * _ITEMSIZE[out_dt]} bytes (N={n}); "
-                                    f"need a multiple of {TMA_ALIGN}")
+    out_dt, devices = _check_problem(ia, ib, out, m, n, k, kb, bdesc, out_ids=tuple(OUT_IDS), default_out=ia.dtype,
+                                     out_dtype=out_dtype, out_rows=out_rows, out_rows_note=out_rows_note)
     if len(devices) > 1:
         raise GemmArgumentError(f"gemm: operands live on different devices {sorted(devices)}")
     return m, n, k, ia.dtype, out_dt
@@ -187,32 +196,8 @@ def validate_fp8_args(a, b, out=None, *, trans_b: bool = True, fp8_format="e4m3"
     _check_fp8_operand(ib, fb)
     m, k = ia.shape
     n, kb = ib.shape
-    if kb != k:
-        raise GemmArgumentError(f"gemm: inner dimensions differ: A {ia.shape} is [M, K] with K={k}, B [N, K] "
-                                f"(trans_b=True) has shape {ib.shape} (K={kb})")
-    if m == 0 or n == 0 or k == 0:
-        raise GemmArgumentError(f"gemm: empty problem M={m} N={n} K={k} (A {ia.shape}, B {ib.shape})")
-    if m >= 1 << 31 or n >= 1 << 31 or k >= 1 << 31:
-        raise GemmArgumentError(f"gemm: dimensions must be < 2^31, got M={m} N={n} K={k}")
-    devices = {i.device for i in (ia, ib) if i.device is not None}
-    if out is not None:
-        io = _inspect(out, "out")
-        _check_matrix(io, FP8_OUT_DTYPES)
-        if io.shape != (m, n):
-            raise GemmArgumentError(f"gemm: out has shape {io.shape}, expected (M, N) = ({m}, {n}) for A {ia.shape} "
-                                    f"and B [N, K] {ib.shape}")
-        if out_dtype is not None and out_dtype != io.dtype:
-            raise GemmTypeError(f"gemm: out is {io.dtype} but out_dtype={out_dtype}")
-        out_dt = io.dtype
-        if io.device is not None:
-            devices.add(io.device)
-    else:
-        out_dt = out_dtype or "bfloat16"
-        if out_dt not in FP8_OUT_DTYPES:
-            raise GemmTypeError(f"gemm: fp8 GEMM output {out_dt} not supported; use one of {', '.join(FP8_OUT_DTYPES)}")
-        if (n * _ITEMSIZE[out_dt]) % TMA_ALIGN:
-            raise GemmArgumentError(f"gemm: output rows would be {n * _ITEMSIZE[out_dt]} bytes (N={n}); need a "
-                                    f"multiple of {TMA_ALIGN}")
+    out_dt, devices = _check_problem(ia, ib, out, m, n, k, kb, "B [N, K] (trans_b=True)", out_ids=FP8_OUT_DTYPES,
+                                     default_out="bfloat16", out_dtype=out_dtype, what="fp8 GEMM output")
     if (scale_a is None) != (scale_b is None):
         raise GemmArgumentError("gemm: pass both scale_a and scale_b, or neither (unscaled fp8)")
     scale = "none"

@@ -74,6 +74,8 @@ def test_operand_checks():
         validate_fp8_args(a, b, arr((256, 256), BF16), fp8_format="e4m3")
     with pytest.raises(GemmArgumentError, match="output rows"):   # bf16 rows of N=4 are 8 bytes
         validate_fp8_args(arr((256, 512), U8), arr((4, 512), U8), fp8_format="e4m3")
+    with pytest.raises(GemmArgumentError, match="out aliases A"):   # as the 16-bit GEMM: no in-place
+        validate_fp8_args(a, b, arr((256, 384), BF16, ptr=1 << 32), fp8_format="e4m3")
 
 
 def test_scale_checks():
