@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 import pytest
+from op_checks import (  # tests/gpu/op_checks.py: the float64 checks these tests share
+    Problems as _Problems, f64 as _f64, np_dtype as _np_dtype, poisoned as _poisoned, problem as _problem)
 
 pytestmark = pytest.mark.multirank
 
@@ -26,14 +28,6 @@ def _fused_kernels_only(monkeypatch):
     rates = {k: dataclasses.replace(v, margin=float("inf")) for k, v in cost.OPS_RATES.items()}
     monkeypatch.setattr(cost, "OPS_RATES", rates)
 
-TOL = {"bfloat16": 1.5e-2, "float16": 4e-3}   # max |err| / max |ref|: output rounding + partial rounding
-
-
-def _np_dtype(name):
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
 
 def _rand(rng, shape, dtype):
     return rng.standard_normal(shape).astype(np.float32).astype(_np_dtype(dtype))
@@ -45,49 +39,9 @@ def _dev(x):
     return cupy.asarray(x)
 
 
-def _poisoned(shape, dtype):
-    import cupy
-
-    out = cupy.empty(shape, dtype=_np_dtype(dtype))
-    out.view(np.uint16).fill(0x7FC0 if dtype == "bfloat16" else 0x7E00)   # quiet NaN bit patterns
-    return out
-
-
-def _f64(x):
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        x = x.get()
-    return np.asarray(x).astype(np.float64)
-
-
-def _problem(got, ref, dtype, what) -> str | None:
-    """Why `got` does not match the float64 reference (None when it does)."""
-    got = _f64(got)
-    if got.shape != ref.shape:
-        return f"{what}: shape {got.shape} != {ref.shape}"
-    if not np.isfinite(got).all():
-        return f"{what}: non-finite values (poison not overwritten?)"
-    err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
-    return f"{what}: relative error {err:.3g} >= {TOL[dtype]}" if not err < TOL[dtype] else None
-
-
 def _check(got, ref, dtype, what):
     problem = _problem(got, ref, dtype, what)
     assert problem is None, problem
-
-
-class _Problems(list):
-    """Checks inside loops with collective steps: collect, assert once after the loop (a rank that
-    stopped early would leave its peers waiting in the next iteration's collective)."""
-
-    def check(self, got, ref, dtype, what):
-        problem = _problem(got, ref, dtype, what)
-        if problem:
-            self.append(problem)
-
-    def assert_none(self):
-        assert not self, "; ".join(self[:5]) + (f" (+{len(self) - 5} more)" if len(self) > 5 else "")
 
 
 def _allgather(world, x):

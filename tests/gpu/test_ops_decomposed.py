@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from op_checks import (  # tests/gpu/op_checks.py: the float64 checks these tests share
+    Problems as _Problems, f64 as _f64, np_dtype as _np_dtype, poisoned as _poisoned)
 
 pytestmark = pytest.mark.multirank
-
-TOL = {"bfloat16": 1.5e-2, "float16": 4e-3}   # max |err| / max |ref|: output rounding + partial rounding
 
 
 @pytest.fixture
@@ -24,12 +24,6 @@ def rng(request, world):
     return np.random.default_rng([zlib.crc32(request.node.name.encode()), world.rank])
 
 
-def _np_dtype(name):
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
 def _rand(rng, shape, dtype, scale=1.0):
     return (scale * rng.standard_normal(shape)).astype(np.float32).astype(_np_dtype(dtype))
 
@@ -38,41 +32,6 @@ def _dev(x):
     import cupy
 
     return cupy.asarray(x)
-
-
-def _poisoned(shape, dtype):
-    import cupy
-
-    out = cupy.empty(shape, dtype=_np_dtype(dtype))
-    out.view(np.uint16).fill(0x7FC0 if dtype == "bfloat16" else 0x7E00)   # quiet NaN bit patterns
-    return out
-
-
-def _f64(x):
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        x = x.get()
-    return np.asarray(x).astype(np.float64)
-
-
-class _Problems(list):
-    """Checks inside loops with collective steps: collect, assert once after the loop (a rank that stopped
-    early would leave its peers waiting in the next collective)."""
-
-    def check(self, got, ref, dtype, what):
-        got = _f64(got)
-        if got.shape != ref.shape:
-            self.append(f"{what}: shape {got.shape} != {ref.shape}")
-        elif not np.isfinite(got).all():
-            self.append(f"{what}: non-finite values (poison not overwritten?)")
-        else:
-            err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
-            if not err < TOL[dtype]:
-                self.append(f"{what}: relative error {err:.3g} >= {TOL[dtype]}")
-
-    def assert_none(self):
-        assert not self, "; ".join(self[:5]) + (f" (+{len(self) - 5} more)" if len(self) > 5 else "")
 
 
 def _gathered(world, x):

@@ -13,22 +13,16 @@ import zlib
 
 import numpy as np
 import pytest
+from op_checks import Problems as _Problems, np_dtype as _np_dtype, poisoned as _poisoned  # tests/gpu/op_checks.py
 
 pytestmark = [pytest.mark.multirank, pytest.mark.hopper]   # the fp8 GEMM is sm_90a (conftest.py skips elsewhere)
 
-TOL = {"bfloat16": 1.5e-2, "float16": 4e-3}   # max |err| / max |ref|: output rounding (+ partial rounding)
 FMT = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
 
 @pytest.fixture
 def rng(request, world):
     return np.random.default_rng([zlib.crc32(request.node.name.encode()), world.rank])
-
-
-def _np_dtype(name):
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def _fp8(rng, shape, fmt):
@@ -68,40 +62,6 @@ def _dev(x):
 
     x = np.asarray(x)
     return cupy.asarray(x.view(np.uint8) if x.dtype.itemsize == 1 else x)   # fp8 values as their bytes
-
-
-def _poisoned(shape, dtype):
-    import cupy
-
-    out = cupy.empty(shape, dtype=_np_dtype(dtype))
-    out.view(np.uint16).fill(0x7FC0 if dtype == "bfloat16" else 0x7E00)
-    return out
-
-
-def _f64(x):
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        x = x.get()
-    return np.asarray(x).astype(np.float64)
-
-
-class _Problems(list):
-    """Collect, assert once after the collective steps (a rank that stopped early would leave peers waiting)."""
-
-    def check(self, got, ref, dtype, what):
-        got = _f64(got)
-        if got.shape != ref.shape:
-            self.append(f"{what}: shape {got.shape} != {ref.shape}")
-        elif not np.isfinite(got).all():
-            self.append(f"{what}: {int((~np.isfinite(got)).sum())} non-finite values (poison not overwritten?)")
-        else:
-            err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
-            if not err < TOL[dtype]:
-                self.append(f"{what}: relative error {err:.3g} >= {TOL[dtype]}")
-
-    def assert_none(self):
-        assert not self, "; ".join(self[:5]) + (f" (+{len(self) - 5} more)" if len(self) > 5 else "")
 
 
 def _ag_ref(world, a8, sa, b8, sb):
