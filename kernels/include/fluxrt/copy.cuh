@@ -91,8 +91,9 @@ __device__ __forceinline__ void copy_strided(char* __restrict__ dst, const char*
 
 // Fill [dst, dst + bytes) with 0xFF bytes, by threads lane, lane + lanes, ... (16-byte stores where
 // aligned). All-ones is a NaN in fp32, fp16 and bf16 (and -1 in integers): the output a timed-out wait
-// was to guard reads as NaN, never as plausible numbers computed from stale data. Failure path only.
-__device__ inline void poison_bytes(char* dst, u64 bytes, u32 lane, u32 lanes) {
+// was to guard reads as NaN, never as plausible numbers computed from stale data. Failure path only, hence
+// out of line: inlined into every wait site it grew the LL kernels by ~70 % of their code and their registers.
+__device__ __noinline__ void poison_bytes(char* dst, u64 bytes, u32 lane, u32 lanes) {
     const u64 to_aligned = (16u - (reinterpret_cast<u64>(dst) & 15u)) & 15u;
     const u64 head = to_aligned < bytes ? to_aligned : bytes;
     for (u64 i = lane; i < head; i += lanes) dst[i] = (char)0xFF;
