@@ -226,9 +226,10 @@ def choose_call_path(op, name: str, cost_op: str, m: int, stream, path: str | No
         return got
     plan = op.plan if path is None else dataclasses.replace(op.plan, path=path).validate()
     world, dt, tb = op.world, op.dtype, op.trans_b
-    key = dt if op.fp8 is None else fp8_problem(op, 0, op.n, op.k).key_dtype   # the autotune cache's input key
+    in_key = dt if op.fp8 is None else fp8_problem(op, 0, op.n, op.k).key_dtype   # the autotune cache's input key
     mine = choose_path(cost_op, m, op.n, op.k, world.size, plan, dt, capturing=capturing, num_sms=op._sms,
-                       rates=op._rates, tuned_us=lambda mm, nn, kk: tuned_us(mm, nn, kk, key, dt, tb, world.device_id),
+                       rates=op._rates,
+                       tuned_us=lambda mm, nn, kk: tuned_us(mm, nn, kk, in_key, dt, tb, world.device_id),
                        fp8=op.fp8 is not None)
     first = agreement.exchange(world, f"{name}.path", (mine.path, mine.chunks))[0]
     got = mine if first == (mine.path, mine.chunks) else PathChoice(

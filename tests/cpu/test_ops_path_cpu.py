@@ -148,3 +148,33 @@ def test_baseline_fields_and_summary():
     lines = tp_ops.format_table([r, small])
     assert len({len(x) for x in lines}) == 1 and "decomposed" in lines[2]
     assert "128x7168x8192" in tp_ops.summary_lines(s)[1]
+
+
+def test_call_path_is_agreed_once_per_call_shape(monkeypatch):
+    """choose_call_path caches the agreed choice under (M, capturing, path): a second call of the same shape
+    neither recomputes nor exchanges, a new M or an override does."""
+    import types
+
+    from fluxrt import agreement
+    from fluxrt.ops import common
+
+    exchanges = []
+
+    def fake_exchange(world, name, payload):
+        exchanges.append((name, payload))
+        return [payload]
+
+    monkeypatch.setattr(agreement, "exchange", fake_exchange)
+    stream = types.SimpleNamespace(is_capturing=lambda: False)
+    world = types.SimpleNamespace(size=4, rank=0, device_id=0)
+    op = types.SimpleNamespace(plan=P.AgGemmPlan().validate(), world=world, dtype="bfloat16", trans_b=True,
+                               fp8=None, n=7168, k=8192, _sms=132, _rates=RATES, _paths={},
+                               _decomposed=object())
+    first = common.choose_call_path(op, "ag", "ag_gemm", 8192, stream, None)
+    again = common.choose_call_path(op, "ag", "ag_gemm", 8192, stream, None)
+    assert again is first and len(exchanges) == 1
+    assert set(op._paths) == {(8192, False, None)}
+    common.choose_call_path(op, "ag", "ag_gemm", 4096, stream, None)
+    forced = common.choose_call_path(op, "ag", "ag_gemm", 8192, stream, "decomposed")
+    assert forced.path == "decomposed" and len(exchanges) == 3
+    assert set(op._paths) == {(8192, False, None), (4096, False, None), (8192, False, "decomposed")}
