@@ -176,3 +176,23 @@ def test_fast_path_key_is_hashable_and_tells_calls_apart(monkeypatch):
     assert fused.call_key(x, None, res, w, ro, None, 1e-6, None, "auto") is None
     assert fused.call_key(x, out, res, w, ro, None, 1e-6, "per_token", "auto") is None
     assert fused.call_key(x, out, res, [1.0], ro, None, 1e-6, None, "auto") is None
+
+
+def test_example_weight_quantization_round_trips():
+    """examples/norm_fp8_ag_gemm.py's 128 x 128 block quantization of the weight: every element within half an
+    e4m3 ulp (2^-4 relative, subnormal steps of the block scale) of the float64 value, scales absmax / 448."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "norm_fp8_ag_gemm.py"
+    spec = importlib.util.spec_from_file_location("norm_fp8_ag_gemm", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((200, 300)) * np.exp2(rng.integers(-6, 6, size=(200, 1)))
+    codes, scales = ex.quantize_blocks(w)
+    assert codes.dtype == np.uint8 and codes.shape == w.shape and scales.shape == (2, 3)
+    assert np.isclose(scales[1, 2], np.abs(w[128:, 256:]).max() / 448.0, rtol=1e-6)
+    back = ex.dequantize(codes, scales, 128)
+    full = np.repeat(np.repeat(scales.astype(np.float64), 128, 0), 128, 1)[:200, :300]
+    assert np.all(np.abs(back - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -10 * full)

@@ -225,6 +225,45 @@ def test_graph_replay(world):
             _check_norm(world, x, residual, weight, 1e-6, "bf16", q, quant="per_block", what=f"replay {replay} fp8")
 
 
+@pytest.mark.parametrize("rows_per_rank, cols, n", [(64, 1024, 256), (37, 640, 200)])
+def test_fp8_output_feeds_allgather_gemm(world, rows_per_rank, cols, n):
+    """allreduce_rmsnorm's per_block FP8 codes and scales, each rank's row shard of them, into the block-scaled
+    FP8 AllGather+GEMM (examples/norm_fp8_ag_gemm.py): the gathered GEMM against the float64 product of the
+    dequantized codes (every rank holds all of them after the allreduce) and this rank's e4m3 weight."""
+    import cupy
+    import ml_dtypes
+
+    import fluxrt.fused
+    from fluxrt.ops import AllGatherGemm, Fp8Options
+
+    w, me = world.size, world.rank
+    rows = rows_per_rank * w
+    x, residual, weight = _inputs(world, 17 + cols, rows, cols, "bf16")
+    kb, nb = -(-cols // 128), -(-n // 128)
+    codes, scales = _poison((rows, cols), np.uint8), _poison((rows, kb), np.float32)
+    res = fluxrt.fused.allreduce_rmsnorm(world, x, residual, weight, 1e-6, residual_out=_poison((rows, cols), x.dtype),
+                                         out=codes, quant="per_block", scales_out=scales)
+    rng = np.random.default_rng(1000 + me)
+    b8 = (rng.standard_normal((n, cols)) * 8.0).astype(ml_dtypes.float8_e4m3fn)
+    sb = rng.uniform(0.5, 2.0, size=(nb, kb)).astype(np.float32) / 64.0
+    ag = AllGatherGemm(world, rows, n, cols, "bfloat16", trans_b=True, fp8=Fp8Options("e4m3", "block"))
+    out = _poison((rows, n), _dtype("bf16"))
+    mine = slice(me * rows_per_rank, (me + 1) * rows_per_rank)
+    ag.forward(codes[mine], cupy.asarray(b8.view(np.uint8)), out=out, scale_a=scales[mine], scale_b=cupy.asarray(sb))
+    world.device.synchronize()
+    world.check_errors()
+    _check_norm(world, x, residual, weight, 1e-6, "bf16", res, quant="per_block", what="chain input")
+    a = codes.get().view(ml_dtypes.float8_e4m3fn).astype(np.float64) * np.repeat(_host(scales), 128, 1)[:, :cols]
+    b = b8.astype(np.float64) * np.repeat(np.repeat(sb.astype(np.float64), 128, 0), 128, 1)[:n, :cols]
+    want = a @ b.T
+    got = _host(out)
+    bound = 2.0 ** -8 * np.abs(want) + 1e-5 * (np.abs(a) @ np.abs(b).T) + 1e-6
+    bad = ~(np.abs(got - want) <= bound)
+    ag.free()
+    if bad.any():
+        _fail(f"AllGather+GEMM of the norm's fp8 output {rows}x{cols}x{n}", bad, got, want, bound)
+
+
 def test_bad_arguments_raise_before_launch(world):
     import cupy
 
