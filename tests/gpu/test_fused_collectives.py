@@ -257,7 +257,9 @@ def test_fp8_output_feeds_allgather_gemm(world, rows_per_rank, cols, n):
     b = b8.astype(np.float64) * np.repeat(np.repeat(sb.astype(np.float64), 128, 0), 128, 1)[:n, :cols]
     want = a @ b.T
     got = _host(out)
-    bound = 2.0 ** -8 * np.abs(want) + 1e-5 * (np.abs(a) @ np.abs(b).T) + 1e-6
+    # bf16 rounding of the output, plus the fp8 wgmma's accumulator inside each 128-K block, which keeps about
+    # 14 bits (DeepSeek-V3 report, sec. 3.3.2) before the block's sum is scaled into fp32
+    bound = 2.0 ** -8 * np.abs(want) + 2.0 ** -13 * (np.abs(a) @ np.abs(b).T) + 1e-6
     bad = ~(np.abs(got - want) <= bound)
     ag.free()
     if bad.any():
