@@ -190,8 +190,9 @@ def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: s
 
 def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
     """The plans autotuning times: the heuristic's whole choice set (every tile shape the planner knows at its
-    deepest ring, grouped order, and its split-K plans), so the heuristic's own pick is always among them."""
-    return plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
+    deepest ring, grouped order, and its split-K plans), so the heuristic's own pick is always among them, plus
+    the split-K plans of ragged waves (``partial_waves``), which the model cannot rank."""
+    return plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
 
 
 def _time_us(packed, stream_ptr: int, reps: int, rounds: int) -> float:

@@ -279,25 +279,48 @@ def split_cost(m: int, n: int, k: int, block_m: int, block_n: int, splits: int, 
     return gemm + 2 * splits * m * n * 4 + m * n * 2 + SPLIT_FIXED_COST
 
 
-def split_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
+def split_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS, *,
+                partial_waves: bool = False) -> list[GemmPlan]:
     """Split-K plans worth considering: where a tile shape's tiles fill less than one wave, for every slice
-    count that divides K into 16-byte pieces of at least SPLIT_MIN_K and keeps the tiles within two waves."""
+    count that divides K into 16-byte pieces of at least SPLIT_MIN_K and keeps the tiles within two waves.
+    partial_waves (the autotuner's wider set): also where the tiles make a few waves whose last one is mostly
+    idle (at most SPLIT_WAVES_MAX waves, last wave below SPLIT_PARTIAL_FILL), with slices that fill the waves
+    better, up to SPLIT_WAVES_MAX waves of work items: small-M problems that stream B once (M <= 512) run at the
+    memory's rate only when every SM reads."""
     out = []
     for bm, bn, cluster in TILE_RATE:
         if cluster != 1:
             continue
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
-        if tiles >= num_sms:
+        few = tiles < num_sms
+        if not few and not (partial_waves and _ragged_waves(tiles, num_sms)):
             continue
         stages = min(max_stages(bm, bn, "float32"), 6)
         if stages < 3:
             continue
+        most = (2 if few else SPLIT_WAVES_MAX) * num_sms
         for splits in SPLITS:
-            if k % (8 * splits) or k // splits < SPLIT_MIN_K or splits * tiles > 2 * num_sms:
+            if k % (8 * splits) or k // splits < SPLIT_MIN_K or splits * tiles > most:
+                continue
+            if not few and _wave_fill(splits * tiles, num_sms) <= _wave_fill(tiles, num_sms):
                 continue
             out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, split_k=splits,
                                 group_m=max(1, min(math.ceil(splits * m / bm), 16))))
     return out
+
+
+SPLIT_WAVES_MAX = 4          # partial_waves: tiles of at most this many waves, work items of at most as many
+SPLIT_PARTIAL_FILL = 0.75    # partial_waves: a last wave filled below this is worth slicing K for
+
+
+def _wave_fill(items: int, num_sms: int) -> float:
+    """The busy fraction of SM-waves when `items` equal work items run persistently on num_sms SMs."""
+    return items / (math.ceil(items / num_sms) * num_sms)
+
+
+def _ragged_waves(tiles: int, num_sms: int) -> bool:
+    waves = math.ceil(tiles / num_sms)
+    return waves <= SPLIT_WAVES_MAX and _wave_fill(tiles, num_sms) < SPLIT_PARTIAL_FILL
 
 
 def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_SMS) -> float:

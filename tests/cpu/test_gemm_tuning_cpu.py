@@ -229,3 +229,23 @@ def test_split_k_kernels_compile(trans_b, tmp_path, monkeypatch):
     for out in (0, 1, 2):
         red = compile_cubin("gemm/splitk_reduce.cu", CompileOptions(arch="sm_90a", defines=(("FLUXRT_SPLITK_OUT", str(out)),)))
         assert b"fluxrt_splitk_reduce" in red.read_bytes()
+
+
+def test_partial_wave_split_plans_fill_ragged_waves():
+    """The autotuner's wider split-K set: slices only where a few waves of tiles leave the last one mostly idle,
+    each fills the waves better than the unsplit tiles, and the heuristic's own set stays a subset."""
+    import math
+
+    from fluxrt.gemm.autotune import candidates
+    from fluxrt.gemm.plan import H100_H200_SMS as SMS
+    from fluxrt.gemm.plan import SPLIT_WAVES_MAX, _wave_fill, split_plans
+
+    m, n, k = 256, 9216, 7168     # 64x192 tiles: 192 of them, 1.45 waves
+    narrow, wide = split_plans(m, n, k), split_plans(m, n, k, partial_waves=True)
+    assert set(narrow) < set(wide)
+    assert set(wide) <= set(candidates(m, n, k))
+    for p in set(wide) - set(narrow):
+        tiles = math.ceil(m / p.block_m) * math.ceil(n / p.block_n)
+        assert tiles >= SMS and _wave_fill(p.split_k * tiles, SMS) > _wave_fill(tiles, SMS)
+        assert p.split_k * tiles <= SPLIT_WAVES_MAX * SMS and k % (8 * p.split_k) == 0
+    assert split_plans(8192, 8192, 8192, partial_waves=True) == []   # 2048 tiles of 128x256: many waves
