@@ -50,10 +50,19 @@ def _poisoned(count: int, dtype: str):
     return out
 
 
-def _gather(comm, x) -> list[np.ndarray]:
+def _allgather(world, payload, what: str) -> list:
+    """Every rank's payload through fluxrt's bounded exchange rather than a bare MPI allgather: a rank that
+    left a test early (a failed check, an exception) makes the others fail with an error naming the ranks
+    and calls, instead of blocking in MPI or pairing with the next test's exchange."""
+    from fluxrt import agreement
+
+    return agreement.exchange(world, f"test_embedding {what}", payload)
+
+
+def _gather(world, x) -> list[np.ndarray]:
     import cupy
 
-    return [a.reshape(-1) for a in comm.allgather(cupy.asnumpy(x))]
+    return [a.reshape(-1) for a in _allgather(world, cupy.asnumpy(x), "inputs")]
 
 
 def _check(got, inputs: list[np.ndarray], op: str, dtype: str, what: str) -> None:
@@ -91,10 +100,10 @@ def _check(got, inputs: list[np.ndarray], op: str, dtype: str, what: str) -> Non
                     f"(bound {bound[i]:.3g})")
 
 
-def _same_everywhere(comm, out, what: str) -> None:
+def _same_everywhere(world, out, what: str) -> None:
     import cupy
 
-    every = comm.allgather(cupy.asnumpy(out).tobytes())
+    every = _allgather(world, cupy.asnumpy(out).tobytes(), "outputs")
     assert all(b == every[0] for b in every), f"{what}: ranks got different bytes"
 
 
@@ -114,12 +123,12 @@ def test_allreduce_wide_types(world, dtype, op, algo):
 
     count = 4099
     x = _data(len(algo), world.rank, count, dtype, op)
-    inputs = _gather(world.comm, x)
+    inputs = _gather(world, x)
     out = _poisoned(count, dtype)
     assert fluxrt.allreduce(world, x, out, op=op, algo=algo) is out
     world.synchronize()
     _check(out, inputs, op, dtype, f"allreduce {dtype} {op} {algo}")
-    _same_everywhere(world.comm, out, f"allreduce {dtype} {op} {algo}")
+    _same_everywhere(world, out, f"allreduce {dtype} {op} {algo}")
 
 
 @pytest.mark.parametrize("dtype, op", [("fp64", "sum"), ("fp64", "avg"), ("fp32", "avg"), ("bf16", "avg"),
@@ -131,11 +140,11 @@ def test_allreduce_sizes_and_avg(world, dtype, op, count):
     import fluxrt
 
     x = _data(count % 97, world.rank, count, dtype, op)
-    inputs = _gather(world.comm, x)
+    inputs = _gather(world, x)
     out = fluxrt.allreduce(world, x, op=op)
     world.synchronize()
     _check(out, inputs, op, dtype, f"allreduce {dtype} {op} count {count}")
-    _same_everywhere(world.comm, out, f"allreduce {dtype} {op} count {count}")
+    _same_everywhere(world, out, f"allreduce {dtype} {op} count {count}")
 
 
 @pytest.mark.parametrize("dtype, op", [("fp64", "sum"), ("int64", "max"), ("uint8", "sum"), ("fp32", "avg")])
@@ -145,7 +154,7 @@ def test_reduce_scatter_wide_types(world, dtype, op, algo):
 
     n, chunk = world.size, 3001
     x = _data(7, world.rank, n * chunk, dtype, op)
-    inputs = _gather(world.comm, x)
+    inputs = _gather(world, x)
     out = _poisoned(chunk, dtype)
     fluxrt.reduce_scatter(world, x, out, op=op, algo=algo)
     world.synchronize()
@@ -171,7 +180,7 @@ def test_async_handles_wait_on_the_host(world):
     import fluxrt
 
     xs = [_data(11, world.rank, 50_000, "fp64", "sum"), _data(12, world.rank, 9_000, "int32", "sum")]
-    inputs = [_gather(world.comm, x) for x in xs]
+    inputs = [_gather(world, x) for x in xs]
     world.device.synchronize()
     handles = [fluxrt.allreduce(world, x, async_op=True) for x in xs]
     outs = fluxrt.wait_all(handles, host=True)   # the host blocks: no stream sync needed to read them
@@ -191,7 +200,7 @@ def test_split_world_of_all_ranks_runs_beside_its_root(world):
         assert sub.is_subworld and (sub.rank, sub.size) == (world.rank, world.size) and sub.pes == list(range(world.size))
         fluxrt.prepare(sub, options=fluxrt.CollectivesOptions(workspace_bytes=SUB_WS))
         a, b = _data(21, world.rank, 100_000, "fp32", "sum"), _data(22, world.rank, 100_000, "fp64", "sum")
-        ia, ib = _gather(world.comm, a), _gather(world.comm, b)
+        ia, ib = _gather(world, a), _gather(world, b)
         s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
         world.device.synchronize()
         oa = fluxrt.allreduce(world, a, stream=s1)    # root and sub-world at the same time, on two streams
@@ -225,7 +234,7 @@ def test_tp_by_dp_layout_on_four_ranks(world):
             fluxrt.prepare(w, dtypes=["fp64"], options=fluxrt.CollectivesOptions(workspace_bytes=SUB_WS))
         for rep, count in enumerate((1000, 70_001, 400_001)):
             a, b = _data(30 + rep, r, count, "fp32", "sum"), _data(40 + rep, r, count, "fp64", "sum")
-            ia, ib = _gather(tp.comm, a), _gather(dp.comm, b)
+            ia, ib = _gather(tp, a), _gather(dp, b)
             ts, ds = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
             world.device.synchronize()
             oa = fluxrt.allreduce(tp, a, stream=ts)
@@ -237,7 +246,7 @@ def test_tp_by_dp_layout_on_four_ranks(world):
             dp.check_errors()
             _check(oa, ia, "sum", "fp32", f"TP allreduce {count}")
             _check(ob, ib, "sum", "fp64", f"DP allreduce {count}")
-            np.testing.assert_array_equal(cupy.asnumpy(og), np.concatenate(_gather(dp.comm, a)))
+            np.testing.assert_array_equal(cupy.asnumpy(og), np.concatenate(_gather(dp, a)))
         # the whole job's view of the same inputs: TP then DP sums equal the world sum
         x = _data(50, r, 5000, "fp64", "sum")
         every = _gather(MPI.COMM_WORLD, x)
@@ -304,7 +313,7 @@ def test_first_call_inside_a_capture(world):
             out.fill(np.nan)
             out2.fill(np.nan)
             world.device.synchronize()
-            inputs = _gather(world.comm, x)
+            inputs = _gather(world, x)
             graph.launch(s)
             s.synchronize()
             sub.check_errors()
@@ -322,7 +331,7 @@ def test_numba_arrays_in_and_out(world):
     import fluxrt
 
     x = _data(80, world.rank, 3000, "fp64", "sum")
-    inputs = _gather(world.comm, x)
+    inputs = _gather(world, x)
     nx = numba_cuda.as_cuda_array(x)          # a __cuda_array_interface__ producer
     nout = numba_cuda.device_array(3000, dtype=np.float64)
     fluxrt.allreduce(world, nx, nout)
@@ -345,7 +354,7 @@ def test_jax_arrays_in_and_readonly_out_refused(world):
     except RuntimeError:
         pytest.skip("jax has no GPU backend here")
     x = _data(81, world.rank, 3000, "fp32", "sum")
-    inputs = _gather(world.comm, x)
+    inputs = _gather(world, x)
     jx = jax.device_put(cupy.asnumpy(x), dev)
     out = fluxrt.allreduce(world, jx)
     world.synchronize()
