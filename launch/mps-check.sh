@@ -14,6 +14,9 @@ mkdir -p "$OUT"
 export PATH=$PATH:/usr/local/cuda/bin FLUXRT_TEST_DEVICE=0 PYTHONUNBUFFERED=1
 export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/fluxrt-mps} CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/fluxrt-mpslog}
 export FLUXRT_CACHE_DIR=${FLUXRT_CACHE_DIR:-/tmp/fluxrt-kernel-cache-$(basename "$tree")}
+# MPS_SHARE=1 (default): each rank's kernels get 1/ranks of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so one
+# rank's grid of spinning blocks cannot hold every SM while its peers' blocks wait to be scheduled; 0: no limit
+if [ "${MPS_SHARE:-1}" = 1 ]; then export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / ${MPS_RANKS:-2})); fi
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d || { echo "mps-check: could not start the MPS daemon" >&2; exit 1; }
 trap 'echo quit | nvidia-cuda-mps-control' EXIT

@@ -220,7 +220,6 @@ def test_tp_by_dp_layout_on_four_ranks(world):
     """2 x 2: TP groups {0, 1} {2, 3} and DP groups {0, 2} {1, 3}, each a sub-world on the one heap; allreduce
     in both at once (TP in fp32 on one stream, DP in fp64 on another), checked against float64 references."""
     import cupy
-    from mpi4py import MPI
 
     import fluxrt
 
@@ -249,7 +248,7 @@ def test_tp_by_dp_layout_on_four_ranks(world):
             np.testing.assert_array_equal(cupy.asnumpy(og), np.concatenate(_gather(dp, a)))
         # the whole job's view of the same inputs: TP then DP sums equal the world sum
         x = _data(50, r, 5000, "fp64", "sum")
-        every = _gather(MPI.COMM_WORLD, x)
+        every = _gather(world, x)
         y = fluxrt.allreduce(dp, fluxrt.allreduce(tp, x))
         world.synchronize()
         np.testing.assert_allclose(cupy.asnumpy(y), np.sum(every, axis=0), rtol=1e-12, atol=1e-12)
@@ -271,7 +270,7 @@ def test_second_init_makes_a_subworld_with_its_own_communicator(world):
         assert sub.comm.Compare(half) == MPI.CONGRUENT   # a duplicate, not the program's own
         fluxrt.prepare(sub, options=fluxrt.CollectivesOptions(workspace_bytes=SUB_WS))
         x = _data(60, world.rank, 10_000, "int64", "sum")
-        inputs = _gather(half, x)
+        inputs = _gather(sub, x)
         out = fluxrt.allreduce(sub, x)
         sub.synchronize()
         _check(out, inputs, "sum", "int64", "allreduce in a second init's world")
