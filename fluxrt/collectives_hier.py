@@ -218,7 +218,8 @@ class HierarchicalCollectives:
         self._put = self.module.get_function("fluxrt_rail_put")
         self._gather = self.module.get_function("fluxrt_rail_gather")
         self._pes = np.zeros(1, _PES_DTYPE)
-        self._pes["pe"][0, :self.nodes] = self.rail
+        self._pes["pe"][0, :self.nodes] = [world.pe(r) for r in self.rail]   # a sub-world's rank is not its PE
+        self._all = (1 << self.nodes) - 1   # put and copy masks: every rail member
         self.epoch = 0
         self.side_stream = cupy.cuda.Stream(non_blocking=True)
         self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
@@ -281,16 +282,28 @@ class HierarchicalCollectives:
         done.record(s)
         return CollectiveHandle(self.world, done, result, keep)
 
-    def _rail_put(self, s, src_stride: int, nbytes: int) -> tuple[int, int]:
-        """One rail round's puts from the send buffer (member d's piece at send + d * src_stride); returns
-        (epoch, blocks per member)."""
+    def _rail_put(self, s, src_stride: int, nbytes: int, put_mask: int | None = None) -> tuple[int, int]:
+        """One rail round's puts from the send buffer (member d's piece at send + d * src_stride) to the members
+        in `put_mask` (bit d: member d; None: all); the others get the round's signal alone. `nbytes` must be
+        the same on every member (it sets the round's blocks). Returns (epoch, blocks per member)."""
         self.epoch += 1
         blocks = put_grid(nbytes, self.options.put_blocks)
+        mask = self._all if put_mask is None else put_mask
         args = (self._pes, _u32(self.node_index), _u32(blocks), _u64(self.send.data.ptr), _u64(src_stride),
                 _u64(nbytes), _u64(self.recv.data.ptr), _u64(self.half_bytes), _u64(self.slot_bytes),
-                _u64(self.sig.data.ptr), _u64(self.epoch))
+                _u64(self.sig.data.ptr), _u64(self.epoch), _u64(mask))
         PackedLaunch(self._put, blocks * self.nodes, THREADS, args).launch(s.ptr)
         return self.epoch, blocks
+
+    def _rail_gather(self, s, e: int, blocks: int, out_ptr: int, out_stride: int, nbytes: int, copy_mask: int,
+                     name: str) -> None:
+        """Wait (bounded, named `name`) for round e's signals from every member, then copy the slots in
+        `copy_mask` to out_ptr + p * out_stride (0: the wait alone)."""
+        args = (self._pes, _u32(self.nodes), _u32(blocks), _u64(self.recv.data.ptr), _u64(self.half_bytes),
+                _u64(self.slot_bytes), _u64(self.sig.data.ptr), _u64(e), _u64(out_ptr), _u64(out_stride),
+                _u64(nbytes), _u64(copy_mask)) + self._watch(name)
+        grid = max(1, min(self.options.reduce_blocks, math.ceil(nbytes / (64 << 10)))) if copy_mask else 1
+        PackedLaunch(self._gather, grid, THREADS, args).launch(s.ptr)
 
     def _watch(self, name: str) -> tuple:
         w = self.world
@@ -340,16 +353,13 @@ class HierarchicalCollectives:
         import cupy
 
         mine = out_ptr + self.node_index * block_bytes
+        others = self._all & ~(1 << self.node_index)
         for start, nbytes in rail_pieces(block_bytes, self.slot_bytes):
             if nbytes:
                 cupy.cuda.runtime.memcpyAsync(self.send.data.ptr, mine + start, nbytes,
                                               cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
-            e, blocks = self._rail_put(s, 0, nbytes)
-            args = (self._pes, _u32(self.nodes), _u32(blocks), _u64(self.recv.data.ptr), _u64(self.half_bytes),
-                    _u64(self.slot_bytes), _u64(self.sig.data.ptr), _u64(e), _u64(out_ptr + start),
-                    _u64(block_bytes), _u64(nbytes), _u32(self.node_index)) + self._watch(name)
-            grid = max(1, min(self.options.reduce_blocks, math.ceil(nbytes / (64 << 10))))
-            PackedLaunch(self._gather, grid, THREADS, args).launch(s.ptr)
+            e, blocks = self._rail_put(s, 0, nbytes, others)
+            self._rail_gather(s, e, blocks, out_ptr + start, block_bytes, nbytes, others, name)
 
     def _rail_allreduce(self, buf, dt: str, red: str, s, name: str) -> str:
         """buf (nodes chunks of whole 16-byte vectors) <- its reduction along the rail, in place, every member
@@ -517,19 +527,150 @@ class HierarchicalCollectives:
                  "blocks", world.rank, a.size, a.dtype, block_bytes)
         return self._end(s, async_op, o, (a, o))
 
-    def _not_across_nodes(self, name: str):
-        raise CollectiveArgumentError(f"{name} across nodes is not implemented (the world has {self.nodes} nodes: "
-                                      f"{plan.choose_path(self.world.topology)[1]}); allreduce, reduce_scatter "
-                                      "and allgather are")
+    @_nvtx("hier.alltoall")
+    def alltoall(self, x, out=None, *, stream=None, async_op: bool = False, algo: str = "auto"):
+        """As ``Collectives.alltoall``, in two phases (the PXN scheme): an all-to-all inside the node gives
+        rank (k, i) (node k, local index i) every chunk its node sends to rank i of every node; then one rail
+        round per slot puts to each rail member d the G chunks node k sends to rank (d, i), which land in out
+        in world-rank order. Every byte crosses the rail once, in one put per remote node."""
+        import cupy
 
-    def alltoall(self, *args, **kwargs):
-        self._not_across_nodes("alltoall")
+        world, n, g, nodes = self.world, self.world.size, self.ranks_per_node, self.nodes
+        s0 = as_cupy_stream(stream)
+
+        def prepare():
+            _not_capturing("alltoall", s0)
+            _check_algo(algo)
+            a = _as_array(x, "x", "alltoall", world, s0)
+            _move_dtype(a.dtype)
+            if a.size % n:
+                raise CollectiveArgumentError(f"alltoall: x has {a.size} elements, not a multiple of {n} ranks")
+            o = self._output(out, a.dtype, a.size, a.shape, "alltoall", s0)
+            _check_alias("alltoall", a, o, (0,))
+            return a, o
+
+        got, err = _local(prepare)
+        _agree(world, "alltoall", (("count", None if got is None else got[0].size),
+                                   ("dtype", None if got is None else got[0].dtype.str),
+                                   ("algo", "hierarchical")), err)
+        a, o = got
+        caller, s = self._begin(stream, async_op)
+        with s:
+            c = a.size // n
+            if c:
+                # y[j] = the chunks for local index j on every node (N chunks); after the node's all-to-all,
+                # z[j] = what local rank j sends to rank i of every node
+                y = cupy.ascontiguousarray(a.reshape(nodes, g, c).transpose(1, 0, 2))
+                if self.node is not None:
+                    z = cupy.empty_like(y)
+                    self.node.alltoall(y.reshape(-1), z.reshape(-1), stream=s)
+                else:
+                    z = y
+                w = z.reshape(g, nodes, c).transpose(1, 0, 2).reshape(nodes, g * c).view(np.uint8)   # w[d]: to d
+                o_bytes = o.reshape(-1).view(np.uint8)
+                self._rail_exchange(w, o_bytes, s, "hier.alltoall")
+        log.info("rank %d: hierarchical alltoall of %d x %s: node all-to-all, rail exchange of %d-byte blocks",
+                 world.rank, a.size, a.dtype, g * (a.size // n) * a.itemsize)
+        return self._end(s, async_op, o, (a, o))
+
+    def _rail_exchange(self, w, o_bytes, s, name: str) -> None:
+        """The rail's all-to-all of byte blocks: w (nodes, B) row d goes to member d and lands in member d's
+        o_bytes at node_index * B; this member's own row is copied locally."""
+        import cupy
+
+        nodes, me = self.nodes, self.node_index
+        block = w.shape[1]
+        o_bytes[me * block:(me + 1) * block] = w[me]
+        others = self._all & ~(1 << me)
+        for start, nbytes in rail_pieces(block, self.slot_bytes):
+            stride = -(-nbytes // VEC) * VEC   # every member's piece starts 16-byte aligned in the send buffer
+            if nbytes:
+                view = cupy.ndarray((nodes, stride), np.uint8, self.send.data)[:, :nbytes]
+                view[...] = w[:, start:start + nbytes]
+            e, blocks = self._rail_put(s, stride, nbytes, others)
+            self._rail_gather(s, e, blocks, o_bytes.data.ptr + start, block, nbytes, others, name)
+
+    @_nvtx("hier.broadcast")
+    def broadcast(self, x, out=None, *, root: int = 0, stream=None, async_op: bool = False, algo: str = "auto"):
+        """As ``Collectives.broadcast``: the root puts x to its rail (one rank of every node, the ranks with the
+        root's local index) over NVSHMEM, then every node broadcasts from that rank over NVLink."""
+        world, n = self.world, self.world.size
+        s0 = as_cupy_stream(stream)
+
+        def prepare():
+            _not_capturing("broadcast", s0)
+            _check_algo(algo)
+            if not 0 <= int(root) < n:
+                raise CollectiveArgumentError(f"broadcast: root {root} outside world of size {n}")
+            a = _as_array(x, "x", "broadcast", world, s0, writable=out is None)
+            _move_dtype(a.dtype)
+            o = a if out is None else self._output(out, a.dtype, a.size, a.shape, "broadcast", s0)
+            _check_alias("broadcast", a, o, (0,))
+            return a, o
+
+        got, err = _local(prepare)
+        _agree(world, "broadcast", (("count", None if got is None else got[0].size),
+                                    ("dtype", None if got is None else got[0].dtype.str), ("root", int(root)),
+                                    ("algo", "hierarchical")), err)
+        a, o = got
+        topo, r0 = world.topology, int(root)
+        root_node, root_local = topo.node_of[r0], topo.nodes[topo.node_of[r0]].index(r0)
+        caller, s = self._begin(stream, async_op)
+        with s:
+            o_bytes = o.reshape(-1).view(np.uint8)
+            if world.rank == r0 and o.data.ptr != a.data.ptr:
+                o_bytes[...] = a.reshape(-1).view(np.uint8)
+            if topo.local_index == root_local:   # the root's rail: NVSHMEM from the root to one rank per node
+                self._rail_broadcast(o_bytes, root_node, s, "hier.broadcast")
+            if self.node is not None:
+                self.node.broadcast(o.reshape(-1), root=root_local, stream=s)
+        log.info("rank %d: hierarchical broadcast of %d x %s from rank %d: rail from node %d, node broadcast from "
+                 "local rank %d", world.rank, a.size, a.dtype, r0, root_node, root_local)
+        return self._end(s, async_op, o, (a, o))
+
+    def _rail_broadcast(self, buf, root_node: int, s, name: str) -> None:
+        """buf (bytes) of rail member root_node to every member, in place: the root puts, the others send the
+        round's signals alone (the buffer halves need every member's signal in every round)."""
+        import cupy
+
+        me = self.node_index
+        for start, nbytes in rail_pieces(buf.nbytes, self.slot_bytes):
+            if me == root_node:
+                if nbytes:
+                    cupy.cuda.runtime.memcpyAsync(self.send.data.ptr, buf.data.ptr + start, nbytes,
+                                                  cupy.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+                e, blocks = self._rail_put(s, 0, nbytes, self._all & ~(1 << me))
+                self._rail_gather(s, e, blocks, 0, 0, nbytes, 0, name)
+            else:
+                e, blocks = self._rail_put(s, 0, nbytes, 0)
+                self._rail_gather(s, e, blocks, buf.data.ptr + start, 0, nbytes, 1 << root_node, name)
+
+    def rail_round(self, nbytes: int, peer_mask: int | None = None, stream=None, name: str = "hier.rail_round"):
+        """One bare rail round (for ``fluxrt-perf remote_rate`` and tests): put `nbytes` (at most a slot) from the
+        send buffer to the members in `peer_mask` (default: every other member) and wait (bounded) for every
+        member's signals; nothing is copied out (the data stays in the receive slots). Collective over the
+        rail. Returns (epoch, blocks)."""
+        if nbytes > self.slot_bytes:
+            raise CollectiveArgumentError(f"rail_round: {nbytes} bytes exceed a slot ({self.slot_bytes})")
+        self.world.check_errors()
+        s = as_cupy_stream(stream)
+        mask = self._all & ~(1 << self.node_index) if peer_mask is None else int(peer_mask)
+        e, blocks = self._rail_put(s, 0, nbytes, mask)
+        self._rail_gather(s, e, blocks, 0, 0, nbytes, 0, name)
+        return e, blocks
+
+    def received(self, epoch: int, member: int, nbytes: int):
+        """The bytes rail member `member` put in round `epoch` (a view of the receive slot; valid until the
+        round after next)."""
+        import cupy
+
+        start = (epoch & 1) * self.half_bytes + member * self.slot_bytes
+        return cupy.ndarray((nbytes,), np.uint8, self.recv.data + start)
 
     def alltoallv(self, *args, **kwargs):
-        self._not_across_nodes("alltoallv")
-
-    def broadcast(self, *args, **kwargs):
-        self._not_across_nodes("broadcast")
+        raise CollectiveArgumentError(f"alltoallv across nodes is not implemented (the world has {self.nodes} nodes: "
+                                      f"{plan.choose_path(self.world.topology)[1]}); alltoall (equal chunks), "
+                                      "allreduce, reduce_scatter, allgather and broadcast are")
 
 
 def check_rail_reduction(dt: str, red: str) -> None:

@@ -187,6 +187,34 @@ class Topology:
             more = f" (and {len(bad) - 8} more pairs)" if len(bad) > 8 else ""
             raise TopologyError(f"{shown}{more}. Enable an NVSHMEM remote transport (docs/multinode.md)")
 
+    def restrict(self, members, rank: int) -> "Topology":
+        """The topology of a sub-world of `members` (this topology's ranks, in the sub-world's rank order) seen
+        from its rank `rank`: nodes renumbered in order of their lowest member, links as here."""
+        members = [int(m) for m in members]
+        leaders = [min(q for q in members if self.node_of[q] == self.node_of[m]) for m in members]
+        return Topology(rank=int(rank), node_of=node_indices(leaders),
+                        pointer=tuple(tuple(self.pointer[a][b] for b in members) for a in members),
+                        remote=tuple(self.remote[m] for m in members),
+                        remote_why=tuple(self.remote_why[m] for m in members) if self.remote_why else (),
+                        virtual=self.virtual)
+
+    def tp_dp_groups(self, tp_size: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(this rank's tensor-parallel group, its data-parallel group), as world ranks: TP groups are
+        `tp_size` consecutive ranks of one node (default: the whole node), the DP group the ranks with this
+        rank's index in every TP group of the world. Raises TopologyError if `tp_size` does not divide every
+        node."""
+        sizes = sorted({len(n) for n in self.nodes})
+        tp = sizes[0] if tp_size is None else int(tp_size)
+        bad = [k for k, n in enumerate(self.nodes) if tp < 1 or len(n) % tp]
+        if bad:
+            raise TopologyError(f"tp_size={tp} must divide the ranks of every node (nodes have "
+                                f"{[len(n) for n in self.nodes]} ranks): a tensor-parallel group stays inside one "
+                                "node, whose NVLink its fused ops need")
+        groups = [n[i:i + tp] for n in self.nodes for i in range(0, len(n), tp)]
+        mine = next(g for g in groups if self.rank in g)
+        j = mine.index(self.rank)
+        return tuple(mine), tuple(g[j] for g in groups)
+
     def describe(self) -> list[str]:
         """Lines for logs and ``python -m fluxrt.info``."""
         kind = "virtual" if self.virtual else "from the shared-memory split"
@@ -269,9 +297,29 @@ def require_one_domain(world, op: str, error=TopologyError) -> None:
     kind = "virtual " if topo.virtual else ""
     raise error(f"{op} runs over NVLink pointers between every pair of ranks; this world has {topo.num_nodes} "
                 f"{kind}nodes (ranks {_ranges(topo.nvshmem_peers())} are reached only through NVSHMEM from rank "
-                f"{topo.rank}). Across nodes fluxrt runs allreduce, reduce_scatter and allgather "
-                "(docs/multinode.md); run this op on a world of one node")
+                f"{topo.rank}). Run it on a world of one node: tp, dp = fluxrt.topology.tp_dp_split(world) gives the "
+                "node's ranks (tensor parallel, for this op) and the ranks across nodes (data parallel, for "
+                "allreduce, reduce_scatter, allgather, alltoall and broadcast; docs/multinode.md)")
+
+
+def tp_dp_split(world, tp_size: int | None = None, *, pool_bytes=None):
+    """Collective: (tp_world, dp_world), sub-worlds of `world` for tensor parallelism inside a node and data
+    parallelism across nodes. tp_world: `tp_size` consecutive ranks of this rank's node (default: the whole
+    node), one NVLink domain, where the fused ops run; dp_world: the ranks with this rank's TP index in every
+    TP group of the world (one per node with the default), whose collectives take the hierarchical path when
+    they span nodes. Both share the process's NVSHMEM heap (``world.split``; `pool_bytes` sizes the sub-world
+    pool at the first split). On a world of one node: the TP group is the node, the DP group this rank alone
+    (or every rank's peer with the same index when ``tp_size`` is smaller)."""
+    topo = getattr(world, "topology", None)
+    if topo is None:
+        topo = single(world.rank) if world.size == 1 else Topology(
+            rank=world.rank, node_of=(0,) * world.size, pointer=((True,) * world.size,) * world.size,
+            remote=(False,) * world.size, remote_why=("",) * world.size)
+    tp, dp = topo.tp_dp_groups(tp_size)
+    tp_world = world.split(tp[0], key=world.rank, pool_bytes=pool_bytes)
+    dp_world = world.split(tp.index(world.rank), key=world.rank)
+    return tp_world, dp_world
 
 
 __all__ = ["ENV", "Topology", "TopologyError", "VirtualNodes", "build", "discover", "node_indices", "parse_setting",
-           "remote_transport", "require_one_domain", "setting_from_env", "single"]
+           "remote_transport", "require_one_domain", "setting_from_env", "single", "tp_dp_split"]

@@ -167,11 +167,7 @@ class World:
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
         reason = None
-        topo = getattr(root, "topology", None)
-        if topo is not None and topo.hierarchical:
-            reason = ("the root world spans nodes; sub-worlds run the one-node NVLink path only (the hierarchical "
-                      "path addresses the root's PEs)")
-        elif device is not None and device != root.device_id:
+        if device is not None and device != root.device_id:
             reason = f"device {device} requested, but this process's NVSHMEM runs on GPU {root.device_id}"
         elif root.pool is None:
             reason = "no sub-world pool"
@@ -180,7 +176,10 @@ class World:
         if failures:
             raise NvshmemInitError("sub-world: " + "; ".join(f"rank {r}: {why}" for r, why in failures))
         self.pes = [pe for _, pe in every]   # NVSHMEM PE (root rank) of each member
-        self.topology = None                 # one NVLink domain (checked above): the flat collectives
+        # the root's nodes and links among the members: a sub-world inside one node runs the flat (NVLink)
+        # collectives and the fused ops, one across nodes the hierarchical collectives (fluxrt.topology.tp_dp_split)
+        topo = getattr(root, "topology", None)
+        self.topology = None if topo is None else topo.restrict(self.pes, self.rank)
         self.device_id, self.device = root.device_id, root.device
         self.device.use()
         self._finalized = False

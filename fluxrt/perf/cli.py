@@ -20,6 +20,7 @@ BENCHES = {
     "moe_dispatch": "fluxrt.perf.moe:moe_dispatch",
     "moe_combine": "fluxrt.perf.moe:moe_combine",
     "moe_layer": "fluxrt.perf.moe:moe_layer",
+    "remote_rate": "fluxrt.perf.remote_rate",
 }
 
 #: One line per subcommand for ``fluxrt-perf --help``.
@@ -38,6 +39,7 @@ SUMMARIES = {
     "moe_dispatch": "MoE dispatch (DeepSeek-V3-, Mixtral-like; uniform, Zipf) vs NCCL all-to-all-v, DeepEP's GB/s",
     "moe_combine": "MoE combine, the same cases, vs the reverse NCCL all-to-all-v",
     "moe_layer": "MoE layer (dispatch, grouped GEMMs, combine) eager and graph vs NCCL a2a-v + cuBLAS per expert",
+    "remote_rate": "NVSHMEM device-API rail rounds vs raw NVLink pointers, same bytes both ways (virtual nodes)",
 }
 
 

@@ -2,17 +2,21 @@
 // NVSHMEM's device API. A rail is the ranks with the same local index, one per node; rail member d is the
 // rank of node d. Round e of a rail:
 //
-//   fluxrt_rail_put      blocks x nodes blocks: block (b, d) = d * blocks + b puts part b of block d of the source (src +
-//                        d * src_stride, `bytes` each) into member d's receive buffer, half e & 1, slot `me`,
-//                        and sets member d's signal word [e & 1][me][b] to e (put-with-signal, non-blocking,
-//                        then quiet so the source may be reused once the kernel ends)
+//   fluxrt_rail_put      blocks x nodes blocks: block (b, d) = d * blocks + b puts part b of block d of the source
+//                        (src + d * src_stride, `bytes` each) into member d's receive buffer, half e & 1, slot `me`,
+//                        and sets member d's signal word [e & 1][me][b] to e (put-with-signal, non-blocking, then
+//                        quiet so the source may be reused once the kernel ends). Members whose bit is clear in
+//                        `put_mask` get the signal alone (no bytes): every member signals every member in every
+//                        round, which keeps the buffer-half argument below for rounds with one sender (broadcast)
+//                        or without a piece for oneself (all-gather, all-to-all)
 //   fluxrt_rail_reduce_* every block waits (bounded) for all nodes x blocks signal words of the round, then
 //                        reduces its share of the slots in node order 0, 1, ... in fp32: every member of the
 //                        rail computes the same bits
-//   fluxrt_rail_gather   waits likewise, then copies slot p to out + p * out_stride (p != skip)
+//   fluxrt_rail_gather   waits likewise, then copies slot p to out + p * out_stride for every p whose bit is set in
+//                        `copy_mask` (0: the wait alone)
 //
 // Buffer halves: a member writes half h in round e + 2 only after round e + 1 completed on it, which needed
-// every member's round-(e + 1) data, sent after that member's round-e kernels (its reads of half h) ended.
+// every member's round-(e + 1) signals, sent after that member's round-e kernels (its reads of half h) ended.
 // Signal words are per half, so a round-(e + 1) signal never stands in for a missing round-e one.
 #include "fluxrt/comm.cuh"
 #include "fluxrt/remote.cuh"
@@ -48,10 +52,10 @@ __device__ __forceinline__ bool rail_wait(const RailPes& pes, u32 nodes, u32 blo
 
 extern "C" __global__ void fluxrt_rail_put(RailPes pes, u32 me, u32 blocks, const char* src, u64 src_stride,
                                            u64 bytes, char* recv, u64 half_bytes, u64 slot_bytes, u64* sig,
-                                           u64 epoch) {
+                                           u64 epoch, u64 put_mask) {
     const u32 d = blockIdx.x / blocks, b = blockIdx.x % blocks, half = epoch & 1;
     u64 lo, hi;
-    fluxrt::split_range(bytes, fluxrt::kVecBytes, blocks, b, &lo, &hi);
+    fluxrt::split_range((put_mask >> d) & 1 ? bytes : 0, fluxrt::kVecBytes, blocks, b, &lo, &hi);
     char* dst = recv + half * half_bytes + me * slot_bytes + lo;
     remote::put_signal_nbi_block(dst, src + d * src_stride + lo, hi - lo, rail_signal(sig, half, me, b), epoch,
                                  pes.pe[d]);
@@ -91,12 +95,12 @@ FLUXRT_BASE_REDUCTIONS(FLUXRT_RAIL_REDUCE)
 
 extern "C" __global__ void fluxrt_rail_gather(RailPes pes, u32 nodes, u32 put_blocks, const char* recv,
                                               u64 half_bytes, u64 slot_bytes, u64* sig, u64 epoch, char* out,
-                                              u64 out_stride, u64 bytes, u32 skip, u64 timeout_ns,
+                                              u64 out_stride, u64 bytes, u64 copy_mask, u64 timeout_ns,
                                               ErrorRecord* err, u32 op, u32 rank) {
     if (!rail_wait(pes, nodes, put_blocks, sig, epoch, Watch{timeout_ns, err, op, rank})) return;
     const char* h = recv + (epoch & 1) * half_bytes;
     u64 lo, hi;
     fluxrt::split_range(bytes, fluxrt::kVecBytes, gridDim.x, blockIdx.x, &lo, &hi);
     for (u32 p = 0; p < nodes; ++p)
-        if (p != skip) fluxrt::copy_block(out + p * out_stride + lo, h + p * slot_bytes + lo, hi - lo, true);
+        if ((copy_mask >> p) & 1) fluxrt::copy_block(out + p * out_stride + lo, h + p * slot_bytes + lo, hi - lo, true);
 }

@@ -212,7 +212,7 @@ def test_hierarchical_methods_take_every_keyword_of_the_single_node_ones():
     from fluxrt.collectives import Collectives
     from fluxrt.collectives_hier import HierarchicalCollectives
 
-    for name in ("allreduce", "reduce_scatter", "allgather"):
+    for name in ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast"):
         single = set(inspect.signature(getattr(Collectives, name)).parameters)
         hier = set(inspect.signature(getattr(HierarchicalCollectives, name)).parameters)
         assert single <= hier, (name, single - hier)
@@ -226,3 +226,83 @@ def test_hierarchical_refuses_compression_before_any_launch():
     for compress, feedback in (("fp8", None), ("int8", None), (None, object())):
         with pytest.raises(CollectiveArgumentError, match="across nodes is not implemented"):
             _uncompressed("allreduce", compress, feedback)
+
+
+def _virtual(n_nodes, g, rank=0):
+    t = topo.build(rank, [0] * (n_nodes * g), _pointers([0] * (n_nodes * g)), [True] * (n_nodes * g),
+                   ["x"] * (n_nodes * g), topo.VirtualNodes(n_nodes, g))
+    assert t.hierarchical
+    return t
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_tp_dp_groups_on_two_nodes_of_four(rank):
+    t = _virtual(2, 4, rank)
+    tp, dp = t.tp_dp_groups()
+    node = rank // 4
+    assert tp == tuple(range(node * 4, node * 4 + 4)) and dp == (rank % 4, rank % 4 + 4)
+    tp2, dp2 = t.tp_dp_groups(2)   # TP of 2 inside the node; DP: the same TP index in every TP group
+    assert tp2 == (rank - rank % 2, rank - rank % 2 + 1) and dp2 == tuple(range(rank % 2, 8, 2))
+    with pytest.raises(topo.TopologyError, match="tp_size=3 must divide"):
+        t.tp_dp_groups(3)
+
+
+def test_restrict_keeps_nodes_and_links_of_the_members():
+    t = _virtual(2, 2, 0)
+    tp = t.restrict((0, 1), 0)
+    assert tp.num_nodes == 1 and not tp.hierarchical and tp.virtual
+    dp = t.restrict((1, 3), 1)     # a rail: one rank of each node, seen from member 1 (world rank 3)
+    assert dp.node_of == (0, 1) and dp.hierarchical and dp.rail() == (0, 1) and dp.nvshmem_peers() == (0,)
+    mixed = t.restrict((3, 0, 2), 0)   # members in any order: nodes numbered by their lowest member
+    assert mixed.node_of == (1, 0, 1) and mixed.nodes == ((1,), (0, 2))
+    real = topo.build(2, [0, 0, 2, 2], _pointers((0, 0, 1, 1)), [True] * 4, ["ib"] * 4)
+    assert real.restrict((0, 2), 1).remote_why == ("ib", "ib")
+
+
+def test_cross_node_refusal_names_the_ranks_and_the_split():
+    class W:
+        topology = _virtual(2, 2, 1)
+
+    with pytest.raises(topo.TopologyError) as info:
+        topo.require_one_domain(W(), "AllGatherGemm()")
+    msg = str(info.value)
+    assert "ranks 2-3 are reached only through NVSHMEM from rank 1" in msg and "tp_dp_split" in msg
+
+
+def test_tp_dp_split_splits_by_node_then_by_tp_index():
+    calls = []
+
+    class W:
+        rank, size, topology = 3, 4, _virtual(2, 2, 3)
+
+        def split(self, color, key=None, *, pool_bytes=None, options=None):
+            calls.append((color, key))
+            return ("world", color)
+
+    tp, dp = topo.tp_dp_split(W())
+    assert calls == [(2, 3), (1, 3)] and tp == ("world", 2) and dp == ("world", 1)
+
+
+def test_remote_rate_pieces_ratios_and_cli():
+    from fluxrt.perf import cli
+    from fluxrt.perf.remote_rate import PATHS, piece_sizes, pool_bytes, ratio_rows
+
+    assert cli.BENCHES["remote_rate"] == "fluxrt.perf.remote_rate" and "remote_rate" in cli.SUMMARIES
+    assert piece_sizes(0, 64) == [0] and piece_sizes(64, 64) == [64] and piece_sizes(130, 64) == [64, 64, 2]
+    assert sum(piece_sizes(1 << 30, 64 << 20)) == 1 << 30 and len(piece_sizes(1 << 30, 64 << 20)) == 16
+    assert pool_bytes(64 << 20, 2) >= 3 * 2 * (64 << 20) + 2 * (64 << 20)
+    rows = [{"bytes": 1 << 30, "path": "nvlink_pointer", "put_blocks": None, "gbps": 100.0},
+            {"bytes": 1 << 30, "path": "nvshmem_api", "put_blocks": 8, "gbps": 80.0},
+            {"bytes": 1 << 30, "path": "nvshmem_api", "put_blocks": 32, "gbps": 95.0}]
+    assert [(r["put_blocks"], r["ratio"]) for r in ratio_rows(rows)] == [(8, 0.8), (32, 0.95)]
+    assert PATHS == ("nvlink_pointer", "nvshmem_api")
+
+
+def test_hierarchical_kernels_take_the_masks():
+    """The rail put and gather kernels' masks (one bit per rail member) are in the kernel signature the host
+    packs (collectives_hier: _rail_put, _rail_gather)."""
+    src = (kernel_root() / "comm" / "nvshmem_hier.cu").read_text()
+    put = re.search(r"fluxrt_rail_put\(([^)]*)\)", src).group(1)
+    gather = re.search(r"fluxrt_rail_gather\(([^)]*)\)", src).group(1)
+    assert put.split(",")[-1].split()[-1] == "put_mask" and len(put.split(",")) == 12
+    assert "u64 copy_mask" in gather and len(gather.split(",")) == 16

@@ -242,7 +242,108 @@ def test_unsupported_op_names_the_path(world, hier):
     import fluxrt
 
     with pytest.raises(fluxrt.CollectiveArgumentError, match="across nodes"):
-        fluxrt.alltoall(world, _device(np.zeros(world.size, np.float32)))
+        fluxrt.alltoallv(world, _device(np.zeros(world.size, np.float32)), [1] * world.size)
+
+
+def _alltoall_reference(inputs, rank, n):
+    c = inputs[0].size // n
+    return np.concatenate([x[rank * c:(rank + 1) * c] for x in inputs])
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "int32", "fp32"))
+@pytest.mark.parametrize("chunk", (1, 1001, (1 << 18) + 3))
+def test_alltoall(world, hier, dtype, chunk):
+    """Two phases (node all-to-all, rail exchange): out's chunk p is rank p's chunk for this rank, bitwise."""
+    import fluxrt
+
+    n = world.size
+    inputs = _inputs(chunk % 79 + 13, n, n * chunk, dtype)
+    out = _poisoned(n * chunk, dtype)
+    fluxrt.alltoall(world, _device(inputs[world.rank]), out)
+    world.synchronize()
+    got = _host(out)
+    ok = world.comm.allgather(bool(np.array_equal(got.view(np.uint8),
+                                                  _alltoall_reference(inputs, world.rank, n).view(np.uint8))))
+    assert all(ok), f"hierarchical alltoall {chunk} x {dtype}: correct per rank {ok}"
+
+
+def test_alltoall_in_place_and_async(world, hier):
+    import fluxrt
+
+    n, chunk = world.size, 3001
+    inputs = _inputs(29, n, n * chunk, "fp32")
+    x = _device(inputs[world.rank])
+    fluxrt.alltoall(world, x, x)
+    y = _device(inputs[world.rank])
+    res = fluxrt.alltoall(world, y, async_op=True).wait()
+    world.synchronize()
+    want = _alltoall_reference(inputs, world.rank, n)
+    ok = world.comm.allgather((bool(np.array_equal(_host(x), want)), bool(np.array_equal(_host(res), want))))
+    assert all(a and b for a, b in ok), f"in-place / async alltoall per rank: {ok}"
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "int32"))
+@pytest.mark.parametrize("count", (1, 4097, (1 << 20) + 7))
+def test_broadcast(world, hier, dtype, count):
+    """Every root (its rail over NVSHMEM, then each node over NVLink), out of place and in place."""
+    import fluxrt
+
+    n = world.size
+    inputs = _inputs(count % 67 + 21, n, count, dtype)
+    results = []
+    for root in sorted({0, n - 1, n // 2}):
+        out = _poisoned(count, dtype)
+        fluxrt.broadcast(world, _device(inputs[world.rank]), out, root=root)
+        x = _device(inputs[world.rank])
+        fluxrt.broadcast(world, x, root=root)
+        world.synchronize()
+        want = inputs[root].view(np.uint8)
+        results.append((root, bool(np.array_equal(_host(out).view(np.uint8), want)),
+                        bool(np.array_equal(_host(x).view(np.uint8), want))))
+    every = world.comm.allgather(results)
+    assert all(a and b for per in every for _, a, b in per), f"broadcast (root, out, in place) per rank: {every}"
+
+
+def test_alltoall_and_broadcast_in_several_rail_rounds(world, hier):
+    """Small rail slots (several rounds per call, both buffer halves, broadcasts whose rounds have one sender)
+    on a second context."""
+    from fluxrt.collectives import CollectivesOptions
+    from fluxrt.collectives_hier import HierarchicalCollectives, HierarchicalOptions
+
+    n = world.size
+    ctx = HierarchicalCollectives(world, HierarchicalOptions(rail_bytes=1 << 18,
+                                                             node=CollectivesOptions(workspace_bytes=32 << 20)))
+    try:
+        results = []
+        for chunk in (5, 70001):
+            inputs = _inputs(chunk % 37 + 41, n, n * chunk, "fp32")
+            out = _poisoned(n * chunk, "fp32")
+            ctx.alltoall(_device(inputs[world.rank]), out)
+            world.synchronize()
+            results.append(bool(np.array_equal(_host(out), _alltoall_reference(inputs, world.rank, n))))
+            for root in (0, n - 1):
+                b = _poisoned(n * chunk, "fp32")
+                ctx.broadcast(_device(inputs[world.rank]), b, root=root)
+                world.synchronize()
+                results.append(bool(np.array_equal(_host(b), inputs[root])))
+        every = world.comm.allgather(results)
+        assert all(all(r) for r in every), f"alltoall/broadcast in several rounds per rank: {every}"
+    finally:
+        ctx.free()
+
+
+def test_remote_rate_bench_moves_the_bytes(world, hier):
+    """fluxrt-perf remote_rate's two paths (rail rounds through the NVSHMEM device API, SM pushes over NVLink
+    pointers) with its byte checks, at small sizes; under MPS the times mean nothing."""
+    from fluxrt.perf.remote_rate import rate_rows
+    from fluxrt.perf.sweep import SweepOptions
+
+    opts = SweepOptions(minbytes=1 << 16, maxbytes=3 << 20, stepfactor=8, iters=2, warmup_iters=1, check=1,
+                        progress=False, datatype="int32")
+    rows = rate_rows(world, opts, 1 << 20, [8])
+    assert {r["path"] for r in rows} == {"nvlink_pointer", "nvshmem_api"}
+    assert all(r["wrong"] == 0 for r in rows), rows
+    assert max(r["pieces"] for r in rows) >= 3
 
 
 def test_remote_wait_is_bounded(world, hier):
@@ -287,3 +388,82 @@ def test_rail_reduce_scatter_then_allgather(world, hier):
             _check(world, got, inputs, "sum", dtype, f"rail reduce-scatter + all-gather {count} x {dtype}")
     finally:
         ctx.free()
+
+
+def test_tp_inside_the_node_dp_across_nodes(world, hier):
+    """The recipe of docs/multinode.md: tp, dp = tp_dp_split(world); AllGather+GEMM and GEMM+ReduceScatter on
+    the node's ranks, a hierarchical allreduce over the ranks with the same TP index; float64 references built
+    from every rank's seeded inputs. The fused ops refuse the whole (cross-node) world first."""
+    import fluxrt
+    from fluxrt.collectives_hier import HierarchicalCollectives
+    from fluxrt.ops import AllGatherGemm, GemmReduceScatter, OpsArgumentError
+    from fluxrt.topology import tp_dp_split
+
+    from op_checks import f64, np_dtype, poisoned, problem
+
+    with pytest.raises(OpsArgumentError, match="tp_dp_split"):
+        AllGatherGemm(world, 256 * world.size, 384, 320, "bf16")
+    topo = world.topology
+    tp_ranks, dp_ranks = topo.tp_dp_groups()
+    tp, dp = tp_dp_split(world)
+    problems = []
+    try:
+        assert tp.size == len(topo.local_ranks) and dp.size == topo.num_nodes
+        assert not tp.topology.hierarchical and dp.topology.hierarchical
+        import fluxrt.collectives as coll
+
+        assert isinstance(coll.context(dp), HierarchicalCollectives)
+        dt, shard, n, k = "bfloat16", 256, 384, 320
+        w = tp.size
+
+        def rand(seed, shape):
+            return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(np_dtype(dt))
+
+        group = tp_ranks[0]
+        # AllGather+GEMM: A shards of every TP member, B shared by the group
+        a = {r: rand(100 + r, (shard, k)) for r in tp_ranks}
+        b = rand(500 + group, (k, n))
+        ag = AllGatherGemm(tp, shard * w, n, k, dt)
+        try:
+            out = poisoned((shard * w, n), dt)
+            ag.forward(_device(a[world.rank]), _device(b), out=out)
+            tp.synchronize()
+            ref = np.concatenate([f64(a[r]) for r in tp_ranks]) @ f64(b)
+            p = problem(out, ref, dt, f"AllGather+GEMM on TP group {tp_ranks}")
+            if p:
+                problems.append(p)
+        finally:
+            ag.free()
+        # GEMM+ReduceScatter: A [M, K/w] and B [K/w, N] per member, out: this member's rows of the sum
+        kl = k // 2 if w > 1 else k
+        a2 = {r: rand(200 + r, (shard * w, kl)) for r in tp_ranks}
+        b2 = {r: rand(300 + r, (kl, n)) for r in tp_ranks}
+        rs = GemmReduceScatter(tp, shard * w, n, kl, dt)
+        try:
+            out2 = poisoned((shard, n), dt)
+            rs.forward(_device(a2[world.rank]), _device(b2[world.rank]), out=out2)
+            tp.synchronize()
+            full = sum(f64(a2[r]) @ f64(b2[r]) for r in tp_ranks)
+            p = problem(out2, full[tp.rank * shard:(tp.rank + 1) * shard], dt,
+                        f"GEMM+ReduceScatter on TP group {tp_ranks}")
+            if p:
+                problems.append(p)
+        finally:
+            rs.free()
+        # data parallel: the gradient-like allreduce over the DP group (hierarchical: one rank per node)
+        count = 300007
+        g = {r: np.random.default_rng(700 + r).standard_normal(count).astype(np.float32) for r in dp_ranks}
+        got = fluxrt.allreduce(dp, _device(g[world.rank]))
+        dp.synchronize()
+        host = _host(got)
+        ref, bound = _bound([g[r] for r in dp_ranks], "sum", "fp32")
+        if not (np.abs(host.astype(np.float64) - ref) <= bound).all():
+            problems.append(f"DP allreduce over {dp_ranks}: off the float64 reference")
+        digests = dp.comm.allgather(hashlib.sha256(host.tobytes()).hexdigest())
+        if len(set(digests)) != 1:
+            problems.append(f"DP allreduce over {dp_ranks}: results differ across the group")
+    finally:
+        dp.finalize()
+        tp.finalize()
+    every = world.comm.allgather(problems)
+    assert not any(every), f"problems per rank: {every}"
