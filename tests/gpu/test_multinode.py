@@ -338,7 +338,7 @@ def test_remote_rate_bench_moves_the_bytes(world, hier):
     from fluxrt.perf.remote_rate import rate_rows
     from fluxrt.perf.sweep import SweepOptions
 
-    opts = SweepOptions(minbytes=1 << 16, maxbytes=3 << 20, stepfactor=8, iters=2, warmup_iters=1, check=1,
+    opts = SweepOptions(minbytes=3 << 14, maxbytes=3 << 20, stepfactor=8, iters=2, warmup_iters=1, check=1,
                         progress=False, datatype="int32")
     rows = rate_rows(world, opts, 1 << 20, [8])
     assert {r["path"] for r in rows} == {"nvlink_pointer", "nvshmem_api"}
