@@ -560,13 +560,13 @@ class HierarchicalCollectives:
             if c:
                 # y[j] = the chunks for local index j on every node (N chunks); after the node's all-to-all,
                 # z[j] = what local rank j sends to rank i of every node
-                y = cupy.ascontiguousarray(a.reshape(nodes, g, c).transpose(1, 0, 2))
+                y = alltoall_node_input(a, nodes, g, cupy)
                 if self.node is not None:
                     z = cupy.empty_like(y)
                     self.node.alltoall(y.reshape(-1), z.reshape(-1), stream=s)
                 else:
                     z = y
-                w = z.reshape(g, nodes, c).transpose(1, 0, 2).reshape(nodes, g * c).view(np.uint8)   # w[d]: to d
+                w = alltoall_rail_blocks(z, nodes, g, cupy).view(np.uint8)   # w[d]: to rail member d
                 o_bytes = o.reshape(-1).view(np.uint8)
                 self._rail_exchange(w, o_bytes, s, "hier.alltoall")
         log.info("rank %d: hierarchical alltoall of %d x %s: node all-to-all, rail exchange of %d-byte blocks",
@@ -673,6 +673,18 @@ class HierarchicalCollectives:
                                       "allreduce, reduce_scatter, allgather and broadcast are")
 
 
+def alltoall_node_input(x, nodes: int, g: int, xp):
+    """Phase 1's input: x's chunks (one per world rank, node-major) regrouped by destination local index,
+    [G, N, c] contiguous, so the node's all-to-all sends local rank j the N chunks for rank j of every node."""
+    return xp.ascontiguousarray(x.reshape(nodes, g, -1).transpose(1, 0, 2))
+
+
+def alltoall_rail_blocks(z, nodes: int, g: int, xp):
+    """Phase 2's blocks: z ([G, N, c], row j from local rank j) as [N, G c] contiguous; row d, the G chunks this
+    node sends to rank (d, i), goes to rail member d and lands at this node's block of its output."""
+    return xp.ascontiguousarray(z.reshape(g, nodes, -1).transpose(1, 0, 2)).reshape(nodes, -1)
+
+
 def check_rail_reduction(dt: str, red: str) -> None:
     """Refuse, before any launch, a reduction the rail kernels do not have."""
     if dt not in RAIL_DTYPES or red not in RAIL_OPS:
@@ -701,7 +713,8 @@ def context(world: World, options: HierarchicalOptions | None = None) -> Hierarc
     return ctx
 
 
-__all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "check_rail_reduction", "context", "put_grid",
+__all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "alltoall_node_input", "alltoall_rail_blocks",
+           "check_rail_reduction", "context", "put_grid",
            "rail_allreduce_algo", "rail_geometry", "rail_pieces", "reduce_grid", "shard_elems"]
 
 

@@ -306,3 +306,31 @@ def test_hierarchical_kernels_take_the_masks():
     gather = re.search(r"fluxrt_rail_gather\(([^)]*)\)", src).group(1)
     assert put.split(",")[-1].split()[-1] == "put_mask" and len(put.split(",")) == 12
     assert "u64 copy_mask" in gather and len(gather.split(",")) == 16
+
+
+@pytest.mark.parametrize("nodes, g, c", [(2, 1, 1), (2, 2, 1), (2, 2, 3), (3, 4, 2), (4, 2, 1)])
+def test_two_phase_alltoall_layout(nodes, g, c):
+    """The hierarchical all-to-all's two phases, simulated with numpy on N x G ranks (node all-to-all of the
+    regrouped chunks, then each rank's block d to rail member d at the sender node's block), against the flat
+    all-to-all; c = 1 makes the transposes' reshapes views that are not contiguous."""
+    import numpy as np
+
+    from fluxrt.collectives_hier import alltoall_node_input, alltoall_rail_blocks
+
+    n = nodes * g
+    x = [np.arange(n * c, dtype=np.int32) + 1000 * r for r in range(n)]   # rank r's chunk q: x[r][q c:(q + 1) c]
+    want = [np.concatenate([x[p][q * c:(q + 1) * c] for p in range(n)]) for q in range(n)]
+    y = [alltoall_node_input(x[r], nodes, g, np) for r in range(n)]            # [G, N, c]
+    z = {}
+    for k in range(nodes):                                                       # the node all-to-all
+        for i in range(g):
+            z[k * g + i] = np.stack([y[k * g + j][i] for j in range(g)])          # from local j: its row i
+    out = [np.empty(n * c, np.int32) for _ in range(n)]
+    for k in range(nodes):
+        for i in range(g):
+            w = alltoall_rail_blocks(z[k * g + i], nodes, g, np)
+            assert w.flags.c_contiguous and w.shape == (nodes, g * c)
+            for d in range(nodes):                                                # rail put to member d
+                out[d * g + i][k * g * c:(k + 1) * g * c] = w[d]
+    for q in range(n):
+        assert np.array_equal(out[q], want[q]), q
