@@ -5,8 +5,6 @@
 # out by design (see docs/design.md, "Testing"). Logs under $OUT (default ./mps-check-out).
 #   source .whl/prelude.sh && bash launch/mps-check.sh            # world p2p ops ops_decomposed ops_fp8 collectives embedding moe fused_collectives
 #   FLUXRT_TOPOLOGY=virtual:2x1 MPS_FILES=multinode MPS_SOLO_FILES= bash launch/mps-check.sh   # the hierarchical path
-#   FLUXRT_TOPOLOGY=virtual:2x2 MPS_RANKS=4 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 MPS_FILES=multinode MPS_SOLO_FILES= \
-#     bash launch/mps-check.sh   # 4 ranks: a quarter of the SMs each, or large node stages time out (docs/multinode.md)
 #   MPS_FILES="p2p ops" MPS_RANKS=2 bash launch/mps-check.sh [TREE]   # TREE: another checkout to test
 #   MPS_SOLO_FILES (default rank_killed): files run in one process, which start their own 2-rank jobs
 set -uo pipefail
