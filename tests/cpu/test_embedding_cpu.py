@@ -314,3 +314,20 @@ def test_jax_device_is_the_worlds_gpu(monkeypatch):
     assert fj.device(SimpleNamespace(device_id=2)) is devs[2]
     with pytest.raises(RuntimeError, match="CUDA ordinal 7"):
         fj.device(SimpleNamespace(device_id=7))
+
+
+def test_jax_mlp_bench_times_rounds_and_rejects_bad_flags(capsys):
+    from fluxrt.perf import cli, jax_mlp
+
+    assert cli.BENCHES["jax_mlp"] == "fluxrt.perf.jax_mlp" and "jax_mlp" in cli.SUMMARIES
+    waits = []
+    comm = SimpleNamespace(Barrier=lambda: None, allgather=lambda v: [v, 3 * v])
+    world = SimpleNamespace(comm=comm, check_errors=lambda: None)
+    steps = {"a": (lambda: "out", waits.append)}
+    t = jax_mlp.time_rounds(world, steps, iters=4, rounds=3, warmup=2, average=3)   # -a 3: the slowest rank
+    assert waits == ["out"] * 4 and t["a"] > 0   # one wait after the warm-up, one per round
+    assert jax_mlp.main(["--variants", "jit,bogus"]) == 2 and "bogus" in capsys.readouterr().err
+    assert jax_mlp.main(["-d", "fp32"]) == 2
+    lines = jax_mlp.format_table([{"m": 8, "hidden": 16, "ffn": 32, "jit_ms": 1.0, "eager_ms": 2.0,
+                                   "eager_over_jit": 2.0, "captured": 0, "paths": "ag_gemm:fused"}])
+    assert "N/A" in lines[1] and "2.000" in lines[1] and "ag_gemm:fused" in lines[1]
