@@ -37,11 +37,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ffn", type=int, default=14336, help="intermediate size over all ranks")
     ap.add_argument("--steps", type=int, default=10, help="jitted steps timed after the checked one")
     ap.add_argument("--tol", type=float, default=2e-2, help="bound on max |err| / max |ref| (bf16 outputs)")
+    ap.add_argument("--device", type=int, default=None,
+                    help="one GPU for every rank (several ranks on one GPU under CUDA MPS: a correctness run)")
     args = ap.parse_args(argv)
 
     # two sets of ops (the step's and TPOps.mlp's), each a gathered A and GEMM+ReduceScatter's partials
     heap = 2 * 10 * args.M * args.hidden + (256 << 20)
-    with fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-heap // (1 << 30))}G")) as world:
+    with fluxrt.init(device=args.device, options=fluxrt.WorldOptions(heap_size=f"{-(-heap // (1 << 30))}G")) as world:
         import jax
         import jax.numpy as jnp
 
