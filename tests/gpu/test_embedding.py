@@ -496,7 +496,7 @@ def test_fused_ops_inside_jax_jit(world, path, shard, trans_b):
         tp.free()
 
 
-def test_fused_ops_in_an_xla_command_buffer(world):
+def test_jax_fused_ops_in_an_xla_command_buffer(world):
     """TPOps(command_buffer=True): the block traced into XLA's command buffer on the decomposed path,
     replayed with new inputs, against float64 numpy. Whether XLA forms a command buffer around the call is
     its own choice (xla_gpu_graph_min_graph_size, the command types enabled): ``captured`` says whether the
@@ -539,7 +539,7 @@ def test_fused_ops_in_an_xla_command_buffer(world):
         tp.free()
 
 
-def test_tpops_refuse_bad_inputs_when_traced(world):
+def test_jax_tpops_refuse_bad_inputs_when_traced(world):
     jax = _jax()
     import jax.numpy as jnp
 
