@@ -86,14 +86,15 @@ def main(argv=None) -> int:
             world.check_errors()
             results[name] = (world.comm.gather(np.asarray(y), root=0), ms)
 
+        paths = tp.paths()
         if me == 0:   # the whole MLP, unsharded, on this GPU
             ref = jax.jit(lambda xx, g, u, d: (jax.nn.silu(jnp.dot(xx, g, preferred_element_type=jnp.float32))
                                                * jnp.dot(xx, u, preferred_element_type=jnp.float32))
                           @ d.astype(jnp.float32))
             y_ref = np.asarray(ref(*(jax.device_put(v, dev) for v in (x, w_gate, w_up, w_down))), dtype=np.float64)
             scale = max(float(np.abs(y_ref).max()), 1e-30)
-            print(f"# {w} ranks, M={args.M} hidden={H} ffn={args.ffn} (f={f} per rank), bf16; "
-                  f"paths {sorted({k[0] for k in tp.ops})}")
+            print(f"# {w} ranks, M={args.M} hidden={H} ffn={args.ffn} (f={f} per rank), bf16; paths "
+                  + ", ".join(f"{key[0]} {p}" for (key, _), p in paths.items()))
             worst = 0.0
             for name, (ys, ms) in results.items():
                 got = np.concatenate(ys).astype(np.float64)

@@ -225,6 +225,16 @@ class TPOps:
         op = self._op(key, lambda: TPMLP(self.world, m, hidden, ffn, dtype, trans_b=trans_b))
         return self._run(key, op, (x_shard, w_gate_up, w_down), (m // self.world.size, hidden), x_shard.dtype, mode)
 
+    def paths(self) -> dict:
+        """{(op key, path asked): the path the op takes for its M}: 'fused' or 'decomposed' (the MLP block:
+        its AllGather+GEMM's, then its GEMM+ReduceScatter's), as agreed at the warm-up (no exchange now)."""
+        out = {}
+        for key, path in sorted(self._ready, key=str):
+            op = self._ops[key]
+            parts = (op.ag, op.rs) if key[0] == "mlp" else (op,)
+            out[(key, path)] = "/".join(p.path_choice(key[1], path=path).path for p in parts)
+        return out
+
     def free(self) -> None:
         """Collective: free every op's symmetric buffers (functions traced with them must not run again)."""
         for op in reversed(list(self._ops.values())):

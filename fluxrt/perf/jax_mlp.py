@@ -189,8 +189,7 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, var
         if bad:
             raise RuntimeError(f"jax_mlp {m}x{hidden}x{inter}: steps differ from {ref_name}: {bad}")
     t = time_rounds(world, steps, args.iters, args.rounds, args.warmup_iters, args.average)
-    paths = ",".join(f"{k[0]}:{op.ag.path_choice(m).path if k[0] == 'mlp' else op.path_choice(m).path}"
-                     for k, op in tp.ops.items())
+    paths = ",".join(f"{key[0]}:{p}" for (key, _), p in tp.paths().items())
     row = {"m": m, "hidden": hidden, "ffn": inter, "world": w, "dtype": dtype, "paths": paths,
            "captured": tp_cb.captured, "cb_calls": tp_cb.calls,
            **{f"{v}_ms": t.get(v) for v in VARIANTS},

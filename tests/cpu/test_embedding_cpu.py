@@ -208,6 +208,9 @@ class _FakeOp:
     def free(self):
         self.freed = True
 
+    def path_choice(self, m, stream=None, path=None):
+        return SimpleNamespace(path=path or "fused")
+
 
 @pytest.fixture
 def tpops(monkeypatch):
@@ -256,6 +259,10 @@ def test_tpops_make_one_op_per_shape_and_call_its_forward(tpops):
     assert y.shape == (64, 256) and type(_FakeOp.made[3]).__name__ == "TPMLP"
     assert _FakeOp.made[3].args == (128, 256, 192, "float16")
     assert [k[0] for k in tp.ops] == ["ag_gemm", "ag_gemm", "gemm_rs", "mlp"]
+    _FakeOp.made[3].ag = _FakeOp.made[3].rs = _FakeOp.made[0]   # the block's two ops
+    paths = tp.paths()
+    assert paths[(("gemm_rs", 256, 512, 192, "bfloat16", False), "fused")] == "fused"
+    assert paths[(("mlp", 128, 256, 192, "float16", False), None)] == "fused/fused"
     tp.free()
     assert all(op.freed for op in _FakeOp.made) and not tp.ops
 

@@ -492,6 +492,8 @@ def test_fused_ops_inside_jax_jit(world, path, shard, trans_b):
         # one op per shape: the block's two calls reuse the ag_gemm's and gemm_rs's objects; one callback a call
         assert sorted(k[0] for k in tp.ops) == ["ag_gemm", "gemm_rs", "mlp"], tp.ops
         assert tp.calls == 2 * 5 and tp.captured == 0
+        if path is not None:   # the MLP block's two ops report 'fused/fused' or 'decomposed/decomposed'
+            assert set(tp.paths().values()) == {path, f"{path}/{path}"}, tp.paths()
     finally:
         tp.free()
 
