@@ -176,11 +176,13 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, var
             out = out.addressable_shards[0].data   # this rank's rows
         outs[name] = np.asarray(cupy.asnumpy(out) if name == "eager" else out).astype(np.float32)
     world.check_errors()
-    errs = {}
+    errs, ref_name, scale = {}, None, None
     if args.check and outs:
         ref_name = "shard_map" if "shard_map" in outs else next(iter(outs))
         ref = outs[ref_name]
         scale = max(float(np.abs(ref).max()), 1e-30)
+        if not scale > 1e-30:
+            raise RuntimeError(f"jax_mlp {m}x{hidden}x{inter}: {ref_name}'s output is all zeros")
         for name, got in outs.items():
             if name != ref_name:
                 err = float(np.abs(got - ref).max()) / scale
@@ -193,6 +195,8 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, var
     row = {"m": m, "hidden": hidden, "ffn": inter, "world": w, "dtype": dtype, "paths": paths,
            "captured": tp_cb.captured, "cb_calls": tp_cb.calls,
            **{f"{v}_ms": t.get(v) for v in VARIANTS},
+           "check_against": ref_name, "ref_max_abs": scale,
+           **{f"rel_err_{k}": v for k, v in errs.items()},
            "max_rel_err": max(errs.values()) if errs else None}
     base = t.get("jit")
     row["eager_over_jit"] = t["eager"] / base if base and t.get("eager") else None
