@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .baselines import device_info, library_versions, machine
-from .report import device_lines, results_document, version_line, write_json
+from .report import device_lines, environment, results_document, version_line, write_json
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype, reduce_over_ranks
 from .tp_ops import _DTYPES, parse_shapes
 
@@ -317,6 +317,7 @@ def main(argv=None) -> int:
             if args.json_path:
                 doc = results_document("jax_mlp", rows, ["fluxrt-perf", "jax_mlp"] + argv, machine=machine(world),
                                        versions=versions, devices=devices, options=vars(args), notes=notes)
+                doc["environment"].update(environment(prefixes=("XLA_", "JAX_")))   # command buffers, memory
                 write_json(args.json_path, doc)
     finally:
         world.finalize()
