@@ -6,7 +6,8 @@
 It exports what every rank needs: NVLink multicast off (NVSHMEM_DISABLE_NVLS=1, NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1: multicast objects can take a shared host's GPUs out of service),
 unbuffered Python output, the symmetric heap size and wait bound when given, and passes through the
-caller's PYTHONPATH and FLUXRT_* / NVSHMEM_* / NCCL_* / CUDA_* settings. Ranks map to GPUs by local rank
+caller's PYTHONPATH and FLUXRT_* / NVSHMEM_* / NCCL_* / CUDA_* / CUPY_* / XLA_* settings (XLA's: the flags
+and memory settings of JAX programs, docs/embedding.md). Ranks map to GPUs by local rank
 inside ``fluxrt.init`` (one GPU per rank), so the launcher places ranks only.
 
 CPU binding: none by default (``--bind-to none``). A rank is several busy threads (Python enqueueing
@@ -36,7 +37,7 @@ from .fatal import one_line_errors
 
 SAFE_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "PYTHONUNBUFFERED": "1"}
-PASS_PREFIXES = ("FLUXRT_", "NVSHMEM_", "NCCL_", "CUDA_", "CUPY_")
+PASS_PREFIXES = ("FLUXRT_", "NVSHMEM_", "NCCL_", "CUDA_", "CUPY_", "XLA_")
 PASS_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 BIND_CHOICES = ("none", "core", "socket", "numa", "launcher")
 _SRUN_BIND = {"none": "none", "core": "cores", "socket": "sockets", "numa": "ldoms"}

@@ -92,7 +92,7 @@ def kind(key: str, data: dict) -> str:
         return "tune"
     if bench in SWEEP_OPS:
         return "sweep"
-    if bench in ("ag_gemm", "gemm_rs"):
+    if bench in ("ag_gemm", "gemm_rs", "jax_mlp"):
         return "fused"
     if bench.startswith("gemm"):   # the GEMM bench, the shape suite, its tuning passes and SASS facts
         return "gemm"

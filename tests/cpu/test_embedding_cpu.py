@@ -189,3 +189,152 @@ def test_xla_ffi_buffers_are_mutable_and_read_through_their_cai():
                                    "dtype": np.dtype(np.float32)})
     with pytest.raises(fluxrt.errors.ArrayArgumentError, match="immutable JAX array"):
         arrays.check_writable(arrays.inspect(Array(), name="out", op="allreduce"), "allreduce")
+
+
+# ---------------------------------------------------------------------------------------------- fused ops in jax.jit
+class _FakeOp:
+    """Records what fluxrt.jax.TPOps makes and calls (a fused op's constructor and forward)."""
+
+    made: list = []
+
+    def __init__(self, world, *args, **kw):
+        self.args, self.kw, self.calls, self.freed = args, kw, [], False
+        _FakeOp.made.append(self)
+
+    def forward(self, *args, out=None, stream=None, path=None):
+        self.calls.append((args, out, stream, path))
+        return out
+
+    def free(self):
+        self.freed = True
+
+    def path_choice(self, m, stream=None, path=None):
+        return SimpleNamespace(path=path or "fused")
+
+
+@pytest.fixture
+def tpops(monkeypatch):
+    """A TPOps on a 2-rank fake world whose ops, warm-up and XLA custom call are recorded, not run."""
+    import fluxrt.jax as fj
+    from fluxrt import ops
+
+    _FakeOp.made = []
+    for name in ("AllGatherGemm", "GemmReduceScatter", "TPMLP"):
+        monkeypatch.setattr(ops, name, type(name, (_FakeOp,), {}))
+    customs, warmed = [], []
+
+    def buffer_call(name, inputs, out_shape, dtype, command_buffer, run, on_call=None):
+        customs.append(SimpleNamespace(name=name, inputs=inputs, out_shape=out_shape, dtype=dtype,
+                                       command_buffer=command_buffer, run=run, on_call=on_call))
+        return SimpleNamespace(shape=tuple(out_shape), dtype=dtype)
+
+    monkeypatch.setattr(fj, "_buffer_call", buffer_call)
+    monkeypatch.setattr(fj.TPOps, "_warm_up", lambda self, op, key, path: warmed.append((key, path)))
+    tp = fj.TPOps(SimpleNamespace(size=2, rank=0, device_id=0))
+    return tp, customs, warmed
+
+
+def _arr(*shape, dtype=fluxrt.bfloat16):
+    return SimpleNamespace(shape=shape, dtype=np.dtype(dtype))
+
+
+def test_tpops_make_one_op_per_shape_and_call_its_forward(tpops):
+    tp, customs, warmed = tpops
+    y = tp.ag_gemm(_arr(64, 256), _arr(256, 384))
+    assert y.shape == (128, 384) and customs[-1].name == "ag_gemm" and not customs[-1].command_buffer
+    (op,) = _FakeOp.made
+    assert type(op).__name__ == "AllGatherGemm" and op.args == (128, 384, 256, "bfloat16") and op.kw == {"trans_b": False}
+    assert warmed == [(("ag_gemm", 128, 384, 256, "bfloat16", False), None)]
+    tp.ag_gemm(_arr(64, 256), _arr(256, 384))              # a second trace of the same shape: the same op
+    assert len(_FakeOp.made) == 1 and len(warmed) == 1 and len(customs) == 2
+    customs[-1].run(7, "out", "a", "b")                      # XLA's stream, its output buffer, the inputs
+    assert op.calls == [(("a", "b"), "out", 7, None)]
+    y = tp.ag_gemm(_arr(32, 256), _arr(384, 256), trans_b=True)   # another M and layout: another op
+    assert y.shape == (64, 384) and len(_FakeOp.made) == 2 and _FakeOp.made[1].kw == {"trans_b": True}
+    y = tp.gemm_rs(_arr(256, 192), _arr(192, 512), path="fused")
+    assert y.shape == (128, 512) and _FakeOp.made[2].args == (256, 512, 192, "bfloat16")
+    customs[-1].run(7, "o", "a", "w")
+    assert _FakeOp.made[2].calls[0][3] == "fused" and warmed[-1][1] == "fused"
+    y = tp.mlp(_arr(64, 256, dtype=np.float16), _arr(256, 384, dtype=np.float16), _arr(192, 256, dtype=np.float16))
+    assert y.shape == (64, 256) and type(_FakeOp.made[3]).__name__ == "TPMLP"
+    assert _FakeOp.made[3].args == (128, 256, 192, "float16")
+    assert [k[0] for k in tp.ops] == ["ag_gemm", "ag_gemm", "gemm_rs", "mlp"]
+    _FakeOp.made[3].ag = _FakeOp.made[3].rs = _FakeOp.made[0]   # the block's two ops
+    paths = tp.paths()
+    assert paths[(("gemm_rs", 256, 512, 192, "bfloat16", False), "fused")] == "fused"
+    assert paths[(("mlp", 128, 256, 192, "float16", False), None)] == "fused/fused"
+    tp.free()
+    assert all(op.freed for op in _FakeOp.made) and not tp.ops
+
+
+def test_tpops_in_a_command_buffer_take_the_decomposed_path(tpops):
+    import fluxrt.jax as fj
+
+    tp, customs, warmed = tpops
+    tp.gemm_rs(_arr(256, 192), _arr(192, 512), command_buffer=True)
+    assert customs[-1].command_buffer and warmed[-1][1] == "decomposed"
+    customs[-1].run(5, "o", "a", "w")
+    assert _FakeOp.made[0].calls[0][3] == "decomposed"
+    with pytest.raises(fluxrt.GraphCaptureError, match="cannot be replayed"):
+        tp.mlp(_arr(64, 256), _arr(256, 384), _arr(192, 256), path="fused", command_buffer=True)
+    assert len(_FakeOp.made) == 1   # refused before an op was made
+    cb = fj.TPOps(tp.world, command_buffer=True)
+    cb.ag_gemm(_arr(64, 256), _arr(256, 384))
+    assert customs[-1].command_buffer
+
+
+def test_tpops_count_the_callbacks_that_ran_in_a_capture(tpops, monkeypatch):
+    import fluxrt.jax as fj
+
+    tp, customs, _ = tpops
+    monkeypatch.setattr(fj, "as_cupy_stream", lambda s: SimpleNamespace(is_capturing=lambda: s == "capturing"))
+    tp.ag_gemm(_arr(64, 256), _arr(256, 384))
+    customs[-1].on_call("plain")
+    customs[-1].on_call("capturing")
+    assert (tp.calls, tp.captured) == (2, 1)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda tp: tp.ag_gemm(_arr(64, 256), _arr(192, 384)), "K=192"),
+    (lambda tp: tp.ag_gemm(_arr(64, 256), _arr(256, 384, dtype=np.float32)), "bf16 or all fp16"),
+    (lambda tp: tp.ag_gemm(_arr(64, 256, dtype=np.float16), _arr(256, 384)), "bf16 or all fp16"),
+    (lambda tp: tp.ag_gemm(_arr(64), _arr(256, 384)), "2-D"),
+    (lambda tp: tp.gemm_rs(_arr(255, 192), _arr(192, 512)), "split into 2 ranks"),
+    (lambda tp: tp.gemm_rs(_arr(256, 192), _arr(192, 512), path="fast"), "path='fast'"),
+    (lambda tp: tp.mlp(_arr(64, 256), _arr(256, 385), _arr(192, 256)), "gate and up"),
+    (lambda tp: tp.mlp(_arr(64, 256), _arr(256, 384), _arr(192, 128)), "back to hidden=256"),
+    (lambda tp: tp.mlp(_arr(64, 256), _arr(384, 256), _arr(128, 192), trans_b=True), "back to hidden"),
+])
+def test_tpops_refuse_bad_inputs_before_making_an_op(tpops, call, match):
+    tp, customs, warmed = tpops
+    with pytest.raises(fluxrt.ops.OpsArgumentError, match=match):
+        call(tp)
+    assert not _FakeOp.made and not customs and not warmed
+
+
+def test_jax_device_is_the_worlds_gpu(monkeypatch):
+    import fluxrt.jax as fj
+
+    devs = [SimpleNamespace(id=i, local_hardware_id=i) for i in range(4)]
+    fake = SimpleNamespace(local_devices=lambda backend=None: devs)
+    monkeypatch.setattr(fj, "_api", lambda: (fake, None))
+    assert fj.device(SimpleNamespace(device_id=2)) is devs[2]
+    with pytest.raises(RuntimeError, match="CUDA ordinal 7"):
+        fj.device(SimpleNamespace(device_id=7))
+
+
+def test_jax_mlp_bench_times_rounds_and_rejects_bad_flags(capsys):
+    from fluxrt.perf import cli, jax_mlp
+
+    assert cli.BENCHES["jax_mlp"] == "fluxrt.perf.jax_mlp" and "jax_mlp" in cli.SUMMARIES
+    waits = []
+    comm = SimpleNamespace(Barrier=lambda: None, allgather=lambda v: [v, 3 * v])
+    world = SimpleNamespace(comm=comm, check_errors=lambda: None)
+    steps = {"a": (lambda: "out", waits.append)}
+    t = jax_mlp.time_rounds(world, steps, iters=4, rounds=3, warmup=2, average=3)   # -a 3: the slowest rank
+    assert waits == ["out"] * 4 and t["a"] > 0   # one wait after the warm-up, one per round
+    assert jax_mlp.main(["--variants", "jit,bogus"]) == 2 and "bogus" in capsys.readouterr().err
+    assert jax_mlp.main(["-d", "fp32"]) == 2
+    lines = jax_mlp.format_table([{"m": 8, "hidden": 16, "ffn": 32, "jit_ms": 1.0, "eager_ms": 2.0,
+                                   "eager_over_jit": 2.0, "captured": 0, "paths": "ag_gemm:fused"}])
+    assert "N/A" in lines[1] and "2.000" in lines[1] and "ag_gemm:fused" in lines[1]

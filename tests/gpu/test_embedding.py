@@ -1,7 +1,8 @@
 """GPU tests of what codes that embed fluxrt need (mpirun -n 2|4 python -m pytest tests/gpu/test_embedding.py):
 fp64 and integer reductions with prod and avg against numpy, sub-worlds (a TP x DP layout of 2 x 2 on 4 ranks,
 a second fluxrt.init), the first call of a world inside a CUDA graph capture, host waits on async handles,
-and arrays of other producers when they are installed.
+arrays of other producers when they are installed (numba, torch, JAX), and the collectives and fused ops
+inside jax.jit (fluxrt.jax).
 
 Every rank runs the same tests in the same order; inputs differ per rank and the references gather them to
 the host over MPI. Outputs are poisoned before each call."""
@@ -376,9 +377,10 @@ def test_collectives_inside_jax_jit(world):
     import fluxrt.jax as fj
 
     try:
-        dev = jax.devices("gpu")[0]
+        jax.devices("gpu")
     except RuntimeError:
         pytest.skip("jax has no GPU backend here")
+    dev = fj.device(world)
     n, chunk = world.size, 2048
     x = cupy.asnumpy(_data(90, world.rank, n * chunk, "fp32", "sum"))
     inputs = world.comm.allgather(x)
@@ -399,3 +401,226 @@ def test_collectives_inside_jax_jit(world):
         out.block_until_ready()
         world.check_errors()
         _check(cupy.asarray(np.asarray(out) / 2.0), world.comm.allgather(v), "sum", "fp32", f"command buffer call {rep}")
+
+
+# ---------------------------------------------------------------------------------------------- fused ops in jax.jit
+def _jax():
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax", reason="jax not installed on this machine")
+    pytest.importorskip("jax.experimental.buffer_callback", reason="this JAX has no buffer_callback")
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        pytest.skip("jax has no GPU backend here")
+    return jax
+
+
+def _bf16(rng, shape, scale=1.0):
+    import fluxrt
+
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(fluxrt.bfloat16)
+
+
+def _round_bf16(x):
+    import fluxrt
+
+    return x.astype(np.float32).astype(fluxrt.bfloat16).astype(np.float64)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _mlp_refs(world, x, gu, d, a, shard, ffn):
+    """float64 references of one step of test_fused_ops_inside_jax_jit: AllGather+GEMM, GEMM+ReduceScatter
+    of (a, d), and the MLP block (its hidden and activation rounded to bf16 as the ops store them). Every
+    rank runs every MPI step."""
+    from op_checks import f64
+
+    me = world.rank
+    rows = slice(me * shard, (me + 1) * shard)
+    x_full = np.concatenate([f64(v) for v in world.comm.allgather(np.ascontiguousarray(x))])
+    h = x_full @ f64(gu)
+    rs = sum(world.comm.allgather(f64(a) @ f64(d)))[rows]
+    hb = _round_bf16(h)
+    act = _round_bf16(_silu(hb[:, :ffn]) * hb[:, ffn:])
+    mlp = sum(world.comm.allgather(act @ f64(d)))[rows]
+    return h, rs, mlp
+
+
+_JAX_OP_CASES = [  # path (None: each op's cost model), rows per rank, trans_b
+    (None, 128, False), ("fused", 128, True), ("decomposed", 128, False), ("fused", 72, False), ("decomposed", 72, True)]
+
+
+@pytest.mark.parametrize("path, shard, trans_b", _JAX_OP_CASES)
+def test_fused_ops_inside_jax_jit(world, path, shard, trans_b):
+    """fluxrt.jax.TPOps inside jax.jit: AllGather+GEMM, GEMM+ReduceScatter, the MLP block as one call, and
+    AllGather+GEMM -> SiLU-and-multiply in XLA -> GEMM+ReduceScatter in one jitted function, against float64
+    numpy; whole-tile and padded shards, both weight layouts. A second step with new inputs reuses the
+    jitted functions and the ops made when they were traced."""
+    jax = _jax()
+    import jax.numpy as jnp
+    from op_checks import Problems
+
+    import fluxrt.jax as fj
+
+    rng = np.random.default_rng(1000 + 7 * shard + world.rank + 3 * trans_b)
+    hidden, ffn = 256, 192
+    m = shard * world.size
+    dev = fj.device(world)
+    tp = fj.TPOps(world, path=path)
+
+    def block(x, gu, d):
+        h = tp.ag_gemm(x, gu, trans_b=trans_b)
+        act = (jax.nn.silu(h[:, :ffn].astype(jnp.float32)) * h[:, ffn:].astype(jnp.float32)).astype(h.dtype)
+        return tp.gemm_rs(act, d, trans_b=trans_b)
+
+    fns = [jax.jit(lambda x, gu: tp.ag_gemm(x, gu, trans_b=trans_b)),
+           jax.jit(lambda a, d: tp.gemm_rs(a, d, trans_b=trans_b)),
+           jax.jit(lambda x, gu, d: tp.mlp(x, gu, d, trans_b=trans_b)),
+           jax.jit(block)]
+    layout = (lambda v: np.ascontiguousarray(v.T)) if trans_b else (lambda v: v)
+    problems = Problems()
+    try:
+        for step in range(2):
+            x = _bf16(rng, (shard, hidden))
+            gu = _bf16(rng, (hidden, 2 * ffn), hidden ** -0.5)
+            d = _bf16(rng, (ffn, hidden), ffn ** -0.5)
+            a = _bf16(rng, (m, ffn))
+            jx, jgu, jd, ja = (jax.device_put(v, dev) for v in (x, layout(gu), layout(d), a))
+            outs = [fns[0](jx, jgu), fns[1](ja, jd), fns[2](jx, jgu, jd), fns[3](jx, jgu, jd)]
+            outs = [np.asarray(o) for o in jax.block_until_ready(outs)]
+            world.check_errors()
+            h, rs, mlp = _mlp_refs(world, x, gu, d, a, shard, ffn)
+            for got, ref, what in zip(outs, (h, rs, mlp, mlp), ("ag_gemm", "gemm_rs", "mlp", "ag_gemm+silu+gemm_rs")):
+                problems.check(got, ref, "bfloat16", f"{what} in jax.jit, step {step}")
+        problems.assert_none()
+        # one op per shape: the block's two calls reuse the ag_gemm's and gemm_rs's objects; one callback a call
+        assert sorted(k[0] for k in tp.ops) == ["ag_gemm", "gemm_rs", "mlp"], tp.ops
+        assert tp.calls == 2 * 5 and tp.captured == 0
+        if path is not None:   # the MLP block's two ops report 'fused/fused' or 'decomposed/decomposed'
+            assert set(tp.paths().values()) == {path, f"{path}/{path}"}, tp.paths()
+    finally:
+        tp.free()
+
+
+def test_jax_fused_ops_in_an_xla_command_buffer(world):
+    """TPOps(command_buffer=True): the block traced into XLA's command buffer on the decomposed path,
+    replayed with new inputs, against float64 numpy. Whether XLA forms a command buffer around the call is
+    its own choice (xla_gpu_graph_min_graph_size, the command types enabled): ``captured`` says whether the
+    callback ran inside a capture; a warning says when it did not."""
+    import warnings
+
+    jax = _jax()
+    import jax.numpy as jnp
+    from op_checks import Problems
+
+    import fluxrt.jax as fj
+
+    rng = np.random.default_rng(2000 + world.rank)
+    hidden, ffn, shard = 256, 192, 128
+    dev = fj.device(world)
+    tp = fj.TPOps(world, command_buffer=True)
+
+    @jax.jit
+    def block(x, gu, d):
+        h = tp.ag_gemm(x * 1.0, gu)
+        act = (jax.nn.silu(h[:, :ffn].astype(jnp.float32)) * h[:, ffn:].astype(jnp.float32)).astype(h.dtype)
+        return tp.gemm_rs(act, d) + 0.0
+
+    problems = Problems()
+    try:
+        for rep in range(3):
+            x = _bf16(rng, (shard, hidden))
+            gu = _bf16(rng, (hidden, 2 * ffn), hidden ** -0.5)
+            d = _bf16(rng, (ffn, hidden), ffn ** -0.5)
+            y = np.asarray(jax.block_until_ready(block(*(jax.device_put(v, dev) for v in (x, gu, d)))))
+            world.check_errors()
+            _, _, ref = _mlp_refs(world, x, gu, d, np.zeros((shard * world.size, ffn), np.float32), shard, ffn)
+            problems.check(y, ref, "bfloat16", f"command buffer step {rep}")
+        problems.assert_none()
+        assert all(k[0] in ("ag_gemm", "gemm_rs") for k in tp.ops)
+        if tp.captured == 0:
+            warnings.warn(f"XLA ran the fused ops' callbacks outside a command buffer ({tp.calls} calls); the "
+                          "replay path was not exercised (XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 forces it)")
+    finally:
+        tp.free()
+
+
+def test_jax_tpops_refuse_bad_inputs_when_traced(world):
+    jax = _jax()
+    import jax.numpy as jnp
+
+    import fluxrt
+    import fluxrt.jax as fj
+
+    tp = fj.TPOps(world)
+    x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+    with pytest.raises(fluxrt.ops.OpsArgumentError, match="K=192"):
+        jax.eval_shape(lambda a, b: tp.ag_gemm(a, b), x, jax.ShapeDtypeStruct((192, 64), jnp.bfloat16))
+    with pytest.raises(fluxrt.ops.OpsArgumentError, match="bf16 or all fp16"):
+        jax.eval_shape(lambda a, b: tp.ag_gemm(a, b), x, jax.ShapeDtypeStruct((256, 64), jnp.float32))
+    with pytest.raises(fluxrt.GraphCaptureError, match="replayed"):
+        jax.eval_shape(lambda a, b: tp.gemm_rs(a, b, path="fused", command_buffer=True), x,
+                       jax.ShapeDtypeStruct((256, 64), jnp.bfloat16))
+    assert not tp.ops
+
+
+# ---------------------------------------------------------------------------------------------- torch tensors
+def test_torch_tensors_in_and_out_of_gemm_collective_and_fused_op(world):
+    """torch tensors (DLPack) as inputs and outputs of fluxrt.gemm, allreduce and AllGatherGemm on a torch
+    stream, against float64 numpy; results fluxrt allocates go back to torch without a copy."""
+    torch = pytest.importorskip("torch", reason="torch not installed on this machine")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    import cupy
+    from op_checks import Problems
+
+    import fluxrt
+    from fluxrt.gemm import gemm
+    from fluxrt.ops import AllGatherGemm
+
+    rng = np.random.default_rng(3000 + world.rank)
+    dev = torch.device("cuda", world.device_id)
+    stream = torch.cuda.Stream(dev)
+    raw = stream.cuda_stream
+
+    def tensor(shape, dtype, scale=1.0):
+        return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32)).to(dev).to(dtype)
+
+    def host(t):
+        return t.float().cpu().numpy().astype(np.float64)
+
+    problems = Problems()
+    shard, k, n = 128, 256, 192
+    with torch.cuda.stream(stream):
+        # single-GPU GEMM: torch in, torch out (NaN-poisoned)
+        a, b = tensor((shard, k), torch.bfloat16), tensor((k, n), torch.bfloat16, k ** -0.5)
+        c = torch.full((shard, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        gemm(a, b, c, stream=raw)
+        # allreduce: fp32 torch in and out, then one whose result fluxrt allocates
+        x = tensor((4099,), torch.float32)
+        y = torch.full_like(x, float("nan"))
+        fluxrt.allreduce(world, x, y, stream=raw)
+        z = torch.from_dlpack(fluxrt.allreduce(world, x, stream=raw))
+        # AllGather+GEMM: torch shard and weight in, torch output
+        xs, w = tensor((shard, k), torch.bfloat16), tensor((k, n), torch.bfloat16, k ** -0.5)
+        out = torch.full((shard * world.size, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        ag = AllGatherGemm(world, shard * world.size, n, k, "bf16")
+        try:
+            ret = ag.forward(xs, w, out=out, stream=raw)
+            stream.synchronize()
+            world.check_errors()
+        finally:
+            ag.free()
+    assert isinstance(ret, cupy.ndarray) and ret.data.ptr == out.data_ptr()   # a view of the torch tensor
+    assert z.device == dev
+    problems.check(host(c), host(a) @ host(b), "bfloat16", "gemm torch in/out")
+    inputs = world.comm.allgather(host(x))
+    xs_all = np.concatenate(world.comm.allgather(host(xs)))
+    problems.check(host(out), xs_all @ host(w), "bfloat16", "AllGatherGemm torch in/out")
+    problems.assert_none()
+    for got, what in ((y, "allreduce torch out"), (z, "allreduce to torch by dlpack")):
+        _check(cupy.asarray(got), [v.astype(np.float32) for v in inputs], "sum", "fp32", what)
