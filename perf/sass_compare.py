@@ -46,7 +46,7 @@ def named_configs():
     e4 = "float8_e4m3fn"
     fp8 = fp8_heuristic_plan(8192, 8192, 8192)                        # 128x256x128
     fp8_block = fp8_heuristic_plan(8192, 8192, 8192, scale="block")   # 128x128x128
-    grp = grouped_plan(8192, 2048, 7168, 64)                          # 128x256, 4 stages
+    grp = grouped_plan(8192, 2048, 7168, 64)                          # 128x256, 3 stages
     grp128 = grouped_plan(8192, 128, 7168, 64)                        # 128x128
     grp32 = grouped_plan(8192, 2048, 7168, 64, out_dtype="float32")
     return {
