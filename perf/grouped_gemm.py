@@ -27,8 +27,9 @@ B scale per expert, or DeepSeek block scales A 1x128 and B 128x128 per expert) a
   loop    one dense fluxrt fp8 GEMM (fluxrt.gemm.gemm with fp8_format) per non-empty expert, on that expert's rows
           and scales, the counts known to the host
   dense   ONE dense fluxrt fp8 GEMM of the same FLOPs: [sum M_g, K] x one expert's [N, K]
-  torch   torch._scaled_mm (cuBLASLt) per non-empty expert, per-tensor scales only, eager (after every other
-          measurement), where torch is installed
+  torch   torch._scaled_mm (cuBLASLt) per non-empty expert (its rows zero-padded to a multiple of 16, as
+          cuBLASLt's fp8 GEMM needs), per-tensor scales only, eager (after every other measurement), where torch
+          is installed
 
     python3 perf/grouped_gemm.py --fp8 tensor --json perf/results/gemm-grouped-fp8-tensor-h200-<date>-<commit>.json
 """
@@ -307,18 +308,30 @@ def torch_case_fp8(row, iters, rounds, seed) -> None:
     tb = torch.from_dlpack(b).view(torch.float8_e4m3fn)
     tsa, tsb = torch.from_dlpack(sa).reshape(()), torch.from_dlpack(sb)
     tc = torch.empty((row["rows"], row["n"]), dtype=torch.bfloat16, device=ta.device)
-    calls = [(int(offs_host[g]), int(offs_host[g + 1]), g) for g in range(row["experts"]) if counts[g] > 0]
-    scales_b = [tsb[g].reshape(()).contiguous() for _, _, g in calls]
+    # cuBLASLt's fp8 GEMM wants the rows of A in multiples of 16: each expert's rows are copied (outside the
+    # timing) into a zero-padded buffer, its product goes to a padded output and is copied back for the check
+    calls = []
+    for g in range(row["experts"]):
+        r0, r1 = int(offs_host[g]), int(offs_host[g + 1])
+        if r1 > r0:
+            pad = -(-(r1 - r0) // 16) * 16
+            xa = torch.zeros((pad, row["k"]), dtype=torch.uint8, device=ta.device).view(torch.float8_e4m3fn)
+            xa[: r1 - r0] = ta[r0:r1]
+            xc = torch.empty((pad, row["n"]), dtype=torch.bfloat16, device=ta.device)
+            calls.append((r0, r1, xa, tb[g].t(), tsb[g].reshape(()).contiguous(), xc))
+    torch.cuda.synchronize()
 
     def run():
         with torch.cuda.stream(ts):
-            for (r0, r1, g), s_b in zip(calls, scales_b):
-                torch._scaled_mm(ta[r0:r1], tb[g].t(), scale_a=tsa, scale_b=s_b, out_dtype=torch.bfloat16,
-                                 out=tc[r0:r1])
+            for _, _, xa, xb, s_b, xc in calls:
+                torch._scaled_mm(xa, xb, scale_a=tsa, scale_b=s_b, out_dtype=torch.bfloat16, out=xc)
 
     with stream:
         for _ in range(2):
             run()
+        with torch.cuda.stream(ts):
+            for r0, r1, _, _, _, xc in calls:
+                tc[r0:r1] = xc[: r1 - r0]
         stream.synchronize()
         out = cupy.empty((row["rows"], row["n"]), dtype=_np_dtype("bfloat16"))
         grouped_gemm(a, b, offsets, out, fp8_format="e4m3", scale_a=sa, scale_b=sb, stream=stream)
