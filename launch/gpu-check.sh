@@ -167,7 +167,8 @@ if want sanitize; then
   for tool in memcheck racecheck; do
     TAIL=12 step "sanitize-gemm-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
       --report-api-errors no "$py" -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -k "$small"
-    for t in "test_gemm_fp8:test_sanitize_small" "test_grouped_gemm:test_k_shorter_than_one_stage_and_n_tail"; do
+    for t in "test_gemm_fp8:test_sanitize_small" "test_grouped_gemm:test_k_shorter_than_one_stage_and_n_tail" \
+             "test_grouped_gemm_fp8:test_sanitize_small"; do
       TAIL=12 step "sanitize-${t%%:*}-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
         --report-api-errors no "$py" -m pytest "tests/gpu/${t%%:*}.py" -q -p no:cacheprovider -k "${t#*:}"
     done

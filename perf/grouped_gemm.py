@@ -20,10 +20,23 @@ Timing, per case, in alternating rounds: "graph" = `iters` calls captured once i
 "tile_rows_128" counts the 128-row tiles the experts need (padding included), against rows / 128 for dense.
 
     python3 perf/grouped_gemm.py --json perf/results/gemm-grouped-h200-<date>-<commit>.json
+
+--fp8 tensor|block: the fp8 grouped GEMM (e4m3 tokens and weights [G, N, K], bf16 out; per-tensor scales with one
+B scale per expert, or DeepSeek block scales A 1x128 and B 128x128 per expert) against
+
+  loop    one dense fluxrt fp8 GEMM (fluxrt.gemm.gemm with fp8_format) per non-empty expert, on that expert's rows
+          and scales, the counts known to the host
+  dense   ONE dense fluxrt fp8 GEMM of the same FLOPs: [sum M_g, K] x one expert's [N, K]
+  torch   torch._scaled_mm (cuBLASLt) per non-empty expert (its rows zero-padded to a multiple of 16, as
+          cuBLASLt's fp8 GEMM needs), per-tensor scales only, eager (after every other measurement), where torch
+          is installed
+
+    python3 perf/grouped_gemm.py --fp8 tensor --json perf/results/gemm-grouped-fp8-tensor-h200-<date>-<commit>.json
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -167,6 +180,170 @@ def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rou
     return row
 
 
+# --- fp8 ------------------------------------------------------------------------------------------------------
+
+def rand_e4m3(rng, shape):
+    """Random e4m3 bytes: magnitudes about 2^-3 .. 2^3 (no NaN), random signs."""
+    import cupy
+
+    mag = rng.integers(0x20, 0x58, size=shape, dtype=cupy.int32)
+    return (mag | (rng.integers(0, 2, size=shape, dtype=cupy.int32) << 7)).astype(cupy.uint8)
+
+
+def operands_fp8(experts, k, n, rows, scale, seed):
+    """The case's fp8 tokens [rows, K], weights [G, N, K], scales, rows per expert (host) and offsets (device)."""
+    import cupy
+
+    counts = router_counts(experts, rows, seed)
+    offs_host = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rng = cupy.random.default_rng(seed)
+    a = rand_e4m3(rng, (rows, k))
+    b = rand_e4m3(rng, (experts, n, k))
+    kbs, nbs = -(-k // 128), -(-n // 128)
+    if scale == "tensor":
+        sa = rng.uniform(0.5, 2.0, size=(1,)).astype(cupy.float32)
+        sb = rng.uniform(0.5, 2.0, size=(experts,)).astype(cupy.float32)
+    else:
+        sa = rng.uniform(0.5, 2.0, size=(rows, kbs)).astype(cupy.float32)
+        sb = rng.uniform(0.5, 2.0, size=(experts, nbs, kbs)).astype(cupy.float32)
+    return a, b, sa, sb, counts, offs_host, cupy.asarray(offs_host)
+
+
+def _expert_scales(sa, sb, scale, r0, r1, g):
+    """One expert's scales as the dense fp8 GEMM takes them."""
+    return (sa, sb[g:g + 1]) if scale == "tensor" else (sa[r0:r1], sb[g])
+
+
+def bench_case_fp8(model, gemm_name, experts, k, n, rows, scale, iters, rounds, seed, check, plans):
+    import cupy
+
+    from fluxrt.gemm import gemm, grouped_gemm
+    from fluxrt.gemm.grouped import grouped_plan
+
+    a, b, sa, sb, counts, offs_host, offsets = operands_fp8(experts, k, n, rows, scale, seed)
+    bf16 = _np_dtype("bfloat16")
+    out, out_loop, out_dense = (cupy.empty((rows, n), dtype=bf16) for _ in range(3))
+    g_dense = int(np.argmax(counts))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    default = grouped_plan(rows, n, k, experts, in_dtype="float8_e4m3fn", scale=scale)
+    fl = {"default": default}
+    for p in plans:
+        fl[p.describe()] = dataclasses.replace(p, block_k=128)
+    kw = dict(trans_b=True, fp8_format="e4m3", stream=stream)
+    loop_args = []
+    for g in range(experts):
+        r0, r1 = int(offs_host[g]), int(offs_host[g + 1])
+        if r1 > r0:
+            ea, eb = _expert_scales(sa, sb, scale, r0, r1, g)
+            loop_args.append((a[r0:r1], b[g], out_loop[r0:r1], ea, eb))
+    dense_sa, dense_sb = _expert_scales(sa, sb, scale, 0, rows, g_dense)
+
+    def run_loop():
+        for x, w, o, ea, eb in loop_args:
+            gemm(x, w, o, scale_a=ea, scale_b=eb, **kw)
+
+    impls = {"loop": run_loop,
+             "dense": lambda: gemm(a, b[g_dense], out_dense, scale_a=dense_sa, scale_b=dense_sb, **kw)}
+    for name, plan in fl.items():
+        impls[f"fluxrt:{name}"] = (lambda plan=plan: grouped_gemm(a, b, offsets, out, fp8_format="e4m3", scale_a=sa,
+                                                                   scale_b=sb, stream=stream, plan=plan))
+    row = {"model": model, "gemm": gemm_name, "experts": experts, "rows": rows, "k": k, "n": n,
+           "dtype": "float8_e4m3fn", "out_dtype": "bfloat16", "scale": scale, "layout": "NK",
+           "empty_experts": int((counts == 0).sum()), "max_rows": int(counts.max()),
+           "min_nonzero_rows": int(counts[counts > 0].min()),
+           "tile_rows_128": int(sum(-(-int(c) // 128) for c in counts)), "plan": default.describe()}
+    flops = 2.0 * rows * n * k
+    with stream:
+        for fn in impls.values():   # compile, pack, warm up
+            for _ in range(2):
+                fn()
+        stream.synchronize()
+        if check:
+            r64 = out_loop.astype(cupy.float64)
+            impls["fluxrt:default"]()
+            stream.synchronize()
+            row["rel_err_vs_loop"] = float(cupy.linalg.norm(out.astype(cupy.float64) - r64) / cupy.linalg.norm(r64))
+        graphs = {name: capture(fn, iters, stream) for name, fn in impls.items()}
+        for g in graphs.values():
+            g.launch(stream)
+        times = {name: [] for name in impls}
+        eager = {name: [] for name in impls}
+        for _ in range(rounds):
+            for name in impls:
+                times[name].append(graph_ms(graphs[name], iters, stream))
+                eager[name].append(eager_ms(impls[name], iters, stream))
+        stream.synchronize()
+    for name in impls:
+        key = name.replace("fluxrt:default", "fluxrt")
+        row[f"{key}_ms"] = float(np.median(times[name]))
+        row[f"{key}_eager_ms"] = float(np.median(eager[name]))
+    row["fluxrt_tflops"] = flops / row["fluxrt_ms"] / 1e9
+    row["dense_tflops"] = flops / row["dense_ms"] / 1e9
+    row["speedup_vs_loop"] = row["loop_ms"] / row["fluxrt_ms"]
+    row["ratio_vs_dense"] = row["dense_ms"] / row["fluxrt_ms"]
+    row["speedup_vs_loop_eager"] = row["loop_eager_ms"] / row["fluxrt_eager_ms"]
+    return row
+
+
+def torch_case_fp8(row, iters, rounds, seed) -> None:
+    """torch._scaled_mm (cuBLASLt, per-tensor scales) per non-empty expert on the case's operands, eager, into row:
+    torch_eager_ms, ratio_vs_torch_eager and rel_err_torch_vs_fluxrt. Run after every other measurement."""
+    if row.get("scale") != "tensor":
+        row["torch_note"] = "torch._scaled_mm baseline with per-tensor scales only"
+        return
+    try:
+        import torch
+    except ImportError:
+        row["torch_note"] = "torch not installed"
+        return
+    import cupy
+
+    from fluxrt.gemm import grouped_gemm
+
+    a, b, sa, sb, counts, offs_host, offsets = operands_fp8(row["experts"], row["k"], row["n"], row["rows"], "tensor",
+                                                            seed)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    ts = torch.cuda.ExternalStream(stream.ptr)
+    ta = torch.from_dlpack(a).view(torch.float8_e4m3fn)
+    tb = torch.from_dlpack(b).view(torch.float8_e4m3fn)
+    tsa, tsb = torch.from_dlpack(sa).reshape(()), torch.from_dlpack(sb)
+    tc = torch.empty((row["rows"], row["n"]), dtype=torch.bfloat16, device=ta.device)
+    # cuBLASLt's fp8 GEMM wants the rows of A in multiples of 16: each expert's rows are copied (outside the
+    # timing) into a zero-padded buffer, its product goes to a padded output and is copied back for the check
+    calls = []
+    for g in range(row["experts"]):
+        r0, r1 = int(offs_host[g]), int(offs_host[g + 1])
+        if r1 > r0:
+            pad = -(-(r1 - r0) // 16) * 16
+            xa = torch.zeros((pad, row["k"]), dtype=torch.uint8, device=ta.device).view(torch.float8_e4m3fn)
+            xa[: r1 - r0] = ta[r0:r1]
+            xc = torch.empty((pad, row["n"]), dtype=torch.bfloat16, device=ta.device)
+            calls.append((r0, r1, xa, tb[g].t(), tsb[g].reshape(()).contiguous(), xc))
+    torch.cuda.synchronize()
+
+    def run():
+        with torch.cuda.stream(ts):
+            for _, _, xa, xb, s_b, xc in calls:
+                torch._scaled_mm(xa, xb, scale_a=tsa, scale_b=s_b, out_dtype=torch.bfloat16, out=xc)
+
+    with stream:
+        for _ in range(2):
+            run()
+        with torch.cuda.stream(ts):
+            for r0, r1, _, _, _, xc in calls:
+                tc[r0:r1] = xc[: r1 - r0]
+        stream.synchronize()
+        out = cupy.empty((row["rows"], row["n"]), dtype=_np_dtype("bfloat16"))
+        grouped_gemm(a, b, offsets, out, fp8_format="e4m3", scale_a=sa, scale_b=sb, stream=stream)
+        stream.synchronize()
+        r64 = torch.from_dlpack(tc).to(torch.float64)
+        row["rel_err_torch_vs_fluxrt"] = float(torch.linalg.norm(torch.from_dlpack(out).to(torch.float64) - r64)
+                                               / torch.linalg.norm(r64))
+        row["torch_eager_ms"] = float(np.median([eager_ms(run, iters, stream) for _ in range(rounds)]))
+    row["ratio_vs_torch_eager"] = row["torch_eager_ms"] / row["fluxrt_eager_ms"]
+    row["torch_note"] = None
+
+
 def torch_case(row, trans_b, iters, rounds, seed) -> None:
     """torch._grouped_mm on the case's operands, eager (torch allocates its own per-call workspace, which a
     capture that torch does not know of would leave dangling), into row: torch_eager_ms and
@@ -219,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default=",".join(sorted({m for m, *_ in MODELS})), help="comma-separated")
     ap.add_argument("--rows", type=int, nargs="*", default=None, help="total rows (default: per model)")
     ap.add_argument("--plans", default="", help="extra grouped plans to time, e.g. 128x128s5,64x256s4")
-    ap.add_argument("--no-torch", action="store_true", help="skip the torch._grouped_mm baseline")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    ap.add_argument("--fp8", choices=("tensor", "block"), default=None,
+                    help="the fp8 grouped GEMM (e4m3 -> bf16) with these scales, against dense fluxrt fp8 GEMMs")
     ap.add_argument("--json", type=Path, default=None)
     return ap
 
@@ -233,7 +412,11 @@ def main(argv=None) -> int:
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     plans = [_plan(p) for p in args.plans.split(",") if p]
     wanted = set(args.models.split(","))
-    print(f"# {name}, {args.dtype}, weights {'[G,K,N]' if args.kn else '[G,N,K]'}, {args.iters} calls x "
+    if args.fp8 and args.kn:
+        print("grouped_gemm: fp8 weights are [G, N, K] only (--kn does not apply)", file=sys.stderr)
+        return 2
+    what = f"fp8 e4m3 -> bf16, {args.fp8} scales, loop/dense = fluxrt fp8 GEMMs" if args.fp8 else args.dtype
+    print(f"# {name}, {what}, weights {'[G,K,N]' if args.kn else '[G,N,K]'}, {args.iters} calls x "
           f"{args.rounds} rounds (CUDA graph); ratio = baseline time / fluxrt time")
     hdr = (f"{'model':>11} {'gemm':>4} {'G':>3} {'rows':>6} {'K':>6} {'N':>6} {'0s':>3} {'max':>5} | "
            f"{'fluxrt ms':>9} {'TFLOP/s':>7} | {'loop ms':>8} {'x':>5} | {'dense ms':>8} {'x':>5} | "
@@ -246,8 +429,12 @@ def main(argv=None) -> int:
             continue
         for total in (args.rows or ROWS[model]):
             try:
-                r = bench_case(model, gname, experts, k, n, total, args.dtype, not args.kn, args.iters, args.rounds,
-                               seed_of(args, total, experts), bool(args.check), plans)
+                if args.fp8:
+                    r = bench_case_fp8(model, gname, experts, k, n, total, args.fp8, args.iters, args.rounds,
+                                       seed_of(args, total, experts), bool(args.check), plans)
+                else:
+                    r = bench_case(model, gname, experts, k, n, total, args.dtype, not args.kn, args.iters,
+                                   args.rounds, seed_of(args, total, experts), bool(args.check), plans)
             except Exception as e:
                 print(f"{model:>11} {gname:>4} {experts:>3} {total:>6} {k:>6} {n:>6} | FAILED {type(e).__name__}: {e}",
                       flush=True)
@@ -265,7 +452,17 @@ def main(argv=None) -> int:
                   flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
     ok = [r for r in rows if "fluxrt_ms" in r]
-    if args.dtype == "bfloat16" and not args.no_torch and ok:
+    if args.fp8 and not args.no_torch and ok:
+        print("# torch._scaled_mm per expert (cuBLASLt), eager (after every other measurement)")
+        for r in ok:
+            try:
+                torch_case_fp8(r, args.iters, args.rounds, seed_of(args, r["rows"], r["experts"]))
+            except Exception as e:
+                r["torch_note"] = f"{type(e).__name__}: {e}"[:200]
+            t = f"{r['torch_eager_ms']:.4f} ms, fluxrt eager {r['ratio_vs_torch_eager']:.2f}x, rel diff " \
+                f"{r['rel_err_torch_vs_fluxrt']:.2e}" if "torch_eager_ms" in r else r["torch_note"]
+            print(f"{r['model']:>11} {r['gemm']:>4} {r['rows']:>6}: torch {t}", flush=True)
+    elif args.dtype == "bfloat16" and not args.no_torch and ok:
         print("# torch._grouped_mm, eager (after every other measurement)")
         for r in ok:
             try:
@@ -287,7 +484,8 @@ def main(argv=None) -> int:
     if args.json:
         from fluxrt.perf import results_document, write_json
 
-        doc = results_document("gemm-grouped", rows, ["python3", "perf/grouped_gemm.py", *(argv or sys.argv[1:])],
+        doc = results_document("gemm-grouped-fp8" if args.fp8 else "gemm-grouped", rows,
+                               ["python3", "perf/grouped_gemm.py", *(argv or sys.argv[1:])],
                                machine={"gpu_name": name, "gpu_count": 1})
         doc["summary"] = summary
         write_json(args.json, doc)

@@ -209,11 +209,15 @@ def gemm_fp8_table(data: dict) -> list[str]:
 def grouped_table(data: dict) -> list[str]:
     """A grouped-GEMM run (perf/grouped_gemm.py): its summary, then per MoE case the experts' shape, fluxrt's
     time (CUDA graph) beside the loop of cuBLAS calls, one dense cuBLAS GEMM of the same FLOPs and
-    torch._grouped_mm (eager), as baseline time / fluxrt time."""
+    torch._grouped_mm (eager), as baseline time / fluxrt time. fp8 runs (--fp8): the loop and the dense GEMM are
+    fluxrt's dense fp8 GEMM, torch is torch._scaled_mm per expert."""
     summ = data.get("summary") or {}
     lines = [f"- summary: {', '.join(f'{k} {num(v)}' for k, v in summ.items())}", ""] if summ else []
-    header = ["model", "GEMM", "experts", "rows", "K", "N", "empty", "max rows", "fluxrt ms", "TFLOP/s", "loop ms",
-              "loop / fluxrt", "dense ms", "dense / fluxrt", "torch eager ms", "torch / fluxrt (eager)", "plan"]
+    fp8 = data.get("bench") == "gemm-grouped-fp8"
+    loop, dense, torch = ("fp8 loop", "fp8 dense", "_scaled_mm loop") if fp8 else ("loop", "dense", "torch")
+    header = ["model", "GEMM", "experts", "rows", "K", "N", "empty", "max rows", "fluxrt ms", "TFLOP/s", f"{loop} ms",
+              f"{loop} / fluxrt", f"{dense} ms", f"{dense} / fluxrt", f"{torch} eager ms", f"{torch} / fluxrt (eager)",
+              "plan"]
     rows = []
     for r in data.get("rows", []):
         if not isinstance(r, dict):
@@ -248,7 +252,7 @@ def section(key: str, path: Path, data: dict) -> list[str]:
         lines += gemm_suite_table(data)
     elif data.get("bench") == "gemm-fp8":
         lines += gemm_fp8_table(data)
-    elif data.get("bench") == "gemm-grouped":
+    elif data.get("bench") in ("gemm-grouped", "gemm-grouped-fp8"):
         lines += grouped_table(data)
     else:
         lines += generic_table(rows)

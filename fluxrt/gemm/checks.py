@@ -160,13 +160,25 @@ def _check_fp8_operand(info: _Info, fmt: str) -> None:
     _check_matrix(dataclasses.replace(info, dtype=fmt), (fmt,))
 
 
+def _c_contiguous(shape: tuple, strides: tuple, item: int) -> bool:
+    """Whether an array of ``shape`` with byte ``strides`` is laid out row-major without gaps (dimensions of
+    one element have no stride that matters; an empty array is)."""
+    if 0 in shape:
+        return True
+    expect = item
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim > 1 and stride != expect:
+            return False
+        expect *= dim
+    return True
+
+
 def _check_scale(info: _Info, shape: tuple, what: str) -> None:
     if info.dtype != "float32":
         raise GemmTypeError(f"gemm: {info.name} must be float32, got {info.dtype}")
     if info.shape != shape:
         raise GemmArgumentError(f"gemm: {info.name} must have shape {shape} ({what}), got {info.shape}")
-    if info.strides is not None and len(shape) == 2 and shape[0] > 1 and shape[1] > 0 and \
-            info.strides != (shape[1] * 4, 4):
+    if info.strides is not None and not _c_contiguous(shape, info.strides, 4):
         raise GemmArgumentError(f"gemm: {info.name} {shape} must be C-contiguous (row-major), got strides "
                                 f"{info.strides} bytes")
     if info.ptr >= 0 and info.ptr % 4:

@@ -58,7 +58,9 @@
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a
 //                             3-D map with the group as its outer coordinate; a tile that ends past its
 //                             group's last row is stored by the storer warp with row-masked st.global
-//                             instead of TMA (TMA clips only at the tensor's end).            default 0
+//                             instead of TMA (TMA clips only at the tensor's end). With fp8 the scales
+//                             follow the tile's group: B's per group (ScaleArgs::b_group_stride), A's rows
+//                             from the group table's first row.                                default 0
 // With every hook 0 the hook code is not compiled (if constexpr), and the hook arguments are ignored.
 #pragma once
 
@@ -172,9 +174,6 @@ constexpr int kMaxGroups = 256;
 static_assert(!kGrouped || (!kHookWait && !kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC &&
                             !kSplitK && !kEpiDirect),
               "grouped GEMM: plain loads, no cluster, C staged for the storer's row-masked boundary stores");
-// fp8 grouped: the scale variants would need the tile's group (B's scales) and first row (A's) from the group
-// table instead of m_tile * kBM; not wired yet.
-static_assert(!kGrouped || !kFp8, "grouped GEMM: 16-bit inputs (fp8 grouped is not wired yet)");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread

@@ -46,45 +46,76 @@ __device__ __forceinline__ void release_stage(u32 bar_empty, int tid) {
 }
 
 // fp8 dequantisation (FLUXRT_GEMM_SCALE), the consumer's part. Variants, as types run_consumer takes:
-//   NoScale      C = A @ B
-//   TensorScale  C = sa * sb * (A @ B): one multiply per accumulator after a tile's last MMA
-//   BlockScale   C = sum over K blocks kb of sa[row, kb] * sb[n / 128, kb] * (A @ B)[kb]: each K block's
-//                MMAs start from zero in their own registers, and once they retired the consumer adds
-//                them into the fp32 accumulators with the scales (the promotion of DeepSeek-V3's FP8
-//                GEMMs: the scale changes per K block, so it cannot wait for the end of the tile).
+//   NoScale           C = A @ B
+//   TensorScale       C = sa * sb * (A @ B): one multiply per accumulator after a tile's last MMA
+//   GroupTensorScale  grouped GEMM: C = sa * sb[g] * (A @ B) with B's scale of the tile's group g
+//   BlockScale        C = sum over K blocks kb of sa[row, kb] * sb[n / 128, kb] * (A @ B)[kb]: each K block's
+//                     MMAs start from zero in their own registers, and once they retired the consumer adds
+//                     them into the fp32 accumulators with the scales (the promotion of DeepSeek-V3's FP8
+//                     GEMMs: the scale changes per K block, so it cannot wait for the end of the tile).
+//                     Grouped: B's scales of the tile's group (sb + g * b_group_stride).
+// kPerTile: begin_tile(first row of the consumer's rows, first column, group, tid) runs before each tile.
 struct NoScale {
-    __device__ __forceinline__ void begin_tile(int, int, int) {}
+    static constexpr bool kPerTile = false;
+    __device__ __forceinline__ void begin_tile(int, int, int, int) {}
     __device__ __forceinline__ void finish(float (&)[kAccRegs]) const {}
 };
 
 struct TensorScale {
+    static constexpr bool kPerTile = false;
     float s;
     static __device__ __forceinline__ TensorScale of(const ScaleArgs& a) { return TensorScale{__ldg(a.a) * __ldg(a.b)}; }
-    __device__ __forceinline__ void begin_tile(int, int, int) {}
+    __device__ __forceinline__ void begin_tile(int, int, int, int) {}
     __device__ __forceinline__ void finish(float (&acc)[kAccRegs]) const {
 #pragma unroll
         for (int i = 0; i < kAccRegs; ++i) acc[i] *= s;
     }
 };
 
+// B's scale is loaded when the tile begins and multiplied in only after its last MMA: the load's latency
+// hides behind the main loop.
+struct GroupTensorScale {
+    static constexpr bool kPerTile = true;
+    float sa;
+    const float* b;
+    int b_group_stride;
+    float sb;
+
+    static __device__ __forceinline__ GroupTensorScale of(const ScaleArgs& a) {
+        return GroupTensorScale{__ldg(a.a), a.b, a.b_group_stride, 0.f};
+    }
+    __device__ __forceinline__ void begin_tile(int, int, int group, int) {
+        sb = __ldg(b + (long long)group * b_group_stride);
+    }
+    __device__ __forceinline__ void finish(float (&acc)[kAccRegs]) const {
+        const float s = sa * sb;
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) acc[i] *= s;
+    }
+};
+
 // The thread's rows of the fragment (16w + l/4 and +8, clamped into A's rows: the tail rows of the last
-// tile are computed on zeros and never stored) and the tile's scale block of B.
+// tile are computed on zeros and never stored; grouped, rows past the group's end read the next group's
+// scales and are not stored either) and the tile's scale block of B (grouped: of the tile's group).
 struct BlockScale {
+    static constexpr bool kPerTile = true;
     const float* a;
     const float* b;
     int k_blocks, m;
+    int b_group_stride;    // grouped GEMM only
     const float* row0;     // this tile's scale rows of the thread
     const float* row1;
     const float* col;      // the tile's 128-column block of B
 
     static __device__ __forceinline__ BlockScale of(const ScaleArgs& s, int m) {
-        return BlockScale{s.a, s.b, s.k_blocks, m, nullptr, nullptr, nullptr};
+        return BlockScale{s.a, s.b, s.k_blocks, m, s.b_group_stride, nullptr, nullptr, nullptr};
     }
-    __device__ __forceinline__ void begin_tile(int m0, int n0, int tid) {
+    __device__ __forceinline__ void begin_tile(int m0, int n0, int group, int tid) {
         const int r = m0 + (tid >> 5) * 16 + ((tid & 31) >> 2);
         row0 = a + (long long)min(r, m - 1) * k_blocks;
         row1 = a + (long long)min(r + 8, m - 1) * k_blocks;
         col = b + (long long)(n0 / kScaleBlock) * k_blocks;
+        if constexpr (kGrouped) col += (long long)group * b_group_stride;
     }
     // A K block's scales of the thread's two rows and of the tile's columns, as loaded: they are multiplied
     // only in promote(), so that no instruction waits for the loads before the block's MMAs have retired.
@@ -103,7 +134,8 @@ struct BlockScale {
     __device__ __forceinline__ void finish(float (&)[kAccRegs]) const {}
 };
 
-using Scale = Select<kBlockScale, BlockScale, Select<kTensorScale, TensorScale, NoScale>::type>::type;
+using Scale = Select<kBlockScale, BlockScale,
+                     Select<kTensorScale, Select<kGrouped, GroupTensorScale, TensorScale>::type, NoScale>::type>::type;
 
 // The smem and barriers a consumer warpgroup works with.
 struct ConsumerSmem {
@@ -132,10 +164,13 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
         // Block scales: the scales of K blocks kb + 1 and kb + 2 are in flight while kb is computed (they come
         // from L2: the ring leaves little L1, and an L2 round trip is longer than one K block's MMAs).
         BlockScale::Loaded s_next{}, s_after{};
-        if constexpr (kBlockScale) {
+        if constexpr (ScaleT::kPerTile) {
             int m_tile, n_tile;
             sched.tile(t, m_tile, n_tile);
-            scale.begin_tile(m_tile * kBM + wg * kRowsPerConsumer, n_tile * kBN, tid);
+            const GroupTile rows = sched.rows(m_tile);   // grouped: the tile's group and first row (table)
+            scale.begin_tile(rows.row0 + wg * kRowsPerConsumer, n_tile * kBN, rows.group, tid);
+        }
+        if constexpr (kBlockScale) {
             s_next = scale.load(0);
             if (k_blocks > 1) s_after = scale.load(1);
 #pragma unroll

@@ -35,7 +35,7 @@
 //   scheduler.cuh  persistent tile order (grouped / Hilbert, clusters, rank offset), row chunks, and the
 //                  group table of the grouped GEMM (FLUXRT_GEMM_GROUPED)
 //   mainloop.cuh   loader variants (plain, arrival wait, own-shard copy) and the copier
-//   consumer.cuh   wgmma main loop of a consumer warpgroup, fp8 scale variants (per tensor, block)
+//   consumer.cuh   wgmma main loop of a consumer warpgroup, fp8 scale variants (per tensor, per group, block)
 //   epilogue.cuh   epilogue variants (direct, TMA store, grouped store, peer store + flag, chunk reduce,
 //                  tail reduce), the storer, and the sums of partials
 #include <fluxrt/comm.cuh>
@@ -97,6 +97,9 @@ __device__ __forceinline__ TailReduceEpilogue make_epilogue(const Params& p, Row
 
 __device__ __forceinline__ NoScale make_scale(const Params&, NoScale*) { return NoScale{}; }
 __device__ __forceinline__ TensorScale make_scale(const Params& p, TensorScale*) { return TensorScale::of(p.scale); }
+__device__ __forceinline__ GroupTensorScale make_scale(const Params& p, GroupTensorScale*) {
+    return GroupTensorScale::of(p.scale);
+}
 __device__ __forceinline__ BlockScale make_scale(const Params& p, BlockScale*) {
     return BlockScale::of(p.scale, p.gemm.m);
 }

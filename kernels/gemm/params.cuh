@@ -87,6 +87,8 @@ struct ScaleArgs {
     const float* a;             // per tensor: 1 value; block: [M, k_blocks] (1 x 128: a row, a K block)
     const float* b;             // per tensor: 1 value; block: [ceil(N / 128), k_blocks] (128 x 128)
     int k_blocks;               // block: ceil(K / 128), the row length of both scale arrays
+    int b_group_stride;         // grouped GEMM: group g's B scales start at b + g * this (per tensor: 1, or 0
+                                //   for one scale of every group; block: ceil(N / 128) * k_blocks)
 };
 
 // Grouped GEMM (FLUXRT_GEMM_GROUPED): group g is A's rows [offsets[g], offsets[g + 1]) times B[g]. The

@@ -54,3 +54,15 @@ def test_params_fields_take_their_values():
     assert np.frombuffer(raw, "<i4", 1, off["gemm.m"])[0] == 8192
     assert np.frombuffer(raw, "<i4", 1, off["reduce.chunk"])[0] == -1
     assert np.frombuffer(raw, "<u8", 1, off["epilogue.signal_value"])[0] == 1 << 40
+
+
+def test_scale_args_keep_the_layout():
+    """The grouped fp8 GEMM's b_group_stride lies in ScaleArgs' former tail padding: Params keeps its size and
+    every other field its offset (the compiled 16-bit and dense fp8 kernels read the same bytes)."""
+    off = dict((n, o) for n, o, _ in leaf_fields())
+    assert off["scale.b_group_stride"] == off["scale.k_blocks"] + 4
+    assert off["group.offsets"] == off["scale.a"] + 24 and PARAMS.itemsize == 896
+    p = new_params()
+    p["scale"]["k_blocks"], p["scale"]["b_group_stride"] = 56, 16 * 56
+    raw = p.tobytes()
+    assert np.frombuffer(raw, "<i4", 2, off["scale.k_blocks"]).tolist() == [56, 896]

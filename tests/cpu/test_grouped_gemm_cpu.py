@@ -138,3 +138,150 @@ def test_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, grouped=True)
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
     assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize
+
+
+# --- fp8 ------------------------------------------------------------------------------------------------------
+
+U8, F32 = np.uint8, np.float32
+
+
+def fp8_args(m=300, k=400, n=384, g=4, scale="tensor", **kw):
+    kbs, nbs = -(-k // 128), -(-n // 128)
+    scales = {"none": (None, None), "tensor": (arr((1,), F32, ptr=1 << 34), arr((g,), F32, ptr=1 << 35)),
+              "tensor1": (arr((), F32, ptr=1 << 34), arr((), F32, ptr=1 << 35)),
+              "block": (arr((m, kbs), F32, ptr=1 << 34), arr((g, nbs, kbs), F32, ptr=1 << 35))}[scale]
+    out = dict(a=arr((m, k), U8, ptr=1 << 32), b=arr((g, n, k), U8, ptr=1 << 33), offsets=arr((g + 1,), np.int32),
+               fp8_format="e4m3", scale_a=scales[0], scale_b=scales[1])
+    out.update(kw)
+    return out
+
+
+@pytest.mark.parametrize("scale, mode, stride", [("none", "none", 0), ("tensor", "tensor", 1), ("tensor1", "tensor", 0),
+                                                 ("block", "block", 3 * 4)])
+def test_fp8_args_describe_the_problem(scale, mode, stride):
+    p = validate_grouped_args(**fp8_args(scale=scale))
+    assert (p.m, p.n, p.k, p.groups, p.in_dtype, p.b_dtype, p.out_dtype) == \
+        (300, 384, 400, 4, "float8_e4m3fn", "", "bfloat16")
+    assert (p.scale, p.b_scale_stride, p.fp8, p.k_blocks) == (mode, stride, True, 4)
+    p = validate_grouped_args(**fp8_args(fp8_format=("e5m2", "e4m3"), out_dtype="float16", trans_b=True))
+    assert (p.in_dtype, p.b_dtype, p.out_dtype) == ("float8_e5m2", "float8_e4m3fn", "float16")
+    assert validate_grouped_args(**fp8_args(m=0, scale="block")).m == 0
+    # a 16-bit call is unchanged: trans_b defaults to False, no scales
+    p16 = validate_grouped_args(**args())
+    assert (p16.fp8, p16.scale, p16.b_dtype) == (False, "none", "")
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (dict(a=arr((300, 400))), GemmTypeError, "uint8 bytes"),
+    (dict(b=arr((4, 384, 400), np.int8)), GemmTypeError, "uint8 bytes"),
+    (dict(trans_b=False), GemmArgumentError, r"\[G, N, K\] \(trans_b=True\)"),
+    (dict(fp8_format="e4m3fn"), GemmTypeError, "fp8_format"),
+    (dict(a=arr((300, 392), U8), b=arr((4, 384, 392), U8)), GemmArgumentError, "multiple of 16"),
+    (dict(b=arr((4, 384, 384), U8)), GemmArgumentError, "inner dimensions"),
+    (dict(out_dtype="float32"), GemmTypeError, "fp8 grouped GEMM output float32"),
+    (dict(out=arr((300, 384), F32)), GemmTypeError, "bfloat16, float16"),
+    (dict(scale_b=None), GemmArgumentError, "both scale_a and scale_b"),
+    (dict(scale_a=arr((2,), F32)), GemmArgumentError, "one element"),
+    (dict(scale_b=arr((5,), F32)), GemmArgumentError, "one per group"),
+    (dict(scale_b=arr((4, 3, 4), F32)), GemmArgumentError, "both be per tensor"),
+    (dict(scale_a=arr((1,), np.float16)), GemmTypeError, "float32"),
+])
+def test_fp8_bad_arguments_raise_before_any_cuda_call(change, err, match):
+    kw = fp8_args()
+    kw.update(change)
+    with pytest.raises(err, match=match):
+        validate_grouped_args(**kw)
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (dict(scale_a=arr((300, 3), F32)), GemmArgumentError, r"\(300, 4\)"),
+    (dict(scale_b=arr((4, 4), F32)), GemmArgumentError, "both be per tensor"),
+    (dict(scale_b=arr((3, 3, 4), F32)), GemmArgumentError, r"\(4, 3, 4\)"),
+    (dict(scale_b=arr((4, 3, 4), F32, strides=(48, 4, 12))), GemmArgumentError, "C-contiguous"),
+])
+def test_fp8_block_scale_checks(change, err, match):
+    kw = fp8_args(scale="block")
+    kw.update(change)
+    with pytest.raises(err, match=match):
+        validate_grouped_args(**kw)
+
+
+def test_scales_need_fp8_and_checks_run_before_cupy():
+    with pytest.raises(GemmArgumentError, match="fp8_format"):
+        validate_grouped_args(**args(scale_a=arr((1,), F32), scale_b=arr((4,), F32)))
+    kw = fp8_args()
+    kw["scale_b"] = arr((3,), F32)
+    with pytest.raises(GemmArgumentError, match="one per group"):
+        grouped_gemm(**kw)
+
+
+def test_fp8_plans():
+    e4 = "float8_e4m3fn"
+    for scale in ("none", "tensor"):
+        p = grouped_plan(8192, 2048, 7168, 64, in_dtype=e4, scale=scale)
+        assert (p.block_m, p.block_n, p.block_k) == (128, 256, 128)
+        check_grouped_plan(p, "bfloat16", e4, scale)
+    p = grouped_plan(8192, 2048, 7168, 64, in_dtype=e4, scale="block")
+    assert (p.block_n, p.block_k) == (128, 128) and p.stages >= 3
+    check_grouped_plan(p, "float16", e4, "block")
+    # the same 128-byte stage rows as the 16-bit plan: the same stages fit
+    assert grouped_plan(8192, 2048, 7168, 64).stages == grouped_plan(8192, 2048, 7168, 64, in_dtype=e4).stages
+    with pytest.raises(GemmArgumentError, match="block_k=128"):
+        check_grouped_plan(grouped_plan(8192, 2048, 7168, 64), "bfloat16", e4, "tensor")
+    with pytest.raises(GemmArgumentError, match="block_n in"):
+        check_grouped_plan(grouped_plan(8192, 2048, 7168, 64, in_dtype=e4), "bfloat16", e4, "block")
+    with pytest.raises(GemmTypeError, match="output dtype"):
+        grouped_plan(8192, 2048, 7168, 64, in_dtype=e4, out_dtype="float32")
+    with pytest.raises(GemmArgumentError, match="fp8 inputs"):
+        grouped_plan(8192, 2048, 7168, 64, scale="block")
+
+
+def test_fp8_kernel_defines():
+    plan = grouped_plan(8192, 2048, 7168, 64, in_dtype="float8_e4m3fn", scale="block")
+    d = dict(kernel_defines(plan, "float8_e4m3fn", "bfloat16", True, grouped=True, b_dtype="float8_e5m2",
+                            scale="block"))
+    assert (d["FLUXRT_GEMM_GROUPED"], d["FLUXRT_GEMM_IN"], d["FLUXRT_GEMM_IN_B"], d["FLUXRT_GEMM_SCALE"],
+            d["FLUXRT_GEMM_B_KMAJOR"]) == ("1", "2", "3", "2", "1")
+
+
+FP8_GROUPED_CONFIGS = [
+    (grouped_plan(8192, 2048, 7168, 64, in_dtype="float8_e4m3fn"), "float8_e4m3fn", None, "bfloat16", "tensor"),
+    (grouped_plan(8192, 2048, 7168, 64, in_dtype="float8_e4m3fn", scale="block"), "float8_e4m3fn", "float8_e5m2",
+     "float16", "block"),
+    (GemmPlan(block_m=64, consumers=1, block_n=128, block_k=128, stages=6), "float8_e5m2", None, "bfloat16", "block"),
+    (GemmPlan(block_n=64, block_k=128, stages=6), "float8_e4m3fn", None, "bfloat16", "block"),
+    (GemmPlan(block_n=128, block_k=128, stages=5), "float8_e5m2", "float8_e4m3fn", "float16", "none"),
+]
+
+
+@pytest.mark.parametrize("cfg", FP8_GROUPED_CONFIGS, ids=lambda c: f"{c[0].describe()}-{c[1]}-{c[2]}-{c[3]}-{c[4]}"
+                                                                     .replace(" ", "_"))
+def test_fp8_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
+    """Every fp8 grouped configuration compiles for sm_90a with the planner's layout constants, and (where
+    cuobjdump is found) keeps everything in registers: no local memory, no stack."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    import re
+    import subprocess
+
+    from fluxrt.gemm.params import PARAMS
+    from fluxrt.toolchain import compile_cubin
+
+    from test_toolchain import _cuobjdump
+
+    monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
+    plan, a_dt, b_dt, out_dt, scale = cfg
+    check_grouped_plan(plan, out_dt, a_dt, scale)
+    cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(
+        kernel_defines(plan, a_dt, out_dt, True, grouped=True, b_dtype=b_dt, scale=scale), arch="sm_90a"))
+    data = cubin.read_bytes()
+    assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, grouped=True)
+    assert _cubin_u32(data, "fluxrt_gemm_block_k") == 128
+    assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    stack, local = re.search(r"STACK:(\d+)\s+SHARED:\d+\s+LOCAL:(\d+)", res).groups()
+    assert (stack, local) == ("0", "0"), res
