@@ -33,6 +33,7 @@ from .kernel import _kernel, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import (BLOCK_K, H100_H200_SMS, IN_DTYPES, ITEMSIZE, MAX_GROUPS, MAX_STAGES, OUT_DTYPES,
                    SMEM_LIMIT_BYTES, TMA_ALIGN, GemmPlan)
+from .hooks import GroupArrival
 from .tmaps import tensor_map, tensor_map_nd
 
 log = logging.getLogger("fluxrt.gemm")
@@ -198,9 +199,30 @@ def grouped_grid(plan: GemmPlan, m: int, n: int, groups: int, num_sms: int) -> i
     return max(1, min(cap, items))
 
 
-def _prepare(a, b, offsets, out, *, trans_b: bool, plan: GemmPlan | None, out_dtype: str | None):
+def check_group_arrival(arrival, groups: int) -> None:
+    """Raise GemmArgumentError when ``arrival`` is not a usable :class:`GroupArrival` (no CUDA call)."""
+    if arrival is None:
+        return
+    if not isinstance(arrival, GroupArrival):
+        raise GemmArgumentError(f"grouped_gemm: arrival must be a fluxrt.gemm.GroupArrival, got "
+                                f"{type(arrival).__name__}")
+    for name in ("flags", "epoch_at", "err"):
+        v = getattr(arrival, name)
+        if not isinstance(v, int) or v <= 0 or v % 8:
+            raise GemmArgumentError(f"grouped_gemm: arrival.{name} must be an 8-byte aligned device pointer, got "
+                                    f"{v!r}")
+    if not isinstance(arrival.sources, int) or not 1 <= arrival.sources <= 1 << 16:
+        raise GemmArgumentError(f"grouped_gemm: arrival.sources={arrival.sources!r} must be 1 .. 65536 (flags per "
+                                f"group; {groups} groups)")
+    if arrival.timeout_ns <= 0:
+        raise GemmArgumentError(f"grouped_gemm: arrival.timeout_ns={arrival.timeout_ns} must be positive")
+
+
+def _prepare(a, b, offsets, out, *, trans_b: bool, plan: GemmPlan | None, out_dtype: str | None,
+             arrival: GroupArrival | None = None):
     """Check one call and build its launch: (PackedLaunch or None for M = 0, out, plan)."""
     prob = validate_grouped_args(a, b, offsets, out, trans_b=trans_b, out_dtype=out_dtype)
+    check_group_arrival(arrival, prob.groups)
     if plan is None:
         plan = grouped_plan(prob.m, prob.n, prob.k, prob.groups, in_dtype=prob.in_dtype, out_dtype=prob.out_dtype)
     check_grouped_plan(plan, prob.out_dtype)
@@ -232,7 +254,7 @@ def _prepare(a, b, offsets, out, *, trans_b: bool, plan: GemmPlan | None, out_dt
         return None, out, plan
     m, n, k, g, in_dt, out_dt = prob.m, prob.n, prob.k, prob.groups, prob.in_dtype, prob.out_dtype
     item = ITEMSIZE[in_dt]
-    defines = kernel_defines(plan, in_dt, out_dt, trans_b, grouped=True)
+    defines = kernel_defines(plan, in_dt, out_dt, trans_b, hook_wait=arrival is not None, grouped=True)
     with cupy.cuda.Device(dev):
         smem = plan.smem_bytes(out_dt, grouped=True)
         kern = _kernel(defines, dev, smem)
@@ -246,6 +268,11 @@ def _prepare(a, b, offsets, out, *, trans_b: bool, plan: GemmPlan | None, out_dt
                              m=m, n=n, k=k, group_m=plan.group_m, m_tile_offset=0, chunk_rows=0, chunks_per_peer=1)
         grp = params["group"]
         grp["offsets"], grp["groups"], grp["offsets_64"] = offsets.data.ptr, g, int(prob.offsets_dtype == "int64")
+        if arrival is not None:   # hook 1 per group
+            grp["arrival_epoch"], grp["arrival_sources"] = arrival.epoch_at, arrival.sources
+            params["wait"]["flags"], params["wait"]["op_id"] = arrival.flags, arrival.op_id
+            t = params["timeout"]
+            t["timeout_ns"], t["err"], t["rank"] = arrival.timeout_ns, arrival.err, arrival.rank
         grid = grouped_grid(plan, m, n, g, _num_sms(dev))
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
@@ -268,42 +295,47 @@ def _key(x):
 
 @_nvtx("grouped_gemm")
 def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool = False, stream=None, plan: GemmPlan | None = None,
-                 out_dtype: str | None = None):
+                 out_dtype: str | None = None, arrival: GroupArrival | None = None):
     """``out[offsets[g]:offsets[g+1]] = a[offsets[g]:offsets[g+1]] @ b[g]`` (``b`` [G, K, N]) or ``@ b[g].T``
     (``trans_b=True``, ``b`` [G, N, K]) for every group g, in one launch; ``offsets`` ([G + 1] int32/int64,
     G <= 256) is read on the device only. a: [M, K] bf16/fp16, C-contiguous; K and N multiples of 8.
     out: optional [M, N] bf16/fp16/fp32 (allocated with ``out_dtype``, default a's dtype, when None).
     stream: cupy stream, raw cudaStream_t int, or None (current stream). plan: see :func:`grouped_plan`.
+    arrival: optional :class:`GroupArrival`: each group's A rows are loaded only once its arrival flags are up
+    (bounded waits), so the GEMM can run beside the launch that delivers them.
     Returns ``out`` (a CuPy array)."""
     import cupy
 
     fast = type(a) is cupy.ndarray and type(b) is cupy.ndarray and type(offsets) is cupy.ndarray \
         and type(out) is cupy.ndarray
     if not fast:
-        validate_grouped_args(a, b, offsets, out, trans_b=trans_b, out_dtype=out_dtype)   # before any CUDA call
+        prob = validate_grouped_args(a, b, offsets, out, trans_b=trans_b, out_dtype=out_dtype)   # before any CUDA call
+        check_group_arrival(arrival, prob.groups)
     try:
         sptr = stream_handle(stream)
     except TypeError as e:
         raise GemmTypeError(f"grouped_gemm: {e}") from e
     if fast:
         key = (_key(a), _key(b), _key(offsets), _key(out), cupy.cuda.runtime.getDevice(), bool(trans_b), plan,
-               out_dtype, sptr)
+               out_dtype, sptr, arrival)
         with _cache_lock:
             hit = key in _cache
             packed = _cache.get(key)
         if not hit:
-            packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype)
+            packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype,
+                                      arrival=arrival)
             with _cache_lock:
                 _cache[key] = packed
                 while len(_cache) > _CACHE_SIZE:
                     _cache.popitem(last=False)
     else:
         with as_cupy_stream(sptr):   # operands from DLPack / CAI are ordered after their producers on it
-            packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype)
+            packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype,
+                                      arrival=arrival)
     if packed is not None:
         packed.launch(sptr)
     return out
 
 
-__all__ = ["GroupedProblem", "grouped_gemm", "group_tiles", "grouped_plan", "grouped_max_stages", "grouped_grid",
-           "validate_grouped_args", "check_grouped_plan", "clear_grouped_cache", "OFFSET_DTYPES"]
+__all__ = ["GroupedProblem", "GroupArrival", "check_group_arrival", "grouped_gemm", "group_tiles", "grouped_plan",
+           "grouped_max_stages", "grouped_grid", "validate_grouped_args", "check_grouped_plan", "clear_grouped_cache", "OFFSET_DTYPES"]

@@ -169,9 +169,10 @@ static_assert(!kSplitK || (kBandsC && !kBandsA && FLUXRT_GEMM_OUT == 2 && kClust
 
 constexpr bool kGrouped = FLUXRT_GEMM_GROUPED != 0;
 constexpr int kMaxGroups = 256;
-static_assert(!kGrouped || (!kHookWait && !kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC &&
-                            !kSplitK && !kEpiDirect),
-              "grouped GEMM: plain loads, no cluster, C staged for the storer's row-masked boundary stores");
+static_assert(!kGrouped || (!kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC && !kSplitK &&
+                            !kEpiDirect),
+              "grouped GEMM: plain loads (hook 1: per-group arrival waits), no cluster, C staged for the storer's "
+              "row-masked boundary stores");
 // fp8 grouped: the scale variants would need the tile's group (B's scales) and first row (A's) from the group
 // table instead of m_tile * kBM; not wired yet.
 static_assert(!kGrouped || !kFp8, "grouped GEMM: 16-bit inputs (fp8 grouped is not wired yet)");
