@@ -338,4 +338,5 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool = False, stream=None,
 
 
 __all__ = ["GroupedProblem", "GroupArrival", "check_group_arrival", "grouped_gemm", "group_tiles", "grouped_plan",
-           "grouped_max_stages", "grouped_grid", "validate_grouped_args", "check_grouped_plan", "clear_grouped_cache", "OFFSET_DTYPES"]
+           "grouped_max_stages", "grouped_grid", "validate_grouped_args", "check_grouped_plan", "clear_grouped_cache",
+           "OFFSET_DTYPES"]
