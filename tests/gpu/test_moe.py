@@ -580,9 +580,8 @@ def test_arrival_wait_that_runs_out_names_op_rank_and_source(world):
     a = cupy.zeros((m, k), dtype=_bf16())
     b = cupy.zeros((g, n, k), dtype=_bf16())
     offsets = cupy.asarray(np.array([0, 100, m], np.int32))
-    flags = cupy.zeros(g * 3, dtype=np.uint64)
-    flags[:3] = 7            # group 0: every source arrived at round 7
-    flags[3:] = [7, 6, 7]    # group 1: source 1 is a round behind
+    # group 0: every source arrived at round 7; group 1: source 1 is a round behind
+    flags = cupy.asarray(np.array([7, 7, 7, 7, 6, 7], np.uint64))
     epoch = cupy.asarray(np.array([7], np.uint64))
     arrival = GroupArrival(flags=flags.data.ptr, epoch_at=epoch.data.ptr, sources=3, err=int(world.error_record),
                            timeout_ns=50_000_000, op_id=op_id("moe_arrival_test"), rank=world.rank)
