@@ -315,10 +315,7 @@ class MoELayer:
         s = as_cupy_stream(stream)
         if overlap is None:
             overlap = self.options.overlap
-        if overlap and self._overlap is None:
-            raise MoEArgumentError(f"{OP}.forward: overlap=True needs a layer made with "
-                                   "MoELayerOptions(overlap=True) (its Dispatcher raises the arrival flags)")
-        o = self._check_forward(x, out, s)
+        o = self._check_forward(x, out, s, bool(overlap))
         if not overlap:
             handle = self.dispatch(x, topk_idx, topk_weights, stream=s)
             self.experts(handle, stream=s)
@@ -371,13 +368,16 @@ class MoELayer:
         return self.dispatcher.combine(self._recv, handle, out=out, stream=stream)
 
     # --- checks -------------------------------------------------------------------------------------
-    def _check_forward(self, x, out, s):
+    def _check_forward(self, x, out, s, overlap: bool = False):
         """forward's own arguments (the output), agreed across ranks before the dispatch launches: a bad
         output must not leave a dispatch without its combine."""
         cfg = self.cfg.moe
 
         def local_checks():
             self._check_live()
+            if overlap and self._overlap is None:
+                raise MoEArgumentError(f"{OP}.forward: overlap=True needs a layer made with "
+                                       "MoELayerOptions(overlap=True) (its Dispatcher raises the arrival flags)")
             a = _intake(x, "x", "moe_layer", self.world, s)
             if a.ndim != 2 or a.shape[1] != cfg.hidden:
                 raise MoEArgumentError(f"moe_layer: x must be [T, {cfg.hidden}], got shape {tuple(a.shape)}")

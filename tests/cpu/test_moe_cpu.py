@@ -358,6 +358,8 @@ def test_layer_forward_checks_its_arguments_before_the_dispatch(monkeypatch):
     layer.dispatch = lambda *a, **k: calls.append("dispatch")
     with pytest.raises(moe.MoEArgumentError, match="moe_layer on rank 0: x is a host numpy array"):
         layer.forward(np.zeros((4, 64), np.float32), None, None)
+    with pytest.raises(moe.MoEArgumentError, match="overlap=True needs a layer made with"):
+        layer.forward(np.zeros((4, 64), np.float32), None, None, overlap=True)
     assert calls == []
 
 
