@@ -173,6 +173,9 @@ if want sanitize; then
         --report-api-errors no "$py" -m pytest "tests/gpu/${t%%:*}.py" -q -p no:cacheprovider -k "${t#*:}"
     done
   done
+  # the MoE layer on one rank, overlapped and sequential (dispatch, arrival flags, grouped GEMMs, combine)
+  TAIL=12 step sanitize-moe-layer-memcheck "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool memcheck \
+    --error-exitcode 86 --report-api-errors no "$py" tests/gpu/mpi_scripts/moe_layer_small.py
   if [ "$ngpu" -ge 2 ]; then   # the communication kernels, small cases, 2 ranks
     for t in "test_p2p.py:ring and (4099 or 1048576)" \
              "test_collectives.py:allreduce and fp32 and sum or alltoallv or broadcast and 4099 or direct and 4099" \

@@ -47,6 +47,7 @@ from .kernel import _kernel, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import (BLOCK_K, FP8_BLOCK_K, FP8_DTYPES, FP8_OUT_DTYPES, FP8_SCALE_BLOCK, H100_H200_SMS, IN_DTYPES,
                    ITEMSIZE, MAX_GROUPS, MAX_STAGES, OUT_DTYPES, SCALE_MODES, SMEM_LIMIT_BYTES, TMA_ALIGN, GemmPlan)
+from .hooks import GroupArrival
 from .tmaps import tensor_map, tensor_map_nd
 
 log = logging.getLogger("fluxrt.gemm")
@@ -303,11 +304,33 @@ def grouped_grid(plan: GemmPlan, m: int, n: int, groups: int, num_sms: int) -> i
     return max(1, min(cap, items))
 
 
+def check_group_arrival(arrival, groups: int, fp8: bool = False) -> None:
+    """Raise GemmArgumentError when ``arrival`` is not a usable :class:`GroupArrival` (no CUDA call)."""
+    if arrival is None:
+        return
+    if fp8:
+        raise GemmArgumentError("grouped_gemm: arrival waits are built for 16-bit inputs only, not with fp8_format")
+    if not isinstance(arrival, GroupArrival):
+        raise GemmArgumentError(f"grouped_gemm: arrival must be a fluxrt.gemm.GroupArrival, got "
+                                f"{type(arrival).__name__}")
+    for name in ("flags", "epoch_at", "err"):
+        v = getattr(arrival, name)
+        if not isinstance(v, int) or v <= 0 or v % 8:
+            raise GemmArgumentError(f"grouped_gemm: arrival.{name} must be an 8-byte aligned device pointer, got "
+                                    f"{v!r}")
+    if not isinstance(arrival.sources, int) or not 1 <= arrival.sources <= 1 << 16:
+        raise GemmArgumentError(f"grouped_gemm: arrival.sources={arrival.sources!r} must be 1 .. 65536 (flags per "
+                                f"group; {groups} groups)")
+    if arrival.timeout_ns <= 0:
+        raise GemmArgumentError(f"grouped_gemm: arrival.timeout_ns={arrival.timeout_ns} must be positive")
+
+
 def _prepare(a, b, offsets, out, *, trans_b: bool | None, plan: GemmPlan | None, out_dtype: str | None,
-             fp8_format=None, scale_a=None, scale_b=None):
+             fp8_format=None, scale_a=None, scale_b=None, arrival: GroupArrival | None = None):
     """Check one call and build its launch: (PackedLaunch or None for M = 0, out, plan)."""
     fp8_kw = dict(fp8_format=fp8_format, scale_a=scale_a, scale_b=scale_b)
     prob = validate_grouped_args(a, b, offsets, out, trans_b=trans_b, out_dtype=out_dtype, **fp8_kw)
+    check_group_arrival(arrival, prob.groups, prob.fp8)
     trans_b = prob.fp8 if trans_b is None else bool(trans_b)
     if plan is None:
         plan = grouped_plan(prob.m, prob.n, prob.k, prob.groups, in_dtype=prob.in_dtype, out_dtype=prob.out_dtype,
@@ -347,7 +370,8 @@ def _prepare(a, b, offsets, out, *, trans_b: bool | None, plan: GemmPlan | None,
     b_dt = prob.b_dtype or in_dt
     item = ITEMSIZE[in_dt]
     block_k = FP8_BLOCK_K if prob.fp8 else BLOCK_K
-    defines = kernel_defines(plan, in_dt, out_dt, trans_b, grouped=True, b_dtype=b_dt, scale=prob.scale)
+    defines = kernel_defines(plan, in_dt, out_dt, trans_b, hook_wait=arrival is not None, grouped=True, b_dtype=b_dt,
+                             scale=prob.scale)
     with cupy.cuda.Device(dev):
         smem = plan.smem_bytes(out_dt, grouped=True)
         kern = _kernel(defines, dev, smem)
@@ -365,6 +389,11 @@ def _prepare(a, b, offsets, out, *, trans_b: bool | None, plan: GemmPlan | None,
             sc = params["scale"]
             sc["a"], sc["b"], sc["k_blocks"] = sa.data.ptr, sb.data.ptr, prob.k_blocks
             sc["b_group_stride"] = prob.b_scale_stride
+        if arrival is not None:   # hook 1 per group
+            grp["arrival_epoch"], grp["arrival_sources"] = arrival.epoch_at, arrival.sources
+            params["wait"]["flags"], params["wait"]["op_id"] = arrival.flags, arrival.op_id
+            t = params["timeout"]
+            t["timeout_ns"], t["err"], t["rank"] = arrival.timeout_ns, arrival.err, arrival.rank
         grid = grouped_grid(plan, m, n, g, _num_sms(dev))
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
@@ -391,7 +420,8 @@ def _scale_key(x):
 
 @_nvtx("grouped_gemm")
 def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream=None, plan: GemmPlan | None = None,
-                 out_dtype: str | None = None, fp8_format=None, scale_a=None, scale_b=None):
+                 out_dtype: str | None = None, fp8_format=None, scale_a=None, scale_b=None,
+                 arrival: GroupArrival | None = None):
     """``out[offsets[g]:offsets[g+1]] = a[offsets[g]:offsets[g+1]] @ b[g]`` (``b`` [G, K, N]) or ``@ b[g].T``
     (``trans_b=True``, ``b`` [G, N, K]) for every group g, in one launch; ``offsets`` ([G + 1] int32/int64,
     G <= 256) is read on the device only. a: [M, K] bf16/fp16, C-contiguous; K and N multiples of 8.
@@ -402,6 +432,8 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream
     tensor (scale_a one element, scale_b [G] or one element) or block scales (scale_a [M, ceil(K/128)], scale_b
     [G, ceil(N/128), ceil(K/128)]); see this module's docstring.
     stream: cupy stream, raw cudaStream_t int, or None (current stream). plan: see :func:`grouped_plan`.
+    arrival: optional :class:`GroupArrival`: each group's A rows are loaded only once its arrival flags are up
+    (bounded waits), so the GEMM can run beside the launch that delivers them.
     Returns ``out`` (a CuPy array)."""
     import cupy
 
@@ -409,7 +441,8 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream
         and type(out) is cupy.ndarray and all(x is None or type(x) is cupy.ndarray for x in (scale_a, scale_b))
     fp8_kw = dict(fp8_format=fp8_format, scale_a=scale_a, scale_b=scale_b)
     if not fast:   # before any CUDA call
-        validate_grouped_args(a, b, offsets, out, trans_b=trans_b, out_dtype=out_dtype, **fp8_kw)
+        prob = validate_grouped_args(a, b, offsets, out, trans_b=trans_b, out_dtype=out_dtype, **fp8_kw)
+        check_group_arrival(arrival, prob.groups, prob.fp8)
     try:
         sptr = stream_handle(stream)
     except TypeError as e:
@@ -417,23 +450,26 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream
     if fast:
         fmt = fp8_format if fp8_format is None or isinstance(fp8_format, str) else tuple(fp8_format)
         key = (_key(a), _key(b), _key(offsets), _key(out), cupy.cuda.runtime.getDevice(), trans_b, plan,
-               out_dtype, sptr, fmt, _scale_key(scale_a), _scale_key(scale_b))
+               out_dtype, sptr, fmt, _scale_key(scale_a), _scale_key(scale_b), arrival)
         with _cache_lock:
             hit = key in _cache
             packed = _cache.get(key)
         if not hit:
-            packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, **fp8_kw)
+            packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, **fp8_kw,
+                                      arrival=arrival)
             with _cache_lock:
                 _cache[key] = packed
                 while len(_cache) > _CACHE_SIZE:
                     _cache.popitem(last=False)
     else:
         with as_cupy_stream(sptr):   # operands from DLPack / CAI are ordered after their producers on it
-            packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, **fp8_kw)
+            packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, **fp8_kw,
+                                      arrival=arrival)
     if packed is not None:
         packed.launch(sptr)
     return out
 
 
-__all__ = ["GroupedProblem", "grouped_gemm", "group_tiles", "grouped_plan", "grouped_max_stages", "grouped_grid",
-           "validate_grouped_args", "check_grouped_plan", "clear_grouped_cache", "OFFSET_DTYPES"]
+__all__ = ["GroupedProblem", "GroupArrival", "check_group_arrival", "grouped_gemm", "group_tiles", "grouped_plan",
+           "grouped_max_stages", "grouped_grid", "validate_grouped_args", "check_grouped_plan", "clear_grouped_cache",
+           "OFFSET_DTYPES"]

@@ -92,6 +92,27 @@ class TileDestinations:
 
 
 @dataclass(frozen=True)
+class GroupArrival:
+    """Hook 1 of the grouped GEMM (:func:`fluxrt.gemm.grouped_gemm`): before the first load of group g's rows
+    of A, the loader waits until ``flags[g * sources + s] >= *epoch_at`` for every source s < sources, then
+    loads them (``fence.proxy.async`` after the acquires). Tiles of groups whose rows have arrived start while
+    other groups' rows are still on their way (the MoE layer's dispatch -> gate/up overlap).
+
+    flags: device pointer of uint64 words, ``sources`` per group (G x sources).
+    epoch_at: device pointer of the uint64 the flags must reach, read by the kernel (not the host), so a CUDA
+        graph replay waits for the replayed round.
+    err, timeout_ns, op_id, rank: where a wait that runs out is reported (peer = the source s).
+    """
+    flags: int
+    epoch_at: int
+    sources: int
+    err: int
+    timeout_ns: int = DEFAULT_TIMEOUT_NS
+    op_id: int = 0
+    rank: int = 0
+
+
+@dataclass(frozen=True)
 class ChunkReduce:
     """Hook 3: chunk ``chunk``'s tiles are summed with the other sources' partials of the same rows in the
     consumers' epilogue and TMA-stored to ``out`` ([rows of the chunk, N], C's type), with no flag.

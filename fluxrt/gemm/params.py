@@ -49,7 +49,8 @@ REDUCE_ARGS = _struct([("partials", PTR), ("source_bytes", I64), ("ld", I64), ("
                        ("epoch", U64), ("chunk", I32), ("sources", U32), ("group_n", I32), ("op_id", U32)])
 TAIL_ARGS = _struct([("out", PTR), ("counter", PTR)])
 SCALE_ARGS = _struct([("a", PTR), ("b", PTR), ("k_blocks", I32), ("b_group_stride", I32)])
-GROUP_ARGS = _struct([("offsets", PTR), ("groups", I32), ("offsets_64", I32)])
+GROUP_ARGS = _struct([("offsets", PTR), ("groups", I32), ("offsets_64", I32), ("arrival_epoch", PTR),
+                      ("arrival_sources", U32)])
 COPY_ARGS = _struct([("tmap_a_own", TMAP[1], 64), ("counters", PTR), ("row0", I32), ("rows", I32)])
 
 PARAMS, _PARAMS_ALIGN = _struct([

@@ -70,13 +70,19 @@ class DispatcherOptions:
     mode: "throughput" (counts exchanged first, rows pushed straight into the grouped layout: two flag round
     trips) or "low_latency" (rows pushed into fixed slots per (source, expert) with their counts: one round
     trip, then a local compaction; a staging buffer of num_experts * max_tokens_per_rank rows; every dispatch
-    must be combined before the next; 16-bit only)."""
+    must be combined before the next; 16-bit only).
+    arrivals: raise per-expert arrival flags (throughput mode; MoELayer's overlap sets it): the push sends
+    this rank's rows local expert by local expert (every owner's expert 0 first) and, once its last row to an
+    expert has landed, sets that expert's word for this source in the owner's arrival array ([E_local, world]
+    u64, ``Dispatcher.arrival_flags``) to the round (``Dispatcher.round_ptr``), so that a grouped GEMM with
+    ``fluxrt.gemm.GroupArrival`` starts an expert's tiles while later experts' rows are still on their way."""
 
     top_k: int = 8
     blocks: int = 0
     threads: int = 512
     fp8: str = ""
     mode: str = "throughput"
+    arrivals: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class MoEConfig:
     fp8: str = ""
     scale_row: int = 0      # fp32 scales per FP8 row (0: no FP8)
     mode: str = "throughput"
+    arrivals: bool = False  # per-expert arrival flags ([E_local, world] u64 per rank)
 
     @property
     def staging_rows(self) -> int:
@@ -108,7 +115,9 @@ class MoEConfig:
     def symmetric_bytes(self) -> int:
         """Symmetric heap bytes a Dispatcher takes per rank (receive buffers, count matrix, flags)."""
         fp8 = self.recv_rows * (self.hidden + 4 * self.scale_row) if self.fp8 else 0
-        return self.recv_bytes + fp8 + self.staging_rows * self.row_bytes + self.world * self.num_experts * 4 + FLAG_KINDS * self.world * 8
+        arrivals = self.local_experts * self.world * 8 if self.arrivals else 0
+        return (self.recv_bytes + fp8 + self.staging_rows * self.row_bytes + self.world * self.num_experts * 4
+                + FLAG_KINDS * self.world * 8 + arrivals)
 
 
 def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, dtype,
@@ -145,6 +154,11 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
         raise MoEArgumentError(f"Dispatcher: mode={options.mode!r} not in {MODES}")
     if options.mode == "low_latency" and options.fp8:
         raise MoEArgumentError("Dispatcher: FP8 dispatch is for mode='throughput' only")
+    if not isinstance(options.arrivals, bool):
+        raise MoEArgumentError(f"Dispatcher: arrivals must be a bool, got {options.arrivals!r}")
+    if options.arrivals and options.mode != "throughput":
+        raise MoEArgumentError("Dispatcher: arrival flags (arrivals=True) are for mode='throughput' only (the "
+                               "low-latency push lands rows in staging slots, compacted after the last one)")
     if options.blocks < 0:
         raise MoEArgumentError(f"Dispatcher: blocks must be >= 0 (0: one per SM), got {options.blocks}")
     rows = int(max_tokens_per_rank) * world_size * options.top_k
@@ -154,12 +168,13 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
     return MoEConfig(world=world_size, num_experts=int(num_experts), local_experts=num_experts // world_size,
                      hidden=int(hidden), max_tokens=int(max_tokens_per_rank), top_k=options.top_k, dtype=name,
                      recv_rows=rows, row_bytes=int(hidden) * 2, fp8=options.fp8,
-                     scale_row={"": 0, "token": 1, "block": int(hidden) // 128}[options.fp8], mode=options.mode)
+                     scale_row={"": 0, "token": 1, "block": int(hidden) // 128}[options.fp8], mode=options.mode,
+                     arrivals=options.arrivals)
 
 
 def check_heap(cfg: MoEConfig, capacity: int, used: int, rank: int) -> None:
     """Raise HeapExhaustedError, saying how much heap to ask for, when the buffers do not fit."""
-    need = cfg.symmetric_bytes() + FLAG_KINDS * 512  # each allocation may take up to 512 bytes more
+    need = cfg.symmetric_bytes() + (FLAG_KINDS + cfg.arrivals) * 512  # each allocation may take 512 bytes more
     if used + need > capacity:
         gib = -(-(used + need) * 5 // 4 // (1 << 30))
         raise HeapExhaustedError(
@@ -246,6 +261,8 @@ class Dispatcher:
                 self.x_scales = cupy.empty((cfg.max_tokens, cfg.scale_row), dtype=np.float32)
             self.count_matrix = world.zeros((n, cfg.num_experts), np.int32)
             self.flags = world.zeros((FLAG_KINDS * n,), np.uint64)   # never reset: compared with growing epochs
+            # arrival flags [E_local, world]: word [l, s] = the round once source s's rows to local expert l landed
+            self.arrive = world.zeros((cfg.local_experts * n,), np.uint64) if cfg.arrivals else None
             self.epoch = cupy.zeros(2, dtype=np.uint64)                # [counter, this dispatch's round]
             self.done = cupy.zeros(2, dtype=np.uint32)                 # last-block counters: push, stage
             self.pos = cupy.zeros(max(1, cfg.max_tokens * cfg.top_k), dtype=np.int32)
@@ -253,12 +270,19 @@ class Dispatcher:
             self.dst_base = cupy.zeros(cfg.num_experts, dtype=np.int32)
             self.offsets = cupy.zeros(cfg.local_experts + 1, dtype=np.int32)
             self.counts = cupy.zeros(cfg.local_experts, dtype=np.int32)
+            # arrival flags: the push order of this rank's entries, and its per-expert counters of landed rows
+            self.order = cupy.zeros(max(1, cfg.max_tokens * cfg.top_k), dtype=np.int32) if cfg.arrivals else None
+            self.sent = cupy.zeros(cfg.num_experts, dtype=np.uint32) if cfg.arrivals else None
             from ..gemm.kernel import _num_sms
 
             self.blocks = self.options.blocks or _num_sms(world.device_id)
             self._tables = (self.recv.peer_table, self.count_matrix.peer_table, self.flags.peer_table)
             self._fp8_tables = (self.recv_fp8.peer_table, self.recv_scales.peer_table) if cfg.fp8 else None
             self._staging_table = self.staging.peer_table if self.staging is not None else None
+            null = _u64(0)
+            self._layout_arrivals = (self.order, self.sent) if cfg.arrivals else (null, null)
+            self._push_arrivals = ((self.order, self.count_matrix, self.arrive.peer_table, self.sent) if cfg.arrivals
+                                   else (null, null, null, null))
             world.device.synchronize()
         self._team = {name: (_u32(world.rank), _u32(n), _u64(world.timeout_ns), _u64(world.error_record),
                              _u32(op_id(name))) for name in ("moe_dispatch", "moe_combine")}
@@ -280,27 +304,47 @@ class Dispatcher:
     def local_experts(self) -> int:
         return self.cfg.local_experts
 
+    @property
+    def arrival_flags(self) -> int:
+        """Device pointer of this rank's arrival flags ([E_local, world] u64; arrivals=True only)."""
+        if self.arrive is None:
+            raise MoEArgumentError("Dispatcher: no arrival flags (DispatcherOptions(arrivals=True) makes them)")
+        return self.arrive.data.ptr
+
+    @property
+    def round_ptr(self) -> int:
+        """Device pointer of the current dispatch's round (u64, written by its layout kernel): the value the
+        arrival flags of that dispatch reach."""
+        return self.epoch.data.ptr + self.epoch.itemsize
+
     def free(self) -> None:
         """Collective: release the symmetric buffers (the world's finalize does it otherwise)."""
         if self.world.active and not self._freed:
-            for a in (self.staging, self.recv_scales, self.recv_fp8, self.flags, self.count_matrix, self.recv):
+            for a in (self.arrive, self.staging, self.recv_scales, self.recv_fp8, self.flags, self.count_matrix,
+                      self.recv):
                 if a is not None:
                     self.world.free(a)
         self._freed = True
 
     # --- dispatch ---------------------------------------------------------------------------------
     @_nvtx("moe_dispatch")
-    def dispatch(self, x, topk_idx, topk_weights, *, stream=None):
+    def dispatch(self, x, topk_idx, topk_weights, *, stream=None, layout_event=None):
         """x [T, hidden] (T <= max_tokens_per_rank; T may differ across ranks), topk_idx [T, k] int32 or int64
         (expert ids; -1 masks a slot), topk_weights [T, k] float32. Returns (x_recv, handle): x_recv is the
         receive buffer [max rows, hidden], whose rows [0, handle.offsets[E_local]) are the tokens this rank's
         experts received, grouped by local expert (inside an expert by source rank, then token and slot).
-        With FP8 dispatch x_recv is (e4m3 rows, fp32 scales) in the same layout; combine then takes 16-bit y."""
+        With FP8 dispatch x_recv is (e4m3 rows, fp32 scales) in the same layout; combine then takes 16-bit y.
+        layout_event: a CuPy event recorded on `stream` between the layout kernel and the push (throughput
+        mode): work on another stream that waits for it may read the offsets (and, with arrival flags, each
+        expert's rows once its flags are up) while the push runs."""
         s = as_cupy_stream(stream)
         cfg = self.cfg
 
         def local_checks():
             self._check_live()
+            if layout_event is not None and cfg.mode != "throughput":
+                raise MoEArgumentError("dispatch: layout_event is for mode='throughput' (the low-latency dispatch "
+                                       "knows its layout only after its push)")
             if cfg.mode == "low_latency" and self._last is not None and not self._last.combined:
                 raise MoEArgumentError("dispatch: low-latency mode needs the previous dispatch combined first (its "
                                        "staging slots are reused without a handshake)")
@@ -337,8 +381,11 @@ class Dispatcher:
         self._fn[f"fluxrt_moe_layout_{ix}"](
             (1,), (LAYOUT_THREADS,),
             team + (self.epoch, idx) + common + (count_t, self.count_matrix, flag_t, self.flags, self.pos,
-                                                 self.chunk_base, self.dst_base, self.offsets, self.counts),
+                                                 self.chunk_base, self.dst_base, self.offsets, self.counts)
+            + self._layout_arrivals,
             stream=s)
+        if layout_event is not None:
+            layout_event.record(s)
         warps = self.options.threads // 32
         if cfg.fp8:
             kind = "bf16" if cfg.dtype == "bfloat16" else "fp16"
@@ -353,7 +400,7 @@ class Dispatcher:
         self._fn[f"fluxrt_moe_push_{ix}"](
             (grid,), (self.options.threads,),
             team + (self.epoch, idx) + common + rows + (self.pos, self.chunk_base, self.dst_base, flag_t, self.flags,
-                                                        self.done),
+                                                        self.done) + self._push_arrivals,
             stream=s)
         self._seq += 1
         out = (self.recv_fp8, self.recv_scales) if cfg.fp8 else self.recv

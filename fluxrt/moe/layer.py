@@ -1,5 +1,6 @@
-"""The MoE layer as a sequential pipeline on one stream: dispatch -> grouped GEMM (gate and up) ->
-SiLU-and-multiply -> grouped GEMM (down) -> combine.
+"""The MoE layer: dispatch -> grouped GEMM (gate and up) -> SiLU-and-multiply -> grouped GEMM (down) ->
+combine, sequential on one stream, or with the dispatch overlapped with the experts' first GEMM
+(``MoELayerOptions(overlap=True)``).
 
     layer = fluxrt.moe.MoELayer(world, num_experts=256, hidden=7168, ffn_hidden=2048, max_tokens_per_rank=4096,
                                 dtype="bf16", options=fluxrt.moe.MoELayerOptions(dispatch=DispatcherOptions(top_k=8)))
@@ -28,10 +29,20 @@ Every buffer is allocated at construction (h, act, the default output [max_token
 call that compiled the kernels, calls allocate nothing and can be captured in a CUDA graph (the dispatch's
 round counter and the groups' offsets live on the device; a replay routes afresh).
 
-This is the sequential baseline: no tile-granular overlap of the GEMMs with dispatch or combine (docs/moe.md).
+Overlap (``overlap=True``): the Dispatcher raises per-expert arrival flags (``DispatcherOptions.arrivals``: each
+source pushes its rows local expert by local expert and sets a flag per (expert, source) at the owner once its
+last row to that expert has landed). Right after the dispatch's layout kernel (the offsets exist) a second
+stream starts the gate/up grouped GEMM with ``fluxrt.gemm.GroupArrival``: its loader waits (bounded) for a
+group's flags before loading the group's rows, so an expert's tiles start while later experts' rows are still
+being pushed. The GEMM keeps ``blocks`` SMs free for the push (its grid is capped at SMs - push blocks: a
+persistent GEMM holding every SM would starve the push it waits for). SiLU and the down projection follow on
+that stream; combine waits for them on the caller's stream. The arrival waits compare with the round the
+layout kernel wrote on the device, so a captured graph replays correctly. Combine is not overlapped with the
+down projection (docs/moe.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -39,7 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..dtypes import normalize_dtype, short_name
-from ..errors import GemmArgumentError
+from ..errors import GemmArgumentError, op_id
 from ..nvtx import annotate as _nvtx
 from ..streams import as_cupy_stream
 from ..topology import require_one_domain
@@ -53,6 +64,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OP = "MoELayer"
+# push grid of an overlapped layer whose DispatcherOptions.blocks is 0 (the rest of the SMs run the gate/up GEMM)
+OVERLAP_PUSH_BLOCKS = 24
+OP_OVERLAP = "moe_layer"   # the op a timed-out arrival wait of the gate/up GEMM names (peer: the source rank)
+
+
+@dataclass
+class _OverlapState:
+    """What an overlapped forward launches beside the caller's stream."""
+
+    stream: object          # the experts' stream
+    plan: object            # the gate/up GEMM's plan, grid capped
+    arrival: object         # fluxrt.gemm.GroupArrival of the Dispatcher's flags
+    layout_done: object     # event: the dispatch's layout kernel ended (offsets and round written)
+    experts_done: object    # event: the down projection ended
+
+
+def overlap_dispatch_options(options: "MoELayerOptions") -> DispatcherOptions:
+    """The Dispatcher's options of a layer: with overlap, arrival flags on and the push grid
+    ``OVERLAP_PUSH_BLOCKS`` where ``blocks`` is 0."""
+    d = options.dispatch
+    if not options.overlap:
+        return d
+    return dataclasses.replace(d, arrivals=True, blocks=d.blocks or OVERLAP_PUSH_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -60,11 +94,16 @@ class MoELayerOptions:
     """dispatch: the Dispatcher's options (top_k sizes the receive buffer; mode 'throughput' or 'low_latency').
     FP8 dispatch is refused: the layer's grouped GEMM takes 16-bit rows.
     gate_up_plan, down_plan: grouped GEMM plans of the two projections (None: ``fluxrt.gemm.grouped_plan`` of
-    the buffer's shape)."""
+    the buffer's shape).
+    overlap: run the gate/up GEMM beside the dispatch's push, each expert's tiles once its rows have arrived
+    (throughput mode only; the Dispatcher then raises arrival flags). The push (and combine) grid is
+    ``dispatch.blocks``, 0 meaning ``OVERLAP_PUSH_BLOCKS``; the gate/up GEMM's grid is capped at the SMs left.
+    False: every stage after the other on one stream (the sequential baseline)."""
 
     dispatch: DispatcherOptions = field(default_factory=DispatcherOptions)
     gate_up_plan: GemmPlan | None = None
     down_plan: GemmPlan | None = None
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,7 +153,13 @@ def check_layer_config(world_size: int, num_experts: int, hidden: int, ffn_hidde
     if options.dispatch.fp8:
         raise MoEArgumentError(f"{OP}: FP8 dispatch (fp8={options.dispatch.fp8!r}) is not supported: the layer's "
                                "grouped GEMM takes bf16/fp16 rows; use DispatcherOptions(fp8='')")
-    cfg = check_config(world_size, num_experts, hidden, max_tokens_per_rank, dtype, options.dispatch)
+    if not isinstance(options.overlap, bool):
+        raise MoEArgumentError(f"{OP}: options.overlap must be a bool, got {options.overlap!r}")
+    if options.overlap and options.dispatch.mode != "throughput":
+        raise MoEArgumentError(f"{OP}: overlap=True needs DispatcherOptions(mode='throughput') (the low-latency "
+                               f"dispatch has no per-expert arrival flags), got mode={options.dispatch.mode!r}")
+    cfg = check_config(world_size, num_experts, hidden, max_tokens_per_rank, dtype,
+                       overlap_dispatch_options(options))
     if not isinstance(ffn_hidden, (int, np.integer)) or ffn_hidden <= 0 or ffn_hidden % 8:
         raise MoEArgumentError(f"{OP}: ffn_hidden={ffn_hidden!r} must be a positive multiple of 8 (16-byte rows for "
                                "the grouped GEMM's TMA)")
@@ -163,7 +208,7 @@ class MoELayer:
 
         self.cfg = cfg = _checked_on_every_rank(world, f"{OP}()", local_checks)
         self.dispatcher = Dispatcher(world, num_experts, hidden, max_tokens_per_rank, cfg.moe.dtype,
-                                     self.options.dispatch)
+                                     overlap_dispatch_options(self.options))
         d, el, f, h, r = self.dispatcher, cfg.local_experts, cfg.ffn, cfg.moe.hidden, cfg.moe.recv_rows
 
         def allocate():
@@ -197,6 +242,24 @@ class MoELayer:
         self._act_grid = silu_mul_grid(r, f, num_sms(world))
         # the activation's row bound: offsets[E_local], the received rows (read on the device)
         self._row_end = np.uint64(d.offsets.data.ptr + 4 * el)
+        self._overlap = None
+        if self.options.overlap:
+            from ..gemm.grouped import grouped_plan
+            from ..gemm.hooks import GroupArrival
+
+            plan = self.options.gate_up_plan or grouped_plan(r, 2 * f, h, el, in_dtype=cfg.moe.dtype,
+                                                             out_dtype=cfg.moe.dtype)
+            # the SMs the push needs stay free: a GEMM that waits for rows must not hold them all
+            cap = max(1, num_sms(world) - d.blocks)
+            if plan.max_ctas is None or plan.max_ctas > cap:
+                plan = dataclasses.replace(plan, max_ctas=cap)
+            arrival = GroupArrival(flags=d.arrival_flags, epoch_at=d.round_ptr, sources=world.size,
+                                   err=int(world.error_record), timeout_ns=int(world.timeout_ns),
+                                   op_id=op_id(OP_OVERLAP), rank=world.rank)
+            with world.device:
+                self._overlap = _OverlapState(cupy.cuda.Stream(non_blocking=True), plan, arrival,
+                                              cupy.cuda.Event(disable_timing=True),
+                                              cupy.cuda.Event(disable_timing=True))
         self._freed = False
         log.info("MoELayer on %d ranks: ffn %d, %d local experts, %d device bytes beside %d symmetric", world.size,
                  f, el, cfg.device_bytes(), cfg.symmetric_bytes())
@@ -242,16 +305,28 @@ class MoELayer:
 
     # --- the pipeline -----------------------------------------------------------------------------
     @_nvtx("moe_layer")
-    def forward(self, x, topk_idx, topk_weights, *, out=None, stream=None):
+    def forward(self, x, topk_idx, topk_weights, *, out=None, stream=None, overlap: bool | None = None):
         """out [T, H] = sum over slots j of topk_weights[t, j] * FFN_{topk_idx[t, j]}(x[t]), FFN_e(v) =
         W_down[e] (silu(W_gate[e] v) * (W_up[e] v)). x [T, H] (T <= max_tokens_per_rank, may differ across
         ranks); topk_idx [T, k] int32/int64 (-1 masks a slot), topk_weights [T, k] float32, k <= top_k.
         out: optional [T, H]; without it the result is a view of the layer's output buffer, overwritten by the
-        next call. Stream-ordered on `stream`, no host sync."""
+        next call. Stream-ordered on `stream`, no host sync. overlap: None follows ``options.overlap``; False runs
+        an overlapped layer's stages one after another (True needs a layer made with overlap)."""
         s = as_cupy_stream(stream)
-        o = self._check_forward(x, out, s)
-        handle = self.dispatch(x, topk_idx, topk_weights, stream=s)
-        self.experts(handle, stream=s)
+        if overlap is None:
+            overlap = self.options.overlap
+        o = self._check_forward(x, out, s, bool(overlap))
+        if not overlap:
+            handle = self.dispatch(x, topk_idx, topk_weights, stream=s)
+            self.experts(handle, stream=s)
+            return self.combine(handle, out=o, stream=s)
+        ov = self._overlap
+        self._check_live()
+        _, handle = self.dispatcher.dispatch(x, topk_idx, topk_weights, stream=s, layout_event=ov.layout_done)
+        ov.stream.wait_event(ov.layout_done)   # the offsets and the round exist; the rows arrive meanwhile
+        self._experts(ov.stream, arrival=ov.arrival, gate_up_plan=ov.plan)
+        ov.experts_done.record(ov.stream)
+        s.wait_event(ov.experts_done)
         return self.combine(handle, out=o, stream=s)
 
     __call__ = forward
@@ -266,15 +341,18 @@ class MoELayer:
     def experts(self, handle: DispatchHandle, *, stream=None) -> None:
         """The second stage: every local expert's FFN over its received rows, written over the receive buffer
         (grouped GEMM gate/up, SiLU-and-multiply, grouped GEMM down; local, not collective)."""
-        from ..gemm.grouped import grouped_gemm
-        from ..ops.mlp import SILU_MUL_THREADS
-
         s = as_cupy_stream(stream)
         self._check_live()
         self._check_handle(handle, "experts")
+        self._experts(s, arrival=None, gate_up_plan=self.options.gate_up_plan)
+
+    def _experts(self, s, *, arrival, gate_up_plan) -> None:
+        from ..gemm.grouped import grouped_gemm
+        from ..ops.mlp import SILU_MUL_THREADS
+
         d, opts = self.dispatcher, self.options
-        grouped_gemm(self._recv, self.w_gate_up, d.offsets, out=self.h, trans_b=True, stream=s,
-                     plan=opts.gate_up_plan)
+        grouped_gemm(self._recv, self.w_gate_up, d.offsets, out=self.h, trans_b=True, stream=s, plan=gate_up_plan,
+                     arrival=arrival)
         with self.world.device:
             self._silu((self._act_grid,), (SILU_MUL_THREADS,),
                        (np.uint64(self.h.data.ptr), np.uint64(self.act.data.ptr), np.uint64(self.cfg.moe.recv_rows),
@@ -290,13 +368,16 @@ class MoELayer:
         return self.dispatcher.combine(self._recv, handle, out=out, stream=stream)
 
     # --- checks -------------------------------------------------------------------------------------
-    def _check_forward(self, x, out, s):
+    def _check_forward(self, x, out, s, overlap: bool = False):
         """forward's own arguments (the output), agreed across ranks before the dispatch launches: a bad
         output must not leave a dispatch without its combine."""
         cfg = self.cfg.moe
 
         def local_checks():
             self._check_live()
+            if overlap and self._overlap is None:
+                raise MoEArgumentError(f"{OP}.forward: overlap=True needs a layer made with "
+                                       "MoELayerOptions(overlap=True) (its Dispatcher raises the arrival flags)")
             a = _intake(x, "x", "moe_layer", self.world, s)
             if a.ndim != 2 or a.shape[1] != cfg.hidden:
                 raise MoEArgumentError(f"moe_layer: x must be [T, {cfg.hidden}], got shape {tuple(a.shape)}")
@@ -330,7 +411,7 @@ class MoELayer:
         """Collective: release the Dispatcher's symmetric buffers and the layer's own."""
         if not self._freed:
             self.dispatcher.free()
-            self.w_gate_up = self.w_down = self.h = self.act = self.out = self._recv = None
+            self.w_gate_up = self.w_down = self.h = self.act = self.out = self._recv = self._overlap = None
         self._freed = True
 
     def __repr__(self) -> str:

@@ -24,14 +24,18 @@ as an expert that writes its output over its input leaves it; no staging copy):
 GEMM down -> combine, one stream), expert FFN size ``--ffn`` (default the model's: DeepSeek-V3 2048, Mixtral
 14336), bf16, random weights; per case, calls timed in turns (fluxrt.perf.tp_ops.Timer):
 
-    layer_us          MoELayer.forward, eager
+    layer_us          MoELayer.forward, eager (the sequential layer: every stage after the other on one stream)
     graph_us          the same call captured in a CUDA graph, one replay
+    overlap_us, overlap_graph_us   the overlapped layer (MoELayerOptions(overlap=True): the gate/up GEMM beside
+                      the dispatch's push, each expert's tiles once its rows arrived), eager and replayed
+                      (throughput mode only; its push and combine use --blocks or OVERLAP_PUSH_BLOCKS SMs)
+    overlap_speedup   layer_us / overlap_us; overlap_bitwise: with -c 1, both layers gave the same bits
     dispatch_us, experts_us, combine_us   the eager call's stages (events between them, separate iterations)
     baseline_us       NCCL all-to-all-v of the rows sorted by expert -> a gather into expert order -> per
                       local expert cuBLAS gate/up -> SiLU * up (the same kernel) -> per expert cuBLAS down ->
                       the gather back -> the reverse all-to-all-v -> the weighted sum per token (the
                       Dispatcher's combine kernel over the local rows); the host knows the layout (not timed)
-    speedup           baseline_us / layer_us
+    speedup           baseline_us / layer_us; overlap_vs_baseline: baseline_us / overlap_us
     experts_tflops    the experts' GEMM flops (6 F H per received row) / experts_us
 """
 from __future__ import annotations
@@ -415,25 +419,51 @@ def measure_layer(world: World, model: str, tokens: int, routing: str, args, tim
     opts = moe.MoELayerOptions(dispatch=moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads,
                                                               mode=args.mode))
     layer = moe.MoELayer(world, experts, hidden, ffn, tokens, "bf16", opts)
+    over = None
+    if args.mode == "throughput":
+        try:
+            over = moe.MoELayer(world, experts, hidden, ffn, tokens, "bf16",
+                                moe.MoELayerOptions(dispatch=opts.dispatch, overlap=True))
+        except BaseException:
+            layer.free()
+            raise
     base = None
     try:
         with s:
             x = cupy.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32).astype(_bf16()))
             di, dw = cupy.asarray(idx), cupy.asarray(w)
             y = cupy.empty((tokens, hidden), dtype=x.dtype)
+            y_over = cupy.empty((tokens, hidden), dtype=x.dtype)
         _random_weights(layer, 1000 + world.rank, s)
 
         def eager():
             layer.forward(x, di, dw, out=y, stream=s)
 
-        eager()   # compiles and loads every kernel outside the capture
-        s.synchronize()
-        with s:
-            s.begin_capture()
-            eager()
-            graph = s.end_capture()
-        calls = {"layer": eager, "graph": lambda: graph.launch(s)}
-        check = None
+        def eager_over():
+            over.forward(x, di, dw, out=y_over, stream=s)
+
+        calls = {}
+        for name, fn in (("layer", eager), ("overlap", eager_over if over is not None else None)):
+            if fn is None:
+                continue
+            fn()   # compiles and loads every kernel outside the capture
+            s.synchronize()
+            with s:
+                s.begin_capture()
+                fn()
+                graph = s.end_capture()
+            calls[name] = fn
+            calls["graph" if name == "layer" else "overlap_graph"] = (lambda g: lambda: g.launch(s))(graph)
+        check = bitwise = None
+        if over is not None:
+            over.set_weights(w_gate_up=layer.w_gate_up, w_down=layer.w_down, stream=s)
+            if args.check:
+                eager()
+                eager_over()
+                s.synchronize()
+                world.check_errors()
+                same = bool(cupy.array_equal(y.view(np.uint16), y_over.view(np.uint16)))
+                bitwise = bool(world.comm.allreduce(same, op=MPI.LAND))
         if nccl is not None:
             base = _LayerBaseline(world, layer, nccl, di, dw, x, idxs, s)
             calls["baseline"] = base.run
@@ -452,19 +482,27 @@ def measure_layer(world: World, model: str, tokens: int, routing: str, args, tim
         stages = _stage_times(world, layer, x, di, dw, y, s, args)
         n_recv = int(layer.dispatcher.offsets[-1].get())
     finally:
+        if over is not None:
+            over.free()
         layer.free()
     red = lambda v: reduce_over_ranks(world.comm.allgather(v), 1)   # noqa: E731
     row = {"model": model, "mode": args.mode, "hidden": hidden, "ffn": ffn, "experts": experts, "top_k": k,
            "tokens": tokens, "routing": routing, "world": world.size, "recv_rows": n_recv,
            "recv_bytes": lay["recv_bytes"], "moved_bytes": lay["moved_bytes"],
            "layer_us": t["layer"] * 1e3, "graph_us": t["graph"] * 1e3, "baseline_us": None, "speedup": None,
-           "check_rel_err": check}
+           "check_rel_err": check, "overlap_us": None, "overlap_graph_us": None, "overlap_speedup": None,
+           "overlap_vs_baseline": None, "overlap_bitwise": bitwise}
+    if "overlap" in t:
+        row.update(overlap_us=t["overlap"] * 1e3, overlap_graph_us=t["overlap_graph"] * 1e3,
+                   overlap_speedup=t["layer"] / t["overlap"])
     row.update({f"{name}_us": v for name, v in stages.items()})
     row["experts_tflops"] = red(6.0 * n_recv * ffn * hidden / (stages["experts"] * 1e-6) / 1e12) \
         if stages["experts"] > 0 else None
     if "baseline" in t:
         row["baseline_us"] = t["baseline"] * 1e3
         row["speedup"] = t["baseline"] / t["layer"]
+        if "overlap" in t:
+            row["overlap_vs_baseline"] = t["baseline"] / t["overlap"]
     return row
 
 
@@ -499,8 +537,8 @@ def _stage_times(world: World, layer, x, di, dw, y, s, args) -> dict:
 COLUMNS = {
     "moe_dispatch": ("dispatch_us", "dispatch_gbps", "moved_gbps", "nccl_dispatch_us", "nccl_dispatch_gbps"),
     "moe_combine": ("combine_us", "combine_gbps", "nccl_combine_us", "nccl_combine_gbps"),
-    "moe_layer": ("layer_us", "graph_us", "dispatch_us", "experts_us", "combine_us", "baseline_us", "speedup",
-                  "experts_tflops"),
+    "moe_layer": ("layer_us", "graph_us", "overlap_us", "overlap_speedup", "dispatch_us", "experts_us", "combine_us",
+                  "baseline_us", "speedup", "experts_tflops"),
 }
 
 
@@ -522,10 +560,10 @@ def plot_rows(path: str, bench: str, rows: list[dict], title: str) -> None:
     labels = [f"{r['model']}\n{r['tokens']} {r['routing']}" for r in rows]
     pos = np.arange(len(rows))
     if bench == "moe_layer":
-        series = (("fluxrt MoELayer", "layer_us"), ("graph replay", "graph_us"),
-                  ("NCCL a2a-v + cuBLAS per expert", "baseline_us"))
+        series = (("fluxrt MoELayer, sequential", "layer_us"), ("graph replay", "graph_us"),
+                  ("fluxrt MoELayer, overlapped", "overlap_us"), ("NCCL a2a-v + cuBLAS per expert", "baseline_us"))
         for i, (label, key) in enumerate(series):
-            ax.bar(pos + (i - 1) * 0.27, [r.get(key) or 0.0 for r in rows], 0.27, label=label)
+            ax.bar(pos + (i - 1.5) * 0.2, [r.get(key) or 0.0 for r in rows], 0.2, label=label)
         ax.set_xticks(pos, labels, fontsize="small")
         ax.set(ylabel="us per layer (lower is better)", title=title)
         ax.legend()
@@ -557,9 +595,11 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
 
     # the largest case's receive buffer (it scales with the ranks: rows = tokens * world * top_k)
     size_probe = max(moe.check_config(1, MODELS[m][1], MODELS[m][0], t, "bf16",
-                                      moe.DispatcherOptions(top_k=MODELS[m][2], fp8=args.fp8,
-                                                            mode=args.mode)).symmetric_bytes()
+                                      moe.DispatcherOptions(top_k=MODELS[m][2], fp8=args.fp8, mode=args.mode,
+                                                            arrivals=bench == "moe_layer")).symmetric_bytes()
                      for m, t, _ in cases)
+    if bench == "moe_layer":   # the sequential and the overlapped layer side by side
+        size_probe *= 2
     world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
     from mpi4py import MPI
 

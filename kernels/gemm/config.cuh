@@ -171,9 +171,11 @@ static_assert(!kSplitK || (kBandsC && !kBandsA && FLUXRT_GEMM_OUT == 2 && kClust
 
 constexpr bool kGrouped = FLUXRT_GEMM_GROUPED != 0;
 constexpr int kMaxGroups = 256;
-static_assert(!kGrouped || (!kHookWait && !kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC &&
-                            !kSplitK && !kEpiDirect),
-              "grouped GEMM: plain loads, no cluster, C staged for the storer's row-masked boundary stores");
+static_assert(!kGrouped || (!kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC && !kSplitK &&
+                            !kEpiDirect),
+              "grouped GEMM: plain loads (hook 1: per-group arrival waits), no cluster, C staged for the storer's "
+              "row-masked boundary stores");
+static_assert(!kGrouped || !kFp8 || !kHookWait, "grouped GEMM: per-group arrival waits with 16-bit inputs only");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread

@@ -6,7 +6,8 @@
 //
 // One CTA = 1 producer warpgroup + FLUXRT_GEMM_CONSUMERS consumer warpgroups, persistent over tiles:
 //
-//   producer WG, warp 0, lane 0  "loader":  [hook 1: wait for A's chunk flag]  TMA A,B -> smem ring
+//   producer WG, warp 0, lane 0  "loader":  [hook 1: wait for A's chunk (grouped: group) flag]  TMA A,B
+//                                           -> smem ring
 //   producer WG, warp 2, lane 0  "copier":  [hook 4 only] copies A's own rows from their source into A,
 //                                           16 KiB at a time through its own smem buffer (not the ring)
 //   producer WG, warp 1, lane 0  "storer":  C staging smem -> global by TMA store: into C, or with hook 2
@@ -71,7 +72,8 @@ __device__ __forceinline__ PlainMainloop make_mainloop(const Params& p, RowChunk
 template <class ASource>
 __device__ __forceinline__ ArrivalWaitMainloop<ASource> make_mainloop(const Params& p, RowChunks chunks,
                                                                       ArrivalWaitMainloop<ASource>*) {
-    return ArrivalWaitMainloop<ASource>{make_a_source(p, (ASource*)nullptr), p.wait, p.timeout, chunks, -1};
+    return ArrivalWaitMainloop<ASource>{make_a_source(p, (ASource*)nullptr), p.wait, p.timeout, chunks, -1,
+                                        p.group.arrival_epoch, p.group.arrival_sources};
 }
 
 __device__ __forceinline__ DirectEpilogue make_epilogue(const Params& p, RowChunks, DirectEpilogue*) {

@@ -53,7 +53,7 @@ struct OwnShardOfA {
 
 struct PlainMainloop {
     AllOfA a;
-    __device__ __forceinline__ void before_tile(int) {}
+    __device__ __forceinline__ void before_tile(int, int) {}
 };
 
 // Hook 1: rows [m0, m0 + kBM) of A come from chunk m0 / chunk_rows, written by a peer (or a copy engine).
@@ -63,12 +63,27 @@ struct ArrivalWaitMainloop {
     WaitArgs wait;
     TimeoutArgs timeout;
     RowChunks chunks;
-    int waited_chunk;   // the last chunk waited for (tiles of one chunk follow each other)
+    int waited_chunk;   // the last chunk (grouped: group) waited for (tiles of one chunk follow each other)
+    const u64* arrival_epoch;   // grouped: GroupArgs::arrival_epoch, arrival_sources
+    u32 arrival_sources;
 
     // 1. ld.acquire.sys of the chunk's flag, bounded: on timeout the error record is filled and the tile
     //    is computed on whatever is there, so the CTA never hangs.
     // 2. fence.proxy.async: the TMA (async proxy) reads that follow observe the data the flag guards.
-    __device__ __forceinline__ void before_tile(int m0) {
+    // Grouped: the tile's group instead of its chunk, one flag per source, the epoch read on the device.
+    __device__ __forceinline__ void before_tile(int m0, int group) {
+        if constexpr (kGrouped) {
+            if (group != waited_chunk) {
+                const u64 target = *reinterpret_cast<const volatile u64*>(arrival_epoch);
+                const u64* flags = wait.flags + (u64)group * arrival_sources;
+                for (u32 s = 0; s < arrival_sources; ++s)
+                    fluxrt::wait_ge(flags + s, target, timeout.timeout_ns, timeout.err, wait.op_id, timeout.rank,
+                                    (u64)s);                                                  // 1
+                fluxrt::fence_proxy_async();                                                  // 2
+                waited_chunk = group;
+            }
+            return;
+        }
         const int chunk = m0 / chunks.rows;
         if (chunk != waited_chunk && !a.own(m0)) {   // hook 4's own rows are local
             fluxrt::wait_ge(wait.flags + chunk, wait.epoch, timeout.timeout_ns, timeout.err, wait.op_id,
@@ -93,7 +108,7 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
         sched.tile(t, m_tile, n_tile);
         const GroupTile rows = sched.rows(m_tile);   // grouped: B's group and A's first row
         const int m0 = rows.row0, n0 = n_tile * kBN;
-        mainloop.before_tile(m0);
+        mainloop.before_tile(m0, rows.group);
         const ARows a = mainloop.a.rows(m0);
         // banded A: the tile's rows are rows [a.row % band_rows, + kBM) of band a.row / band_rows
         const int a_band = (kBandsA || kSplitK) ? a.row / chunks.band_rows() : 0;

@@ -95,10 +95,17 @@ struct ScaleArgs {
 // offsets are read by the kernel only (no host sync: a call can be captured in a CUDA graph); each is
 // clamped to [0, M] and a group with offsets[g + 1] <= offsets[g] is empty, so no offsets can make the
 // kernel touch memory outside A, B and C.
+//
+// With hook 1 (per-group arrival wait, the MoE layer's dispatch -> gate/up overlap): before the first load of
+// group g's A rows, the loader waits until WaitArgs.flags[g * arrival_sources + s] >= *arrival_epoch for every
+// source s < arrival_sources (peer s in a timeout report). The epoch is read on the device, from the memory
+// the producer's earlier launch wrote it to, so a CUDA graph replay waits for the replayed round.
 struct GroupArgs {
     const void* offsets;        // G + 1 prefix sums of the groups' rows, int32 or int64
     int groups;                 // G, 1 .. kMaxGroups
     int offsets_64;             // 1: offsets are int64
+    const u64* arrival_epoch;   // hook 1: the value the arrival flags must reach (device memory)
+    u32 arrival_sources;        // hook 1: arrival flags per group (one per source)
 };
 
 struct Params {

@@ -28,6 +28,13 @@
 // Receive layout of owner r: rows grouped by local expert, inside an expert by source rank, inside a source
 // by entry order (token, slot). A token routed to two experts of one rank is sent twice (once per row).
 //
+// Arrival flags (MoELayer's overlap; `order` and `arrive_peers` non-null): the layout also sorts this rank's
+// entries into push order, local expert index first (every owner's expert 0, then every owner's expert 1, ...),
+// inside it owners from rank + 1 on; the push goes in that order and, when this rank's last row to expert x
+// has landed, sets word [x % E_local][rank] of the owner's arrival array to the round (an expert this rank
+// sends nothing gets it at once). An owner's grouped GEMM waits for every source's word of a group before
+// loading its rows, so an expert's tiles start while later experts' rows are still on their way.
+//
 // Buffer reuse across calls: a source writes an owner's buffer (push) only after every rank's count row of
 // the same round arrived, and a rank sends its row only after its previous combine (which read the peers'
 // buffers) completed in stream order; an owner overwrites its buffer with y (stage) only after every source's
@@ -118,10 +125,35 @@ __device__ void rows_from_counts(const Team& t, const int* counts_all, u32 E, u3
     }
 }
 
+// Push order (arrival flags): entry i goes j-th, j = (rows of experts before its expert in push order) +
+// (its rank among this rank's rows to that expert); entries past the valid ones are -1. before: shared scratch.
+template <class Idx>
+__device__ void push_order(const Team& t, const Idx* idx, u32 n, u32 per, u32 E, u32 local_experts,
+                           const int* total, int* before, const int* pos, const int* chunk_base, int* order) {
+    auto key = [&](u32 x) {
+        return (x % local_experts) * t.world + (x / local_experts + t.world - t.rank - 1) % t.world;
+    };
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) {
+        const u32 kx = key(x);
+        int b = 0;
+        for (u32 y = 0; y < E; ++y) b += key(y) < kx ? total[y] : 0;
+        before[x] = b;
+    }
+    __syncthreads();
+    int valid = 0;
+    for (u32 y = 0; y < E; ++y) valid += total[y];
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        const int x = expert_of(idx, i, E);
+        if (x >= 0) order[before[x] + chunk_base[(i / per) * E + x] + pos[i]] = (int)i;
+        if (i >= (u32)valid) order[i] = -1;
+    }
+}
+
 template <class Idx>
 __device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
                        u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,
-                       const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts) {
+                       const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts,
+                       int* order, u32* sent) {
     __shared__ int cnt[kChunks][kMaxExperts];
     __shared__ int total[kMaxExperts];
     __shared__ int before[kMaxExperts];
@@ -166,17 +198,32 @@ __device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u3
         const u32 q = i / E, x = i % E;
         reinterpret_cast<int*>(count_peers[q])[t.rank * E + x] = total[x];
     }
-    if (!exchange_flags(t, flag_peers, flags, kNotify, e)) return;
+    // exchange_flags, with the push order computed while the peers' counts are on their way
+    signal_peers(t.world, every_peer,
+                 [&](u32 q) { return reinterpret_cast<u64*>(flag_peers[q]) + kNotify * t.world + t.rank; }, e);
+    if (order != nullptr) {
+        for (u32 x = threadIdx.x; x < E; x += blockDim.x) sent[x] = 0u;   // the push's per-expert row counters
+        push_order(t, idx, n, per, E, local_experts, total, before, pos, chunk_base, order);
+    }
+    if (!wait_peers(t.watch(), t.world, every_peer, [&](u32 p) { return flags + kNotify * t.world + p; }, e)) return;
     rows_from_counts(t, counts_all, E, local_experts, total, before, dst_base, offsets, counts);
 }
 
 // x rows of row_bytes (a multiple of 16) each; recv_peers[r]: rank r's receive buffer mapped here.
+// With arrival flags: entries in push order (order[j]), and arrive_peers[r] = rank r's arrival array
+// ([E_local][world] u64), counts_all this rank's count matrix (row `rank`: its rows per expert), sent[E] the
+// per-expert counters of rows landed (0 before the launch, left 0).
 template <class Idx>
 __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
                      u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,
                      const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,
-                     const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {
+                     const int* dst_base, const u64* flag_peers, const u64* flags, u32* done, const int* order,
+                     const int* counts_all, const u64* arrive_peers, u32* sent) {
     const u64 e = epoch[1];
+    const int* mine = counts_all + (u64)t.rank * num_experts;   // this rank's rows per expert
+    auto arrival = [&](u32 xe) {
+        return reinterpret_cast<u64*>(arrive_peers[xe / local_experts]) + (xe % local_experts) * t.world + t.rank;
+    };
     const u32 lane = threadIdx.x & 31u;
     // after a timed-out layout (the record is set) the rows are stale: push nothing, only end the round. One
     // read per block: the record is host memory, and a read per thread (64K of them over PCIe) cost ~2 ms.
@@ -185,7 +232,14 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
     __syncthreads();
     const u32 n = failed ? 0u : tokens * k, per = chunk_entries(n);
     const u32 warps = gridDim.x * (blockDim.x >> 5);
-    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < n; i += warps) {
+    if (arrive_peers != nullptr && !failed && blockIdx.x == 0) {   // experts this rank sends nothing: arrived
+        for (u32 xe = threadIdx.x; xe < num_experts; xe += blockDim.x)
+            if (mine[xe] == 0) st_release_sys(arrival(xe), e);   // guards no data of this round
+    }
+    for (u32 j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); j < n; j += warps) {
+        const int oi = order != nullptr ? order[j] : (int)j;
+        if (oi < 0) continue;   // past the valid entries of the push order
+        const u32 i = (u32)oi;
         const int xe = expert_of(idx, i, num_experts);
         if (xe < 0) continue;
         const int row = dst_base[xe] + chunk_base[(i / per) * num_experts + xe] + pos[i];
@@ -196,6 +250,10 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
         if (scale_row) {  // FP8 rows: their scales go to the same row of the owner's scale buffer
             float* ds = reinterpret_cast<float*>(scale_peers[xe / local_experts]) + (u64)row * scale_row;
             for (u32 q = lane; q < scale_row; q += 32u) ds[q] = scales[(u64)(i / k) * scale_row + q];
+        }
+        if (arrive_peers != nullptr) {
+            warp_publish();
+            if (lane == 0) arrive_counted(sent + xe, (u32)mine[xe], arrival((u32)xe), e);   // the expert's last row
         }
         __syncwarp();
         if (lane == 0) pos[i] = row;  // the handle of combine: where entry i's row lies at its owner
@@ -395,17 +453,20 @@ using namespace fluxrt::moe;
     extern "C" __global__ void fluxrt_moe_layout_##NAME(                                                     \
         FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
         u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,             \
-        const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts) {             \
+        const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts, int* order,   \
+        u32* sent) {                                                                                         \
         layout(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, count_peers, counts_all,  \
-               flag_peers, flags, pos, chunk_base, dst_base, offsets, counts);                               \
+               flag_peers, flags, pos, chunk_base, dst_base, offsets, counts, order, sent);                  \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_push_##NAME(                                                       \
         FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,        \
         u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,               \
         const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,         \
-        const int* dst_base, const u64* flag_peers, const u64* flags, u32* done) {                           \
+        const int* dst_base, const u64* flag_peers, const u64* flags, u32* done, const int* order,           \
+        const int* counts_all, const u64* arrive_peers, u32* sent) {                                         \
         push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_rows,     \
-             recv_peers, scales, scale_row, scale_peers, pos, chunk_base, dst_base, flag_peers, flags, done); \
+             recv_peers, scales, scale_row, scale_peers, pos, chunk_base, dst_base, flag_peers, flags, done,  \
+             order, counts_all, arrive_peers, sent);                                                         \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_ll_push_##NAME(                                                    \
         FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \

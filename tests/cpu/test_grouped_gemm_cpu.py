@@ -2,6 +2,8 @@
 grouped kernel compiled for sm_90a (its layout constants against the planner's)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -106,6 +108,24 @@ def test_group_table_covers_every_row_once(seed):
         assert 0 <= r0 < end <= m
 
 
+def test_group_arrival_is_checked_before_any_cuda_call():
+    from fluxrt.gemm import GroupArrival
+    from fluxrt.gemm.grouped import check_group_arrival
+
+    good = GroupArrival(flags=4096, epoch_at=8192, sources=2, err=1 << 20)
+    check_group_arrival(good, 4)
+    check_group_arrival(None, 4)
+    for bad, match in ((dict(flags=0), "arrival.flags"), (dict(epoch_at=4099), "arrival.epoch_at"),
+                       (dict(sources=0), "arrival.sources"), (dict(timeout_ns=0), "timeout_ns")):
+        with pytest.raises(GemmArgumentError, match=match):
+            check_group_arrival(dataclasses.replace(good, **bad), 4)
+    with pytest.raises(GemmArgumentError, match="must be a fluxrt.gemm.GroupArrival"):
+        check_group_arrival(object(), 4)
+    plan = grouped_plan(8192, 2048, 7168, 64)
+    assert dict(kernel_defines(plan, "bfloat16", "bfloat16", True, hook_wait=True,
+                               grouped=True))["FLUXRT_GEMM_HOOK_WAIT"] == "1"
+
+
 def test_kernel_defines_grouped_only_when_on():
     plan = grouped_plan(8192, 2048, 7168, 64)
     assert dict(kernel_defines(plan, "bfloat16", "bfloat16", True, grouped=True))["FLUXRT_GEMM_GROUPED"] == "1"
@@ -122,8 +142,14 @@ GROUPED_CONFIGS = [
 ]
 
 
+GROUPED_CONFIGS += [   # hook 1 per group (GroupArrival: the MoE layer's overlapped gate/up GEMM)
+    (grouped_plan(8192, 4096, 7168, 64), "bfloat16", "bfloat16", True, True),
+    (GemmPlan(block_n=128, stages=4, max_ctas=100), "float16", "float16", True, True),
+]
+
+
 @pytest.mark.parametrize("cfg", GROUPED_CONFIGS, ids=lambda c: f"{c[0].describe()}-{c[1]}-{c[2]}-tb{int(c[3])}"
-                                                                 .replace(" ", "_"))
+                         f"{'-arrival' if len(c) > 4 else ''}".replace(" ", "_"))
 def test_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:
@@ -132,9 +158,9 @@ def test_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     from fluxrt.toolchain import compile_cubin
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
-    plan, in_dt, out_dt, tb = cfg
-    data = compile_cubin("gemm/hopper_gemm.cu", compile_options(kernel_defines(plan, in_dt, out_dt, tb, grouped=True),
-                                                                arch="sm_90a")).read_bytes()
+    plan, in_dt, out_dt, tb = cfg[:4]
+    defines = kernel_defines(plan, in_dt, out_dt, tb, hook_wait=len(cfg) > 4, grouped=True)
+    data = compile_cubin("gemm/hopper_gemm.cu", compile_options(defines, arch="sm_90a")).read_bytes()
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, grouped=True)
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
     assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize

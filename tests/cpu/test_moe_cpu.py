@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (dict(options=moe.DispatcherOptions(fp8="e5m2")), "fp8="),
     (dict(options=moe.DispatcherOptions(mode="fast")), "mode="),
     (dict(options=moe.DispatcherOptions(mode="low_latency", fp8="token")), "throughput' only"),
+    (dict(options=moe.DispatcherOptions(mode="low_latency", arrivals=True)), "arrivals=True"),
+    (dict(options=moe.DispatcherOptions(arrivals=1)), "arrivals must be a bool"),
     (dict(hidden=4104, options=moe.DispatcherOptions(fp8="block")), "multiple of 128"),
     (dict(hidden=4104, options=moe.DispatcherOptions(fp8="token")), "multiple of 16"),
 ])
@@ -70,6 +72,12 @@ def test_constructor_checks_before_any_allocation():
                             check_active=lambda: None, heap=SimpleNamespace(capacity=1 << 30, used=0))
     with pytest.raises(moe.MoEArgumentError, match="multiple of the 2 ranks"):
         moe.Dispatcher(world, num_experts=3, hidden=64, max_tokens_per_rank=8)
+
+
+def test_arrival_flags_are_counted():
+    plain = moe.check_config(4, 256, 7168, 4096, "bf16")
+    cfg = moe.check_config(4, 256, 7168, 4096, "bf16", moe.DispatcherOptions(arrivals=True))
+    assert cfg.arrivals and cfg.symmetric_bytes() == plain.symmetric_bytes() + 64 * 4 * 8   # [E_local, world] u64
 
 
 def test_kernel_constants_match_the_host():
@@ -154,6 +162,52 @@ def test_layout_model_groups_rows_by_expert_then_source_then_entry(world, num_ex
             assert base + p == placed == rows[s][i]
 
 
+def _model_push_order(idx, rank, world, num_experts):
+    """fluxrt_moe_layout's push order (arrival flags): entries sorted by (local expert, owner counted from
+    rank + 1), inside an expert in entry order; -1 past the valid entries."""
+    el = num_experts // world
+    flat = idx.reshape(-1)
+    key = lambda x: (x % el) * world + (x // el + world - rank - 1) % world   # noqa: E731
+    valid = [i for i, x in enumerate(flat) if 0 <= x < num_experts]
+    return sorted(valid, key=lambda i: (key(int(flat[i])), i)) + [-1] * (flat.size - len(valid))
+
+
+@pytest.mark.parametrize("world, num_experts, k", [(2, 8, 2), (4, 16, 4), (3, 12, 8)])
+def test_push_order_goes_expert_by_expert_and_covers_every_entry_once(world, num_experts, k):
+    """The push order of the arrival-flag dispatch, as the layout kernel computes it (rows of experts before
+    in push order + the entry's chunk base + its position), against the sort it stands for: every valid entry
+    once, every owner's local expert 0 first, then 1, ..., so that experts complete one after another."""
+    rng = np.random.default_rng(world * 10 + k)
+    el = num_experts // world
+    for rank in range(world):
+        t = int(rng.integers(0, 200))
+        idx = np.stack([rng.choice(num_experts, size=k, replace=False) for _ in range(t)]).reshape(t, k)
+        idx = np.where(rng.random((t, k)) < 0.15, -1, idx)
+        flat = idx.reshape(-1)
+        n = flat.size
+        per = -(-n // dmod.CHUNKS) if n else 1
+        cnt = np.zeros((dmod.CHUNKS, num_experts), np.int64)
+        pos = np.full(n, -1, np.int64)
+        for i, x in enumerate(flat):
+            if x >= 0:
+                pos[i] = cnt[i // per, x]
+                cnt[i // per, x] += 1
+        chunk_base = np.cumsum(cnt, axis=0) - cnt
+        total = cnt.sum(axis=0)
+        key = [(x % el) * world + (x // el + world - rank - 1) % world for x in range(num_experts)]
+        before = [sum(int(total[y]) for y in range(num_experts) if key[y] < key[x]) for x in range(num_experts)]
+        order = np.full(n, -2, np.int64)
+        valid = int(total.sum())
+        for i, x in enumerate(flat):
+            if x >= 0:
+                order[before[x] + chunk_base[i // per, x] + pos[i]] = i
+            if i >= valid:
+                order[i] = -1
+        assert order.tolist() == _model_push_order(idx, rank, world, num_experts)
+        local = [int(flat[i]) % el for i in order[:valid]]
+        assert local == sorted(local)   # local expert 0 of every owner first
+
+
 # --- fluxrt-perf moe_dispatch / moe_combine without a GPU -------------------------------------------------
 def test_perf_routers_pick_distinct_experts_and_zipf_is_skewed():
     from fluxrt.perf import moe as pm
@@ -200,6 +254,9 @@ def test_perf_subcommands_are_listed():
     (dict(num_experts=6), "multiple of the 4 ranks"),
     (dict(dtype="float32"), "bf16 or fp16"),
     (dict(options=moe.MoELayerOptions(gate_up_plan="fast")), "gate_up_plan must be a fluxrt.gemm.GemmPlan"),
+    (dict(options=moe.MoELayerOptions(overlap=1)), "overlap must be a bool"),
+    (dict(options=moe.MoELayerOptions(overlap=True, dispatch=moe.DispatcherOptions(mode="low_latency"))),
+     "overlap=True needs DispatcherOptions"),
 ])
 def test_layer_bad_configurations_are_named(kwargs, match):
     args = dict(world_size=4, num_experts=8, hidden=4096, ffn_hidden=1024, max_tokens_per_rank=128,
@@ -231,6 +288,21 @@ def test_layer_buffers_hold_the_worst_case():
     # the GEMMs' output y lives in the Dispatcher's receive buffer: no symmetric bytes beyond the Dispatcher's
     assert cfg.symmetric_bytes() == moe.check_config(4, 256, 7168, 4096, "bf16", opts.dispatch).symmetric_bytes()
     assert cfg.expert_flops(10) == 6 * 10 * 2048 * 7168
+
+
+def test_overlapped_layer_dispatches_with_arrival_flags():
+    from fluxrt.moe import layer as lmod
+
+    opts = moe.MoELayerOptions(overlap=True)
+    d = lmod.overlap_dispatch_options(opts)
+    assert d.arrivals and d.blocks == lmod.OVERLAP_PUSH_BLOCKS
+    assert lmod.overlap_dispatch_options(moe.MoELayerOptions(overlap=True, dispatch=moe.DispatcherOptions(
+        blocks=16))).blocks == 16
+    assert lmod.overlap_dispatch_options(moe.MoELayerOptions()) == moe.DispatcherOptions()
+    seq = moe.check_layer_config(4, 256, 7168, 2048, 4096, "bf16")
+    ov = moe.check_layer_config(4, 256, 7168, 2048, 4096, "bf16", opts)
+    assert ov.symmetric_bytes() == seq.symmetric_bytes() + 64 * 4 * 8   # the arrival flags
+    assert ov.device_bytes() == seq.device_bytes()
 
 
 def test_layer_constructor_checks_before_any_allocation():
@@ -282,9 +354,12 @@ def test_layer_forward_checks_its_arguments_before_the_dispatch(monkeypatch):
     world = SimpleNamespace(size=1, rank=0, options=SimpleNamespace(check_collective_args=False),
                             check_active=lambda: None, check_errors=lambda: None, device_id=0)
     layer.world, layer.cfg, layer._freed = world, cfg, False
+    layer.options, layer._overlap = moe.MoELayerOptions(), None
     layer.dispatch = lambda *a, **k: calls.append("dispatch")
     with pytest.raises(moe.MoEArgumentError, match="moe_layer on rank 0: x is a host numpy array"):
         layer.forward(np.zeros((4, 64), np.float32), None, None)
+    with pytest.raises(moe.MoEArgumentError, match="overlap=True needs a layer made with"):
+        layer.forward(np.zeros((4, 64), np.float32), None, None, overlap=True)
     assert calls == []
 
 

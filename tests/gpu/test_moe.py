@@ -154,6 +154,10 @@ def _round(world, d, rng, tokens, k, *, masked=0.0, route=None, idx_dtype=np.int
     elif not np.array_equal(recv[:n].get().view(np.uint16), exp_rows.view(np.uint16)):
         bad = np.nonzero((recv[:n].get().view(np.uint16) != exp_rows.view(np.uint16)).any(axis=1))[0]
         problems.append(f"{what} rank {world.rank}: {bad.size} received rows differ (first {bad[:8].tolist()})")
+    if d.cfg.arrivals:   # every (local expert, source) word is up at this round, empty experts included
+        flags, round_ = d.arrive.get(), int(d.epoch[1].get())
+        if not (flags == round_).all():
+            problems.append(f"{what} rank {world.rank}: arrival flags {flags.tolist()}, round {round_}")
     _experts(recv, h.offsets, _local_scales(e, world))
     out = cupy.empty((tokens, HIDDEN), dtype=_bf16())
     _poison(out)
@@ -166,12 +170,13 @@ def _round(world, d, rng, tokens, k, *, masked=0.0, route=None, idx_dtype=np.int
     return x, idx, w, got
 
 
-@pytest.fixture(scope="module", params=["throughput", "low_latency"])
+@pytest.fixture(scope="module", params=["throughput", "low_latency", "arrivals"])
 def disp(world, request):
     import fluxrt.moe as moe
 
+    mode, arrivals = ("throughput", True) if request.param == "arrivals" else (request.param, False)
     d = moe.Dispatcher(world, num_experts=4 * world.size, hidden=HIDDEN, max_tokens_per_rank=160, dtype="bf16",
-                       options=moe.DispatcherOptions(top_k=4, blocks=8, threads=256, mode=request.param))
+                       options=moe.DispatcherOptions(top_k=4, blocks=8, threads=256, mode=mode, arrivals=arrivals))
     yield d
     d.free()
 
@@ -407,9 +412,13 @@ class _Layer:
         import fluxrt.moe as moe
 
         e = 4 * world.size
+        overlap = mode == "overlap"   # throughput dispatch with arrival flags, gate/up GEMM beside the push
         self.layer = moe.MoELayer(world, num_experts=e, hidden=HIDDEN, ffn_hidden=FFN, max_tokens_per_rank=160,
                                   dtype="bf16", options=moe.MoELayerOptions(
-                                      dispatch=moe.DispatcherOptions(top_k=4, blocks=8, threads=256, mode=mode)))
+                                      dispatch=moe.DispatcherOptions(top_k=4, blocks=8, threads=256,
+                                                                     mode="throughput" if overlap else mode),
+                                      overlap=overlap))
+        self.mode = mode
         g = np.random.default_rng(2025)
         self.wgu = (g.standard_normal((e, 2 * FFN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32).astype(_bf16())
         self.wd = (g.standard_normal((e, HIDDEN, FFN)) / np.sqrt(FFN)).astype(np.float32).astype(_bf16())
@@ -426,7 +435,7 @@ class _Layer:
         return _layer_reference(x, idx, w, self.wgu64, self.wd64)
 
 
-@pytest.fixture(scope="module", params=["throughput", "low_latency"])
+@pytest.fixture(scope="module", params=["throughput", "low_latency", "overlap"])
 def moe_layer(world, request):
     lay = _Layer(world, request.param)
     yield lay
@@ -488,6 +497,27 @@ def test_layer_experts_without_tokens(world, moe_layer, rng):
     problems.assert_none()
 
 
+def test_layer_two_slots_on_one_rank(world, moe_layer, rng):
+    """Two (or three) of a token's top-k experts on one rank: the rows land in each expert's group."""
+    el, e = moe_layer.layer.local_experts, moe_layer.num_experts
+    problems = _Problems()
+
+    def same_rank(rng, t):   # slots 0 and 1 on two experts of one rank, slot 2 elsewhere, slot 3 on slot 0's rank
+        owner = rng.integers(0, world.size, size=t)
+        a = owner * el + rng.integers(0, el // 2, size=t)
+        b = owner * el + el // 2 + rng.integers(0, el - el // 2, size=t)
+        c = (owner + 1) % world.size * el + 1
+        d = np.where(a % el == 0, a + 1, a - 1) if el > 2 else np.full(t, -1)
+        d = np.where((d == b) | (d == c), -1, d)
+        idx = np.stack([a, b, c, d], axis=1) % e
+        return idx.astype(np.int32), rng.random((t, 4)).astype(np.float32) + 0.1
+
+    for t in (64, 1, 133):
+        _layer_round(world, moe_layer, rng, t, 4, route=same_rank, problems=problems, what=f"same rank T={t}",
+                     check_untouched=True)
+    problems.assert_none()
+
+
 def test_layer_back_to_back_changing_routing(world, moe_layer, rng):
     problems = _Problems()
     for it in range(20):
@@ -495,6 +525,79 @@ def test_layer_back_to_back_changing_routing(world, moe_layer, rng):
         _layer_round(world, moe_layer, rng, tokens, int(rng.integers(1, 5)), masked=0.1, problems=problems,
                      what=f"iter {it}")
     problems.assert_none()
+
+
+def test_overlapped_layer_1000_back_to_back_layers(world, moe_layer, rng):
+    """1000 overlapped forwards in a row without a host sync between them, each with new tokens, new routing
+    (T in [0, 64], k in [1, 4], masked slots, now and then all tokens to one expert) and its own output, then
+    every output against the float64 reference: the arrival flags of one round never let a GEMM of the next
+    start early, and no round reads another's rows."""
+    if moe_layer.mode != "overlap":
+        pytest.skip("1000 rounds run on the overlapped layer (the sequential ones: the 20-round test)")
+    import cupy
+
+    layer, e, rounds, tmax = moe_layer.layer, moe_layer.num_experts, 1000, 64
+    local = _rank_rng(rng, world)
+    xs = local.standard_normal((rounds, tmax, HIDDEN)).astype(np.float32).astype(_bf16())
+    cases = []
+    for r in range(rounds):
+        t, k = int(local.integers(0, tmax + 1)), int(local.integers(1, 5))
+        if r % 97 == 13:   # every token of every rank to one expert
+            idx = np.full((t, k), -1, np.int32)
+            idx[:, 0] = (r // 97) % e
+            w = local.random((t, k)).astype(np.float32) + 0.1
+        else:
+            idx, w = _routing(local, t, k, e, masked=0.1)
+        cases.append((t, idx, w))
+    x_dev = cupy.asarray(xs)
+    outs = cupy.empty((rounds, tmax, HIDDEN), dtype=_bf16())
+    _poison(outs)
+    dev = [(cupy.asarray(idx), cupy.asarray(w)) for _, idx, w in cases]
+    world.comm.Barrier()
+    s = cupy.cuda.Stream(non_blocking=True)
+    for r, (t, _, _) in enumerate(cases):
+        layer.forward(x_dev[r, :t], dev[r][0], dev[r][1], out=outs[r, :t], stream=s)
+    s.synchronize()
+    world.check_errors()
+    got = outs.get()
+    problems = _Problems()
+    for r, (t, idx, w) in enumerate(cases):
+        err = _rel_err(got[r, :t].astype(np.float64), moe_layer.reference(xs[r, :t], idx, w)) if t else 0.0
+        if not err < LAYER_TOL:
+            problems.append(f"round {r} (T={t}, k={idx.shape[1]}) rank {world.rank}: relative error {err:.3g}")
+    problems.assert_none()
+
+
+def test_arrival_wait_that_runs_out_names_op_rank_and_source(world):
+    """A grouped GEMM whose arrival flags never come up: its bounded wait gives up, the error names the op,
+    this rank and the source it waited for, and the kernel ends (the tile is computed on what is there)."""
+    import cupy
+
+    from fluxrt.errors import WaitTimeoutError, op_id
+    from fluxrt.gemm import GroupArrival, grouped_gemm
+
+    g, m, k, n = 2, 256, 64, 128
+    a = cupy.zeros((m, k), dtype=_bf16())
+    b = cupy.zeros((g, n, k), dtype=_bf16())
+    offsets = cupy.asarray(np.array([0, 100, m], np.int32))
+    # group 0: every source arrived at round 7; group 1: source 1 is a round behind
+    flags = cupy.asarray(np.array([7, 7, 7, 7, 6, 7], np.uint64))
+    epoch = cupy.asarray(np.array([7], np.uint64))
+    arrival = GroupArrival(flags=flags.data.ptr, epoch_at=epoch.data.ptr, sources=3, err=int(world.error_record),
+                           timeout_ns=50_000_000, op_id=op_id("moe_arrival_test"), rank=world.rank)
+    grouped_gemm(a, b, offsets, trans_b=True, arrival=arrival)
+    cupy.cuda.Device().synchronize()
+    with pytest.raises(WaitTimeoutError) as info:
+        world.check_errors()
+    world.reset_error()
+    err = info.value
+    assert (err.op, err.rank, err.peer) == ("moe_arrival_test", world.rank, 1), str(err)
+    flags[4] = 7             # the late source arrives: the same call waits for nobody
+    out = grouped_gemm(a, b, offsets, trans_b=True, arrival=arrival)
+    cupy.cuda.Device().synchronize()
+    world.check_errors()
+    assert not cupy.isnan(out[:m].astype(np.float32)).any()
+    world.comm.Barrier()
 
 
 class _Allocations:

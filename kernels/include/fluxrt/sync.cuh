@@ -248,6 +248,24 @@ __device__ inline void grid_arrive_and_signal(u32* counter, u64* flag, u64 value
     }
 }
 
+// A warp's part of block_publish: every lane orders its own prior stores before any release that follows;
+// the warp meets. After this, one lane may arrive for the warp's writes (arrive_counted).
+__device__ __forceinline__ void warp_publish() {
+    fence_acq_rel_sys();
+    __syncwarp();
+}
+
+// Counted completion, from one thread whose group published (block_publish / warp_publish): one of `count`
+// contributions, in any order, arrives on a local counter; the one that completes it resets the counter to 0
+// (the next round on the stream starts at 0) and releases flag = value (signal_set's fence, after observing
+// the other arrivals, orders their published stores before the flag). Returns true for that contribution.
+__device__ __forceinline__ bool arrive_counted(u32* counter, u32 count, u64* flag, u64 value) {
+    if (atomicAdd(counter, 1u) + 1u != count) return false;
+    *counter = 0u;
+    signal_set(flag, value);
+    return true;
+}
+
 #ifdef FLUXRT_WITH_NVSHMEM
 // ---------------------------------------------------------------------------------------------
 // NVSHMEM-API equivalents, for transports NVLink pointers cannot reach. Same bounded-wait contract.
