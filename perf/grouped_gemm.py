@@ -111,7 +111,10 @@ def operands(experts, k, n, rows, dtype, trans_b, seed):
     rng = cupy.random.default_rng(seed)
     a = (rng.standard_normal((rows, k), dtype=cupy.float32) * 0.5).astype(np_dt)
     b = (rng.standard_normal((experts, n, k) if trans_b else (experts, k, n), dtype=cupy.float32) * 0.5).astype(np_dt)
-    return a, b, counts, offs_host, cupy.asarray(offs_host)
+    offsets = cupy.asarray(offs_host)
+    # made on the current stream; the timed calls run on a non-blocking stream that does not wait for it
+    cupy.cuda.Device().synchronize()
+    return a, b, counts, offs_host, offsets
 
 
 def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rounds, seed, check, plans):
@@ -158,6 +161,16 @@ def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rou
             impls["fluxrt:default"]()
             stream.synchronize()
             row["rel_err_vs_loop"] = float(cupy.linalg.norm(out.astype(cupy.float64) - r64) / cupy.linalg.norm(r64))
+            if not np.isfinite(row["rel_err_vs_loop"]):   # which output holds the non-finite values, and where
+                for name, o in (("fluxrt", out.astype(cupy.float32)), ("loop", r64)):
+                    bad = ~cupy.isfinite(o)
+                    rows_bad = cupy.nonzero(bad.any(axis=1))[0]
+                    row[f"nonfinite_{name}"] = int(bad.sum())
+                    row[f"max_abs_{name}"] = float(cupy.abs(o).max())
+                    row[f"norm_{name}"] = float(cupy.linalg.norm(o.astype(cupy.float64).ravel()))
+                    row[f"nonfinite_rows_{name}"] = [int(v) for v in cupy.asnumpy(rows_bad[:4])] + (
+                        [int(rows_bad[-1])] if rows_bad.size > 4 else [])
+                row["offsets"] = [int(v) for v in offs_host]
         graphs = {name: capture(fn, iters, stream) for name, fn in impls.items()}
         for g in graphs.values():
             g.launch(stream)
@@ -206,7 +219,10 @@ def operands_fp8(experts, k, n, rows, scale, seed):
     else:
         sa = rng.uniform(0.5, 2.0, size=(rows, kbs)).astype(cupy.float32)
         sb = rng.uniform(0.5, 2.0, size=(experts, nbs, kbs)).astype(cupy.float32)
-    return a, b, sa, sb, counts, offs_host, cupy.asarray(offs_host)
+    offsets = cupy.asarray(offs_host)
+    # made on the current stream; the timed calls run on a non-blocking stream that does not wait for it
+    cupy.cuda.Device().synchronize()
+    return a, b, sa, sb, counts, offs_host, offsets
 
 
 def _expert_scales(sa, sb, scale, r0, r1, g):
@@ -263,6 +279,16 @@ def bench_case_fp8(model, gemm_name, experts, k, n, rows, scale, iters, rounds, 
             impls["fluxrt:default"]()
             stream.synchronize()
             row["rel_err_vs_loop"] = float(cupy.linalg.norm(out.astype(cupy.float64) - r64) / cupy.linalg.norm(r64))
+            if not np.isfinite(row["rel_err_vs_loop"]):   # which output holds the non-finite values, and where
+                for name, o in (("fluxrt", out.astype(cupy.float32)), ("loop", r64)):
+                    bad = ~cupy.isfinite(o)
+                    rows_bad = cupy.nonzero(bad.any(axis=1))[0]
+                    row[f"nonfinite_{name}"] = int(bad.sum())
+                    row[f"max_abs_{name}"] = float(cupy.abs(o).max())
+                    row[f"norm_{name}"] = float(cupy.linalg.norm(o.astype(cupy.float64).ravel()))
+                    row[f"nonfinite_rows_{name}"] = [int(v) for v in cupy.asnumpy(rows_bad[:4])] + (
+                        [int(rows_bad[-1])] if rows_bad.size > 4 else [])
+                row["offsets"] = [int(v) for v in offs_host]
         graphs = {name: capture(fn, iters, stream) for name, fn in impls.items()}
         for g in graphs.values():
             g.launch(stream)
