@@ -152,3 +152,39 @@ def test_allreduce_rmsnorm_refuses_a_context_without_fused_kernels():
     ctx = HierarchicalCollectives.__new__(HierarchicalCollectives)
     with pytest.raises(errors.CollectiveArgumentError, match="ctx must be a fluxrt.Collectives"):
         fluxrt.fused.allreduce_rmsnorm(_world(None), None, None, None, ctx=ctx)
+
+
+def test_gpu_scripts_name_only_public_names_that_exist():
+    """The scripts GPU tests start in subprocesses (tests/gpu/mpi_scripts, examples) fail only on a GPU node when
+    they name a fluxrt attribute that does not exist: every ``fluxrt.<name>`` / ``fluxrt.<module>.<name>`` they
+    use, and every ``from fluxrt... import name``, must resolve here."""
+    import ast
+    import importlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    scripts = sorted((root / "tests" / "gpu" / "mpi_scripts").glob("*.py")) + sorted((root / "examples").glob("*.py"))
+    assert scripts
+    missing = []
+    for path in scripts:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fluxrt":
+                if node.module == "fluxrt.jax":
+                    continue   # needs JAX
+                mod = importlib.import_module(node.module)
+                missing += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
+                            if not hasattr(mod, a.name) and not _is_module(f"{node.module}.{a.name}")]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "fluxrt":
+                if not hasattr(importlib.import_module("fluxrt"), node.attr) and not _is_module(f"fluxrt.{node.attr}"):
+                    missing.append(f"{path.name}: fluxrt.{node.attr}")
+    assert not missing, missing
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False

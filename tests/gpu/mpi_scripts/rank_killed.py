@@ -12,6 +12,7 @@ import sys
 import time
 
 import fluxrt
+from fluxrt.ops import AllGatherGemm
 
 out_dir, what = sys.argv[1], sys.argv[2]
 timeout_s = float(os.environ.get("FLUXRT_KILL_TEST_TIMEOUT_S", "3"))
@@ -41,7 +42,7 @@ with fluxrt.init(device=int(device) if device else None, options=options) as wor
             return fluxrt.allreduce(world, x)
     else:
         m, n, k = 256 * world.size, 512, 512             # small: the GEMM's CTAs fit beside a peer's under MPS
-        op = fluxrt.AllGatherGemm(world, m, n, k, "fp16")
+        op = AllGatherGemm(world, m, n, k, "fp16")
         a = cupy.full((m // world.size, k), 0.01, dtype=cupy.float16)
         b = cupy.full((k, n), 0.01, dtype=cupy.float16)
 
