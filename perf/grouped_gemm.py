@@ -150,7 +150,15 @@ def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rou
            "layout": "NK" if trans_b else "KN", "empty_experts": int((counts == 0).sum()),
            "max_rows": int(counts.max()), "min_nonzero_rows": int(counts[counts > 0].min()),
            "tile_rows_128": int(sum(-(-int(c) // 128) for c in counts)), "plan": default.describe()}
-    flops = 2.0 * rows * n * k
+    return _time_case(row, impls, out, out_loop, offs_host, 2.0 * rows * n * k, stream, iters, rounds, check)
+
+
+def _time_case(row, impls, out, out_loop, offs_host, flops, stream, iters, rounds, check) -> dict:
+    """Warm every implementation up, check the grouped output against the loop's (``rel_err_vs_loop``; where it is
+    not finite, which output holds the bad values and where), then time graph replays and eager calls of each in
+    alternating rounds into ``row``."""
+    import cupy
+
     with stream:
         for fn in impls.values():   # compile, pack, warm up
             for _ in range(2):
@@ -268,47 +276,7 @@ def bench_case_fp8(model, gemm_name, experts, k, n, rows, scale, iters, rounds, 
            "empty_experts": int((counts == 0).sum()), "max_rows": int(counts.max()),
            "min_nonzero_rows": int(counts[counts > 0].min()),
            "tile_rows_128": int(sum(-(-int(c) // 128) for c in counts)), "plan": default.describe()}
-    flops = 2.0 * rows * n * k
-    with stream:
-        for fn in impls.values():   # compile, pack, warm up
-            for _ in range(2):
-                fn()
-        stream.synchronize()
-        if check:
-            r64 = out_loop.astype(cupy.float64)
-            impls["fluxrt:default"]()
-            stream.synchronize()
-            row["rel_err_vs_loop"] = float(cupy.linalg.norm(out.astype(cupy.float64) - r64) / cupy.linalg.norm(r64))
-            if not np.isfinite(row["rel_err_vs_loop"]):   # which output holds the non-finite values, and where
-                for name, o in (("fluxrt", out.astype(cupy.float32)), ("loop", r64)):
-                    bad = ~cupy.isfinite(o)
-                    rows_bad = cupy.nonzero(bad.any(axis=1))[0]
-                    row[f"nonfinite_{name}"] = int(bad.sum())
-                    row[f"max_abs_{name}"] = float(cupy.abs(o).max())
-                    row[f"norm_{name}"] = float(cupy.linalg.norm(o.astype(cupy.float64).ravel()))
-                    row[f"nonfinite_rows_{name}"] = [int(v) for v in cupy.asnumpy(rows_bad[:4])] + (
-                        [int(rows_bad[-1])] if rows_bad.size > 4 else [])
-                row["offsets"] = [int(v) for v in offs_host]
-        graphs = {name: capture(fn, iters, stream) for name, fn in impls.items()}
-        for g in graphs.values():
-            g.launch(stream)
-        times = {name: [] for name in impls}
-        eager = {name: [] for name in impls}
-        for _ in range(rounds):
-            for name in impls:
-                times[name].append(graph_ms(graphs[name], iters, stream))
-                eager[name].append(eager_ms(impls[name], iters, stream))
-        stream.synchronize()
-    for name in impls:
-        key = name.replace("fluxrt:default", "fluxrt")
-        row[f"{key}_ms"] = float(np.median(times[name]))
-        row[f"{key}_eager_ms"] = float(np.median(eager[name]))
-    row["fluxrt_tflops"] = flops / row["fluxrt_ms"] / 1e9
-    row["dense_tflops"] = flops / row["dense_ms"] / 1e9
-    row["speedup_vs_loop"] = row["loop_ms"] / row["fluxrt_ms"]
-    row["ratio_vs_dense"] = row["dense_ms"] / row["fluxrt_ms"]
-    row["speedup_vs_loop_eager"] = row["loop_eager_ms"] / row["fluxrt_eager_ms"]
-    return row
+    return _time_case(row, impls, out, out_loop, offs_host, 2.0 * rows * n * k, stream, iters, rounds, check)
 
 
 def torch_case_fp8(row, iters, rounds, seed) -> None:

@@ -21,25 +21,9 @@ pytestmark = pytest.mark.hopper   # skipped off Hopper, with the reason (conftes
 
 from fluxrt.gemm import GemmArgumentError, GemmTypeError, grouped_gemm  # noqa: E402
 from fluxrt.gemm.grouped import grouped_plan  # noqa: E402
-from fluxrt.gemm.plan import FP8_FORMATS, GemmPlan  # noqa: E402
+from fluxrt.gemm.plan import GemmPlan  # noqa: E402
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-OUT_NP = {"bfloat16": BF16, "float16": np.dtype(np.float16)}
-NAN_BITS = {"bfloat16": 0x7FC0, "float16": 0x7E00}
-TOL = {"bfloat16": 1e-2, "float16": 5e-3}
-
-
-def rand_fp8(rng, shape, fmt: str) -> np.ndarray:
-    """Random fp8 values (never zero, magnitudes over 2^-3 .. 2^2): the numpy float8 array itself."""
-    mag = rng.uniform(1.0, 2.0, size=shape) * np.exp2(rng.integers(-3, 2, size=shape))
-    sign = np.where(rng.random(size=shape) < 0.5, -1.0, 1.0)
-    return (mag * sign).astype(np.dtype(getattr(ml_dtypes, FP8_FORMATS[fmt])))
-
-
-def poisoned(shape, dtype: str):
-    out = cupy.empty(shape, dtype=OUT_NP[dtype])
-    out.view(cupy.uint16).fill(NAN_BITS[dtype])
-    return out
+from fp8_checks import BF16, NAN_BITS, TOL, poisoned, rand_fp8  # noqa: E402
 
 
 def offsets_of(sizes) -> np.ndarray:
