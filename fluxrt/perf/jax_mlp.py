@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .baselines import device_info, library_versions, machine
-from .report import device_lines, environment, results_document, version_line, write_json
+from .report import column_table, device_lines, environment, results_document, version_line, write_json
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype, reduce_over_ranks
 from .tp_ops import _DTYPES, parse_shapes
 
@@ -251,14 +251,7 @@ _COLUMNS = (("M", "m", 6, None), ("H", "hidden", 6, None), ("I", "ffn", 6, None)
 
 
 def format_table(rows: list[dict]) -> list[str]:
-    lines = ["#" + " ".join(f"{name:>{w}}" for name, _, w, _ in _COLUMNS)]
-    for r in rows:
-        cells = []
-        for _, key, w, dec in _COLUMNS:
-            v = r.get(key)
-            cells.append(f"{'N/A':>{w}}" if v is None else f"{v:>{w}}" if dec is None else f"{v:>{w}.{dec}f}")
-        lines.append(" " + " ".join(cells))
-    return lines
+    return column_table(_COLUMNS, rows)
 
 
 def main(argv=None) -> int:

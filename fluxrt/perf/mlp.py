@@ -24,7 +24,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .baselines import device_info, library_versions, machine, nccl_datatype
-from .report import device_lines, results_document, version_line, write_json
+from .report import column_table, device_lines, results_document, version_line, write_json
 from .shapes import TP_OP_SUITES, tp_mlp_suite
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype
 from .tp_ops import _DTYPES, _nccl_comm, _rand, TorchBaseline, Timer
@@ -162,14 +162,7 @@ _COLUMNS = (("M", "m", 6, None), ("H", "hidden", 6, None), ("I", "ffn", 6, None)
 
 
 def format_table(rows: list[dict]) -> list[str]:
-    lines = ["#" + " ".join(f"{name:>{w}}" for name, _, w, _ in _COLUMNS)]
-    for r in rows:
-        cells = []
-        for _, key, w, dec in _COLUMNS:
-            v = r.get(key)
-            cells.append(f"{'N/A':>{w}}" if v is None else f"{v:>{w}}" if dec is None else f"{v:>{w}.{dec}f}")
-        lines.append(" " + " ".join(cells))
-    return lines
+    return column_table(_COLUMNS, rows)
 
 
 def geomean(rows: list[dict], key: str) -> float | None:

@@ -372,6 +372,24 @@ def differences_line(diffs: Mapping, why: Mapping[str, str] | None = None) -> st
     return "# options differing from the library's defaults: " + ", ".join(parts)
 
 
+def column_table(columns: Sequence[tuple], rows: Iterable[Mapping], cell=None) -> list[str]:
+    """A fixed-width text table: a ``#`` header line, then one line per row. columns: (title, key, width,
+    decimals or None for as-is); cell(row, key) reads a value (default ``row.get(key)``); missing and NaN
+    values print as N/A."""
+    get = cell or (lambda r, key: r.get(key))
+    lines = ["#" + " ".join(f"{name:>{w}}" for name, _, w, _ in columns)]
+    for r in rows:
+        cells = []
+        for _, key, w, dec in columns:
+            v = get(r, key)
+            if v is None or (isinstance(v, float) and v != v):
+                cells.append(f"{'N/A':>{w}}")
+            else:
+                cells.append(f"{v:>{w}}" if dec is None else f"{v:>{w}.{dec}f}")
+        lines.append(" " + " ".join(cells))
+    return lines
+
+
 def write_json(path: str | os.PathLike, doc: Mapping) -> Path:
     """Write ``doc`` as indented JSON; via a temporary file and rename, so an interrupted run never
     leaves a truncated result file behind. Parent directories are created."""

@@ -52,7 +52,7 @@ from ..ops.plan import RS_REDUCE_MODES
 from . import nccl_lib
 from .shapes import TP_OP_SUITES, tp_op_suite
 from .baselines import device_info, library_versions, machine
-from .report import device_lines, results_document, version_line, write_json
+from .report import column_table, device_lines, results_document, version_line, write_json
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype, reduce_over_ranks
 
 if TYPE_CHECKING:
@@ -224,17 +224,7 @@ def _cell(r: dict, key: str):
 
 def format_table(rows: list[dict]) -> list[str]:
     """Header line + one line per row (times in ms; ratios > 1 in torch/fused mean fluxrt is faster)."""
-    lines = ["#" + " ".join(f"{name:>{w}}" for name, _, w, _ in _COLUMNS)]
-    for r in rows:
-        cells = []
-        for _, key, w, dec in _COLUMNS:
-            v = _cell(r, key)
-            if v is None or (isinstance(v, float) and v != v):
-                cells.append(f"{'N/A':>{w}}")
-            else:
-                cells.append(f"{v:>{w}}" if dec is None else f"{v:>{w}.{dec}f}")
-        lines.append(" " + " ".join(cells))
-    return lines
+    return column_table(_COLUMNS, rows, _cell)
 
 
 def plot_ratios(path: str, rows: list[dict], title: str) -> None:
