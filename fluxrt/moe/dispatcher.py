@@ -75,7 +75,13 @@ class DispatcherOptions:
     this rank's rows local expert by local expert (every owner's expert 0 first) and, once its last row to an
     expert has landed, sets that expert's word for this source in the owner's arrival array ([E_local, world]
     u64, ``Dispatcher.arrival_flags``) to the round (``Dispatcher.round_ptr``), so that a grouped GEMM with
-    ``fluxrt.gemm.GroupArrival`` starts an expert's tiles while later experts' rows are still on their way."""
+    ``fluxrt.gemm.GroupArrival`` starts an expert's tiles while later experts' rows are still on their way.
+    dedupe: send a token once per destination rank instead of once per top-k slot (as DeepEP does): the row of
+    its first slot on that rank crosses NVLink, its other slots there get a local copy on the owner (an expand
+    kernel in throughput mode, the compaction in low-latency mode). The output layout, offsets, counts and
+    combine are the same as without it (bit for bit); ``DispatchHandle.rows_sent()`` counts the rows moved.
+    With arrival flags, an expert that receives copied rows from a source is flagged by the owner after its
+    copies (after the whole push), the others as without dedupe."""
 
     top_k: int = 8
     blocks: int = 0
@@ -83,6 +89,7 @@ class DispatcherOptions:
     fp8: str = ""
     mode: str = "throughput"
     arrivals: bool = False
+    dedupe: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,12 @@ class MoEConfig:
     scale_row: int = 0      # fp32 scales per FP8 row (0: no FP8)
     mode: str = "throughput"
     arrivals: bool = False  # per-expert arrival flags ([E_local, world] u64 per rank)
+    dedupe: bool = False    # a token once per destination rank (copy descriptors: int32 per receive/staging row)
+
+    @property
+    def wire_row_bytes(self) -> int:
+        """Bytes of one pushed row on NVLink (FP8: e4m3 values and their fp32 scales)."""
+        return self.hidden + 4 * self.scale_row if self.fp8 else self.row_bytes
 
     @property
     def staging_rows(self) -> int:
@@ -117,7 +130,14 @@ class MoEConfig:
         fp8 = self.recv_rows * (self.hidden + 4 * self.scale_row) if self.fp8 else 0
         arrivals = self.local_experts * self.world * 8 if self.arrivals else 0
         return (self.recv_bytes + fp8 + self.staging_rows * self.row_bytes + self.world * self.num_experts * 4
-                + FLAG_KINDS * self.world * 8 + arrivals)
+                + FLAG_KINDS * self.world * 8 + arrivals + 4 * self.descriptor_rows)
+
+    @property
+    def descriptor_rows(self) -> int:
+        """Dedupe's copy descriptors (int32 source row per receive row, or per staging slot in low latency)."""
+        if not self.dedupe:
+            return 0
+        return self.staging_rows if self.mode == "low_latency" else self.recv_rows
 
 
 def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_rank: int, dtype,
@@ -159,6 +179,8 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
     if options.arrivals and options.mode != "throughput":
         raise MoEArgumentError("Dispatcher: arrival flags (arrivals=True) are for mode='throughput' only (the "
                                "low-latency push lands rows in staging slots, compacted after the last one)")
+    if not isinstance(options.dedupe, bool):
+        raise MoEArgumentError(f"Dispatcher: dedupe must be a bool, got {options.dedupe!r}")
     if options.blocks < 0:
         raise MoEArgumentError(f"Dispatcher: blocks must be >= 0 (0: one per SM), got {options.blocks}")
     rows = int(max_tokens_per_rank) * world_size * options.top_k
@@ -169,12 +191,12 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
                      hidden=int(hidden), max_tokens=int(max_tokens_per_rank), top_k=options.top_k, dtype=name,
                      recv_rows=rows, row_bytes=int(hidden) * 2, fp8=options.fp8,
                      scale_row={"": 0, "token": 1, "block": int(hidden) // 128}[options.fp8], mode=options.mode,
-                     arrivals=options.arrivals)
+                     arrivals=options.arrivals, dedupe=options.dedupe)
 
 
 def check_heap(cfg: MoEConfig, capacity: int, used: int, rank: int) -> None:
     """Raise HeapExhaustedError, saying how much heap to ask for, when the buffers do not fit."""
-    need = cfg.symmetric_bytes() + (FLAG_KINDS + cfg.arrivals) * 512  # each allocation may take 512 bytes more
+    need = cfg.symmetric_bytes() + (FLAG_KINDS + cfg.arrivals + cfg.dedupe) * 512  # each allocation may take 512 bytes more
     if used + need > capacity:
         gib = -(-(used + need) * 5 // 4 // (1 << 30))
         raise HeapExhaustedError(
@@ -195,8 +217,24 @@ class DispatchHandle:
         self._d, self.seq, self.tokens, self.k = dispatcher, seq, tokens, k
         self.topk_idx, self.topk_weights, self._index_kind = idx, weights, index_kind
         self.offsets, self.counts = dispatcher.offsets, dispatcher.counts
+        self.moved = dispatcher.moved   # int32 [world] on the device: rows this rank pushed to each rank
         self._stream = stream
         self.combined = False
+
+    def rows_sent(self) -> np.ndarray:
+        """Rows this dispatch pushed from this rank to each rank ([world], its own rank included; a sync): one
+        per (token, slot), with dedupe one per (token, destination rank). Valid until the next dispatch."""
+        self._stream.synchronize()
+        self._d.world.check_errors()
+        return self.moved.get().astype(np.int64)
+
+    def bytes_sent(self, *, include_self: bool = False) -> int:
+        """Bytes this dispatch pushed over NVLink from this rank (rows_sent() times the bytes of a row on the
+        wire, FP8 scales included); include_self adds the rows to its own experts (a local copy)."""
+        rows = self.rows_sent()
+        if not include_self:
+            rows[self._d.world.rank] = 0
+        return int(rows.sum()) * self._d.cfg.wire_row_bytes
 
     def num_recv(self) -> int:
         """Rows this rank received (waits for the dispatch; raises a recorded device timeout)."""
@@ -263,13 +301,20 @@ class Dispatcher:
             self.flags = world.zeros((FLAG_KINDS * n,), np.uint64)   # never reset: compared with growing epochs
             # arrival flags [E_local, world]: word [l, s] = the round once source s's rows to local expert l landed
             self.arrive = world.zeros((cfg.local_experts * n,), np.uint64) if cfg.arrivals else None
+            # dedupe: per receive row (low latency: per staging slot) the row it copies, or -1 (pushed itself)
+            self.src_of = world.zeros((cfg.descriptor_rows,), np.int32) if cfg.dedupe else None
             self.epoch = cupy.zeros(2, dtype=np.uint64)                # [counter, this dispatch's round]
-            self.done = cupy.zeros(2, dtype=np.uint32)                 # last-block counters: push, stage
+            self.done = cupy.zeros(3, dtype=np.uint32)                 # last-block counters: push, stage, expand
             self.pos = cupy.zeros(max(1, cfg.max_tokens * cfg.top_k), dtype=np.int32)
             self.chunk_base = cupy.zeros(CHUNKS * cfg.num_experts, dtype=np.int32)
             self.dst_base = cupy.zeros(cfg.num_experts, dtype=np.int32)
             self.offsets = cupy.zeros(cfg.local_experts + 1, dtype=np.int32)
             self.counts = cupy.zeros(cfg.local_experts, dtype=np.int32)
+            self.moved = cupy.zeros(n, dtype=np.int32)
+            # dedupe (throughput): the rows combine reads, apart from pos (the push reads other entries' pos)
+            self.rows = (cupy.zeros(max(1, cfg.max_tokens * cfg.top_k), dtype=np.int32)
+                         if cfg.dedupe and cfg.mode == "throughput" else self.pos)
+            self.dups = cupy.zeros(cfg.num_experts, dtype=np.int32) if cfg.dedupe and cfg.arrivals else None
             # arrival flags: the push order of this rank's entries, and its per-expert counters of landed rows
             self.order = cupy.zeros(max(1, cfg.max_tokens * cfg.top_k), dtype=np.int32) if cfg.arrivals else None
             self.sent = cupy.zeros(cfg.num_experts, dtype=np.uint32) if cfg.arrivals else None
@@ -283,6 +328,9 @@ class Dispatcher:
             self._layout_arrivals = (self.order, self.sent) if cfg.arrivals else (null, null)
             self._push_arrivals = ((self.order, self.count_matrix, self.arrive.peer_table, self.sent) if cfg.arrivals
                                    else (null, null, null, null))
+            self._src_table = self.src_of.peer_table if cfg.dedupe else null
+            self._layout_dedupe = (np.int32(cfg.dedupe), self.moved, self.dups if self.dups is not None else null)
+            self._push_dedupe = (self.rows, self._src_table, self.dups if self.dups is not None else null)
             world.device.synchronize()
         self._team = {name: (_u32(world.rank), _u32(n), _u64(world.timeout_ns), _u64(world.error_record),
                              _u32(op_id(name))) for name in ("moe_dispatch", "moe_combine")}
@@ -293,7 +341,7 @@ class Dispatcher:
 
     @staticmethod
     def _kernel_names():
-        names = ["fluxrt_moe_stage", "fluxrt_moe_quantize_bf16", "fluxrt_moe_quantize_fp16"]
+        names = ["fluxrt_moe_stage", "fluxrt_moe_expand", "fluxrt_moe_quantize_bf16", "fluxrt_moe_quantize_fp16"]
         for ix in INDEX_DTYPES.values():
             names += [f"fluxrt_moe_layout_{ix}", f"fluxrt_moe_push_{ix}", f"fluxrt_moe_ll_push_{ix}",
                       f"fluxrt_moe_ll_compact_{ix}", f"fluxrt_moe_combine_bf16_{ix}",
@@ -320,8 +368,8 @@ class Dispatcher:
     def free(self) -> None:
         """Collective: release the symmetric buffers (the world's finalize does it otherwise)."""
         if self.world.active and not self._freed:
-            for a in (self.arrive, self.staging, self.recv_scales, self.recv_fp8, self.flags, self.count_matrix,
-                      self.recv):
+            for a in (self.src_of, self.arrive, self.staging, self.recv_scales, self.recv_fp8, self.flags,
+                      self.count_matrix, self.recv):
                 if a is not None:
                     self.world.free(a)
         self._freed = True
@@ -382,7 +430,7 @@ class Dispatcher:
             (1,), (LAYOUT_THREADS,),
             team + (self.epoch, idx) + common + (count_t, self.count_matrix, flag_t, self.flags, self.pos,
                                                  self.chunk_base, self.dst_base, self.offsets, self.counts)
-            + self._layout_arrivals,
+            + self._layout_arrivals + self._layout_dedupe,
             stream=s)
         if layout_event is not None:
             layout_event.record(s)
@@ -400,8 +448,18 @@ class Dispatcher:
         self._fn[f"fluxrt_moe_push_{ix}"](
             (grid,), (self.options.threads,),
             team + (self.epoch, idx) + common + rows + (self.pos, self.chunk_base, self.dst_base, flag_t, self.flags,
-                                                        self.done) + self._push_arrivals,
+                                                        self.done) + self._push_arrivals + self._push_dedupe,
             stream=s)
+        if cfg.dedupe:   # the owner's copies of its rows that came as one row per (token, rank)
+            if cfg.fp8:
+                rows = (self.recv_fp8, _u64(cfg.hidden), self.recv_scales, _u32(cfg.scale_row))
+            else:
+                rows = (self.recv, _u64(cfg.row_bytes), _u64(0), _u32(0))
+            self._fn["fluxrt_moe_expand"](
+                (self.blocks,), (self.options.threads,),
+                team + (self.epoch, self.src_of, self.offsets, _u32(cfg.local_experts), _u32(cfg.recv_rows)) + rows
+                + (self.arrive if cfg.arrivals else _u64(0), self.done[2:]),
+                stream=s)
         self._seq += 1
         out = (self.recv_fp8, self.recv_scales) if cfg.fp8 else self.recv
         self._last = DispatchHandle(self, self._seq, t, k, idx, w, ix, s)
@@ -414,13 +472,15 @@ class Dispatcher:
         self._fn[f"fluxrt_moe_ll_push_{ix}"](
             (max(1, min(self.blocks, -(-t * k // warps))),), (self.options.threads,),
             team + (self.epoch, idx) + common + (a, _u64(cfg.row_bytes), _u32(cfg.max_tokens), self._staging_table,
-                                                 count_t, self.pos, flag_t, self.flags, self.done),
+                                                 count_t, self.pos, flag_t, self.flags, self.done, self._src_table,
+                                                 self.moved),
             stream=s)
         items = cfg.world * cfg.local_experts * cfg.max_tokens
         self._fn[f"fluxrt_moe_ll_compact_{ix}"](
             (max(1, min(self.blocks, -(-items // warps))),), (self.options.threads,),
             team + (idx,) + common + (self.count_matrix, self.staging, _u32(cfg.max_tokens), self.recv,
-                                      _u64(cfg.row_bytes), self.pos, self.offsets, self.counts),
+                                      _u64(cfg.row_bytes), self.pos, self.offsets, self.counts,
+                                      self.src_of if cfg.dedupe else _u64(0)),
             stream=s)
         self._seq += 1
         self._last = DispatchHandle(self, self._seq, t, k, idx, w, ix, s)
@@ -478,7 +538,7 @@ class Dispatcher:
         self._fn[f"fluxrt_moe_combine_{kind}_{handle._index_kind}"](
             (grid,), (self.options.threads,),
             (handle.topk_idx, handle.topk_weights, _u32(handle.tokens), _u32(handle.k), _u32(cfg.num_experts),
-             _u32(cfg.local_experts), self.pos, recv_t, _u64(cfg.row_bytes), o),
+             _u32(cfg.local_experts), self.rows, recv_t, _u64(cfg.row_bytes), o),
             stream=s)
         handle.combined = True
         return o

@@ -14,11 +14,15 @@ as an expert that writes its output over its input leaves it; no staging copy):
     dispatch_gbps              DeepEP's definition: bytes of the tokens this rank receives (a token counted
                                once per receiving rank, however many of its experts are there) / time
     combine_gbps               the same bytes / combine time (DeepEP: combine sends what dispatch received)
-    moved_gbps                 the rows fluxrt actually moves (one per (token, expert) slot) / time
+    moved_gbps                 the rows fluxrt lands in this rank's receive buffer (one per (token, expert)
+                               slot; with --dedupe one per (token, rank), the owner copies the rest) / time
+    sent_gbps                  the bytes this rank's dispatch pushed over NVLink to the other ranks, as the
+                               Dispatcher counted them (DispatchHandle.bytes_sent()) / time
     nccl_us / nccl_gbps        NCCL all-to-all-v (grouped send/recv) of the same rows, already sorted by
                                destination (the sort is not timed); the reverse exchange for combine
 
 ``--fp8 token|block`` measures FP8 dispatch (bytes: e4m3 rows and their scales; no NCCL baseline).
+``--dedupe`` sends a token once per destination rank (DispatcherOptions(dedupe=True), as DeepEP does).
 
 ``moe_layer``: the whole layer (fluxrt.moe.MoELayer: dispatch -> grouped GEMM gate/up -> SiLU * up -> grouped
 GEMM down -> combine, one stream), expert FFN size ``--ffn`` (default the model's: DeepSeek-V3 2048, Mixtral
@@ -87,9 +91,10 @@ def route(rng: np.random.Generator, tokens: int, experts: int, k: int, routing: 
 
 
 def layout_bytes(idxs: list[np.ndarray], experts: int, world: int, rank: int, hidden: int,
-                 itemsize: float = 2) -> dict:
+                 itemsize: float = 2, dedupe: bool = False) -> dict:
     """Bytes rank `rank` receives, from every rank's routing: DeepEP's (a token once per receiving rank) and the
-    rows fluxrt moves (once per expert slot); and the rows each rank sends to each rank."""
+    rows fluxrt moves (once per expert slot; with dedupe once per receiving rank, DeepEP's); and the rows each
+    rank sends to each rank."""
     el = experts // world
     unique = rows = 0
     matrix = np.zeros((world, world), np.int64)   # [source, owner] rows
@@ -100,7 +105,8 @@ def layout_bytes(idxs: list[np.ndarray], experts: int, world: int, rank: int, hi
         mine = owners == rank
         rows += int(mine.sum())
         unique += int(mine.any(axis=1).sum())
-    return {"recv_bytes": int(unique * hidden * itemsize), "moved_bytes": int(rows * hidden * itemsize),
+    moved = unique if dedupe else rows
+    return {"recv_bytes": int(unique * hidden * itemsize), "moved_bytes": int(moved * hidden * itemsize),
             "matrix": matrix}
 
 
@@ -127,6 +133,8 @@ def build_parser(bench: str) -> argparse.ArgumentParser:
                             "scales")
     p.add_argument("--mode", default="throughput", choices=("throughput", "low_latency"),
                    help="the Dispatcher's mode (low_latency: decode batches, one flag round trip per dispatch)")
+    p.add_argument("--dedupe", action="store_true",
+                   help="send a token once per destination rank (DispatcherOptions(dedupe=True))")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all-to-all-v baseline")
     p.add_argument("--check-args", action="store_true", help="compare arguments across ranks on every call")
     p.add_argument("--device", type=int, default=None,
@@ -186,11 +194,11 @@ def measure(world: World, model: str, tokens: int, routing: str, args, stream, n
     x = cupy.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32).astype(_bf16()))
     idxs = world.comm.allgather(idx)
     opts = moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads, fp8=args.fp8,
-                                mode=args.mode)
+                                mode=args.mode, dedupe=args.dedupe)
     cfg = moe.check_config(world.size, experts, hidden, tokens, "bf16", opts)
     # bytes of one row on the wire, per element (FP8: e4m3 values and their fp32 scales)
     itemsize = (hidden + 4 * cfg.scale_row) / hidden if args.fp8 else 2
-    lay = layout_bytes(idxs, experts, world.size, world.rank, hidden, itemsize)
+    lay = layout_bytes(idxs, experts, world.size, world.rank, hidden, itemsize, dedupe=args.dedupe)
     d = moe.Dispatcher(world, experts, hidden, tokens, "bf16", opts)
     di, dw = cupy.asarray(idx), cupy.asarray(w)
     try:
@@ -218,19 +226,21 @@ def measure(world: World, model: str, tokens: int, routing: str, args, stream, n
             t_c.append(cupy.cuda.get_elapsed_time(ev[1], ev[2]) * 1e3)
         world.check_errors()
         n_recv = h.num_recv()
+        sent_bytes = h.bytes_sent()   # counted by the dispatch on the device: what crossed NVLink from this rank
     finally:
         d.free()
     red = lambda v: reduce_over_ranks(world.comm.allgather(statistics.median(v)), args.average)  # noqa: E731
     dispatch_us, combine_us = red(t_d), red(t_c)
     row = {"model": model, "mode": args.mode, "fp8": args.fp8, "hidden": hidden, "experts": experts, "top_k": k, "tokens": tokens, "routing": routing,
            "world": world.size, "recv_rows": n_recv, "recv_bytes": lay["recv_bytes"], "moved_bytes": lay["moved_bytes"],
-           "dispatch_us": dispatch_us, "combine_us": combine_us}
+           "dedupe": bool(args.dedupe), "sent_bytes": sent_bytes, "dispatch_us": dispatch_us, "combine_us": combine_us}
     # bandwidths of this rank, then reduced like the times
     row["dispatch_gbps"] = reduce_over_ranks(world.comm.allgather(lay["recv_bytes"] / (statistics.median(t_d) * 1e3)),
                                              1)
     row["combine_gbps"] = reduce_over_ranks(world.comm.allgather(lay["recv_bytes"] / (statistics.median(t_c) * 1e3)),
                                             1)
     row["moved_gbps"] = reduce_over_ranks(world.comm.allgather(lay["moved_bytes"] / (statistics.median(t_d) * 1e3)), 1)
+    row["sent_gbps"] = reduce_over_ranks(world.comm.allgather(sent_bytes / (statistics.median(t_d) * 1e3)), 1)
     if nccl is not None:
         row.update(_nccl_times(world, nccl, idx, lay["matrix"], hidden, experts, x, args, stream))
         row["nccl_dispatch_gbps"] = reduce_over_ranks(world.comm.allgather(
@@ -415,9 +425,9 @@ def measure_layer(world: World, model: str, tokens: int, routing: str, args, tim
     order = np.random.default_rng(experts).permutation(experts)
     idx, w = route(rng, tokens, experts, k, routing, args.zipf_s, order)
     idxs = world.comm.allgather(idx)
-    lay = layout_bytes(idxs, experts, world.size, world.rank, hidden)
+    lay = layout_bytes(idxs, experts, world.size, world.rank, hidden, dedupe=args.dedupe)
     opts = moe.MoELayerOptions(dispatch=moe.DispatcherOptions(top_k=k, blocks=args.blocks, threads=args.threads,
-                                                              mode=args.mode))
+                                                              mode=args.mode, dedupe=args.dedupe))
     layer = moe.MoELayer(world, experts, hidden, ffn, tokens, "bf16", opts)
     over = None
     if args.mode == "throughput":
@@ -486,8 +496,8 @@ def measure_layer(world: World, model: str, tokens: int, routing: str, args, tim
             over.free()
         layer.free()
     red = lambda v: reduce_over_ranks(world.comm.allgather(v), 1)   # noqa: E731
-    row = {"model": model, "mode": args.mode, "hidden": hidden, "ffn": ffn, "experts": experts, "top_k": k,
-           "tokens": tokens, "routing": routing, "world": world.size, "recv_rows": n_recv,
+    row = {"model": model, "mode": args.mode, "dedupe": bool(args.dedupe), "hidden": hidden, "ffn": ffn,
+           "experts": experts, "top_k": k, "tokens": tokens, "routing": routing, "world": world.size, "recv_rows": n_recv,
            "recv_bytes": lay["recv_bytes"], "moved_bytes": lay["moved_bytes"],
            "layer_us": t["layer"] * 1e3, "graph_us": t["graph"] * 1e3, "baseline_us": None, "speedup": None,
            "check_rel_err": check, "overlap_us": None, "overlap_graph_us": None, "overlap_speedup": None,
@@ -535,7 +545,8 @@ def _stage_times(world: World, layer, x, di, dw, y, s, args) -> dict:
 
 
 COLUMNS = {
-    "moe_dispatch": ("dispatch_us", "dispatch_gbps", "moved_gbps", "nccl_dispatch_us", "nccl_dispatch_gbps"),
+    "moe_dispatch": ("dispatch_us", "dispatch_gbps", "moved_gbps", "sent_gbps", "nccl_dispatch_us",
+                     "nccl_dispatch_gbps"),
     "moe_combine": ("combine_us", "combine_gbps", "nccl_combine_us", "nccl_combine_gbps"),
     "moe_layer": ("layer_us", "graph_us", "overlap_us", "overlap_speedup", "dispatch_us", "experts_us", "combine_us",
                   "baseline_us", "speedup", "experts_tflops"),
@@ -596,7 +607,8 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
     # the largest case's receive buffer (it scales with the ranks: rows = tokens * world * top_k)
     size_probe = max(moe.check_config(1, MODELS[m][1], MODELS[m][0], t, "bf16",
                                       moe.DispatcherOptions(top_k=MODELS[m][2], fp8=args.fp8, mode=args.mode,
-                                                            arrivals=bench == "moe_layer")).symmetric_bytes()
+                                                            arrivals=bench == "moe_layer",
+                                                            dedupe=args.dedupe)).symmetric_bytes()
                      for m, t, _ in cases)
     if bench == "moe_layer":   # the sequential and the overlapped layer side by side
         size_probe *= 2

@@ -14,6 +14,8 @@
 //                           dst_base[e] + chunk_base[c][e] + pos of its expert's owner (NVLink stores);
 //                           the last block to finish raises a data flag at every rank and waits for every
 //                           rank's data flag, so the kernel ends when this rank has received everything.
+//   fluxrt_moe_expand       (dedupe) the owner copies the rows that came once per (token, rank) into the token's
+//                           other slots on this rank (descriptors left by the sources), then raises arrival flags.
 //   fluxrt_moe_ll_push_*,   low-latency mode (decode batches): rows pushed into fixed slots per (source,
 //   fluxrt_moe_ll_compact_*  expert) with the counts behind them and one flag round trip, then compacted
 //                           locally into the same grouped layout.
@@ -26,14 +28,20 @@
 //                           them weighted in slot order 0 .. k-1 in fp32 (the same bits on every call).
 //
 // Receive layout of owner r: rows grouped by local expert, inside an expert by source rank, inside a source
-// by entry order (token, slot). A token routed to two experts of one rank is sent twice (once per row).
+// by entry order (token, slot). A token routed to two experts of one rank is sent twice (once per row), or with
+// dedupe once: the row of its first slot on that rank crosses NVLink, and the source leaves at each of the
+// token's other rows there a descriptor (an int32 in the owner's symmetric src_of array: the first slot's row,
+// -1 at a pushed row) that the owner's expand turns into a local copy. Low latency does the same with staging
+// slots: the compaction reads a copied slot through its descriptor.
 //
 // Arrival flags (MoELayer's overlap; `order` and `arrive_peers` non-null): the layout also sorts this rank's
 // entries into push order, local expert index first (every owner's expert 0, then every owner's expert 1, ...),
 // inside it owners from rank + 1 on; the push goes in that order and, when this rank's last row to expert x
 // has landed, sets word [x % E_local][rank] of the owner's arrival array to the round (an expert this rank
 // sends nothing gets it at once). An owner's grouped GEMM waits for every source's word of a group before
-// loading its rows, so an expert's tiles start while later experts' rows are still on their way.
+// loading its rows, so an expert's tiles start while later experts' rows are still on their way. With dedupe a
+// source does not raise the words of experts it sends copied rows to: the owner's expand raises every word
+// after its copies (the whole push has landed by then).
 //
 // Buffer reuse across calls: a source writes an owner's buffer (push) only after every rank's count row of
 // the same round arrived, and a rank sends its row only after its previous combine (which read the peers'
@@ -68,6 +76,40 @@ template <class Idx>
 __device__ __forceinline__ int expert_of(const Idx* idx, u32 i, u32 num_experts) {
     const long long v = (long long)idx[i];
     return v >= 0 && v < (long long)num_experts ? (int)v : -1;  // -1: a masked slot
+}
+
+// Dedupe: the first slot q < j of token tok whose expert lives on `owner` (the slot whose row crosses NVLink
+// for all of the token's slots on that owner), or -1 when slot j is that first one.
+template <class Idx>
+__device__ __forceinline__ int first_on_owner(const Idx* idx, u32 tok, u32 j, u32 k, u32 num_experts,
+                                              u32 local_experts, u32 owner) {
+    for (u32 q = 0; q < j; ++q) {
+        const int x = expert_of(idx, tok * k + q, num_experts);
+        if (x >= 0 && (u32)x / local_experts == owner) return (int)q;
+    }
+    return -1;
+}
+
+// Rows this rank sends to each owner (moved[world]: one per entry, with dedupe one per (token, owner)) and,
+// with dedupe, its entries per expert that travel as a copy of another slot's row (dups[E]). One block;
+// mv and dp: its shared scratch.
+template <class Idx>
+__device__ void count_sends(const Team& t, const Idx* idx, u32 tokens, u32 k, u32 E, u32 local_experts,
+                            bool dedupe, int* mv, int* dp, int* moved, int* dups) {
+    for (u32 x = threadIdx.x; x < E; x += blockDim.x) dp[x] = 0;
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) mv[q] = 0;
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < tokens * k; i += blockDim.x) {   // counts: the order of additions is free
+        const int x = expert_of(idx, i, E);
+        if (x < 0) continue;
+        const u32 owner = (u32)x / local_experts;
+        if (!dedupe || first_on_owner(idx, i / k, i % k, k, E, local_experts, owner) < 0) atomicAdd(mv + owner, 1);
+        else atomicAdd(dp + x, 1);
+    }
+    __syncthreads();
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) moved[q] = mv[q];
+    if (dups != nullptr)
+        for (u32 x = threadIdx.x; x < E; x += blockDim.x) dups[x] = dp[x];
 }
 
 // The last block of the grid to get here (after every thread of every block fenced its stores) returns
@@ -153,10 +195,11 @@ template <class Idx>
 __device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
                        u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,
                        const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts,
-                       int* order, u32* sent) {
+                       int* order, u32* sent, int dedupe, int* moved, int* dups) {
     __shared__ int cnt[kChunks][kMaxExperts];
     __shared__ int total[kMaxExperts];
     __shared__ int before[kMaxExperts];
+    __shared__ int mv[kMaxWorld], dp[kMaxExperts];
     __shared__ u64 round;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 E = num_experts;
@@ -205,6 +248,7 @@ __device__ void layout(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u3
         for (u32 x = threadIdx.x; x < E; x += blockDim.x) sent[x] = 0u;   // the push's per-expert row counters
         push_order(t, idx, n, per, E, local_experts, total, before, pos, chunk_base, order);
     }
+    count_sends(t, idx, tokens, k, E, local_experts, dedupe != 0, mv, dp, moved, dups);
     if (!wait_peers(t.watch(), t.world, every_peer, [&](u32 p) { return flags + kNotify * t.world + p; }, e)) return;
     rows_from_counts(t, counts_all, E, local_experts, total, before, dst_base, offsets, counts);
 }
@@ -218,7 +262,8 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
                      u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,
                      const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,
                      const int* dst_base, const u64* flag_peers, const u64* flags, u32* done, const int* order,
-                     const int* counts_all, const u64* arrive_peers, u32* sent) {
+                     const int* counts_all, const u64* arrive_peers, u32* sent, int* rows_out,
+                     const u64* src_peers, const int* dups) {
     const u64 e = epoch[1];
     const int* mine = counts_all + (u64)t.rank * num_experts;   // this rank's rows per expert
     auto arrival = [&](u32 xe) {
@@ -242,23 +287,66 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
         const u32 i = (u32)oi;
         const int xe = expert_of(idx, i, num_experts);
         if (xe < 0) continue;
+        const u32 owner = (u32)xe / local_experts;
         const int row = dst_base[xe] + chunk_base[(i / per) * num_experts + xe] + pos[i];
         if ((u32)row >= recv_rows) continue;  // cannot happen with a complete layout: bounds the damage otherwise
-        char* dst = reinterpret_cast<char*>(recv_peers[xe / local_experts]) + (u64)row * row_bytes;
-        copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
-                   row_bytes / kVecBytes, lane, 32u, LoadNc{});
-        if (scale_row) {  // FP8 rows: their scales go to the same row of the owner's scale buffer
-            float* ds = reinterpret_cast<float*>(scale_peers[xe / local_experts]) + (u64)row * scale_row;
-            for (u32 q = lane; q < scale_row; q += 32u) ds[q] = scales[(u64)(i / k) * scale_row + q];
+        int src = -1;   // dedupe: the owner's row holding this token already (its first slot on that owner)
+        if (src_peers != nullptr) {
+            const int q = first_on_owner(idx, i / k, i % k, k, num_experts, local_experts, owner);
+            if (q >= 0) {
+                const u32 ip = i - i % k + (u32)q;
+                const int xp = expert_of(idx, ip, num_experts);
+                src = dst_base[xp] + chunk_base[(ip / per) * num_experts + xp] + pos[ip];
+                if ((u32)src >= recv_rows) continue;
+            }
+            if (lane == 0) reinterpret_cast<int*>(src_peers[owner])[row] = src;   // the owner's expand reads it
         }
-        if (arrive_peers != nullptr) {
+        if (src < 0) {
+            char* dst = reinterpret_cast<char*>(recv_peers[owner]) + (u64)row * row_bytes;
+            copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
+                       row_bytes / kVecBytes, lane, 32u, LoadNc{});
+            if (scale_row) {  // FP8 rows: their scales go to the same row of the owner's scale buffer
+                float* ds = reinterpret_cast<float*>(scale_peers[owner]) + (u64)row * scale_row;
+                for (u32 q = lane; q < scale_row; q += 32u) ds[q] = scales[(u64)(i / k) * scale_row + q];
+            }
+        }
+        // an expert with copied rows from this rank is flagged by the owner's expand, after its copies
+        if (arrive_peers != nullptr && (dups == nullptr || dups[xe] == 0)) {
             warp_publish();
             if (lane == 0) arrive_counted(sent + xe, (u32)mine[xe], arrival((u32)xe), e);   // the expert's last row
         }
         __syncwarp();
-        if (lane == 0) pos[i] = row;  // the handle of combine: where entry i's row lies at its owner
+        if (lane == 0) rows_out[i] = row;  // the handle of combine: where entry i's row lies at its owner
     }
     if (last_block(done)) exchange_flags(t, flag_peers, flags, kData, e);
+}
+
+// Dedupe (throughput): after the push (every source's rows are in), each row whose source left a copy
+// descriptor (src_of[row] >= 0: the row of the same token's first slot on this rank) gets that row's bytes
+// (FP8: and scales), a warp per row; descriptors are only ever first-slot rows, which no copy writes. With
+// arrival flags the last block then raises every (local expert, source) word of this rank: the words of the
+// experts with copied rows are left to it by their sources.
+__device__ void expand(const Team& t, const u64* epoch, const int* src_of, const int* offsets, u32 local_experts,
+                       u32 recv_rows, char* recv, u64 row_bytes, float* scales, u32 scale_row, u64* arrive,
+                       u32* done) {
+    const u64 e = epoch[1];
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = error_raised(t.err);  // once per block: the record is host memory
+    __syncthreads();
+    const u32 lane = threadIdx.x & 31u, warps = gridDim.x * (blockDim.x >> 5);
+    const u32 all = (u32)offsets[local_experts];
+    const u32 rows = failed ? 0u : (all < recv_rows ? all : recv_rows);
+    for (u32 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        const int s = __ldcv(src_of + r);   // written by the row's source over NVLink
+        if (s < 0 || (u32)s >= rows) continue;
+        copy_units(reinterpret_cast<uint4*>(recv + (u64)r * row_bytes),
+                   reinterpret_cast<const uint4*>(recv + (u64)s * row_bytes), row_bytes / kVecBytes, lane, 32u,
+                   LoadCv{});
+        for (u32 q = lane; q < scale_row; q += 32u)
+            scales[(u64)r * scale_row + q] = __ldcv(scales + (u64)s * scale_row + q);
+    }
+    if (arrive != nullptr && last_block(done))
+        for (u32 w = threadIdx.x; w < local_experts * t.world; w += blockDim.x) st_release_sys(arrive + w, e);
 }
 
 // Low-latency dispatch (decode batches): no count exchange before the data. A warp per entry ranks it among
@@ -270,7 +358,8 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
 template <class Idx>
 __device__ void ll_push(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u32 k, u32 num_experts,
                         u32 local_experts, const char* x, u64 row_bytes, u32 max_tokens, const u64* stage_peers,
-                        const u64* count_peers, int* pos, const u64* flag_peers, const u64* flags, u32* done) {
+                        const u64* count_peers, int* pos, const u64* flag_peers, const u64* flags, u32* done,
+                        const u64* src_peers, int* moved) {
     __shared__ int failed;
     if (threadIdx.x == 0) failed = error_raised(t.err);  // once per block: the record is host memory
     __syncthreads();
@@ -286,15 +375,36 @@ __device__ void ll_push(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u
             p += __popc(__ballot_sync(0xffffffffu, j < i && expert_of(idx, j, num_experts) == xe));
         }
         if (p >= max_tokens) continue;  // only a token naming one expert twice gets here
+        const u32 owner = (u32)xe / local_experts;
         const u64 slot = ((u64)t.rank * local_experts + (u32)xe % local_experts) * max_tokens + p;
-        char* dst = reinterpret_cast<char*>(stage_peers[(u32)xe / local_experts]) + slot * row_bytes;
-        copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
-                   row_bytes / kVecBytes, lane, 32u, LoadNc{});
+        long long src = -1;   // dedupe: the owner's staging slot of the token's first slot on that owner
+        if (src_peers != nullptr) {
+            const int q = first_on_owner(idx, i / k, i % k, k, num_experts, local_experts, owner);
+            if (q >= 0) {
+                const u32 ip = i - i % k + (u32)q;
+                const int xp = expert_of(idx, ip, num_experts);
+                u32 pp = 0;
+                for (u32 b = 0; b < ip; b += 32u) {
+                    const u32 j = b + lane;
+                    pp += __popc(__ballot_sync(0xffffffffu, j < ip && expert_of(idx, j, num_experts) == xp));
+                }
+                if (pp < max_tokens)   // else that slot was not pushed: this one carries its own row
+                    src = (long long)(((u64)t.rank * local_experts + (u32)xp % local_experts) * max_tokens + pp);
+            }
+            if (lane == 0) reinterpret_cast<int*>(src_peers[owner])[slot] = (int)src;   // compact reads it
+        }
+        if (src < 0) {
+            char* dst = reinterpret_cast<char*>(stage_peers[owner]) + slot * row_bytes;
+            copy_units(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(x + (u64)(i / k) * row_bytes),
+                       row_bytes / kVecBytes, lane, 32u, LoadNc{});
+        }
         if (lane == 0) pos[i] = (int)p;
     }
     if (!last_block(done)) return;
-    __shared__ int cnt[kMaxExperts];
+    __shared__ int cnt[kMaxExperts], mv[kMaxWorld], dp[kMaxExperts];
     __shared__ u64 round;
+    count_sends(t, idx, failed ? 0u : tokens, k, num_experts, local_experts, src_peers != nullptr, mv, dp, moved,
+                nullptr);
     for (u32 e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
     if (threadIdx.x == 0) {
         round = atomicAdd(epoch, 1ull) + 1ull;
@@ -316,7 +426,7 @@ __device__ void ll_push(const Team& t, u64* epoch, const Idx* idx, u32 tokens, u
 template <class Idx>
 __device__ void ll_compact(const Team& t, const Idx* idx, u32 tokens, u32 k, u32 num_experts, u32 local_experts,
                            const int* counts_all, const char* staging, u32 max_tokens, char* recv, u64 row_bytes,
-                           int* pos, int* offsets, int* counts) {
+                           int* pos, int* offsets, int* counts, const int* stage_src) {
     __shared__ int total[kMaxExperts], before[kMaxExperts], base[kMaxExperts];
     rows_from_counts(t, counts_all, num_experts, local_experts, total, before, base,
                      blockIdx.x == 0 ? offsets : nullptr, counts);
@@ -337,8 +447,11 @@ __device__ void ll_compact(const Team& t, const Idx* idx, u32 tokens, u32 k, u32
         int row = 0;
         for (u32 y = first; y < first + l; ++y) row += total[y];
         for (u32 q = 0; q < s; ++q) row += __ldcv(counts_all + q * num_experts + first + l);
+        // dedupe: a slot whose source pushed no row reads the slot of the token's first slot on this rank
+        const int from = stage_src != nullptr ? __ldcv(stage_src + it) : -1;
+        const u64 src = from >= 0 && (u64)from < items ? (u64)from : it;
         copy_units(reinterpret_cast<uint4*>(recv + (u64)(row + (int)j) * row_bytes),
-                   reinterpret_cast<const uint4*>(staging + it * row_bytes), row_bytes / kVecBytes, lane, 32u,
+                   reinterpret_cast<const uint4*>(staging + src * row_bytes), row_bytes / kVecBytes, lane, 32u,
                    LoadCv{});
     }
 }
@@ -454,33 +567,35 @@ using namespace fluxrt::moe;
         FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
         u32 local_experts, const u64* count_peers, const int* counts_all, const u64* flag_peers,             \
         const u64* flags, int* pos, int* chunk_base, int* dst_base, int* offsets, int* counts, int* order,   \
-        u32* sent) {                                                                                         \
-        layout(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, count_peers, counts_all,  \
-               flag_peers, flags, pos, chunk_base, dst_base, offsets, counts, order, sent);                  \
+        u32* sent, int dedupe, int* moved, int* dups) {                                                  \
+        layout(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, count_peers, counts_all,\
+               flag_peers, flags, pos, chunk_base, dst_base, offsets, counts, order, sent, dedupe, moved, dups);\
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_push_##NAME(                                                       \
         FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,        \
         u32 local_experts, const char* x, u64 row_bytes, u32 recv_rows, const u64* recv_peers,               \
         const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,         \
         const int* dst_base, const u64* flag_peers, const u64* flags, u32* done, const int* order,           \
-        const int* counts_all, const u64* arrive_peers, u32* sent) {                                         \
+        const int* counts_all, const u64* arrive_peers, u32* sent, int* rows_out, const u64* src_peers,  \
+        const int* dups) {                                                                               \
         push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_rows,     \
              recv_peers, scales, scale_row, scale_peers, pos, chunk_base, dst_base, flag_peers, flags, done,  \
-             order, counts_all, arrive_peers, sent);                                                         \
+             order, counts_all, arrive_peers, sent, rows_out, src_peers, dups);                          \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_ll_push_##NAME(                                                    \
         FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
         u32 local_experts, const char* x, u64 row_bytes, u32 max_tokens, const u64* stage_peers,             \
-        const u64* count_peers, int* pos, const u64* flag_peers, const u64* flags, u32* done) {              \
+        const u64* count_peers, int* pos, const u64* flag_peers, const u64* flags, u32* done,            \
+        const u64* src_peers, int* moved) {                                                              \
         ll_push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, max_tokens, \
-                stage_peers, count_peers, pos, flag_peers, flags, done);                                     \
+                stage_peers, count_peers, pos, flag_peers, flags, done, src_peers, moved);               \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_ll_compact_##NAME(                                                 \
         FLUXRT_MOE_TEAM_PARAMS, const IDX* idx, u32 tokens, u32 k, u32 num_experts, u32 local_experts,       \
         const int* counts_all, const char* staging, u32 max_tokens, char* recv, u64 row_bytes, int* pos,     \
-        int* offsets, int* counts) {                                                                         \
+        int* offsets, int* counts, const int* stage_src) {                                               \
         ll_compact(FLUXRT_MOE_TEAM, idx, tokens, k, num_experts, local_experts, counts_all, staging,         \
-                   max_tokens, recv, row_bytes, pos, offsets, counts);                                       \
+                   max_tokens, recv, row_bytes, pos, offsets, counts, stage_src);                        \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_combine_bf16_##NAME(                                               \
         const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts, u32 local_experts,         \
@@ -511,4 +626,12 @@ extern "C" __global__ void fluxrt_moe_stage(FLUXRT_MOE_TEAM_PARAMS, const u64* e
                                             char* recv, u64 row_bytes, const int* offsets, u32 local_experts,
                                             const u64* flag_peers, const u64* flags, u32* done) {
     stage(FLUXRT_MOE_TEAM, epoch, y, y_rows, recv, row_bytes, offsets, local_experts, flag_peers, flags, done);
+}
+
+// bounded to 1024 threads so that DispatcherOptions.threads up to 1024 fits its registers (no spills)
+extern "C" __global__ void __launch_bounds__(1024)
+fluxrt_moe_expand(FLUXRT_MOE_TEAM_PARAMS, const u64* epoch, const int* src_of, const int* offsets, u32 local_experts,
+                  u32 recv_rows, char* recv, u64 row_bytes, float* scales, u32 scale_row, u64* arrive, u32* done) {
+    expand(FLUXRT_MOE_TEAM, epoch, src_of, offsets, local_experts, recv_rows, recv, row_bytes, scales, scale_row,
+           arrive, done);
 }

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (dict(options=moe.DispatcherOptions(mode="low_latency", fp8="token")), "throughput' only"),
     (dict(options=moe.DispatcherOptions(mode="low_latency", arrivals=True)), "arrivals=True"),
     (dict(options=moe.DispatcherOptions(arrivals=1)), "arrivals must be a bool"),
+    (dict(options=moe.DispatcherOptions(dedupe="yes")), "dedupe must be a bool"),
     (dict(hidden=4104, options=moe.DispatcherOptions(fp8="block")), "multiple of 128"),
     (dict(hidden=4104, options=moe.DispatcherOptions(fp8="token")), "multiple of 16"),
 ])
@@ -78,6 +79,16 @@ def test_arrival_flags_are_counted():
     plain = moe.check_config(4, 256, 7168, 4096, "bf16")
     cfg = moe.check_config(4, 256, 7168, 4096, "bf16", moe.DispatcherOptions(arrivals=True))
     assert cfg.arrivals and cfg.symmetric_bytes() == plain.symmetric_bytes() + 64 * 4 * 8   # [E_local, world] u64
+
+
+def test_dedupe_descriptors_are_counted():
+    plain = moe.check_config(4, 256, 7168, 4096, "bf16")
+    cfg = moe.check_config(4, 256, 7168, 4096, "bf16", moe.DispatcherOptions(dedupe=True))
+    assert cfg.dedupe and cfg.symmetric_bytes() == plain.symmetric_bytes() + 4 * cfg.recv_rows   # int32 per row
+    ll = moe.check_config(4, 256, 7168, 128, "bf16", moe.DispatcherOptions(dedupe=True, mode="low_latency"))
+    assert ll.descriptor_rows == ll.staging_rows
+    fp8 = moe.check_config(4, 256, 7168, 4096, "bf16", moe.DispatcherOptions(fp8="block"))
+    assert fp8.wire_row_bytes == 7168 + 4 * 56 and plain.wire_row_bytes == 2 * 7168
 
 
 def test_kernel_constants_match_the_host():
@@ -162,6 +173,101 @@ def test_layout_model_groups_rows_by_expert_then_source_then_entry(world, num_ex
             assert base + p == placed == rows[s][i]
 
 
+# --- dedupe: one row per (token, destination rank), the owner copies it into the token's other slots there ----
+def _model_dedupe(idxs, rows, num_experts, world):
+    """What fluxrt_moe_push writes with dedupe, per source s: for each entry the row it pushes (-1: none), the
+    descriptor at its row (the row of the token's first slot on that owner, or -1), and rows pushed per owner."""
+    el = num_experts // world
+    pushed, desc, moved = [], [], []
+    for s, idx in enumerate(idxs):
+        t, k = idx.shape
+        p = np.full(t * k, -1, np.int64)
+        d = np.full(t * k, -1, np.int64)
+        m = np.zeros(world, np.int64)
+        for i in range(t * k):
+            x = idx.reshape(-1)[i]
+            if x < 0:
+                continue
+            tok, j = divmod(i, k)
+            first = [q for q in range(j) if idx[tok, q] >= 0 and idx[tok, q] // el == x // el]
+            if first:
+                d[i] = rows[s][tok * k + first[0]]
+            else:
+                p[i] = rows[s][i]
+                m[x // el] += 1
+        pushed.append(p)
+        desc.append(d)
+        moved.append(m)
+    return pushed, desc, moved
+
+
+@pytest.mark.parametrize("world, num_experts, k, masked", [(2, 8, 4, 0.0), (4, 16, 4, 0.2), (2, 4, 4, 0.1),
+                                                             (3, 12, 8, 0.0), (1, 4, 3, 0.0)])
+def test_dedupe_model_rebuilds_the_layout_of_one_row_per_slot(world, num_experts, k, masked):
+    """Pushing one row per (token, owner) into its first slot's row and copying it, on the owner, to the rows
+    whose descriptors name it gives exactly the layout of one row per slot; descriptors name pushed rows of
+    the same token (so the copies of one owner can run in any order); rows moved = tokens per owner."""
+    rng = np.random.default_rng(world * 31 + k)
+    el = num_experts // world
+    idxs, xs = [], []
+    for s in range(world):
+        t = int(rng.integers(0, 200))
+        owners = rng.integers(0, world, size=t)   # bias: many tokens with several slots on one rank
+        idx = np.stack([rng.choice(num_experts, size=k, replace=False) if rng.random() < 0.5 else
+                        np.concatenate([o * el + rng.choice(el, size=min(k, el), replace=False),
+                                        rng.choice([e for e in range(num_experts) if e // el != o] or [-1],
+                                                   size=k - min(k, el))])[rng.permutation(k)]
+                        for o in owners]).reshape(t, k)
+        idxs.append(np.where(rng.random((t, k)) < masked, -1, idx).astype(np.int64))
+        xs.append(rng.standard_normal((t, 5)))
+    rows, total = _model_rows(idxs, num_experts, world)
+    pushed, desc, moved = _model_dedupe(idxs, rows, num_experts, world)
+    for r in range(world):
+        n = int(total[r * el:(r + 1) * el].sum())
+        plain = np.full((n, 5), np.nan)
+        recv = np.full((n, 5), np.nan)
+        src_of = np.full(n, -7, np.int64)    # poison: every received row gets a descriptor
+        for s in range(world):
+            k_ = idxs[s].shape[1]
+            for i, x in enumerate(idxs[s].reshape(-1)):
+                if x < 0 or x // el != r:
+                    continue
+                plain[rows[s][i]] = xs[s][i // k_]
+                src_of[rows[s][i]] = desc[s][i]
+                if pushed[s][i] >= 0:
+                    assert desc[s][i] == -1 and pushed[s][i] == rows[s][i]
+                    recv[pushed[s][i]] = xs[s][i // k_]
+        assert (src_of >= -1).all()
+        assert (src_of[src_of >= 0] < n).all() and (src_of[src_of[src_of >= 0]] == -1).all()   # no chains
+        for row in np.flatnonzero(src_of >= 0)[::-1]:   # the expand kernel: any order
+            recv[row] = recv[src_of[row]]
+        np.testing.assert_array_equal(recv, plain)
+        for s in range(world):   # rows moved from s to r: its tokens with any slot on r
+            owners = np.where(idxs[s] >= 0, idxs[s] // el, -1)
+            assert moved[s][r] == int((owners == r).any(axis=1).sum())
+
+
+def test_dedupe_low_latency_slots_name_pushed_slots():
+    """Low latency with dedupe: the staging slot of a token's later slot on an owner names the slot of its first
+    slot there (same source, same owner), which was pushed; compaction reads through it."""
+    world, num_experts, k, max_tokens = 2, 8, 4, 50
+    el = num_experts // world
+    rng = np.random.default_rng(7)
+    idx = np.stack([rng.choice(num_experts, size=k, replace=False) for _ in range(40)])
+    flat = idx.reshape(-1)
+    slot = {}
+    for i, x in enumerate(flat):
+        p = int((flat[:i] == x).sum())   # ll_push's ballot scan
+        slot[i] = (x % el) * max_tokens + p   # source 0: slots [0][local expert][position]
+    for i, x in enumerate(flat):
+        tok, j = divmod(i, k)
+        first = [q for q in range(j) if idx[tok, q] // el == x // el]
+        if first:
+            src = slot[tok * k + first[0]]
+            assert src != slot[i] and src // max_tokens != slot[i] // max_tokens   # another expert's slot
+            assert not [q for q in range(first[0]) if idx[tok, q] // el == x // el]   # itself pushed
+
+
 def _model_push_order(idx, rank, world, num_experts):
     """fluxrt_moe_layout's push order (arrival flags): entries sorted by (local expert, owner counted from
     rank + 1), inside an expert in entry order; -1 past the valid entries."""
@@ -234,6 +340,8 @@ def test_perf_layout_bytes_count_deepep_tokens_and_moved_rows():
     # rank 0 gets: from rank 0 tokens 0 (twice) and 2 -> 2 tokens, 3 rows; from rank 1 nothing
     assert lay["recv_bytes"] == 2 * 8 * 2 and lay["moved_bytes"] == 3 * 8 * 2
     assert lay["matrix"].tolist() == [[3, 2], [0, 2]]
+    # dedupe: token 0 crosses once (its two slots on rank 0)
+    assert pm.layout_bytes(idx, 4, 2, 0, hidden=8, dedupe=True)["moved_bytes"] == 2 * 8 * 2
 
 
 def test_perf_subcommands_are_listed():

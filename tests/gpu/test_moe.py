@@ -57,6 +57,15 @@ def _expected_recv(world, xs, idxs, num_experts):
     return (np.stack(rows) if rows else np.zeros((0, h), xs[0].dtype)), np.array(counts, np.int32)
 
 
+def _expected_rows_sent(world, idx, num_experts, dedupe):
+    """Rows this rank pushes to each rank: one per (token, slot), with dedupe one per (token, destination)."""
+    el = num_experts // world.size
+    owners = np.where(idx >= 0, idx // el, -1)
+    if dedupe:
+        return np.array([int((owners == r).any(axis=1).sum()) for r in range(world.size)], np.int64)
+    return np.array([int((owners == r).sum()) for r in range(world.size)], np.int64)
+
+
 def _expected_out(x, idx, w, num_experts):
     """float64 reference of combine after the test's experts: sum_j w[t, j] * bf16(c[e] * x[t])."""
     c = _scale(num_experts)
@@ -154,6 +163,10 @@ def _round(world, d, rng, tokens, k, *, masked=0.0, route=None, idx_dtype=np.int
     elif not np.array_equal(recv[:n].get().view(np.uint16), exp_rows.view(np.uint16)):
         bad = np.nonzero((recv[:n].get().view(np.uint16) != exp_rows.view(np.uint16)).any(axis=1))[0]
         problems.append(f"{what} rank {world.rank}: {bad.size} received rows differ (first {bad[:8].tolist()})")
+    sent = h.rows_sent()
+    if not np.array_equal(sent, _expected_rows_sent(world, idx, e, d.cfg.dedupe)):
+        problems.append(f"{what} rank {world.rank}: rows sent {sent.tolist()}, expected "
+                        f"{_expected_rows_sent(world, idx, e, d.cfg.dedupe).tolist()}")
     if d.cfg.arrivals:   # every (local expert, source) word is up at this round, empty experts included
         flags, round_ = d.arrive.get(), int(d.epoch[1].get())
         if not (flags == round_).all():
@@ -170,13 +183,16 @@ def _round(world, d, rng, tokens, k, *, masked=0.0, route=None, idx_dtype=np.int
     return x, idx, w, got
 
 
-@pytest.fixture(scope="module", params=["throughput", "low_latency", "arrivals"])
+@pytest.fixture(scope="module", params=["throughput", "low_latency", "arrivals", "throughput_dedupe",
+                                        "low_latency_dedupe", "arrivals_dedupe"])
 def disp(world, request):
     import fluxrt.moe as moe
 
-    mode, arrivals = ("throughput", True) if request.param == "arrivals" else (request.param, False)
+    name = request.param.removesuffix("_dedupe")
+    mode, arrivals = ("throughput", True) if name == "arrivals" else (name, False)
     d = moe.Dispatcher(world, num_experts=4 * world.size, hidden=HIDDEN, max_tokens_per_rank=160, dtype="bf16",
-                       options=moe.DispatcherOptions(top_k=4, blocks=8, threads=256, mode=mode, arrivals=arrivals))
+                       options=moe.DispatcherOptions(top_k=4, blocks=8, threads=256, mode=mode, arrivals=arrivals,
+                                                     dedupe=request.param.endswith("_dedupe")))
     yield d
     d.free()
 
@@ -229,6 +245,36 @@ def test_two_slots_to_the_same_rank(world, disp, rng):
         return np.stack([a, b, c], axis=1).astype(np.int32), rng.random((t, 3)).astype(np.float32) + 0.1
 
     _round(world, disp, rng, 64, 3, route=same_rank, problems=problems)
+    problems.assert_none()
+
+
+def test_several_slots_on_one_rank(world, disp, rng):
+    """2, 3 and all 4 of a token's slots on one rank (dedupe sends such a token there once; the owner copies it
+    into each expert's group), mixed with tokens spread out and masked slots; T not a multiple of anything."""
+    el, e = disp.local_experts, disp.cfg.num_experts
+    problems = _Problems()
+
+    def clustered(rng, t):
+        owner = rng.integers(0, world.size, size=t)
+        on_owner = rng.integers(1, 5, size=t)      # how many of the 4 slots go to `owner`
+        idx = np.full((t, 4), -1, np.int64)
+        for i in range(t):
+            mine = owner[i] * el + rng.choice(el, size=on_owner[i], replace=False)
+            others = [x for x in range(e) if x // el != owner[i]]
+            rest = rng.choice(others, size=4 - on_owner[i], replace=False) if others else []
+            row = np.concatenate([mine, rest])[:4]
+            idx[i, :row.size] = rng.permutation(row)   # the owner's slots anywhere among the 4
+        idx = np.where(rng.random((t, 4)) < 0.05, -1, idx)
+        return idx.astype(np.int32), rng.random((t, 4)).astype(np.float32) + 0.1
+
+    def all_on_one(rng, t):   # every slot of every token on rank (token mod world), in reversed expert order
+        owner = np.arange(t) % world.size
+        idx = owner[:, None] * el + np.arange(el)[::-1][None, :4]
+        return idx.astype(np.int32), rng.random((t, 4)).astype(np.float32) + 0.1
+
+    for t in (61 + 17 * world.rank, 1, 160):
+        _round(world, disp, rng, t, 4, route=clustered, problems=problems, what=f"clustered T={t}")
+    _round(world, disp, rng, 93, 4, route=all_on_one, problems=problems, what="all on one rank")
     problems.assert_none()
 
 
@@ -320,6 +366,45 @@ def test_bad_arguments_raise_on_every_rank(world, disp):
     world.synchronize()
 
 
+@pytest.mark.parametrize("mode", ["throughput", "low_latency"])
+def test_dedupe_gives_the_same_bits_as_one_row_per_slot(world, rng, mode):
+    """The same routing through a plain and a dedupe Dispatcher: the same received rows, offsets and combined
+    output, bit for bit (combine is unchanged: it pulls every slot's expert output in slot order)."""
+    import cupy
+
+    import fluxrt.moe as moe
+
+    e, k, t = 4 * world.size, 4, 77 + 5 * world.rank
+    local = _rank_rng(rng, world)
+    x = cupy.asarray(local.standard_normal((t, HIDDEN)).astype(np.float32).astype(_bf16()))
+    idx, w = (cupy.asarray(a) for a in _routing(local, t, k, e, masked=0.1))
+    got = []
+    for dedupe in (False, True):
+        d = moe.Dispatcher(world, num_experts=e, hidden=HIDDEN, max_tokens_per_rank=128,
+                           dtype="bf16", options=moe.DispatcherOptions(top_k=k, blocks=6, threads=128, mode=mode,
+                                                                       dedupe=dedupe))
+        try:
+            _poison(d.recv)
+            recv, h = d.dispatch(x, idx, w)
+            n = h.num_recv()
+            rows, offsets = recv[:n].get().view(np.uint16), h.offsets.get()
+            _experts(recv, h.offsets, _local_scales(e, world))
+            out = d.combine(recv, h).get().view(np.uint16)
+            got.append((rows, offsets, out, h.rows_sent()))
+            world.synchronize()
+        finally:
+            d.free()
+    (r0, o0, y0, s0), (r1, o1, y1, s1) = got
+    problems = _Problems()
+    if not (np.array_equal(o0, o1) and np.array_equal(r0, r1)):
+        problems.append(f"rank {world.rank}: received rows or offsets differ with dedupe")
+    if not np.array_equal(y0, y1):
+        problems.append(f"rank {world.rank}: combined output differs with dedupe")
+    if not (s1 <= s0).all():
+        problems.append(f"rank {world.rank}: dedupe sent more rows {s1.tolist()} than plain {s0.tolist()}")
+    problems.assert_none()
+
+
 def test_heap_exhausted_is_named(world):
     import fluxrt
     import fluxrt.moe as moe
@@ -341,15 +426,16 @@ def _quantize_ref(x, block):
     return q.view(np.uint8), scale.reshape(f.shape[0], -1)
 
 
+@pytest.mark.parametrize("dedupe", [False, True], ids=["plain", "dedupe"])
 @pytest.mark.parametrize("mode", ["token", "block"])
-def test_fp8_dispatch(world, rng, mode):
+def test_fp8_dispatch(world, rng, mode, dedupe):
     import cupy
 
     import fluxrt.moe as moe
 
-    h, e, k = 256, 2 * world.size, 2
+    h, e, k = 256, 2 * world.size, 2   # 2 experts per rank: many tokens have both slots on one rank
     d = moe.Dispatcher(world, num_experts=e, hidden=h, max_tokens_per_rank=64, dtype="bf16",
-                       options=moe.DispatcherOptions(top_k=k, blocks=4, threads=128, fp8=mode))
+                       options=moe.DispatcherOptions(top_k=k, blocks=4, threads=128, fp8=mode, dedupe=dedupe))
     try:
         local = _rank_rng(rng, world)
         t = 29 + 7 * world.rank
@@ -372,6 +458,12 @@ def test_fp8_dispatch(world, rng, mode):
                 problems.append(f"rank {world.rank}: {bad} of {got_q.size} e4m3 values differ")
             if not np.array_equal(sc[:n].get(), exp_s):
                 problems.append(f"rank {world.rank}: scales differ")
+        sent, want = hd.rows_sent(), _expected_rows_sent(world, idx, e, dedupe)
+        if not np.array_equal(sent, want):
+            problems.append(f"rank {world.rank}: rows sent {sent.tolist()}, expected {want.tolist()}")
+        wire = h + 4 * (1 if mode == "token" else h // 128)
+        if hd.bytes_sent() != (int(want.sum()) - int(want[world.rank])) * wire:
+            problems.append(f"rank {world.rank}: bytes sent {hd.bytes_sent()}")
         d.combine(d.recv, hd)   # combine stays 16-bit; ends the round
         world.synchronize()
         problems.assert_none()
@@ -412,11 +504,14 @@ class _Layer:
         import fluxrt.moe as moe
 
         e = 4 * world.size
+        dedupe = mode.endswith("_dedupe")
+        mode = mode.removesuffix("_dedupe")
         overlap = mode == "overlap"   # throughput dispatch with arrival flags, gate/up GEMM beside the push
         self.layer = moe.MoELayer(world, num_experts=e, hidden=HIDDEN, ffn_hidden=FFN, max_tokens_per_rank=160,
                                   dtype="bf16", options=moe.MoELayerOptions(
                                       dispatch=moe.DispatcherOptions(top_k=4, blocks=8, threads=256,
-                                                                     mode="throughput" if overlap else mode),
+                                                                     mode="throughput" if overlap else mode,
+                                                                     dedupe=dedupe),
                                       overlap=overlap))
         self.mode = mode
         g = np.random.default_rng(2025)
@@ -435,7 +530,7 @@ class _Layer:
         return _layer_reference(x, idx, w, self.wgu64, self.wd64)
 
 
-@pytest.fixture(scope="module", params=["throughput", "low_latency", "overlap"])
+@pytest.fixture(scope="module", params=["throughput", "low_latency", "overlap", "overlap_dedupe"])
 def moe_layer(world, request):
     lay = _Layer(world, request.param)
     yield lay
