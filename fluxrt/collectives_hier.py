@@ -9,6 +9,8 @@ seen as nodes of G ranks and rails (the ranks with the same local index, one per
                        fixed node order) -> all-gather in the node
     reduce_scatter  reduce-scatter along the rail of the node blocks (G chunks each) -> reduce-scatter in the node
     allgather       all-gather in the node -> all-gather of the node's block along the rail
+    alltoall(v)     all-to-all in the node of the chunks regrouped by destination local index -> one block per
+                    remote node along the rail (alltoallv: byte layout from the count matrix agreed on the host)
 
 Each rail round (kernels/comm/nvshmem_hier.cu) puts one piece from the symmetric send buffer into every rail
 member's receive slot and raises one signal word per put block; the receivers wait for all of them (bounded
@@ -29,12 +31,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import collectives_plan as plan
 from .agreement import agree as _agree
 from .agreement import local as _local
-from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, _as_array, _check_alias, _move_dtype,
-                          _reduce_dtype, _redop)
-from .errors import CollectiveArgumentError, FluxrtError, GraphCaptureError, op_id
+from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, _as_array, _check_alias, _counts,
+                          _displs, _move_dtype, _reduce_dtype, _redop)
+from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, GraphCaptureError, op_id
 from .nvtx import annotate as _nvtx
 from .packed_launch import PackedLaunch
 from .registry import Registry
@@ -53,7 +54,9 @@ MAX_PUT_BLOCKS = 32   # remote::kMaxRailBlocks
 THREADS = 512
 VEC = 16
 ONESHOT_BYTES = 256 << 10   # rail allreduce: one round up to this shard size (a latency choice; not measured)
+SEGMENT_BYTES = 64 << 10    # alltoallv copy tables: entries cut to this so that the blocks share long segments
 _PES_DTYPE = np.dtype([("pe", "<i4", (MAX_NODES,))])   # struct RailPes, by value
+_BYTES_DTYPE = np.dtype([("n", "<u8", (MAX_NODES,))])  # struct RailBytes, by value
 RAIL_DTYPES = ("bf16", "fp16", "fp32")   # the rail reduce kernels (kernels/comm/nvshmem_hier.cu)
 RAIL_OPS = ("sum", "max", "min")
 _u64, _u32 = np.uint64, np.uint32
@@ -217,6 +220,9 @@ class HierarchicalCollectives:
         self.module = load_nvshmem_module(KERNEL_SOURCE)
         self._put = self.module.get_function("fluxrt_rail_put")
         self._gather = self.module.get_function("fluxrt_rail_gather")
+        self._putv = self.module.get_function("fluxrt_rail_putv")
+        self._gather_segments = self.module.get_function("fluxrt_rail_gather_segments")
+        self._copy_segments = self.module.get_function("fluxrt_copy_segments")
         self._pes = np.zeros(1, _PES_DTYPE)
         self._pes["pe"][0, :self.nodes] = [world.pe(r) for r in self.rail]   # a sub-world's rank is not its PE
         self._all = (1 << self.nodes) - 1   # put and copy masks: every rail member
@@ -667,10 +673,108 @@ class HierarchicalCollectives:
         start = (epoch & 1) * self.half_bytes + member * self.slot_bytes
         return cupy.ndarray((nbytes,), np.uint8, self.recv.data + start)
 
-    def alltoallv(self, *args, **kwargs):
-        raise CollectiveArgumentError(f"alltoallv across nodes is not implemented (the world has {self.nodes} nodes: "
-                                      f"{plan.choose_path(self.world.topology)[1]}); alltoall (equal chunks), "
-                                      "allreduce, reduce_scatter, allgather and broadcast are")
+    @_nvtx("hier.alltoallv")
+    def alltoallv(self, x, send_counts, recv_counts=None, out=None, *, send_displs=None, recv_displs=None,
+                  max_count: int | None = None, stream=None, async_op: bool = False, algo: str = "auto"):
+        """As ``Collectives.alltoallv``, in the two phases of ``alltoall``. The count matrix is always exchanged
+        on the host (every rank's layout of the node and rail stages depends on all of it), so ``max_count``
+        only bounds the counts here; recv_counts, when given, are checked against the senders'. Rank (k, i)
+        packs x by destination local index, the node's all-to-all-v gives it what its node sends to rank i of
+        every node, and the rail rounds move, to each remote member d, the bytes node k sends to rank (d, i)
+        (one put per member and round, sized to that pair: no padding crosses nodes); the receiver copies
+        them from its slots straight into out at recv_displs."""
+        import cupy
+
+        world, n = self.world, self.world.size
+        s0 = as_cupy_stream(stream)
+
+        def prepare():
+            _not_capturing("alltoallv", s0)
+            _check_algo(algo)
+            a = _as_array(x, "x", "alltoallv", world, s0)
+            _move_dtype(a.dtype)
+            sc = _counts(send_counts, n, "send_counts")
+            sd = _displs(send_displs, sc, "send_displs")
+            if (sd + sc).max(initial=0) > a.size:
+                raise CollectiveArgumentError(f"alltoallv: send counts/displacements reach element "
+                                              f"{int((sd + sc).max())}, x has {a.size}")
+            rc = None if recv_counts is None else _counts(recv_counts, n, "recv_counts")
+            if max_count is not None and max(sc.max(initial=0), 0 if rc is None else rc.max(initial=0)) > max_count:
+                raise CollectiveArgumentError(f"alltoallv: a count exceeds max_count={max_count}")
+            return a, sc, sd, rc
+
+        got, err = _local(prepare)
+        sig = (("dtype", None if got is None else got[0].dtype.str), ("max_count", max_count),
+               ("algo", "hierarchical"))
+        extra = ([], None) if got is None else (got[1].tolist(), None if got[3] is None else got[3].tolist())
+        every = _agree(world, "alltoallv", sig, err, extra=extra)
+        a, sc, sd, _ = got
+        matrix = check_count_matrix([e[0] for e in every], [e[1] for e in every])
+        rc = matrix[:, world.rank].copy()
+
+        def prepare_out():
+            rd = _displs(recv_displs, rc, "recv_displs")
+            need = int((rd + rc).max(initial=0))
+            o = self._output(out, a.dtype, need, (need,), "alltoallv", s0)
+            _check_alias("alltoallv", a, o, ())
+            return rd, o
+
+        got2, err2 = _local(prepare_out)
+        _agree(world, "alltoallv", sig, err2)
+        rd, o = got2
+        lay = alltoallv_layout(matrix, world.topology.nodes, world.rank, sd, rd, a.itemsize, self.slot_bytes)
+        caller, s = self._begin(stream, async_op)
+        with s:
+            y = cupy.empty(max(1, int(lay.node_send.sum())), a.dtype)
+            z = y if self.node is None else cupy.empty(max(1, int(lay.node_recv.sum())), a.dtype)
+            first = self.epoch + 1
+            send_half = [self.send.data.ptr] * len(lay.rounds)
+            recv_half = [self.recv.data.ptr + ((first + r) & 1) * self.half_bytes for r in range(len(lay.rounds))]
+            tables = [(lay.pack, y.data.ptr, a.data.ptr), (lay.local, o.data.ptr, z.data.ptr)]
+            tables += [(r.stage, p, z.data.ptr) for r, p in zip(lay.rounds, send_half)]
+            tables += [(r.recv, o.data.ptr, p) for r, p in zip(lay.rounds, recv_half)]
+            dev, spans = upload_tables(tables, cupy)
+            pack, local, stage, recv = spans[0], spans[1], spans[2:2 + len(lay.rounds)], spans[2 + len(lay.rounds):]
+            self._copy_table(s, dev, pack)
+            if self.node is not None:
+                self.node.alltoallv(y, lay.node_send, lay.node_recv, z, max_count=lay.node_max, stream=s)
+            self._copy_table(s, dev, local)
+            for r, rnd in enumerate(lay.rounds):
+                self._copy_table(s, dev, stage[r])
+                e, blocks = self._rail_putv(s, rnd.put_bytes, rnd.grid_bytes)   # epoch first + r
+                self._rail_gather_table(s, e, blocks, dev, recv[r], "hier.alltoallv")
+        log.info("rank %d: hierarchical alltoallv of %d x %s: node all-to-all-v, %d rail round(s)", world.rank,
+                 int(sc.sum()), a.dtype, len(lay.rounds))
+        return self._end(s, async_op, o, (a, o, y, z, dev))
+
+    def _copy_table(self, s, dev, span: tuple[int, int]) -> None:
+        start, count = span
+        if count:
+            grid = max(1, min(self.options.reduce_blocks, count))
+            PackedLaunch(self._copy_segments, grid, THREADS,
+                         (_u64(dev.data.ptr + 24 * start), _u64(count))).launch(s.ptr)
+
+    def _rail_putv(self, s, put_bytes, grid_bytes: int) -> tuple[int, int]:
+        """One rail round of alltoallv: put_bytes[d] bytes from send + d * slot_bytes to member d (0: the signal
+        alone). grid_bytes, the largest piece of the round on the whole rail, sets the blocks on every member."""
+        self.epoch += 1
+        blocks = put_grid(grid_bytes, self.options.put_blocks)
+        nbytes = np.zeros(1, _BYTES_DTYPE)
+        nbytes["n"][0, :self.nodes] = put_bytes
+        args = (self._pes, _u32(self.node_index), _u32(blocks), _u64(self.send.data.ptr), _u64(self.slot_bytes),
+                nbytes, _u64(self.recv.data.ptr), _u64(self.half_bytes), _u64(self.slot_bytes),
+                _u64(self.sig.data.ptr), _u64(self.epoch))
+        PackedLaunch(self._putv, blocks * self.nodes, THREADS, args).launch(s.ptr)
+        return self.epoch, blocks
+
+    def _rail_gather_table(self, s, e: int, blocks: int, dev, span: tuple[int, int], name: str) -> None:
+        """Wait (bounded, named `name`) for round e's signals from every member, then copy the table's segments
+        (out of the receive slots)."""
+        start, count = span
+        args = (self._pes, _u32(self.nodes), _u32(blocks), _u64(self.sig.data.ptr), _u64(e),
+                _u64(dev.data.ptr + 24 * start), _u64(count)) + self._watch(name)
+        grid = max(1, min(self.options.reduce_blocks, count))
+        PackedLaunch(self._gather_segments, grid, THREADS, args).launch(s.ptr)
 
 
 def alltoall_node_input(x, nodes: int, g: int, xp):
@@ -683,6 +787,137 @@ def alltoall_rail_blocks(z, nodes: int, g: int, xp):
     """Phase 2's blocks: z ([G, N, c], row j from local rank j) as [N, G c] contiguous; row d, the G chunks this
     node sends to rank (d, i), goes to rail member d and lands at this node's block of its output."""
     return xp.ascontiguousarray(z.reshape(g, nodes, -1).transpose(1, 0, 2)).reshape(nodes, -1)
+
+
+@dataclass(frozen=True)
+class RailRoundV:
+    """One rail round of an alltoallv, seen from one member. Tables: int64 rows (destination offset, source
+    offset, bytes). stage: z -> send buffer (member d's piece at d * slot); recv: receive half -> out."""
+
+    put_bytes: np.ndarray   # (nodes,) bytes put to member d (0 for itself)
+    grid_bytes: int         # the round's largest piece on the whole rail (sets the put blocks everywhere)
+    stage: np.ndarray
+    recv: np.ndarray
+
+
+@dataclass(frozen=True)
+class AlltoallvLayout:
+    """One rank's byte layout of a two-phase all-to-all-v, computed from the agreed count matrix (so every rank
+    of a rail agrees on the rounds and their blocks). Tables as ``RailRoundV``'s.
+
+    y (the node stage's input): for each local index j, for each node d, what this rank sends to rank (d, j).
+    z (its output): for each local j, for each node d, what rank (k, j) sends to rank (d, i); the block to rail
+    member d is the d parts of every j, in j order, cut into slot-sized rounds."""
+
+    node_send: np.ndarray   # (G,) elements to local rank j in the node stage
+    node_recv: np.ndarray   # (G,) elements from local rank j
+    node_max: int           # the node stage's largest pair on this node
+    pack: np.ndarray        # x -> y
+    local: np.ndarray       # z -> out: this node's own block
+    rounds: tuple[RailRoundV, ...]
+
+
+def check_count_matrix(sends, recvs) -> np.ndarray:
+    """The count matrix ([p][q]: elements rank p sends to rank q) from every rank's send counts, checked
+    against the recv counts the ranks gave (None: not given). Raises CollectiveMismatchError naming pairs."""
+    matrix = np.array(sends, dtype=np.int64)
+    n = matrix.shape[0]
+    bad = [(p, r, int(matrix[p][r]), e[p]) for r, e in enumerate(recvs) if e is not None
+           for p in range(n) if e[p] != matrix[p][r]]
+    if bad:
+        detail = "; ".join(f"rank {p} sends {s} to rank {r}, which expects {e}" for p, r, s, e in bad[:8])
+        raise CollectiveMismatchError(f"alltoallv counts do not match across ranks ({detail})")
+    return matrix
+
+
+def _exclusive(c, axis=None):
+    """Exclusive running sums (axis None: of the flattened array, in C order, reshaped back)."""
+    c = np.asarray(c, dtype=np.int64)
+    if axis is None:
+        return (np.cumsum(c.reshape(-1)) - c.reshape(-1)).reshape(c.shape)
+    return np.cumsum(c, axis=axis) - c
+
+
+def _table(dst, src, nbytes) -> np.ndarray:
+    t = np.stack([np.asarray(v, np.int64).reshape(-1) for v in (dst, src, nbytes)], axis=1)
+    return t[t[:, 2] > 0]
+
+
+def _window(pos, length, lo: int, hi: int):
+    """The parts of segments [pos, pos + length) of a block inside the round's window [lo, hi): (start in the
+    window, start in the segment, bytes)."""
+    s, e = np.maximum(pos, lo), np.minimum(pos + length, hi)
+    return s - lo, s - pos, np.maximum(e - s, 0)
+
+
+def alltoallv_layout(matrix, members, rank: int, send_displs, recv_displs, itemsize: int,
+                     slot_bytes: int) -> AlltoallvLayout:
+    """The layout of `rank`'s alltoallv (``AlltoallvLayout``); members[d][j]: world rank of local j on node d.
+    Displacements and the matrix are in elements, the tables in bytes."""
+    m = np.asarray(matrix, dtype=np.int64)
+    mem = np.asarray(members, dtype=np.int64)
+    nodes, g = mem.shape
+    k, i = (int(v[0]) for v in np.nonzero(mem == rank))
+    sd, rd, isz = np.asarray(send_displs, np.int64), np.asarray(recv_displs, np.int64), int(itemsize)
+
+    to = mem.T                                   # to[j][d]: rank (d, j)
+    send = m[rank][to]                           # [j][d]: elements to rank (d, j)
+    pack = _table(_exclusive(send) * isz, sd[to] * isz, send * isz)
+    node = m[np.ix_(mem[k], mem.reshape(-1))].reshape(g, nodes, g).sum(1)   # [j][i']: node stage, j -> i'
+    zc = m[np.ix_(mem[k], mem[:, i])]            # [j][d]: elements rank (k, j) sends to rank (d, i)
+    zoff = _exclusive(zc) * isz                  # z is laid out [j][d]
+    pos = _exclusive(zc, axis=0) * isz           # in the block to member d
+    local = _table(rd[mem[k]] * isz, zoff[:, k], zc[:, k] * isz)
+
+    # rail i's blocks: rail[p][d] bytes from member p to member d (every member computes the same)
+    came = m[np.ix_(mem.reshape(-1), mem[:, i])].reshape(nodes, g, nodes)   # [p][j][d]
+    rail = came.sum(1) * isz
+    np.fill_diagonal(rail, 0)
+    mine = m[mem.reshape(-1), rank].reshape(nodes, g) * isz                   # [p][j]: to this rank, bytes
+    mine_pos = _exclusive(mine, axis=1)
+    rounds = []
+    for r in range(max(1, -(-int(rail.max(initial=0)) // slot_bytes))):
+        lo, hi = r * slot_bytes, (r + 1) * slot_bytes
+        piece = np.clip(rail - lo, 0, slot_bytes)
+        w, off, nb = _window(pos, zc * isz, lo, hi)
+        nb[:, k] = 0                              # this node's block is copied locally
+        stage = _table(w + np.arange(nodes) * slot_bytes, zoff + off, nb)
+        w, off, nb = _window(mine_pos, mine, lo, hi)
+        nb[k] = 0
+        recv = _table(rd[mem] * isz + off, w + (np.arange(nodes) * slot_bytes)[:, None], nb)
+        rounds.append(RailRoundV(piece[k].copy(), int(piece.max(initial=0)), stage, recv))
+    return AlltoallvLayout(send.sum(1), zc.sum(1), int(node.max(initial=0)), pack,
+                           local, tuple(rounds))
+
+
+def upload_tables(tables, xp):
+    """One device array (uint64, three per entry: destination, source, bytes) of several tables given as
+    (rows, destination base, source base), entries cut to SEGMENT_BYTES; returns it and each table's
+    (first entry, entries)."""
+    parts, spans, at = [], [], 0
+    for rows, dst_base, src_base in tables:
+        t = split_segments(rows)
+        t[:, 0] += dst_base
+        t[:, 1] += src_base
+        parts.append(t.astype(np.uint64))
+        spans.append((at, len(t)))
+        at += len(t)
+    host = np.concatenate(parts) if at else np.zeros((1, 3), np.uint64)
+    return xp.asarray(host.reshape(-1)), spans
+
+
+def split_segments(rows, most: int = SEGMENT_BYTES) -> np.ndarray:
+    """Table rows (destination, source, bytes) cut into entries of at most `most` bytes, in order."""
+    rows = np.asarray(rows, np.int64).reshape(-1, 3)
+    parts = np.maximum(1, -(-rows[:, 2] // most))
+    idx = np.repeat(np.arange(len(rows)), parts)
+    first = np.repeat(np.cumsum(parts) - parts, parts)
+    step = (np.arange(len(idx)) - first) * most
+    out = rows[idx].copy()
+    out[:, 0] += step
+    out[:, 1] += step
+    out[:, 2] = np.minimum(rows[idx, 2] - step, most)
+    return out
 
 
 def check_rail_reduction(dt: str, red: str) -> None:
@@ -713,8 +948,9 @@ def context(world: World, options: HierarchicalOptions | None = None) -> Hierarc
     return ctx
 
 
-__all__ = ["HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "alltoall_node_input", "alltoall_rail_blocks",
-           "check_rail_reduction", "context", "put_grid",
+__all__ = ["AlltoallvLayout", "HierarchicalCollectives", "HierarchicalOptions", "NodeTeam", "RailRoundV",
+           "alltoall_node_input", "alltoall_rail_blocks", "alltoallv_layout", "check_count_matrix",
+           "check_rail_reduction", "split_segments", "upload_tables", "context", "put_grid",
            "rail_allreduce_algo", "rail_geometry", "rail_pieces", "reduce_grid", "shard_elems"]
 
 

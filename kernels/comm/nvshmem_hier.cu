@@ -14,6 +14,11 @@
 //                        rail computes the same bits
 //   fluxrt_rail_gather   waits likewise, then copies slot p to out + p * out_stride for every p whose bit is set in
 //                        `copy_mask` (0: the wait alone)
+//   fluxrt_rail_putv     as fluxrt_rail_put with a byte count per member (0: the signal alone); the round's blocks
+//                        come from the largest piece of the whole rail, so every member waits for as many words
+//   fluxrt_rail_gather_segments  waits likewise, then copies a table of segments out of the slots (alltoallv: each
+//                        member's piece holds parts of several senders' data, bound for scattered places)
+//   fluxrt_copy_segments the same table copy without a wait (packing before the node stage and into the send buffer)
 //
 // Buffer halves: a member writes half h in round e + 2 only after round e + 1 completed on it, which needed
 // every member's round-(e + 1) signals, sent after that member's round-e kernels (its reads of half h) ended.
@@ -50,17 +55,35 @@ __device__ __forceinline__ bool rail_wait(const RailPes& pes, u32 nodes, u32 blo
         [&](u32 i) { return (u64)pes.pe[i / blocks]; }, epoch);
 }
 
+struct RailBytes {
+    u64 n[remote::kMaxRailNodes];  // bytes to rail member d in this round (by value)
+};
+
+// Block (b, d) of a round's grid: part b of `bytes` from src to member d's slot `me`, and its signal word.
+__device__ __forceinline__ void rail_put_part(const RailPes& pes, u32 me, u32 blocks, const char* src, u64 bytes,
+                                              char* recv, u64 half_bytes, u64 slot_bytes, u64* sig, u64 epoch) {
+    const u32 d = blockIdx.x / blocks, b = blockIdx.x % blocks, half = epoch & 1;
+    u64 lo, hi;
+    fluxrt::split_range(bytes, fluxrt::kVecBytes, blocks, b, &lo, &hi);
+    char* dst = recv + half * half_bytes + me * slot_bytes + lo;
+    remote::put_signal_nbi_block(dst, src + lo, hi - lo, rail_signal(sig, half, me, b), epoch, pes.pe[d]);
+    __syncthreads();
+    if (threadIdx.x == 0) remote::quiet();
+}
+
 extern "C" __global__ void fluxrt_rail_put(RailPes pes, u32 me, u32 blocks, const char* src, u64 src_stride,
                                            u64 bytes, char* recv, u64 half_bytes, u64 slot_bytes, u64* sig,
                                            u64 epoch, u64 put_mask) {
-    const u32 d = blockIdx.x / blocks, b = blockIdx.x % blocks, half = epoch & 1;
-    u64 lo, hi;
-    fluxrt::split_range((put_mask >> d) & 1 ? bytes : 0, fluxrt::kVecBytes, blocks, b, &lo, &hi);
-    char* dst = recv + half * half_bytes + me * slot_bytes + lo;
-    remote::put_signal_nbi_block(dst, src + d * src_stride + lo, hi - lo, rail_signal(sig, half, me, b), epoch,
-                                 pes.pe[d]);
-    __syncthreads();
-    if (threadIdx.x == 0) remote::quiet();
+    const u32 d = blockIdx.x / blocks;
+    rail_put_part(pes, me, blocks, src + d * src_stride, (put_mask >> d) & 1 ? bytes : 0, recv, half_bytes,
+                  slot_bytes, sig, epoch);
+}
+
+extern "C" __global__ void fluxrt_rail_putv(RailPes pes, u32 me, u32 blocks, const char* src, u64 src_stride,
+                                            RailBytes bytes, char* recv, u64 half_bytes, u64 slot_bytes, u64* sig,
+                                            u64 epoch) {
+    const u32 d = blockIdx.x / blocks;
+    rail_put_part(pes, me, blocks, src + d * src_stride, bytes.n[d], recv, half_bytes, slot_bytes, sig, epoch);
 }
 
 template <class E, int OP>
@@ -104,3 +127,12 @@ extern "C" __global__ void fluxrt_rail_gather(RailPes pes, u32 nodes, u32 put_bl
     for (u32 p = 0; p < nodes; ++p)
         if ((copy_mask >> p) & 1) fluxrt::copy_block(out + p * out_stride + lo, h + p * slot_bytes + lo, hi - lo, true);
 }
+
+extern "C" __global__ void fluxrt_rail_gather_segments(RailPes pes, u32 nodes, u32 put_blocks, u64* sig, u64 epoch,
+                                                       const u64* table, u64 n, u64 timeout_ns, ErrorRecord* err,
+                                                       u32 op, u32 rank) {
+    if (!rail_wait(pes, nodes, put_blocks, sig, epoch, Watch{timeout_ns, err, op, rank})) return;
+    fluxrt::copy_segments(table, n, true);
+}
+
+extern "C" __global__ void fluxrt_copy_segments(const u64* table, u64 n) { fluxrt::copy_segments(table, n, false); }

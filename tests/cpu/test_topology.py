@@ -212,7 +212,7 @@ def test_hierarchical_methods_take_every_keyword_of_the_single_node_ones():
     from fluxrt.collectives import Collectives
     from fluxrt.collectives_hier import HierarchicalCollectives
 
-    for name in ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast"):
+    for name in ("allreduce", "reduce_scatter", "allgather", "alltoall", "alltoallv", "broadcast"):
         single = set(inspect.signature(getattr(Collectives, name)).parameters)
         hier = set(inspect.signature(getattr(HierarchicalCollectives, name)).parameters)
         assert single <= hier, (name, single - hier)
@@ -334,3 +334,106 @@ def test_two_phase_alltoall_layout(nodes, g, c):
                 out[d * g + i][k * g * c:(k + 1) * g * c] = w[d]
     for q in range(n):
         assert np.array_equal(out[q], want[q]), q
+
+
+def _simulate_alltoallv(matrix, members, sds, rds, itemsize, slot, xs, outs):
+    """Every rank's alltoallv through the layouts' tables, with numpy byte arrays for x, y, z, the send and
+    receive buffers and out; the rail put moves put_bytes[d] of member p's send buffer into member d's slot p."""
+    import numpy as np
+
+    from fluxrt.collectives_hier import alltoallv_layout, split_segments
+
+    nodes, g = len(members), len(members[0])
+
+    def copy(table, dst, src):
+        for d0, s0, nb in split_segments(table, 7):   # short entries: the cut must keep the bytes in order
+            dst[d0:d0 + nb] = src[s0:s0 + nb]
+
+    lay = {r: alltoallv_layout(matrix, members, r, sds[r], rds[r], itemsize, slot)
+           for node in members for r in node}
+    y = {}
+    for r, lt in lay.items():
+        y[r] = np.zeros(int(lt.node_send.sum()) * itemsize, np.uint8)
+        copy(lt.pack, y[r], xs[r])
+    z = {}
+    for k, node in enumerate(members):                 # the node stage: local rank j's part for local rank i
+        for i, r in enumerate(node):
+            parts = []
+            for j, q in enumerate(node):
+                start = int(lay[q].node_send[:i].sum()) * itemsize
+                parts.append(y[q][start:start + int(lay[q].node_send[i]) * itemsize])
+                assert lay[r].node_recv[j] == lay[q].node_send[i] and lay[r].node_max == lay[q].node_max
+            z[r] = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    for r, lt in lay.items():
+        copy(lt.local, outs[r], z[r])
+    for i in range(g):                                  # rail i
+        rail = [node[i] for node in members]
+        counts = {len(lay[r].rounds) for r in rail}
+        assert len(counts) == 1, counts
+        for rd in range(counts.pop()):
+            assert len({lay[r].rounds[rd].grid_bytes for r in rail}) == 1
+            send = {}
+            for p, r in enumerate(rail):
+                rnd = lay[r].rounds[rd]
+                assert rnd.put_bytes[p] == 0 and max(rnd.put_bytes, default=0) <= rnd.grid_bytes <= slot
+                send[r] = np.zeros(nodes * slot, np.uint8)
+                copy(rnd.stage, send[r], z[r])
+            recv = {r: np.zeros(nodes * slot, np.uint8) for r in rail}
+            for p, r in enumerate(rail):
+                for d, q in enumerate(rail):
+                    nb = int(lay[r].rounds[rd].put_bytes[d])
+                    recv[q][p * slot:p * slot + nb] = send[r][d * slot:d * slot + nb]
+            for r in rail:
+                copy(lay[r].rounds[rd].recv, outs[r], recv[r])
+    return max(len(lt.rounds) for lt in lay.values())
+
+
+@pytest.mark.parametrize("nodes, g, slot, seed", [(2, 1, 64, 0), (2, 2, 64, 1), (2, 2, 16, 2), (3, 2, 48, 3),
+                                                  (2, 4, 512, 4), (4, 2, 32, 5)])
+def test_two_phase_alltoallv_layout(nodes, g, slot, seed):
+    """The hierarchical all-to-all-v's tables (pack, node stage, local block, rail rounds), simulated with numpy
+    on N x G ranks against the flat definition: uneven counts, zero pairs, a rank that sends nothing, custom
+    displacements with gaps on one rank, an odd item size, rounds of small slots (several per call), members
+    of a node that are not consecutive ranks."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n, isz = nodes * g, 2
+    order = rng.permutation(n)                            # node d, local j: rank order[d * g + j]
+    members = tuple(tuple(int(v) for v in order[d * g:(d + 1) * g]) for d in range(nodes))
+    matrix = rng.integers(0, 23, (n, n))
+    matrix[rng.random((n, n)) < 0.3] = 0
+    matrix[n - 1] = 0                                     # rank n - 1 sends nothing
+    big = next(r for r in members[0] if r != n - 1) if g > 1 or members[0][0] != n - 1 else members[1][0]
+    matrix[big, members[-1][0] if big in members[0] else members[0][0]] = 3 * slot   # several rail rounds
+    sds, rds, xs, outs, want = {}, {}, {}, {}, {}
+    for r in range(n):
+        sc, rc = matrix[r], matrix[:, r]
+        sds[r] = np.concatenate(([0], np.cumsum(sc)[:-1]))
+        rds[r] = np.concatenate(([0], np.cumsum(rc)[:-1]))
+        if r == 1:                                        # gaps, reversed order
+            sds[r] = (np.cumsum(sc[::-1])[::-1] - sc) + (n - 1 - np.arange(n)) * 5
+            rds[r] = (np.cumsum(rc[::-1])[::-1] - rc) + (n - 1 - np.arange(n)) * 3
+        xs[r] = rng.integers(0, 255, (int((sds[r] + sc).max(initial=0)) * isz,), dtype=np.uint8)
+        size = int((rds[r] + rc).max(initial=0)) * isz
+        outs[r] = np.full(size, 0xEE, np.uint8)
+        want[r] = outs[r].copy()
+    for r in range(n):
+        for q in range(n):
+            c = int(matrix[q][r]) * isz
+            want[r][rds[r][q] * isz:rds[r][q] * isz + c] = xs[q][sds[q][r] * isz:sds[q][r] * isz + c]
+    assert _simulate_alltoallv(matrix, members, sds, rds, isz, slot, xs, outs) > 1
+    for r in range(n):
+        assert np.array_equal(outs[r], want[r]), r
+
+
+def test_alltoallv_count_matrix_and_segments():
+    from fluxrt.collectives_hier import check_count_matrix, split_segments
+    from fluxrt.errors import CollectiveMismatchError
+
+    m = check_count_matrix([[0, 2], [3, 1]], [None, [2, 1]])
+    assert m.tolist() == [[0, 2], [3, 1]]
+    with pytest.raises(CollectiveMismatchError, match="rank 1 sends 3 to rank 0, which expects 4"):
+        check_count_matrix([[0, 2], [3, 1]], [[0, 4], None])
+    t = split_segments([[100, 0, 10], [0, 500, 3]], 4)
+    assert t.tolist() == [[100, 0, 4], [104, 4, 4], [108, 8, 2], [0, 500, 3]]

@@ -242,7 +242,100 @@ def test_unsupported_op_names_the_path(world, hier):
     import fluxrt
 
     with pytest.raises(fluxrt.CollectiveArgumentError, match="across nodes"):
-        fluxrt.alltoallv(world, _device(np.zeros(world.size, np.float32)), [1] * world.size)
+        fluxrt.allreduce(world, _device(np.zeros(world.size, np.float32)), compress="fp8")
+
+
+def _alltoallv_case(n, seed, scale, dtype, pad):
+    """The count matrix ([p][q]: elements p sends to q; zeros, and rank n - 1 sends nothing), every rank's
+    send displacements (`pad` elements of gap after each block) and input, the same on every rank."""
+    rng = np.random.default_rng(seed)
+    m = rng.integers(0, scale, size=(n, n))
+    m[rng.random((n, n)) < 0.25] = 0
+    m[n - 1] = 0
+    displs = [np.concatenate(([0], np.cumsum(m[p] + pad)[:-1])) for p in range(n)]
+    inputs = [_inputs(seed * 7 + p, n, int(m[p].sum() + pad * n), dtype)[p] for p in range(n)]
+    return m, displs, inputs
+
+
+def _alltoallv_ok(got, m, displs, inputs, rank, rd, pad, dtype) -> bool:
+    """out's block from every rank p equals p's data for this rank bitwise; the gaps keep their poison."""
+    poison = _host(_poisoned(1, dtype)).view(np.uint8)
+    for p in range(m.shape[0]):
+        c = int(m[p][rank])
+        want = inputs[p][displs[p][rank]:displs[p][rank] + c]
+        if not np.array_equal(got[rd[p]:rd[p] + c].view(np.uint8), want.view(np.uint8)):
+            return False
+        gap = got[rd[p] + c:rd[p] + c + pad]
+        if not np.array_equal(gap.view(np.uint8), np.tile(poison, gap.size)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", ("bf16", "int32"))
+@pytest.mark.parametrize("seed, scale, given_recv, pad", [(1, 7, True, 0), (2, 5000, False, 3), (3, 300_000, True, 0)])
+def test_alltoallv(world, hier, dtype, seed, scale, given_recv, pad):
+    """Two phases (node all-to-all-v of the blocks regrouped by destination local index, then one put per
+    remote node sized to that pair): uneven counts, zero pairs, a rank sending nothing, gaps between blocks
+    (they keep the poison), against the flat definition, bitwise."""
+    import fluxrt
+
+    n, r = world.size, world.rank
+    m, displs, inputs = _alltoallv_case(n, seed, scale, dtype, pad)
+    rc = m[:, r]
+    rd = np.concatenate(([0], np.cumsum(rc + pad)[:-1]))
+    out = _poisoned(int(rc.sum() + pad * n), dtype)
+    fluxrt.alltoallv(world, _device(inputs[r]), m[r], rc if given_recv else None, out,
+                     send_displs=displs[r] if pad else None, recv_displs=rd if pad else None)
+    world.synchronize()
+    ok = world.comm.allgather(_alltoallv_ok(_host(out), m, displs, inputs, r, rd, pad, dtype))
+    assert all(ok), f"hierarchical alltoallv seed={seed} {dtype}: correct per rank {ok}"
+
+
+def test_alltoallv_in_several_rail_rounds_and_async(world, hier):
+    """Small rail slots: pairs of several slots (several rounds, both buffer halves, rounds where some pairs
+    are done and put the signal alone), out=None, then async on the same context."""
+    from fluxrt.collectives import CollectivesOptions
+    from fluxrt.collectives_hier import HierarchicalCollectives, HierarchicalOptions
+
+    n, r = world.size, world.rank
+    ctx = HierarchicalCollectives(world, HierarchicalOptions(rail_bytes=1 << 18,
+                                                             node=CollectivesOptions(workspace_bytes=32 << 20)))
+    try:
+        results = []
+        for seed, scale in ((11, 70_001), (12, 3)):
+            m, displs, inputs = _alltoallv_case(n, seed, scale, "fp32", 0)
+            rd = np.concatenate(([0], np.cumsum(m[:, r])[:-1]))
+            out = ctx.alltoallv(_device(inputs[r]), m[r])
+            res = ctx.alltoallv(_device(inputs[r]), m[r], m[:, r], async_op=True).wait()
+            world.synchronize()
+            results.append((_alltoallv_ok(_host(out), m, displs, inputs, r, rd, 0, "fp32"),
+                            _alltoallv_ok(_host(res), m, displs, inputs, r, rd, 0, "fp32")))
+        every = world.comm.allgather(results)
+        assert all(a and b for per in every for a, b in per), f"alltoallv (plain, async) per rank: {every}"
+    finally:
+        ctx.free()
+
+
+def test_alltoallv_bad_counts_fail_on_every_rank_before_launch(world, hier):
+    import fluxrt
+
+    n, r = world.size, world.rank
+    send, recv = np.full(n, 4), np.full(n, 4)
+    if r == 0:
+        recv[n - 1] = 5
+    x = _device(np.zeros(4 * n, np.int32))
+    with pytest.raises(fluxrt.CollectiveMismatchError, match=f"rank {n - 1} sends 4 to rank 0, which expects 5"):
+        fluxrt.alltoallv(world, x, send, recv, _poisoned(5 * n, "int32"))
+    bad = np.full(n, 4)
+    if r == n - 1:
+        bad[0] = -1
+    with pytest.raises(fluxrt.CollectiveArgumentError):
+        fluxrt.alltoallv(world, x, bad)
+    with pytest.raises(fluxrt.CollectiveArgumentError, match="out too small"):
+        fluxrt.alltoallv(world, x, send, None, _poisoned(4 * n - 1, "int32"))
+    out = fluxrt.alltoallv(world, x, send)   # the context still works after the refusals
+    world.synchronize()
+    assert world.comm.allgather(bool((_host(out) == 0).all())) == [True] * n
 
 
 def _alltoall_reference(inputs, rank, n):

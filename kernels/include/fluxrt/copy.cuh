@@ -5,6 +5,7 @@
 //   copy_strided    one destination: 16-byte vectors where dst and src share 16-byte alignment, 4-byte
 //                   words where they share 4-byte alignment, bytes otherwise and for head and tail
 //   copy_fanout     one source to several destinations (all 16- or 4-byte aligned, or bytes)
+//   copy_segments   a table of (destination, source, bytes) segments, one block per entry in turn
 //   poison_bytes    all-ones bytes over a range: what a call that timed out leaves in its output
 // Threads take units first, first + stride, ...: a block (threadIdx.x, blockDim.x) or a grid.
 // Source loads by policy: LoadNc (read-only path: data that stays unchanged during the kernel),
@@ -107,6 +108,14 @@ __device__ __noinline__ void poison_bytes(char* dst, u64 bytes, u32 lane, u32 la
 // The block copies `bytes` from src to dst. fresh_src: src holds pushed data (loads bypass L1).
 __device__ inline void copy_block(char* __restrict__ dst, const char* __restrict__ src, u64 bytes, bool fresh_src) {
     copy_strided(dst, src, bytes, threadIdx.x, blockDim.x, LoadFresh{fresh_src});
+}
+
+// The grid copies a table of segments, three u64 per entry (destination, source, bytes): block b takes
+// entries b, b + gridDim.x, ... (the host cuts long segments so that entries are of similar size).
+__device__ inline void copy_segments(const u64* table, u64 n, bool fresh_src) {
+    for (u64 e = blockIdx.x; e < n; e += gridDim.x)
+        copy_block(reinterpret_cast<char*>(table[3 * e]), reinterpret_cast<const char*>(table[3 * e + 1]),
+                   table[3 * e + 2], fresh_src);
 }
 
 // The grid copies `bytes` from src (unchanged during the kernel) to dst (usually a peer pointer).
