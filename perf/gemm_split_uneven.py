@@ -64,10 +64,25 @@ def run_shape(suite, m: int, n: int, k: int, layout: str, iters: int, rounds: in
     tuned = suite.bench_shape(shape, "bfloat16", iters, rounds, True, False, True)   # plan_for: the tuned plan
     before = min(old, key=lambda x: x[1]) if old else (None, None)
     after = min(old + new, key=lambda x: x[1])
-    return {"m": m, "n": n, "k": k, "layout": layout,
-            "heuristic": {x: heur[x] for x in keep if x in heur}, "tuned": {x: tuned[x] for x in keep if x in tuned},
-            "autotune_before": {"plan": before[0], "us": before[1]}, "autotune_after": {"plan": after[0], "us": after[1]},
-            "uneven_candidates_us": new}
+    uneven = min(new, key=lambda x: x[1]) if new else (None, None)
+    return flat_row(m, n, k, layout, {x: heur[x] for x in keep if x in heur}, {x: tuned[x] for x in keep if x in tuned},
+                    before, after, uneven, len(new))
+
+
+def flat_row(m, n, k, layout, heur: dict, tuned: dict, before, after, uneven, n_uneven: int) -> dict:
+    """One table row: the heuristic's and the tuned plan's gemm_suite numbers, the autotune pass's best
+    candidate before / after uneven slices and its best uneven one (us: kernel time of autotune's timing)."""
+    row = {"m": m, "n": n, "k": k, "layout": layout}
+    for name, r in (("heuristic", heur), ("tuned", tuned)):
+        row[f"{name}_plan"] = r.get("plan")
+        for x in ("ratio_graph", "ratio_eager", "rel_err_vs_cublas"):
+            v = r.get(x)
+            row[f"{name}_{x}"] = None if v is None or v != v else round(v, 4)   # NaN -> null (JSON)
+    row.update({"autotune_before_plan": before[0], "autotune_before_us": before[1] and round(before[1], 2),
+                "autotune_after_plan": after[0], "autotune_after_us": round(after[1], 2),
+                "best_uneven_plan": uneven[0], "best_uneven_us": uneven[1] and round(uneven[1], 2),
+                "uneven_candidates": n_uneven})
+    return row
 
 
 def main(argv=None) -> int:
@@ -83,17 +98,15 @@ def main(argv=None) -> int:
     for m, n, k, layout in args.shapes:
         r = run_shape(suite, m, n, k, layout, args.iters, args.rounds)
         rows.append(r)
-        h, t = r["heuristic"], r["tuned"]
-        bt, at = r["autotune_before"], r["autotune_after"]
-        print(f"{m}x{n}x{k} {layout}: heuristic {h.get('ratio_graph', 0):.3f}x graph {h['ratio_eager']:.3f}x eager "
-              f"({h['plan']}) | tuned {t.get('ratio_graph', 0):.3f}x graph {t['ratio_eager']:.3f}x eager ({t['plan']}) "
-              f"| autotune best before {bt['us']} us ({bt['plan']}), after {at['us']} us ({at['plan']}) "
-              f"| rel err {t['rel_err_vs_cublas']:.1e}", flush=True)
-        for d, us in r["uneven_candidates_us"]:
-            print(f"    uneven {d}: {us:.1f} us", flush=True)
+        print(f"{m}x{n}x{k} {layout}: heuristic {r['heuristic_ratio_graph']}x graph ({r['heuristic_plan']}) | tuned "
+              f"{r['tuned_ratio_graph']}x graph ({r['tuned_plan']}) | autotune best before {r['autotune_before_us']} us "
+              f"({r['autotune_before_plan']}), after {r['autotune_after_us']} us ({r['autotune_after_plan']})",
+              flush=True)
     if args.json:
         args.json.write_text(json.dumps({"bench": "gemm_split_uneven", "commit": os.environ.get("FLUXRT_COMMIT"),
-                                         "machine": os.environ.get("FLUXRT_MACHINE_KIND"), "rows": rows}, indent=1))
+                                         "machine": os.environ.get("FLUXRT_MACHINE_KIND"),
+                                         "command": " ".join(["python3", "perf/gemm_split_uneven.py", *sys.argv[1:]]),
+                                         "rows": rows}, indent=1))
     return 0
 
 
