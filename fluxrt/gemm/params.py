@@ -39,7 +39,7 @@ GEMM_ARGS = _struct([
     ("tmap_a", TMAP[1], 64), ("tmap_b", TMAP[1], 64), ("tmap_c", TMAP[1], 64),
     ("order_table", PTR), ("c_direct", PTR),
     ("m", I32), ("n", I32), ("k", I32), ("group_m", I32), ("m_tile_offset", I32),
-    ("chunk_rows", I32), ("chunks_per_peer", I32),
+    ("chunk_rows", I32), ("chunks_per_peer", I32), ("k_slice", I32),
 ])
 TIMEOUT_ARGS = _struct([("timeout_ns", U64), ("err", PTR), ("rank", U32)])
 WAIT_ARGS = _struct([("flags", PTR), ("epoch", U64), ("op_id", U32)])

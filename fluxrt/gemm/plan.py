@@ -22,8 +22,9 @@ c_staging      with epilogue 'tma': 'per_consumer' (one staging region per consu
                the whole tile at once) or 'shared' (FLUXRT_GEMM_C_SHARED=1: one consumer-sized region
                the consumers fill in turn, the storer drains it once per consumer; half the staging
                with 2 consumers, e.g. 4 stages at 128x256 bf16). No effect with one consumer.
-split_k        K in this many slices, each a band of rows of one launch writing fp32 partials, summed in
-               slice order by a second kernel (deterministic): more tiles where M x N alone leaves SMs idle
+split_k        K in this many slices (whole K blocks, the last shorter: any K), each a band of rows of one
+               launch writing fp32 partials, summed in slice order by a second kernel (deterministic): more
+               tiles where M x N alone leaves SMs idle
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -269,6 +270,18 @@ SPLIT_FIXED_COST = 9e6     # the second launch (the reduce), in tile_cost units:
 SPLIT_RATE = 0.95          # fp32 partials need 4x C staging: fewer stages than the same tile with 16-bit out
 
 
+def split_slices(k: int, splits: int, block_k: int = BLOCK_K) -> tuple[int, int]:
+    """How split-K cuts K: (k_slice, count). Every slice but the last is k_slice columns, a whole number of
+    K blocks (so it ends on a block boundary and never reads the next slice's columns); the last one holds
+    the rest, 1 .. k_slice columns. count <= splits: slices of whole blocks cover K in fewer pieces when K has
+    few blocks (7 blocks in 4 slices: 2 + 2 + 2 + 1; 5 blocks: 2 + 2 + 1, three slices)."""
+    if k < 1 or splits < 1:
+        raise ValueError(f"split_slices: K={k} and splits={splits} must be positive")
+    blocks = -(-k // block_k)
+    k_slice = -(-blocks // splits) * block_k
+    return k_slice, -(-k // k_slice)
+
+
 def split_cost(m: int, n: int, k: int, block_m: int, block_n: int, splits: int, num_sms: int = H100_H200_SMS) -> float:
     """Modelled time of a split-K plan in :func:`tile_cost` units (one unit: one multiply-add of one SM at the
     128x256 rate, about 0.33 ps on H100/H200, which makes a byte of DRAM traffic about one unit): the launch
@@ -282,7 +295,8 @@ def split_cost(m: int, n: int, k: int, block_m: int, block_n: int, splits: int, 
 def split_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS, *,
                 partial_waves: bool = False) -> list[GemmPlan]:
     """Split-K plans worth considering: where a tile shape's tiles fill less than one wave, for every slice
-    count that divides K into 16-byte pieces of at least SPLIT_MIN_K and keeps the tiles within two waves.
+    count that cuts K (any K: :func:`split_slices`) into slices of at least SPLIT_MIN_K and keeps the tiles
+    within two waves.
     partial_waves (the autotuner's wider set): also where the tiles make a few waves whose last one is mostly
     idle (at most SPLIT_WAVES_MAX waves, last wave below SPLIT_PARTIAL_FILL), with slices that fill the waves
     better, up to SPLIT_WAVES_MAX waves of work items: small-M problems that stream B once (M <= 512) run at the
@@ -300,7 +314,7 @@ def split_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: in
             continue
         most = (2 if few else SPLIT_WAVES_MAX) * num_sms
         for splits in SPLITS:
-            if k % (8 * splits) or k // splits < SPLIT_MIN_K or splits * tiles > most:
+            if k // splits < SPLIT_MIN_K or split_slices(k, splits)[1] != splits or splits * tiles > most:
                 continue
             if not few and _wave_fill(splits * tiles, num_sms) <= _wave_fill(tiles, num_sms):
                 continue

@@ -2,11 +2,13 @@
 idle (few tiles, long K).
 
 One launch of the GEMM kernel (FLUXRT_GEMM_SPLIT_K) computes every slice: its rows are ``splits`` bands of
-M rows (padded to whole tiles), band s multiplies A[:, s*Ks:(s+1)*Ks] by the matching slice of B and stores
-its fp32 partial in plane s of a workspace [splits, M, N]. A second kernel (kernels/gemm/splitk_reduce.cu)
-sums the planes in order 0, 1, ... and rounds once into C: deterministic, and graph-capturable (both are
-plain launches on the caller's stream). A and B are read in place through 3-D tensor maps whose middle (or
-outer) coordinate is the slice, so nothing is copied.
+M rows (padded to whole tiles), band s multiplies A[:, s*Ks:min((s+1)*Ks, K)] by the matching slice of B
+and stores its fp32 partial in plane s of a workspace [splits, M, N]. Ks is a whole number of K blocks
+(plan.split_slices), so K needs no divisibility: only the last slice is shorter, and only its last block
+reaches past K, where TMA reads zeros. A second kernel (kernels/gemm/splitk_reduce.cu) sums the planes in
+order 0, 1, ... and rounds once into C: deterministic, and graph-capturable (both are plain launches on the
+caller's stream). A and B are read in place through their ordinary 2-D tensor maps at the slice's K offset,
+so nothing is copied.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from ..packed_launch import PackedLaunch
 from .hooks import BANDS_C
 from .kernel import OUT_IDS, _kernel, _num_sms, kernel_defines
 from .params import gemm_params
-from .plan import ITEMSIZE, GemmPlan
-from .tmaps import tensor_map, tensor_map_nd
+from .plan import GemmPlan, split_slices
+from .tmaps import tensor_map
 
 REDUCE_SOURCE = "gemm/splitk_reduce.cu"
 REDUCE_NAME = "fluxrt_splitk_reduce"
@@ -32,17 +34,14 @@ _workspaces: dict = {}    # (device, stream) -> [current buffer, *older buffers 
 _reducers: dict = {}
 
 
-def check_split(plan: GemmPlan, m: int, n: int, k: int) -> int:
-    """K of one slice; raises GemmArgumentError when K does not cut into ``plan.split_k`` slices of 16-byte rows
-    or the workspace would be too large."""
-    s = plan.split_k
-    if k % (8 * s):
-        raise GemmArgumentError(f"gemm: split_k={s} needs K={k} to be a multiple of {8 * s} (slices of whole "
-                                "16-byte row pieces)")
+def check_split(plan: GemmPlan, m: int, n: int, k: int) -> tuple[int, int]:
+    """(K columns of a slice, slices) of a call (:func:`plan.split_slices`: at most ``plan.split_k`` slices, for
+    any K); raises GemmArgumentError when the workspace would be too large."""
+    k_slice, s = split_slices(k, plan.split_k, plan.block_k)
     if s * m * n * 4 > MAX_WORKSPACE_BYTES:
-        raise GemmArgumentError(f"gemm: split_k={s} at M={m}, N={n} needs {s * m * n * 4} B of fp32 partials, more "
-                                f"than {MAX_WORKSPACE_BYTES}")
-    return k // s
+        raise GemmArgumentError(f"gemm: split_k={plan.split_k} at M={m}, N={n} needs {s * m * n * 4} B of fp32 "
+                                f"partials, more than {MAX_WORKSPACE_BYTES}")
+    return k_slice, s
 
 
 def workspace(device: int, stream_ptr: int, nbytes: int):
@@ -94,25 +93,23 @@ class SplitLaunch:
 def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_dt: str, trans_b: bool, dev: int,
             stream_ptr: int) -> SplitLaunch:
     """Build the split-K launches of a checked plain call (CuPy arrays, out allocated)."""
-    splits = plan.split_k
-    ks = check_split(plan, m, n, k)
-    item = ITEMSIZE[in_dt]
+    ks, splits = check_split(plan, m, n, k)
     m_pad = -(-m // plan.block_m) * plan.block_m
     rows = splits * m_pad                                # the launch's M: one band of m_pad rows per slice
     ws = workspace(dev, stream_ptr, splits * m * n * 4)
     defines = kernel_defines(plan, in_dt, "float32", trans_b, bands=BANDS_C)
     smem = plan.smem_bytes("float32")
     kern = _kernel(defines, dev, smem)
-    # A [M, K] as (k, slice, row); B [N, K] as (k, slice, n) or [K, N] as (n, k, slice)
-    tmap_a = tensor_map_nd(a.data.ptr, in_dt, (ks, splits, m), (ks * item, k * item), (plan.block_k, 1, plan.block_m))
+    # the plain GEMM's maps: band s reads them from K column s * ks on (GemmArgs::k_slice)
+    tmap_a = tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m)
     if trans_b:
-        tmap_b = tensor_map_nd(b.data.ptr, in_dt, (ks, splits, n), (ks * item, k * item), (plan.block_k, 1, plan.block_n))
+        tmap_b = tensor_map(b.data.ptr, in_dt, n, k, plan.block_k, plan.block_n)
     else:
-        tmap_b = tensor_map_nd(b.data.ptr, in_dt, (n, ks, splits), (n * item, ks * n * item), (64, plan.block_k, 1))
+        tmap_b = tensor_map(b.data.ptr, in_dt, k, n, 64, plan.block_k)
     tmap_c = tensor_map(ws.data.ptr, "float32", m, n, 128 // 4, 64, bands=splits)
     mt, _ = plan.tiles(rows, n)
-    params = gemm_params(tmap_a=tmap_a, tmap_b=tmap_b, tmap_c=tmap_c, m=rows, n=n, k=ks, group_m=plan.group_m,
-                        m_tile_offset=plan.m_tile_offset % mt, chunk_rows=m_pad, chunks_per_peer=1)
+    params = gemm_params(tmap_a=tmap_a, tmap_b=tmap_b, tmap_c=tmap_c, m=rows, n=n, k=k, group_m=plan.group_m,
+                        m_tile_offset=plan.m_tile_offset % mt, chunk_rows=m_pad, chunks_per_peer=1, k_slice=ks)
     grid = plan.grid(rows, n, _num_sms(dev))
     gemm = PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem)
     vecs = m * n // 4

@@ -48,11 +48,11 @@
 //                             TMA's out-of-bounds fill); bit 1: C (rows past `rows` are not written, TMA
 //                             clips them). A tile never straddles two bands (band_rows % kBM == 0). default 0
 //   FLUXRT_GEMM_SPLIT_K       1: split-K (with banded C, fp32 out, no hooks, no cluster): the GEMM's M rows are
-//                             `splits` bands of band_rows rows; band s multiplies K columns [s*k, (s+1)*k)
-//                             (k = the launch's K, one split) and stores its fp32 partial into band s of C.
-//                             A and B are 3-D maps with the split as a coordinate: A [M][splits][k] read
-//                             as (k, split, row); B [N][splits][k] as (k, split, n), or [splits][k][N] as
-//                             (n, k, split). A separate kernel sums the partials in split order. default 0
+//                             `splits` bands of band_rows rows; band s multiplies K columns [s*ks,
+//                             min((s+1)*ks, K)) (ks = GemmArgs::k_slice, whole K blocks; KSlices in
+//                             scheduler.cuh) and stores its fp32 partial into band s of C. A and B are the
+//                             plain 2-D maps, read at the slice's K offset. A separate kernel sums the
+//                             partials in split order. default 0
 //   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; no hooks, no cluster, no bands, staged epilogue):
 //                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a

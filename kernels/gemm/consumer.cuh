@@ -148,11 +148,12 @@ struct ConsumerSmem {
 // One consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile of the schedule, then hands
 // the accumulators to the epilogue (Epilogue::store), which the mainloop calls back once per K block
 // (Epilogue::after_k_block, for work that overlaps the MMAs).
-template <class Epilogue, class ScaleT>
+// Split-K passes its KSlices last (`slices`: none or one); without it every tile has all of K's blocks.
+template <class Epilogue, class ScaleT, class... KSlicesT>
 __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int wg, const ConsumerSmem& sm,
-                                             Epilogue& epilogue, ScaleT scale) {
+                                             Epilogue& epilogue, ScaleT scale, KSlicesT... slices) {
     const int tid = threadIdx.x & 127;  // thread within the warpgroup
-    const int k_blocks = (K + kBK - 1) / kBK;
+    const int k_blocks_all = (K + kBK - 1) / kBK;
     float acc[kAccRegs];
     int stage = 0;
     u32 phase = 0;
@@ -161,6 +162,8 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int prev_stage = 0;
         const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
+        // split-K: the K blocks of the slice of the tile's band, as the loader loads them
+        const int k_blocks = item_k_blocks(k_blocks_all, sched, t, slices...);
         // Block scales: the scales of K blocks kb + 1 and kb + 2 are in flight while kb is computed (they come
         // from L2: the ring leaves little L1, and an L2 round trip is longer than one K block's MMAs).
         BlockScale::Loaded s_next{}, s_after{};

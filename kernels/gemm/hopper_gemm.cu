@@ -170,7 +170,11 @@ fluxrt_gemm(const __grid_constant__ Params p) {
         if (warp == 0) {
             if (threadIdx.x == 0) {
                 Mainloop mainloop = make_mainloop(p, chunks, (Mainloop*)nullptr);
-                run_loader(sched, p.gemm.k, mainloop, &p.gemm.tmap_b, chunks, smem, bars_full, bars_empty);
+                if constexpr (kSplitK)
+                    run_loader(sched, p.gemm.k, mainloop, &p.gemm.tmap_b, chunks, smem, bars_full, bars_empty,
+                               KSlices::of(p.gemm, chunks));
+                else
+                    run_loader(sched, p.gemm.k, mainloop, &p.gemm.tmap_b, chunks, smem, bars_full, bars_empty);
             }
         } else if (warp == 1) {
             if constexpr (!kEpiDirect) run_storer(sched, epilogue, smem, bar_c_full, bar_c_empty);
@@ -184,7 +188,10 @@ fluxrt_gemm(const __grid_constant__ Params p) {
         const int wg = warpgroup - 1;
         const ConsumerSmem sm{smem, smem_raw + pad, bars_full, bars_empty, bar_c_full + 8 * c_turn_of(wg),
                               bar_c_empty + 8 * c_turn_of(wg)};
-        run_consumer(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr));
+        if constexpr (kSplitK)
+            run_consumer(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr), KSlices::of(p.gemm, chunks));
+        else
+            run_consumer(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr));
     }
     // Stage 3: with a cluster, no CTA may exit while its peer can still multicast into its shared memory
     // or arrive on its barriers: every thread of both CTAs meets here once all work is done.

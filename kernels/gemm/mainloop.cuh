@@ -97,10 +97,12 @@ using OwnShardMainloop = ArrivalWaitMainloop<OwnShardOfA>;
 
 // The loader: per K block, wait until every consumer (of every CTA of the cluster) released the stage,
 // announce the stage's bytes on full[s], and issue the TMA loads that complete them.
-template <class Mainloop>
+// Split-K passes its KSlices last (`slices`: none or one).
+template <class Mainloop, class... KSlicesT>
 __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloop& mainloop, const TmaDesc* tmap_b,
-                                           RowChunks chunks, u32 smem, u32 bars_full, u32 bars_empty) {
-    const int k_blocks = (K + kBK - 1) / kBK;
+                                           RowChunks chunks, u32 smem, u32 bars_full, u32 bars_empty,
+                                           KSlicesT... slices) {
+    const int k_blocks_all = (K + kBK - 1) / kBK;
     int stage = 0;
     u32 phase = 0;
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
@@ -113,13 +115,16 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
         // banded A: the tile's rows are rows [a.row % band_rows, + kBM) of band a.row / band_rows
         const int a_band = (kBandsA || kSplitK) ? a.row / chunks.band_rows() : 0;
         const int a_band_row = (kBandsA || kSplitK) ? a.row - a_band * chunks.band_rows() : a.row;
+        // split-K: band a_band's slice of K, its first column and its K blocks (the last slice's may be fewer)
+        const int k_first = band_k_first(a.row, slices...);
+        const int k_blocks = band_k_blocks(k_blocks_all, a.row, slices...);
         for (int kb = 0; kb < k_blocks; ++kb) {
             const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol)
             mbar_arrive_expect_tx(full, kStageBytes);
-            const int k0 = kb * kBK;
-            if constexpr (kSplitK)   // split a_band: K columns of that split, the band's rows
-                tma_load_3d(smem + kOffA + stage * kTileABytes, a.map, k0, a_band, a_band_row, full);
+            const int k0 = k_first + kb * kBK;
+            if constexpr (kSplitK)   // the band's rows of A, read in place (2-D map)
+                tma_load_2d(smem + kOffA + stage * kTileABytes, a.map, k0, a_band_row, full);
             else if constexpr (kBandsA)
                 tma_load_3d(smem + kOffA + stage * kTileABytes, a.map, k0, a_band_row, a_band, full);
             else
@@ -127,9 +132,7 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
                 // box {64 K, kBN / kCluster rows of N}: with a cluster, this CTA's share of the rows
-                if constexpr (kSplitK) {
-                    tma_load_3d(b_dst, tmap_b, k0, a_band, n0, full);
-                } else if constexpr (kGrouped) {   // B [G][N][K] as (k, n, group)
+                if constexpr (kGrouped) {   // B [G][N][K] as (k, n, group)
                     tma_load_3d(b_dst, tmap_b, k0, n0, rows.group, full);
                 } else if constexpr (kCluster == 1) {
                     tma_load_2d(b_dst, tmap_b, k0, n0, full);
@@ -141,9 +144,7 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
             } else {
 #pragma unroll
                 for (int j = 0; j < kBN / 64; ++j) {  // boxes {64 N, 64 K}: one 128-byte wide slab each
-                    if constexpr (kSplitK)
-                        tma_load_3d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, a_band, full);
-                    else if constexpr (kGrouped)   // B [G][K][N] as (n, k, group)
+                    if constexpr (kGrouped)   // B [G][K][N] as (n, k, group)
                         tma_load_3d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, rows.group, full);
                     else if constexpr (kCluster == 1)
                         tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);

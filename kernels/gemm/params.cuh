@@ -26,6 +26,8 @@ struct GemmArgs {
     int m_tile_offset;          // rotates the tile rows: a rank starts at its own shard
     int chunk_rows;             // the hooks' row chunks (a multiple of kBM); without hooks the band height
     int chunks_per_peer;        // chunk / chunks_per_peer = the peer that owns a chunk (band = chunk_rows * this)
+    int k_slice;                // split-K: K columns of one slice (a multiple of kBK; band s multiplies
+                                //   [s * k_slice, min((s + 1) * k_slice, k))); otherwise not read
 };
 
 // Hooks 1 and 3: how long a flag is waited for, and where a timeout is reported (one report per kernel).

@@ -192,4 +192,37 @@ struct RowChunks {
     __device__ __forceinline__ int band_rows() const { return rows * per_peer; }
 };
 
+// Split-K (FLUXRT_GEMM_SPLIT_K): the launch's rows are bands of band_rows rows; band s multiplies K columns
+// [s * slice, min((s + 1) * slice, k)). slice is a multiple of kBK, so a slice other than the last ends on a
+// K block boundary (its last block never reads the next slice's columns) and only the last one's final
+// block reaches past K, which TMA fills with zeros. The host makes every band's range non-empty.
+struct KSlices {
+    int k, slice, band_rows;
+
+    static __device__ __forceinline__ KSlices of(const GemmArgs& g, RowChunks chunks) {
+        return KSlices{g.k, g.k_slice, chunks.band_rows()};
+    }
+    // First K column of the slice of the tile whose first (launch) row is row0.
+    __device__ __forceinline__ int begin(int row0) const { return row0 / band_rows * slice; }
+    __device__ __forceinline__ int blocks(int row0) const { return (min(slice, k - begin(row0)) + kBK - 1) / kBK; }
+    // The K blocks of work item t of the schedule.
+    __device__ __forceinline__ int blocks_of_item(const Schedule& sched, int t) const {
+        int m_tile, n_tile;
+        sched.tile(t, m_tile, n_tile);
+        return blocks(sched.rows(m_tile).row0);
+    }
+};
+
+// The roles' K per tile: all of K's blocks, or with split-K (a KSlices after them, the pack below holds none
+// or one) the slice of the tile's band. Overloads, so that the roles of other configurations take exactly
+// the arguments they took before split-K had slices (an extra argument, even unused, moved instructions).
+__device__ __forceinline__ int band_k_first(int) { return 0; }
+__device__ __forceinline__ int band_k_first(int row0, const KSlices& s) { return s.begin(row0); }
+__device__ __forceinline__ int band_k_blocks(int k_blocks, int) { return k_blocks; }
+__device__ __forceinline__ int band_k_blocks(int, int row0, const KSlices& s) { return s.blocks(row0); }
+__device__ __forceinline__ int item_k_blocks(int k_blocks, const Schedule&, int) { return k_blocks; }
+__device__ __forceinline__ int item_k_blocks(int, const Schedule& sched, int t, const KSlices& s) {
+    return s.blocks_of_item(sched, t);
+}
+
 }  // namespace fluxrt_sm90

@@ -187,16 +187,56 @@ def test_cli_help_lists_tune_and_cache():
     assert "tune" in out and "cache" in out
 
 
-def test_split_plans_cut_k_into_16_byte_slices_and_only_where_tiles_are_few():
-    from fluxrt.gemm.plan import SPLIT_MIN_K, split_plans
+def test_split_plans_slice_any_k_and_only_where_tiles_are_few():
+    from fluxrt.gemm.plan import SPLIT_MIN_K, split_plans, split_slices
 
-    plans = split_plans(256, 2560, 8192)
-    assert plans and all(p.split_k > 1 and 8192 % (8 * p.split_k) == 0 for p in plans)
-    assert all(8192 // p.split_k >= SPLIT_MIN_K for p in plans)
+    for k in (8192, 8200, 13208, 7000):   # 8200, 13208, 7000: no slice count divides K into 16-byte pieces
+        plans = split_plans(256, 2560, k)
+        assert plans and all(p.split_k > 1 and k // p.split_k >= SPLIT_MIN_K for p in plans)
+        assert all(split_slices(k, p.split_k, p.block_k)[1] == p.split_k for p in plans)   # no slice left empty
+        for p in plans:
+            p.validate()
+    assert {p.split_k for p in split_plans(256, 2560, 8200)} >= {2, 3, 4}
     assert split_plans(8192, 8192, 8192) == []          # thousands of tiles: nothing to gain
-    assert split_plans(256, 2560, 1000) == [] or all(1000 % (8 * p.split_k) == 0 for p in split_plans(256, 2560, 1000))
-    for p in plans:
-        p.validate()
+    assert split_plans(256, 2560, 1000) == []           # slices shorter than SPLIT_MIN_K
+
+
+@pytest.mark.parametrize("k", [1, 8, 40, 64, 136, 200, 320, 448, 1000, 1544, 4104, 5000, 8192, 13208])
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 6, 8])
+def test_split_slices_cover_k_once_in_whole_blocks(k, splits):
+    """Slices of whole 64-column blocks, consecutive, covering [0, K) once: each but the last ends on a block
+    boundary inside K, the last holds 1 .. k_slice columns, and there are at most `splits` of them."""
+    from fluxrt.gemm.plan import split_slices
+
+    k_slice, count = split_slices(k, splits)
+    assert k_slice % 64 == 0 and 1 <= count <= splits
+    bounds = [(s * k_slice, min((s + 1) * k_slice, k)) for s in range(count)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == k
+    assert all(hi == lo2 for (_, hi), (lo2, _) in zip(bounds, bounds[1:]))
+    assert all(hi - lo == k_slice for lo, hi in bounds[:-1]) and 1 <= bounds[-1][1] - bounds[-1][0] <= k_slice
+    # the kernel's per-band count of K blocks (KSlices::blocks) adds up to K's blocks
+    assert sum(-(-(hi - lo) // 64) for lo, hi in bounds) == -(-k // 64)
+    if k % (8 * splits) == 0 and (k // splits) % 64 == 0:   # K cuts evenly into whole blocks: equal slices
+        assert (k_slice, count) == (k // splits, splits)
+
+
+def test_split_slices_examples_and_checks():
+    from fluxrt.gemm import GemmArgumentError
+    from fluxrt.gemm.plan import split_slices
+    from fluxrt.gemm.split_k import MAX_WORKSPACE_BYTES, check_split
+
+    assert split_slices(13208, 2) == (6656, 2)     # 207 blocks: 104 + 103 (the last 6552 columns)
+    assert split_slices(1000, 3) == (384, 3)       # 384 + 384 + 232
+    assert split_slices(448, 4) == (128, 4)        # 7 blocks: 2 + 2 + 2 + 1
+    assert split_slices(320, 4) == (128, 3)        # 5 blocks: 2 + 2 + 1, three slices
+    assert split_slices(40, 2) == (64, 1)          # less than one block
+    assert split_slices(1000, 3, 128) == (384, 3)  # 128-column blocks (fp8's block_k)
+    with pytest.raises(ValueError):
+        split_slices(0, 2)
+    assert check_split(GemmPlan(block_n=128, stages=4, split_k=3), 100, 264, 1000) == (384, 3)
+    assert check_split(GemmPlan(block_n=128, stages=4, split_k=4), 64, 128, 320) == (128, 3)
+    with pytest.raises(GemmArgumentError, match="fp32 partials"):
+        check_split(GemmPlan(block_n=128, stages=4, split_k=8), 8192, MAX_WORKSPACE_BYTES // (8 * 4 * 8192) + 8, 8192)
 
 
 def test_split_plan_validation():
@@ -238,7 +278,7 @@ def test_partial_wave_split_plans_fill_ragged_waves():
 
     from fluxrt.gemm.autotune import candidates
     from fluxrt.gemm.plan import H100_H200_SMS as SMS
-    from fluxrt.gemm.plan import SPLIT_WAVES_MAX, _wave_fill, split_plans
+    from fluxrt.gemm.plan import SPLIT_WAVES_MAX, _wave_fill, split_plans, split_slices
 
     m, n, k = 256, 9216, 7168     # 64x192 tiles: 192 of them, 1.45 waves
     narrow, wide = split_plans(m, n, k), split_plans(m, n, k, partial_waves=True)
@@ -247,5 +287,9 @@ def test_partial_wave_split_plans_fill_ragged_waves():
     for p in set(wide) - set(narrow):
         tiles = math.ceil(m / p.block_m) * math.ceil(n / p.block_n)
         assert tiles >= SMS and _wave_fill(p.split_k * tiles, SMS) > _wave_fill(tiles, SMS)
-        assert p.split_k * tiles <= SPLIT_WAVES_MAX * SMS and k % (8 * p.split_k) == 0
+        assert p.split_k * tiles <= SPLIT_WAVES_MAX * SMS and split_slices(k, p.split_k)[1] == p.split_k
+    assert 3 in {p.split_k for p in wide}    # 7168 / 3 is not a whole number of 16-byte pieces: whole blocks
     assert split_plans(8192, 8192, 8192, partial_waves=True) == []   # 2048 tiles of 128x256: many waves
+    # 461x9128x13208 (K % 16 == 8; 1.09 waves of 128x256 tiles): no slice count divides K, split plans anyway
+    wide = split_plans(461, 9128, 13208, partial_waves=True)
+    assert wide and set(wide) <= set(candidates(461, 9128, 13208))

@@ -728,11 +728,55 @@ def test_split_k_in_a_cuda_graph():
     assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"]
 
 
-def test_split_k_rejects_k_that_does_not_slice():
-    a = cupy.ones((128, 1000), dtype=BF16)
-    b = cupy.ones((1000, 256), dtype=BF16)
-    with pytest.raises(GemmArgumentError, match="split_k=3 needs K=1000"):
-        gemm(a, b, plan=GemmPlan(block_n=128, stages=4, split_k=3))
+SPLIT_UNEVEN_CASES = [  # (M, N, K, splits, block_m, block_n): K not a multiple of 16 * splits, 64 or the slice
+    (461, 1000, 4104, 4, 128, 128),   # K % 16 == 8: slices of 1088, the last 840
+    (100, 264, 1000, 3, 64, 64),      # 384 + 384 + 232
+    (77, 72, 1544, 2, 64, 128),       # 832 + 712
+    (300, 200, 5000, 8, 64, 192),     # 7 x 640 + 520
+    (256, 512, 200, 4, 64, 128),      # 64 + 64 + 64 + 8: the last slice a part of one block
+    (130, 192, 136, 4, 128, 128),     # 3 blocks for 4 slices: 3 slices, the last 8 columns
+    (64, 128, 40, 2, 64, 128),        # K shorter than one block: one slice
+]
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("dtype,out_dtype", [("bfloat16", "bfloat16"), ("float16", "float32")])
+@pytest.mark.parametrize("m,n,k,splits,bm,bn", SPLIT_UNEVEN_CASES)
+def test_split_k_uneven_slices_match_float64(m, n, k, splits, bm, bn, trans_b, dtype, out_dtype):
+    """Any K: slices of whole K blocks, the last shorter (its tail past K read as zeros); a non-last slice never
+    reads the next one's columns, so every column is counted once. The same bits on a second call."""
+    rng = np.random.default_rng(m * 13 + n * 5 + k + splits)
+    a = rand_matrix(rng, (m, k), dtype)
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), dtype)
+    stages = min(max_stages(bm, bn, "float32"), 6)
+    plan = GemmPlan(block_m=bm, block_n=bn, consumers=bm // 64, stages=stages, split_k=splits, group_m=4)
+    out = poisoned((m, n), out_dtype)
+    da, db = to_device(a), to_device(b)
+    gemm(da, db, out, trans_b=trans_b, plan=plan)
+    assert rel_err(out, reference(a, b, trans_b)) < TOL[out_dtype]
+    again = poisoned((m, n), out_dtype)
+    gemm(da, db, again, trans_b=trans_b, plan=plan)
+    assert bool((out.view(cupy.uint8) == again.view(cupy.uint8)).all())
+
+
+def test_split_k_uneven_counts_every_column_once():
+    """Ones times ones: every output element is exactly K (fp32 out), so a column read twice (a slice running
+    into the next) or never (a gap) shows as an exact mismatch, not only as a relative error."""
+    for m, n, k, splits in [(128, 256, 1000, 3), (64, 128, 4104, 4), (192, 320, 136, 4)]:
+        a = cupy.ones((m, k), dtype=BF16)
+        b = cupy.ones((n, k), dtype=BF16)
+        out = cupy.full((m, n), np.nan, dtype=cupy.float32)
+        gemm(a, b, out, trans_b=True, plan=GemmPlan(block_m=64, block_n=128, consumers=1, stages=6, split_k=splits))
+        assert bool((out == k).all()), (m, n, k, splits)
+
+
+def test_split_k_sanitize_small():
+    """A small uneven split (for compute-sanitizer memcheck: 3 slices of 384, 384, 232 columns, tails in M and N)."""
+    rng = np.random.default_rng(3)
+    a, b = rand_matrix(rng, (100, 1000), "bfloat16"), rand_matrix(rng, (1000, 264), "bfloat16")
+    out = poisoned((100, 264), "bfloat16")
+    gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_m=64, block_n=64, consumers=1, stages=6, split_k=3))
+    assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
 
 
 def test_heuristic_and_tuned_plans_run_the_suite_shapes_correctly():
