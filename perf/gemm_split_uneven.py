@@ -57,6 +57,7 @@ def run_shape(suite, m: int, n: int, k: int, layout: str, iters: int, rounds: in
     dt = suite._np_dtype("bfloat16")
     a = rng.standard_normal((m, k), dtype=cupy.float32).astype(dt)
     b = rng.standard_normal((n, k) if shape.trans_b else (k, n), dtype=cupy.float32).astype(dt)
+    cupy.cuda.Device().synchronize()
     res = autotune(a, b, trans_b=shape.trans_b, force=True)
     timed = [(p, us) for p, (_, us) in zip(candidates(m, n, k), res.timings) if us is not None]
     old = [(p.describe(), us) for p, us in timed if p.split_k == 1 or k % (8 * p.split_k) == 0]

@@ -58,6 +58,7 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
     c_ref = cupy.empty((s.m, s.n), dtype=np_dt)
     c = cupy.empty((s.m, s.n), dtype=np_dt)
     stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()   # the operands, made on the current stream, before any call on `stream`
     if autotune:
         from fluxrt.gemm import autotune as tune
 
