@@ -135,6 +135,7 @@ def main(argv=None) -> int:
                 x = rng.standard_normal((t, h), dtype=np.float32).astype(dtype)
                 residual = cupy.random.default_rng(7).standard_normal((t, h), dtype=np.float32).astype(dtype)
                 weight = cupy.random.default_rng(8).standard_normal((h,), dtype=np.float32).astype(dtype)
+                cupy.cuda.Device().synchronize()   # the inputs, made on the current stream, before calls on `stream`
                 out, ro, reduced = cupy.empty_like(x), cupy.empty_like(x), cupy.empty_like(x)
                 out2, ro2 = cupy.empty_like(x), cupy.empty_like(x)
                 codes = cupy.empty((t, h), np.uint8)

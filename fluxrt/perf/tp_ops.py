@@ -389,7 +389,9 @@ def _rand(shape, dtype, seed):
     from ..dtypes import normalize_dtype
 
     g = cupy.random.default_rng(seed)
-    return (g.standard_normal(shape, dtype=np.float32) / 8).astype(normalize_dtype(dtype))
+    x = (g.standard_normal(shape, dtype=np.float32) / 8).astype(normalize_dtype(dtype))
+    cupy.cuda.Device().synchronize()   # made on the current stream; the timed calls run on other streams
+    return x
 
 
 def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, args, timer, nccl_comm,
