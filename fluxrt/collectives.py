@@ -768,18 +768,9 @@ class Collectives:
         n = world.size
 
         def prepare():
-            a = _as_array(x, "x", "alltoallv", world, stream)
-            _move_dtype(a.dtype)
-            plan.choose_algo("alltoallv", a.nbytes, n, algo, tuning=self.tuning)  # validates a forced algo
-            sc = _counts(send_counts, n, "send_counts")
-            sd = _displs(send_displs, sc, "send_displs")
-            if (sd + sc).max(initial=0) > a.size:
-                raise CollectiveArgumentError(f"alltoallv: send counts/displacements reach element "
-                                              f"{int((sd + sc).max())}, x has {a.size}")
-            rc = None if recv_counts is None else _counts(recv_counts, n, "recv_counts")
-            if max_count is not None and max(sc.max(initial=0), 0 if rc is None else rc.max(initial=0)) > max_count:
-                raise CollectiveArgumentError(f"alltoallv: a count exceeds max_count={max_count}")
-            return a, sc, sd, rc
+            got = alltoallv_local_args(x, send_counts, recv_counts, send_displs, max_count, world, stream)
+            plan.choose_algo("alltoallv", got[0].nbytes, n, algo, tuning=self.tuning)  # validates a forced algo
+            return got
 
         got, err = _local(prepare)
         sig = (("dtype", None if got is None else got[0].dtype.str), ("max_count", max_count), ("algo", algo))
@@ -890,6 +881,23 @@ def _as_tuple(values):
     if values is None:
         return None
     return tuple(int(v) for v in (values.get() if hasattr(values, "get") else np.asarray(values)).reshape(-1))
+
+
+def alltoallv_local_args(x, send_counts, recv_counts, send_displs, max_count, world: World, stream):
+    """This rank's alltoallv arguments checked on their own (before the cross-rank agreement): (x as an
+    array, send counts, send displacements, recv counts or None)."""
+    n = world.size
+    a = _as_array(x, "x", "alltoallv", world, stream)
+    _move_dtype(a.dtype)
+    sc = _counts(send_counts, n, "send_counts")
+    sd = _displs(send_displs, sc, "send_displs")
+    if (sd + sc).max(initial=0) > a.size:
+        raise CollectiveArgumentError(f"alltoallv: send counts/displacements reach element "
+                                      f"{int((sd + sc).max())}, x has {a.size}")
+    rc = None if recv_counts is None else _counts(recv_counts, n, "recv_counts")
+    if max_count is not None and max(sc.max(initial=0), 0 if rc is None else rc.max(initial=0)) > max_count:
+        raise CollectiveArgumentError(f"alltoallv: a count exceeds max_count={max_count}")
+    return a, sc, sd, rc
 
 
 def _counts(counts, n: int, name: str) -> np.ndarray:

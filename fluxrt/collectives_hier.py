@@ -33,8 +33,8 @@ import numpy as np
 
 from .agreement import agree as _agree
 from .agreement import local as _local
-from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, _as_array, _check_alias, _counts,
-                          _displs, _move_dtype, _reduce_dtype, _redop)
+from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, _as_array, _check_alias,
+                          _displs, _move_dtype, _reduce_dtype, _redop, alltoallv_local_args)
 from .errors import CollectiveArgumentError, CollectiveMismatchError, FluxrtError, GraphCaptureError, op_id
 from .nvtx import annotate as _nvtx
 from .packed_launch import PackedLaunch
@@ -685,23 +685,13 @@ class HierarchicalCollectives:
         them from its slots straight into out at recv_displs."""
         import cupy
 
-        world, n = self.world, self.world.size
+        world = self.world
         s0 = as_cupy_stream(stream)
 
         def prepare():
             _not_capturing("alltoallv", s0)
             _check_algo(algo)
-            a = _as_array(x, "x", "alltoallv", world, s0)
-            _move_dtype(a.dtype)
-            sc = _counts(send_counts, n, "send_counts")
-            sd = _displs(send_displs, sc, "send_displs")
-            if (sd + sc).max(initial=0) > a.size:
-                raise CollectiveArgumentError(f"alltoallv: send counts/displacements reach element "
-                                              f"{int((sd + sc).max())}, x has {a.size}")
-            rc = None if recv_counts is None else _counts(recv_counts, n, "recv_counts")
-            if max_count is not None and max(sc.max(initial=0), 0 if rc is None else rc.max(initial=0)) > max_count:
-                raise CollectiveArgumentError(f"alltoallv: a count exceeds max_count={max_count}")
-            return a, sc, sd, rc
+            return alltoallv_local_args(x, send_counts, recv_counts, send_displs, max_count, world, s0)
 
         got, err = _local(prepare)
         sig = (("dtype", None if got is None else got[0].dtype.str), ("max_count", max_count),
