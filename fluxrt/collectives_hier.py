@@ -407,9 +407,7 @@ class HierarchicalCollectives:
         s0 = as_cupy_stream(stream)
 
         def prepare():
-            _uncompressed("allreduce", compress, error_feedback)
-            _not_capturing("allreduce", s0)
-            _check_algo(algo)
+            _call_checks("allreduce", s0, algo, compress, error_feedback)
             a = _as_array(x, "x", "allreduce", world, s0)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
             check_rail_reduction(dt, red)
@@ -462,9 +460,7 @@ class HierarchicalCollectives:
         s0 = as_cupy_stream(stream)
 
         def prepare():
-            _uncompressed("reduce_scatter", compress, error_feedback)
-            _not_capturing("reduce_scatter", s0)
-            _check_algo(algo)
+            _call_checks("reduce_scatter", s0, algo, compress, error_feedback)
             a = _as_array(x, "x", "reduce_scatter", world, s0)
             dt, red = _reduce_dtype(a.dtype), _redop(op)
             check_rail_reduction(dt, red)
@@ -504,9 +500,7 @@ class HierarchicalCollectives:
         s0 = as_cupy_stream(stream)
 
         def prepare():
-            _uncompressed("allgather", compress, error_feedback)
-            _not_capturing("allgather", s0)
-            _check_algo(algo)
+            _call_checks("allgather", s0, algo, compress, error_feedback)
             a = _as_array(x, "x", "allgather", world, s0)
             _move_dtype(a.dtype)
             shape = (n * a.shape[0], *a.shape[1:]) if a.ndim else (n,)
@@ -545,8 +539,7 @@ class HierarchicalCollectives:
         s0 = as_cupy_stream(stream)
 
         def prepare():
-            _not_capturing("alltoall", s0)
-            _check_algo(algo)
+            _call_checks("alltoall", s0, algo)
             a = _as_array(x, "x", "alltoall", world, s0)
             _move_dtype(a.dtype)
             if a.size % n:
@@ -604,8 +597,7 @@ class HierarchicalCollectives:
         s0 = as_cupy_stream(stream)
 
         def prepare():
-            _not_capturing("broadcast", s0)
-            _check_algo(algo)
+            _call_checks("broadcast", s0, algo)
             if not 0 <= int(root) < n:
                 raise CollectiveArgumentError(f"broadcast: root {root} outside world of size {n}")
             a = _as_array(x, "x", "broadcast", world, s0, writable=out is None)
@@ -689,8 +681,7 @@ class HierarchicalCollectives:
         s0 = as_cupy_stream(stream)
 
         def prepare():
-            _not_capturing("alltoallv", s0)
-            _check_algo(algo)
+            _call_checks("alltoallv", s0, algo)
             return alltoallv_local_args(x, send_counts, recv_counts, send_displs, max_count, world, s0)
 
         got, err = _local(prepare)
@@ -930,6 +921,16 @@ def _check_algo(algo: str) -> None:
                                       "('auto' or 'hierarchical')")
 
 
+def _call_checks(name: str, stream, algo: str, compress=None, error_feedback=None) -> None:
+    """What every collective across nodes refuses before anything launches: a graph capture, an algorithm other
+    than the hierarchical one, and compressed payloads (single-node kernels)."""
+    _not_capturing(name, stream)
+    _check_algo(algo)
+    if compress is not None or error_feedback is not None:
+        raise CollectiveArgumentError(f"{name}: compress={compress!r} across nodes is not implemented (the "
+                                      "compressed kernels run within one node); call without compress")
+
+
 def context(world: World, options: HierarchicalOptions | None = None) -> HierarchicalCollectives:
     """The world's hierarchical context (in its registry), made collectively on first use (with `options`)."""
     ctx = world.registry.get(KEY)
@@ -942,10 +943,3 @@ __all__ = ["AlltoallvLayout", "HierarchicalCollectives", "HierarchicalOptions", 
            "alltoall_node_input", "alltoall_rail_blocks", "alltoallv_layout", "check_count_matrix",
            "check_rail_reduction", "split_segments", "upload_tables", "context", "put_grid",
            "rail_allreduce_algo", "rail_geometry", "rail_pieces", "reduce_grid", "shard_elems"]
-
-
-def _uncompressed(name: str, compress, error_feedback) -> None:
-    """Compressed payloads (``compress=``) are single-node kernels; refused here before anything launches."""
-    if compress is not None or error_feedback is not None:
-        raise CollectiveArgumentError(f"{name}: compress={compress!r} across nodes is not implemented (the "
-                                      "compressed kernels run within one node); call without compress")

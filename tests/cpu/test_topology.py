@@ -219,13 +219,20 @@ def test_hierarchical_methods_take_every_keyword_of_the_single_node_ones():
 
 
 def test_hierarchical_refuses_compression_before_any_launch():
-    from fluxrt.collectives_hier import _uncompressed
-    from fluxrt.errors import CollectiveArgumentError
+    import types
 
-    _uncompressed("allreduce", None, None)   # the plain call passes
+    from fluxrt.collectives_hier import _call_checks
+    from fluxrt.errors import CollectiveArgumentError, GraphCaptureError
+
+    idle = types.SimpleNamespace(is_capturing=lambda: False)
+    _call_checks("allreduce", idle, "auto", None, None)   # the plain call passes
     for compress, feedback in (("fp8", None), ("int8", None), (None, object())):
         with pytest.raises(CollectiveArgumentError, match="across nodes is not implemented"):
-            _uncompressed("allreduce", compress, feedback)
+            _call_checks("allreduce", idle, "auto", compress, feedback)
+    with pytest.raises(CollectiveArgumentError, match="hierarchical"):
+        _call_checks("alltoall", idle, "ring")
+    with pytest.raises(GraphCaptureError, match="cannot be captured"):
+        _call_checks("broadcast", types.SimpleNamespace(is_capturing=lambda: True), "auto")
 
 
 def _virtual(n_nodes, g, rank=0):
