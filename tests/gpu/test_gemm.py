@@ -690,12 +690,9 @@ SPLIT_CASES = [  # (M, N, K, splits, block_m, block_n): tails in M and N, slices
 ]
 
 
-@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
-@pytest.mark.parametrize("dtype,out_dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
-                                             ("bfloat16", "float32")])
-@pytest.mark.parametrize("m,n,k,splits,bm,bn", SPLIT_CASES)
-def test_split_k_matches_float64(m, n, k, splits, bm, bn, trans_b, dtype, out_dtype):
-    rng = np.random.default_rng(m * 31 + n * 7 + k + splits)
+def _check_split(m, n, k, splits, bm, bn, trans_b, dtype, out_dtype, seed):
+    """A split-K plan against float64, and the same bits on a second call (slices summed in a fixed order)."""
+    rng = np.random.default_rng(seed)
     a = rand_matrix(rng, (m, k), dtype)
     b = rand_matrix(rng, (n, k) if trans_b else (k, n), dtype)
     stages = min(max_stages(bm, bn, "float32"), 6)
@@ -705,8 +702,16 @@ def test_split_k_matches_float64(m, n, k, splits, bm, bn, trans_b, dtype, out_dt
     gemm(da, db, out, trans_b=trans_b, plan=plan)
     assert rel_err(out, reference(a, b, trans_b)) < TOL[out_dtype]
     again = poisoned((m, n), out_dtype)
-    gemm(da, db, again, trans_b=trans_b, plan=plan)   # slices summed in a fixed order: the same bits
+    gemm(da, db, again, trans_b=trans_b, plan=plan)
     assert bool((out.view(cupy.uint8) == again.view(cupy.uint8)).all())
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("dtype,out_dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                             ("bfloat16", "float32")])
+@pytest.mark.parametrize("m,n,k,splits,bm,bn", SPLIT_CASES)
+def test_split_k_matches_float64(m, n, k, splits, bm, bn, trans_b, dtype, out_dtype):
+    _check_split(m, n, k, splits, bm, bn, trans_b, dtype, out_dtype, m * 31 + n * 7 + k + splits)
 
 
 def test_split_k_in_a_cuda_graph():
@@ -745,18 +750,7 @@ SPLIT_UNEVEN_CASES = [  # (M, N, K, splits, block_m, block_n): K not a multiple 
 def test_split_k_uneven_slices_match_float64(m, n, k, splits, bm, bn, trans_b, dtype, out_dtype):
     """Any K: slices of whole K blocks, the last shorter (its tail past K read as zeros); a non-last slice never
     reads the next one's columns, so every column is counted once. The same bits on a second call."""
-    rng = np.random.default_rng(m * 13 + n * 5 + k + splits)
-    a = rand_matrix(rng, (m, k), dtype)
-    b = rand_matrix(rng, (n, k) if trans_b else (k, n), dtype)
-    stages = min(max_stages(bm, bn, "float32"), 6)
-    plan = GemmPlan(block_m=bm, block_n=bn, consumers=bm // 64, stages=stages, split_k=splits, group_m=4)
-    out = poisoned((m, n), out_dtype)
-    da, db = to_device(a), to_device(b)
-    gemm(da, db, out, trans_b=trans_b, plan=plan)
-    assert rel_err(out, reference(a, b, trans_b)) < TOL[out_dtype]
-    again = poisoned((m, n), out_dtype)
-    gemm(da, db, again, trans_b=trans_b, plan=plan)
-    assert bool((out.view(cupy.uint8) == again.view(cupy.uint8)).all())
+    _check_split(m, n, k, splits, bm, bn, trans_b, dtype, out_dtype, m * 13 + n * 5 + k + splits)
 
 
 def test_split_k_uneven_counts_every_column_once():
