@@ -20,7 +20,7 @@ pytestmark = pytest.mark.hopper   # skipped off Hopper, with the reason (conftes
 from fluxrt.gemm import GemmArgumentError, GemmTypeError, autotune, gemm  # noqa: E402
 from fluxrt.gemm.plan import GemmPlan, fp8_heuristic_plan  # noqa: E402
 
-from fp8_checks import TOL, poisoned, rand_fp8  # noqa: E402
+from gemm_checks import TOL, poisoned, rand_fp8  # noqa: E402
 
 
 def reference(a8: np.ndarray, b8: np.ndarray, scale: str, sa: np.ndarray | None, sb: np.ndarray | None):

@@ -21,26 +21,7 @@ from fluxrt.gemm import GemmArgumentError, grouped_gemm  # noqa: E402
 from fluxrt.gemm.grouped import grouped_plan  # noqa: E402
 from fluxrt.gemm.plan import GemmPlan  # noqa: E402
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-NP_DT = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
-TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-3}
-NAN_BITS = {"bfloat16": 0x7FC0, "float16": 0x7E00}
-
-
-def rand_matrix(rng, shape, dtype: str) -> np.ndarray:
-    """Random values in +-[0.25, 1): never zero, exactly representable once rounded to `dtype`."""
-    mag = rng.uniform(0.25, 1.0, size=shape)
-    sign = np.where(rng.random(size=shape) < 0.5, -1.0, 1.0)
-    return (mag * sign).astype(NP_DT[dtype])
-
-
-def poisoned(shape, dtype: str):
-    out = cupy.empty(shape, dtype=NP_DT[dtype])
-    if dtype == "float32":
-        out.fill(np.nan)
-    else:
-        out.view(cupy.uint16).fill(NAN_BITS[dtype])
-    return out
+from gemm_checks import BF16, NAN_BITS, TOL, poisoned, rand_matrix  # noqa: E402
 
 
 def offsets_of(sizes) -> np.ndarray:

@@ -23,7 +23,7 @@ from fluxrt.gemm import GemmArgumentError, GemmTypeError, grouped_gemm  # noqa: 
 from fluxrt.gemm.grouped import grouped_plan  # noqa: E402
 from fluxrt.gemm.plan import GemmPlan  # noqa: E402
 
-from fp8_checks import BF16, NAN_BITS, TOL, poisoned, rand_fp8  # noqa: E402
+from gemm_checks import BF16, NAN_BITS, TOL, poisoned, rand_fp8  # noqa: E402
 
 
 def offsets_of(sizes) -> np.ndarray:
