@@ -299,6 +299,30 @@ def test_back_to_back_changing_routing_and_bitwise_repeat(world, disp, rng):
     problems.assert_none()
 
 
+def _replay_with_new_routing(world, graph, s, buffers, experts, rng, reference, tol, problems) -> None:
+    """Three replays of a captured graph, each after new tokens, routing and weights were written into its
+    input buffers and its output was poisoned; the output against reference(x, topk_idx, topk_weights)."""
+    import cupy
+
+    x, idx, w, out = buffers
+    t, k = idx.shape
+    for rep in range(3):
+        xh = rng.standard_normal((t, HIDDEN)).astype(np.float32).astype(_bf16())
+        ih, wh = _routing(rng, t, k, experts, masked=0.1)
+        x.set(xh)
+        idx.set(ih)
+        w.set(wh)
+        _poison(out)
+        cupy.cuda.Device().synchronize()
+        world.comm.Barrier()
+        graph.launch(s)
+        s.synchronize()
+        world.check_errors()
+        err = _rel_err(out.get().astype(np.float64), reference(xh, ih, wh))
+        if not err < tol:
+            problems.append(f"replay {rep} rank {world.rank}: relative error {err:.3g}")
+
+
 def test_graph_capture(world, disp, rng):
     import cupy
 
@@ -322,22 +346,8 @@ def test_graph_capture(world, disp, rng):
         body()
         graph = s.end_capture()
     problems = _Problems()
-    rng = _rank_rng(rng, world)
-    for rep in range(3):
-        xh = rng.standard_normal((t, HIDDEN)).astype(np.float32).astype(_bf16())
-        ih, wh = _routing(rng, t, k, e, masked=0.1)
-        x.set(xh)
-        idx.set(ih)
-        w.set(wh)
-        _poison(out)
-        cupy.cuda.Device().synchronize()
-        world.comm.Barrier()
-        graph.launch(s)
-        s.synchronize()
-        world.check_errors()
-        err = _rel_err(out.get().astype(np.float64), _expected_out(xh, ih, wh, e))
-        if not err < TOL:
-            problems.append(f"replay {rep} rank {world.rank}: relative error {err:.3g}")
+    _replay_with_new_routing(world, graph, s, (x, idx, w, out), e, _rank_rng(rng, world),
+                             lambda xh, ih, wh: _expected_out(xh, ih, wh, e), TOL, problems)
     problems.assert_none()
 
 
@@ -738,22 +748,8 @@ def test_layer_graph_capture_and_replay_with_changed_routing(world, moe_layer, r
         s.begin_capture()
         layer.forward(x, idx, w, out=out, stream=s)
         graph = s.end_capture()
-    local = _rank_rng(rng, world)
-    for rep in range(3):
-        xh = local.standard_normal((t, HIDDEN)).astype(np.float32).astype(_bf16())
-        ih, wh = _routing(local, t, k, moe_layer.num_experts, masked=0.1)
-        x.set(xh)
-        idx.set(ih)
-        w.set(wh)
-        _poison(out)
-        cupy.cuda.Device().synchronize()
-        world.comm.Barrier()
-        graph.launch(s)
-        s.synchronize()
-        world.check_errors()
-        err = _rel_err(out.get().astype(np.float64), moe_layer.reference(xh, ih, wh))
-        if not err < LAYER_TOL:
-            problems.append(f"replay {rep} rank {world.rank}: relative error {err:.3g}")
+    _replay_with_new_routing(world, graph, s, (x, idx, w, out), moe_layer.num_experts, _rank_rng(rng, world),
+                             moe_layer.reference, LAYER_TOL, problems)
     problems.assert_none()
 
 
