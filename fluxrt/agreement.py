@@ -106,6 +106,12 @@ def exchange(world: World, name: str, payload) -> list:
     return [got[r][2] for r in range(size)]
 
 
+def barrier(world: World, name: str) -> None:
+    """A host barrier over the world bounded by its timeout (``exchange`` of nothing): raises
+    AgreementTimeoutError naming the ranks that never arrived instead of blocking in MPI."""
+    exchange(world, name, None)
+
+
 def _signature_text(sig: tuple) -> str:
     return " ".join(f"{k}={v}" for k, v in sig)
 

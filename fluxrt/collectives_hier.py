@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .agreement import agree as _agree
+from .agreement import barrier as _barrier
 from .agreement import local as _local
 from .collectives import (CollectiveHandle, Collectives, CollectivesOptions, _as_array, _check_alias,
                           _displs, _move_dtype, _reduce_dtype, _redop, alltoallv_local_args)
@@ -177,7 +178,7 @@ class NodeTeam:
         arr = self.empty(shape, dtype)
         cupy.cuda.runtime.memset(arr.data.ptr, 0, arr.nbytes)
         self.device.synchronize()
-        self.world.comm.Barrier()
+        _barrier(self.world, "world.zeros")
         return arr
 
     def free(self, arr) -> None:

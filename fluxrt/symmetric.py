@@ -138,6 +138,16 @@ class SymmetricHeap:
                 return a
         return None
 
+    def _request(self, shape, dtype) -> tuple[tuple, np.dtype, int]:
+        """An allocation's (shape, dtype, bytes) after its checks, the same on every rank (compared across
+        ranks when the world checks collective arguments)."""
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        dtype = normalize_dtype(dtype)
+        self._check_collective(shape, dtype)
+        return shape, dtype, max(1, math.prod(shape)) * dtype.itemsize
+
     def _check_collective(self, shape: tuple, dtype: np.dtype) -> None:
         if not self.world.options.check_collective_args or self.world.size == 1:
             return
@@ -154,12 +164,7 @@ class SymmetricHeap:
         import cupy
         from nvshmem import bindings
 
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"negative dimension in shape {shape}")
-        dtype = normalize_dtype(dtype)
-        self._check_collective(shape, dtype)
-        nbytes = max(1, math.prod(shape)) * dtype.itemsize
+        shape, dtype, nbytes = self._request(shape, dtype)
         if self.used + nbytes + _ALIGN > self.capacity:
             raise HeapExhaustedError(
                 f"symmetric allocation of {nbytes} bytes (shape {shape}, {dtype}) does not fit: "
@@ -297,16 +302,13 @@ class SubworldHeap(SymmetricHeap):
     def empty(self, shape, dtype):
         import cupy
 
-        shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"negative dimension in shape {shape}")
-        dtype = normalize_dtype(dtype)
-        self._check_collective(shape, dtype)
-        nbytes = max(1, math.prod(shape)) * dtype.itemsize
+        shape, dtype, nbytes = self._request(shape, dtype)
         span = -(-nbytes // _ALIGN) * _ALIGN
         world = self.world
         mine = self.pool.free_ranges()
-        every = world.comm.allgather(mine) if world.size > 1 else [mine]
+        from .agreement import exchange
+
+        every = exchange(world, "world.empty (sub-world offsets)", mine) if world.size > 1 else [mine]
         off = common_fit(every, span)
         if off is None:
             raise HeapExhaustedError(
@@ -334,7 +336,9 @@ class SubworldHeap(SymmetricHeap):
                                     "not already freed)")
         self.world.device.synchronize()
         if not getattr(self.world, "_finalizing", False):
-            self.world.comm.Barrier()   # no member still writes into this range when it is reused
+            from .agreement import barrier
+
+            barrier(self.world, "world.free")   # no member still writes into this range when it is reused
         self._release(alloc.base)
         arr._heap = None
 

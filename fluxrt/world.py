@@ -322,8 +322,13 @@ class World:
             except Exception as e:
                 log.warning("rank %d: device sync at sub-world finalize failed: %s", self.rank, e)
             self.registry.close()
-            self.comm.Barrier()   # no member still touches this world's ranges when they are reused
-            self.heap.free_all()
+            # no member still touches this world's ranges when they are reused; a member that never arrives
+            # leaves them taken rather than reused under it
+            if _bounded_barrier(self.comm, float(self.options.timeout_s)):
+                self.heap.free_all()
+            else:
+                log.warning("rank %d: sub-world finalize: not every member arrived within %s s; its pool ranges "
+                            "are not reused", self.rank, self.options.timeout_s)
         finally:
             cupy.cuda.runtime.freeHost(self._error_host)
             self._free_comms()
@@ -481,6 +486,20 @@ def abort_job(world, exc_type, exc, tb) -> None:
         except Exception:
             pass
     world.comm.Abort(code)
+
+
+def _bounded_barrier(comm, timeout_s: float) -> bool:
+    """MPI barrier that gives up after timeout_s: True once every rank arrived, False otherwise (the request
+    is left pending; the communicator is freed right after by the caller)."""
+    import time
+
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + timeout_s
+    while not req.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-4)
+    return True
 
 
 def init(comm=None, device: int | None = None, options: WorldOptions | None = None) -> World:

@@ -198,3 +198,15 @@ def test_no_module_reaches_into_the_world():
     offenders = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "world.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders
+
+
+def test_sub_world_teardown_barrier_is_bounded():
+    """The sub-world finalize's barrier gives up after the world's timeout instead of blocking in MPI."""
+    import types
+
+    from fluxrt.world import _bounded_barrier
+
+    done = types.SimpleNamespace(Ibarrier=lambda: types.SimpleNamespace(Test=lambda: True))
+    never = types.SimpleNamespace(Ibarrier=lambda: types.SimpleNamespace(Test=lambda: False))
+    assert _bounded_barrier(done, 0.01) is True
+    assert _bounded_barrier(never, 0.01) is False
