@@ -19,8 +19,6 @@ autotune cache (keyed by both fp8 types and the mode) or :func:`fluxrt.gemm.plan
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 
 from ..arrays import as_array
 from ..dtypes import normalize_dtype
@@ -28,6 +26,7 @@ from ..errors import GemmArgumentError, GemmTypeError
 from ..packed_launch import PackedLaunch
 from ..streams import as_cupy_stream, stream_handle
 from .checks import Fp8Problem, _ptr, validate_fp8_args
+from .launch_cache import MISS, LaunchCache, array_key
 from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import FP8_BLOCK_K, FP8_SCALE_BLOCK, ITEMSIZE, GemmPlan, fp8_heuristic_plan
@@ -115,22 +114,11 @@ def prepare(a, b, out, *, fp8_format, scale_a, scale_b, plan: GemmPlan | None, o
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
 
-# The fast path of repeated calls (as fluxrt.gemm.launch's): same CuPy arrays, scales, options and plan ->
-# the packed launch of the first such call.
-_FAST_CACHE_SIZE = 256
-_fast: "OrderedDict[tuple, PackedLaunch]" = OrderedDict()
-_fast_lock = threading.Lock()
+_fast = LaunchCache(256)   # repeated calls (fluxrt.gemm.launch_cache), scales and formats in the key
 
 
 def clear_launch_cache() -> None:
-    with _fast_lock:
-        _fast.clear()
-
-
-def _key(x):
-    if x is None:
-        return None
-    return (x.data.ptr, x.shape, x.strides, x.dtype.char)
+    _fast.clear()
 
 
 def gemm_fp8(a, b, out=None, *, trans_b: bool = True, fp8_format="e4m3", scale_a=None, scale_b=None, stream=None,
@@ -149,20 +137,16 @@ def gemm_fp8(a, b, out=None, *, trans_b: bool = True, fp8_format="e4m3", scale_a
     cupy_args = all(x is None or type(x) is cupy.ndarray for x in (a, b, out, scale_a, scale_b))
     key = None
     if cupy_args and out is not None:
-        key = (_key(a), _key(b), _key(out), _key(scale_a), _key(scale_b), a.data.device_id,
+        key = (array_key(a), array_key(b), array_key(out), array_key(scale_a), array_key(scale_b),
                cupy.cuda.runtime.getDevice(), fmt, plan, out_dtype, sptr)
-        with _fast_lock:
-            packed = _fast.get(key)
-        if packed is not None:
+        packed = _fast.get(key)
+        if packed is not MISS:
             packed.launch(sptr)
             return out
     with as_cupy_stream(sptr):
         packed, out, _ = prepare(a, b, out, fp8_format=fmt, scale_a=scale_a, scale_b=scale_b, plan=plan,
                                  out_dtype=out_dtype)
     if key is not None:
-        with _fast_lock:
-            _fast[key] = packed
-            while len(_fast) > _FAST_CACHE_SIZE:
-                _fast.popitem(last=False)
+        _fast.put(key, packed)
     packed.launch(sptr)
     return out

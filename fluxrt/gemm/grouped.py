@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-from collections import OrderedDict
 
 from ..arrays import as_array
 from ..dtypes import normalize_dtype
@@ -43,6 +41,7 @@ from ..nvtx import annotate as _nvtx
 from ..packed_launch import PackedLaunch
 from ..streams import as_cupy_stream, stream_handle
 from .checks import _check_matrix, _check_scale, _inspect, fp8_formats
+from .launch_cache import MISS, LaunchCache, array_key
 from .kernel import _kernel, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import (BLOCK_K, FP8_BLOCK_K, FP8_DTYPES, FP8_OUT_DTYPES, FP8_SCALE_BLOCK, H100_H200_SMS, IN_DTYPES,
@@ -398,24 +397,12 @@ def _prepare(a, b, offsets, out, *, trans_b: bool | None, plan: GemmPlan | None,
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
 
-# --- repeated calls: a call on the same CuPy arrays, options and stream reuses its packed launch ---------------
-_CACHE_SIZE = 256
-_cache: "OrderedDict[tuple, PackedLaunch | None]" = OrderedDict()
-_cache_lock = threading.Lock()
+_cache = LaunchCache(256)   # repeated calls (fluxrt.gemm.launch_cache); None: M = 0, nothing to launch
 
 
 def clear_grouped_cache() -> None:
     """Forget every packed grouped launch."""
-    with _cache_lock:
-        _cache.clear()
-
-
-def _key(x):
-    return (x.data.ptr, x.shape, x.strides, x.dtype.char, x.data.device_id)
-
-
-def _scale_key(x):
-    return None if x is None else _key(x)
+    _cache.clear()
 
 
 @_nvtx("grouped_gemm")
@@ -449,18 +436,13 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream
         raise GemmTypeError(f"grouped_gemm: {e}") from e
     if fast:
         fmt = fp8_format if fp8_format is None or isinstance(fp8_format, str) else tuple(fp8_format)
-        key = (_key(a), _key(b), _key(offsets), _key(out), cupy.cuda.runtime.getDevice(), trans_b, plan,
-               out_dtype, sptr, fmt, _scale_key(scale_a), _scale_key(scale_b), arrival)
-        with _cache_lock:
-            hit = key in _cache
-            packed = _cache.get(key)
-        if not hit:
+        key = (array_key(a), array_key(b), array_key(offsets), array_key(out), cupy.cuda.runtime.getDevice(),
+               trans_b, plan, out_dtype, sptr, fmt, array_key(scale_a), array_key(scale_b), arrival)
+        packed = _cache.get(key)
+        if packed is MISS:
             packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, **fp8_kw,
                                       arrival=arrival)
-            with _cache_lock:
-                _cache[key] = packed
-                while len(_cache) > _CACHE_SIZE:
-                    _cache.popitem(last=False)
+            _cache.put(key, packed)
     else:
         with as_cupy_stream(sptr):   # operands from DLPack / CAI are ordered after their producers on it
             packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, **fp8_kw,

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 
 from ..arrays import as_array
 from ..dtypes import normalize_dtype
@@ -14,6 +12,7 @@ from ..streams import as_cupy_stream, stream_handle
 from .checks import (WRITTEN, _band_stride, _check_bands_plan, _check_copy, _check_hooks, _check_reduce, _check_tail,
                      _ptr, _validate)
 from .hooks import ArrivalWait, RowBands, ShardCopy, TileEpilogue, band_bits
+from .launch_cache import MISS, LaunchCache, array_key
 from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import ITEMSIZE as _ITEMSIZE
@@ -203,26 +202,16 @@ def _launch(a, b, out, *, stream, **kw):
     return out
 
 
-# --- the fast path of repeated calls -------------------------------------------------------------------
-# A call on the same CuPy arrays (pointers, shapes, strides, dtypes), device, options and plan as an
-# earlier one reuses that call's checked and packed launch: one dictionary lookup and one cuLaunchKernel.
-
-_FAST_CACHE_SIZE = 512
-_fast: "OrderedDict[tuple, PackedLaunch]" = OrderedDict()
-_fast_lock = threading.Lock()
+# --- the fast path of repeated calls (fluxrt.gemm.launch_cache) ------------------------------------------------
+_fast = LaunchCache(512)
 
 
 def clear_launch_cache() -> None:
     """Forget every packed launch (after a plan cache changed, or to release their tensor maps)."""
     from . import fp8
 
-    with _fast_lock:
-        _fast.clear()
+    _fast.clear()
     fp8.clear_launch_cache()
-
-
-def _array_key(x):
-    return (x.data.ptr, x.shape, x.strides, x.dtype.char)
 
 
 def _fast_gemm(a, b, out, trans_b, stream, plan, out_dtype):
@@ -238,17 +227,13 @@ def _fast_gemm(a, b, out, trans_b, stream, plan, out_dtype):
         with cupy.cuda.Device(a.data.device_id):   # gemm() sends only 2-D operands here
             out = cupy.empty((a.shape[0], b.shape[0] if trans_b else b.shape[1]), dtype=dt)
     sptr = stream.ptr if type(stream) is cupy.cuda.Stream else _stream_ptr(stream)
-    key = (_array_key(a), _array_key(b), _array_key(out), a.data.device_id, cupy.cuda.runtime.getDevice(),
-           trans_b, plan, out_dtype, sptr)
-    with _fast_lock:
-        packed = _fast.get(key)
-    if packed is None:
+    key = (array_key(a), array_key(b), array_key(out), cupy.cuda.runtime.getDevice(), trans_b, plan, out_dtype,
+           sptr)
+    packed = _fast.get(key)
+    if packed is MISS:
         packed, out, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, wait=None,
                                   epilogue=None, stream_ptr=sptr)
-        with _fast_lock:
-            _fast[key] = packed
-            while len(_fast) > _FAST_CACHE_SIZE:
-                _fast.popitem(last=False)
+        _fast.put(key, packed)
     packed.launch(sptr)
     return out
 

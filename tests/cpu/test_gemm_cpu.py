@@ -580,3 +580,19 @@ def test_cluster_grid_is_a_multiple_of_the_cluster():
     assert p.grid(8192, 8192, 132) == 132
     assert p.grid(8192, 8192, 132, max_clusters=60) == 120
     assert p.grid(3 * 128, 256, 132) == 4          # 2 work items (the second with a phantom tile)
+
+
+def test_launch_cache_keeps_none_and_drops_the_oldest():
+    """The repeated-call cache shared by gemm, fp8 gemm and grouped gemm: a cached None (nothing to launch) is
+    a hit, not a miss, and the oldest entry goes once the bound is passed."""
+    from fluxrt.gemm.launch_cache import MISS, LaunchCache
+
+    c = LaunchCache(2)
+    assert c.get("a") is MISS
+    c.put("a", None)
+    assert c.get("a") is None
+    c.put("b", 1)
+    c.put("c", 2)
+    assert c.get("a") is MISS and c.get("b") == 1 and c.get("c") == 2 and len(c) == 2
+    c.clear()
+    assert c.get("b") is MISS
