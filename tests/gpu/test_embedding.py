@@ -367,23 +367,15 @@ def test_collectives_inside_jax_jit(world):
     """fluxrt.jax: allreduce, allgather and reduce_scatter (avg) as buffer callbacks inside jax.jit, on XLA's
     stream and buffers, with JAX computing around them; and an allreduce in XLA's command buffer, replayed
     with new inputs."""
-    import os
-
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    jax = pytest.importorskip("jax", reason="jax not installed on this machine")
-    pytest.importorskip("jax.experimental.buffer_callback", reason="this JAX has no buffer_callback")
+    jax = _jax()
     import cupy
 
     import fluxrt.jax as fj
 
-    try:
-        jax.devices("gpu")
-    except RuntimeError:
-        pytest.skip("jax has no GPU backend here")
     dev = fj.device(world)
     n, chunk = world.size, 2048
     x = cupy.asnumpy(_data(90, world.rank, n * chunk, "fp32", "sum"))
-    inputs = world.comm.allgather(x)
+    inputs = _allgather(world, x, "jit inputs")
     jx = jax.device_put(x, dev)
     y = jax.jit(lambda a: fj.allreduce(a, world=world) * 2.0)(jx)
     g = jax.jit(lambda a: fj.allgather(a[:chunk] + 1.0, world=world))(jx)
@@ -400,7 +392,8 @@ def test_collectives_inside_jax_jit(world):
         out = step(jax.device_put(v, dev))
         out.block_until_ready()
         world.check_errors()
-        _check(cupy.asarray(np.asarray(out) / 2.0), world.comm.allgather(v), "sum", "fp32", f"command buffer call {rep}")
+        _check(cupy.asarray(np.asarray(out) / 2.0), _allgather(world, v, "command buffer inputs"), "sum", "fp32",
+               f"command buffer call {rep}")
 
 
 # ---------------------------------------------------------------------------------------------- fused ops in jax.jit
