@@ -185,3 +185,15 @@ def cublas_gemm(a, w, c, trans_b: bool, stream_ptr: int):
 
     run.keepalive = (one, zero)   # the scalars cuBLAS reads through pointers
     return run
+
+
+def worst_rel_err(world: World, got, ref) -> float:
+    """max |got - ref| / max |ref| (fp32 on the device), the largest over the world's ranks: the sweeps' check
+    of an op against its baseline in the same job."""
+    import cupy
+
+    g, r = got.astype(cupy.float32), ref.astype(cupy.float32)
+    err = float(cupy.abs(g - r).max()) / max(float(cupy.abs(r).max()), 1e-30)
+    from mpi4py import MPI
+
+    return world.comm.allreduce(err, op=MPI.MAX)

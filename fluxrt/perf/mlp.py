@@ -23,7 +23,7 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
-from .baselines import device_info, library_versions, machine, nccl_datatype
+from .baselines import device_info, library_versions, machine, nccl_datatype, worst_rel_err
 from .report import column_table, device_lines, results_document, version_line, write_json
 from .shapes import TP_OP_SUITES, tp_mlp_suite
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype
@@ -140,17 +140,11 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, tim
 
 
 def _check(world: World, block, unfused, y, y_ref, s) -> None:
-    import cupy
-    import numpy as np
-    from mpi4py import MPI
-
     block()
     unfused()
     s.synchronize()
     world.check_errors()
-    got, ref = y.astype(np.float32), y_ref.astype(np.float32)
-    err = float(cupy.abs(got - ref).max()) / max(float(cupy.abs(ref).max()), 1e-30)
-    worst = world.comm.allreduce(err, op=MPI.MAX)
+    worst = worst_rel_err(world, y, y_ref)
     if not worst < 3e-2:
         raise RuntimeError(f"mlp: the block differs from NCCL + cuBLAS: relative error {worst:.3g}")
 

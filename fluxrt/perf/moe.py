@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .baselines import device_info, library_versions, machine, nccl_communicator, nccl_datatype
+from .baselines import device_info, library_versions, machine, nccl_communicator, nccl_datatype, worst_rel_err
 from .report import device_lines, results_document, version_line, write_json
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, reduce_over_ranks
 
@@ -482,9 +482,7 @@ def measure_layer(world: World, model: str, tokens: int, routing: str, args, tim
                 base.run()
                 s.synchronize()
                 world.check_errors()
-                got, ref = y.astype(np.float32), base.out.astype(np.float32)
-                err = float(cupy.abs(got - ref).max()) / max(float(cupy.abs(ref).max()), 1e-30)
-                check = world.comm.allreduce(err, op=MPI.MAX)
+                check = worst_rel_err(world, y, base.out)
                 if not check < 3e-2:
                     log.warning("moe_layer %s %d %s: the layer differs from NCCL + cuBLAS: relative error %.3g",
                                 model, tokens, routing, check)

@@ -51,7 +51,7 @@ import numpy as np
 from ..ops.plan import RS_REDUCE_MODES
 from . import nccl_lib
 from .shapes import TP_OP_SUITES, tp_op_suite
-from .baselines import device_info, library_versions, machine
+from .baselines import device_info, library_versions, machine, worst_rel_err
 from .report import column_table, device_lines, results_document, version_line, write_json
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype, reduce_over_ranks
 
@@ -560,18 +560,13 @@ def measure_shape(op: str, world: World, m: int, n: int, k: int, dtype: str, arg
 
 def _check_once(op, world: World, fused, sequential, result, s) -> None:
     """The fused result equals NCCL + GEMM within bf16/fp16 rounding (relative to the largest value)."""
-    import cupy
-    from mpi4py import MPI
-
     fused()
     s.synchronize()
     got = result.astype(np.float32)
     sequential()
     s.synchronize()
     world.check_errors()
-    ref = result.astype(np.float32)
-    err = float(cupy.abs(got - ref).max()) / max(float(cupy.abs(ref).max()), 1e-30)
-    worst = world.comm.allreduce(err, op=MPI.MAX)
+    worst = worst_rel_err(world, got, result)
     if not worst < 3e-2:
         raise RuntimeError(f"{op}: fused result differs from NCCL + GEMM: relative error {worst:.3g}")
 

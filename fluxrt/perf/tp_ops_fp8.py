@@ -125,16 +125,13 @@ def measure_fp8_shape(op: str, world: World, m: int, n: int, k: int, dtype: str,
 
 
 def _check_once(op: str, world: World, fn, sequential, got, ref, s) -> None:
-    import cupy
-    from mpi4py import MPI
+    from .baselines import worst_rel_err
 
     fn()
     sequential()
     s.synchronize()
     world.check_errors()
-    g, r = got.astype(cupy.float32), ref.astype(cupy.float32)
-    err = float(cupy.abs(g - r).max()) / max(float(cupy.abs(r).max()), 1e-30)
-    worst = world.comm.allreduce(err, op=MPI.MAX)
+    worst = worst_rel_err(world, got, ref)
     if not worst < 3e-2:
         raise RuntimeError(f"{op} --fp8: the op's result differs from its one-chunk path: relative error {worst:.3g}")
 
