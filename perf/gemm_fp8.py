@@ -267,14 +267,14 @@ def main(argv=None) -> int:
                "below_0.95": sum(r["ratio"] < 0.95 for r in ok),
                "worst": min((r["ratio"] for r in ok), default=None),
                "seconds": time.time() - t0}
-    for name in ("lt_fast", "lt"):   # the direct cuBLASLt baselines, where their output agrees
-        lt_ok = [r for r in rows if f"ratio_{name}" in r and r.get(f"rel_err_vs_{name}", 0.0) <= 1e-2]
+    for impl in ("lt_fast", "lt"):   # the direct cuBLASLt baselines, where their output agrees
+        lt_ok = [r for r in rows if f"ratio_{impl}" in r and r.get(f"rel_err_vs_{impl}", 0.0) <= 1e-2]
         if lt_ok:
-            summary[f"geomean_vs_{name}"] = geomean(r[f"ratio_{name}"] for r in lt_ok)
-            summary[f"geomean_vs_{name}_m_ge_1024"] = geomean(r[f"ratio_{name}"] for r in lt_ok if r["m"] >= 1024)
-            summary[f"below_0.95_vs_{name}"] = sum(r[f"ratio_{name}"] < 0.95 for r in lt_ok)
-            summary[f"worst_vs_{name}"] = min(r[f"ratio_{name}"] for r in lt_ok)
-            summary[f"disagrees_{name}"] = sum(1 for r in rows if r.get(f"rel_err_vs_{name}", 0.0) > 1e-2)
+            summary[f"geomean_vs_{impl}"] = geomean(r[f"ratio_{impl}"] for r in lt_ok)
+            summary[f"geomean_vs_{impl}_m_ge_1024"] = geomean(r[f"ratio_{impl}"] for r in lt_ok if r["m"] >= 1024)
+            summary[f"below_0.95_vs_{impl}"] = sum(r[f"ratio_{impl}"] < 0.95 for r in lt_ok)
+            summary[f"worst_vs_{impl}"] = min(r[f"ratio_{impl}"] for r in lt_ok)
+            summary[f"disagrees_{impl}"] = sum(1 for r in rows if r.get(f"rel_err_vs_{impl}", 0.0) > 1e-2)
     print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     if args.json:
         from fluxrt.perf import results_document, write_json
