@@ -80,7 +80,7 @@ def _lt_impls(lt, a, b, c_of, sa, sb, stream, row) -> dict:
     return impls
 
 
-def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool, lt=None) -> dict:
+def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool, lt=None, tune: bool = False) -> dict:
     import cupy
 
     from fluxrt.gemm import gemm
@@ -100,6 +100,11 @@ def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool, lt=N
         sb = rng.uniform(0.5, 2.0, size=(-(-n // 128), kbs)).astype(cupy.float32)
     c = cupy.empty((m, n), dtype=np.dtype(ml_dtypes.bfloat16))
     prob = validate_fp8_args(a, b, c, trans_b=True, fp8_format="e4m3", scale_a=sa, scale_b=sb)
+    if tune:   # time the fp8 candidates once and keep the winner in the plan cache (fluxrt.gemm.autotune)
+        from fluxrt.gemm import autotune
+
+        cupy.cuda.Device().synchronize()
+        autotune(a, b, c, trans_b=True, fp8_format="e4m3", scale_a=sa, scale_b=sb)
     plan = plan_fp8(prob, cupy.cuda.runtime.getDevice())
     row = {"m": m, "n": n, "k": k, "label": s.label, "scale": scale, "plan": plan.describe()}
 
@@ -197,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=None, help="first N shapes only")
     ap.add_argument("--time-budget", type=float, default=None, help="stop starting new shapes after this many s")
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with the baseline's output")
+    ap.add_argument("--autotune", action="store_true", help="tune each shape first (fluxrt.gemm.autotune)")
     ap.add_argument("--no-lt", action="store_true", help="skip the direct cuBLASLt baseline (nvmath-python)")
     ap.add_argument("--json", type=Path, default=None)
     return ap
@@ -238,7 +244,8 @@ def main(argv=None) -> int:
             print(f"# time budget of {args.time_budget} s spent: {len(shapes) - len(rows)} shapes not measured")
             break
         try:
-            r = bench_shape(s, args.scale, args.iters, args.rounds, torch, not args.no_check, lt)
+            r = bench_shape(s, args.scale, args.iters, args.rounds, torch, not args.no_check, lt,
+                            args.autotune)
         except Exception as e:
             print(f"{s.m:>6} {s.n:>6} {s.k:>6} | FAILED {type(e).__name__}: {e}", flush=True)
             rows.append({"m": s.m, "n": s.n, "k": s.k, "label": s.label, "scale": args.scale,
