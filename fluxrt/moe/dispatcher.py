@@ -14,6 +14,11 @@ Combine copies the expert outputs into the receive buffer (nothing to copy when 
 raises a ready flag at every rank, then every token pulls its k rows from their owners and sums them weighted
 in slot order in fp32: the same bits on every call, whatever the timing.
 
+With ``DispatcherOptions(returns=True)`` (MoELayer's overlap) the owners push the expert outputs back instead:
+the push leaves each row's home and entry at its owner, the owner's down-projection GEMM stores each output row
+into its home's return buffer and counts the elements there, and ``combine_returned`` sums each token as soon
+as its owners' counts are in, with the same bits as combine.
+
 Nothing is dropped: each rank's receive buffer holds the worst case, ``max_tokens_per_rank * world * top_k``
 rows, checked against the symmetric heap before anything is allocated (HeapExhaustedError says how much to
 ask for). The receive buffer is the dispatch's output: valid until the next dispatch (or combine, which
