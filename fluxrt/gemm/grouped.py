@@ -487,6 +487,7 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream
     return out
 
 
-__all__ = ["GroupedProblem", "GroupArrival", "GroupScatter", "check_group_arrival", "check_group_scatter", "grouped_gemm", "group_tiles", "grouped_plan",
+__all__ = ["GroupedProblem", "GroupArrival", "GroupScatter", "check_group_arrival", "check_group_scatter",
+           "grouped_gemm", "group_tiles", "grouped_plan",
            "grouped_max_stages", "grouped_grid", "validate_grouped_args", "check_grouped_plan", "clear_grouped_cache",
            "OFFSET_DTYPES"]

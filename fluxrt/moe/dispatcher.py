@@ -435,8 +435,8 @@ class Dispatcher:
     def free(self) -> None:
         """Collective: release the symmetric buffers (the world's finalize does it otherwise)."""
         if self.world.active and not self._freed:
-            for a in (self.landed, self.returned, self.home_of, self.src_of, self.arrive, self.staging, self.recv_scales, self.recv_fp8, self.flags,
-                      self.count_matrix, self.recv):
+            for a in (self.landed, self.returned, self.home_of, self.src_of, self.arrive, self.staging,
+                      self.recv_scales, self.recv_fp8, self.flags, self.count_matrix, self.recv):
                 if a is not None:
                     self.world.free(a)
         self._freed = True
