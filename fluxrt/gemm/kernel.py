@@ -4,6 +4,7 @@ occupancy)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from .plan import GemmPlan
@@ -72,13 +73,75 @@ def _kernel(defines, device_id: int, smem_bytes: int):
 _sms: dict = {}
 
 
-def _num_sms(device_id: int) -> int:
-    n = _sms.get(device_id)
-    if n is None:
-        from cupy.cuda import runtime
+def context_sms(device_id: int) -> int:
+    """SMs that kernels of this thread's current context on `device_id` may occupy at once: the device's,
+    or fewer where the context is limited to part of the GPU (CUDA MPS with an active thread percentage,
+    a context made with an SM-count execution affinity, a green context). Persistent grids are sized by
+    this: a fused GEMM's CTAs wait for flags that other CTAs of its grid (or its comm kernels) release, so
+    they must all be resident at once, and a grid sized for the whole device is not where the context
+    gets only part of it. Cached per (device, context): a context's limit is fixed when it is made."""
+    import cupy
 
-        n = _sms[device_id] = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+    with cupy.cuda.Device(device_id):
+        ctx = _current_context()
+        n = _sms.get((device_id, ctx))
+        if n is None:
+            n = _sms[(device_id, ctx)] = _query_sms(device_id, ctx)
     return n
+
+
+_num_sms = context_sms   # the name the launch paths import
+
+
+def _current_context() -> int:
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError:   # no driver bindings: only the device attribute can be read
+        return 0
+    err, ctx = drv.cuCtxGetCurrent()
+    return int(ctx) if err == drv.CUresult.CUDA_SUCCESS else 0
+
+
+def _query_sms(device_id: int, ctx: int) -> int:
+    """The device attribute, and what the driver says of this context's share (:func:`sm_share`)."""
+    from cupy.cuda import runtime
+
+    total = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError:
+        return total
+    ok = drv.CUresult.CUDA_SUCCESS
+    err, aff = drv.cuCtxGetExecAffinity(drv.CUexecAffinityType.CU_EXEC_AFFINITY_TYPE_SM_COUNT)
+    affinity = int(aff.param.smCount.val) if err == ok else None
+    resource = None
+    if ctx:
+        err, res = drv.cuCtxGetDevResource(drv.CUcontext(ctx), drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
+        resource = int(res.sm.smCount) if err == ok else None
+    err, mps = drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MPS_ENABLED, device_id)
+    pct = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") if err == ok and mps else None
+    n, why = sm_share(total, affinity, resource, pct)
+    if n < total:
+        log.info("device %d: this context may use %d of %d SMs (%s); persistent grids are sized for %d",
+                 device_id, n, total, why, n)
+    return n
+
+
+def sm_share(total: int, exec_affinity: int | None = None, sm_resource: int | None = None,
+             mps_percentage: str | None = None) -> tuple[int, str]:
+    """(SMs a context may use, where that number came from) given the device's `total`, the context's SM-count
+    execution affinity and SM resource as the driver reports them (None or 0: not reported), and, for an MPS
+    client, its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: used only where the driver reports no lower count, as
+    floor(total * percentage / 100)."""
+    limits = {"device": total}
+    for name, v in (("exec affinity", exec_affinity), ("SM resource", sm_resource)):
+        if v and 0 < v < total:
+            limits[name] = int(v)
+    pct = (mps_percentage or "").strip()
+    if len(limits) == 1 and pct.replace(".", "", 1).isdigit() and 0 < float(pct) < 100:
+        limits["MPS active thread percentage"] = max(1, int(total * float(pct) // 100))
+    n = min(limits.values())
+    return n, ", ".join(f"{k} {v}" for k, v in limits.items())
 
 
 _cluster_caps: dict = {}
