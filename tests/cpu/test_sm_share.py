@@ -1,8 +1,8 @@
 """CPU tests of grid sizing for a context that gets only part of the GPU (CUDA MPS with an active thread
 percentage, green contexts, SM-count execution affinity, or SMs left to other kernels through the fused ops'
 ``sm_count``): the share the driver's answers give (fluxrt.gemm.kernel.sm_share), its per-context cache, the
-ops' option and its checks, and that the fused GEMMs' persistent grids then fit the share with the SMs they
-leave to their comm kernels."""
+ops' option and its checks, that the fused GEMMs' persistent grids fit the share with the SMs they leave to
+their comm kernels, and the timeout message of a wait inside a persistent grid."""
 from __future__ import annotations
 
 import contextlib
@@ -16,25 +16,22 @@ from fluxrt.ops import plan as P
 H100 = 132
 
 
-@pytest.mark.parametrize("affinity, resource, pct, want", [
-    (None, None, None, 132),       # a whole-GPU context
-    (132, 132, None, 132),         # the driver reports the whole device
-    (33, None, "25", 33),          # MPS client: the execution affinity carries the share
-    (None, 66, None, 66),          # green context: its SM resource
-    (40, 34, None, 34),            # both: the smaller
-    (132, None, "25", 33),         # MPS client whose driver reports no share: floor(132 * 25 / 100)
-    (None, None, "12.5", 16),
-    (None, None, "100", 132),
-    (None, None, "0", 132),        # not a share
-    (None, None, "abc", 132),
-    (33, None, "50", 33),          # a reported share wins over the variable
-    (0, 0, None, 132),             # zero: not reported
+@pytest.mark.parametrize("affinity, resource, want", [
+    (None, None, 132),       # a whole-GPU context
+    (132, 132, 132),         # the driver reports the whole device
+    (33, None, 33),          # a context made with an SM-count execution affinity
+    (None, 66, 66),          # green context: its SM resource
+    (40, 34, 34),            # both: the smaller
+    (0, 0, 132),             # zero: not reported
+    (200, None, 132),        # never more than the device
 ])
-def test_sm_share(affinity, resource, pct, want):
-    n, why = K.sm_share(H100, affinity, resource, pct)
+def test_sm_share(affinity, resource, want):
+    n, why = K.sm_share(H100, affinity, resource)
     assert n == want
     assert why.startswith("device 132")
     assert (n < H100) == ("," in why)
+    # an MPS client with an active thread percentage: the device attribute already is its share
+    assert K.sm_share(32, 32, 32) == (32, "device 32")
 
 
 def test_context_sms_is_queried_once_per_device_and_context(monkeypatch):
@@ -118,8 +115,9 @@ def test_fused_grids_fit_the_share_with_their_comm_sms(sms, m, n, k, world):
 
 
 def test_a_grid_sized_for_the_device_does_not_fit_a_quarter():
-    """Why the share matters: sized for all 132 SMs, GEMM+RS's grid for a large problem has more CTAs than an
-    MPS client with 25 % may hold at once, so CTAs spinning on flags hold the SMs the rest would need."""
+    """Why the share matters: sized for all 132 SMs, GEMM+RS's grid for a large problem has more CTAs than a
+    context with a quarter of the SMs may hold at once, so CTAs spinning on flags would hold the SMs the rest
+    need."""
     g = P.rs_gemm_plan(P.GemmRsPlan(), 8192, 7168, 2048, 0, 4, "bfloat16", num_sms=H100)
     assert g.grid(8192, 7168, H100) > 33
     g = P.rs_gemm_plan(P.GemmRsPlan(), 8192, 7168, 2048, 0, 4, "bfloat16", num_sms=33)
