@@ -81,9 +81,9 @@ class WaitTimeoutError(FluxrtError, TimeoutError):
         self.op, self.rank, self.peer = op, rank, peer
         self.expected, self.observed = expected, observed
         who = f"peer {peer}" if peer is not None else "an unknown peer"
-        # a wait inside a persistent grid also expires when the grid's CTAs were not all resident
-        grid = ("; or this wait's persistent grid was not all resident: other kernels held SMs it was sized for "
-                "(another process without an MPS share, a kernel beside the op: lower the op plan's sm_count)"
+        # a wait inside a persistent grid also expires when what it waits for cannot run beside the grid
+        grid = ("; or the kernels and copies this wait depends on could not run beside its persistent grid (a GPU "
+                "shared through MPS or with other kernels: lower the op plan's sm_count)"
                 if _ops.in_persistent_grid(op) else "")
         super().__init__(
             f"{op}: rank {rank} timed out waiting for {who} "
@@ -137,8 +137,8 @@ _ops = _OpRegistry()
 
 def op_id(name: str, persistent_grid: bool = False) -> int:
     """The id a kernel reports for op `name` when one of its waits times out. persistent_grid: the wait runs
-    in a persistent grid whose CTAs (or the kernels beside it) release each other's flags, so its timeout
-    message also names the grid not being all resident."""
+    in a persistent grid and waits for flags that its other CTAs or kernels and copies beside it release, so
+    its timeout message also names those not getting to run."""
     return _ops.id(name, persistent_grid)
 
 

@@ -89,7 +89,8 @@ class AgGemmPlan:
         percentage or in a green context). The fused GEMM's grid is sized by it, because its CTAs wait for
         flags that need all of them and the comm kernels resident at once (the decomposed path's GEMMs
         beside its collectives are capped by it too): set it lower when other kernels run beside the op on
-        the same GPU. More than the context may use is an error.
+        the same GPU, or when it shares the GPU with other processes through MPS (docs/design.md,
+        "Testing"). More than the context may use is an error.
     """
     chunks_per_rank: int = 1
     comm_mode: str = "pull"

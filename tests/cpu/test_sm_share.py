@@ -128,7 +128,7 @@ def test_timeout_inside_a_persistent_grid_names_residency():
     op_id("test.sm_share.persistent", persistent_grid=True)
     op_id("test.sm_share.plain")
     e = WaitTimeoutError("test.sm_share.persistent", 1, 2, 5, 4)
-    assert "rank 1 timed out waiting for peer 2" in str(e) and "sm_count" in str(e) and "resident" in str(e)
+    assert "rank 1 timed out waiting for peer 2" in str(e) and "sm_count" in str(e) and "beside its persistent grid" in str(e)
     assert "sm_count" not in str(WaitTimeoutError("test.sm_share.plain", 1, 2, 5, 4))
     import pickle
 
