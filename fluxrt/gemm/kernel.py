@@ -77,8 +77,8 @@ def context_sms(device_id: int) -> int:
     or fewer where the context is limited to part of the GPU (CUDA MPS with an active thread percentage,
     a context made with an SM-count execution affinity, a green context). Persistent grids are sized by
     this: a fused GEMM's CTAs wait for flags that other CTAs of its grid (or its comm kernels) release, so
-    they must all be resident at once, and a grid sized for the whole device is not where the context
-    gets only part of it. Cached per (device, context): a context's limit is fixed when it is made."""
+    they must all be resident at once, which a grid sized for the whole device is not in a context that
+    gets part of it. Cached per (device, context): a context's limit is fixed when it is made."""
     import cupy
 
     with cupy.cuda.Device(device_id):
@@ -111,12 +111,15 @@ def _query_sms(device_id: int, ctx: int) -> int:
     except ImportError:
         return total
     ok = drv.CUresult.CUDA_SUCCESS
-    err, aff = drv.cuCtxGetExecAffinity(drv.CUexecAffinityType.CU_EXEC_AFFINITY_TYPE_SM_COUNT)
-    affinity = int(aff.param.smCount.val) if err == ok else None
-    resource = None
-    if ctx:
-        err, res = drv.cuCtxGetDevResource(drv.CUcontext(ctx), drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
-        resource = int(res.sm.smCount) if err == ok else None
+    affinity = resource = None
+    try:   # a driver older than the bindings lacks the entry points: nothing reported
+        err, aff = drv.cuCtxGetExecAffinity(drv.CUexecAffinityType.CU_EXEC_AFFINITY_TYPE_SM_COUNT)
+        affinity = int(aff.param.smCount.val) if err == ok else None
+        if ctx:
+            err, res = drv.cuCtxGetDevResource(drv.CUcontext(ctx), drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
+            resource = int(res.sm.smCount) if err == ok else None
+    except RuntimeError as e:
+        log.debug("device %d: SM share not queried (%s)", device_id, e)
     n, why = sm_share(total, affinity, resource)
     if n < total:
         log.info("device %d: this context may use %d of %d SMs (%s); persistent grids are sized for %d",
@@ -127,8 +130,8 @@ def _query_sms(device_id: int, ctx: int) -> int:
 def sm_share(total: int, exec_affinity: int | None = None, sm_resource: int | None = None) -> tuple[int, str]:
     """(SMs a context may use, where that number came from) given the device attribute `total` and the
     context's SM-count execution affinity and SM resource as the driver reports them (None or 0: not
-    reported). An MPS client with an active thread percentage sees its share in all three (measured on an
-    H200: 32 of 132 SMs at 25 %, docs/design.md "Testing"); a green context in its SM resource."""
+    reported). An MPS client with an active thread percentage sees its share in all three (docs/design.md,
+    "Testing"); a green context in its SM resource."""
     limits = {"device": total}
     for name, v in (("exec affinity", exec_affinity), ("SM resource", sm_resource)):
         if v and 0 < v < total:
