@@ -81,10 +81,14 @@ class WaitTimeoutError(FluxrtError, TimeoutError):
         self.op, self.rank, self.peer = op, rank, peer
         self.expected, self.observed = expected, observed
         who = f"peer {peer}" if peer is not None else "an unknown peer"
+        # a wait inside a persistent grid also expires when what it waits for cannot run beside the grid
+        grid = ("; or the kernels and copies this wait depends on could not run beside its persistent grid (a GPU "
+                "shared through MPS or with other kernels: lower the op plan's sm_count)"
+                if _ops.in_persistent_grid(op) else "")
         super().__init__(
             f"{op}: rank {rank} timed out waiting for {who} "
             f"(flag expected >= {expected}, last seen {observed}); "
-            f"the peer may have crashed, be slower than FLUXRT_TIMEOUT_S, or skipped the call")
+            f"the peer may have crashed, be slower than FLUXRT_TIMEOUT_S, or skipped the call{grid}")
 
     def __reduce__(self):
         return type(self), (self.op, self.rank, self.peer, self.expected, self.observed)
@@ -110,13 +114,19 @@ class _OpRegistry:
         self._lock = threading.Lock()
         self._ids: dict[str, int] = {}
         self._names: list[str] = ["<none>"]
+        self._persistent: set[str] = set()
 
-    def id(self, name: str) -> int:
+    def id(self, name: str, persistent_grid: bool = False) -> int:
         with self._lock:
             if name not in self._ids:
                 self._ids[name] = len(self._names)
                 self._names.append(name)
+            if persistent_grid:
+                self._persistent.add(name)
             return self._ids[name]
+
+    def in_persistent_grid(self, name: str) -> bool:
+        return name in self._persistent
 
     def name(self, op_id: int) -> str:
         return self._names[op_id] if 0 <= op_id < len(self._names) else f"<op {op_id}>"
@@ -125,9 +135,11 @@ class _OpRegistry:
 _ops = _OpRegistry()
 
 
-def op_id(name: str) -> int:
-    """The id a kernel reports for op `name` when one of its waits times out."""
-    return _ops.id(name)
+def op_id(name: str, persistent_grid: bool = False) -> int:
+    """The id a kernel reports for op `name` when one of its waits times out. persistent_grid: the wait runs
+    in a persistent grid and waits for flags that its other CTAs or kernels and copies beside it release, so
+    its timeout message also names those not getting to run."""
+    return _ops.id(name, persistent_grid)
 
 
 def decode_error_record(words) -> WaitTimeoutError | None:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Multi-rank GPU tests on ONE GPU: every rank on device 0 under CUDA MPS, for correctness where a machine has
-# fewer GPUs than ranks. Timings from such a run mean nothing; kernels that want every SM (the persistent GEMM
-# of the fused ops, the largest collective grids) cannot all be resident at once, so some of their cases time
-# out by design (see docs/design.md, "Testing"). Logs under $OUT (default ./mps-check-out).
+# fewer GPUs than ranks. Timings from such a run mean nothing; each rank gets its share of the SMs, which the
+# driver reports to it, so persistent grids are sized for the share (see docs/design.md, "Testing"). Logs
+# under $OUT (default ./mps-check-out).
 #   source .whl/prelude.sh && bash launch/mps-check.sh            # world p2p ops ops_decomposed ops_fp8 collectives embedding moe fused_collectives
 #   FLUXRT_TOPOLOGY=virtual:2x1 MPS_FILES=multinode MPS_SOLO_FILES= bash launch/mps-check.sh   # the hierarchical path
 #   MPS_FILES="p2p ops" MPS_RANKS=2 bash launch/mps-check.sh [TREE]   # TREE: another checkout to test

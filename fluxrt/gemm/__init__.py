@@ -32,7 +32,7 @@ from ..errors import GemmArgumentError, GemmTypeError
 from .checks import Fp8Problem, validate_fp8_args, validate_gemm_args
 from .hooks import (BANDS_A, BANDS_C, DEFAULT_TIMEOUT_NS, REDUCE_WHERE, ArrivalWait, ChunkReduce, GroupArrival,
                     GroupScatter, RowBands, ShardCopy, TileDestinations, TileEpilogue, band_bits, reduce_hook_id)
-from .kernel import KERNEL_NAME, KERNEL_SOURCE, compile_options, kernel_defines
+from .kernel import KERNEL_NAME, KERNEL_SOURCE, compile_options, context_sms, kernel_defines
 from .launch import gemm, gemm_with_hooks
 from .autotune import TuneResult, autotune, plan_for, tuned_plan
 from .launch import clear_launch_cache
@@ -47,4 +47,4 @@ __all__ = ["gemm", "gemm_with_hooks", "grouped_gemm", "grouped_plan", "validate_
            "ChunkReduce", "ShardCopy", "RowBands", "GemmArgumentError", "GemmTypeError", "validate_gemm_args",
            "validate_fp8_args", "Fp8Problem", "fp8_plans", "fp8_heuristic_plan", "FP8_FORMATS", "SCALE_MODES",
            "kernel_defines", "compile_options", "band_bits", "reduce_hook_id", "BANDS_A", "BANDS_C",
-           "DEFAULT_TIMEOUT_NS", "REDUCE_WHERE", "KERNEL_NAME", "KERNEL_SOURCE"]
+           "DEFAULT_TIMEOUT_NS", "REDUCE_WHERE", "KERNEL_NAME", "KERNEL_SOURCE", "context_sms"]

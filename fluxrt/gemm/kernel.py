@@ -72,13 +72,71 @@ def _kernel(defines, device_id: int, smem_bytes: int):
 _sms: dict = {}
 
 
-def _num_sms(device_id: int) -> int:
-    n = _sms.get(device_id)
-    if n is None:
-        from cupy.cuda import runtime
+def context_sms(device_id: int) -> int:
+    """SMs that kernels of this thread's current context on `device_id` may occupy at once: the device's,
+    or fewer where the context is limited to part of the GPU (CUDA MPS with an active thread percentage,
+    a context made with an SM-count execution affinity, a green context). Persistent grids are sized by
+    this: a fused GEMM's CTAs wait for flags that other CTAs of its grid (or its comm kernels) release, so
+    they must all be resident at once, which a grid sized for the whole device is not in a context that
+    gets part of it. Cached per (device, context): a context's limit is fixed when it is made."""
+    import cupy
 
-        n = _sms[device_id] = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+    with cupy.cuda.Device(device_id):
+        ctx = _current_context()
+        n = _sms.get((device_id, ctx))
+        if n is None:
+            n = _sms[(device_id, ctx)] = _query_sms(device_id, ctx)
     return n
+
+
+_num_sms = context_sms   # the name the launch paths import
+
+
+def _current_context() -> int:
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError:   # no driver bindings: only the device attribute can be read
+        return 0
+    err, ctx = drv.cuCtxGetCurrent()
+    return int(ctx) if err == drv.CUresult.CUDA_SUCCESS else 0
+
+
+def _query_sms(device_id: int, ctx: int) -> int:
+    """The device attribute, and what the driver says of this context's share (:func:`sm_share`)."""
+    from cupy.cuda import runtime
+
+    total = int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError:
+        return total
+    ok = drv.CUresult.CUDA_SUCCESS
+    affinity = resource = None
+    try:   # a driver older than the bindings lacks the entry points: nothing reported
+        err, aff = drv.cuCtxGetExecAffinity(drv.CUexecAffinityType.CU_EXEC_AFFINITY_TYPE_SM_COUNT)
+        affinity = int(aff.param.smCount.val) if err == ok else None
+        if ctx:
+            err, res = drv.cuCtxGetDevResource(drv.CUcontext(ctx), drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
+            resource = int(res.sm.smCount) if err == ok else None
+    except RuntimeError as e:
+        log.debug("device %d: SM share not queried (%s)", device_id, e)
+    n, why = sm_share(total, affinity, resource)
+    if n < total:
+        log.info("device %d: this context may use %d of %d SMs (%s); persistent grids are sized for %d",
+                 device_id, n, total, why, n)
+    return n
+
+
+def sm_share(total: int, exec_affinity: int | None = None, sm_resource: int | None = None) -> tuple[int, str]:
+    """(SMs a context may use, where that number came from) given the device attribute `total` and the
+    context's SM-count execution affinity and SM resource as the driver reports them (None or 0: not
+    reported). An MPS client with an active thread percentage sees its share in all three (docs/design.md,
+    "Testing"); a green context in its SM resource."""
+    limits = {"device": total}
+    for name, v in (("exec affinity", exec_affinity), ("SM resource", sm_resource)):
+        if v and 0 < v < total:
+            limits[name] = int(v)
+    return min(limits.values()), ", ".join(f"{k} {v}" for k, v in limits.items())
 
 
 _cluster_caps: dict = {}

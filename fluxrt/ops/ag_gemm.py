@@ -86,7 +86,6 @@ class AllGatherGemm:
 
         w = world.size
         common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_ag_gemm, fp8)
-        self._sms = common.num_sms(world)
         if self.fp8 is not None:
             scales = (w,) if self.fp8.scale == "tensor" else (self.max_m, -(-self.k // FP8_SCALE_BLOCK))
             common.setup_paths(self, world, self.k, self.in_dtype, scales)
@@ -123,7 +122,7 @@ class AllGatherGemm:
         self._peers = peers
         self._copied_total = 0   # every rank's copied counters after the last call (the same everywhere)
         self._gplans: dict = {}
-        self._op_chunk = op_id("ag_gemm.chunk")
+        self._op_chunk = op_id("ag_gemm.chunk", persistent_grid=True)
 
     # --- buffers ------------------------------------------------------------------------------------
     def shard_buffer(self, m: int, stream=None):

@@ -12,7 +12,7 @@ from .. import agreement, signals
 from ..arrays import as_array
 from ..dtypes import normalize_dtype, short_name
 from ..topology import require_one_domain
-from .plan import MAX_WORLD, Fp8Options, OpsArgumentError, capacity_rows, check_rows, padded_shard
+from .plan import MAX_WORLD, Fp8Options, OpsArgumentError, capacity_rows, check_rows, op_sms, padded_shard
 
 if TYPE_CHECKING:
     from ..world import World
@@ -71,7 +71,8 @@ def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, tra
     """Both fused ops' constructor checks, agreed across ranks (a mismatch or a local error raises on every
     rank): sets obj.world, dtype, max_m, n, k, trans_b, plan (``plan`` or ``planner(max_m, n, k, world
     size)``, validated), capacity_m (the rows its buffers hold, shards padded to whole tiles), fp8 (the
-    validated Fp8Options or None) and in_dtype (A's and B's element type: dtype, or uint8 with fp8)."""
+    validated Fp8Options or None), in_dtype (A's and B's element type: dtype, or uint8 with fp8) and _sms (the
+    SMs its grids are sized for, :func:`fluxrt.ops.plan.op_sms`)."""
     require_one_domain(world, f"{op}()", OpsArgumentError)
     obj.world = world
 
@@ -83,6 +84,7 @@ def construct(obj, world: World, op: str, max_m: int, n: int, k: int, dtype, tra
         obj.capacity_m = capacity_rows(obj.max_m, world.size, obj.plan.row_multiple)
         obj.fp8 = check_fp8_options(op, fp8, obj)
         obj.in_dtype = "uint8" if obj.fp8 is not None else obj.dtype
+        obj._sms = op_sms(obj.plan, num_sms(world), op)   # the first device query: after the argument checks
         return None, {"max_m": obj.max_m, "n": obj.n, "k": obj.k, "dtype": obj.dtype, "trans_b": obj.trans_b,
                       "plan": repr(obj.plan), "fp8": repr(obj.fp8)}
 
@@ -152,7 +154,7 @@ def decomposed_state(op):
         from .decomposed import DecomposedState
 
         op._decomposed = DecomposedState(op.world, op.max_m, op._decomposed_cols, op._decomposed_dtype,
-                                         op._rates.comm_sms, scale_shape=op._decomposed_scales)
+                                         op._rates.comm_sms, scale_shape=op._decomposed_scales, num_sms=op._sms)
     return op._decomposed
 
 
@@ -306,9 +308,10 @@ def join(waiter, signaller) -> None:
 
 
 def num_sms(world: World) -> int:
-    from ..gemm.kernel import _num_sms
+    """SMs this process's context may use on the world's device (fluxrt.gemm.context_sms)."""
+    from ..gemm.kernel import context_sms
 
-    return _num_sms(world.device_id)
+    return context_sms(world.device_id)
 
 
 def alloc_on(shape, dtype: str, world: World, stream):

@@ -61,7 +61,7 @@ class DecomposedState:
     pieces."""
 
     def __init__(self, world: World, rows: int, cols: int, dtype: str, comm_sms: int, *,
-                 scale_shape: tuple | None = None):
+                 scale_shape: tuple | None = None, num_sms: int | None = None):
         import cupy
 
         from ..dtypes import normalize_dtype
@@ -72,6 +72,7 @@ class DecomposedState:
             self.scales = cupy.empty(scale_shape, dtype=cupy.float32) if scale_shape else None
         collectives.context(world)   # made collectively now: never inside a capture or a timed call
         self.comm_sms = comm_sms
+        self.num_sms = num_sms or common.num_sms(world)   # the op's share (plan.sm_count) or the context's
         self._plans: dict = {}
 
     def plan(self, m: int, n: int, k: int, dtype: str, trans_b: bool, capped: bool):
@@ -92,13 +93,13 @@ class DecomposedState:
         key = (prob, capped)
         p = self._plans.get(key)
         if p is None:
-            p = self._cap(plan_fp8(prob, self.world.device_id, common.num_sms(self.world)), capped)
+            p = self._cap(plan_fp8(prob, self.world.device_id, self.num_sms), capped)
             self._plans[key] = p
         return p
 
     def _cap(self, p, capped: bool):
         if capped and p.split_k == 1 and p.cluster == 1:
-            free = max(1, common.num_sms(self.world) - self.comm_sms)
+            free = max(1, self.num_sms - self.comm_sms)
             p = dataclasses.replace(p, max_ctas=min(free, p.max_ctas or free))
         return p
 

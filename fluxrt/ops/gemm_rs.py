@@ -87,7 +87,6 @@ class GemmReduceScatter:
 
         w = world.size
         common.construct(self, world, OP, max_m, n, k, dtype, trans_b, plan, plan_gemm_rs, fp8)
-        self._sms = common.num_sms(world)
         common.setup_paths(self, world, self.n)
         if self.fp8 is not None:
             self.partial_dtype = self.dtype
@@ -134,7 +133,7 @@ class GemmReduceScatter:
             # the tables above were uploaded on the current stream; the op's streams read them from now on
             cupy.cuda.get_current_stream().synchronize()
         self._gplans: dict = {}
-        self._op_reduce = op_id("gemm_rs.reduce")
+        self._op_reduce = op_id("gemm_rs.reduce", persistent_grid=True)
         self._op_tiles = "gemm_rs.tiles"
 
     @_nvtx("gemm_rs.forward")

@@ -52,7 +52,7 @@ __all__ = ["AgGemmPlan", "GemmRsPlan", "OpsArgumentError", "AG_COMM_MODES", "RS_
            "MAX_WORLD", "plan_ag_gemm", "plan_gemm_rs", "check_rows", "padded_shard", "capacity_rows", "pull_order",
            "ag_pad_layout",
            "ag_gemm_plan", "rs_gemm_plan", "aligned_group_m", "rs_flag_layout", "rs_tile_offset", "ag_tile_offset",
-           "rs_reduce_grid", "rs_ce_groups", "RS_COMM_MODES", "PATHS", "Fp8Options", "FP8_OP_SCALES"]
+           "rs_reduce_grid", "rs_ce_groups", "RS_COMM_MODES", "PATHS", "Fp8Options", "FP8_OP_SCALES", "op_sms"]
 
 TILE_ROWS = 128              # GEMM tile height (GemmPlan.block_m with two consumer warpgroups)
 MIN_TILE_COLS = 64           # narrowest GEMM tile: flag pads are sized for it
@@ -84,6 +84,13 @@ class AgGemmPlan:
         path where the fused one is predicted to lose, and always inside a CUDA-graph capture),
         'fused' or 'decomposed'.
     decomposed_chunks: chunks of the decomposed path (None: the cost model's choice).
+    sm_count: SMs the op may occupy at once, comm_sms included (None: all that this process's context may
+        use, :func:`fluxrt.gemm.context_sms`: the device's, or its share under CUDA MPS with an active thread
+        percentage or in a green context). The fused GEMM's grid is sized by it, because its CTAs wait for
+        flags that need all of them and the comm kernels resident at once (the decomposed path's GEMMs
+        beside its collectives are capped by it too): set it lower when other kernels run beside the op on
+        the same GPU, or when it shares the GPU with other processes through MPS (docs/design.md,
+        "Testing"). More than the context may use is an error.
     """
     chunks_per_rank: int = 1
     comm_mode: str = "pull"
@@ -92,9 +99,11 @@ class AgGemmPlan:
     gemm: GemmPlan | None = None
     path: str = "auto"
     decomposed_chunks: int | None = None
+    sm_count: int | None = None
 
     def validate(self) -> "AgGemmPlan":
         _check_path(self)
+        _check_sm_count(self)
         if self.chunks_per_rank < 1:
             raise OpsArgumentError(f"AgGemmPlan.chunks_per_rank must be >= 1, got {self.chunks_per_rank}")
         if self.comm_mode not in AG_COMM_MODES:
@@ -143,6 +152,8 @@ class GemmRsPlan:
     gemm: a GemmPlan to use instead of planning per call (m_tile_offset and max_ctas are set per call).
     path, decomposed_chunks: as :class:`AgGemmPlan` (the decomposed path reduces in the collectives' fp32
         and ignores partial_dtype).
+    sm_count: as :class:`AgGemmPlan` (the SMs reduce_mode 'concurrent' and comm_mode 'ce' leave free count
+        within it): the tail and epilogue reduces wait for tiles of other CTAs of the same grid.
     """
     comm_mode: str = "ce"
     ce_groups: int = 4
@@ -152,9 +163,11 @@ class GemmRsPlan:
     gemm: GemmPlan | None = None
     path: str = "auto"
     decomposed_chunks: int | None = None
+    sm_count: int | None = None
 
     def validate(self) -> "GemmRsPlan":
         _check_path(self)
+        _check_sm_count(self)
         if self.comm_mode not in RS_COMM_MODES:
             raise OpsArgumentError(f"GemmRsPlan.comm_mode must be one of {RS_COMM_MODES}, got {self.comm_mode!r}")
         if self.ce_groups < 1:
@@ -234,6 +247,28 @@ def _check_path(plan) -> None:
     c = plan.decomposed_chunks
     if c is not None and (not isinstance(c, int) or c < 1):
         raise OpsArgumentError(f"{name}.decomposed_chunks must be None or an int >= 1, got {c!r}")
+
+
+def _check_sm_count(plan) -> None:
+    c = plan.sm_count
+    if c is None:
+        return
+    if not isinstance(c, int) or isinstance(c, bool) or c <= plan.reserved_sms:
+        raise OpsArgumentError(f"{type(plan).__name__}.sm_count must be None or an int above the "
+                               f"{plan.reserved_sms} SM(s) the GEMM leaves to its comm kernels, got {c!r}")
+
+
+def op_sms(plan, context_sms: int, op: str) -> int:
+    """SMs an op sizes its grids for: plan.sm_count, or the `context_sms` this process's context may use.
+    An sm_count above that raises: the GEMM's CTAs, which wait for each other's flags, could not all be
+    resident."""
+    if plan.sm_count is None:
+        return context_sms
+    if plan.sm_count > context_sms:
+        raise OpsArgumentError(f"{op}: plan.sm_count={plan.sm_count} exceeds the {context_sms} SMs this process's "
+                               "context may use (fluxrt.gemm.context_sms: under CUDA MPS or in a green context, "
+                               "its share of the GPU): the GEMM's CTAs could not all be resident at once")
+    return plan.sm_count
 
 
 def _check_gemm_override(plan: GemmPlan | None) -> None:

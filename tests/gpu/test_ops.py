@@ -529,9 +529,11 @@ def test_ag_gemm_missing_peer_times_out_naming_it(world, rng, monkeypatch):
     n, k, shard = 256, 128, 128
     op = AllGatherGemm(world, shard * world.size, n, k, "bf16")
     # the host-side argument check is an MPI collective that rank 0 would never join: only the device
-    # wait is under test here
+    # wait is under test here. The path choice is collective on its first use per M: made by every rank
+    # first, the skipped call finds it made
     monkeypatch.setattr(world, "options", dataclasses.replace(world.options, check_collective_args=False))
     try:
+        op.path_choice(shard * world.size)
         world.synchronize()
         world.comm.Barrier()
         if world.rank != 0:
@@ -566,6 +568,7 @@ def test_gemm_rs_missing_peer_leaves_nan_and_a_sticky_error(world, rng, monkeypa
     op = GemmReduceScatter(world, m, n, k, "bf16", plan=plan.validate())
     monkeypatch.setattr(world, "options", dataclasses.replace(world.options, check_collective_args=False))
     try:
+        op.path_choice(m)   # collective on first use per M: every rank, before rank 0 skips the call
         a, b = _dev(_rand(rng, (m, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16"))
         out = cupy.zeros((shard, n), dtype=a.dtype)   # finite: any NaN is the kernels'
         world.synchronize()
