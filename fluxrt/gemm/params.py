@@ -51,12 +51,13 @@ TAIL_ARGS = _struct([("out", PTR), ("counter", PTR)])
 SCALE_ARGS = _struct([("a", PTR), ("b", PTR), ("k_blocks", I32), ("b_group_stride", I32)])
 GROUP_ARGS = _struct([("offsets", PTR), ("groups", I32), ("offsets_64", I32), ("arrival_epoch", PTR),
                       ("arrival_sources", U32)])
+STREAM_K_ARGS = _struct([("counters", PTR), ("partials", PTR), ("dp_tiles", I32), ("op_id", U32)])
 COPY_ARGS = _struct([("tmap_a_own", TMAP[1], 64), ("counters", PTR), ("row0", I32), ("rows", I32)])
 
 PARAMS, _PARAMS_ALIGN = _struct([
     ("gemm", GEMM_ARGS), ("copy", COPY_ARGS), ("timeout", TIMEOUT_ARGS), ("wait", WAIT_ARGS),
     ("epilogue", EPILOGUE_ARGS), ("reduce", REDUCE_ARGS), ("tail", TAIL_ARGS), ("scale", SCALE_ARGS),
-    ("group", GROUP_ARGS),
+    ("group", GROUP_ARGS), ("stream_k", STREAM_K_ARGS),
 ])
 
 
@@ -89,4 +90,4 @@ def gemm_params(**gemm) -> np.ndarray:
 
 
 __all__ = ["PARAMS", "GEMM_ARGS", "TIMEOUT_ARGS", "WAIT_ARGS", "EPILOGUE_ARGS", "REDUCE_ARGS", "TAIL_ARGS",
-           "COPY_ARGS", "SCALE_ARGS", "GROUP_ARGS", "gemm_params", "leaf_fields", "new_params"]
+           "COPY_ARGS", "SCALE_ARGS", "GROUP_ARGS", "STREAM_K_ARGS", "gemm_params", "leaf_fields", "new_params"]

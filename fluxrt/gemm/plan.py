@@ -25,6 +25,9 @@ c_staging      with epilogue 'tma': 'per_consumer' (one staging region per consu
 split_k        K in this many slices (whole K blocks, the last shorter: any K), each a band of rows of one
                launch writing fp32 partials, summed in slice order by a second kernel (deterministic): more
                tiles where M x N alone leaves SMs idle
+stream_k       True: the last one or two waves of tiles are cut by K blocks evenly over the persistent grid
+               (the earlier waves run whole tiles); a tile cut between CTAs is finished by the CTA holding
+               its first K block, which adds the others' fp32 partials in K order (deterministic, one launch)
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -81,6 +84,7 @@ class GemmPlan:
     epilogue: str = "tma"
     c_staging: str = "per_consumer"
     split_k: int = 1
+    stream_k: bool = False
 
     def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
         """Raise ValueError when the kernel cannot be instantiated with this plan."""
@@ -91,6 +95,8 @@ class GemmPlan:
                 raise ValueError("GemmPlan.split_k > 1 needs cluster=1 and epilogue='tma' (fp32 partials stored by "
                                  "the storer warp)")
             out_dtype = "float32"   # the GEMM itself writes fp32 partials
+        if self.stream_k and (self.split_k > 1 or self.cluster != 1 or self.epilogue != "tma"):
+            raise ValueError("GemmPlan.stream_k needs split_k=1, cluster=1 and epilogue='tma'")
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m != 64 * self.consumers:
@@ -130,7 +136,7 @@ class GemmPlan:
         """One line for tables and logs, e.g. '128x256x64 s3 grouped/g16 epi=tma x1'."""
         staging = "/shared" if self.c_staging == "shared" else ""
         order = self.order + (f"/g{self.group_m}" if self.order == "grouped" else "")
-        split = f" k{self.split_k}" if self.split_k > 1 else ""
+        split = f" k{self.split_k}" if self.split_k > 1 else (" sk" if self.stream_k else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
                 f"x{self.cluster}{split}")
 
@@ -170,6 +176,8 @@ class GemmPlan:
         tile per CTA of a cluster (the same N tile, consecutive M tiles)."""
         mt, nt = self.tiles(m, n)
         items = -(-mt // self.cluster) * nt
+        if self.stream_k:   # the K blocks are cut over every SM, however few the tiles
+            items = num_sms
         cap = num_sms if self.max_ctas is None else min(self.max_ctas, num_sms)
         clusters = max(1, cap // self.cluster)
         if max_clusters is not None:
@@ -337,10 +345,56 @@ def _ragged_waves(tiles: int, num_sms: int) -> bool:
     return waves <= SPLIT_WAVES_MAX and _wave_fill(tiles, num_sms) < SPLIT_PARTIAL_FILL
 
 
+STREAM_K_MAX_FILL = 0.9      # stream-K plans where the tiles' waves are busy less than this
+STREAM_K_MIN_K = 1024        # ... and K has at least this many columns (16 K blocks) to cut
+STREAM_K_FIXUP_COST = 9e6    # a cut tile's partial written and read back (128 KiB at 128x256, L2), in tile_cost units
+STREAM_K_RATE = 1.0          # the main loop's rate against whole tiles
+
+
+def stream_k_dp_tiles(tiles: int, ctas: int) -> int:
+    """Stream-K's whole tiles (run first, round robin): every full wave but the last, so that the cut part holds
+    one to two waves of tiles (all of them with at most one wave)."""
+    return max(0, tiles // ctas - 1) * ctas
+
+
+def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = H100_H200_SMS) -> float:
+    """Modelled time of a stream-K plan in :func:`tile_cost` units: the whole tiles' waves, then an even share of
+    the cut tiles' K per SM with the fixed cost of its (at most 2 + whole tiles) units, and one partial's round
+    trip through L2."""
+    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
+    dp = stream_k_dp_tiles(tiles, num_sms)
+    share = (tiles - dp) * k / num_sms
+    units = (tiles - dp) / num_sms + 1
+    rate = TILE_RATE[(block_m, block_n, 1)] * STREAM_K_RATE
+    return (dp // num_sms * block_m * block_n * (k + TILE_FIXED_K)
+            + block_m * block_n * (share + units * TILE_FIXED_K)) / rate + STREAM_K_FIXUP_COST * block_m * block_n / (128 * 256)
+
+
+def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
+    """Stream-K plans worth considering: every cluster-1 tile shape whose tiles fill their waves less than
+    STREAM_K_MAX_FILL, when K has at least STREAM_K_MIN_K columns."""
+    if k < STREAM_K_MIN_K:
+        return []
+    out = []
+    for bm, bn, cluster in TILE_RATE:
+        if cluster != 1:
+            continue
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        if _wave_fill(tiles, num_sms) >= STREAM_K_MAX_FILL:
+            continue
+        stages = min(max_stages(bm, bn, out_dtype), 6)
+        if stages >= 2:
+            out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, stream_k=True,
+                                group_m=max(1, min(math.ceil(m / bm), 16))))
+    return out
+
+
 def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_SMS) -> float:
-    """The model's time of a plan (:func:`tile_cost`, :func:`split_cost`)."""
+    """The model's time of a plan (:func:`tile_cost`, :func:`split_cost`, :func:`stream_k_cost`)."""
     if plan.split_k > 1:
         return split_cost(m, n, k, plan.block_m, plan.block_n, plan.split_k, num_sms)
+    if plan.stream_k:
+        return stream_k_cost(m, n, k, plan.block_m, plan.block_n, num_sms)
     return tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster, num_sms)
 
 
@@ -348,15 +402,16 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
 def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
                    trans_b: bool = False, num_sms: int = H100_H200_SMS) -> GemmPlan:
     """The plan of a plain GEMM without measuring: the plan of least modelled time (:func:`plan_cost`; ties go
-    to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages)
-    and the split-K plans of :func:`split_plans`, grouped order with bands of up to 16 tile rows. What
+    to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages),
+    the split-K plans of :func:`split_plans` and the stream-K plans of :func:`stream_k_plans`, grouped order with bands of up to 16 tile rows. What
     :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry."""
     if in_dtype not in IN_DTYPES:
         raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"unsupported output dtype {out_dtype!r} (expected one of {OUT_DTYPES})")
     best = None
-    for plan in plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms):
+    for plan in (plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
+                 + stream_k_plans(m, n, k, out_dtype, num_sms)):
         cost = plan_cost(plan, m, n, k, num_sms)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)

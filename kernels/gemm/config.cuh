@@ -53,6 +53,13 @@
 //                             scheduler.cuh) and stores its fp32 partial into band s of C. A and B are the
 //                             plain 2-D maps, read at the slice's K offset. A separate kernel sums the
 //                             partials in split order. default 0
+//   FLUXRT_GEMM_STREAM_K      1: stream-K (plain GEMM: no hooks, no cluster, no bands, no split-K, 16-bit inputs,
+//                             staged epilogue): the schedule's first StreamKArgs::dp_tiles items are whole
+//                             tiles (round robin, as without it); the K blocks of the remaining tiles are
+//                             cut evenly over the grid, so a CTA's work is a range of (tile, K block) pairs.
+//                             A tile cut between CTAs is finished by the CTA holding its first K block,
+//                             which adds the others' fp32 partials in K order (StreamK in scheduler.cuh,
+//                             the fixup in epilogue.cuh). default 0
 //   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; no hooks, no cluster, no bands, staged epilogue):
 //                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a
@@ -120,6 +127,9 @@
 #ifndef FLUXRT_GEMM_GROUPED
 #define FLUXRT_GEMM_GROUPED 0
 #endif
+#ifndef FLUXRT_GEMM_STREAM_K
+#define FLUXRT_GEMM_STREAM_K 0
+#endif
 
 namespace fluxrt_sm90 {
 
@@ -176,6 +186,10 @@ static_assert(!kGrouped || (!kHookEpilogue && !kHookCopy && kCluster == 1 && !kB
               "grouped GEMM: plain loads (hook 1: per-group arrival waits), no cluster, C staged for the storer's "
               "row-masked boundary stores");
 static_assert(!kGrouped || !kFp8 || !kHookWait, "grouped GEMM: per-group arrival waits with 16-bit inputs only");
+constexpr bool kStreamK = FLUXRT_GEMM_STREAM_K != 0;
+static_assert(!kStreamK || (!kHookWait && !kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC &&
+                            !kSplitK && !kGrouped && !kEpiDirect && !kFp8),
+              "stream-K: plain 16-bit GEMM (no hooks, cluster, bands, split-K, grouping), staged epilogue");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread

@@ -110,6 +110,16 @@ struct GroupArgs {
     u32 arrival_sources;        // hook 1: arrival flags per group (one per source)
 };
 
+// Stream-K (FLUXRT_GEMM_STREAM_K): the tiles cut between CTAs and where their pieces meet. The bounded wait of a
+// tile's finishing CTA reports through TimeoutArgs (err, timeout_ns, rank) and op_id here.
+struct StreamKArgs {
+    u64* counters;              // per stream-K tile and consumer warpgroup: pieces stored; 0 before the launch,
+                                //   reset to 0 by the tile's finishing warpgroup
+    float* partials;            // per CTA (blockIdx.x) one fp32 partial tile, in accumulator-fragment order
+    int dp_tiles;               // schedule items [0, dp_tiles) are whole tiles; the rest are cut by K blocks
+    u32 op_id;
+};
+
 struct Params {
     GemmArgs gemm;
     CopyArgs copy;
@@ -120,6 +130,7 @@ struct Params {
     TailArgs tail;
     ScaleArgs scale;
     GroupArgs group;
+    StreamKArgs stream_k;       // in the former tail padding: every earlier field keeps its offset
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters are limited to 4 KiB");
 
