@@ -400,18 +400,19 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
 
 @functools.lru_cache(maxsize=4096)
 def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
-                   trans_b: bool = False, num_sms: int = H100_H200_SMS) -> GemmPlan:
+                   trans_b: bool = False, num_sms: int = H100_H200_SMS, stream_k: bool = True) -> GemmPlan:
     """The plan of a plain GEMM without measuring: the plan of least modelled time (:func:`plan_cost`; ties go
     to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages),
     the split-K plans of :func:`split_plans` and the stream-K plans of :func:`stream_k_plans`, grouped order with bands of up to 16 tile rows. What
-    :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry."""
+    :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry. stream_k=False: without the stream-K
+    plans (for comparisons)."""
     if in_dtype not in IN_DTYPES:
         raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"unsupported output dtype {out_dtype!r} (expected one of {OUT_DTYPES})")
     best = None
     for plan in (plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
-                 + stream_k_plans(m, n, k, out_dtype, num_sms)):
+                 + (stream_k_plans(m, n, k, out_dtype, num_sms) if stream_k else [])):
         cost = plan_cost(plan, m, n, k, num_sms)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)

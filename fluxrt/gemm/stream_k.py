@@ -40,6 +40,25 @@ def dp_tiles(tiles: int, ctas: int) -> int:
     return stream_k_dp_tiles(tiles, ctas)
 
 
+def units(tiles: int, k_blocks: int, ctas: int) -> list[list[tuple[int, int, int]]]:
+    """Host mirror of the kernel's for_each_unit (scheduler.cuh): per CTA, its work units (schedule item, first
+    K block, K blocks) in the order it runs them. For tests and tools."""
+    dp = dp_tiles(tiles, ctas)
+    iters = (tiles - dp) * k_blocks
+    begin = [iters * b // ctas for b in range(ctas + 1)]
+    out = []
+    for b in range(ctas):
+        mine = [(t, 0, k_blocks) for t in range(b, dp, ctas)]
+        pos = begin[b]
+        while pos < begin[b + 1]:
+            i, kb0 = divmod(pos, k_blocks)
+            n = min(k_blocks - kb0, begin[b + 1] - pos)
+            mine.append((dp + i, kb0, n))
+            pos += n
+        out.append(mine)
+    return out
+
+
 def stream_k_tiles(tiles: int, ctas: int) -> int:
     return tiles - dp_tiles(tiles, ctas)
 
@@ -142,4 +161,4 @@ def fill_params(params: np.ndarray, plan: GemmPlan, m: int, n: int, grid: int, d
 
 
 __all__ = ["OP_NAME", "StreamKLaunch", "check_errors", "counter_bytes", "dp_tiles", "fill_params", "partial_bytes",
-           "reset_errors", "stream_k_tiles", "workspace_bytes"]
+           "reset_errors", "stream_k_tiles", "units", "workspace_bytes"]

@@ -72,3 +72,14 @@ def test_scale_args_keep_the_layout():
     p["scale"]["k_blocks"], p["scale"]["b_group_stride"] = 56, 16 * 56
     raw = p.tobytes()
     assert np.frombuffer(raw, "<i4", 2, off["scale.k_blocks"]).tolist() == [56, 896]
+
+
+def test_stream_k_args_keep_the_layout():
+    """StreamKArgs lies in Params' former tail padding: Params keeps its 896 bytes and every other field its offset."""
+    off = dict((n, o) for n, o, _ in leaf_fields())
+    assert off["stream_k.counters"] == 856 and off["group.arrival_sources"] == 848
+    assert off["stream_k.op_id"] == off["stream_k.dp_tiles"] + 4 and PARAMS.itemsize == 896
+    p = new_params()
+    p["stream_k"]["dp_tiles"], p["stream_k"]["op_id"] = 264, 7
+    raw = p.tobytes()
+    assert np.frombuffer(raw, "<i4", 2, off["stream_k.dp_tiles"]).tolist() == [264, 7]

@@ -293,3 +293,77 @@ def test_partial_wave_split_plans_fill_ragged_waves():
     # 461x9128x13208 (K % 16 == 8; 1.09 waves of 128x256 tiles): no slice count divides K, split plans anyway
     wide = split_plans(461, 9128, 13208, partial_waves=True)
     assert wide and set(wide) <= set(candidates(461, 9128, 13208))
+
+
+# --- stream-K ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tiles,k_blocks,ctas", [(72, 112, 132), (216, 202, 132), (450, 195, 132), (144, 207, 132),
+                                                 (5, 1, 132), (3, 7, 8), (264, 50, 132), (133, 3, 132)])
+def test_stream_k_units_cover_every_k_block_once_and_wait_only_forward(tiles, k_blocks, ctas):
+    """The kernel's units (host mirror): every (tile, K block) once; whole tiles first; a CTA holds at most one
+    piece that does not start at K block 0 (its first stream-K unit: one partial slot per CTA); a cut tile's first
+    piece is the last unit of its CTA and every other piece of it belongs to a CTA of higher index (no cycle of
+    waits), as StreamK::other_pieces enumerates them."""
+    from fluxrt.gemm.stream_k import dp_tiles, units
+
+    per_cta = units(tiles, k_blocks, ctas)
+    seen = {}
+    for b, us in enumerate(per_cta):
+        later = [u for u in us if u[1] > 0]
+        assert len(later) <= 1 and (not later or later[0] == [u for u in us if u[0] >= dp_tiles(tiles, ctas)][0])
+        for t, kb0, n in us:
+            assert n >= 1 and kb0 + n <= k_blocks
+            for kb in range(kb0, kb0 + n):
+                assert (t, kb) not in seen
+                seen[(t, kb)] = b
+    assert len(seen) == tiles * k_blocks
+    for b, us in enumerate(per_cta):
+        for t, kb0, n in us:
+            if kb0 == 0 and n < k_blocks:   # a finishing piece: last unit, the other pieces' CTAs after b
+                assert (t, kb0, n) == us[-1]
+                assert all(seen[(t, kb)] > b for kb in range(n, k_blocks))
+    if tiles >= 2 * ctas:   # all full waves but the last run whole tiles
+        assert dp_tiles(tiles, ctas) == (tiles // ctas - 1) * ctas
+
+
+def test_stream_k_plan_validation_defines_and_grid():
+    from fluxrt.gemm import kernel_defines
+
+    with pytest.raises(ValueError, match="stream_k"):
+        GemmPlan(stream_k=True, split_k=2).validate()
+    with pytest.raises(ValueError, match="stream_k"):
+        GemmPlan(stream_k=True, cluster=2).validate()
+    sk = GemmPlan(stream_k=True)
+    assert sk.describe().endswith(" sk")
+    assert dict(kernel_defines(sk, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_STREAM_K"] == "1"
+    assert "FLUXRT_GEMM_STREAM_K" not in dict(kernel_defines(GemmPlan(), "bfloat16", "bfloat16", True))
+    # the K blocks are cut over every SM, however few the tiles
+    assert sk.grid(256, 9216, 132) == 132 and GemmPlan().grid(256, 9216, 132) == 72
+    assert GemmPlan(stream_k=True, max_ctas=100).grid(256, 9216, 132) == 100
+
+
+def test_stream_k_workspace_sizes():
+    from fluxrt.gemm.stream_k import MAX_CTAS, counter_bytes, partial_bytes, workspace_bytes
+
+    plan = GemmPlan(stream_k=True)
+    # counters of any call (< 2 x MAX_CTAS cut tiles, 2 warpgroups each) first, then one fp32 tile per CTA
+    assert counter_bytes() == 2 * MAX_CTAS * 2 * 8
+    assert partial_bytes(plan, 132) == 132 * 128 * 256 * 4
+    assert workspace_bytes(plan, 256, 9216, 132) == counter_bytes() + 132 * 128 * 256 * 4
+    assert counter_bytes() % 16 == 0   # the partials' float4 alignment
+
+
+def test_stream_k_plans_where_waves_are_partial():
+    from fluxrt.gemm.autotune import candidates
+    from fluxrt.gemm.plan import H100_H200_SMS as SMS
+    from fluxrt.gemm.plan import STREAM_K_MAX_FILL, STREAM_K_MIN_K, _wave_fill, stream_k_plans
+
+    for m, n, k in [(256, 9216, 7168), (9166, 664, 12896), (461, 9128, 13208)]:
+        plans = stream_k_plans(m, n, k)
+        assert plans and set(plans) <= set(candidates(m, n, k))
+        for p in plans:
+            p.validate()
+            tiles = math.ceil(m / p.block_m) * math.ceil(n / p.block_n)
+            assert p.stream_k and p.split_k == 1 and _wave_fill(tiles, SMS) < STREAM_K_MAX_FILL
+    assert all(p.block_n != 256 or p.block_m != 128 for p in stream_k_plans(8192, 8192, 8192))   # 2048 tiles: 97 %
+    assert stream_k_plans(256, 9216, STREAM_K_MIN_K - 64) == []
