@@ -107,7 +107,7 @@ def run_shape(m: int, n: int, k: int, layout: str, dtype: str, reps: int, rounds
     cublas_us = float(np.median(cublas))
     us = {plan: float(np.median(t)) for plan, t in times.items()}
     row = {"m": m, "n": n, "k": k, "layout": layout, "dtype": dtype, "cublas_us": cublas_us,
-           "candidates": [{"plan": p.describe(), "us": round(us[p], 3), "ratio": cublas_us / us[p],
+           "candidates": [{"plan": p.describe(), "us": round(us[p], 3), "ratio": round(cublas_us / us[p], 4),
                            "rel_err_vs_cublas": errs[p]} for p in us]}
     for name, sk in (("before", False), ("after", True)):
         hp = heuristic_plan(m, n, k, in_dtype=dtype, out_dtype=dtype, trans_b=trans_b, num_sms=sms, stream_k=sk)
@@ -170,9 +170,15 @@ def main(argv=None) -> int:
     if args.json:
         from fluxrt.perf import results_document, write_json
 
+        # the table holds one row per shape; every candidate's time is kept beside it, per shape
+        cands = {f"{r['m']}x{r['n']}x{r['k']} {r['layout']}": r.pop("candidates") for r in rows if "candidates" in r}
         doc = results_document("gemm-stream-k", rows, ["python3", "perf/gemm_stream_k.py", *(argv or sys.argv[1:])],
                                machine={"gpu_name": name, "gpu_count": 1})
         doc["summary"] = summary
+        doc["candidates"] = cands
+        doc["note"] = ("kernel times (CUDA events, back-to-back launches), ratio = cuBLAS / fluxrt; heuristic and "
+                       "tuned before / after: without / with the stream-K plans; every candidate's time under "
+                       "'candidates'")
         write_json(args.json, doc)
         print(f"# wrote {len(rows)} rows to {args.json}")
     bad = [r for r in ok if (r.get("worst_rel_err_vs_cublas") or 0) > 1e-2]

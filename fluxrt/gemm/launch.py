@@ -172,7 +172,7 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
                 _ptr(copy.counters)
         if plan.stream_k:   # the partials and counters of the call's stream
             sptr = cupy.cuda.get_current_stream().ptr if stream_ptr is None else stream_ptr
-            ws = fill_stream_k(params, plan, m, n, grid, dev, sptr)
+            ws = fill_stream_k(params, plan, m, n, k, grid, dev, sptr)
             return StreamKLaunch(PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), ws), out, plan
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 

@@ -25,9 +25,9 @@ c_staging      with epilogue 'tma': 'per_consumer' (one staging region per consu
 split_k        K in this many slices (whole K blocks, the last shorter: any K), each a band of rows of one
                launch writing fp32 partials, summed in slice order by a second kernel (deterministic): more
                tiles where M x N alone leaves SMs idle
-stream_k       True: the last one or two waves of tiles are cut by K blocks evenly over the persistent grid
-               (the earlier waves run whole tiles); a tile cut between CTAs is finished by the CTA holding
-               its first K block, which adds the others' fp32 partials in K order (deterministic, one launch)
+stream_k       True: the tiles of the last one or two waves are cut into K ranges that fill the waves
+               (stream_k_geometry; the earlier waves run whole tiles); a cut tile's last piece adds the
+               others' fp32 partials in piece order (deterministic, one launch)
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -347,27 +347,53 @@ def _ragged_waves(tiles: int, num_sms: int) -> bool:
 
 STREAM_K_MAX_FILL = 0.9      # stream-K plans where the tiles' waves are busy less than this
 STREAM_K_MIN_K = 1024        # ... and K has at least this many columns (16 K blocks) to cut
-STREAM_K_FIXUP_COST = 9e6    # a cut tile's partial written and read back (128 KiB at 128x256, L2), in tile_cost units
-STREAM_K_RATE = 1.0          # the main loop's rate against whole tiles
+STREAM_K_MAX_PIECES = 16     # K ranges a cut tile may be cut into
+STREAM_K_MIN_PIECE_BLOCKS = 4    # K blocks of a piece at least (shorter pieces spend their time filling the ring)
+STREAM_K_PIECE_COST = 2      # K blocks' time of one partial's round trip through L2 (stored, or folded by the finisher)
+STREAM_K_MAX_PARTIAL_BYTES = 128 << 20   # the cut tiles' fp32 partials at most
+STREAM_K_RATE = 0.85         # the model's discount of stream-K plans (not fitted): picked only where clearly ahead
 
 
-def stream_k_dp_tiles(tiles: int, ctas: int) -> int:
-    """Stream-K's whole tiles (run first, round robin): every full wave but the last, so that the cut part holds
-    one to two waves of tiles (all of them with at most one wave)."""
-    return max(0, tiles // ctas - 1) * ctas
+def stream_k_geometry(tiles: int, k_blocks: int, ctas: int, tile_bytes: int = 128 * 256 * 4) -> tuple[int, int, int]:
+    """How stream-K cuts a problem of `tiles` tiles of `k_blocks` K blocks on `ctas` persistent CTAs:
+    (dp_tiles, pieces, piece_blocks). The first dp_tiles tiles (whole waves) run whole; each of the others is cut
+    into `pieces` K ranges of piece_blocks blocks (the last shorter; every piece non-empty), units that continue
+    the round robin. Chosen to minimise the modelled time per CTA in K blocks: the waves of units times a unit's
+    blocks plus TILE_FIXED_K, plus the partials' round trips on the finisher's path; among the whole waves all
+    or all but the last run whole. pieces == 1: nothing cut (a plain schedule)."""
+    fixed = TILE_FIXED_K // 64
+    r = tiles % ctas
+    if r == 0 or k_blocks < 2 * STREAM_K_MIN_PIECE_BLOCKS:
+        return tiles - r, 1, k_blocks
+    best = None
+    for dp in sorted({tiles - r, max(0, tiles - r - ctas)}, reverse=True):
+        cut = tiles - dp
+        for p in range(1, STREAM_K_MAX_PIECES + 1):
+            pb = -(-k_blocks // p)
+            pieces = -(-k_blocks // pb)
+            if pieces != p or (p > 1 and pb < STREAM_K_MIN_PIECE_BLOCKS) or cut * (p - 1) * tile_bytes > STREAM_K_MAX_PARTIAL_BYTES:
+                continue
+            cost = (dp // ctas) * (k_blocks + fixed) + -(-cut * p // ctas) * (pb + fixed)
+            if p > 1:
+                cost += STREAM_K_PIECE_COST * p
+            if best is None or cost < best[0]:
+                best = (cost, dp, p, pb)
+    return best[1], best[2], best[3]
 
 
 def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = H100_H200_SMS) -> float:
-    """Modelled time of a stream-K plan in :func:`tile_cost` units: the whole tiles' waves, then an even share of
-    the cut tiles' K per SM with the fixed cost of its (at most 2 + whole tiles) units, and one partial's round
-    trip through L2."""
+    """Modelled time of a stream-K plan in :func:`tile_cost` units: :func:`stream_k_geometry`'s K blocks per CTA
+    at the tile shape's rate times STREAM_K_RATE."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
-    dp = stream_k_dp_tiles(tiles, num_sms)
-    share = (tiles - dp) * k / num_sms
-    units = (tiles - dp) / num_sms + 1
+    kb = -(-k // BLOCK_K)
+    dp, pieces, pb = stream_k_geometry(tiles, kb, num_sms, block_m * block_n * 4)
+    fixed = TILE_FIXED_K // BLOCK_K
+    cut = tiles - dp
+    blocks = (dp // num_sms) * (kb + fixed) + -(-cut * pieces // num_sms) * (pb + fixed)
+    if pieces > 1:
+        blocks += STREAM_K_PIECE_COST * pieces
     rate = TILE_RATE[(block_m, block_n, 1)] * STREAM_K_RATE
-    return (dp // num_sms * block_m * block_n * (k + TILE_FIXED_K)
-            + block_m * block_n * (share + units * TILE_FIXED_K)) / rate + STREAM_K_FIXUP_COST * block_m * block_n / (128 * 256)
+    return block_m * block_n * BLOCK_K * blocks / rate
 
 
 def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:

@@ -55,11 +55,10 @@
 //                             partials in split order. default 0
 //   FLUXRT_GEMM_STREAM_K      1: stream-K (plain GEMM: no hooks, no cluster, no bands, no split-K, 16-bit inputs,
 //                             staged epilogue): the schedule's first StreamKArgs::dp_tiles items are whole
-//                             tiles (round robin, as without it); the K blocks of the remaining tiles are
-//                             cut evenly over the grid, so a CTA's work is a range of (tile, K block) pairs.
-//                             A tile cut between CTAs is finished by the CTA holding its first K block,
-//                             which adds the others' fp32 partials in K order (StreamK in scheduler.cuh,
-//                             the fixup in epilogue.cuh). default 0
+//                             tiles (round robin, as without it); each remaining tile is cut into `pieces`
+//                             K ranges, units that continue the round robin so that the waves fill up. A cut
+//                             tile's last piece waits for the others' fp32 partials and adds them in piece
+//                             order (StreamK in scheduler.cuh, stream_k_fixup in consumer.cuh). default 0
 //   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; no hooks, no cluster, no bands, staged epilogue):
 //                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a

@@ -238,31 +238,31 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
 }
 
 // Stream-K fixup, the consumer's part (FLUXRT_GEMM_STREAM_K; units in scheduler.cuh). Partials are fp32 in
-// accumulator-fragment order: warpgroup wg of CTA b has its slot at partials + (b * kConsumers + wg) * 128 *
+// accumulator-fragment order: warpgroup wg's half of slot s is at partials + (s * kConsumers + wg) * 128 *
 // kAccRegs floats, and thread tid's accumulators 4j .. 4j + 3 are the float4 at (j * 128 + tid) of it, so each
 // warp stores and loads 512 contiguous bytes per instruction and the finishing thread reads exactly the values
-// the same thread of the other CTA held. Counters are per tile and warpgroup: the two consumer warpgroups of a
-// CTA finish their halves of a tile independently.
-__device__ __forceinline__ float4* stream_k_slot(const StreamK& sk, int cta, int wg, int tid) {
-    return reinterpret_cast<float4*>(sk.partials + ((long long)cta * kConsumers + wg) * (128 * kAccRegs)) + tid;
+// the same thread of the other CTA held. Counters are per cut tile and warpgroup: the two consumer warpgroups of
+// a CTA finish their halves of a tile independently.
+__device__ __forceinline__ float4* stream_k_slot(const StreamK& sk, int slot, int wg, int tid) {
+    return reinterpret_cast<float4*>(sk.partials + ((long long)slot * kConsumers + wg) * (128 * kAccRegs)) + tid;
 }
 
-// After unit (t, kb0, kbs) of the CTA's stream-K work: returns true when acc is a finished tile for the
-// epilogue (a whole tile, or the tile's first piece with the others added), false for a later piece.
-//   Later piece (kb0 > 0): store acc into this CTA's slot; every thread fences its own stores, the warpgroup
-//     meets (named barrier), one thread adds 1 to the tile's counter (fence.acq_rel.sys + red.release).
-//   First piece: one thread waits (bounded, acquire) until the counter holds every other piece, fences, the
-//     warpgroup meets; then each thread adds the pieces' partials in K order (CTA b + 1, b + 2, ...) with
-//     ld.global.cg (L2, never a stale L1 line); the waiter resets the counter for the next launch (stream order
-//     publishes it). On timeout the ErrorRecord names the op and the last piece's CTA; the tile becomes NaN.
+// After unit (t, kb0, kbs): returns true when acc is a finished tile for the epilogue (a whole tile, or a cut
+// tile's last piece with the others added), false for another piece.
+//   Other piece: store acc into its slot; every thread fences its own stores, the warpgroup meets (named
+//     barrier), one thread adds 1 to the tile's counter (fence.acq_rel.sys + red.release).
+//   Last piece: one thread waits (bounded, acquire) until the counter holds every other piece, fences, the
+//     warpgroup meets; then each thread adds the partials in piece order with ld.global.cg (L2, never a stale
+//     L1 line); the waiter resets the counter for the next launch (stream order publishes it). On timeout the
+//     ErrorRecord names the op and the CTA of the tile's first piece; the tile becomes NaN.
 __device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const StreamK& sk, int t, int kb0, int kbs,
                                                int wg, int tid) {
-    if (kb0 == 0 && kbs == sk.k_blocks) return true;
+    if (kbs == sk.k_blocks) return true;   // a whole tile
     const int i = t - sk.dp_tiles;
+    const int others = sk.pieces - 1;
     u64* counter = sk.counters + (long long)i * kConsumers + wg;
-    const int cta = (int)blockIdx.x;
-    if (kb0 > 0) {
-        float4* slot = stream_k_slot(sk, cta, wg, tid);
+    if (kb0 + kbs < sk.k_blocks) {
+        float4* slot = stream_k_slot(sk, i * others + kb0 / sk.piece_blocks, wg, tid);
 #pragma unroll
         for (int j = 0; j < kAccRegs / 4; ++j)
             slot[j * 128] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
@@ -271,18 +271,12 @@ __device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const Str
         if (tid == 0) fluxrt::signal_add(counter, 1);
         return false;
     }
-    u64 pieces = 0;
-    int last = cta;
-    sk.other_pieces(cta, i, [&](int c) {
-        ++pieces;
-        last = c;
-    });
     bool ok = true;
-    if (tid == 0) ok = fluxrt::acquire_for_block(counter, pieces, sk.watch, (u64)last);
+    if (tid == 0) ok = fluxrt::acquire_for_block(counter, (u64)others, sk.watch, (u64)sk.cta_of(i));
     ok = named_bar_and(1 + wg, 128, ok);
     constexpr int kBatch = 8;   // float4 loads in flight per thread (32 registers beside the accumulators)
-    sk.other_pieces(cta, i, [&](int c) {
-        const float4* slot = stream_k_slot(sk, c, wg, tid);
+    for (int piece = 0; piece < others; ++piece) {
+        const float4* slot = stream_k_slot(sk, i * others + piece, wg, tid);
 #pragma unroll
         for (int j0 = 0; j0 < kAccRegs / 4; j0 += kBatch) {
             uint4 v[kBatch];
@@ -296,7 +290,7 @@ __device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const Str
                 acc[4 * (j0 + j) + 3] += __uint_as_float(v[j].w);
             }
         }
-    });
+    }
     if (tid == 0 && ok) fluxrt::st_relaxed_sys(counter, 0);
     if (!ok) {
 #pragma unroll

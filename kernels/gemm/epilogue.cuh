@@ -524,15 +524,15 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
 
 
 // Stream-K storer (FLUXRT_GEMM_STREAM_K, TmaStoreEpilogue): run_storer's protocol over this CTA's work units,
-// skipping the pieces that went to the partials (first K block > 0: the consumers staged nothing). Kept apart
+// skipping the pieces that went to the partials (all but a tile's last: the consumers staged nothing). Kept apart
 // from run_storer so that every other configuration compiles to the instructions it had.
 template <class Epilogue>
 __device__ __forceinline__ void run_storer_stream_k(const Schedule& sched, const StreamK& sk, const Epilogue& epilogue,
                                                     u32 smem, u32 bar_c_full, u32 bar_c_empty) {
     const int lane = threadIdx.x & 31;
     u32 phase = 0;
-    for_each_unit(sched, sk, [&](int t, int kb0, int) {
-        if (kb0 > 0) return;
+    for_each_unit(sched, sk, [&](int t, int kb0, int kbs) {
+        if (kb0 + kbs < sk.k_blocks) return;
         int m_tile, n_tile;
         sched.tile(t, m_tile, n_tile);
         const int m0 = m_tile * kBM, n0 = n_tile * kBN;

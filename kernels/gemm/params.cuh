@@ -115,9 +115,11 @@ struct GroupArgs {
 struct StreamKArgs {
     u64* counters;              // per stream-K tile and consumer warpgroup: pieces stored; 0 before the launch,
                                 //   reset to 0 by the tile's finishing warpgroup
-    float* partials;            // per CTA (blockIdx.x) one fp32 partial tile, in accumulator-fragment order
+    float* partials;            // per piece of a cut tile but its last, one fp32 partial tile (fragment order)
     int dp_tiles;               // schedule items [0, dp_tiles) are whole tiles; the rest are cut by K blocks
     u32 op_id;
+    int pieces;                 // K ranges per cut tile
+    int piece_blocks;           // K blocks of a piece but the last
 };
 
 struct Params {

@@ -213,64 +213,51 @@ struct KSlices {
     }
 };
 
-// Stream-K (FLUXRT_GEMM_STREAM_K): schedule items [0, dp_tiles) are whole tiles, taken round robin as without
-// stream-K ("data-parallel" waves); the K blocks of items [dp_tiles, total) form one iteration space, tile by tile
-// in schedule order, which the grid's CTAs cut into equal ranges: CTA b takes iterations [begin(b), begin(b + 1)).
-// A range is walked as work units (tile, first K block, K blocks): it may start inside a tile (a piece that is
-// not the tile's first), then holds whole tiles, and may end inside a tile (that tile's first piece). So a CTA
-// holds at most one piece that does not start at K block 0: its first stream-K unit, whose fp32 partial goes to
-// the CTA's own slot of the partials. The unit holding a cut tile's K block 0 finishes the tile: it waits for
-// the counter of the tile's other pieces, which the CTAs after it (b + 1, b + 2, ...) computed as their FIRST
-// stream-K unit, and adds their partials in K order (the same bits on every run). Every role (loader, consumers,
-// storer) walks the same units with for_each_unit.
+// Stream-K (FLUXRT_GEMM_STREAM_K), in its "split tail" form: schedule items [0, dp_tiles) are whole tiles, taken
+// round robin as without stream-K (dp_tiles is a whole number of waves); each of the remaining `cut` tiles is cut
+// into `pieces` K ranges of piece_blocks K blocks (the last one shorter), and the cut units u = piece * cut + i
+// (piece-major, so the CTAs of one wave run the same K range of neighbouring tiles and share A and B in L2 as
+// whole tiles do) continue the round robin: CTA b takes u = b, b + ctas, ... The host picks dp_tiles and pieces
+// so that the units fill the waves (fluxrt.gemm.plan.stream_k_geometry). A tile's last piece finishes it: its
+// CTA waits for the tile's counter to count the other pieces, which stored their fp32 partials in slots
+// i * (pieces - 1) + piece, adds them in piece order and stores the tile, so reruns give the same bits. Every
+// role (loader, consumers, storer) walks the same units with for_each_unit.
 //
-// No deadlock: a CTA waits only for CTAs of higher index, so the waits form no cycle, and the CTA at the end of
-// a chain of waits waits for no one. The grid is at most one CTA per SM (1 CTA/SM by its shared memory), so
-// every CTA of the launch can be resident at once; a CTA not yet resident only waits for SMs that other
-// kernels hold, not for this grid. The wait is bounded all the same (an ErrorRecord names the op).
+// No deadlock: a unit waits only for units of smaller index u, and a CTA runs its units in increasing u, so the
+// CTA waiting at the smallest u waits for units whose CTAs are past them (the grid is at most one CTA per SM,
+// 1 CTA/SM by its shared memory, so all of them can be resident at once; a CTA not yet resident waits only for
+// SMs that other kernels hold). The wait is bounded all the same (an ErrorRecord names the op).
 struct StreamK {
-    int dp_tiles;   // whole tiles first
-    int total;      // schedule items
-    int k_blocks;   // K blocks per tile
-    int ctas;       // the grid
+    int dp_tiles;       // whole tiles first (a multiple of ctas)
+    int total;          // schedule items
+    int k_blocks;       // K blocks per tile
+    int ctas;           // the grid
+    int pieces;         // K ranges per cut tile (>= 1)
+    int piece_blocks;   // K blocks of a piece but the last
     u64* counters;
     float* partials;
-    fluxrt::Watch watch;   // the finishing CTA's bounded wait (peer: the CTA of the tile's last piece)
+    fluxrt::Watch watch;   // the finishing CTA's bounded wait (peer: the CTA of the tile's first piece)
 
     static __device__ __forceinline__ StreamK of(const Schedule& sched, const GemmArgs& g, const StreamKArgs& a,
                                                  const TimeoutArgs& to) {
-        return StreamK{a.dp_tiles, sched.total, (g.k + kBK - 1) / kBK, sched.stride, a.counters, a.partials,
-                       fluxrt::Watch{to.timeout_ns, to.err, a.op_id, to.rank}};
+        return StreamK{a.dp_tiles, sched.total, (g.k + kBK - 1) / kBK, sched.stride, a.pieces, a.piece_blocks,
+                       a.counters, a.partials, fluxrt::Watch{to.timeout_ns, to.err, a.op_id, to.rank}};
     }
-    // First iteration of CTA b's range (b = ctas: one past the last).
-    __device__ __forceinline__ int begin(int b) const {
-        return (int)((long long)(total - dp_tiles) * k_blocks * b / ctas);
-    }
-    // The pieces of stream-K tile i (iterations [i * k_blocks, + k_blocks)) after its first, which CTA b holds:
-    // the CTAs b + 1, ... whose ranges start inside the tile; calls piece(cta) for each non-empty range, in K
-    // order.
-    template <class Piece>
-    __device__ __forceinline__ void other_pieces(int b, int i, Piece&& piece) const {
-        const int end = (i + 1) * k_blocks;
-        for (int c = b + 1; c < ctas; ++c) {
-            const int s = begin(c);
-            if (s >= end) break;
-            if (begin(c + 1) > s) piece(c);
-        }
-    }
+    __device__ __forceinline__ int cut() const { return total - dp_tiles; }
+    // The unit that holds K blocks [kb0, ...) of schedule item t (t >= dp_tiles), and its CTA.
+    __device__ __forceinline__ int unit_of(int t, int kb0) const { return kb0 / piece_blocks * cut() + t - dp_tiles; }
+    __device__ __forceinline__ int cta_of(int u) const { return (dp_tiles + u) % ctas; }
 };
 
 // The work units of this CTA: body(schedule item, first K block, K blocks), whole tiles first.
 template <class Body>
 __device__ __forceinline__ void for_each_unit(const Schedule& sched, const StreamK& sk, Body&& body) {
     for (int t = sched.first; t < sk.dp_tiles; t += sched.stride) body(t, 0, sk.k_blocks);
-    const int end = sk.begin(sched.first + 1);
-    for (int pos = sk.begin(sched.first); pos < end;) {
-        const int i = pos / sk.k_blocks;
-        const int kb0 = pos - i * sk.k_blocks;
-        const int n = min(sk.k_blocks - kb0, end - pos);
-        body(sk.dp_tiles + i, kb0, n);
-        pos += n;
+    const int cut = sk.cut();
+    for (int u = sched.first; u < cut * sk.pieces; u += sched.stride) {
+        const int piece = u / cut;
+        const int kb0 = piece * sk.piece_blocks;
+        body(sk.dp_tiles + (u - piece * cut), kb0, min(sk.piece_blocks, sk.k_blocks - kb0));
     }
 }
 

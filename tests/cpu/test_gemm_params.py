@@ -79,6 +79,7 @@ def test_stream_k_args_keep_the_layout():
     off = dict((n, o) for n, o, _ in leaf_fields())
     assert off["stream_k.counters"] == 856 and off["group.arrival_sources"] == 848
     assert off["stream_k.op_id"] == off["stream_k.dp_tiles"] + 4 and PARAMS.itemsize == 896
+    assert off["stream_k.piece_blocks"] == off["stream_k.pieces"] + 4 == 884
     p = new_params()
     p["stream_k"]["dp_tiles"], p["stream_k"]["op_id"] = 264, 7
     raw = p.tobytes()

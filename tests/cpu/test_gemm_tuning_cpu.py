@@ -298,32 +298,49 @@ def test_partial_wave_split_plans_fill_ragged_waves():
 # --- stream-K ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tiles,k_blocks,ctas", [(72, 112, 132), (216, 202, 132), (450, 195, 132), (144, 207, 132),
-                                                 (5, 1, 132), (3, 7, 8), (264, 50, 132), (133, 3, 132)])
-def test_stream_k_units_cover_every_k_block_once_and_wait_only_forward(tiles, k_blocks, ctas):
-    """The kernel's units (host mirror): every (tile, K block) once; whole tiles first; a CTA holds at most one
-    piece that does not start at K block 0 (its first stream-K unit: one partial slot per CTA); a cut tile's first
-    piece is the last unit of its CTA and every other piece of it belongs to a CTA of higher index (no cycle of
-    waits), as StreamK::other_pieces enumerates them."""
-    from fluxrt.gemm.stream_k import dp_tiles, units
+                                                 (5, 1, 132), (3, 7, 8), (264, 50, 132), (133, 3, 132), (56, 128, 132),
+                                                 (9, 47, 132), (64, 16, 8), (3, 3, 5)])
+def test_stream_k_units_cover_every_k_block_once_and_wait_only_backward(tiles, k_blocks, ctas):
+    """The kernel's units (host mirror) with the planner's cut: every (tile, K block) once; whole waves of whole
+    tiles first; a cut tile's pieces have piece_blocks blocks (the last fewer, none empty), and its last piece (the
+    finisher, which waits for the others) has the largest unit index of them, so every wait points to units of
+    smaller index (a CTA runs its units in increasing index: no cycle of waits)."""
+    from fluxrt.gemm.plan import stream_k_geometry
+    from fluxrt.gemm.stream_k import units
 
-    per_cta = units(tiles, k_blocks, ctas)
+    dp, pieces, pb = stream_k_geometry(tiles, k_blocks, ctas)
+    assert dp % ctas == 0 and 0 <= dp <= tiles and tiles - dp < 2 * ctas
+    assert pieces >= 1 and (pieces - 1) * pb < k_blocks <= pieces * pb
+    per_cta = units(tiles, k_blocks, ctas, dp, pieces, pb)
     seen = {}
+    index = {}   # (tile, piece) -> unit index (round robin after the whole tiles)
+    cut = tiles - dp
     for b, us in enumerate(per_cta):
-        later = [u for u in us if u[1] > 0]
-        assert len(later) <= 1 and (not later or later[0] == [u for u in us if u[0] >= dp_tiles(tiles, ctas)][0])
         for t, kb0, n in us:
             assert n >= 1 and kb0 + n <= k_blocks
             for kb in range(kb0, kb0 + n):
                 assert (t, kb) not in seen
                 seen[(t, kb)] = b
+            if t >= dp:
+                u = kb0 // pb * cut + (t - dp)
+                assert u % ctas == b
+                index[(t, kb0 // pb)] = u
     assert len(seen) == tiles * k_blocks
-    for b, us in enumerate(per_cta):
-        for t, kb0, n in us:
-            if kb0 == 0 and n < k_blocks:   # a finishing piece: last unit, the other pieces' CTAs after b
-                assert (t, kb0, n) == us[-1]
-                assert all(seen[(t, kb)] > b for kb in range(n, k_blocks))
-    if tiles >= 2 * ctas:   # all full waves but the last run whole tiles
-        assert dp_tiles(tiles, ctas) == (tiles // ctas - 1) * ctas
+    for t in range(dp, tiles):
+        last = index[(t, pieces - 1)]
+        assert all(index[(t, j)] < last for j in range(pieces - 1))
+
+
+def test_stream_k_geometry_fills_waves():
+    from fluxrt.gemm.plan import stream_k_geometry
+
+    assert stream_k_geometry(2048, 128, 132)[1] > 1              # 15.5 waves: the last one cut
+    assert stream_k_geometry(264, 128, 132) == (264, 1, 128)     # whole waves: nothing to cut
+    dp, pieces, pb = stream_k_geometry(56, 128, 132)             # 256x7168x8192 at 128x256: 56 tiles
+    assert dp == 0 and pieces == 2 and pb == 64                  # 112 units in one wave
+    dp, pieces, pb = stream_k_geometry(144, 207, 132)            # 461x9128x13208: 12 tiles past one wave
+    assert dp == 132 and 12 * pieces <= 132 and pieces > 1
+    assert stream_k_geometry(5, 1, 132)[1] == 1                  # one K block: nothing to cut
 
 
 def test_stream_k_plan_validation_defines_and_grid():
@@ -343,14 +360,16 @@ def test_stream_k_plan_validation_defines_and_grid():
 
 
 def test_stream_k_workspace_sizes():
-    from fluxrt.gemm.stream_k import MAX_CTAS, counter_bytes, partial_bytes, workspace_bytes
+    from fluxrt.gemm.stream_k import MAX_CTAS, counter_bytes, geometry, partial_bytes, workspace_bytes
 
     plan = GemmPlan(stream_k=True)
-    # counters of any call (< 2 x MAX_CTAS cut tiles, 2 warpgroups each) first, then one fp32 tile per CTA
-    assert counter_bytes() == 2 * MAX_CTAS * 2 * 8
-    assert partial_bytes(plan, 132) == 132 * 128 * 256 * 4
-    assert workspace_bytes(plan, 256, 9216, 132) == counter_bytes() + 132 * 128 * 256 * 4
-    assert counter_bytes() % 16 == 0   # the partials' float4 alignment
+    # counters of any call (< 2 x MAX_CTAS cut tiles, 2 warpgroups each) first, then one fp32 tile per piece of a
+    # cut tile but its last
+    assert counter_bytes() == 2 * MAX_CTAS * 2 * 8 and counter_bytes() % 16 == 0   # the partials' float4 alignment
+    assert geometry(plan, 256, 7168, 8192, 132) == (0, 2, 64)
+    assert partial_bytes(plan, 256, 7168, 8192, 132) == 56 * 1 * 128 * 256 * 4
+    assert workspace_bytes(plan, 256, 7168, 8192, 132) == counter_bytes() + 56 * 128 * 256 * 4
+    assert partial_bytes(plan, 256, 256, 40, 132) == 0   # one K block: nothing cut
 
 
 def test_stream_k_plans_where_waves_are_partial():

@@ -769,13 +769,13 @@ def test_heuristic_and_tuned_plans_run_the_suite_shapes_correctly():
 
 # --- stream-K -----------------------------------------------------------------------------------------
 
-STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles, cut into many pieces; whole waves first
-    (300, 520, 3000, GemmPlan(stream_k=True)),                                   # 9 tiles over 132 CTAs
+STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles cut into many pieces; whole waves first
+    (300, 520, 3000, GemmPlan(stream_k=True)),                                   # 9 tiles, 4 pieces each
     (461, 1000, 4104, GemmPlan(block_n=128, stages=6, stream_k=True)),           # K % 64 == 8
-    (128, 256, 8192, GemmPlan(stream_k=True)),                                   # 1 tile, 128 pieces
-    (1000, 1000, 1000, GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=8)),   # 56 whole + 8 cut tiles
-    (257, 72, 136, GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=5)),  # 3 K blocks over 5 CTAs
-    (200, 264, 40, GemmPlan(stream_k=True)),                                     # K shorter than one block
+    (128, 256, 8192, GemmPlan(stream_k=True)),                                   # 1 tile, 8 pieces
+    (1000, 1000, 1000, GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=7)),   # 56 or 63 whole tiles first
+    (257, 72, 2000, GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=6)),  # 32 K blocks: 16 + 16
+    (200, 264, 40, GemmPlan(stream_k=True)),                                     # K shorter than one block: no cut
     (100, 384, 1544, GemmPlan(block_m=64, consumers=1, stages=4, stream_k=True, max_ctas=9)),
 ]
 
@@ -874,9 +874,9 @@ def test_stream_k_refuses_hooks():
 
 
 def test_stream_k_sanitize_small():
-    """A small cut (for compute-sanitizer memcheck / racecheck: 3 tiles, 7 CTAs, tails in M, N and K)."""
+    """A small cut (for compute-sanitizer memcheck / racecheck: 6 tiles cut in 2 on 12 CTAs, tails in M, N and K)."""
     rng = np.random.default_rng(8)
     a, b = rand_matrix(rng, (200, 1000), "bfloat16"), rand_matrix(rng, (1000, 264), "bfloat16")
     out = poisoned((200, 264), "bfloat16")
-    gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=7))
+    gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=12))
     assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
