@@ -193,7 +193,7 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     deepest ring, grouped order, its split-K and stream-K plans), so the heuristic's own pick is always among them, plus
     the split-K plans of ragged waves (``partial_waves``), which the model cannot rank."""
     return (plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
-            + stream_k_plans(m, n, k, out_dtype, num_sms))
+            + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True))
 
 
 def _time_us(packed, stream_ptr: int, reps: int, rounds: int) -> float:

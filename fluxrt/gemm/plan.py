@@ -352,6 +352,7 @@ STREAM_K_MIN_PIECE_BLOCKS = 4    # K blocks of a piece at least (shorter pieces 
 STREAM_K_PIECE_COST = 2      # K blocks' time of one partial's round trip through L2 (stored, or folded by the finisher)
 STREAM_K_MAX_PARTIAL_BYTES = 128 << 20   # the cut tiles' fp32 partials at most
 STREAM_K_RATE = 0.85         # the model's discount of stream-K plans (not fitted): picked only where clearly ahead
+STREAM_K_MIN_TILE = (128, 128)   # the heuristic's stream-K tiles at least this (narrower cut tiles lost when measured)
 
 
 def stream_k_geometry(tiles: int, k_blocks: int, ctas: int, tile_bytes: int = 128 * 256 * 4) -> tuple[int, int, int]:
@@ -396,14 +397,16 @@ def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: i
     return block_m * block_n * BLOCK_K * blocks / rate
 
 
-def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
-    """Stream-K plans worth considering: every cluster-1 tile shape whose tiles fill their waves less than
-    STREAM_K_MAX_FILL, when K has at least STREAM_K_MIN_K columns."""
+def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS, *,
+                   every_shape: bool = False) -> list[GemmPlan]:
+    """Stream-K plans worth considering: every cluster-1 tile shape of at least STREAM_K_MIN_TILE (every_shape:
+    any, the autotuner's set) whose tiles fill their waves less than STREAM_K_MAX_FILL, when K has at least
+    STREAM_K_MIN_K columns."""
     if k < STREAM_K_MIN_K:
         return []
     out = []
     for bm, bn, cluster in TILE_RATE:
-        if cluster != 1:
+        if cluster != 1 or (not every_shape and (bm, bn) < STREAM_K_MIN_TILE):
             continue
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
         if _wave_fill(tiles, num_sms) >= STREAM_K_MAX_FILL:
