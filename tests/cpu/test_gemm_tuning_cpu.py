@@ -386,3 +386,17 @@ def test_stream_k_plans_where_waves_are_partial():
             assert p.stream_k and p.split_k == 1 and _wave_fill(tiles, SMS) < STREAM_K_MAX_FILL
     assert all(p.block_n != 256 or p.block_m != 128 for p in stream_k_plans(8192, 8192, 8192))   # 2048 tiles: 97 %
     assert stream_k_plans(256, 9216, STREAM_K_MIN_K - 64) == []
+
+
+def test_heuristic_stream_k_tiles_and_the_autotuner_set():
+    """The heuristic considers stream-K only with tiles of at least STREAM_K_MIN_TILE; the autotuner times every
+    shape; the heuristic without stream-K (stream_k=False) never returns one."""
+    from fluxrt.gemm.autotune import candidates
+    from fluxrt.gemm.plan import STREAM_K_MIN_TILE, stream_k_plans
+
+    m, n, k = 256, 1280, 8192
+    narrow, every = stream_k_plans(m, n, k), stream_k_plans(m, n, k, every_shape=True)
+    assert all((p.block_m, p.block_n) >= STREAM_K_MIN_TILE for p in narrow) and set(narrow) < set(every)
+    assert set(every) <= set(candidates(m, n, k))
+    assert heuristic_plan(461, 9128, 13208, trans_b=True).stream_k
+    assert not heuristic_plan(461, 9128, 13208, trans_b=True, stream_k=False).stream_k
