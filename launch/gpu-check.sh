@@ -6,6 +6,7 @@
 #   results.tgz  JSON and PNG results (copy them to perf/results/ with the date, machine kind and commit)
 #
 #   offline lent node:  source .whl/prelude.sh && bash launch/gpu-check.sh
+#                       (.whl/: the nvshmem4py, nccl4py and nvmath-python wheels the node lacks)
 #   elsewhere:          OUT=/tmp/gpu-check bash launch/gpu-check.sh
 #   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
@@ -141,16 +142,18 @@ if want gemm; then
   TAIL=15 step gemm-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -x
   TAIL=15 step gemm-fp8-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm_fp8.py -q -p no:cacheprovider -x
   TAIL=15 step gemm-grouped-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_grouped_gemm.py -q -p no:cacheprovider -x
+  TAIL=6 step cublaslt-baseline-tests 120 python3 -m pytest tests/gpu/test_perf_cublaslt.py -q -p no:cacheprovider
   TAIL=12 step gemm-grouped-bench "${GEMM_LIMIT:-150}" python3 perf/grouped_gemm.py --json "$RES/gemm-grouped.json"
   TAIL=60 step gemm-bench "${GEMM_LIMIT:-150}" python3 perf/bench_gemm.py ${GEMM_BENCH_ARGS:-} --json "$RES/gemm.json"
 fi
 if [[ ",$CHECK," == *",gemmsuite,"* ]]; then   # the shape suite against cuBLAS: heuristic plans, tuning, tuned plans
+  LT=$(python3 -c "import nvmath.bindings.cublasLt" 2>/dev/null && echo --lt)   # cuBLASLt column where nvmath-python is
   for dt in ${SUITE_DTYPES:-bfloat16 float16}; do
-    TAIL=14 step "gemm-suite-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" \
+    TAIL=14 step "gemm-suite-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" $LT \
       --json "$RES/gemm-suite-$dt.json"
     TAIL=4 step "gemm-tune-$dt" "${SUITE_LIMIT:-300}" python3 -m fluxrt.gemm tune --suite "${SUITE:-default}" -d "$dt" \
       --json "$RES/gemm-tune-$dt.json"
-    TAIL=14 step "gemm-suite-tuned-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" \
+    TAIL=14 step "gemm-suite-tuned-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" $LT \
       --json "$RES/gemm-suite-tuned-$dt.json"
   done
   for scale in tensor block; do   # fp8 against cuBLASLt (torch._scaled_mm; fluxrt alone without torch)

@@ -7,6 +7,11 @@ scales (``--scale tensor``) or DeepSeek-style block scales (``--scale block``: A
 baseline only where this torch's _scaled_mm takes block scales). PyTorch is the baseline only: without
 it the script says so and times fluxrt alone.
 
+With nvmath-python installed, per-tensor shapes are also timed against cuBLASLt called directly
+(fluxrt.perf.cublaslt: the fastest of the heuristic's first 8 algorithms, timed on the shape), with fast
+accumulation ("lt_fast", the accumulation fluxrt's per-tensor kernel does) and without ("lt", what
+torch._scaled_mm asks for by default); ``ratio_lt_fast`` is the like-for-like ratio.
+
 Per shape, in alternating rounds on one stream: `iters` calls captured in a CUDA graph and replayed
 (kernel time: "graph"), and the same calls back to back between two events ("eager", host time included).
 Ratios are baseline time / fluxrt time (> 1: fluxrt faster); geometric means at the end (all shapes, and
@@ -58,7 +63,24 @@ def _torch_block_scale_layouts(torch, sa, sb):
     return [(a_cm, b_pad[:, :kbs].t()), (a_cm, sb.t()), (a_cm, sb), (sa, sb.t()), (sa, sb)]
 
 
-def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool) -> dict:
+def _lt_impls(lt, a, b, c_of, sa, sb, stream, row) -> dict:
+    """cuBLASLt callables (fast accumulation on and off), each writing its own output from ``c_of()``."""
+    impls = {}
+    for name, fast in (("lt_fast", True), ("lt", False)):
+        out = c_of()
+        try:
+            fn = lt.gemm(a, b, out, trans_b=True, stream=stream, fp8_format="e4m3", scale_a=sa, scale_b=sb,
+                         fast_accum=fast)
+        except Exception as e:   # recorded, not fatal: the other baselines still run
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            continue
+        fn.out = out
+        row[f"{name}_algo"] = fn.choice.index
+        impls[name] = fn
+    return impls
+
+
+def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool, lt=None, tune: bool = False) -> dict:
     import cupy
 
     from fluxrt.gemm import gemm
@@ -78,6 +100,11 @@ def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool) -> d
         sb = rng.uniform(0.5, 2.0, size=(-(-n // 128), kbs)).astype(cupy.float32)
     c = cupy.empty((m, n), dtype=np.dtype(ml_dtypes.bfloat16))
     prob = validate_fp8_args(a, b, c, trans_b=True, fp8_format="e4m3", scale_a=sa, scale_b=sb)
+    if tune:   # time the fp8 candidates once and keep the winner in the plan cache (fluxrt.gemm.autotune)
+        from fluxrt.gemm import autotune
+
+        cupy.cuda.Device().synchronize()
+        autotune(a, b, c, trans_b=True, fp8_format="e4m3", scale_a=sa, scale_b=sb)
     plan = plan_fp8(prob, cupy.cuda.runtime.getDevice())
     row = {"m": m, "n": n, "k": k, "label": s.label, "scale": scale, "plan": plan.describe()}
 
@@ -113,6 +140,8 @@ def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool) -> d
                 row["baseline_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if "cublaslt" in impls:
             row.pop("baseline_error", None)
+    if lt is not None and scale == "tensor":
+        impls.update(_lt_impls(lt, a, b, lambda: cupy.empty_like(c), sa, sb, stream, row))
 
     ctx = torch.cuda.stream(ts) if torch is not None else stream
     with ctx:
@@ -124,6 +153,10 @@ def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool) -> d
             r64 = torch.from_dlpack(tc).to(torch.float64)
             c64 = torch.from_dlpack(c).to(torch.float64)
             row["rel_err_vs_cublaslt"] = float(torch.linalg.norm(c64 - r64) / torch.linalg.norm(r64))
+        for name in ("lt_fast", "lt"):
+            if check and name in impls:
+                r64, c64 = impls[name].out.astype(cupy.float64), c.astype(cupy.float64)
+                row[f"rel_err_vs_{name}"] = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
         eager = {name: [] for name in impls}
         for _ in range(rounds):
             for name, fn in impls.items():
@@ -153,6 +186,9 @@ def bench_shape(s, scale: str, iters: int, rounds: int, torch, check: bool) -> d
     if "cublaslt_us" in row:
         row["ratio"] = row["cublaslt_us"] / row["fluxrt_us"]
         row["ratio_eager"] = row["cublaslt_eager_us"] / row["fluxrt_eager_us"]
+    for name in ("lt_fast", "lt"):
+        if f"{name}_us" in row:
+            row[f"ratio_{name}"] = row[f"{name}_us"] / row["fluxrt_us"]
     return row
 
 
@@ -166,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=None, help="first N shapes only")
     ap.add_argument("--time-budget", type=float, default=None, help="stop starting new shapes after this many s")
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with the baseline's output")
+    ap.add_argument("--autotune", action="store_true", help="tune each shape first (fluxrt.gemm.autotune)")
+    ap.add_argument("--no-lt", action="store_true", help="skip the direct cuBLASLt baseline (nvmath-python)")
     ap.add_argument("--json", type=Path, default=None)
     return ap
 
@@ -180,6 +218,14 @@ def main(argv=None) -> int:
     except ImportError:
         torch = None
         print("# torch is not importable: no cuBLASLt baseline (torch._scaled_mm); timing fluxrt alone")
+    lt = None
+    if args.scale == "tensor" and not args.no_lt:
+        from fluxrt.perf.cublaslt import CublasLt, CublasLtUnavailable
+
+        try:
+            lt = CublasLt()
+        except CublasLtUnavailable as e:
+            print(f"# {e}: no direct cuBLASLt baseline")
     seen, shapes = set(), []
     for s in suite(args.suite):
         if s.m >= args.min_m and (s.m, s.n, s.k) not in seen and s.k % 16 == 0 and s.n % 16 == 0:
@@ -198,7 +244,8 @@ def main(argv=None) -> int:
             print(f"# time budget of {args.time_budget} s spent: {len(shapes) - len(rows)} shapes not measured")
             break
         try:
-            r = bench_shape(s, args.scale, args.iters, args.rounds, torch, not args.no_check)
+            r = bench_shape(s, args.scale, args.iters, args.rounds, torch, not args.no_check, lt,
+                            args.autotune)
         except Exception as e:
             print(f"{s.m:>6} {s.n:>6} {s.k:>6} | FAILED {type(e).__name__}: {e}", flush=True)
             rows.append({"m": s.m, "n": s.n, "k": s.k, "label": s.label, "scale": args.scale,
@@ -209,7 +256,9 @@ def main(argv=None) -> int:
         flag = "  !! rel err %.2e" % err if not err <= 1e-2 else ""
         print(f"{s.m:>6} {s.n:>6} {s.k:>6} | {r.get('cublaslt_us', float('nan')):11.2f} {r['fluxrt_us']:10.2f} "
               f"{r.get('ratio', float('nan')):6.3f} | {r.get('ratio_eager', float('nan')):11.3f} | "
-              f"{r['fluxrt_tflops']:7.1f} | {r['plan']}{flag}", flush=True)
+              f"{r['fluxrt_tflops']:7.1f} | {r['plan']}{flag}"
+              + (f" | lt_fast {r['ratio_lt_fast']:.3f} lt {r.get('ratio_lt', float('nan')):.3f}"
+                 if "ratio_lt_fast" in r else ""), flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
     for r in rows:   # a baseline whose output disagrees with fluxrt's (checked against float64 in the tests)
         err = r.get("rel_err_vs_cublaslt")
@@ -225,13 +274,22 @@ def main(argv=None) -> int:
                "below_0.95": sum(r["ratio"] < 0.95 for r in ok),
                "worst": min((r["ratio"] for r in ok), default=None),
                "seconds": time.time() - t0}
+    for impl in ("lt_fast", "lt"):   # the direct cuBLASLt baselines, where their output agrees
+        lt_ok = [r for r in rows if f"ratio_{impl}" in r and r.get(f"rel_err_vs_{impl}", 0.0) <= 1e-2]
+        if lt_ok:
+            summary[f"geomean_vs_{impl}"] = geomean(r[f"ratio_{impl}"] for r in lt_ok)
+            summary[f"geomean_vs_{impl}_m_ge_1024"] = geomean(r[f"ratio_{impl}"] for r in lt_ok if r["m"] >= 1024)
+            summary[f"below_0.95_vs_{impl}"] = sum(r[f"ratio_{impl}"] < 0.95 for r in lt_ok)
+            summary[f"worst_vs_{impl}"] = min(r[f"ratio_{impl}"] for r in lt_ok)
+            summary[f"disagrees_{impl}"] = sum(1 for r in rows if r.get(f"rel_err_vs_{impl}", 0.0) > 1e-2)
     print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     if args.json:
         from fluxrt.perf import results_document, write_json
 
         doc = results_document("gemm-fp8", rows, ["python3", "perf/gemm_fp8.py", *(argv or sys.argv[1:])],
                                machine={"gpu_name": name, "gpu_count": 1},
-                               versions={"torch": getattr(torch, "__version__", None)})
+                               versions={"torch": getattr(torch, "__version__", None),
+                                         "cublaslt": lt.version() if lt is not None else None})
         doc["summary"] = summary
         write_json(args.json, doc)
         print(f"# wrote {len(rows)} rows to {args.json}")

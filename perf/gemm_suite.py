@@ -4,6 +4,8 @@
 cuBLAS is called through cublasGemmEx (libcublas through ctypes, fp32 compute, default algorithm) on the
 same stream: what cupy.matmul runs, without CuPy's own host overhead, and capturable in a CUDA graph
 (CuPy's binding refuses capture). cupy.matmul's eager time is recorded beside it (matmul_eager_ms).
+``--lt`` adds cuBLASLt at its best per shape (the fastest of its heuristic's first 8 algorithms, timed on
+the shape; nvmath-python's bindings, fluxrt.perf.cublaslt): columns cublaslt_*, ratios *_lt.
 
 Per shape and implementation, in alternating rounds on one stream:
   eager   `iters` back-to-back calls between two CUDA events: host time included, as a user sees it
@@ -46,7 +48,8 @@ def _np_dtype(name: str):
 
 
 
-def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, autotune: bool, check: bool) -> dict:
+def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, autotune: bool, check: bool,
+                lt=None) -> dict:
     import cupy
 
     from fluxrt.gemm import gemm, plan_for
@@ -77,6 +80,11 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
 
     row = {"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": dtype,
            "plan": plan.describe()}
+    impls = {"cublas": run_cublas, "fluxrt": run_fluxrt}
+    if lt is not None:   # cuBLASLt at its best for the shape (fluxrt.perf.cublaslt), on its own output
+        c_lt = cupy.empty_like(c)
+        impls["cublaslt"] = lt.gemm(a, w, c_lt, trans_b=s.trans_b, stream=stream)
+        row["cublaslt_algo"] = impls["cublaslt"].choice.index
     with stream:
         run_cublas()
         run_fluxrt()
@@ -84,14 +92,17 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
         if check:
             r64, c64 = c_ref.astype(cupy.float64), c.astype(cupy.float64)
             row["rel_err_vs_cublas"] = float(cupy.linalg.norm(c64 - r64) / cupy.linalg.norm(r64))
-        for fn in (run_cublas, run_fluxrt):   # warm-up
+            if lt is not None:
+                l64 = c_lt.astype(cupy.float64)
+                row["rel_err_cublaslt_vs_cublas"] = float(cupy.linalg.norm(l64 - r64) / cupy.linalg.norm(r64))
+        for fn in impls.values():   # warm-up
             for _ in range(3):
                 fn()
         stream.synchronize()
-        eager = {"cublas": [], "fluxrt": []}
-        host = {"cublas": [], "fluxrt": []}
+        eager = {name: [] for name in impls}
+        host = {name: [] for name in impls}
         for _ in range(rounds):
-            for name, fn in (("cublas", run_cublas), ("fluxrt", run_fluxrt)):
+            for name, fn in impls.items():
                 ms, us = eager_ms_and_host_us(fn, iters, stream)
                 eager[name].append(ms)
                 host[name].append(us)
@@ -99,20 +110,23 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
             row[f"{name}_eager_ms"] = float(np.median(eager[name]))
             row[f"{name}_host_us"] = float(np.median(host[name]))
         row["ratio_eager"] = row["cublas_eager_ms"] / row["fluxrt_eager_ms"]
+        if lt is not None:
+            row["ratio_eager_lt"] = row["cublaslt_eager_ms"] / row["fluxrt_eager_ms"]
         row["matmul_eager_ms"] = float(np.median([eager_ms_and_host_us(run_matmul, iters, stream)[0] for _ in range(rounds)]))
         if graphs:
             try:
-                gs = {name: capture(fn, iters, stream) for name, fn in (("cublas", run_cublas),
-                                                                          ("fluxrt", run_fluxrt))}
+                gs = {name: capture(fn, iters, stream) for name, fn in impls.items()}
                 for g in gs.values():
                     g.launch(stream)
-                times = {"cublas": [], "fluxrt": []}
+                times = {name: [] for name in gs}
                 for _ in range(rounds):
                     for name, g in gs.items():
                         times[name].append(graph_ms(g, iters, stream))
                 for name in times:
                     row[f"{name}_graph_ms"] = float(np.median(times[name]))
                 row["ratio_graph"] = row["cublas_graph_ms"] / row["fluxrt_graph_ms"]
+                if lt is not None:
+                    row["ratio_graph_lt"] = row["cublaslt_graph_ms"] / row["fluxrt_graph_ms"]
             except Exception as e:   # a capture failure is reported, not fatal to the sweep
                 row["graph_error"] = f"{type(e).__name__}: {e}"
         stream.synchronize()
@@ -131,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=None, help="first N shapes of the suite only")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="M,N,K,NK|KN",
                     help="only these shapes of the suite (e.g. 461,9128,13208,NK)")
+    ap.add_argument("--lt", action="store_true",
+                    help="also time cuBLASLt at its best per shape (needs nvmath-python: fluxrt.perf.cublaslt)")
     ap.add_argument("--json", type=Path, default=None)
     return ap
 
@@ -153,11 +169,17 @@ def main(argv=None) -> int:
            f"{'graph cuBLAS':>12} {'fluxrt':>8} {'ratio':>6} | {'host us':>11} | plan")
     print(hdr)
     print("-" * len(hdr))
+    lt = None
+    if args.lt:
+        from fluxrt.perf.cublaslt import CublasLt
+
+        lt = CublasLt()
     rows = []
     t_start = time.time()
     for s in shapes:
         try:
-            r = bench_shape(s, args.dtype, args.iters, args.rounds, not args.no_graph, args.autotune, bool(args.check))
+            r = bench_shape(s, args.dtype, args.iters, args.rounds, not args.no_graph, args.autotune, bool(args.check),
+                            lt)
         except Exception as e:
             print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout:>2} | FAILED {type(e).__name__}: {e}", flush=True)
             rows.append({"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": args.dtype,
@@ -185,6 +207,12 @@ def main(argv=None) -> int:
                "median_host_us_fluxrt": float(np.median([r["fluxrt_host_us"] for r in ok])) if ok else None,
                "median_host_us_cublas": float(np.median([r["cublas_host_us"] for r in ok])) if ok else None,
                "seconds": time.time() - t_start}
+    if lt is not None:
+        summary.update({"geomean_eager_vs_cublaslt": geomean(r.get("ratio_eager_lt") for r in ok),
+                        "geomean_graph_vs_cublaslt": geomean(r.get("ratio_graph_lt") for r in ok),
+                        "below_0.95_graph_vs_cublaslt": sum(r.get("ratio_graph_lt", 1) < 0.95 for r in ok),
+                        "worst_graph_vs_cublaslt": min((r["ratio_graph_lt"] for r in ok if "ratio_graph_lt" in r),
+                                                       default=None)})
     print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     if args.json:
         from fluxrt.perf import results_document, write_json

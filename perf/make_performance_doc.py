@@ -171,27 +171,43 @@ def generic_table(rows) -> list[str]:
 
 def gemm_suite_table(data: dict) -> list[str]:
     """A GEMM shape-suite run: its summary, then per shape cuBLAS and fluxrt (eager, graph), the ratios
-    (cuBLAS time / fluxrt time) and the plan fluxrt ran."""
+    (cuBLAS time / fluxrt time) and the plan fluxrt ran; where the run had --lt, cuBLASLt at its best per
+    shape (graph) and the ratio against it."""
     summ = data.get("summary") or {}
     lines = [f"- summary: {', '.join(f'{k} {num(v)}' for k, v in summ.items())}", ""] if summ else []
+    lt = any(isinstance(r, dict) and "cublaslt_graph_ms" in r for r in data.get("rows", []))
     header = ["M", "N", "K", "W", "layer", "cuBLAS eager ms", "fluxrt eager ms", "ratio eager", "cuBLAS graph ms",
               "fluxrt graph ms", "ratio graph", "host us fluxrt / cuBLAS", "plan"]
-    rows = [[r.get("m"), r.get("n"), r.get("k"), r.get("layout"), r.get("label"), num(r.get("cublas_eager_ms", "")),
-             num(r.get("fluxrt_eager_ms", "")), num(r.get("ratio_eager", "")), num(r.get("cublas_graph_ms", "")),
-             num(r.get("fluxrt_graph_ms", "")), num(r.get("ratio_graph", "")),
-             f"{num(r.get('fluxrt_host_us', ''))} / {num(r.get('cublas_host_us', ''))}", r.get("plan", r.get("error", ""))]
-            for r in data.get("rows", []) if isinstance(r, dict)]
+    if lt:
+        header[11:11] = ["cuBLASLt graph ms", "ratio graph vs cuBLASLt"]
+    rows = []
+    for r in data.get("rows", []):
+        if not isinstance(r, dict):
+            continue
+        row = [r.get("m"), r.get("n"), r.get("k"), r.get("layout"), r.get("label"), num(r.get("cublas_eager_ms", "")),
+               num(r.get("fluxrt_eager_ms", "")), num(r.get("ratio_eager", "")), num(r.get("cublas_graph_ms", "")),
+               num(r.get("fluxrt_graph_ms", "")), num(r.get("ratio_graph", "")),
+               f"{num(r.get('fluxrt_host_us', ''))} / {num(r.get('cublas_host_us', ''))}", r.get("plan", r.get("error", ""))]
+        if lt:
+            row[11:11] = [num(r.get("cublaslt_graph_ms", "")), num(r.get("ratio_graph_lt", ""))]
+        rows.append(row)
     return lines + table(header, rows)
 
 
 def gemm_fp8_table(data: dict) -> list[str]:
     """An fp8 GEMM suite run (perf/gemm_fp8.py): its summary, then per shape cuBLASLt (torch._scaled_mm) and
     fluxrt kernel times (CUDA graph replays), the ratio (cuBLASLt time / fluxrt time), the eager ratio,
-    fluxrt's TFLOP/s, the outputs' difference and the plan."""
+    fluxrt's TFLOP/s, the outputs' difference and the plan; where the run also timed cuBLASLt directly
+    (fluxrt.perf.cublaslt), its times with fast accumulation and without, and their ratios."""
     summ = data.get("summary") or {}
     lines = [f"- summary: {', '.join(f'{k} {num(v)}' for k, v in summ.items())}", ""] if summ else []
+    direct = any(isinstance(r, dict) and "lt_fast_us" in r for r in data.get("rows", []))
     header = ["M", "N", "K", "layer", "scales", "cuBLASLt µs", "fluxrt µs", "ratio", "ratio eager", "fluxrt TFLOP/s",
               "rel diff vs cuBLASLt", "plan"]
+    if direct:
+        header[5] = "_scaled_mm µs"
+        header[7] = "ratio vs _scaled_mm"
+        header[9:9] = ["Lt fast-accum µs", "ratio vs Lt fast-accum", "Lt µs", "ratio vs Lt"]
     rows = []
     for r in data.get("rows", []):
         if not isinstance(r, dict):
@@ -199,10 +215,14 @@ def gemm_fp8_table(data: dict) -> list[str]:
         diff = num(r.get("rel_err_vs_cublaslt", ""))
         if r.get("baseline_disagrees"):
             diff += " (baseline disagrees: not in the geomean)"
-        rows.append([r.get("m"), r.get("n"), r.get("k"), r.get("label"), r.get("scale"),
-                     num(r.get("cublaslt_us", r.get("baseline_error", ""))), num(r.get("fluxrt_us", "")),
-                     num(r.get("ratio", "")), num(r.get("ratio_eager", "")), num(r.get("fluxrt_tflops", "")), diff,
-                     r.get("plan", r.get("error", ""))])
+        row = [r.get("m"), r.get("n"), r.get("k"), r.get("label"), r.get("scale"),
+               num(r.get("cublaslt_us", r.get("baseline_error", ""))), num(r.get("fluxrt_us", "")),
+               num(r.get("ratio", "")), num(r.get("ratio_eager", "")), num(r.get("fluxrt_tflops", "")), diff,
+               r.get("plan", r.get("error", ""))]
+        if direct:
+            row[9:9] = [num(r.get("lt_fast_us", r.get("lt_fast_error", ""))), num(r.get("ratio_lt_fast", "")),
+                        num(r.get("lt_us", r.get("lt_error", ""))), num(r.get("ratio_lt", ""))]
+        rows.append(row)
     return lines + table(header, rows)
 
 

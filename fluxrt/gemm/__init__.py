@@ -31,7 +31,7 @@ Modules: ``plan`` (tile shape, stages, order: pure Python), ``hooks`` (the fused
 from ..errors import GemmArgumentError, GemmTypeError
 from .checks import Fp8Problem, validate_fp8_args, validate_gemm_args
 from .hooks import (BANDS_A, BANDS_C, DEFAULT_TIMEOUT_NS, REDUCE_WHERE, ArrivalWait, ChunkReduce, GroupArrival,
-                    RowBands, ShardCopy, TileDestinations, TileEpilogue, band_bits, reduce_hook_id)
+                    GroupScatter, RowBands, ShardCopy, TileDestinations, TileEpilogue, band_bits, reduce_hook_id)
 from .kernel import KERNEL_NAME, KERNEL_SOURCE, compile_options, kernel_defines
 from .launch import gemm, gemm_with_hooks
 from .autotune import TuneResult, autotune, plan_for, tuned_plan
@@ -41,7 +41,8 @@ from .grouped import clear_grouped_cache, grouped_gemm, grouped_plan, validate_g
 
 __all__ = ["gemm", "gemm_with_hooks", "grouped_gemm", "grouped_plan", "validate_grouped_args", "clear_grouped_cache",
            "GemmPlan", "plan_gemm", "heuristic_plan", "plan_for", "autotune",
-           "tuned_plan", "TuneResult", "clear_launch_cache", "ArrivalWait", "GroupArrival", "TileEpilogue",
+           "tuned_plan", "TuneResult", "clear_launch_cache", "ArrivalWait", "GroupArrival", "GroupScatter",
+           "TileEpilogue",
            "TileDestinations",
            "ChunkReduce", "ShardCopy", "RowBands", "GemmArgumentError", "GemmTypeError", "validate_gemm_args",
            "validate_fp8_args", "Fp8Problem", "fp8_plans", "fp8_heuristic_plan", "FP8_FORMATS", "SCALE_MODES",

@@ -46,12 +46,13 @@ from .kernel import _kernel, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import (BLOCK_K, FP8_BLOCK_K, FP8_DTYPES, FP8_OUT_DTYPES, FP8_SCALE_BLOCK, H100_H200_SMS, IN_DTYPES,
                    ITEMSIZE, MAX_GROUPS, MAX_STAGES, OUT_DTYPES, SCALE_MODES, SMEM_LIMIT_BYTES, TMA_ALIGN, GemmPlan)
-from .hooks import GroupArrival
+from .hooks import GroupArrival, GroupScatter
 from .tmaps import tensor_map, tensor_map_nd
 
 log = logging.getLogger("fluxrt.gemm")
 
 OFFSET_DTYPES = ("int32", "int64")
+MAX_SCATTER_HOMES = 32   # GroupScatter: home ranks (fluxrt::kMaxWorld)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,12 +325,39 @@ def check_group_arrival(arrival, groups: int, fp8: bool = False) -> None:
         raise GemmArgumentError(f"grouped_gemm: arrival.timeout_ns={arrival.timeout_ns} must be positive")
 
 
+def check_group_scatter(scatter, prob: GroupedProblem) -> None:
+    """Raise GemmArgumentError when ``scatter`` is not a usable :class:`GroupScatter` for the call ``prob``
+    (no CUDA call)."""
+    if scatter is None:
+        return
+    if prob.fp8:
+        raise GemmArgumentError("grouped_gemm: scatter is built for 16-bit inputs only, not with fp8_format")
+    if not isinstance(scatter, GroupScatter):
+        raise GemmArgumentError(f"grouped_gemm: scatter must be a fluxrt.gemm.GroupScatter, got "
+                                f"{type(scatter).__name__}")
+    for name, align in (("rows", 4), ("dsts", 8), ("flags", 8)):
+        v = getattr(scatter, name)
+        if not isinstance(v, int) or v <= 0 or v % align:
+            raise GemmArgumentError(f"grouped_gemm: scatter.{name} must be a {align}-byte aligned device pointer, "
+                                    f"got {v!r}")
+    if not isinstance(scatter.homes, int) or not 1 <= scatter.homes <= MAX_SCATTER_HOMES:
+        raise GemmArgumentError(f"grouped_gemm: scatter.homes={scatter.homes!r} must be 1 .. {MAX_SCATTER_HOMES}")
+    item = ITEMSIZE[prob.out_dtype]
+    if not isinstance(scatter.ld, int) or scatter.ld < prob.n or (scatter.ld * item) % 16:
+        raise GemmArgumentError(f"grouped_gemm: scatter.ld={scatter.ld!r} must be >= N={prob.n} elements and make "
+                                f"16-byte rows of {prob.out_dtype} (the storer writes 16-byte vectors)")
+    if not isinstance(scatter.entries, int) or not 0 <= scatter.entries < 1 << 62:
+        raise GemmArgumentError(f"grouped_gemm: scatter.entries={scatter.entries!r} must be a row count >= 0")
+
+
 def _prepare(a, b, offsets, out, *, trans_b: bool | None, plan: GemmPlan | None, out_dtype: str | None,
-             fp8_format=None, scale_a=None, scale_b=None, arrival: GroupArrival | None = None):
+             fp8_format=None, scale_a=None, scale_b=None, arrival: GroupArrival | None = None,
+             scatter: GroupScatter | None = None):
     """Check one call and build its launch: (PackedLaunch or None for M = 0, out, plan)."""
     fp8_kw = dict(fp8_format=fp8_format, scale_a=scale_a, scale_b=scale_b)
     prob = validate_grouped_args(a, b, offsets, out, trans_b=trans_b, out_dtype=out_dtype, **fp8_kw)
     check_group_arrival(arrival, prob.groups, prob.fp8)
+    check_group_scatter(scatter, prob)
     trans_b = prob.fp8 if trans_b is None else bool(trans_b)
     if plan is None:
         plan = grouped_plan(prob.m, prob.n, prob.k, prob.groups, in_dtype=prob.in_dtype, out_dtype=prob.out_dtype,
@@ -369,8 +397,8 @@ def _prepare(a, b, offsets, out, *, trans_b: bool | None, plan: GemmPlan | None,
     b_dt = prob.b_dtype or in_dt
     item = ITEMSIZE[in_dt]
     block_k = FP8_BLOCK_K if prob.fp8 else BLOCK_K
-    defines = kernel_defines(plan, in_dt, out_dt, trans_b, hook_wait=arrival is not None, grouped=True, b_dtype=b_dt,
-                             scale=prob.scale)
+    defines = kernel_defines(plan, in_dt, out_dt, trans_b, hook_wait=arrival is not None,
+                             hook_epilogue=scatter is not None, grouped=True, b_dtype=b_dt, scale=prob.scale)
     with cupy.cuda.Device(dev):
         smem = plan.smem_bytes(out_dt, grouped=True)
         kern = _kernel(defines, dev, smem)
@@ -393,6 +421,10 @@ def _prepare(a, b, offsets, out, *, trans_b: bool | None, plan: GemmPlan | None,
             params["wait"]["flags"], params["wait"]["op_id"] = arrival.flags, arrival.op_id
             t = params["timeout"]
             t["timeout_ns"], t["err"], t["rank"] = arrival.timeout_ns, arrival.err, arrival.rank
+        if scatter is not None:   # hook 2: every row to its home's buffer, counted there
+            grp["scatter_homes"], grp["scatter_rows"] = scatter.homes, scatter.rows
+            grp["scatter_dst"], grp["scatter_flags"] = scatter.dsts, scatter.flags
+            grp["scatter_ld"], grp["scatter_entries"] = scatter.ld, scatter.entries
         grid = grouped_grid(plan, m, n, g, _num_sms(dev))
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
@@ -408,7 +440,7 @@ def clear_grouped_cache() -> None:
 @_nvtx("grouped_gemm")
 def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream=None, plan: GemmPlan | None = None,
                  out_dtype: str | None = None, fp8_format=None, scale_a=None, scale_b=None,
-                 arrival: GroupArrival | None = None):
+                 arrival: GroupArrival | None = None, scatter: GroupScatter | None = None):
     """``out[offsets[g]:offsets[g+1]] = a[offsets[g]:offsets[g+1]] @ b[g]`` (``b`` [G, K, N]) or ``@ b[g].T``
     (``trans_b=True``, ``b`` [G, N, K]) for every group g, in one launch; ``offsets`` ([G + 1] int32/int64,
     G <= 256) is read on the device only. a: [M, K] bf16/fp16, C-contiguous; K and N multiples of 8.
@@ -421,6 +453,8 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream
     stream: cupy stream, raw cudaStream_t int, or None (current stream). plan: see :func:`grouped_plan`.
     arrival: optional :class:`GroupArrival`: each group's A rows are loaded only once its arrival flags are up
     (bounded waits), so the GEMM can run beside the launch that delivers them.
+    scatter: optional :class:`GroupScatter`: the output rows go to their home ranks' buffers (counted there)
+    instead of ``out``, which is then only checked, never written.
     Returns ``out`` (a CuPy array)."""
     import cupy
 
@@ -430,6 +464,7 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream
     if not fast:   # before any CUDA call
         prob = validate_grouped_args(a, b, offsets, out, trans_b=trans_b, out_dtype=out_dtype, **fp8_kw)
         check_group_arrival(arrival, prob.groups, prob.fp8)
+        check_group_scatter(scatter, prob)
     try:
         sptr = stream_handle(stream)
     except TypeError as e:
@@ -437,21 +472,22 @@ def grouped_gemm(a, b, offsets, out=None, *, trans_b: bool | None = None, stream
     if fast:
         fmt = fp8_format if fp8_format is None or isinstance(fp8_format, str) else tuple(fp8_format)
         key = (array_key(a), array_key(b), array_key(offsets), array_key(out), cupy.cuda.runtime.getDevice(),
-               trans_b, plan, out_dtype, sptr, fmt, array_key(scale_a), array_key(scale_b), arrival)
+               trans_b, plan, out_dtype, sptr, fmt, array_key(scale_a), array_key(scale_b), arrival, scatter)
         packed = _cache.get(key)
         if packed is MISS:
             packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, **fp8_kw,
-                                      arrival=arrival)
+                                      arrival=arrival, scatter=scatter)
             _cache.put(key, packed)
     else:
         with as_cupy_stream(sptr):   # operands from DLPack / CAI are ordered after their producers on it
             packed, out, _ = _prepare(a, b, offsets, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, **fp8_kw,
-                                      arrival=arrival)
+                                      arrival=arrival, scatter=scatter)
     if packed is not None:
         packed.launch(sptr)
     return out
 
 
-__all__ = ["GroupedProblem", "GroupArrival", "check_group_arrival", "grouped_gemm", "group_tiles", "grouped_plan",
+__all__ = ["GroupedProblem", "GroupArrival", "GroupScatter", "check_group_arrival", "check_group_scatter",
+           "grouped_gemm", "group_tiles", "grouped_plan",
            "grouped_max_stages", "grouped_grid", "validate_grouped_args", "check_grouped_plan", "clear_grouped_cache",
            "OFFSET_DTYPES"]

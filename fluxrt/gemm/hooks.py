@@ -113,6 +113,28 @@ class GroupArrival:
 
 
 @dataclass(frozen=True)
+class GroupScatter:
+    """Hook 2 of the grouped GEMM (:func:`fluxrt.gemm.grouped_gemm`): no row goes to ``out``. Row y of the output
+    goes to row ``rows[y] // homes`` of home ``rows[y] % homes``'s buffer (``dsts[home]``, ``ld`` elements per
+    row, out's type; a peer's symmetric memory or local), and once a tile's rows (of one storer turn) are
+    stored, the storer adds (rows x columns) of each home's rows to that home's counter ``*flags[home]`` (a
+    release at system scope after every lane's fence): the home knows its rows have landed when its counter has
+    grown by (its rows) x N. The MoE layer's down projection -> combine overlap.
+
+    rows: device pointer of int32, one per row of the output (read on the device; rows outside every group are
+        never read). dsts, flags: device pointers of ``homes`` uint64 each (buffer and counter addresses).
+    entries: rows of each destination buffer; a row whose entry is not below it is neither stored nor counted
+        (its home's wait runs out instead of reading a wrong row).
+    """
+    rows: int
+    dsts: int
+    flags: int
+    homes: int
+    ld: int
+    entries: int
+
+
+@dataclass(frozen=True)
 class ChunkReduce:
     """Hook 3: chunk ``chunk``'s tiles are summed with the other sources' partials of the same rows in the
     consumers' epilogue and TMA-stored to ``out`` ([rows of the chunk, N], C's type), with no flag.

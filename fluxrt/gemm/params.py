@@ -50,7 +50,8 @@ REDUCE_ARGS = _struct([("partials", PTR), ("source_bytes", I64), ("ld", I64), ("
 TAIL_ARGS = _struct([("out", PTR), ("counter", PTR)])
 SCALE_ARGS = _struct([("a", PTR), ("b", PTR), ("k_blocks", I32), ("b_group_stride", I32)])
 GROUP_ARGS = _struct([("offsets", PTR), ("groups", I32), ("offsets_64", I32), ("arrival_epoch", PTR),
-                      ("arrival_sources", U32)])
+                      ("arrival_sources", U32), ("scatter_homes", U32), ("scatter_rows", PTR), ("scatter_dst", PTR),
+                      ("scatter_flags", PTR), ("scatter_ld", I64), ("scatter_entries", I64)])
 STREAM_K_ARGS = _struct([("counters", PTR), ("partials", PTR), ("dp_tiles", I32), ("op_id", U32), ("pieces", I32),
                          ("piece_blocks", I32)])
 COPY_ARGS = _struct([("tmap_a_own", TMAP[1], 64), ("counters", PTR), ("row0", I32), ("rows", I32)])

@@ -14,6 +14,11 @@ Combine copies the expert outputs into the receive buffer (nothing to copy when 
 raises a ready flag at every rank, then every token pulls its k rows from their owners and sums them weighted
 in slot order in fp32: the same bits on every call, whatever the timing.
 
+With ``DispatcherOptions(returns=True)`` (MoELayer's overlap) the owners push the expert outputs back instead:
+the push leaves each row's home and entry at its owner, the owner's down-projection GEMM stores each output row
+into its home's return buffer and counts the elements there, and ``combine_returned`` sums each token as soon
+as its owners' counts are in, with the same bits as combine.
+
 Nothing is dropped: each rank's receive buffer holds the worst case, ``max_tokens_per_rank * world * top_k``
 rows, checked against the symmetric heap before anything is allocated (HeapExhaustedError says how much to
 ask for). The receive buffer is the dispatch's output: valid until the next dispatch (or combine, which
@@ -81,7 +86,13 @@ class DispatcherOptions:
     kernel in throughput mode, the compaction in low-latency mode). The output layout, offsets, counts and
     combine are the same as without it (bit for bit); ``DispatchHandle.rows_sent()`` counts the rows moved.
     With arrival flags, an expert that receives copied rows from a source is flagged by the owner after its
-    copies (after the whole push), the others as without dedupe."""
+    copies (after the whole push), the others as without dedupe.
+    returns: the rows come back pushed by their owners (throughput mode; MoELayer's overlap sets it): the push
+    also leaves at each owner, per receive row, its home and entry (``Dispatcher.home_rows``: int32, entry *
+    world + source rank), so that the owner's down-projection GEMM (``fluxrt.gemm.GroupScatter``) stores each
+    output row straight into row `entry` of its home's return buffer (``Dispatcher.returned``: [max_tokens_per_rank
+    * top_k, hidden]) and counts the landed elements in the home's counter for that owner; ``combine_returned``
+    then waits (bounded) for each owner's rows and sums them as ``combine`` does, bit for bit."""
 
     top_k: int = 8
     blocks: int = 0
@@ -90,6 +101,7 @@ class DispatcherOptions:
     mode: str = "throughput"
     arrivals: bool = False
     dedupe: bool = False
+    returns: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,7 @@ class MoEConfig:
     mode: str = "throughput"
     arrivals: bool = False  # per-expert arrival flags ([E_local, world] u64 per rank)
     dedupe: bool = False    # a token once per destination rank (copy descriptors: int32 per receive/staging row)
+    returns: bool = False   # rows pushed back by their owners (home descriptors, return buffer, landed counters)
 
     @property
     def wire_row_bytes(self) -> int:
@@ -130,7 +143,17 @@ class MoEConfig:
         fp8 = self.recv_rows * (self.hidden + 4 * self.scale_row) if self.fp8 else 0
         arrivals = self.local_experts * self.world * 8 if self.arrivals else 0
         return (self.recv_bytes + fp8 + self.staging_rows * self.row_bytes + self.world * self.num_experts * 4
-                + FLAG_KINDS * self.world * 8 + arrivals + 4 * self.descriptor_rows)
+                + FLAG_KINDS * self.world * 8 + arrivals + 4 * self.descriptor_rows + self.returns_bytes)
+
+    @property
+    def return_rows(self) -> int:
+        """Rows of the return buffer (returns): one per (token, slot) of this rank's largest call."""
+        return self.max_tokens * self.top_k if self.returns else 0
+
+    @property
+    def returns_bytes(self) -> int:
+        """Symmetric bytes of returns: home descriptors (int32 per receive row), return buffer, landed counters."""
+        return 4 * self.recv_rows + self.return_rows * self.row_bytes + 8 * self.world if self.returns else 0
 
     @property
     def descriptor_rows(self) -> int:
@@ -181,6 +204,11 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
                                "low-latency push lands rows in staging slots, compacted after the last one)")
     if not isinstance(options.dedupe, bool):
         raise MoEArgumentError(f"Dispatcher: dedupe must be a bool, got {options.dedupe!r}")
+    if not isinstance(options.returns, bool):
+        raise MoEArgumentError(f"Dispatcher: returns must be a bool, got {options.returns!r}")
+    if options.returns and options.mode != "throughput":
+        raise MoEArgumentError("Dispatcher: rows pushed back (returns=True) are for mode='throughput' only (the "
+                               "low-latency push leaves no home descriptors at the owners)")
     if options.blocks < 0:
         raise MoEArgumentError(f"Dispatcher: blocks must be >= 0 (0: one per SM), got {options.blocks}")
     rows = int(max_tokens_per_rank) * world_size * options.top_k
@@ -191,12 +219,13 @@ def check_config(world_size: int, num_experts: int, hidden: int, max_tokens_per_
                      hidden=int(hidden), max_tokens=int(max_tokens_per_rank), top_k=options.top_k, dtype=name,
                      recv_rows=rows, row_bytes=int(hidden) * 2, fp8=options.fp8,
                      scale_row={"": 0, "token": 1, "block": int(hidden) // 128}[options.fp8], mode=options.mode,
-                     arrivals=options.arrivals, dedupe=options.dedupe)
+                     arrivals=options.arrivals, dedupe=options.dedupe, returns=options.returns)
 
 
 def check_heap(cfg: MoEConfig, capacity: int, used: int, rank: int) -> None:
     """Raise HeapExhaustedError, saying how much heap to ask for, when the buffers do not fit."""
-    need = cfg.symmetric_bytes() + (FLAG_KINDS + cfg.arrivals + cfg.dedupe) * 512  # each allocation may take 512 bytes more
+    # each allocation may take 512 bytes more
+    need = cfg.symmetric_bytes() + (FLAG_KINDS + cfg.arrivals + cfg.dedupe + 3 * cfg.returns) * 512
     if used + need > capacity:
         gib = -(-(used + need) * 5 // 4 // (1 << 30))
         raise HeapExhaustedError(
@@ -303,8 +332,18 @@ class Dispatcher:
             self.arrive = world.zeros((cfg.local_experts * n,), np.uint64) if cfg.arrivals else None
             # dedupe: per receive row (low latency: per staging slot) the row it copies, or -1 (pushed itself)
             self.src_of = world.zeros((cfg.descriptor_rows,), np.int32) if cfg.dedupe else None
+            # returns: per receive row its home (entry * world + source), written by the source's push; this rank's
+            # return buffer (row i: the output of its entry i); per owner the elements of it landed so far (never
+            # reset: it only grows) and what had landed at the end of the previous combine_returned
+            self.home_of = self.returned = self.landed = self.landed_base = None
+            if cfg.returns:
+                self.home_of = world.zeros((cfg.recv_rows,), np.int32)
+                self.returned = world.empty((cfg.return_rows, cfg.hidden), cfg.dtype)
+                self.landed = world.zeros((n,), np.uint64)
+                self.landed_base = cupy.zeros(n, dtype=np.uint64)
             self.epoch = cupy.zeros(2, dtype=np.uint64)                # [counter, this dispatch's round]
-            self.done = cupy.zeros(3, dtype=np.uint32)                 # last-block counters: push, stage, expand
+            # last-block counters: push, stage, expand, combine_returned
+            self.done = cupy.zeros(4, dtype=np.uint32)
             self.pos = cupy.zeros(max(1, cfg.max_tokens * cfg.top_k), dtype=np.int32)
             self.chunk_base = cupy.zeros(CHUNKS * cfg.num_experts, dtype=np.int32)
             self.dst_base = cupy.zeros(cfg.num_experts, dtype=np.int32)
@@ -330,11 +369,13 @@ class Dispatcher:
                                    else (null, null, null, null))
             self._src_table = self.src_of.peer_table if cfg.dedupe else null
             self._layout_dedupe = (np.int32(cfg.dedupe), self.moved, self.dups if self.dups is not None else null)
-            self._push_dedupe = (self.rows, self._src_table, self.dups if self.dups is not None else null)
+            self._push_dedupe = (self.rows, self._src_table, self.dups if self.dups is not None else null,
+                                 self.home_of.peer_table if cfg.returns else null)
             world.device.synchronize()
         self._team = {name: (_u32(world.rank), _u32(n), _u64(world.timeout_ns), _u64(world.error_record),
                              _u32(op_id(name))) for name in ("moe_dispatch", "moe_combine")}
         self._seq = 0
+        self._return_targets = None
         self._last = None   # the latest dispatch's handle (low latency: it must be combined first)
         self._freed = False
         log.info("Dispatcher on %d ranks: %s (%d receive bytes per rank)", n, cfg, cfg.recv_bytes)
@@ -345,7 +386,8 @@ class Dispatcher:
         for ix in INDEX_DTYPES.values():
             names += [f"fluxrt_moe_layout_{ix}", f"fluxrt_moe_push_{ix}", f"fluxrt_moe_ll_push_{ix}",
                       f"fluxrt_moe_ll_compact_{ix}", f"fluxrt_moe_combine_bf16_{ix}",
-                      f"fluxrt_moe_combine_fp16_{ix}"]
+                      f"fluxrt_moe_combine_fp16_{ix}", f"fluxrt_moe_combine_returned_bf16_{ix}",
+                      f"fluxrt_moe_combine_returned_fp16_{ix}"]
         return names
 
     @property
@@ -365,11 +407,36 @@ class Dispatcher:
         arrival flags of that dispatch reach."""
         return self.epoch.data.ptr + self.epoch.itemsize
 
+    @property
+    def home_rows(self) -> int:
+        """Device pointer of this rank's home descriptors (int32 per receive row: entry * world + source rank;
+        returns=True only): written by the sources' pushes of the current dispatch."""
+        self._need_returns("home_rows")
+        return self.home_of.data.ptr
+
+    def return_targets(self) -> tuple:
+        """(buffers, counters): device arrays of `world` uint64 each, for ``fluxrt.gemm.GroupScatter`` on this
+        rank: rank h's return buffer, and the address of h's counter of rows landed from this rank (returns=True
+        only). Made once."""
+        self._need_returns("return_targets")
+        if self._return_targets is None:
+            import cupy
+
+            counters = [self.landed.peer_ptr(h) + 8 * self.world.rank for h in range(self.world.size)]
+            with self.world.device:
+                self._return_targets = (self.returned.peer_table, cupy.asarray(np.array(counters, np.uint64)))
+                cupy.cuda.get_current_stream().synchronize()   # the upload, before any stream's kernel reads it
+        return self._return_targets
+
+    def _need_returns(self, what: str) -> None:
+        if not self.cfg.returns:
+            raise MoEArgumentError(f"Dispatcher: no {what} (DispatcherOptions(returns=True) makes them)")
+
     def free(self) -> None:
         """Collective: release the symmetric buffers (the world's finalize does it otherwise)."""
         if self.world.active and not self._freed:
-            for a in (self.src_of, self.arrive, self.staging, self.recv_scales, self.recv_fp8, self.flags,
-                      self.count_matrix, self.recv):
+            for a in (self.landed, self.returned, self.home_of, self.src_of, self.arrive, self.staging,
+                      self.recv_scales, self.recv_fp8, self.flags, self.count_matrix, self.recv):
                 if a is not None:
                     self.world.free(a)
         self._freed = True
@@ -499,12 +566,7 @@ class Dispatcher:
 
         def local_checks():
             self._check_live()
-            if not isinstance(handle, DispatchHandle) or handle._d is not self:
-                raise MoEArgumentError("combine: handle must come from this Dispatcher's dispatch")
-            if handle.seq != self._seq:
-                raise MoEArgumentError("combine: handle is from an earlier dispatch (its rows have been overwritten)")
-            if handle.combined:
-                raise MoEArgumentError("combine: this dispatch was combined already (one combine per dispatch)")
+            self._check_handle(handle, "combine")
             b = _intake(y, "y", "combine", self.world, s)
             if b.ndim != 2 or b.shape[1] != cfg.hidden or b.dtype.name != cfg.dtype:
                 raise MoEArgumentError(f"combine: y must be {short_name(cfg.dtype)} [rows, {cfg.hidden}], got "
@@ -542,6 +604,55 @@ class Dispatcher:
             stream=s)
         handle.combined = True
         return o
+
+    @_nvtx("moe_combine")
+    def combine_returned(self, handle: DispatchHandle, *, out=None, stream=None):
+        """Combine of rows pushed back (returns=True): the owners' down projection (``fluxrt.gemm.GroupScatter``
+        with ``home_rows`` and ``return_targets``) stored the output row of each of this rank's entries into its
+        return buffer. Waits (bounded, per owner: a token is summed once its owners' rows are in) and returns out
+        [T, hidden] with the same weighted sums in slot order as ``combine``, bit for bit. A wait that runs out
+        names op 'moe_combine', this rank and the owner; the tokens it guarded come out NaN."""
+        import cupy
+
+        s = as_cupy_stream(stream)
+        cfg = self.cfg
+
+        def local_checks():
+            self._check_live()
+            self._need_returns("combine_returned")
+            self._check_handle(handle, "combine_returned")
+            o = None
+            if out is not None:
+                o = _intake(out, "out", "combine_returned", self.world, s, writable=True)
+                if o.shape != (handle.tokens, cfg.hidden) or o.dtype.name != cfg.dtype:
+                    raise MoEArgumentError(f"combine_returned: out must be {short_name(cfg.dtype)} [{handle.tokens}, "
+                                           f"{cfg.hidden}], got {short_name(o.dtype)} {tuple(o.shape)}")
+            return o, {"hidden": cfg.hidden}
+
+        o = _checked_on_every_rank(self.world, "moe_combine", local_checks)
+        if o is None:
+            with self.world.device, s:
+                o = cupy.empty((handle.tokens, cfg.hidden), dtype=normalize_dtype(cfg.dtype))
+        warps = self.options.threads // 32
+        grid = max(1, min(self.blocks, -(-handle.tokens // warps)))
+        kind = "bf16" if cfg.dtype == "bfloat16" else "fp16"
+        self._fn[f"fluxrt_moe_combine_returned_{kind}_{handle._index_kind}"](
+            (grid,), (self.options.threads,),
+            self._team["moe_combine"] + (handle.topk_idx, handle.topk_weights, _u32(handle.tokens), _u32(handle.k),
+                                         _u32(cfg.num_experts), _u32(cfg.local_experts), self.returned,
+                                         _u64(cfg.row_bytes), _u32(cfg.hidden), self.count_matrix, self.landed,
+                                         self.landed_base, self.done[3:], o),
+            stream=s)
+        handle.combined = True
+        return o
+
+    def _check_handle(self, handle, op: str) -> None:
+        if not isinstance(handle, DispatchHandle) or handle._d is not self:
+            raise MoEArgumentError(f"{op}: handle must come from this Dispatcher's dispatch")
+        if handle.seq != self._seq:
+            raise MoEArgumentError(f"{op}: handle is from an earlier dispatch (its rows have been overwritten)")
+        if handle.combined:
+            raise MoEArgumentError(f"{op}: this dispatch was combined already (one combine per dispatch)")
 
     def _check_live(self) -> None:
         self.world.check_active()

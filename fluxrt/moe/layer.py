@@ -1,6 +1,6 @@
 """The MoE layer: dispatch -> grouped GEMM (gate and up) -> SiLU-and-multiply -> grouped GEMM (down) ->
-combine, sequential on one stream, or with the dispatch overlapped with the experts' first GEMM
-(``MoELayerOptions(overlap=True)``).
+combine, sequential on one stream, or overlapped tile by tile on both sides of the experts
+(``MoELayerOptions(overlap=True)``): the dispatch with the gate/up GEMM, the down GEMM with the combine.
 
     layer = fluxrt.moe.MoELayer(world, num_experts=256, hidden=7168, ffn_hidden=2048, max_tokens_per_rank=4096,
                                 dtype="bf16", options=fluxrt.moe.MoELayerOptions(dispatch=DispatcherOptions(top_k=8)))
@@ -36,9 +36,19 @@ stream starts the gate/up grouped GEMM with ``fluxrt.gemm.GroupArrival``: its lo
 group's flags before loading the group's rows, so an expert's tiles start while later experts' rows are still
 being pushed. The GEMM keeps ``blocks`` SMs free for the push (its grid is capped at SMs - push blocks: a
 persistent GEMM holding every SM would starve the push it waits for). SiLU and the down projection follow on
-that stream; combine waits for them on the caller's stream. The arrival waits compare with the round the
-layout kernel wrote on the device, so a captured graph replays correctly. Combine is not overlapped with the
-down projection (docs/moe.md).
+that stream. The arrival waits compare with the round the layout kernel wrote on the device, so a captured graph
+replays correctly.
+
+The combine side (the Dispatcher's ``returns``): the push leaves at each owner, per received row, the row's home
+rank and entry. The down projection's grouped GEMM stores no row locally: its epilogue
+(``fluxrt.gemm.GroupScatter``) writes each finished tile's rows straight into the home ranks' return buffers
+over NVLink and adds the elements it stored to the home's counter for this owner (a release after the stores).
+The caller's stream runs ``Dispatcher.combine_returned`` right after the dispatch, beside the experts: each
+token is summed as soon as the counters of its slots' owners reach this round's target (bounded waits), in the
+same slot order and fp32 arithmetic as the sequential combine, so the output is the sequential layer's bit for
+bit. The down GEMM's grid is capped like the gate/up GEMM's, leaving the combine's blocks their SMs; the
+caller's stream then waits for the experts' stream, so the next call's dispatch cannot overwrite the receive
+buffer under them (docs/moe.md).
 """
 from __future__ import annotations
 
@@ -78,15 +88,17 @@ class _OverlapState:
     arrival: object         # fluxrt.gemm.GroupArrival of the Dispatcher's flags
     layout_done: object     # event: the dispatch's layout kernel ended (offsets and round written)
     experts_done: object    # event: the down projection ended
+    down_plan: object       # the down GEMM's plan, grid capped
+    scatter: object         # fluxrt.gemm.GroupScatter: the down GEMM's rows to their home ranks
 
 
 def overlap_dispatch_options(options: "MoELayerOptions") -> DispatcherOptions:
-    """The Dispatcher's options of a layer: with overlap, arrival flags on and the push grid
+    """The Dispatcher's options of a layer: with overlap, arrival flags and returns on and the push grid
     ``OVERLAP_PUSH_BLOCKS`` where ``blocks`` is 0."""
     d = options.dispatch
     if not options.overlap:
         return d
-    return dataclasses.replace(d, arrivals=True, blocks=d.blocks or OVERLAP_PUSH_BLOCKS)
+    return dataclasses.replace(d, arrivals=True, returns=True, blocks=d.blocks or OVERLAP_PUSH_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -95,10 +107,12 @@ class MoELayerOptions:
     FP8 dispatch is refused: the layer's grouped GEMM takes 16-bit rows.
     gate_up_plan, down_plan: grouped GEMM plans of the two projections (None: ``fluxrt.gemm.grouped_plan`` of
     the buffer's shape).
-    overlap: run the gate/up GEMM beside the dispatch's push, each expert's tiles once its rows have arrived
-    (throughput mode only; the Dispatcher then raises arrival flags). The push (and combine) grid is
-    ``dispatch.blocks``, 0 meaning ``OVERLAP_PUSH_BLOCKS``; the gate/up GEMM's grid is capped at the SMs left.
-    False: every stage after the other on one stream (the sequential baseline)."""
+    overlap: run the gate/up GEMM beside the dispatch's push, each expert's tiles once its rows have arrived, and
+    the combine beside the down GEMM, whose epilogue stores each finished tile's rows into their home ranks'
+    return buffers (throughput mode only; the Dispatcher then raises arrival flags and keeps return buffers:
+    ``DispatcherOptions.arrivals`` and ``returns``). The push and combine grid is ``dispatch.blocks``, 0 meaning
+    ``OVERLAP_PUSH_BLOCKS``; both GEMMs' grids are capped at the SMs left. The output is the sequential layer's
+    bit for bit. False: every stage after the other on one stream (the sequential baseline)."""
 
     dispatch: DispatcherOptions = field(default_factory=DispatcherOptions)
     gate_up_plan: GemmPlan | None = None
@@ -245,21 +259,30 @@ class MoELayer:
         self._overlap = None
         if self.options.overlap:
             from ..gemm.grouped import grouped_plan
-            from ..gemm.hooks import GroupArrival
+            from ..gemm.hooks import GroupArrival, GroupScatter
 
-            plan = self.options.gate_up_plan or grouped_plan(r, 2 * f, h, el, in_dtype=cfg.moe.dtype,
-                                                             out_dtype=cfg.moe.dtype)
-            # the SMs the push needs stay free: a GEMM that waits for rows must not hold them all
+            # the SMs the push and the combine need stay free: a GEMM that waits for rows (gate/up), or whose rows
+            # a spinning combine waits for (down), must not hold them all
             cap = max(1, num_sms(world) - d.blocks)
-            if plan.max_ctas is None or plan.max_ctas > cap:
-                plan = dataclasses.replace(plan, max_ctas=cap)
+
+            def capped(plan):
+                return plan if plan.max_ctas is not None and plan.max_ctas <= cap else dataclasses.replace(
+                    plan, max_ctas=cap)
+
+            dt = cfg.moe.dtype
+            plan = capped(self.options.gate_up_plan or grouped_plan(r, 2 * f, h, el, in_dtype=dt, out_dtype=dt))
+            # the sequential layer's down plan (the grid cap changes no tile's bits)
+            down = capped(self.options.down_plan or grouped_plan(r, h, f, el, in_dtype=dt, out_dtype=dt))
             arrival = GroupArrival(flags=d.arrival_flags, epoch_at=d.round_ptr, sources=world.size,
                                    err=int(world.error_record), timeout_ns=int(world.timeout_ns),
                                    op_id=op_id(OP_OVERLAP), rank=world.rank)
+            dsts, counters = d.return_targets()
+            scatter = GroupScatter(rows=d.home_rows, dsts=dsts.data.ptr, flags=counters.data.ptr, homes=world.size,
+                                   ld=h, entries=cfg.moe.return_rows)
             with world.device:
                 self._overlap = _OverlapState(cupy.cuda.Stream(non_blocking=True), plan, arrival,
                                               cupy.cuda.Event(disable_timing=True),
-                                              cupy.cuda.Event(disable_timing=True))
+                                              cupy.cuda.Event(disable_timing=True), down, scatter)
         self._freed = False
         log.info("MoELayer on %d ranks: ffn %d, %d local experts, %d device bytes beside %d symmetric", world.size,
                  f, el, cfg.device_bytes(), cfg.symmetric_bytes())
@@ -324,10 +347,14 @@ class MoELayer:
         self._check_live()
         _, handle = self.dispatcher.dispatch(x, topk_idx, topk_weights, stream=s, layout_event=ov.layout_done)
         ov.stream.wait_event(ov.layout_done)   # the offsets and the round exist; the rows arrive meanwhile
-        self._experts(ov.stream, arrival=ov.arrival, gate_up_plan=ov.plan)
+        self._experts(ov.stream, arrival=ov.arrival, gate_up_plan=ov.plan, down_plan=ov.down_plan,
+                      scatter=ov.scatter)
         ov.experts_done.record(ov.stream)
+        # beside the experts: each token once its owners' down-projection rows have landed here
+        o = self.dispatcher.combine_returned(handle, out=o, stream=s)
+        # the next call's dispatch overwrites the receive buffer (and h, act): after this call's experts
         s.wait_event(ov.experts_done)
-        return self.combine(handle, out=o, stream=s)
+        return o
 
     __call__ = forward
 
@@ -344,20 +371,22 @@ class MoELayer:
         s = as_cupy_stream(stream)
         self._check_live()
         self._check_handle(handle, "experts")
-        self._experts(s, arrival=None, gate_up_plan=self.options.gate_up_plan)
+        self._experts(s, arrival=None, gate_up_plan=self.options.gate_up_plan, down_plan=self.options.down_plan)
 
-    def _experts(self, s, *, arrival, gate_up_plan) -> None:
+    def _experts(self, s, *, arrival, gate_up_plan, down_plan, scatter=None) -> None:
         from ..gemm.grouped import grouped_gemm
         from ..ops.mlp import SILU_MUL_THREADS
 
-        d, opts = self.dispatcher, self.options
+        d = self.dispatcher
         grouped_gemm(self._recv, self.w_gate_up, d.offsets, out=self.h, trans_b=True, stream=s, plan=gate_up_plan,
                      arrival=arrival)
         with self.world.device:
             self._silu((self._act_grid,), (SILU_MUL_THREADS,),
                        (np.uint64(self.h.data.ptr), np.uint64(self.act.data.ptr), np.uint64(self.cfg.moe.recv_rows),
                         np.uint64(self.cfg.ffn // 8), self._row_end), stream=s)
-        grouped_gemm(self.act, self.w_down, d.offsets, out=self._recv, trans_b=True, stream=s, plan=opts.down_plan)
+        # with scatter the rows go to their home ranks' return buffers; out is then only checked
+        grouped_gemm(self.act, self.w_down, d.offsets, out=self._recv, trans_b=True, stream=s, plan=down_plan,
+                     scatter=scatter)
 
     def combine(self, handle: DispatchHandle, *, out=None, stream=None):
         """The last stage: the experts' rows back to their tokens, weighted and summed (``Dispatcher.combine``

@@ -31,7 +31,8 @@ GEMM down -> combine, one stream), expert FFN size ``--ffn`` (default the model'
     layer_us          MoELayer.forward, eager (the sequential layer: every stage after the other on one stream)
     graph_us          the same call captured in a CUDA graph, one replay
     overlap_us, overlap_graph_us   the overlapped layer (MoELayerOptions(overlap=True): the gate/up GEMM beside
-                      the dispatch's push, each expert's tiles once its rows arrived), eager and replayed
+                      the dispatch's push, each expert's tiles once its rows arrived; the combine beside the down
+                      GEMM, whose tiles' rows go straight to their home ranks), eager and replayed
                       (throughput mode only; its push and combine use --blocks or OVERLAP_PUSH_BLOCKS SMs)
     overlap_speedup   layer_us / overlap_us; overlap_bitwise: with -c 1, both layers gave the same bits
     dispatch_us, experts_us, combine_us   the eager call's stages (events between them, separate iterations)
@@ -606,6 +607,7 @@ def main(argv=None, bench: str = "moe_dispatch") -> int:
     size_probe = max(moe.check_config(1, MODELS[m][1], MODELS[m][0], t, "bf16",
                                       moe.DispatcherOptions(top_k=MODELS[m][2], fp8=args.fp8, mode=args.mode,
                                                             arrivals=bench == "moe_layer",
+                                                            returns=bench == "moe_layer" and args.mode == "throughput",
                                                             dedupe=args.dedupe)).symmetric_bytes()
                      for m, t, _ in cases)
     if bench == "moe_layer":   # the sequential and the overlapped layer side by side

@@ -59,14 +59,16 @@
 //                             K ranges, units that continue the round robin so that the waves fill up. A cut
 //                             tile's last piece waits for the others' fp32 partials and adds them in piece
 //                             order (StreamK in scheduler.cuh, stream_k_fixup in consumer.cuh). default 0
-//   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; no hooks, no cluster, no bands, staged epilogue):
+//   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; hooks 1, 2 only; no cluster, bands; staged epilogue):
 //                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a
 //                             3-D map with the group as its outer coordinate; a tile that ends past its
 //                             group's last row is stored by the storer warp with row-masked st.global
 //                             instead of TMA (TMA clips only at the tensor's end). With fp8 the scales
 //                             follow the tile's group: B's per group (ScaleArgs::b_group_stride), A's rows
-//                             from the group table's first row.                                default 0
+//                             from the group table's first row. With FLUXRT_GEMM_HOOK_EPILOGUE=1 (16-bit
+//                             inputs): no row goes to C; the storer scatters each row to the buffer of its
+//                             home rank (GroupArgs::scatter_*) and counts the landed elements there. default 0
 // With every hook 0 the hook code is not compiled (if constexpr), and the hook arguments are ignored.
 #pragma once
 
@@ -180,11 +182,14 @@ static_assert(!kSplitK || (kBandsC && !kBandsA && FLUXRT_GEMM_OUT == 2 && kClust
 
 constexpr bool kGrouped = FLUXRT_GEMM_GROUPED != 0;
 constexpr int kMaxGroups = 256;
-static_assert(!kGrouped || (!kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC && !kSplitK &&
+static_assert(!kGrouped || (!kHookReduce && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC && !kSplitK &&
                             !kEpiDirect),
               "grouped GEMM: plain loads (hook 1: per-group arrival waits), no cluster, C staged for the storer's "
-              "row-masked boundary stores");
-static_assert(!kGrouped || !kFp8 || !kHookWait, "grouped GEMM: per-group arrival waits with 16-bit inputs only");
+              "row-masked boundary stores (hook 2: per-row scatter)");
+static_assert(!kGrouped || !kFp8 || (!kHookWait && !kHookEpilogue),
+              "grouped GEMM: per-group arrival waits and per-row scatter with 16-bit inputs only");
+// Grouped GEMM with hook 2: every row of C goes to its home rank's buffer (GroupArgs::scatter_*), counted.
+constexpr bool kGroupScatter = kGrouped && kHookEpilogue;
 constexpr bool kStreamK = FLUXRT_GEMM_STREAM_K != 0;
 static_assert(!kStreamK || (!kHookWait && !kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC &&
                             !kSplitK && !kGrouped && !kEpiDirect && !kFp8),

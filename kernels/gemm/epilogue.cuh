@@ -2,6 +2,8 @@
 // instantiated with:
 //   DirectEpilogue        consumers store C straight from registers (no staging, no storer)
 //   TmaStoreEpilogue      consumers -> C staging smem -> storer warp -> TMA store into C
+//   GroupedStoreEpilogue  grouped GEMM: TMA store, row-masked st.global for a tile that ends past its group
+//   GroupedScatterEpilogue grouped GEMM with hook 2: each row to its home rank's buffer, counted there
 //   PeerStoreEpilogue     hook 2: as TmaStore, into the destination of the tile's chunk of rows (often a
 //                         peer's buffer), then a per-tile flag
 //   ChunkReduceEpilogue   hook 3 in the epilogue: as PeerStore; the tiles of the reduced chunk get the other
@@ -330,6 +332,62 @@ struct GroupedStoreEpilogue : TmaStoreEpilogue {
     }
 };
 
+// Grouped GEMM with hook 2 (the MoE layer's down projection): no row goes to C. Row y of C is expert output row
+// y of the receive buffer, whose token lives at home rank h = rows[y] % homes as entry e = rows[y] / homes
+// (written there by the dispatch's push): the storer writes it into row e of h's buffer (dst[h], a peer's
+// symmetric memory over NVLink, or this rank's own) and, once a turn's rows are stored, adds (rows x columns) of
+// h's rows in the turn to h's counter *flags[h], which h's combine waits on (bounded) before it reads.
+//   1. stores: 16-byte st.global per unit, consecutive lanes along a row (as store_rows); the row's descriptor
+//      by ld.global.cg (written by the sources before this launch, read-only during it).
+//   2. the staging has been read: the next turn's consumers get it before the release (no remote latency on
+//      their path).
+//   3. every lane fences its own stores (fence.acq_rel.sys, warp_publish): one lane's fence does not order
+//      another lane's NVLink stores; the warp meets.
+//   4. per group of 32 rows, the lowest lane of each home's rows releases their count (red.release.sys.add):
+//      a home that acquires counter >= its expected elements sees every row counted into it.
+struct GroupedScatterEpilogue : GroupedStoreEpilogue {
+    GroupArgs g;
+
+    __device__ __forceinline__ void scatter_rows(u32 smem, int y0, int row_end, int n0, int lane,
+                                                 u32 bar_next_empty) const {
+        constexpr int kUnitsPerRow = kBN * kOutBytes / 16;
+        constexpr int kUnitCols = 16 / kOutBytes;
+        const int y_end = min(y0 + kTurnRows, row_end);
+#pragma unroll 1
+        for (int w = 0; w < kConsumersPerTurn; ++w) {   // 1. stores
+            const int y = y0 + w * kRowsPerConsumer;
+            const int valid = min(kRowsPerConsumer, y_end - y);
+            const u32 src = smem + kOffC + w * kCConsumerBytes;
+#pragma unroll 1   // the storer has 40 registers (setmaxnreg)
+            for (int i = lane; i < valid * kUnitsPerRow; i += 32) {
+                const int r = i / kUnitsPerRow, q = i % kUnitsPerRow;
+                const int slab = q / 8, unit = q % 8;
+                const int col = n0 + slab * kCCols + unit * kUnitCols;
+                const u32 desc = (u32)__ldcg(g.scatter_rows + y + r);
+                const long long entry = desc / g.scatter_homes;
+                if (col < n && entry < g.scatter_entries) {   // a bad entry is neither stored nor counted (4.)
+                    const uint4 v = ld_shared_v4(src + slab * kCSlabBytes + r * 128u + ((unit ^ (r & 7)) << 4));
+                    char* base = reinterpret_cast<char*>(g.scatter_dst[desc % g.scatter_homes]);
+                    *reinterpret_cast<uint4*>(base + (entry * g.scatter_ld + col) * kOutBytes) = v;
+                }
+            }
+        }
+        __syncwarp();                                   // 2. every lane's staging reads are done
+        if (lane == 0) mbar_arrive(bar_next_empty);
+        fluxrt::warp_publish();                         // 3.
+        const u64 cols = (u64)min(kBN, n - n0);
+#pragma unroll 1
+        for (int y = y0; y < y_end; y += 32) {          // 4. (a uniform trip count: match_any needs every lane)
+            const u32 desc = y + lane < y_end ? (u32)__ldcg(g.scatter_rows + y + lane) : ~0u;
+            const bool in = y + lane < y_end && desc / g.scatter_homes < (u64)g.scatter_entries;   // as stored
+            const u32 home = in ? desc % g.scatter_homes : ~0u;
+            const u32 same = __match_any_sync(~0u, home);
+            if (in && (same & ((1u << lane) - 1u)) == 0)
+                fluxrt::red_release_sys_add(g.scatter_flags[home], (u64)__popc(same) * cols);
+        }
+    }
+};
+
 // Hook 2: destination row r of a tile -> row r - chunk * chunk_rows of dst_tmaps[chunk]; then the flag of
 // the tile in the chunk's flag table (or of its group of tile columns).
 struct PeerStoreEpilogue : StagedEpilogue {
@@ -480,7 +538,11 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
                 __syncwarp();
                 continue;
             }
-            if constexpr (kGrouped) {
+            if constexpr (kGroupScatter) {   // every row to its home rank, counted there
+                epilogue.scatter_rows(smem, m0 + row0, rows.row_end, n0, lane, bar_next_empty);
+                __syncwarp();
+                continue;
+            } else if constexpr (kGrouped) {
                 const int row_end = rows.row_end;
                 if (m0 + kBM > row_end) {   // the tile ends past its group: row-masked stores
                     epilogue.store_rows(smem, m0 + row0, row_end, n0, lane);

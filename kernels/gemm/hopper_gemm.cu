@@ -12,7 +12,8 @@
 //                                           16 KiB at a time through its own smem buffer (not the ring)
 //   producer WG, warp 1, lane 0  "storer":  C staging smem -> global by TMA store: into C, or with hook 2
 //                                           into the tile's chunk destination (a peer's buffer), then
-//                                           a per-tile flag
+//                                           a per-tile flag (grouped with hook 2: the warp's lanes store
+//                                           each row to its home rank, then count the rows there)
 //   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile, [hook 3: + other
 //                                           sources' partials of the tile], then registers -> C staging smem;
 //                                           [hook 3 tail: after its last tile, each warp reduces 16-row
@@ -57,7 +58,8 @@ namespace fluxrt_sm90 {
 using Mainloop = Select<kHookCopy, OwnShardMainloop,
                         Select<kHookWait, ArrivalWaitMainloop<AllOfA>, PlainMainloop>::type>::type;
 using Epilogue =
-    Select<kGrouped, GroupedStoreEpilogue, Select<kEpiDirect, DirectEpilogue,
+    Select<kGrouped, Select<kGroupScatter, GroupedScatterEpilogue, GroupedStoreEpilogue>::type,
+           Select<kEpiDirect, DirectEpilogue,
            Select<kReduceTail, TailReduceEpilogue,
                   Select<kReduceEpilogue, ChunkReduceEpilogue,
                          Select<kHookEpilogue, PeerStoreEpilogue, TmaStoreEpilogue>::type>::type>::type>::type>::type;
@@ -85,6 +87,11 @@ __device__ __forceinline__ TmaStoreEpilogue make_epilogue(const Params& p, RowCh
 __device__ __forceinline__ GroupedStoreEpilogue make_epilogue(const Params& p, RowChunks chunks,
                                                               GroupedStoreEpilogue*) {
     return GroupedStoreEpilogue{{{chunks}, &p.gemm.tmap_c}, static_cast<char*>(p.gemm.c_direct), p.gemm.n};
+}
+__device__ __forceinline__ GroupedScatterEpilogue make_epilogue(const Params& p, RowChunks chunks,
+                                                                GroupedScatterEpilogue*) {
+    return GroupedScatterEpilogue{{{{chunks}, &p.gemm.tmap_c}, static_cast<char*>(p.gemm.c_direct), p.gemm.n},
+                                  p.group};
 }
 __device__ __forceinline__ PeerStoreEpilogue make_epilogue(const Params& p, RowChunks chunks, PeerStoreEpilogue*) {
     return PeerStoreEpilogue{{chunks}, p.epilogue};

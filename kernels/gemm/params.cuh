@@ -4,7 +4,7 @@
 // the host by fluxrt/gemm/params.py; tests/cpu/test_gemm_params.py compiles the field offsets and sizes
 // and compares them with that layout. Change both together.
 //
-// Size: 896 bytes, below the 4 KiB kernel-parameter limit of every CUDA version (static_assert below).
+// Size: 960 bytes, below the 4 KiB kernel-parameter limit of every CUDA version (static_assert below).
 #pragma once
 
 #include <fluxrt/comm.cuh>
@@ -102,12 +102,23 @@ struct ScaleArgs {
 // group g's A rows, the loader waits until WaitArgs.flags[g * arrival_sources + s] >= *arrival_epoch for every
 // source s < arrival_sources (peer s in a timeout report). The epoch is read on the device, from the memory
 // the producer's earlier launch wrote it to, so a CUDA graph replay waits for the replayed round.
+//
+// With hook 2 (per-row scatter, the MoE layer's down projection -> combine overlap): every row y of C goes
+// not to C but to row `scatter_rows[y] / scatter_homes` of home rank `scatter_rows[y] % scatter_homes`'s
+// buffer (scatter_dst[home], scatter_ld elements per row; a peer's symmetric memory), and once a turn's rows
+// are stored the storer adds (rows x columns) of each home's rows to that home's word *scatter_flags[home].
 struct GroupArgs {
     const void* offsets;        // G + 1 prefix sums of the groups' rows, int32 or int64
     int groups;                 // G, 1 .. kMaxGroups
     int offsets_64;             // 1: offsets are int64
     const u64* arrival_epoch;   // hook 1: the value the arrival flags must reach (device memory)
     u32 arrival_sources;        // hook 1: arrival flags per group (one per source)
+    u32 scatter_homes;          // hook 2: home ranks (the divisor of scatter_rows)
+    const int* scatter_rows;    // hook 2: per row of C, entry * scatter_homes + home (written by the sources)
+    const u64* scatter_dst;     // hook 2: per home, its destination buffer (row-major, scatter_ld per row)
+    u64* const* scatter_flags;  // hook 2: per home, the counter of landed elements it waits on
+    long long scatter_ld;       // hook 2: elements per destination row
+    long long scatter_entries;  // hook 2: rows of each destination buffer (a larger entry is not stored)
 };
 
 // Stream-K (FLUXRT_GEMM_STREAM_K): the tiles cut between CTAs and where their pieces meet. The bounded wait of a
@@ -132,7 +143,7 @@ struct Params {
     TailArgs tail;
     ScaleArgs scale;
     GroupArgs group;
-    StreamKArgs stream_k;       // in the former tail padding: every earlier field keeps its offset
+    StreamKArgs stream_k;       // appended: every earlier field keeps its offset
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters are limited to 4 KiB");
 

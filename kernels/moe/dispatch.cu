@@ -26,6 +26,9 @@
 //                           waits for every rank's.
 //   fluxrt_moe_combine_*    a warp per token pulls its k expert outputs from their owners' buffers and sums
 //                           them weighted in slot order 0 .. k-1 in fp32 (the same bits on every call).
+//   fluxrt_moe_combine_returned_*  (returns: MoELayer's overlap) the same sums of rows the owners' down
+//                           projection pushed back into this rank's return buffer, each owner's rows waited
+//                           for (bounded) on a counter of landed elements; no stage kernel, no ready flags.
 //
 // Receive layout of owner r: rows grouped by local expert, inside an expert by source rank, inside a source
 // by entry order (token, slot). A token routed to two experts of one rank is sent twice (once per row), or with
@@ -42,6 +45,12 @@
 // loading its rows, so an expert's tiles start while later experts' rows are still on their way. With dedupe a
 // source does not raise the words of experts it sends copied rows to: the owner's expand raises every word
 // after its copies (the whole push has landed by then).
+//
+// Returns (`home_peers` non-null): the push also writes, for each row it places at an owner, the row's home and
+// entry (entry * world + this rank) into the owner's symmetric home_of array, before the row's arrival flag or
+// data flag; the owner's down-projection GEMM reads it to store the row's output straight into row `entry` of
+// this rank's return buffer. A return buffer is written in round n only after this rank's layout of round n
+// (every owner's layout waits for its notify flag), i.e. after its combine of round n - 1 ended.
 //
 // Buffer reuse across calls: a source writes an owner's buffer (push) only after every rank's count row of
 // the same round arrived, and a rank sends its row only after its previous combine (which read the peers'
@@ -263,7 +272,7 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
                      const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,
                      const int* dst_base, const u64* flag_peers, const u64* flags, u32* done, const int* order,
                      const int* counts_all, const u64* arrive_peers, u32* sent, int* rows_out,
-                     const u64* src_peers, const int* dups) {
+                     const u64* src_peers, const int* dups, const u64* home_peers) {
     const u64 e = epoch[1];
     const int* mine = counts_all + (u64)t.rank * num_experts;   // this rank's rows per expert
     auto arrival = [&](u32 xe) {
@@ -290,6 +299,10 @@ __device__ void push(const Team& t, const u64* epoch, const Idx* idx, u32 tokens
         const u32 owner = (u32)xe / local_experts;
         const int row = dst_base[xe] + chunk_base[(i / per) * num_experts + xe] + pos[i];
         if ((u32)row >= recv_rows) continue;  // cannot happen with a complete layout: bounds the damage otherwise
+        // returns: the row's home (this rank) and entry, for the owner's down projection to send its output back;
+        // published with the row by the warp_publish / data flag below
+        if (home_peers != nullptr && lane == 0)
+            reinterpret_cast<int*>(home_peers[owner])[row] = (int)(i * t.world + t.rank);
         int src = -1;   // dedupe: the owner's row holding this token already (its first slot on that owner)
         if (src_peers != nullptr) {
             const int q = first_on_owner(idx, i / k, i % k, k, num_experts, local_experts, owner);
@@ -468,11 +481,14 @@ __device__ void stage(const Team& t, const u64* epoch, const char* y, u64 y_rows
     if (last_block(done)) exchange_flags(t, flag_peers, flags, kReady, e);
 }
 
-// out[t] = sum over slots j in order of w[t, j] * (row pos[t k + j] of expert idx[t, j]'s owner), fp32.
-template <class E, class Idx>
-__device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k, u32 num_experts,
-                        u32 local_experts, const int* pos, const u64* recv_peers, u64 row_bytes,
-                        typename E::T* out) {
+// out[t] = sum over slots j in order of w[t, j] * (expert output row of entry t k + j), fp32, a warp per token.
+// row_of(i, xe) is where entry i's row lies (xe: its expert); ready(need) is called by every lane once per token
+// with the bit mask of the owners of the token's slots and returns false when one of them could not be waited
+// for (the token's output is then poisoned, nothing read). Both combines run this one loop, so they give the
+// same bits for the same rows.
+template <class E, class Idx, class RowOf, class Ready>
+__device__ void weighted_sums(const Idx* idx, const float* weights, u32 tokens, u32 k, u32 num_experts,
+                              u32 local_experts, u64 row_bytes, typename E::T* out, RowOf row_of, Ready ready) {
     const u32 lane = threadIdx.x & 31u;
     const u32 warps = gridDim.x * (blockDim.x >> 5);
     const u64 nvec = row_bytes / kVecBytes;
@@ -480,16 +496,21 @@ __device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k,
         // lane j < k holds slot j's source row (null when masked) and weight
         const uint4* src = nullptr;
         float w = 0.f;
+        u32 owner_bit = 0u;
         if (lane < k) {
             const u32 i = tok * k + lane;
             const int xe = expert_of(idx, i, num_experts);
             if (xe >= 0) {
-                src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(recv_peers[xe / local_experts]) +
-                                                     (u64)pos[i] * row_bytes);
+                src = row_of(i, (u32)xe);
                 w = weights[i];
+                owner_bit = 1u << ((u32)xe / local_experts);
             }
         }
         uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(out) + (u64)tok * row_bytes);
+        if (__all_sync(0xffffffffu, ready(__reduce_or_sync(0xffffffffu, owner_bit))) == 0) {
+            poison_bytes(reinterpret_cast<char*>(dst), row_bytes, lane, 32u);
+            continue;
+        }
         // every lane runs every pass (the shuffles need the whole warp); lanes past the row only skip memory
         for (u64 v0 = 0; v0 < nvec; v0 += 32u) {
             const u64 v = v0 + lane;
@@ -516,6 +537,64 @@ __device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k,
             if (in_row) dst[v] = pack_vec<E>(acc);
         }
     }
+}
+
+// Combine after the stage kernel's ready flags: every token pulls row pos[t k + j] from its expert's owner.
+template <class E, class Idx>
+__device__ void combine(const Idx* idx, const float* weights, u32 tokens, u32 k, u32 num_experts,
+                        u32 local_experts, const int* pos, const u64* recv_peers, u64 row_bytes,
+                        typename E::T* out) {
+    weighted_sums<E>(
+        idx, weights, tokens, k, num_experts, local_experts, row_bytes, out,
+        [&](u32 i, u32 xe) {
+            return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(recv_peers[xe / local_experts]) +
+                                                  (u64)pos[i] * row_bytes);
+        },
+        [](u32) { return true; });   // every owner's ready flag was waited for by the stage kernel
+}
+
+// Combine of rows pushed back (MoELayer overlap): the owners' down-projection GEMM stored the output row of
+// this rank's entry i into row i of `ret` (this rank's return buffer) and added (rows x columns) to
+// landed[owner] after its stores (GroupedScatterEpilogue in kernels/gemm/epilogue.cuh). This round, owner q
+// sends hidden elements for each of this rank's entries to its experts (this rank's row of the count matrix), on
+// top of landed_base[q], what had landed by the end of the previous such combine. The counters are never reset:
+// they only grow, and the next round's rows cannot come before this rank's next dispatch layout (after this
+// kernel in stream order), so at the end landed[q] is this round's target, the next round's base.
+//   wait: each lane acquires (bounded, ld.acquire.sys) landed[q] >= target[q] itself for every owner q of a
+//     token's slots it has not acquired before in this launch (a lane's acquire orders all of its later loads,
+//     and every lane reads part of every slot's row), so a token is summed as soon as its owners' rows are in,
+//     while other owners' rows are still on their way. A timeout names the owner; the token's row is poisoned.
+//   base: the last block (after every block's waits) stores landed[q] as the next base; after a timed-out round
+//     that re-bases on what did land, so a lost round does not leave every later one waiting.
+template <class E, class Idx>
+__device__ void combine_returned(const Team& t, const Idx* idx, const float* weights, u32 tokens, u32 k,
+                                 u32 num_experts, u32 local_experts, const char* ret, u64 row_bytes, u32 hidden,
+                                 const int* counts_all, const u64* landed, u64* landed_base, u32* done,
+                                 typename E::T* out) {
+    __shared__ u64 target[kMaxWorld];
+    for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) {
+        u64 rows = 0;   // this rank's entries to owner q's experts (its own row of the count matrix)
+        for (u32 x = q * local_experts; x < (q + 1) * local_experts; ++x)
+            rows += (u64)counts_all[(u64)t.rank * num_experts + x];
+        target[q] = landed_base[q] + rows * hidden;
+    }
+    __syncthreads();
+    const Watch watch = t.watch();
+    u32 seen = 0u;   // owners this lane has acquired
+    weighted_sums<E>(
+        idx, weights, tokens, k, num_experts, local_experts, row_bytes, out,
+        [&](u32 i, u32) { return reinterpret_cast<const uint4*>(ret + (u64)i * row_bytes); },
+        [&](u32 need) {
+            bool ok = true;
+            for (u32 left = need & ~seen; left != 0u; left &= left - 1u) {
+                const u32 q = (u32)__ffs(left) - 1u;
+                if (wait_ge(landed + q, target[q], watch, q)) seen |= 1u << q;
+                else ok = false;
+            }
+            return ok;
+        });
+    if (last_block(done))
+        for (u32 q = threadIdx.x; q < t.world; q += blockDim.x) landed_base[q] = ld_acquire_sys(landed + q);
 }
 
 // FP8 dispatch: token rows of x quantized to e4m3 with one fp32 scale per token or per 1x128 block, as the
@@ -562,6 +641,15 @@ using namespace fluxrt::moe;
 #define FLUXRT_MOE_TEAM_PARAMS u32 rank, u32 world, u64 timeout_ns, ErrorRecord *err, u32 op
 #define FLUXRT_MOE_TEAM Team{rank, world, timeout_ns, err, op}
 
+#define FLUXRT_MOE_RETURNED(KIND, NAME, IDX, E)                                                              \
+    extern "C" __global__ void fluxrt_moe_combine_returned_##KIND##_##NAME(                                  \
+        FLUXRT_MOE_TEAM_PARAMS, const IDX* idx, const float* weights, u32 tokens, u32 k, u32 num_experts,    \
+        u32 local_experts, const char* ret, u64 row_bytes, u32 hidden, const int* counts_all,                \
+        const u64* landed, u64* landed_base, u32* done, unsigned short* out) {                               \
+        combine_returned<E>(FLUXRT_MOE_TEAM, idx, weights, tokens, k, num_experts, local_experts, ret,       \
+                            row_bytes, hidden, counts_all, landed, landed_base, done, out);                  \
+    }
+
 #define FLUXRT_MOE_INDEX(NAME, IDX)                                                                          \
     extern "C" __global__ void fluxrt_moe_layout_##NAME(                                                     \
         FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
@@ -577,10 +665,10 @@ using namespace fluxrt::moe;
         const float* scales, u32 scale_row, const u64* scale_peers, int* pos, const int* chunk_base,         \
         const int* dst_base, const u64* flag_peers, const u64* flags, u32* done, const int* order,           \
         const int* counts_all, const u64* arrive_peers, u32* sent, int* rows_out, const u64* src_peers,  \
-        const int* dups) {                                                                               \
+        const int* dups, const u64* home_peers) {                                                        \
         push(FLUXRT_MOE_TEAM, epoch, idx, tokens, k, num_experts, local_experts, x, row_bytes, recv_rows,     \
              recv_peers, scales, scale_row, scale_peers, pos, chunk_base, dst_base, flag_peers, flags, done,  \
-             order, counts_all, arrive_peers, sent, rows_out, src_peers, dups);                          \
+             order, counts_all, arrive_peers, sent, rows_out, src_peers, dups, home_peers);              \
     }                                                                                                        \
     extern "C" __global__ void fluxrt_moe_ll_push_##NAME(                                                    \
         FLUXRT_MOE_TEAM_PARAMS, u64* epoch, const IDX* idx, u32 tokens, u32 k, u32 num_experts,              \
@@ -608,7 +696,9 @@ using namespace fluxrt::moe;
         const int* pos, const u64* recv_peers, u64 row_bytes, unsigned short* out) {                         \
         combine<fluxrt::F16>(idx, weights, tokens, k, num_experts, local_experts, pos, recv_peers,           \
                              row_bytes, out);                                                                \
-    }
+    }                                                                                                        \
+    FLUXRT_MOE_RETURNED(bf16, NAME, IDX, fluxrt::BF16)                                                       \
+    FLUXRT_MOE_RETURNED(fp16, NAME, IDX, fluxrt::F16)
 
 FLUXRT_MOE_INDEX(i32, int)
 FLUXRT_MOE_INDEX(i64, long long)

@@ -126,6 +126,30 @@ def test_group_arrival_is_checked_before_any_cuda_call():
                                grouped=True))["FLUXRT_GEMM_HOOK_WAIT"] == "1"
 
 
+def test_group_scatter_is_checked_before_any_cuda_call():
+    from fluxrt.gemm import GroupScatter
+    from fluxrt.gemm.grouped import check_group_scatter
+
+    prob = validate_grouped_args(**args(n=384))   # N = 384 bf16
+    good = GroupScatter(rows=4096, dsts=8192, flags=1 << 20, homes=4, ld=384, entries=1000)
+    check_group_scatter(good, prob)
+    check_group_scatter(None, prob)
+    for bad, match in ((dict(rows=0), "scatter.rows"), (dict(rows=4098), "scatter.rows"),
+                       (dict(dsts=8196), "scatter.dsts"), (dict(flags=-8), "scatter.flags"),
+                       (dict(homes=0), "scatter.homes"), (dict(homes=33), "scatter.homes"),
+                       (dict(ld=376), "scatter.ld"), (dict(ld=388), "16-byte rows"),
+                       (dict(entries=-1), "scatter.entries")):
+        with pytest.raises(GemmArgumentError, match=match):
+            check_group_scatter(dataclasses.replace(good, **bad), prob)
+    with pytest.raises(GemmArgumentError, match="must be a fluxrt.gemm.GroupScatter"):
+        check_group_scatter(object(), prob)
+    with pytest.raises(GemmArgumentError, match="16-bit inputs only"):
+        check_group_scatter(good, validate_grouped_args(**fp8_args()))
+    plan = grouped_plan(8192, 7168, 2048, 64)
+    defines = dict(kernel_defines(plan, "bfloat16", "bfloat16", True, hook_epilogue=True, grouped=True))
+    assert defines["FLUXRT_GEMM_HOOK_EPILOGUE"] == "1" and defines["FLUXRT_GEMM_GROUPED"] == "1"
+
+
 def test_kernel_defines_grouped_only_when_on():
     plan = grouped_plan(8192, 2048, 7168, 64)
     assert dict(kernel_defines(plan, "bfloat16", "bfloat16", True, grouped=True))["FLUXRT_GEMM_GROUPED"] == "1"
@@ -143,13 +167,17 @@ GROUPED_CONFIGS = [
 
 
 GROUPED_CONFIGS += [   # hook 1 per group (GroupArrival: the MoE layer's overlapped gate/up GEMM)
-    (grouped_plan(8192, 4096, 7168, 64), "bfloat16", "bfloat16", True, True),
-    (GemmPlan(block_n=128, stages=4, max_ctas=100), "float16", "float16", True, True),
+    (grouped_plan(8192, 4096, 7168, 64), "bfloat16", "bfloat16", True, "arrival"),
+    (GemmPlan(block_n=128, stages=4, max_ctas=100), "float16", "float16", True, "arrival"),
+]
+GROUPED_CONFIGS += [   # hook 2 per row (GroupScatter: the MoE layer's overlapped down GEMM)
+    (grouped_plan(8192, 7168, 2048, 64), "bfloat16", "bfloat16", True, "scatter"),
+    (GemmPlan(block_n=128, stages=4, c_staging="shared", max_ctas=100), "float16", "float16", True, "scatter"),
 ]
 
 
 @pytest.mark.parametrize("cfg", GROUPED_CONFIGS, ids=lambda c: f"{c[0].describe()}-{c[1]}-{c[2]}-tb{int(c[3])}"
-                         f"{'-arrival' if len(c) > 4 else ''}".replace(" ", "_"))
+                         f"{'-' + c[4] if len(c) > 4 else ''}".replace(" ", "_"))
 def test_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:
@@ -159,7 +187,9 @@ def test_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
     plan, in_dt, out_dt, tb = cfg[:4]
-    defines = kernel_defines(plan, in_dt, out_dt, tb, hook_wait=len(cfg) > 4, grouped=True)
+    hook = cfg[4] if len(cfg) > 4 else ""
+    defines = kernel_defines(plan, in_dt, out_dt, tb, hook_wait=hook == "arrival", hook_epilogue=hook == "scatter",
+                             grouped=True)
     data = compile_cubin("gemm/hopper_gemm.cu", compile_options(defines, arch="sm_90a")).read_bytes()
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, grouped=True)
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads

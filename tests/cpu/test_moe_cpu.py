@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (dict(options=moe.DispatcherOptions(mode="low_latency", arrivals=True)), "arrivals=True"),
     (dict(options=moe.DispatcherOptions(arrivals=1)), "arrivals must be a bool"),
     (dict(options=moe.DispatcherOptions(dedupe="yes")), "dedupe must be a bool"),
+    (dict(options=moe.DispatcherOptions(returns=1)), "returns must be a bool"),
+    (dict(options=moe.DispatcherOptions(mode="low_latency", returns=True)), "returns=True"),
     (dict(hidden=4104, options=moe.DispatcherOptions(fp8="block")), "multiple of 128"),
     (dict(hidden=4104, options=moe.DispatcherOptions(fp8="token")), "multiple of 16"),
 ])
@@ -89,6 +91,18 @@ def test_dedupe_descriptors_are_counted():
     assert ll.descriptor_rows == ll.staging_rows
     fp8 = moe.check_config(4, 256, 7168, 4096, "bf16", moe.DispatcherOptions(fp8="block"))
     assert fp8.wire_row_bytes == 7168 + 4 * 56 and plain.wire_row_bytes == 2 * 7168
+
+
+def test_returns_are_counted():
+    """Home descriptors (int32 per receive row), the return buffer (a row per (token, slot) of this rank) and
+    the landed counters (u64 per owner) are symmetric; the heap check asks for them."""
+    plain = moe.check_config(4, 256, 7168, 4096, "bf16")
+    cfg = moe.check_config(4, 256, 7168, 4096, "bf16", moe.DispatcherOptions(returns=True))
+    assert cfg.returns and cfg.return_rows == 4096 * 8 and plain.return_rows == 0 == plain.returns_bytes
+    assert cfg.symmetric_bytes() == plain.symmetric_bytes() + 4 * cfg.recv_rows + 4096 * 8 * 14336 + 4 * 8
+    with pytest.raises(fluxrt.HeapExhaustedError, match="heap_size='3G'"):
+        dmod.check_heap(cfg, capacity=2 << 30, used=0, rank=0)
+    dmod.check_heap(cfg, capacity=4 << 30, used=0, rank=0)
 
 
 def test_kernel_constants_match_the_host():
@@ -403,14 +417,31 @@ def test_overlapped_layer_dispatches_with_arrival_flags():
 
     opts = moe.MoELayerOptions(overlap=True)
     d = lmod.overlap_dispatch_options(opts)
-    assert d.arrivals and d.blocks == lmod.OVERLAP_PUSH_BLOCKS
+    assert d.arrivals and d.returns and d.blocks == lmod.OVERLAP_PUSH_BLOCKS
     assert lmod.overlap_dispatch_options(moe.MoELayerOptions(overlap=True, dispatch=moe.DispatcherOptions(
         blocks=16))).blocks == 16
     assert lmod.overlap_dispatch_options(moe.MoELayerOptions()) == moe.DispatcherOptions()
     seq = moe.check_layer_config(4, 256, 7168, 2048, 4096, "bf16")
     ov = moe.check_layer_config(4, 256, 7168, 2048, 4096, "bf16", opts)
-    assert ov.symmetric_bytes() == seq.symmetric_bytes() + 64 * 4 * 8   # the arrival flags
+    # the arrival flags, and the returns: home descriptors, return buffer, landed counters
+    assert ov.symmetric_bytes() == seq.symmetric_bytes() + 64 * 4 * 8 + ov.moe.returns_bytes
+    assert ov.moe.returns_bytes == 4 * 4096 * 4 * 8 + 4096 * 8 * 7168 * 2 + 4 * 8
     assert ov.device_bytes() == seq.device_bytes()
+
+
+def test_returned_combine_shares_the_sequential_combines_sums():
+    """Both combines are one weighted-sum loop (the same bits from the same rows); the returned one waits on the
+    landed counters with the device library's bounded wait and re-bases after every round (never resets)."""
+    src = (ROOT / "kernels/moe/dispatch.cu").read_text()
+    assert src.count("fold_vec_weighted<E>(") == 1 and src.count("weighted_sums<E>(") == 2
+    body = src[src.index("__device__ void combine_returned("):src.index("// FP8 dispatch")]
+    assert "wait_ge(landed + q, target[q], watch, q)" in body and "landed_base[q] = ld_acquire_sys(landed + q)" in body
+    assert "landed[q] = 0" not in body and "landed + q) = 0" not in body
+    epi = (ROOT / "kernels/gemm/epilogue.cuh").read_text()
+    scatter = epi[epi.index("struct GroupedScatterEpilogue"):epi.index("// Hook 2: destination row r")]
+    # every lane fences its own NVLink stores before the counts are released (sync.cuh's functions only)
+    assert scatter.index("fluxrt::warp_publish()") < scatter.index("fluxrt::red_release_sys_add(")
+    assert "asm" not in scatter
 
 
 def test_layer_constructor_checks_before_any_allocation():

@@ -368,3 +368,31 @@ def test_progress_on_tty_yields_all_items():
     stream = _Tty()
     assert list(progress(range(5), desc="sweep", stream=stream)) == list(range(5))
     assert stream.getvalue()  # something was shown (tqdm or the fallback)
+
+
+# ------------------------------------------------------------------------------------------- cuBLASLt baseline
+
+
+def test_cublaslt_baseline_without_nvmath_says_how_to_get_it(monkeypatch):
+    import sys
+
+    from fluxrt.perf.cublaslt import CublasLt, CublasLtUnavailable
+
+    monkeypatch.setitem(sys.modules, "nvmath", None)   # import nvmath.bindings fails as if not installed
+    monkeypatch.setitem(sys.modules, "nvmath.bindings", None)
+    with pytest.raises(CublasLtUnavailable, match="pip install nvmath-python"):
+        CublasLt()
+    assert issubclass(CublasLtUnavailable, ImportError)
+
+
+def test_gemm_benchmarks_take_the_cublaslt_flags():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for script, flag in (("gemm_suite.py", "--lt"), ("gemm_fp8.py", "--no-lt")):
+        spec = importlib.util.spec_from_file_location(script[:-3], root / "perf" / script)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        args = mod.build_parser().parse_args([flag])
+        assert getattr(args, flag.lstrip("-").replace("-", "_")) is True

@@ -129,6 +129,59 @@ def test_graph_capture_reads_offsets_on_device():
         check_groups(out, a, b, offs, False, "bfloat16")
 
 
+@pytest.mark.parametrize("plan", [None, GemmPlan(block_n=128, stages=4, c_staging="shared"),
+                                  GemmPlan(block_m=64, consumers=1, stages=4)], ids=["default", "shared", "64rows"])
+def test_scatter_sends_every_row_to_its_home_and_counts_it(plan):
+    """GroupScatter (hook 2 of the grouped GEMM, the MoE layer's down projection): every row of the groups goes to
+    row `entry` of its home's buffer (three local buffers standing in for three ranks), bit for bit what the
+    plain grouped GEMM computes for that row; each home's counter grows by (its rows) x N per call; out, rows no
+    descriptor names, and a row whose entry is out of range are left alone (that row is not counted either)."""
+    from fluxrt.gemm import GroupScatter
+
+    rng = np.random.default_rng(5)
+    sizes, n, k, homes, entries = [0, 1, 127, 129, 0, 300, 5], 200, 136, 3, 700
+    offs = offsets_of(sizes)
+    m = int(offs[-1]) + 9   # rows past the groups: never read, never sent
+    a = cupy.asarray(rand_matrix(rng, (m, k), "bfloat16"))
+    b = cupy.asarray(rand_matrix(rng, (len(sizes), n, k), "bfloat16"))
+    doffs = cupy.asarray(offs.astype(np.int32))
+    ref = grouped_gemm(a, b, doffs, poisoned((m, n), "bfloat16"), trans_b=True, plan=plan).get()
+    rows = int(offs[-1])
+    home = rng.integers(0, homes, size=rows)
+    entry = np.zeros(rows, np.int64)
+    for h in range(homes):   # distinct entries per home, in random order
+        mine = np.nonzero(home == h)[0]
+        entry[mine] = rng.permutation(entries)[:mine.size]
+    bad = 17 if rows > 17 else 0   # one row names an entry past the buffers
+    desc = np.concatenate([entry * homes + home, np.zeros(m - rows, np.int64)]).astype(np.int32)
+    desc[bad] = entries * homes + home[bad]
+    ddesc = cupy.asarray(desc)
+    bufs = [poisoned((entries, n + 8), "bfloat16") for _ in range(homes)]   # ld > N: row padding left alone
+    counters = cupy.zeros((homes,), dtype=cupy.uint64)
+    dsts = cupy.asarray(np.array([x.data.ptr for x in bufs], np.uint64))
+    flags = cupy.asarray(np.array([counters.data.ptr + 8 * h for h in range(homes)], np.uint64))
+    scatter = GroupScatter(rows=ddesc.data.ptr, dsts=dsts.data.ptr, flags=flags.data.ptr, homes=homes, ld=n + 8,
+                           entries=entries)
+    out = poisoned((m, n), "bfloat16")
+    for call in (1, 2):   # the counters only grow
+        grouped_gemm(a, b, doffs, out, trans_b=True, plan=plan, scatter=scatter)
+        cupy.cuda.get_current_stream().synchronize()
+        want = [int(((home == h) & (np.arange(rows) != bad)).sum()) * n * call for h in range(homes)]
+        assert counters.get().tolist() == want
+    assert (out.view(cupy.uint16) == NAN_BITS["bfloat16"]).all(), "scatter wrote out"
+    got = [x.get().view(np.uint16) for x in bufs]
+    sent = np.zeros((homes, entries), bool)
+    for r in range(rows):
+        if r == bad:
+            continue
+        h, e = home[r], entry[r]
+        sent[h, e] = True
+        assert np.array_equal(got[h][e, :n], ref[r].view(np.uint16)), f"row {r} at home {h} entry {e}"
+    for h in range(homes):
+        assert (got[h][~sent[h]] == NAN_BITS["bfloat16"]).all(), f"home {h}: rows no descriptor names were written"
+        assert (got[h][:, n:] == NAN_BITS["bfloat16"]).all(), f"home {h}: the row padding past N was written"
+
+
 def test_bad_plans_and_shapes_raise():
     a = cupy.zeros((64, 64), dtype=BF16)
     b = cupy.zeros((2, 64, 64), dtype=BF16)

@@ -623,6 +623,93 @@ def test_layer_two_slots_on_one_rank(world, moe_layer, rng):
     problems.assert_none()
 
 
+def test_overlapped_layer_gives_the_sequential_layers_bits(world, moe_layer, rng):
+    """The overlapped layer (the down GEMM's epilogue pushes each finished tile's rows to their home ranks, the
+    combine sums them as they land) against the same layer stage after stage on the same inputs: bit for bit,
+    and both against the float64 reference, over the edge cases: masked slots and odd T, experts without
+    tokens, every token to one expert, no tokens on rank 0, two or three of a token's slots on one rank."""
+    if moe_layer.mode != "overlap":
+        pytest.skip("the overlapped layer against its own sequential run (this layer has no overlap)")
+    import cupy
+
+    layer, e, el = moe_layer.layer, moe_layer.num_experts, moe_layer.layer.local_experts
+
+    def even_only(rng, t):
+        idx = np.array([rng.choice(np.arange(0, e, 2), size=2, replace=False) for _ in range(t)], np.int32)
+        return idx.reshape(t, 2), rng.random((t, 2)).astype(np.float32) + 0.1
+
+    def one_expert(rng, t):
+        idx = np.stack([np.full(t, e - 1), np.full(t, -1)], axis=1)
+        return idx.astype(np.int32), rng.random((t, 2)).astype(np.float32) + 0.1
+
+    def same_rank(rng, t):   # slots 0, 1 (and 3) on one rank: one row per slot, or with dedupe a local copy
+        owner = rng.integers(0, world.size, size=t)
+        a = owner * el + rng.integers(0, el // 2, size=t)
+        b = owner * el + el // 2 + rng.integers(0, el - el // 2, size=t)
+        c = (owner + 1) % world.size * el + 1
+        d = np.where(a % el == 0, a + 1, a - 1)
+        d = np.where((d == b) | (d == c), -1, d)
+        return np.stack([a, b, c, d], axis=1).astype(np.int32) % e, rng.random((t, 4)).astype(np.float32) + 0.1
+
+    cases = [(37 + 13 * world.rank, 4, 0.1, None, "odd T, masked"), (1, 3, 0.0, None, "T=1"),
+             (160, 4, 0.0, None, "T=max"), (41, 2, 0.0, even_only, "even experts"),
+             (160, 2, 0.0, one_expert, "one expert"), (0 if world.rank == 0 else 29, 3, 0.0, None, "rank 0 empty"),
+             (133, 4, 0.0, same_rank, "same rank")]
+    problems = _Problems()
+    for t, k, masked, route, what in cases:
+        x, idx, w, got = _layer_round(world, moe_layer, rng, t, k, masked=masked, route=route, problems=problems,
+                                      what=what)
+        fused = got.get()
+        seq = cupy.empty((t, HIDDEN), dtype=_bf16())
+        _poison(seq)
+        world.comm.Barrier()
+        layer.forward(cupy.asarray(x), cupy.asarray(idx), cupy.asarray(w), out=seq, overlap=False)
+        cupy.cuda.get_current_stream().synchronize()
+        world.check_errors()
+        if not np.array_equal(fused.view(np.uint16), seq.get().view(np.uint16)):
+            bad = np.nonzero((fused.view(np.uint16) != seq.get().view(np.uint16)).any(axis=1))[0]
+            problems.append(f"{what} rank {world.rank}: {bad.size} overlapped rows differ from the sequential "
+                            f"layer's (first {bad[:8].tolist()})")
+    problems.assert_none()
+
+
+def test_returned_combine_that_runs_out_names_op_rank_and_owner(world, moe_layer, rng):
+    """A combine whose rows never come back (the experts skipped): its bounded waits give up, the error names
+    op 'moe_combine', this rank and the owner it waited for, the tokens come out NaN, and the next overlapped
+    forward is right (the counters re-base on what landed, not on what was expected)."""
+    if moe_layer.mode != "overlap":
+        pytest.skip("the returned combine belongs to the overlapped layer")
+    import cupy
+
+    from fluxrt.errors import WaitTimeoutError
+
+    layer, el, t = moe_layer.layer, moe_layer.layer.local_experts, 17
+    owner = (world.rank + 1) % world.size
+    local = _rank_rng(rng, world)
+    x = cupy.asarray(local.standard_normal((t, HIDDEN)).astype(np.float32).astype(_bf16()))
+    idx = np.full((t, 2), -1, np.int32)
+    idx[:, 0] = owner * el + local.integers(0, el, size=t)   # every token to one owner's experts
+    w = cupy.asarray(local.random((t, 2)).astype(np.float32) + 0.1)
+    out = cupy.empty((t, HIDDEN), dtype=_bf16())
+    out.view(np.uint16).fill(0)
+    world.comm.Barrier()
+    handle = layer.dispatch(x, cupy.asarray(idx), w)
+    layer.dispatcher.combine_returned(handle, out=out)   # no experts: no row comes back
+    cupy.cuda.Device().synchronize()
+    with pytest.raises(WaitTimeoutError) as info:
+        world.check_errors()
+    world.reset_error()
+    err = info.value
+    problems = _Problems()
+    if (err.op, err.rank, err.peer) != ("moe_combine", world.rank, owner):
+        problems.append(f"rank {world.rank}: {err}")
+    if not cupy.isnan(out.astype(np.float32)).all():
+        problems.append(f"rank {world.rank}: tokens whose rows never came are not NaN")
+    world.comm.Barrier()
+    _layer_round(world, moe_layer, rng, 50, 4, masked=0.1, problems=problems, what="after the timeout")
+    problems.assert_none()
+
+
 def test_layer_back_to_back_changing_routing(world, moe_layer, rng):
     problems = _Problems()
     for it in range(20):

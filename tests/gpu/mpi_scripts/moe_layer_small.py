@@ -1,4 +1,6 @@
-"""A small MoE layer on however many ranks start it (one is enough), overlapped and sequential, against a float64
+"""A small MoE layer on however many ranks start it (one is enough), overlapped (with and without dedupe: the
+dispatch beside the gate/up GEMM, the down GEMM's rows pushed back to their homes beside the combine) and
+sequential, against a float64
 reference: the case the compute sanitizers run (launch/gpu-check.sh "sanitize", launch/mps-check.sh users).
 
     compute-sanitizer --tool memcheck python3 tests/gpu/mpi_scripts/moe_layer_small.py
@@ -54,27 +56,29 @@ def main() -> int:
             idx[rng.random((t, K)) < 0.2] = -1
             cases.append((x, idx, (rng.random((t, K)) + 0.1).astype(np.float32)))
         outs = {}
-        for overlap in (True, False):
+        for overlap, dedupe in ((True, False), (True, True), (False, False)):
             layer = moe.MoELayer(world, e, HIDDEN, FFN, TOKENS, "bf16", moe.MoELayerOptions(
-                dispatch=moe.DispatcherOptions(top_k=K, blocks=4, threads=256), overlap=overlap))
+                dispatch=moe.DispatcherOptions(top_k=K, blocks=4, threads=256, dedupe=dedupe), overlap=overlap))
             layer.set_weights(w_gate_up=cupy.asarray(wgu[r * el:(r + 1) * el]),
                               w_down=cupy.asarray(wd[r * el:(r + 1) * el]))
             for c, (x, idx, w) in enumerate(cases):
                 got = layer.forward(cupy.asarray(x), cupy.asarray(idx), cupy.asarray(w)).get()
                 world.synchronize()
-                outs[overlap, c] = got
+                outs[overlap, dedupe, c] = got
                 ref = reference(x, idx, w, wgu.astype(np.float64), wd.astype(np.float64))
                 got = got.astype(np.float64)
                 err = np.abs(got - ref).max(initial=0.0) / max(np.abs(ref).max(initial=0.0), 1e-30)
                 if not (np.isfinite(got).all() and err < TOL):
-                    print(f"moe_layer_small: rank {r} overlap={overlap} T={x.shape[0]}: relative error {err:.3g}",
-                          flush=True)
+                    print(f"moe_layer_small: rank {r} overlap={overlap} dedupe={dedupe} T={x.shape[0]}: relative "
+                          f"error {err:.3g}", flush=True)
                     bad += 1
             layer.free()
         for c in range(len(cases)):   # the same kernels and the same order of every sum: the same bits
-            if not np.array_equal(outs[True, c].view(np.uint16), outs[False, c].view(np.uint16)):
-                print(f"moe_layer_small: rank {r} case {c}: overlapped and sequential outputs differ", flush=True)
-                bad += 1
+            for dedupe in (False, True):
+                if not np.array_equal(outs[True, dedupe, c].view(np.uint16), outs[False, False, c].view(np.uint16)):
+                    print(f"moe_layer_small: rank {r} case {c}: overlapped (dedupe={dedupe}) and sequential outputs "
+                          "differ", flush=True)
+                    bad += 1
     if bad == 0:
         print("moe_layer_small: ok", flush=True)
     return 1 if bad else 0
