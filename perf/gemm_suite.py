@@ -14,6 +14,7 @@ Per shape and implementation, in alternating rounds on one stream:
   host    host time of one eager call: wall time of issuing the calls / iters (the launch queue never fills)
 
     python3 perf/gemm_suite.py --suite default -d bf16 --json $OUT/gemm-suite.json
+    python3 perf/gemm_suite.py --shapes 461,9128,13208,NK 9166,664,12896,NK   # a few shapes of the suite
 
 Ratios are cuBLAS time / fluxrt time (> 1: fluxrt faster); geometric means over the suite at the end.
 """
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-graph", action="store_true", help="eager calls only")
     ap.add_argument("--autotune", action="store_true", help="tune each shape first (fluxrt.gemm.autotune)")
     ap.add_argument("--limit", type=int, default=None, help="first N shapes of the suite only")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="M,N,K,NK|KN",
+                    help="only these shapes of the suite (e.g. 461,9128,13208,NK)")
     ap.add_argument("--lt", action="store_true",
                     help="also time cuBLASLt at its best per shape (needs nvmath-python: fluxrt.perf.cublaslt)")
     ap.add_argument("--json", type=Path, default=None)
@@ -153,7 +156,11 @@ def main(argv=None) -> int:
 
     import cupy
 
-    shapes = suite(args.suite)[: args.limit]
+    shapes = suite(args.suite)
+    if args.shapes:
+        wanted = {tuple(x.split(",")) for x in args.shapes}
+        shapes = [s for s in shapes if (str(s.m), str(s.n), str(s.k), s.layout) in wanted]
+    shapes = shapes[: args.limit]
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"# {name}, {args.dtype}, suite {args.suite} ({len(shapes)} shapes), {args.iters} calls x {args.rounds} "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..env import env_flag
 from ..errors import GemmArgumentError
-from .plan import H100_H200_SMS, GemmPlan, fp8_plans, heuristic_plan, plain_plans, split_plans
+from .plan import H100_H200_SMS, GemmPlan, fp8_plans, heuristic_plan, plain_plans, split_plans, stream_k_plans
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -190,9 +190,10 @@ def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: s
 
 def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
     """The plans autotuning times: the heuristic's whole choice set (every tile shape the planner knows at its
-    deepest ring, grouped order, and its split-K plans), so the heuristic's own pick is always among them, plus
+    deepest ring, grouped order, its split-K and stream-K plans), so the heuristic's own pick is always among them, plus
     the split-K plans of ragged waves (``partial_waves``), which the model cannot rank."""
-    return plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
+    return (plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
+            + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True))
 
 
 def _time_us(packed, stream_ptr: int, reps: int, rounds: int) -> float:

@@ -19,6 +19,8 @@ from .plan import ITEMSIZE as _ITEMSIZE
 from .plan import SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plan_gemm
 from .split_k import check_split
 from .split_k import prepare as prepare_split
+from .stream_k import StreamKLaunch
+from .stream_k import fill_params as fill_stream_k
 from .tmaps import NULL_TMAP as _NULL_TMAP
 from .tmaps import order_table as _order_table
 from .tmaps import tensor_map as _tensor_map
@@ -43,7 +45,7 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
              epilogue: TileEpilogue | None, copy: ShardCopy | None = None, a_bands: RowBands | None = None,
              c_bands: RowBands | None = None, stream_ptr: int | None = None):
     """Check one call and build its launch: returns (launch, out, plan), where launch.launch(stream) enqueues
-    it (a PackedLaunch, or a split_k.SplitLaunch). Makes no launch. stream_ptr: the stream the call will run
+    it (a PackedLaunch, a split_k.SplitLaunch or a stream_k.StreamKLaunch). Makes no launch. stream_ptr: the stream the call will run
     on (split-K's partials buffer is per stream)."""
     stride = _band_stride(a_bands, c_bands, wait, epilogue)
     m, n, k, in_dt, out_dt = _validate(a, b, out, trans_b=trans_b, out_dtype=out_dtype, a_bands=a_bands,
@@ -55,6 +57,8 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
     plan.validate(out_dt)
     if plan.split_k > 1 and (wait or epilogue or copy or stride):
         raise GemmArgumentError("gemm: a split_k plan is for plain GEMMs (no hooks, no row bands)")
+    if plan.stream_k and (wait or epilogue or copy or stride):
+        raise GemmArgumentError("gemm: a stream_k plan is for plain GEMMs (no hooks, no row bands)")
     if plan.split_k > 1:
         check_split(plan, m, n, k)
     if stride:
@@ -166,6 +170,10 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
             c = params["copy"]
             c["tmap_a_own"], c["row0"], c["rows"], c["counters"] = tmap_own, copy.row0, own.shape[0], \
                 _ptr(copy.counters)
+        if plan.stream_k:   # the partials and counters of the call's stream
+            sptr = cupy.cuda.get_current_stream().ptr if stream_ptr is None else stream_ptr
+            ws = fill_stream_k(params, plan, m, n, k, grid, dev, sptr)
+            return StreamKLaunch(PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), ws), out, plan
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
 

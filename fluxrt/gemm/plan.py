@@ -25,6 +25,9 @@ c_staging      with epilogue 'tma': 'per_consumer' (one staging region per consu
 split_k        K in this many slices (whole K blocks, the last shorter: any K), each a band of rows of one
                launch writing fp32 partials, summed in slice order by a second kernel (deterministic): more
                tiles where M x N alone leaves SMs idle
+stream_k       True: the tiles of the last one or two waves are cut into K ranges that fill the waves
+               (stream_k_geometry; the earlier waves run whole tiles); a cut tile's last piece adds the
+               others' fp32 partials in piece order (deterministic, one launch)
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -81,6 +84,7 @@ class GemmPlan:
     epilogue: str = "tma"
     c_staging: str = "per_consumer"
     split_k: int = 1
+    stream_k: bool = False
 
     def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
         """Raise ValueError when the kernel cannot be instantiated with this plan."""
@@ -91,6 +95,8 @@ class GemmPlan:
                 raise ValueError("GemmPlan.split_k > 1 needs cluster=1 and epilogue='tma' (fp32 partials stored by "
                                  "the storer warp)")
             out_dtype = "float32"   # the GEMM itself writes fp32 partials
+        if self.stream_k and (self.split_k > 1 or self.cluster != 1 or self.epilogue != "tma"):
+            raise ValueError("GemmPlan.stream_k needs split_k=1, cluster=1 and epilogue='tma'")
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m != 64 * self.consumers:
@@ -130,7 +136,7 @@ class GemmPlan:
         """One line for tables and logs, e.g. '128x256x64 s3 grouped/g16 epi=tma x1'."""
         staging = "/shared" if self.c_staging == "shared" else ""
         order = self.order + (f"/g{self.group_m}" if self.order == "grouped" else "")
-        split = f" k{self.split_k}" if self.split_k > 1 else ""
+        split = f" k{self.split_k}" if self.split_k > 1 else (" sk" if self.stream_k else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
                 f"x{self.cluster}{split}")
 
@@ -170,6 +176,8 @@ class GemmPlan:
         tile per CTA of a cluster (the same N tile, consecutive M tiles)."""
         mt, nt = self.tiles(m, n)
         items = -(-mt // self.cluster) * nt
+        if self.stream_k:   # the K blocks are cut over every SM, however few the tiles
+            items = num_sms
         cap = num_sms if self.max_ctas is None else min(self.max_ctas, num_sms)
         clusters = max(1, cap // self.cluster)
         if max_clusters is not None:
@@ -337,26 +345,103 @@ def _ragged_waves(tiles: int, num_sms: int) -> bool:
     return waves <= SPLIT_WAVES_MAX and _wave_fill(tiles, num_sms) < SPLIT_PARTIAL_FILL
 
 
+STREAM_K_MAX_FILL = 0.9      # stream-K plans where the tiles' waves are busy less than this
+STREAM_K_MIN_K = 1024        # ... and K has at least this many columns (16 K blocks) to cut
+STREAM_K_MAX_PIECES = 16     # K ranges a cut tile may be cut into
+STREAM_K_MIN_PIECE_BLOCKS = 4    # K blocks of a piece at least (shorter pieces spend their time filling the ring)
+STREAM_K_PIECE_COST = 2      # K blocks' time of one partial's round trip through L2 (stored, or folded by the finisher)
+STREAM_K_MAX_PARTIAL_BYTES = 128 << 20   # the cut tiles' fp32 partials at most
+STREAM_K_RATE = 0.85         # the model's discount of stream-K plans (not fitted): picked only where clearly ahead
+STREAM_K_MIN_TILE = (128, 128)   # the heuristic's stream-K tiles at least this (narrower cut tiles lost when measured)
+
+
+def stream_k_geometry(tiles: int, k_blocks: int, ctas: int, tile_bytes: int = 128 * 256 * 4) -> tuple[int, int, int]:
+    """How stream-K cuts a problem of `tiles` tiles of `k_blocks` K blocks on `ctas` persistent CTAs:
+    (dp_tiles, pieces, piece_blocks). The first dp_tiles tiles (whole waves) run whole; each of the others is cut
+    into `pieces` K ranges of piece_blocks blocks (the last shorter; every piece non-empty), units that continue
+    the round robin. Chosen to minimise the modelled time per CTA in K blocks: the waves of units times a unit's
+    blocks plus TILE_FIXED_K, plus the partials' round trips on the finisher's path; among the whole waves all
+    or all but the last run whole. pieces == 1: nothing cut (a plain schedule)."""
+    fixed = TILE_FIXED_K // 64
+    r = tiles % ctas
+    if r == 0 or k_blocks < 2 * STREAM_K_MIN_PIECE_BLOCKS:
+        return tiles - r, 1, k_blocks
+    best = None
+    for dp in sorted({tiles - r, max(0, tiles - r - ctas)}, reverse=True):
+        cut = tiles - dp
+        for p in range(1, STREAM_K_MAX_PIECES + 1):
+            pb = -(-k_blocks // p)
+            pieces = -(-k_blocks // pb)
+            if pieces != p or (p > 1 and pb < STREAM_K_MIN_PIECE_BLOCKS) or cut * (p - 1) * tile_bytes > STREAM_K_MAX_PARTIAL_BYTES:
+                continue
+            cost = (dp // ctas) * (k_blocks + fixed) + -(-cut * p // ctas) * (pb + fixed)
+            if p > 1:
+                cost += STREAM_K_PIECE_COST * p
+            if best is None or cost < best[0]:
+                best = (cost, dp, p, pb)
+    return best[1], best[2], best[3]
+
+
+def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = H100_H200_SMS) -> float:
+    """Modelled time of a stream-K plan in :func:`tile_cost` units: :func:`stream_k_geometry`'s K blocks per CTA
+    at the tile shape's rate times STREAM_K_RATE."""
+    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
+    kb = -(-k // BLOCK_K)
+    dp, pieces, pb = stream_k_geometry(tiles, kb, num_sms, block_m * block_n * 4)
+    fixed = TILE_FIXED_K // BLOCK_K
+    cut = tiles - dp
+    blocks = (dp // num_sms) * (kb + fixed) + -(-cut * pieces // num_sms) * (pb + fixed)
+    if pieces > 1:
+        blocks += STREAM_K_PIECE_COST * pieces
+    rate = TILE_RATE[(block_m, block_n, 1)] * STREAM_K_RATE
+    return block_m * block_n * BLOCK_K * blocks / rate
+
+
+def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS, *,
+                   every_shape: bool = False) -> list[GemmPlan]:
+    """Stream-K plans worth considering: every cluster-1 tile shape of at least STREAM_K_MIN_TILE (every_shape:
+    any, the autotuner's set) whose tiles fill their waves less than STREAM_K_MAX_FILL, when K has at least
+    STREAM_K_MIN_K columns."""
+    if k < STREAM_K_MIN_K:
+        return []
+    out = []
+    for bm, bn, cluster in TILE_RATE:
+        if cluster != 1 or (not every_shape and (bm, bn) < STREAM_K_MIN_TILE):
+            continue
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        if _wave_fill(tiles, num_sms) >= STREAM_K_MAX_FILL:
+            continue
+        stages = min(max_stages(bm, bn, out_dtype), 6)
+        if stages >= 2:
+            out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, stream_k=True,
+                                group_m=max(1, min(math.ceil(m / bm), 16))))
+    return out
+
+
 def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_SMS) -> float:
-    """The model's time of a plan (:func:`tile_cost`, :func:`split_cost`)."""
+    """The model's time of a plan (:func:`tile_cost`, :func:`split_cost`, :func:`stream_k_cost`)."""
     if plan.split_k > 1:
         return split_cost(m, n, k, plan.block_m, plan.block_n, plan.split_k, num_sms)
+    if plan.stream_k:
+        return stream_k_cost(m, n, k, plan.block_m, plan.block_n, num_sms)
     return tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster, num_sms)
 
 
 @functools.lru_cache(maxsize=4096)
 def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
-                   trans_b: bool = False, num_sms: int = H100_H200_SMS) -> GemmPlan:
+                   trans_b: bool = False, num_sms: int = H100_H200_SMS, stream_k: bool = True) -> GemmPlan:
     """The plan of a plain GEMM without measuring: the plan of least modelled time (:func:`plan_cost`; ties go
-    to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages)
-    and the split-K plans of :func:`split_plans`, grouped order with bands of up to 16 tile rows. What
-    :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry."""
+    to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages),
+    the split-K plans of :func:`split_plans` and the stream-K plans of :func:`stream_k_plans`, grouped order with bands of up to 16 tile rows. What
+    :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry. stream_k=False: without the stream-K
+    plans (for comparisons)."""
     if in_dtype not in IN_DTYPES:
         raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"unsupported output dtype {out_dtype!r} (expected one of {OUT_DTYPES})")
     best = None
-    for plan in plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms):
+    for plan in (plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
+                 + (stream_k_plans(m, n, k, out_dtype, num_sms) if stream_k else [])):
         cost = plan_cost(plan, m, n, k, num_sms)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)

@@ -44,20 +44,25 @@ def check_split(plan: GemmPlan, m: int, n: int, k: int) -> tuple[int, int]:
     return k_slice, s
 
 
-def workspace(device: int, stream_ptr: int, nbytes: int):
+def workspace(device: int, stream_ptr: int, nbytes: int, zeroed: bool = False):
     """A device buffer of at least nbytes for the split-K partials of calls on one stream (calls on one stream
     run one after another, so they can share it). Grows by doubling; a grown-out buffer is kept alive for the
-    packed launches that point into it."""
+    packed launches that point into it. zeroed: a separate buffer per stream, zeroed on that stream when made
+    (stream-K's counters, which its launches leave at zero)."""
     import cupy
 
-    key = (device, stream_ptr)
+    key = (device, stream_ptr, True) if zeroed else (device, stream_ptr)
     with _lock:
         bufs = _workspaces.get(key)
         if bufs and bufs[0].nbytes >= nbytes:
             return bufs[0]
     size = max(nbytes, 2 * bufs[0].nbytes if bufs else 0)
     with cupy.cuda.Device(device):
-        buf = cupy.empty((size,), dtype=cupy.uint8)
+        if zeroed:
+            with cupy.cuda.ExternalStream(stream_ptr):
+                buf = cupy.zeros((size,), dtype=cupy.uint8)
+        else:
+            buf = cupy.empty((size,), dtype=cupy.uint8)
     with _lock:
         _workspaces.setdefault(key, []).insert(0, buf)
     return buf

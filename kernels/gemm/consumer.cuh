@@ -237,4 +237,111 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
     epilogue.after_tiles(sched);
 }
 
+// Stream-K fixup, the consumer's part (FLUXRT_GEMM_STREAM_K; units in scheduler.cuh). Partials are fp32 in
+// accumulator-fragment order: warpgroup wg's half of slot s is at partials + (s * kConsumers + wg) * 128 *
+// kAccRegs floats, and thread tid's accumulators 4j .. 4j + 3 are the float4 at (j * 128 + tid) of it, so each
+// warp stores and loads 512 contiguous bytes per instruction and the finishing thread reads exactly the values
+// the same thread of the other CTA held. Counters are per cut tile and warpgroup: the two consumer warpgroups of
+// a CTA finish their halves of a tile independently.
+__device__ __forceinline__ float4* stream_k_slot(const StreamK& sk, int slot, int wg, int tid) {
+    return reinterpret_cast<float4*>(sk.partials + ((long long)slot * kConsumers + wg) * (128 * kAccRegs)) + tid;
+}
+
+// After unit (t, kb0, kbs): returns true when acc is a finished tile for the epilogue (a whole tile, or a cut
+// tile's last piece with the others added), false for another piece.
+//   Other piece: store acc into its slot; every thread fences its own stores, the warpgroup meets (named
+//     barrier), one thread adds 1 to the tile's counter (fence.acq_rel.sys + red.release).
+//   Last piece: one thread waits (bounded, acquire) until the counter holds every other piece, fences, the
+//     warpgroup meets; then each thread adds the partials in piece order with ld.global.cg (L2, never a stale
+//     L1 line); the waiter resets the counter for the next launch (stream order publishes it). On timeout the
+//     ErrorRecord names the op and the CTA of the tile's first piece; the tile becomes NaN.
+__device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const StreamK& sk, int t, int kb0, int kbs,
+                                               int wg, int tid) {
+    if (kbs == sk.k_blocks) return true;   // a whole tile
+    const int i = t - sk.dp_tiles;
+    const int others = sk.pieces - 1;
+    u64* counter = sk.counters + (long long)i * kConsumers + wg;
+    if (kb0 + kbs < sk.k_blocks) {
+        float4* slot = stream_k_slot(sk, i * others + kb0 / sk.piece_blocks, wg, tid);
+#pragma unroll
+        for (int j = 0; j < kAccRegs / 4; ++j)
+            slot[j * 128] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        fluxrt::fence_acq_rel_sys();
+        named_bar_sync(1 + wg, 128);
+        if (tid == 0) fluxrt::signal_add(counter, 1);
+        return false;
+    }
+    bool ok = true;
+    if (tid == 0) ok = fluxrt::acquire_for_block(counter, (u64)others, sk.watch, (u64)sk.cta_of(i));
+    ok = named_bar_and(1 + wg, 128, ok);
+    constexpr int kBatch = 8;   // float4 loads in flight per thread (32 registers beside the accumulators)
+    for (int piece = 0; piece < others; ++piece) {
+        const float4* slot = stream_k_slot(sk, i * others + piece, wg, tid);
+#pragma unroll
+        for (int j0 = 0; j0 < kAccRegs / 4; j0 += kBatch) {
+            uint4 v[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) v[j] = ld_cg_v4(slot + (j0 + j) * 128);
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                acc[4 * (j0 + j)] += __uint_as_float(v[j].x);
+                acc[4 * (j0 + j) + 1] += __uint_as_float(v[j].y);
+                acc[4 * (j0 + j) + 2] += __uint_as_float(v[j].z);
+                acc[4 * (j0 + j) + 3] += __uint_as_float(v[j].w);
+            }
+        }
+    }
+    if (tid == 0 && ok) fluxrt::st_relaxed_sys(counter, 0);
+    if (!ok) {
+#pragma unroll
+        for (int r = 0; r < kAccRegs; ++r) acc[r] = __int_as_float(0x7fffffff);   // stored as NaN
+    }
+    return true;
+}
+
+// Stream-K consumer (FLUXRT_GEMM_STREAM_K): run_consumer's main loop (16-bit inputs: no scales) over this CTA's
+// work units, then stream_k_fixup; a finished tile goes to the epilogue as in run_consumer. Kept apart from
+// run_consumer so that every other configuration compiles to the instructions it had.
+template <class Epilogue>
+__device__ __forceinline__ void run_consumer_stream_k(const Schedule& sched, const StreamK& sk, int wg,
+                                                      const ConsumerSmem& sm, Epilogue& epilogue) {
+    const int tid = threadIdx.x & 127;
+    float acc[kAccRegs];
+    int stage = 0;
+    u32 phase = 0;
+    typename Epilogue::ConsumerState es = epilogue.consumer_state(wg);
+    const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;
+    for_each_unit(sched, sk, [&](int t, int kb0, int kbs) {
+        int prev_stage = 0;
+        const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
+        for (int kb = 0; kb < kbs; ++kb) {
+            mbar_wait(sm.bars_full + 8 * stage, phase);
+            const u32 a_base = sm.smem + kOffA + stage * kTileABytes + a_rows_offset;
+            const u32 b_base = sm.smem + kOffB + stage * kTileBBytes;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
+                const u64 da = desc_kmajor(a_base + kk * kWgmmaK * kInBytes);
+                const u64 db = kBKMajor ? desc_kmajor(b_base + kk * kWgmmaK * kInBytes)
+                                        : desc_mnmajor(b_base + kk * kWgmmaK * 128u, kBAtomBytes);
+                TileMma::run(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);
+            }
+            wgmma_commit();
+            if (kb > 0) {
+                wgmma_wait<1>();
+                release_stage(sm.bars_empty + 8 * prev_stage, tid);
+            }
+            prev_stage = stage;
+            if (++stage == kStages) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        wgmma_wait<0>();
+        reg_fence(acc);
+        release_stage(sm.bars_empty + 8 * prev_stage, tid);   // kbs >= 1: for_each_unit has no empty units
+        if (stream_k_fixup(acc, sk, t, kb0, kbs, wg, tid)) epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
+    });
+}
+
 }  // namespace fluxrt_sm90

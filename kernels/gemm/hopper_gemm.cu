@@ -34,8 +34,8 @@
 // Components (each its own header, composed below from the -D configuration of config.cuh):
 //   params.cuh     the kernel parameter: one struct, one member struct per concern (host mirror:
 //                  fluxrt/gemm/params.py)
-//   scheduler.cuh  persistent tile order (grouped / Hilbert, clusters, rank offset), row chunks, and the
-//                  group table of the grouped GEMM (FLUXRT_GEMM_GROUPED)
+//   scheduler.cuh  persistent tile order (grouped / Hilbert, clusters, rank offset), row chunks, the
+//                  group table of the grouped GEMM (FLUXRT_GEMM_GROUPED), split-K slices and stream-K units
 //   mainloop.cuh   loader variants (plain, arrival wait, own-shard copy) and the copier
 //   consumer.cuh   wgmma main loop of a consumer warpgroup, fp8 scale variants (per tensor, per group, block)
 //   epilogue.cuh   epilogue variants (direct, TMA store, grouped store, peer store + flag, chunk reduce,
@@ -180,11 +180,18 @@ fluxrt_gemm(const __grid_constant__ Params p) {
                 if constexpr (kSplitK)
                     run_loader(sched, p.gemm.k, mainloop, &p.gemm.tmap_b, chunks, smem, bars_full, bars_empty,
                                KSlices::of(p.gemm, chunks));
+                else if constexpr (kStreamK)
+                    run_loader_stream_k(sched, StreamK::of(sched, p.gemm, p.stream_k, p.timeout), &p.gemm.tmap_a,
+                                        &p.gemm.tmap_b, smem, bars_full, bars_empty);
                 else
                     run_loader(sched, p.gemm.k, mainloop, &p.gemm.tmap_b, chunks, smem, bars_full, bars_empty);
             }
         } else if (warp == 1) {
-            if constexpr (!kEpiDirect) run_storer(sched, epilogue, smem, bar_c_full, bar_c_empty);
+            if constexpr (kStreamK)
+                run_storer_stream_k(sched, StreamK::of(sched, p.gemm, p.stream_k, p.timeout), epilogue, smem,
+                                    bar_c_full, bar_c_empty);
+            else if constexpr (!kEpiDirect)
+                run_storer(sched, epilogue, smem, bar_c_full, bar_c_empty);
         } else if (warp == 2 && kHookCopy) {
             if (threadIdx.x == 64)
                 run_copier(p.gemm.k, &p.gemm.tmap_a, OwnShard::of(p.copy), chunks, smem + kOffCopy, bar_copy_full);
@@ -197,6 +204,8 @@ fluxrt_gemm(const __grid_constant__ Params p) {
                               bar_c_empty + 8 * c_turn_of(wg)};
         if constexpr (kSplitK)
             run_consumer(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr), KSlices::of(p.gemm, chunks));
+        else if constexpr (kStreamK)
+            run_consumer_stream_k(sched, StreamK::of(sched, p.gemm, p.stream_k, p.timeout), wg, sm, epilogue);
         else
             run_consumer(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr));
     }

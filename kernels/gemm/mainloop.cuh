@@ -161,6 +161,38 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
     }
 }
 
+// Stream-K loader (FLUXRT_GEMM_STREAM_K): the same ring protocol as run_loader, over this CTA's work units
+// (schedule item, first K block, K blocks) of for_each_unit; plain 2-D loads (no hooks, cluster, bands, groups).
+// Kept apart from run_loader so that every other configuration compiles to the instructions it had.
+__device__ __forceinline__ void run_loader_stream_k(const Schedule& sched, const StreamK& sk, const TmaDesc* tmap_a,
+                                                    const TmaDesc* tmap_b, u32 smem, u32 bars_full, u32 bars_empty) {
+    int stage = 0;
+    u32 phase = 0;
+    for_each_unit(sched, sk, [&](int t, int kb0, int kbs) {
+        int m_tile, n_tile;
+        sched.tile(t, m_tile, n_tile);
+        const int m0 = m_tile * kBM, n0 = n_tile * kBN;
+        for (int kb = kb0; kb < kb0 + kbs; ++kb) {
+            const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
+            mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol)
+            mbar_arrive_expect_tx(full, kStageBytes);
+            const int k0 = kb * kBK;
+            tma_load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full);
+            const u32 b_dst = smem + kOffB + stage * kTileBBytes;
+            if constexpr (kBKMajor) {
+                tma_load_2d(b_dst, tmap_b, k0, n0, full);
+            } else {
+#pragma unroll
+                for (int j = 0; j < kBN / 64; ++j) tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
+            }
+            if (++stage == kStages) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+    });
+}
+
 // Copier (hook 4): copies A's own rows from their source (tmap_a_own) into A (tmap_a) beside the GEMM,
 // through a buffer of its own, so that the ring and the math never wait for it. The rows are cut into
 // {kBK x kBM} pieces, numbered chunk by chunk (m tile, then K block); CTA b copies pieces b, b + G, ...

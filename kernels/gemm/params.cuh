@@ -4,7 +4,7 @@
 // the host by fluxrt/gemm/params.py; tests/cpu/test_gemm_params.py compiles the field offsets and sizes
 // and compares them with that layout. Change both together.
 //
-// Size: 896 bytes, below the 4 KiB kernel-parameter limit of every CUDA version (static_assert below).
+// Size: 960 bytes, below the 4 KiB kernel-parameter limit of every CUDA version (static_assert below).
 #pragma once
 
 #include <fluxrt/comm.cuh>
@@ -121,6 +121,18 @@ struct GroupArgs {
     long long scatter_entries;  // hook 2: rows of each destination buffer (a larger entry is not stored)
 };
 
+// Stream-K (FLUXRT_GEMM_STREAM_K): the tiles cut between CTAs and where their pieces meet. The bounded wait of a
+// tile's finishing CTA reports through TimeoutArgs (err, timeout_ns, rank) and op_id here.
+struct StreamKArgs {
+    u64* counters;              // per stream-K tile and consumer warpgroup: pieces stored; 0 before the launch,
+                                //   reset to 0 by the tile's finishing warpgroup
+    float* partials;            // per piece of a cut tile but its last, one fp32 partial tile (fragment order)
+    int dp_tiles;               // schedule items [0, dp_tiles) are whole tiles; the rest are cut by K blocks
+    u32 op_id;
+    int pieces;                 // K ranges per cut tile
+    int piece_blocks;           // K blocks of a piece but the last
+};
+
 struct Params {
     GemmArgs gemm;
     CopyArgs copy;
@@ -131,6 +143,7 @@ struct Params {
     TailArgs tail;
     ScaleArgs scale;
     GroupArgs group;
+    StreamKArgs stream_k;       // appended: every earlier field keeps its offset
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters are limited to 4 KiB");
 

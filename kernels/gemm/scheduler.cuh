@@ -213,6 +213,54 @@ struct KSlices {
     }
 };
 
+// Stream-K (FLUXRT_GEMM_STREAM_K), in its "split tail" form: schedule items [0, dp_tiles) are whole tiles, taken
+// round robin as without stream-K (dp_tiles is a whole number of waves); each of the remaining `cut` tiles is cut
+// into `pieces` K ranges of piece_blocks K blocks (the last one shorter), and the cut units u = piece * cut + i
+// (piece-major, so the CTAs of one wave run the same K range of neighbouring tiles and share A and B in L2 as
+// whole tiles do) continue the round robin: CTA b takes u = b, b + ctas, ... The host picks dp_tiles and pieces
+// so that the units fill the waves (fluxrt.gemm.plan.stream_k_geometry). A tile's last piece finishes it: its
+// CTA waits for the tile's counter to count the other pieces, which stored their fp32 partials in slots
+// i * (pieces - 1) + piece, adds them in piece order and stores the tile, so reruns give the same bits. Every
+// role (loader, consumers, storer) walks the same units with for_each_unit.
+//
+// No deadlock: a unit waits only for units of smaller index u, and a CTA runs its units in increasing u, so the
+// CTA waiting at the smallest u waits for units whose CTAs are past them (the grid is at most one CTA per SM,
+// 1 CTA/SM by its shared memory, so all of them can be resident at once; a CTA not yet resident waits only for
+// SMs that other kernels hold). The wait is bounded all the same (an ErrorRecord names the op).
+struct StreamK {
+    int dp_tiles;       // whole tiles first (a multiple of ctas)
+    int total;          // schedule items
+    int k_blocks;       // K blocks per tile
+    int ctas;           // the grid
+    int pieces;         // K ranges per cut tile (>= 1)
+    int piece_blocks;   // K blocks of a piece but the last
+    u64* counters;
+    float* partials;
+    fluxrt::Watch watch;   // the finishing CTA's bounded wait (peer: the CTA of the tile's first piece)
+
+    static __device__ __forceinline__ StreamK of(const Schedule& sched, const GemmArgs& g, const StreamKArgs& a,
+                                                 const TimeoutArgs& to) {
+        return StreamK{a.dp_tiles, sched.total, (g.k + kBK - 1) / kBK, sched.stride, a.pieces, a.piece_blocks,
+                       a.counters, a.partials, fluxrt::Watch{to.timeout_ns, to.err, a.op_id, to.rank}};
+    }
+    __device__ __forceinline__ int cut() const { return total - dp_tiles; }
+    // The unit that holds K blocks [kb0, ...) of schedule item t (t >= dp_tiles), and its CTA.
+    __device__ __forceinline__ int unit_of(int t, int kb0) const { return kb0 / piece_blocks * cut() + t - dp_tiles; }
+    __device__ __forceinline__ int cta_of(int u) const { return (dp_tiles + u) % ctas; }
+};
+
+// The work units of this CTA: body(schedule item, first K block, K blocks), whole tiles first.
+template <class Body>
+__device__ __forceinline__ void for_each_unit(const Schedule& sched, const StreamK& sk, Body&& body) {
+    for (int t = sched.first; t < sk.dp_tiles; t += sched.stride) body(t, 0, sk.k_blocks);
+    const int cut = sk.cut();
+    for (int u = sched.first; u < cut * sk.pieces; u += sched.stride) {
+        const int piece = u / cut;
+        const int kb0 = piece * sk.piece_blocks;
+        body(sk.dp_tiles + (u - piece * cut), kb0, min(sk.piece_blocks, sk.k_blocks - kb0));
+    }
+}
+
 // The roles' K per tile: all of K's blocks, or with split-K (a KSlices after them, the pack below holds none
 // or one) the slice of the tile's band. Overloads, so that the roles of other configurations take exactly
 // the arguments they took before split-K had slices (an extra argument, even unused, moved instructions).

@@ -492,6 +492,11 @@ COMPILE_CONFIGS = [
     (plan_gemm(8192, 8192, 8192), "float16", "float16", True, False, True, 0, False, 1),
     (plan_gemm(4096, 4096, 4096, out_dtype="float32"), "bfloat16", "float32", False, False, True, 0, False, 1),
     (plan_gemm(8192, 8192, 8192), "bfloat16", "bfloat16", False, False, False, 0, False, 3),
+    # stream-K (cut tiles finished with fp32 partials in K order)
+    (GemmPlan(stream_k=True), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(stream_k=True), "float16", "float16", False, False, False),
+    (GemmPlan(block_n=128, stages=4, stream_k=True), "bfloat16", "float32", False, False, False),
+    (GemmPlan(block_m=64, consumers=1, stages=4, stream_k=True), "float16", "float16", True, False, False),
 ]
 
 
@@ -520,7 +525,7 @@ def _cubin_u32(data: bytes, name: str) -> int:
                                        f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
                                        f"-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
                                        f"{f'-r{int(c[6])}' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}"
-                                       f"{f'-bands{c[8]}' if c[8:] else ''}")
+                                       f"{f'-bands{c[8]}' if c[8:] else ''}{'-sk' if c[0].stream_k else ''}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:

@@ -67,8 +67,21 @@ def test_scale_args_keep_the_layout():
     every other field its offset (the compiled 16-bit and dense fp8 kernels read the same bytes)."""
     off = dict((n, o) for n, o, _ in leaf_fields())
     assert off["scale.b_group_stride"] == off["scale.k_blocks"] + 4
-    assert off["group.offsets"] == off["scale.a"] + 24 and PARAMS.itemsize == 896
+    assert off["group.offsets"] == off["scale.a"] + 24 and off["group.offsets"] == 824
     p = new_params()
     p["scale"]["k_blocks"], p["scale"]["b_group_stride"] = 56, 16 * 56
     raw = p.tobytes()
     assert np.frombuffer(raw, "<i4", 2, off["scale.k_blocks"]).tolist() == [56, 896]
+
+
+def test_stream_k_args_keep_the_layout():
+    """StreamKArgs is appended to Params: every other field keeps its offset (GroupArgs ends at 896); Params grows to
+    960 bytes (a multiple of the tensor maps' 64-byte alignment)."""
+    off = dict((n, o) for n, o, _ in leaf_fields())
+    assert off["stream_k.counters"] == 896 and off["group.scatter_entries"] == 888
+    assert off["stream_k.op_id"] == off["stream_k.dp_tiles"] + 4 and PARAMS.itemsize == 960
+    assert off["stream_k.piece_blocks"] == off["stream_k.pieces"] + 4 == 924
+    p = new_params()
+    p["stream_k"]["dp_tiles"], p["stream_k"]["op_id"] = 264, 7
+    raw = p.tobytes()
+    assert np.frombuffer(raw, "<i4", 2, off["stream_k.dp_tiles"]).tolist() == [264, 7]

@@ -293,3 +293,110 @@ def test_partial_wave_split_plans_fill_ragged_waves():
     # 461x9128x13208 (K % 16 == 8; 1.09 waves of 128x256 tiles): no slice count divides K, split plans anyway
     wide = split_plans(461, 9128, 13208, partial_waves=True)
     assert wide and set(wide) <= set(candidates(461, 9128, 13208))
+
+
+# --- stream-K ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tiles,k_blocks,ctas", [(72, 112, 132), (216, 202, 132), (450, 195, 132), (144, 207, 132),
+                                                 (5, 1, 132), (3, 7, 8), (264, 50, 132), (133, 3, 132), (56, 128, 132),
+                                                 (9, 47, 132), (64, 16, 8), (3, 3, 5)])
+def test_stream_k_units_cover_every_k_block_once_and_wait_only_backward(tiles, k_blocks, ctas):
+    """The kernel's units (host mirror) with the planner's cut: every (tile, K block) once; whole waves of whole
+    tiles first; a cut tile's pieces have piece_blocks blocks (the last fewer, none empty), and its last piece (the
+    finisher, which waits for the others) has the largest unit index of them, so every wait points to units of
+    smaller index (a CTA runs its units in increasing index: no cycle of waits)."""
+    from fluxrt.gemm.plan import stream_k_geometry
+    from fluxrt.gemm.stream_k import units
+
+    dp, pieces, pb = stream_k_geometry(tiles, k_blocks, ctas)
+    assert dp % ctas == 0 and 0 <= dp <= tiles and tiles - dp < 2 * ctas
+    assert pieces >= 1 and (pieces - 1) * pb < k_blocks <= pieces * pb
+    per_cta = units(tiles, k_blocks, ctas, dp, pieces, pb)
+    seen = {}
+    index = {}   # (tile, piece) -> unit index (round robin after the whole tiles)
+    cut = tiles - dp
+    for b, us in enumerate(per_cta):
+        for t, kb0, n in us:
+            assert n >= 1 and kb0 + n <= k_blocks
+            for kb in range(kb0, kb0 + n):
+                assert (t, kb) not in seen
+                seen[(t, kb)] = b
+            if t >= dp:
+                u = kb0 // pb * cut + (t - dp)
+                assert u % ctas == b
+                index[(t, kb0 // pb)] = u
+    assert len(seen) == tiles * k_blocks
+    for t in range(dp, tiles):
+        last = index[(t, pieces - 1)]
+        assert all(index[(t, j)] < last for j in range(pieces - 1))
+
+
+def test_stream_k_geometry_fills_waves():
+    from fluxrt.gemm.plan import stream_k_geometry
+
+    assert stream_k_geometry(2048, 128, 132)[1] > 1              # 15.5 waves: the last one cut
+    assert stream_k_geometry(264, 128, 132) == (264, 1, 128)     # whole waves: nothing to cut
+    dp, pieces, pb = stream_k_geometry(56, 128, 132)             # 256x7168x8192 at 128x256: 56 tiles
+    assert dp == 0 and pieces == 2 and pb == 64                  # 112 units in one wave
+    dp, pieces, pb = stream_k_geometry(144, 207, 132)            # 461x9128x13208: 12 tiles past one wave
+    assert dp == 132 and 12 * pieces <= 132 and pieces > 1
+    assert stream_k_geometry(5, 1, 132)[1] == 1                  # one K block: nothing to cut
+
+
+def test_stream_k_plan_validation_defines_and_grid():
+    from fluxrt.gemm import kernel_defines
+
+    with pytest.raises(ValueError, match="stream_k"):
+        GemmPlan(stream_k=True, split_k=2).validate()
+    with pytest.raises(ValueError, match="stream_k"):
+        GemmPlan(stream_k=True, cluster=2).validate()
+    sk = GemmPlan(stream_k=True)
+    assert sk.describe().endswith(" sk")
+    assert dict(kernel_defines(sk, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_STREAM_K"] == "1"
+    assert "FLUXRT_GEMM_STREAM_K" not in dict(kernel_defines(GemmPlan(), "bfloat16", "bfloat16", True))
+    # the K blocks are cut over every SM, however few the tiles
+    assert sk.grid(256, 9216, 132) == 132 and GemmPlan().grid(256, 9216, 132) == 72
+    assert GemmPlan(stream_k=True, max_ctas=100).grid(256, 9216, 132) == 100
+
+
+def test_stream_k_workspace_sizes():
+    from fluxrt.gemm.stream_k import MAX_CTAS, counter_bytes, geometry, partial_bytes, workspace_bytes
+
+    plan = GemmPlan(stream_k=True)
+    # counters of any call (< 2 x MAX_CTAS cut tiles, 2 warpgroups each) first, then one fp32 tile per piece of a
+    # cut tile but its last
+    assert counter_bytes() == 2 * MAX_CTAS * 2 * 8 and counter_bytes() % 16 == 0   # the partials' float4 alignment
+    assert geometry(plan, 256, 7168, 8192, 132) == (0, 2, 64)
+    assert partial_bytes(plan, 256, 7168, 8192, 132) == 56 * 1 * 128 * 256 * 4
+    assert workspace_bytes(plan, 256, 7168, 8192, 132) == counter_bytes() + 56 * 128 * 256 * 4
+    assert partial_bytes(plan, 256, 256, 40, 132) == 0   # one K block: nothing cut
+
+
+def test_stream_k_plans_where_waves_are_partial():
+    from fluxrt.gemm.autotune import candidates
+    from fluxrt.gemm.plan import H100_H200_SMS as SMS
+    from fluxrt.gemm.plan import STREAM_K_MAX_FILL, STREAM_K_MIN_K, _wave_fill, stream_k_plans
+
+    for m, n, k in [(256, 9216, 7168), (9166, 664, 12896), (461, 9128, 13208)]:
+        plans = stream_k_plans(m, n, k)
+        assert plans and set(plans) <= set(candidates(m, n, k))
+        for p in plans:
+            p.validate()
+            tiles = math.ceil(m / p.block_m) * math.ceil(n / p.block_n)
+            assert p.stream_k and p.split_k == 1 and _wave_fill(tiles, SMS) < STREAM_K_MAX_FILL
+    assert all(p.block_n != 256 or p.block_m != 128 for p in stream_k_plans(8192, 8192, 8192))   # 2048 tiles: 97 %
+    assert stream_k_plans(256, 9216, STREAM_K_MIN_K - 64) == []
+
+
+def test_heuristic_stream_k_tiles_and_the_autotuner_set():
+    """The heuristic considers stream-K only with tiles of at least STREAM_K_MIN_TILE; the autotuner times every
+    shape; the heuristic without stream-K (stream_k=False) never returns one."""
+    from fluxrt.gemm.autotune import candidates
+    from fluxrt.gemm.plan import STREAM_K_MIN_TILE, stream_k_plans
+
+    m, n, k = 256, 1280, 8192
+    narrow, every = stream_k_plans(m, n, k), stream_k_plans(m, n, k, every_shape=True)
+    assert all((p.block_m, p.block_n) >= STREAM_K_MIN_TILE for p in narrow) and set(narrow) < set(every)
+    assert set(every) <= set(candidates(m, n, k))
+    assert heuristic_plan(461, 9128, 13208, trans_b=True).stream_k
+    assert not heuristic_plan(461, 9128, 13208, trans_b=True, stream_k=False).stream_k

@@ -765,3 +765,118 @@ def test_heuristic_and_tuned_plans_run_the_suite_shapes_correctly():
         gemm(to_device(a), to_device(b), out, trans_b=trans_b)
         plan = plan_for(m, n, k, trans_b=trans_b)
         assert rel_err(out, reference(a, b, trans_b)) < TOL["bfloat16"], plan.describe()
+
+
+# --- stream-K -----------------------------------------------------------------------------------------
+
+STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles cut into many pieces; whole waves first
+    (300, 520, 3000, GemmPlan(stream_k=True)),                                   # 9 tiles, 4 pieces each
+    (461, 1000, 4104, GemmPlan(block_n=128, stages=6, stream_k=True)),           # K % 64 == 8
+    (128, 256, 8192, GemmPlan(stream_k=True)),                                   # 1 tile, 8 pieces
+    (1000, 1000, 1000, GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=7)),   # 56 or 63 whole tiles first
+    (257, 72, 2000, GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=6)),  # 32 K blocks: 16 + 16
+    (200, 264, 40, GemmPlan(stream_k=True)),                                     # K shorter than one block: no cut
+    (100, 384, 1544, GemmPlan(block_m=64, consumers=1, stages=4, stream_k=True, max_ctas=9)),
+]
+
+
+def _check_stream_k(m, n, k, plan, trans_b, dtype, out_dtype, seed):
+    """A stream-K plan against float64, and the same bits on a second and third call (the partials are added in K
+    order; the counters reset themselves)."""
+    rng = np.random.default_rng(seed)
+    a = rand_matrix(rng, (m, k), dtype)
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), dtype)
+    out = poisoned((m, n), out_dtype)
+    da, db = to_device(a), to_device(b)
+    gemm(da, db, out, trans_b=trans_b, plan=plan)
+    assert rel_err(out, reference(a, b, trans_b)) < TOL[out_dtype], plan.describe()
+    for _ in range(2):
+        again = poisoned((m, n), out_dtype)
+        gemm(da, db, again, trans_b=trans_b, plan=plan)
+        assert bool((out.view(cupy.uint8) == again.view(cupy.uint8)).all()), plan.describe()
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("dtype,out_dtype", [("bfloat16", "bfloat16"), ("float16", "float16")])
+@pytest.mark.parametrize("case", range(len(STREAM_K_CASES)))
+def test_stream_k_matches_float64_and_reruns_bitwise(case, trans_b, dtype, out_dtype):
+    m, n, k, plan = STREAM_K_CASES[case]
+    _check_stream_k(m, n, k, plan, trans_b, dtype, out_dtype, m * 17 + n * 3 + k)
+
+
+def test_stream_k_fp32_out_counts_every_k_block_once():
+    """Ones times ones into fp32: every element is exactly K, so a K block summed twice or never shows exactly."""
+    for m, n, k, plan in [(128, 256, 8192, GemmPlan(block_n=128, stages=4, stream_k=True)),
+                          (1000, 1000, 1000, GemmPlan(block_n=128, stages=4, stream_k=True, max_ctas=8)),
+                          (461, 9128, 13208 - 8, GemmPlan(block_n=128, stages=4, stream_k=True))]:
+        a = cupy.ones((m, k), dtype=BF16)
+        b = cupy.ones((n, k), dtype=BF16)
+        out = cupy.full((m, n), np.nan, dtype=cupy.float32)
+        gemm(a, b, out, trans_b=True, plan=plan)
+        assert bool((out == k).all()), (m, n, k, plan.describe())
+
+
+def test_stream_k_in_a_cuda_graph_replays():
+    """Captured once, replayed three times with new inputs in between: the counters the finishing CTAs reset make
+    every replay complete and equal to an eager call."""
+    m, n, k = 256, 2048, 6144
+    rng = np.random.default_rng(9)
+    plan = GemmPlan(stream_k=True)
+    a = to_device(rand_matrix(rng, (m, k), "bfloat16"))
+    b = to_device(rand_matrix(rng, (n, k), "bfloat16"))
+    out = poisoned((m, n), "bfloat16")
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        gemm(a, b, out, trans_b=True, plan=plan, stream=s)   # outside the capture: kernel loaded, workspace made
+        s.begin_capture()
+        gemm(a, b, out, trans_b=True, plan=plan, stream=s)
+        graph = s.end_capture()
+        for i in range(3):
+            a_host = rand_matrix(rng, (m, k), "bfloat16")
+            a.set(a_host, stream=s)
+            out.view(cupy.uint16).fill(NAN_BITS["bfloat16"])
+            graph.launch(s)
+            eager = poisoned((m, n), "bfloat16")
+            gemm(a, b, eager, trans_b=True, plan=plan, stream=s)
+            s.synchronize()
+            assert rel_err(out, reference(a_host, cupy.asnumpy(b), True)) < TOL["bfloat16"], i
+            assert bool((out.view(cupy.uint16) == eager.view(cupy.uint16)).all()), i
+
+
+def test_stream_k_calls_of_several_shapes_share_a_stream():
+    """Calls of different shapes (and tile shapes) on one stream share its workspace: each leaves the counters at
+    zero for the next."""
+    rng = np.random.default_rng(4)
+    cases = [(300, 520, 3000, GemmPlan(stream_k=True)), (461, 1000, 4104, GemmPlan(block_n=128, stages=6,
+                                                                                    stream_k=True)),
+             (128, 256, 8192, GemmPlan(stream_k=True))]
+    ops = []
+    for m, n, k, plan in cases:
+        a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (k, n), "bfloat16")
+        ops.append((to_device(a), to_device(b), reference(a, b, False), plan))
+    for _ in range(2):
+        outs = []
+        for da, db, _, plan in ops:
+            out = poisoned((da.shape[0], db.shape[1]), "bfloat16")
+            gemm(da, db, out, plan=plan)
+            outs.append(out)
+        for out, (_, _, ref, plan) in zip(outs, ops):
+            assert rel_err(out, ref) < TOL["bfloat16"], plan.describe()
+
+
+def test_stream_k_refuses_hooks():
+    a = cupy.zeros((256, 512), dtype=BF16)
+    b = cupy.zeros((512, 256), dtype=BF16)
+    flags = cupy.zeros((2,), dtype=cupy.uint64)
+    with pytest.raises(GemmArgumentError, match="stream_k"):
+        gemm_with_hooks(a, b, cupy.empty((256, 256), dtype=BF16), plan=GemmPlan(stream_k=True),
+                        wait=ArrivalWait(flags=flags, epoch=1, chunk_rows=128, err=0))
+
+
+def test_stream_k_sanitize_small():
+    """A small cut (for compute-sanitizer memcheck / racecheck: 6 tiles cut in 2 on 12 CTAs, tails in M, N and K)."""
+    rng = np.random.default_rng(8)
+    a, b = rand_matrix(rng, (200, 1000), "bfloat16"), rand_matrix(rng, (1000, 264), "bfloat16")
+    out = poisoned((200, 264), "bfloat16")
+    gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=12))
+    assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]

@@ -1,0 +1,160 @@
+"""Stream-K: a plain GEMM whose last one or two waves of tiles are cut into K ranges that fill the waves, for
+problems whose tiles fill the SMs badly (a partial last wave, or fewer tiles than SMs with a long K).
+
+One launch of the GEMM kernel (FLUXRT_GEMM_STREAM_K). The schedule's first ``dp_tiles`` tiles (whole waves) run
+whole, round robin, as without stream-K; each other tile is cut into ``pieces`` K ranges, work units that continue
+the round robin piece by piece, so the CTAs of a wave run the same K range of neighbouring tiles (kernels/gemm/
+scheduler.cuh, ``StreamK``; the cut: :func:`fluxrt.gemm.plan.stream_k_geometry`). A cut tile's last piece
+finishes it: its CTA waits (bounded) on the tile's counter until the other pieces' fp32 partials are in the
+workspace, adds them in piece order and stores the tile; the order depends only on the problem and the grid, so
+reruns give the same bits. The counters are zero before a launch and reset by the finishing CTAs, so repeated
+calls and CUDA-graph replays need no host work.
+
+Workspace, per (device, stream) like split-K's (calls on one stream run one after another): the counters
+(zeroed when the buffer is made) and one fp32 tile per piece of a cut tile but its last. A timed-out wait fills a
+host-mapped ErrorRecord; the next stream-K launch (or :func:`check_errors`) raises it as a
+:class:`WaitTimeoutError` naming the op, until :func:`reset_errors`.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+from ..errors import ERROR_RECORD_WORDS, decode_error_record, op_id
+from ..packed_launch import PackedLaunch
+from .hooks import DEFAULT_TIMEOUT_NS
+from .plan import GemmPlan, stream_k_geometry
+from .split_k import workspace
+
+OP_NAME = "gemm stream-K fixup"
+MAX_CTAS = 1024          # the persistent grid is at most one CTA per SM
+
+_lock = threading.Lock()
+_record = None           # (host pointer, words view) of the process's stream-K ErrorRecord
+_sticky = None           # the decoded error, raised by every launch until reset_errors()
+
+
+def geometry(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> tuple[int, int, int]:
+    """(dp_tiles, pieces, piece_blocks) of a call (:func:`fluxrt.gemm.plan.stream_k_geometry`)."""
+    mt, nt = plan.tiles(m, n)
+    return stream_k_geometry(mt * nt, -(-k // plan.block_k), ctas, plan.block_m * plan.block_n * 4)
+
+
+def units(tiles: int, k_blocks: int, ctas: int, dp: int, pieces: int, piece_blocks: int) -> list[list[tuple]]:
+    """Host mirror of the kernel's for_each_unit (scheduler.cuh): per CTA, its work units (schedule item, first
+    K block, K blocks) in the order it runs them. For tests and tools."""
+    cut = tiles - dp
+    out = []
+    for b in range(ctas):
+        mine = [(t, 0, k_blocks) for t in range(b, dp, ctas)]
+        for u in range(b, cut * pieces, ctas):
+            piece, i = divmod(u, cut)
+            kb0 = piece * piece_blocks
+            mine.append((dp + i, kb0, min(piece_blocks, k_blocks - kb0)))
+        out.append(mine)
+    return out
+
+
+def counter_bytes() -> int:
+    """Bytes of the counters at the start of every stream-K workspace: one u64 per cut tile and consumer
+    warpgroup, for any call (fewer than 2 x MAX_CTAS cut tiles, 2 warpgroups), so that calls of different shapes
+    sharing a stream's workspace never see another call's partials as counters."""
+    return 2 * MAX_CTAS * 2 * 8
+
+
+def partial_bytes(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> int:
+    """Bytes of the fp32 partials: one tile per piece of a cut tile but its last."""
+    dp, pieces, _ = geometry(plan, m, n, k, ctas)
+    mt, nt = plan.tiles(m, n)
+    return (mt * nt - dp) * (pieces - 1) * plan.block_m * plan.block_n * 4
+
+
+def workspace_bytes(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> int:
+    """Bytes of one call's workspace: the counters at the start, then the partials."""
+    return counter_bytes() + partial_bytes(plan, m, n, k, ctas)
+
+
+def _error_record():
+    global _record
+    with _lock:
+        if _record is None:
+            import cupy
+
+            rt = cupy.cuda.runtime
+            nbytes = ERROR_RECORD_WORDS * 8
+            host = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+            ctypes.memset(host, 0, nbytes)
+            _record = (host, np.ctypeslib.as_array((ctypes.c_uint64 * ERROR_RECORD_WORDS).from_address(host)))
+        return _record
+
+
+def check_errors() -> None:
+    """Raise the timeout a stream-K fixup wait recorded (WaitTimeoutError naming the op and the CTA of the
+    missing piece as its peer), if any. Does not synchronize; sticky until :func:`reset_errors`."""
+    global _sticky
+    if _record is None:
+        return
+    if _sticky is None:
+        words = _record[1]
+        if not words[0]:
+            return
+        err = decode_error_record(words)
+        if err is None:   # being written: the next check sees it
+            return
+        _sticky = err
+    raise _sticky.again()
+
+
+def reset_errors() -> None:
+    """Clear a recorded timeout and zero the counters of every stream-K workspace (after a synchronize: a
+    timed-out launch may have left counts behind)."""
+    global _sticky
+    from .split_k import _lock as ws_lock
+    from .split_k import _workspaces
+
+    with _lock:
+        if _record is not None:
+            _record[1][:] = 0
+        _sticky = None
+    with ws_lock:
+        bufs = [b for key, lst in _workspaces.items() if key[2:] == (True,) for b in lst]
+    for b in bufs:
+        b.fill(0)
+
+
+class StreamKLaunch:
+    """The launch of one stream-K call: raises a recorded fixup timeout before enqueueing another."""
+
+    __slots__ = ("gemm", "workspace")
+
+    def __init__(self, gemm: PackedLaunch, ws):
+        self.gemm, self.workspace = gemm, ws
+
+    def launch(self, stream_ptr: int) -> None:
+        if _record is not None and (_sticky is not None or _record[1][0]):
+            check_errors()
+        self.gemm.launch(stream_ptr)
+
+
+def fill_params(params: np.ndarray, plan: GemmPlan, m: int, n: int, k: int, grid: int, dev: int, stream_ptr: int,
+                timeout_ns: int = DEFAULT_TIMEOUT_NS):
+    """Point a plain call's Params at a stream-K workspace of its stream; returns the workspace buffer."""
+    if grid > MAX_CTAS:
+        raise ValueError(f"stream-K: a grid of {grid} CTAs is more than {MAX_CTAS}")
+    dp, pieces, piece_blocks = geometry(plan, m, n, k, grid)
+    ws = workspace(dev, stream_ptr, workspace_bytes(plan, m, n, k, grid), zeroed=True)
+    host, _ = _error_record()
+    sk = params["stream_k"]
+    sk["counters"] = ws.data.ptr
+    sk["partials"] = ws.data.ptr + counter_bytes()
+    sk["dp_tiles"], sk["pieces"], sk["piece_blocks"] = dp, pieces, piece_blocks
+    sk["op_id"] = op_id(OP_NAME)
+    t = params["timeout"]
+    t["timeout_ns"], t["err"], t["rank"] = timeout_ns, host, 0
+    return ws
+
+
+__all__ = ["OP_NAME", "StreamKLaunch", "check_errors", "counter_bytes", "fill_params", "geometry", "partial_bytes",
+           "reset_errors", "units", "workspace_bytes"]
