@@ -7,7 +7,8 @@ kernels/gemm keeps the instructions of the kernels it should not touch.
     python3 perf/sass_compare.py --against perf/results/gemm_sass_reference.json --markdown
 
 Configurations: a named representative set, plus (``--tests``) every configuration that
-tests/cpu/test_gemm_cpu.py compiles. Needs ``cuobjdump`` (on PATH, or ``--cuobjdump``); compiles with
+tests/cpu/test_gemm_cpu.py compiles and the grouped ones of tests/cpu/test_grouped_gemm_cpu.py.
+Needs ``cuobjdump`` (on PATH, or ``--cuobjdump``); compiles with
 NVRTC through fluxrt.toolchain into a private cache directory (no GPU needed).
 """
 from __future__ import annotations
@@ -93,6 +94,19 @@ def test_configs():
         copy = bool(rest[1]) if rest[1:] else False
         bands = int(rest[2]) if rest[2:] else 0
         out[f"test{i:02d}"] = (plan, in_dt, out_dt, tb, hw, he, red, copy, bands)
+    path = ROOT / "tests" / "cpu" / "test_grouped_gemm_cpu.py"   # grouped, with hooks 1 and 2 of the MoE layer
+    spec = importlib.util.spec_from_file_location("_grouped_cpu_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))   # it imports its sibling test_gemm_cpu
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(path.parent))
+    for i, c in enumerate(mod.GROUPED_CONFIGS):
+        plan, in_dt, out_dt, tb = c[:4]
+        hook = c[4] if len(c) > 4 else ""
+        out[f"grouped-test{i:02d}"] = (plan, in_dt, out_dt, tb, hook == "arrival", hook == "scatter", 0, False, 0,
+                                       dict(grouped=True))
     return out
 
 

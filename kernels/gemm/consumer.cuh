@@ -137,6 +137,18 @@ struct BlockScale {
 using Scale = Select<kBlockScale, BlockScale,
                      Select<kTensorScale, Select<kGrouped, GroupTensorScale, TensorScale>::type, NoScale>::type>::type;
 
+// One K block's MMAs: the kBK / kWgmmaK wgmma of the stage at a_base / b_base into acc; the first of a tile
+// (accumulate false) computes D = A*B, the rest D += A*B. The caller fences before and commits after.
+__device__ __forceinline__ void mma_k_block(float (&acc)[kAccRegs], u32 a_base, u32 b_base, bool accumulate) {
+#pragma unroll
+    for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
+        const u64 da = desc_kmajor(a_base + kk * kWgmmaK * kInBytes);
+        const u64 db = kBKMajor ? desc_kmajor(b_base + kk * kWgmmaK * kInBytes)
+                                : desc_mnmajor(b_base + kk * kWgmmaK * 128u, kBAtomBytes);
+        TileMma::run(acc, da, db, (accumulate || kk > 0) ? 1 : 0);
+    }
+}
+
 // The smem and barriers a consumer warpgroup works with.
 struct ConsumerSmem {
     u32 smem;             // 1024-byte aligned base (shared::cta address)
@@ -204,13 +216,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 scale.promote(acc, part, s);
             } else {
                 wgmma_fence();  // accumulator registers written before (epilogue reads, previous MMAs) -> wgmma
-#pragma unroll
-                for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
-                    const u64 da = desc_kmajor(a_base + kk * kWgmmaK * kInBytes);
-                    const u64 db = kBKMajor ? desc_kmajor(b_base + kk * kWgmmaK * kInBytes)
-                                            : desc_mnmajor(b_base + kk * kWgmmaK * 128u, kBAtomBytes);
-                    TileMma::run(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);  // first MMA of a tile: D = A*B
-                }
+                mma_k_block(acc, a_base, b_base, kb > 0);
                 wgmma_commit();
                 epilogue.after_k_block(tile, kb, k_blocks, wg, tid);
                 // Keep one group in flight: when the previous K block's group has retired, its stage's
@@ -319,13 +325,7 @@ __device__ __forceinline__ void run_consumer_stream_k(const Schedule& sched, con
             const u32 a_base = sm.smem + kOffA + stage * kTileABytes + a_rows_offset;
             const u32 b_base = sm.smem + kOffB + stage * kTileBBytes;
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
-                const u64 da = desc_kmajor(a_base + kk * kWgmmaK * kInBytes);
-                const u64 db = kBKMajor ? desc_kmajor(b_base + kk * kWgmmaK * kInBytes)
-                                        : desc_mnmajor(b_base + kk * kWgmmaK * 128u, kBAtomBytes);
-                TileMma::run(acc, da, db, (kb > 0 || kk > 0) ? 1 : 0);
-            }
+            mma_k_block(acc, a_base, b_base, kb > 0);
             wgmma_commit();
             if (kb > 0) {
                 wgmma_wait<1>();
