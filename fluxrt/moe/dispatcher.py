@@ -559,8 +559,6 @@ class Dispatcher:
         """y [rows, hidden]: the experts' outputs in the layout dispatch delivered (rows >= the received count;
         y may be the receive buffer itself, then nothing is copied). Returns out [T, hidden]: for each token,
         sum over its slots j (in order) of topk_weights[t, j] * its expert's output row, in fp32."""
-        import cupy
-
         s = as_cupy_stream(stream)
         cfg = self.cfg
 
@@ -573,18 +571,10 @@ class Dispatcher:
                                        f"{short_name(b.dtype)} {tuple(b.shape)}")
             if b.shape[0] > cfg.recv_rows:
                 raise MoEArgumentError(f"combine: y has {b.shape[0]} rows, the receive buffer {cfg.recv_rows}")
-            o = None
-            if out is not None:
-                o = _intake(out, "out", "combine", self.world, s, writable=True)
-                if o.shape != (handle.tokens, cfg.hidden) or o.dtype.name != cfg.dtype:
-                    raise MoEArgumentError(f"combine: out must be {short_name(cfg.dtype)} [{handle.tokens}, "
-                                           f"{cfg.hidden}], got {short_name(o.dtype)} {tuple(o.shape)}")
-            return (b, o), {"hidden": cfg.hidden}
+            return (b, self._combine_out_checked(out, handle, "combine", s)), {"hidden": cfg.hidden}
 
         b, o = _checked_on_every_rank(self.world, "moe_combine", local_checks)
-        if o is None:
-            with self.world.device, s:
-                o = cupy.empty((handle.tokens, cfg.hidden), dtype=normalize_dtype(cfg.dtype))
+        o = self._combine_out(o, handle, s)
         team = self._team["moe_combine"]
         recv_t, _, flag_t = self._tables
         same = b.data.ptr == self.recv.data.ptr
@@ -605,6 +595,26 @@ class Dispatcher:
         handle.combined = True
         return o
 
+    def _combine_out_checked(self, out, handle: DispatchHandle, op: str, s):
+        """``out`` of a combine taken in and checked ([T, hidden] of the layer's dtype), or None."""
+        if out is None:
+            return None
+        cfg = self.cfg
+        o = _intake(out, "out", op, self.world, s, writable=True)
+        if o.shape != (handle.tokens, cfg.hidden) or o.dtype.name != cfg.dtype:
+            raise MoEArgumentError(f"{op}: out must be {short_name(cfg.dtype)} [{handle.tokens}, {cfg.hidden}], "
+                                   f"got {short_name(o.dtype)} {tuple(o.shape)}")
+        return o
+
+    def _combine_out(self, o, handle: DispatchHandle, s):
+        """The checked ``out``, or a new [T, hidden] array on the world's device (made in stream order)."""
+        if o is not None:
+            return o
+        import cupy
+
+        with self.world.device, s:
+            return cupy.empty((handle.tokens, self.cfg.hidden), dtype=normalize_dtype(self.cfg.dtype))
+
     @_nvtx("moe_combine")
     def combine_returned(self, handle: DispatchHandle, *, out=None, stream=None):
         """Combine of rows pushed back (returns=True): the owners' down projection (``fluxrt.gemm.GroupScatter``
@@ -612,8 +622,6 @@ class Dispatcher:
         return buffer. Waits (bounded, per owner: a token is summed once its owners' rows are in) and returns out
         [T, hidden] with the same weighted sums in slot order as ``combine``, bit for bit. A wait that runs out
         names op 'moe_combine', this rank and the owner; the tokens it guarded come out NaN."""
-        import cupy
-
         s = as_cupy_stream(stream)
         cfg = self.cfg
 
@@ -621,18 +629,10 @@ class Dispatcher:
             self._check_live()
             self._need_returns("combine_returned")
             self._check_handle(handle, "combine_returned")
-            o = None
-            if out is not None:
-                o = _intake(out, "out", "combine_returned", self.world, s, writable=True)
-                if o.shape != (handle.tokens, cfg.hidden) or o.dtype.name != cfg.dtype:
-                    raise MoEArgumentError(f"combine_returned: out must be {short_name(cfg.dtype)} [{handle.tokens}, "
-                                           f"{cfg.hidden}], got {short_name(o.dtype)} {tuple(o.shape)}")
-            return o, {"hidden": cfg.hidden}
+            return self._combine_out_checked(out, handle, "combine_returned", s), {"hidden": cfg.hidden}
 
         o = _checked_on_every_rank(self.world, "moe_combine", local_checks)
-        if o is None:
-            with self.world.device, s:
-                o = cupy.empty((handle.tokens, cfg.hidden), dtype=normalize_dtype(cfg.dtype))
+        o = self._combine_out(o, handle, s)
         warps = self.options.threads // 32
         grid = max(1, min(self.blocks, -(-handle.tokens // warps)))
         kind = "bf16" if cfg.dtype == "bfloat16" else "fp16"
