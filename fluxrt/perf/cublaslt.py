@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .timing import eager_ms
+
 log = logging.getLogger(__name__)
 
 # cudaDataType_t / cublasComputeType_t / cublasOperation_t values (CUDA's library_types.h, cublas_api.h)
@@ -99,8 +101,6 @@ class CublasLt:
         operands' contents are overwritten only in ``c``). FP8: ``a`` and ``w`` hold e4m3/e5m2 bytes (uint8),
         ``scale_a`` / ``scale_b`` one float32 each on the device (``c = scale_a * scale_b * (a @ w)``).
         The callable's ``choice`` attribute is an :class:`LtChoice`."""
-        import cupy
-
         lt = self._lt
         m, k = a.shape
         n = c.shape[1]
@@ -150,17 +150,11 @@ class CublasLt:
             return run
 
         runs, times = [], []
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         for i in range(count):
             fn = runner(i)
             try:
                 fn()
-                start.record(stream)
-                for _ in range(iters):
-                    fn()
-                stop.record(stream)
-                stop.synchronize()
-                times.append(1e3 * cupy.cuda.get_elapsed_time(start, stop) / iters)
+                times.append(1e3 * eager_ms(fn, iters, stream))
             except Exception as e:   # an algorithm the heuristic offered that does not run here: skipped
                 log.debug("cuBLASLt algorithm %d failed: %s", i, e)
                 times.append(None)
