@@ -151,3 +151,45 @@ def decode_error_record(words) -> WaitTimeoutError | None:
     return WaitTimeoutError(op=_ops.name(int(words[1])), rank=int(words[2]),
                             peer=None if peer == NO_PEER else peer,
                             expected=int(words[4]), observed=int(words[5]))
+
+
+class ErrorRecordView:
+    """The host's view of a device ErrorRecord (ERROR_RECORD_WORDS words at `host`: pinned, host-mapped memory
+    that kernels write through the same address) and the first error decoded from it, kept (sticky) until
+    :meth:`reset`. The world's record and the stream-K GEMM's use it."""
+
+    __slots__ = ("host", "words", "status", "error")
+
+    def __init__(self, host: int):
+        import ctypes
+
+        import numpy as np
+
+        self.host = host
+        self.words = np.ctypeslib.as_array((ctypes.c_uint64 * ERROR_RECORD_WORDS).from_address(host))
+        self.status = ctypes.c_uint64.from_address(host)   # word 0, polled without decoding
+        self.error: WaitTimeoutError | None = None
+
+    @staticmethod
+    def allocate() -> int:
+        """Zeroed host-mapped pinned words for a record (free with cupy.cuda.runtime.freeHost)."""
+        import ctypes
+
+        import cupy
+
+        rt = cupy.cuda.runtime
+        nbytes = ERROR_RECORD_WORDS * 8
+        host = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+        ctypes.memset(host, 0, nbytes)
+        return host
+
+    def poll(self) -> WaitTimeoutError | None:
+        """The sticky error, decoding the record once a kernel has finished writing it (None while clear).
+        Does not synchronize: one read of host-mapped memory while nothing is recorded."""
+        if self.error is None and self.status.value:
+            self.error = decode_error_record(self.words)
+        return self.error
+
+    def reset(self) -> None:
+        self.error = None
+        self.words[:] = 0

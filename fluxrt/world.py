@@ -16,7 +16,6 @@ also run as two root worlds.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import hashlib
 import logging
 import os
@@ -28,7 +27,7 @@ from . import log as _log
 from . import signals
 from . import topology as _topology
 from .env import env_flag
-from .errors import ERROR_RECORD_WORDS, DeviceError, NvshmemInitError, decode_error_record
+from .errors import DeviceError, ErrorRecordView, NvshmemInitError
 from .nvtx import annotate as _nvtx
 from .registry import Registry
 from .streams import stream_handle
@@ -261,20 +260,13 @@ class World:
 
     def _alloc_error_record(self):
         """Host-mapped pinned words a timed-out kernel writes; the host reads them without a sync."""
-        import cupy
-
-        rt = cupy.cuda.runtime
-        nbytes = ERROR_RECORD_WORDS * 8
-        host = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
-        ctypes.memset(host, 0, nbytes)
+        host = ErrorRecordView.allocate()
         self._bind_error_record(host)
         return host, host  # unified addressing: the device uses the host pointer as is
 
     def _bind_error_record(self, host: int) -> None:
-        """Host views of the record's words at `host`: all of them (decoding) and word 0 (polling)."""
-        self._error = None   # the first device error seen: sticky until reset_error()
-        self._error_words = np.ctypeslib.as_array((ctypes.c_uint64 * ERROR_RECORD_WORDS).from_address(host))
-        self._error_status = ctypes.c_uint64.from_address(host)
+        """The host's view of the record at `host`; its first device error is sticky until reset_error()."""
+        self._errors = ErrorRecordView(host)
 
     def finalize(self) -> None:
         """Free every symmetric allocation and shut NVSHMEM down. Collective; safe to call twice."""
@@ -412,23 +404,20 @@ class World:
         The error is sticky, as NCCL's asynchronous errors are: once seen, this and every later fluxrt
         call on the world raises it again (the device record stays set too, so later kernels' waits
         stop early instead of waiting out their bound) until :meth:`reset_error`."""
-        if self._error is None:
-            if not self._error_status.value:   # the fast path: one read of host-mapped memory
+        rec = self._errors
+        if rec.error is None:
+            if not rec.status.value:   # the fast path: one read of host-mapped memory
                 return
-            err = decode_error_record(self._error_words)
-            if err is None:   # a kernel is filling the record: the next check sees it
+            if rec.poll() is None:   # a kernel is filling the record: the next check sees it
                 return
-            self._error = err
             log.error("rank %d: %s (sticky: every later fluxrt call on this world raises it until "
-                      "world.reset_error())", self.rank, err)
-        raise self._error.again()
+                      "world.reset_error())", self.rank, rec.error)
+        raise rec.error.again()
 
     @property
     def error(self):
         """The sticky device error of this world (None while clear), without raising it."""
-        if self._error is None and self._error_status.value:
-            self._error = decode_error_record(self._error_words)
-        return self._error
+        return self._errors.poll()
 
     def reset_error(self) -> None:
         """Clear the sticky error and the device record, so calls run again. Local to this rank.
@@ -437,8 +426,7 @@ class World:
         outputs of the calls in flight in an undefined state), so the safe way on after an error is to end
         the job. Reset only where every rank has synchronized and the program rebuilds what it uses (frees
         and remakes its Collectives context and fused ops); the tests use it for that."""
-        self._error = None
-        self._error_words[:] = 0
+        self._errors.reset()
 
     @property
     def timeout_ns(self) -> int:

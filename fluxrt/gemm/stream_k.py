@@ -17,12 +17,11 @@ host-mapped ErrorRecord; the next stream-K launch (or :func:`check_errors`) rais
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import numpy as np
 
-from ..errors import ERROR_RECORD_WORDS, decode_error_record, op_id
+from ..errors import ErrorRecordView, op_id
 from ..packed_launch import PackedLaunch
 from .hooks import DEFAULT_TIMEOUT_NS
 from .plan import GemmPlan, stream_k_geometry
@@ -32,8 +31,7 @@ OP_NAME = "gemm stream-K fixup"
 MAX_CTAS = 1024          # the persistent grid is at most one CTA per SM
 
 _lock = threading.Lock()
-_record = None           # (host pointer, words view) of the process's stream-K ErrorRecord
-_sticky = None           # the decoded error, raised by every launch until reset_errors()
+_errors: ErrorRecordView | None = None   # the process's stream-K record (made on the first stream-K call)
 
 
 def geometry(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> tuple[int, int, int]:
@@ -76,48 +74,32 @@ def workspace_bytes(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> int:
     return counter_bytes() + partial_bytes(plan, m, n, k, ctas)
 
 
-def _error_record():
-    global _record
+def _error_record() -> ErrorRecordView:
+    """The stream-K fixup waits' record: one per process, as a plain GEMM belongs to no world."""
+    global _errors
     with _lock:
-        if _record is None:
-            import cupy
-
-            rt = cupy.cuda.runtime
-            nbytes = ERROR_RECORD_WORDS * 8
-            host = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
-            ctypes.memset(host, 0, nbytes)
-            _record = (host, np.ctypeslib.as_array((ctypes.c_uint64 * ERROR_RECORD_WORDS).from_address(host)))
-        return _record
+        if _errors is None:
+            _errors = ErrorRecordView(ErrorRecordView.allocate())
+        return _errors
 
 
 def check_errors() -> None:
     """Raise the timeout a stream-K fixup wait recorded (WaitTimeoutError naming the op and the CTA of the
     missing piece as its peer), if any. Does not synchronize; sticky until :func:`reset_errors`."""
-    global _sticky
-    if _record is None:
-        return
-    if _sticky is None:
-        words = _record[1]
-        if not words[0]:
-            return
-        err = decode_error_record(words)
-        if err is None:   # being written: the next check sees it
-            return
-        _sticky = err
-    raise _sticky.again()
+    err = _errors.poll() if _errors is not None else None
+    if err is not None:
+        raise err.again()
 
 
 def reset_errors() -> None:
     """Clear a recorded timeout and zero the counters of every stream-K workspace (after a synchronize: a
     timed-out launch may have left counts behind)."""
-    global _sticky
     from .split_k import _lock as ws_lock
     from .split_k import _workspaces
 
     with _lock:
-        if _record is not None:
-            _record[1][:] = 0
-        _sticky = None
+        if _errors is not None:
+            _errors.reset()
     with ws_lock:
         bufs = [b for key, lst in _workspaces.items() if key[2:] == (True,) for b in lst]
     for b in bufs:
@@ -133,7 +115,7 @@ class StreamKLaunch:
         self.gemm, self.workspace = gemm, ws
 
     def launch(self, stream_ptr: int) -> None:
-        if _record is not None and (_sticky is not None or _record[1][0]):
+        if _errors is not None and (_errors.error is not None or _errors.status.value):
             check_errors()
         self.gemm.launch(stream_ptr)
 
@@ -145,7 +127,7 @@ def fill_params(params: np.ndarray, plan: GemmPlan, m: int, n: int, k: int, grid
         raise ValueError(f"stream-K: a grid of {grid} CTAs is more than {MAX_CTAS}")
     dp, pieces, piece_blocks = geometry(plan, m, n, k, grid)
     ws = workspace(dev, stream_ptr, workspace_bytes(plan, m, n, k, grid), zeroed=True)
-    host, _ = _error_record()
+    host = _error_record().host
     sk = params["stream_k"]
     sk["counters"] = ws.data.ptr
     sk["partials"] = ws.data.ptr + counter_bytes()

@@ -79,7 +79,7 @@ def test_a_half_written_record_is_not_an_error_yet():
     w = _world()
     np.ctypeslib.as_array(w._record)[0] = errors.STATUS_WRITING
     w.check_errors()
-    assert w._error is None
+    assert w._errors.error is None
 
 
 def test_timeout_errors_copy_and_pickle_whole():
@@ -91,3 +91,30 @@ def test_timeout_errors_copy_and_pickle_whole():
     assert str(back) == str(err) and back.peer is None
     agree = errors.AgreementTimeoutError("allreduce", 0, [1, 3], 5.0)
     assert str(pickle.loads(pickle.dumps(agree))) == str(agree)
+
+
+def test_a_stream_k_fixup_timeout_raises_at_the_next_launch_until_reset(monkeypatch):
+    """The stream-K GEMM's process-wide record (no world): the same sticky view as a world's."""
+    from fluxrt.gemm import stream_k
+
+    record = (ctypes.c_uint64 * errors.ERROR_RECORD_WORDS)()
+    monkeypatch.setattr(stream_k, "_errors", errors.ErrorRecordView(ctypes.addressof(record)))
+    launched = []
+
+    class _Gemm:
+        def launch(self, stream_ptr):
+            launched.append(stream_ptr)
+
+    launch = stream_k.StreamKLaunch(_Gemm(), None)
+    launch.launch(5)                           # clear: enqueued
+    words = np.ctypeslib.as_array(record)
+    words[1:] = [errors.op_id(stream_k.OP_NAME), 0, 3, 2, 1]
+    words[0] = errors.STATUS_TIMEOUT
+    for _ in range(2):                         # sticky: nothing more is enqueued
+        with pytest.raises(fluxrt.WaitTimeoutError, match="stream-K"):
+            launch.launch(6)
+    assert launched == [5]
+    stream_k.reset_errors()
+    assert not any(words)
+    launch.launch(7)
+    assert launched == [5, 7]
