@@ -40,7 +40,7 @@ def _tune(args) -> int:
               f"{'  (cached)' if r.cached else ''}", flush=True)
         rows.append({"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": args.dtype,
                      "plan": r.plan.describe(), "us": r.us, "cached": r.cached,
-                     "candidates": [{"plan": p, "us": us} for p, us in r.timings]})
+                     "candidates": [{"plan": p, "us": us, "confirmed": p in r.confirmed} for p, us in r.timings]})
         del a, w
         cupy.get_default_memory_pool().free_all_blocks()
     print(f"# {len(rows)} shapes in {time.time() - t0:.0f} s")

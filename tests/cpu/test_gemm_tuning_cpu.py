@@ -400,3 +400,57 @@ def test_heuristic_stream_k_tiles_and_the_autotuner_set():
     assert set(every) <= set(candidates(m, n, k))
     assert heuristic_plan(461, 9128, 13208, trans_b=True).stream_k
     assert not heuristic_plan(461, 9128, 13208, trans_b=True, stream_k=False).stream_k
+
+
+# --- choosing among timed candidates ---------------------------------------------------------------------
+
+class _Scripted:
+    """A stand-in for one candidate's graph replay: returns its scripted times in turn (the selection logic is
+    plain Python; the GPU test times real graphs)."""
+
+    def __init__(self, plan, times):
+        self.plan, self._times, self.calls = plan, list(times), 0
+
+    def us(self):
+        self.calls += 1
+        return self._times[(self.calls - 1) % len(self._times)]
+
+
+def _plans(n):
+    return [GemmPlan(block_n=bn, stages=s) for bn, s in [(256, 3), (192, 4), (128, 6), (64, 6), (128, 5)][:n]]
+
+
+def test_pick_confirms_finalists_and_keeps_the_lowest_median():
+    p = _plans(4)
+    a = _Scripted(p[0], [10.0, 10.0, 13.0])        # screen's best, but median 10.0
+    b = _Scripted(p[1], [9.5, 9.6, 30.0])          # one slow replay, median 9.6: the winner
+    c = _Scripted(p[2], [11.0])                    # outside the 5 % band: never re-timed
+    d = _Scripted(p[3], [10.3])
+    screen = [(a, 9.9), (b, 10.2), (c, 11.0), (d, 10.3)]
+    win, us, med = tuning._pick(screen, default_plan=None, confirm_rounds=3)
+    assert win is b and us == pytest.approx(9.6)
+    assert c.calls == 0 and a.calls == b.calls == d.calls == 3
+    assert set(med) == {id(a), id(b), id(d)}
+
+
+def test_pick_keeps_the_heuristic_plan_on_a_near_tie_and_always_confirms_it():
+    p = _plans(3)
+    fast = _Scripted(p[0], [10.0])
+    heur = _Scripted(p[1], [10.05])                # 0.5 % slower: inside HEURISTIC_TIE
+    far = _Scripted(p[2], [10.5])
+    win, us, _ = tuning._pick([(fast, 10.0), (heur, 12.0), (far, 10.5)], default_plan=p[1], confirm_rounds=5)
+    assert heur.calls == 5 and win is heur and us == pytest.approx(10.05)   # 12.0 on the screen: confirmed anyway
+    slow = _Scripted(p[1], [10.0 * (1 + 2 * tuning.HEURISTIC_TIE)])
+    fast2 = _Scripted(p[0], [10.0])
+    win, _, _ = tuning._pick([(fast2, 10.0), (slow, 10.2)], default_plan=p[1], confirm_rounds=3)
+    assert win is fast2
+
+
+def test_pick_takes_the_screen_alone_when_nothing_is_close():
+    p = _plans(3)
+    only = _Scripted(p[0], [1.0])
+    win, us, med = tuning._pick([(only, 5.0), (_Scripted(p[1], [9.0]), 9.0)], default_plan=p[0], confirm_rounds=7)
+    assert win is only and us == 5.0 and med == {} and only.calls == 0
+    cap = [(_Scripted(GemmPlan(block_n=64 + 8 * i, stages=4), [10.0 + i / 100]), 10.0 + i / 100) for i in range(9)]
+    win, _, med = tuning._pick(cap, default_plan=None, confirm_rounds=2)
+    assert len(med) == tuning.MAX_FINALISTS and win is cap[0][0]

@@ -767,6 +767,40 @@ def test_heuristic_and_tuned_plans_run_the_suite_shapes_correctly():
         assert rel_err(out, reference(a, b, trans_b)) < TOL["bfloat16"], plan.describe()
 
 
+def test_autotune_times_graphs_keeps_a_winner_and_writes_a_correct_out(tmp_path, monkeypatch):
+    """Plain, split-K and stream-K candidates: every one captures and runs on the tuning stream after the
+    caller's stream's work (the inputs are written there just before), `out` holds a float64-close product,
+    the winner is cached and later gemm() calls take it."""
+    import sys
+
+    from fluxrt.gemm import autotune, plan_for
+
+    monkeypatch.setenv("FLUXRT_GEMM_TUNE_DIR", str(tmp_path))
+    at = sys.modules["fluxrt.gemm.autotune"]
+    monkeypatch.setattr(at, "_paths", {})
+    monkeypatch.setattr(at, "_tables", {})
+    m, n, k = 300, 1000, 4104
+    rng = np.random.default_rng(21)
+    a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
+    plans = [GemmPlan(block_n=128, stages=6), GemmPlan(block_m=64, block_n=128, consumers=1, stages=6, split_k=3),
+             GemmPlan(block_n=128, stages=6, stream_k=True)]
+    user = cupy.cuda.Stream(non_blocking=True)
+    with user:
+        da = cupy.zeros((m, k), dtype=BF16)
+        db = cupy.zeros((n, k), dtype=BF16)
+        da[...] = to_device(a)
+        db[...] = to_device(b)
+        out = poisoned((m, n), "bfloat16")
+    res = autotune(da, db, out, trans_b=True, plans=plans, stream=user, force=True)
+    assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"]
+    assert res.plan in plans and res.us > 0 and not res.cached
+    assert len(res.timings) == 3 and all(us and us > 0 for _, us in res.timings)
+    assert plan_for(m, n, k, trans_b=True) == res.plan
+    again = poisoned((m, n), "bfloat16")
+    gemm(da, db, again, trans_b=True)
+    assert rel_err(again, reference(a, b, True)) < TOL["bfloat16"]
+
+
 # --- stream-K -----------------------------------------------------------------------------------------
 
 STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles cut into many pieces; whole waves first
