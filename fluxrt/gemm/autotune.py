@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -258,8 +259,6 @@ class _Timed:
 def _pick(screen: list, default_plan: GemmPlan | None, confirm_rounds: int) -> tuple:
     """Screen -> finalists -> interleaved confirmation. screen: [(_Timed, us)] of the candidates that ran.
     Returns (winner _Timed, its us, {id(_Timed): confirmed median us})."""
-    import statistics
-
     ranked = sorted(screen, key=lambda x: x[1])
     best_us = ranked[0][1]
     finalists = [t for t, us in ranked[:MAX_FINALISTS] if us <= best_us * (1 + FINALIST_BAND)]
@@ -287,12 +286,14 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     call's scale mode, and the cache key names both fp8 types and the mode.
 
     How a plan is timed, as the suite benchmark times it: ``reps`` launches captured in one CUDA graph,
-    microseconds per call of a replay (CUDA events). Warm-up: ``WARM_UP_MS`` of the first candidate, so the
-    screen's first candidates do not run on idle clocks. Screen: every candidate, the best of ``rounds``
-    replays. Confirmation: the finalists (within ``FINALIST_BAND`` of the screen's best, at most
-    ``MAX_FINALISTS``, and the heuristic's own plan) replayed interleaved ``confirm_rounds`` times; the lowest
-    median wins, except that the heuristic's plan stays unless beaten by more than ``HEURISTIC_TIE`` (so a
-    near-tie does not swap the plan an untuned run takes for one that only won on noise).
+    microseconds per call of a replay (CUDA events). Warm-up: ``WARM_UP_MS`` of the heuristic's plan (the
+    reference), so nothing is timed on idle clocks. Screen: every candidate ``rounds`` times, each replay
+    right after one of the reference; its score is the median ratio to the reference times the reference's
+    median (the clocks of a loaded GPU drift more within seconds than good plans differ). Confirmation: the
+    finalists (within ``FINALIST_BAND`` of the screen's best, at most ``MAX_FINALISTS``, and the heuristic's
+    own plan) replayed interleaved ``confirm_rounds`` times; the lowest median wins, except that the
+    heuristic's plan stays unless beaten by more than ``HEURISTIC_TIE`` (so a near-tie does not swap the plan
+    an untuned run takes for one that only won on noise).
 
     Runs after the work queued on ``stream``, on a private stream of the device, writing into ``out`` (a
     scratch array when None), and returns when it is done: not for use inside a CUDA-graph capture. A problem
@@ -343,8 +344,8 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
             out = cupy.empty((m, n), dtype=normalize_dtype(out_dt))
         else:
             out = cupy.empty((m, n), dtype=cupy.dtype(a.dtype) if out_dtype is None else out_dtype)
-    timings, screen = [], []
     t0 = time.perf_counter()
+    prepared, failed = [], []
     for plan in cands:
         try:
             if fp8 is not None:
@@ -358,20 +359,31 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
                                         epilogue=None, stream_ptr=ts.ptr)
             for _ in range(2):   # the first launch loads the module
                 packed.launch(ts.ptr)
-            timed = _Timed(plan, packed, ts, reps)
-            if not screen:   # the first candidate that runs brings the clocks up before anything is timed
-                warm_ms, n_warm = 0.0, 0
-                while warm_ms < WARM_UP_MS and n_warm < 1000:
-                    warm_ms += timed.us() * reps / 1e3
-                    n_warm += 1
-            timed.us()
-            us = min(timed.us() for _ in range(rounds))
-            screen.append((timed, us))
+            prepared.append(_Timed(plan, packed, ts, reps))
         except Exception as e:   # a candidate that does not build or launch is skipped, not fatal
             log.info("gemm autotune %s: %s failed: %s", key, plan.describe(), e)
             ts.synchronize()
-            timed, us = None, None
-        timings.append((plan, timed, us))
+            failed.append(plan)
+    if not prepared:
+        raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
+    # Screen. The clocks of a loaded GPU drift by 10-15 % within seconds (power and temperature), more than
+    # the gaps between good plans, so each candidate is timed in turn with a reference plan (the heuristic's)
+    # and scored by its time relative to the reference's, in the reference's median microseconds.
+    ref = next((t for t in prepared if t.plan == default_plan), prepared[0])
+    warm_ms, n_warm = 0.0, 0
+    while warm_ms < WARM_UP_MS and n_warm < 1000:   # clocks up before anything is timed
+        warm_ms += ref.us() * reps / 1e3
+        n_warm += 1
+    ratios, ref_us = {}, []
+    for timed in prepared:
+        rs = []
+        for _ in range(rounds):
+            r = ref.us()
+            rs.append(timed.us() / r)
+            ref_us.append(r)
+        ratios[id(timed)] = statistics.median(rs)
+    ref_med = statistics.median(ref_us)
+    screen = [(t, ratios[id(t)] * ref_med) for t in prepared]
     if not screen:
         raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
     win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
@@ -381,8 +393,10 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
                        "date": time.strftime("%Y-%m-%d")}})
     log.info("gemm autotune %s: %s at %.1f us (%d candidates, %d confirmed, %.1f s)", key, best.describe(), best_us,
              len(cands), len(confirmed), time.perf_counter() - t0)
-    return TuneResult(best, best_us, tuple((p.describe(), confirmed.get(id(t), us)) for p, t, us in timings),
-                      confirmed=tuple(p.describe() for p, t, _ in timings if id(t) in confirmed))
+    timings = [(t.plan.describe(), confirmed.get(id(t), us)) for t, us in screen]
+    timings += [(p.describe(), None) for p in failed]
+    return TuneResult(best, best_us, tuple(timings), confirmed=tuple(t.plan.describe() for t, _ in screen
+                                                                    if id(t) in confirmed))
 
 
 def autotune_on() -> bool:
