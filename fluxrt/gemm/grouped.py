@@ -130,9 +130,9 @@ def check_grouped_plan(plan: GemmPlan, out_dtype: str, in_dtype: str = "bfloat16
                                 f"{FP8_SCALE_BLOCK}-column scale block, and room for the promotion's registers), "
                                 f"got {plan.block_n}")
     if plan.cluster != 1 or plan.order != "grouped" or plan.epilogue != "tma" or plan.split_k != 1 \
-            or plan.m_tile_offset != 0 or plan.stream_k or plan.prefetch_l2:
+            or plan.m_tile_offset != 0 or plan.stream_k:
         raise GemmArgumentError(f"grouped_gemm: a grouped plan needs cluster=1, order='grouped', epilogue='tma', "
-                                f"split_k=1, no stream_k or prefetch_l2, and m_tile_offset=0, got {plan.describe()} (m_tile_offset="
+                                f"split_k=1, no stream_k, and m_tile_offset=0, got {plan.describe()} (m_tile_offset="
                                 f"{plan.m_tile_offset})")
     need = plan.smem_bytes(out_dtype, grouped=True)
     if need > SMEM_LIMIT_BYTES:

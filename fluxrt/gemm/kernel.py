@@ -31,9 +31,9 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
     (:func:`fluxrt.gemm.grouped_gemm`)."""
     fp8 = (("FLUXRT_GEMM_IN_B", str(IN_IDS[b_dtype or in_dtype])), ("FLUXRT_GEMM_SCALE", str(SCALE_IDS[scale]))) \
         if IN_IDS[in_dtype] >= 2 else ()
-    # hook 4, bands, grouped, split-K, stream-K and L2 prefetch only when on: every configuration without them keeps its earlier macros (and
+    # hook 4, bands, grouped, split-K and stream-K only when on: every configuration without them keeps its earlier macros (and
     # cache key)
-    return (("FLUXRT_GEMM_GROUPED", "1"),) * grouped + (("FLUXRT_GEMM_SPLIT_K", "1"),) * (plan.split_k > 1) + (("FLUXRT_GEMM_STREAM_K", "1"),) * plan.stream_k + (("FLUXRT_GEMM_PREFETCH_L2", str(plan.prefetch_l2)),) * (plan.prefetch_l2 > 0) + (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
+    return (("FLUXRT_GEMM_GROUPED", "1"),) * grouped + (("FLUXRT_GEMM_SPLIT_K", "1"),) * (plan.split_k > 1) + (("FLUXRT_GEMM_STREAM_K", "1"),) * plan.stream_k + (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(IN_IDS[in_dtype])),
             ("FLUXRT_GEMM_OUT", str(OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),

@@ -43,7 +43,6 @@ ROW_BYTES = 128                    # bytes of K per stage row, both input widths
 SMEM_LIMIT_BYTES = 232448          # 227 KiB: the opt-in maximum dynamic shared memory per block on H100/H200
 SMEM_ALIGN_BYTES = 1024            # the kernel aligns its base to a 128B-swizzle atom
 MAX_STAGES = 8
-MAX_PREFETCH_L2 = 32               # GemmPlan.prefetch_l2: K blocks ahead at most
 H100_H200_SMS = 132
 BLOCK_NS = (256, 192, 128, 64)     # wgmma N of the tile widths the kernel instantiates
 ORDERS = ("grouped", "hilbert")
@@ -86,7 +85,6 @@ class GemmPlan:
     c_staging: str = "per_consumer"
     split_k: int = 1
     stream_k: bool = False
-    prefetch_l2: int = 0
 
     def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
         """Raise ValueError when the kernel cannot be instantiated with this plan."""
@@ -99,9 +97,6 @@ class GemmPlan:
             out_dtype = "float32"   # the GEMM itself writes fp32 partials
         if self.stream_k and (self.split_k > 1 or self.cluster != 1 or self.epilogue != "tma"):
             raise ValueError("GemmPlan.stream_k needs split_k=1, cluster=1 and epilogue='tma'")
-        if not 0 <= self.prefetch_l2 <= MAX_PREFETCH_L2:
-            raise ValueError(f"GemmPlan.prefetch_l2 must be 0 (off) to {MAX_PREFETCH_L2} K blocks ahead, got "
-                             f"{self.prefetch_l2}")
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m != 64 * self.consumers:
@@ -142,9 +137,8 @@ class GemmPlan:
         staging = "/shared" if self.c_staging == "shared" else ""
         order = self.order + (f"/g{self.group_m}" if self.order == "grouped" else "")
         split = f" k{self.split_k}" if self.split_k > 1 else (" sk" if self.stream_k else "")
-        pf = f" pf{self.prefetch_l2}" if self.prefetch_l2 else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
-                f"x{self.cluster}{split}{pf}")
+                f"x{self.cluster}{split}")
 
     # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
     def stage_bytes(self) -> int:

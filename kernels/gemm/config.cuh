@@ -59,9 +59,6 @@
 //                             K ranges, units that continue the round robin so that the waves fill up. A cut
 //                             tile's last piece waits for the others' fp32 partials and adds them in piece
 //                             order (StreamK in scheduler.cuh, stream_k_fixup in consumer.cuh). default 0
-//   FLUXRT_GEMM_PREFETCH_L2   D > 0: the loader asks L2 for B's tile D K blocks ahead of the one it loads (TMA
-//                             tensor prefetch; B streamed once from DRAM, as with few tile rows, waits on
-//                             DRAM latency the ring alone does not hide). Not grouped. default 0
 //   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; hooks 1, 2 only; no cluster, bands; staged epilogue):
 //                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a
@@ -134,9 +131,6 @@
 #ifndef FLUXRT_GEMM_STREAM_K
 #define FLUXRT_GEMM_STREAM_K 0
 #endif
-#ifndef FLUXRT_GEMM_PREFETCH_L2
-#define FLUXRT_GEMM_PREFETCH_L2 0
-#endif
 
 namespace fluxrt_sm90 {
 
@@ -175,8 +169,6 @@ constexpr bool kBandsC = (FLUXRT_GEMM_BANDS & 2) != 0;
 static_assert(!(kBandsA && kHookCopy), "hook 4 stores A's own rows through the 2-D map of A");
 static_assert(!(kBandsC && (kHookEpilogue || kEpiDirect)), "banded C is C itself, stored by the storer warp");
 constexpr bool kSplitK = FLUXRT_GEMM_SPLIT_K != 0;
-constexpr int kPrefetchL2 = FLUXRT_GEMM_PREFETCH_L2;   // K blocks ahead; 0: off
-static_assert(kPrefetchL2 >= 0 && !(kPrefetchL2 > 0 && FLUXRT_GEMM_GROUPED), "L2 prefetch: plain GEMMs");
 static_assert(FLUXRT_GEMM_IN >= 0 && FLUXRT_GEMM_IN <= 3, "input type 0..3");
 static_assert(kFp8 ? (FLUXRT_GEMM_IN_B == 2 || FLUXRT_GEMM_IN_B == 3) : FLUXRT_GEMM_IN_B == FLUXRT_GEMM_IN,
               "B's type: an fp8 format with fp8 A, else A's type");

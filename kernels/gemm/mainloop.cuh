@@ -95,18 +95,6 @@ struct ArrivalWaitMainloop {
 };
 using OwnShardMainloop = ArrivalWaitMainloop<OwnShardOfA>;
 
-// FLUXRT_GEMM_PREFETCH_L2: ask L2 for the boxes of B that the loader will load at K column k0 (this CTA's share
-// of them in a cluster), kPrefetchL2 K blocks before it loads them.
-__device__ __forceinline__ void prefetch_b_l2(const TmaDesc* tmap_b, int k0, int n0, int cta_rank) {
-    if constexpr (kBKMajor) {
-        tma_prefetch_l2_2d(tmap_b, k0, n0 + cta_rank * (kBN / kCluster));
-    } else {
-#pragma unroll
-        for (int j = 0; j < kBN / 64; ++j)
-            if (j % kCluster == cta_rank) tma_prefetch_l2_2d(tmap_b, n0 + 64 * j, k0);
-    }
-}
-
 // The loader: per K block, wait until every consumer (of every CTA of the cluster) released the stage,
 // announce the stage's bytes on full[s], and issue the TMA loads that complete them.
 // Split-K passes its KSlices last (`slices`: none or one).
@@ -132,10 +120,6 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
         const int k_blocks = band_k_blocks(k_blocks_all, a.row, slices...);
         for (int kb = 0; kb < k_blocks; ++kb) {
             const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
-            if constexpr (kPrefetchL2 > 0) {
-                if (kb + kPrefetchL2 < k_blocks)
-                    prefetch_b_l2(tmap_b, k_first + (kb + kPrefetchL2) * kBK, n0, (int)sched.cta_rank);
-            }
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol)
             mbar_arrive_expect_tx(full, kStageBytes);
             const int k0 = k_first + kb * kBK;
@@ -190,9 +174,6 @@ __device__ __forceinline__ void run_loader_stream_k(const Schedule& sched, const
         const int m0 = m_tile * kBM, n0 = n_tile * kBN;
         for (int kb = kb0; kb < kb0 + kbs; ++kb) {
             const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
-            if constexpr (kPrefetchL2 > 0) {
-                if (kb + kPrefetchL2 < kb0 + kbs) prefetch_b_l2(tmap_b, (kb + kPrefetchL2) * kBK, n0, 0);
-            }
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol)
             mbar_arrive_expect_tx(full, kStageBytes);
             const int k0 = kb * kBK;

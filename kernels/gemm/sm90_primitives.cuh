@@ -89,12 +89,6 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaDesc* desc, int x,
 }
 // Multicast load: the box lands at the same shared-memory offset `dst` in every CTA of the cluster named
 // in `cta_mask`, and each of them gets the complete_tx of its bytes on its own mbarrier at offset `bar`.
-// TMA tensor prefetch of the box at {x, y} into L2: no shared memory, no barrier, nothing to wait for.
-__device__ __forceinline__ void tma_prefetch_l2_2d(const TmaDesc* desc, int x, int y) {
-    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
-                 ::"l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y) : "memory");
-}
-
 __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TmaDesc* desc, int x, int y, u32 bar,
                                                       unsigned short cta_mask) {
     asm volatile(
