@@ -116,6 +116,9 @@ def test_candidates_include_the_heuristic_and_every_known_tile_shape():
     assert set(tile_shapes(4096)) <= shapes
     assert heuristic_plan(4096, 4096, 4096) in cands
     assert all(p.smem_bytes("bfloat16") <= SMEM_LIMIT_BYTES for p in cands)
+    deep = {(p.block_n, p.stages, p.cluster) for p in cands if p.c_staging == "shared"}
+    assert {(256, 4, 1), (192, 5, 1), (256, 4, 2), (192, 5, 2)} <= deep   # one stage more than per-consumer staging
+    assert len(set(cands)) == len(cands)
 
 
 def test_plan_describe():

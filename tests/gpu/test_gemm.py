@@ -115,6 +115,8 @@ PLANS = [
     GemmPlan(block_n=128, stages=6, c_staging="shared", group_m=3),
     GemmPlan(cluster=2, stages=4, c_staging="shared"),
     GemmPlan(cluster=2, block_n=128, stages=6, c_staging="shared", order="hilbert", m_tile_offset=3),
+    GemmPlan(block_n=192, stages=5, c_staging="shared"),              # the autotuner's deeper rings
+    GemmPlan(cluster=2, block_n=192, stages=5, c_staging="shared", group_m=5),
 ]
 
 
