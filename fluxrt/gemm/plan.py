@@ -244,7 +244,7 @@ def plan_gemm(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: 
 
 # Relative throughput of one SM on a tile shape (block_m, block_n, cluster) against 128x256 without a
 # cluster, fitted to the per-candidate times of an autotuning pass over the shape suite (docs/tuning.md).
-TILE_RATE = {(128, 256, 1): 1.00, (128, 256, 2): 0.98, (128, 192, 1): 0.776, (128, 192, 2): 0.97,
+TILE_RATE = {(128, 256, 1): 1.00, (128, 256, 2): 0.98, (128, 192, 1): 0.776, (128, 192, 2): 0.93,
              (128, 128, 1): 0.898, (128, 128, 2): 0.741, (128, 64, 1): 0.70,
              (64, 256, 1): 0.62, (64, 192, 1): 0.75, (64, 128, 1): 0.55, (64, 64, 1): 0.40}
 TILE_FIXED_K = 256     # per-tile cost outside the main loop (ring fill, epilogue), in K-steps of work
@@ -353,6 +353,7 @@ STREAM_K_PIECE_COST = 2      # K blocks' time of one partial's round trip throug
 STREAM_K_MAX_PARTIAL_BYTES = 128 << 20   # the cut tiles' fp32 partials at most
 STREAM_K_RATE = 0.85         # the model's discount of stream-K plans (not fitted): picked only where clearly ahead
 STREAM_K_MIN_TILE = (128, 128)   # the heuristic's stream-K tiles at least this (narrower cut tiles lost when measured)
+STREAM_K_MAX_ALL_CUT_PIECES = 2  # the heuristic's stream-K plans that cut every tile: at most this many pieces
 
 
 def stream_k_geometry(tiles: int, k_blocks: int, ctas: int, tile_bytes: int = 128 * 256 * 4) -> tuple[int, int, int]:
@@ -401,7 +402,9 @@ def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms:
                    every_shape: bool = False) -> list[GemmPlan]:
     """Stream-K plans worth considering: every cluster-1 tile shape of at least STREAM_K_MIN_TILE (every_shape:
     any, the autotuner's set) whose tiles fill their waves less than STREAM_K_MAX_FILL, when K has at least
-    STREAM_K_MIN_K columns."""
+    STREAM_K_MIN_K columns. Not for the heuristic (every_shape=False): a geometry that cuts every tile into more
+    than STREAM_K_MAX_ALL_CUT_PIECES pieces (few tiles: each finisher folds many partials alone, where split-K's
+    reduction spreads over the GPU; measured slower than split-K or a narrower tile on H200)."""
     if k < STREAM_K_MIN_K:
         return []
     out = []
@@ -411,6 +414,10 @@ def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms:
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
         if _wave_fill(tiles, num_sms) >= STREAM_K_MAX_FILL:
             continue
+        if not every_shape:
+            dp, pieces, _ = stream_k_geometry(tiles, -(-k // BLOCK_K), num_sms, bm * bn * 4)
+            if dp == 0 and pieces > STREAM_K_MAX_ALL_CUT_PIECES:
+                continue
         stages = min(max_stages(bm, bn, out_dtype), 6)
         if stages >= 2:
             out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, stream_k=True,
