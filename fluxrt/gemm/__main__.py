@@ -43,14 +43,19 @@ def _tune(args) -> int:
                      "candidates": [{"plan": p, "us": us, "confirmed": p in r.confirmed} for p, us in r.timings]})
         del a, w
         cupy.get_default_memory_pool().free_all_blocks()
+        if args.json:   # after every shape: a pass cut short keeps what it measured
+            _write(args.json, rows)
     print(f"# {len(rows)} shapes in {time.time() - t0:.0f} s")
-    if args.json:
-        from ..perf import results_document, write_json
-
-        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"].decode()
-        write_json(args.json, results_document("gemm-tune", rows, ["python", "-m", "fluxrt.gemm", *sys.argv[1:]],
-                                               machine={"gpu_name": name, "gpu_count": 1}))
     return 0 if rows or not shapes else 1
+
+
+def _write(path, rows) -> None:
+    import cupy
+    from ..perf import results_document, write_json
+
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"].decode()
+    write_json(path, results_document("gemm-tune", rows, ["python", "-m", "fluxrt.gemm", *sys.argv[1:]],
+                                      machine={"gpu_name": name, "gpu_count": 1}))
 
 
 def _cache(args) -> int:
