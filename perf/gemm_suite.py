@@ -14,7 +14,7 @@ Per shape and implementation, in alternating rounds on one stream:
   host    host time of one eager call: wall time of issuing the calls / iters (the launch queue never fills)
 
     python3 perf/gemm_suite.py --suite default -d bf16 --json $OUT/gemm-suite.json
-    python3 perf/gemm_suite.py --shapes 461,9128,13208,NK 9166,664,12896,NK   # a few shapes of the suite
+    python3 perf/gemm_suite.py --shapes 461,9128,13208,NK 8200,8200,8192,KN   # any shapes (suite labels kept)
 
 Ratios are cuBLAS time / fluxrt time (> 1: fluxrt faster); geometric means over the suite at the end.
 """
@@ -133,6 +133,22 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
     return row
 
 
+def shape_arg(text: str) -> Shape:
+    """M,N,K,NK|KN -> Shape (label 'cli'); argparse reports what is wrong with a malformed one."""
+    parts = text.split(",")
+    if len(parts) != 4 or parts[3] not in ("NK", "KN") or not all(p.isdigit() and int(p) > 0 for p in parts[:3]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected M,N,K,NK or M,N,K,KN with positive M, N, K")
+    return Shape(int(parts[0]), int(parts[1]), int(parts[2]), layout=parts[3], label="cli")
+
+
+def pick_shapes(suite_shapes: list[Shape], wanted: list[Shape] | None) -> list[Shape]:
+    """The suite, or the wanted shapes in the order given, each with its suite label where it has one."""
+    if not wanted:
+        return list(suite_shapes)
+    known = {s.key(): s for s in suite_shapes}
+    return [known.get(w.key(), w) for w in wanted]
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fluxrt.perf.sweep import add_gemm_bench_arguments
 
@@ -143,8 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-graph", action="store_true", help="eager calls only")
     ap.add_argument("--autotune", action="store_true", help="tune each shape first (fluxrt.gemm.autotune)")
     ap.add_argument("--limit", type=int, default=None, help="first N shapes of the suite only")
-    ap.add_argument("--shapes", nargs="+", default=None, metavar="M,N,K,NK|KN",
-                    help="only these shapes of the suite (e.g. 461,9128,13208,NK)")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="M,N,K,NK|KN", type=shape_arg,
+                    help="these shapes instead of the suite (e.g. 461,9128,13208,NK; NK: B stored [N, K]); a shape "
+                         "of the suite keeps its label")
     ap.add_argument("--lt", action="store_true",
                     help="also time cuBLASLt at its best per shape (needs nvmath-python: fluxrt.perf.cublaslt)")
     ap.add_argument("--json", type=Path, default=None)
@@ -156,11 +173,7 @@ def main(argv=None) -> int:
 
     import cupy
 
-    shapes = suite(args.suite)
-    if args.shapes:
-        wanted = {tuple(x.split(",")) for x in args.shapes}
-        shapes = [s for s in shapes if (str(s.m), str(s.n), str(s.k), s.layout) in wanted]
-    shapes = shapes[: args.limit]
+    shapes = pick_shapes(suite(args.suite), args.shapes)[: args.limit]
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"# {name}, {args.dtype}, suite {args.suite} ({len(shapes)} shapes), {args.iters} calls x {args.rounds} "
@@ -194,8 +207,32 @@ def main(argv=None) -> int:
               f"{r['ratio_eager']:6.3f} | {g} | {r['fluxrt_host_us']:5.1f}/{r['cublas_host_us']:5.1f} | {r['plan']}{flag}",
               flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
+        if args.json:   # after every shape: a run cut short keeps what it measured
+            _write(args, argv, name, rows, summarize(rows, len(shapes), lt is not None, t_start))
+    summary = summarize(rows, len(shapes), lt is not None, t_start)
+    print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    if args.json:
+        _write(args, argv, name, rows, summary)
+        print(f"# wrote {len(rows)} rows to {args.json}")
+    bad = [r for r in rows if "error" in r or r.get("rel_err_vs_cublas", 0.0) > 1e-2]
+    if bad:
+        print(f"# {len(bad)} shapes failed or disagree with cuBLAS (rel err > 1e-2)", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _write(args, argv, gpu_name: str, rows: list[dict], summary: dict) -> None:
+    from fluxrt.perf import results_document, write_json
+
+    doc = results_document("gemm-suite", rows, ["python3", "perf/gemm_suite.py", *(argv or sys.argv[1:])],
+                           machine={"gpu_name": gpu_name, "gpu_count": 1})
+    doc["summary"] = summary
+    write_json(args.json, doc)
+
+
+def summarize(rows: list[dict], n_shapes: int, with_lt: bool, t_start: float) -> dict:
+    """Geometric means, counts below 0.95, worst ratios and median host times of the measured rows."""
     ok = [r for r in rows if "ratio_eager" in r]
-    summary = {"shapes": len(shapes), "measured": len(ok),
+    summary = {"shapes": n_shapes, "measured": len(ok),
                "geomean_eager": geomean(r["ratio_eager"] for r in ok),
                "geomean_graph": geomean(r.get("ratio_graph") for r in ok),
                # eager against cupy.matmul: cuBLAS as a CuPy user calls it, CuPy's host cost included
@@ -207,25 +244,13 @@ def main(argv=None) -> int:
                "median_host_us_fluxrt": float(np.median([r["fluxrt_host_us"] for r in ok])) if ok else None,
                "median_host_us_cublas": float(np.median([r["cublas_host_us"] for r in ok])) if ok else None,
                "seconds": time.time() - t_start}
-    if lt is not None:
+    if with_lt:
         summary.update({"geomean_eager_vs_cublaslt": geomean(r.get("ratio_eager_lt") for r in ok),
                         "geomean_graph_vs_cublaslt": geomean(r.get("ratio_graph_lt") for r in ok),
                         "below_0.95_graph_vs_cublaslt": sum(r.get("ratio_graph_lt", 1) < 0.95 for r in ok),
                         "worst_graph_vs_cublaslt": min((r["ratio_graph_lt"] for r in ok if "ratio_graph_lt" in r),
                                                        default=None)})
-    print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
-    if args.json:
-        from fluxrt.perf import results_document, write_json
-
-        doc = results_document("gemm-suite", rows, ["python3", "perf/gemm_suite.py", *(argv or sys.argv[1:])],
-                               machine={"gpu_name": name, "gpu_count": 1})
-        doc["summary"] = summary
-        write_json(args.json, doc)
-        print(f"# wrote {len(rows)} rows to {args.json}")
-    bad = [r for r in rows if "error" in r or r.get("rel_err_vs_cublas", 0.0) > 1e-2]
-    if bad:
-        print(f"# {len(bad)} shapes failed or disagree with cuBLAS (rel err > 1e-2)", file=sys.stderr)
-    return 1 if bad else 0
+    return summary
 
 
 if __name__ == "__main__":

@@ -249,21 +249,39 @@ TILE_RATE = {(128, 256, 1): 1.00, (128, 256, 2): 0.98, (128, 192, 1): 0.776, (12
              (64, 256, 1): 0.62, (64, 192, 1): 0.75, (64, 128, 1): 0.55, (64, 64, 1): 0.40}
 TILE_FIXED_K = 256     # per-tile cost outside the main loop (ring fill, epilogue), in K-steps of work
 CLUSTER_MIN_TILE_ROWS = 16   # cluster-2 plans only where at least this many 128-row tiles pair up
-# Rows of A (and of B stored [N, K]) that are not whole 128-byte lines (K % 64 != 0 for 16-bit types) make
-# every TMA load straddle lines; sharing B across a cluster halves those loads. Factor on cluster-1 rates.
-UNALIGNED_K_CLUSTER1_RATE = 0.88
+# B's rows not whole 32-byte sectors (K of B stored [N, K], N of B stored [K, N], times the element size) make
+# every TMA load of B touch one more sector; sharing B across a cluster halves those loads. Factor on the
+# rates of every cluster-1 plan (plain, split-K, stream-K) where such rows are loaded.
+MISALIGNED_B_CLUSTER1_RATE = 0.80
+SECTOR_BYTES = 32
+
+
+def misaligned_b_rows(n: int, k: int, trans_b: bool = True, itemsize: int = 2) -> bool:
+    """True where B's rows are not whole 32-byte sectors: rows of K elements when B is stored [N, K] (trans_b),
+    of N elements when stored [K, N]."""
+    return bool(((k if trans_b else n) * itemsize) % SECTOR_BYTES)
+
+
+def _cluster1_factor(m: int, n: int, k: int, trans_b: bool) -> float:
+    """MISALIGNED_B_CLUSTER1_RATE where cluster-2 plans are an alternative (enough tile rows pair up) and B's
+    rows are misaligned, else 1."""
+    if math.ceil(m / 128) >= CLUSTER_MIN_TILE_ROWS and misaligned_b_rows(n, k, trans_b):
+        return MISALIGNED_B_CLUSTER1_RATE
+    return 1.0
 
 
 def tile_cost(m: int, n: int, k: int, block_m: int, block_n: int, cluster: int = 1,
-              num_sms: int = H100_H200_SMS) -> float:
+              num_sms: int = H100_H200_SMS, trans_b: bool = True, misaligned: bool = True) -> float:
     """Modelled time of a problem with one tile shape, in arbitrary units: whole waves of persistent
     CTAs, each tile taking (K + TILE_FIXED_K) steps at its shape's rate; a partial last wave costs a
-    whole one, and padding rows and columns cost like real ones."""
+    whole one, and padding rows and columns cost like real ones. trans_b: B stored [N, K] (its rows are K
+    long) rather than [K, N] (rows N long): whether B's rows are misaligned (:func:`misaligned_b_rows`);
+    misaligned=False leaves that factor out (a caller that applies it on the whole problem)."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
     waves = math.ceil(tiles / num_sms)
     rate = TILE_RATE[(block_m, block_n, cluster)]
-    if cluster == 1 and k % 64 and math.ceil(m / 128) >= CLUSTER_MIN_TILE_ROWS:
-        rate *= UNALIGNED_K_CLUSTER1_RATE
+    if cluster == 1 and misaligned:
+        rate *= _cluster1_factor(m, n, k, trans_b)
     return waves * block_m * block_n * (k + TILE_FIXED_K) / rate
 
 
@@ -290,13 +308,15 @@ def split_slices(k: int, splits: int, block_k: int = BLOCK_K) -> tuple[int, int]
     return k_slice, -(-k // k_slice)
 
 
-def split_cost(m: int, n: int, k: int, block_m: int, block_n: int, splits: int, num_sms: int = H100_H200_SMS) -> float:
+def split_cost(m: int, n: int, k: int, block_m: int, block_n: int, splits: int, num_sms: int = H100_H200_SMS,
+               trans_b: bool = True) -> float:
     """Modelled time of a split-K plan in :func:`tile_cost` units (one unit: one multiply-add of one SM at the
     128x256 rate, about 0.33 ps on H100/H200, which makes a byte of DRAM traffic about one unit): the launch
     over splits bands of padded rows with K / splits, its fp32 partials written and read back once, C
     written, and the reduce launch."""
     m_pad = math.ceil(m / block_m) * block_m
-    gemm = tile_cost(splits * m_pad, n, k // splits, block_m, block_n, 1, num_sms) / SPLIT_RATE
+    gemm = tile_cost(splits * m_pad, n, k // splits, block_m, block_n, 1, num_sms, misaligned=False) / SPLIT_RATE
+    gemm /= _cluster1_factor(m, n, k, trans_b)   # the slices read B's rows as the whole problem does
     return gemm + 2 * splits * m * n * 4 + m * n * 2 + SPLIT_FIXED_COST
 
 
@@ -383,7 +403,8 @@ def stream_k_geometry(tiles: int, k_blocks: int, ctas: int, tile_bytes: int = 12
     return best[1], best[2], best[3]
 
 
-def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = H100_H200_SMS) -> float:
+def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = H100_H200_SMS,
+                  trans_b: bool = True) -> float:
     """Modelled time of a stream-K plan in :func:`tile_cost` units: :func:`stream_k_geometry`'s K blocks per CTA
     at the tile shape's rate times STREAM_K_RATE."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
@@ -394,7 +415,7 @@ def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: i
     blocks = (dp // num_sms) * (kb + fixed) + -(-cut * pieces // num_sms) * (pb + fixed)
     if pieces > 1:
         blocks += STREAM_K_PIECE_COST * pieces
-    rate = TILE_RATE[(block_m, block_n, 1)] * STREAM_K_RATE
+    rate = TILE_RATE[(block_m, block_n, 1)] * STREAM_K_RATE * _cluster1_factor(m, n, k, trans_b)
     return block_m * block_n * BLOCK_K * blocks / rate
 
 
@@ -425,13 +446,13 @@ def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms:
     return out
 
 
-def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_SMS) -> float:
+def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_SMS, trans_b: bool = True) -> float:
     """The model's time of a plan (:func:`tile_cost`, :func:`split_cost`, :func:`stream_k_cost`)."""
     if plan.split_k > 1:
-        return split_cost(m, n, k, plan.block_m, plan.block_n, plan.split_k, num_sms)
+        return split_cost(m, n, k, plan.block_m, plan.block_n, plan.split_k, num_sms, trans_b)
     if plan.stream_k:
-        return stream_k_cost(m, n, k, plan.block_m, plan.block_n, num_sms)
-    return tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster, num_sms)
+        return stream_k_cost(m, n, k, plan.block_m, plan.block_n, num_sms, trans_b)
+    return tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster, num_sms, trans_b)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -449,7 +470,7 @@ def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dt
     best = None
     for plan in (plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
                  + (stream_k_plans(m, n, k, out_dtype, num_sms) if stream_k else [])):
-        cost = plan_cost(plan, m, n, k, num_sms)
+        cost = plan_cost(plan, m, n, k, num_sms, trans_b)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)
     return best[1].validate(out_dtype)

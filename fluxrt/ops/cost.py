@@ -117,7 +117,7 @@ def gemm_us(m: int, n: int, k: int, dtype: str = "bfloat16", *, trans_b: bool = 
     us = tuned_us(m, n, k) if tuned_us is not None else None
     if us is None:
         plan = heuristic_plan(m, n, k, in_dtype=dtype, out_dtype=dtype, trans_b=trans_b, num_sms=num_sms)
-        us = plan_cost(plan, m, n, k, num_sms) * rates.us_per_unit
+        us = plan_cost(plan, m, n, k, num_sms, trans_b) * rates.us_per_unit
     if 0 < sms < num_sms:
         # a persistent GEMM on fewer SMs: as many more waves as it lost SMs (no gain for a partial wave)
         us *= max(1.0, num_sms / sms * min(1.0, _tiles(m, n) / num_sms))

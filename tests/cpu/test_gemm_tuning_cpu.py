@@ -110,6 +110,40 @@ def test_cluster_plans_only_with_enough_tile_rows():
     assert all(key in TILE_RATE for key in tile_shapes(1 << 14))
 
 
+@pytest.mark.parametrize("n,k,trans_b,pitch", [(8192, 8200, True, 16400), (8200, 8192, False, 16400),
+                                                (8200, 8192, True, 16384), (7392, 8192, False, 14784),
+                                                (8192, 7392, True, 14784), (1000, 7952, True, 15904),
+                                                (2072, 12464, False, 4144)])
+def test_misaligned_b_rows_is_the_pitch_of_b_in_32_byte_sectors(n, k, trans_b, pitch):
+    from fluxrt.gemm.plan import misaligned_b_rows
+
+    assert misaligned_b_rows(n, k, trans_b) == (pitch % 32 != 0)
+
+
+@pytest.mark.parametrize("m,n,k,trans_b", [(8192, 8192, 8200, True), (8200, 8200, 8192, False),
+                                           (7179, 10480, 8024, True), (6952, 9344, 5400, True)])
+def test_misaligned_b_rows_cost_cluster_1_plans_more_and_the_heuristic_shares_b(m, n, k, trans_b):
+    from fluxrt.gemm.plan import MISALIGNED_B_CLUSTER1_RATE as f
+    from fluxrt.gemm.plan import stream_k_cost
+
+    assert tile_cost(m, n, k, 128, 256, 1, trans_b=trans_b) == pytest.approx(
+        tile_cost(m, n, k, 128, 256, 1, trans_b=trans_b, misaligned=False) / f)
+    # the other layout of the same problem has B rows of a whole number of sectors: no factor
+    assert tile_cost(m, n, k, 128, 256, 1, trans_b=not trans_b) == pytest.approx(
+        tile_cost(m, n, k, 128, 256, 1, trans_b=not trans_b, misaligned=False))
+    assert stream_k_cost(m, n, k, 128, 256, trans_b=trans_b) == pytest.approx(
+        stream_k_cost(m, n, k, 128, 256, trans_b=not trans_b) / f)
+    assert tile_cost(m, n, k, 128, 256, 2, trans_b=trans_b) == tile_cost(m, n, k, 128, 256, 2, trans_b=not trans_b)
+    assert heuristic_plan(m, n, k, trans_b=trans_b).cluster == 2
+
+
+def test_sector_aligned_b_rows_keep_cluster_1_rates():
+    # K = 7392: rows of 14784 B are whole 32-byte sectors though not whole 128-byte lines
+    for trans_b in (True, False):
+        assert tile_cost(2048, 8192, 7392, 128, 256, 1, trans_b=trans_b) == pytest.approx(
+            tile_cost(2048, 8192, 7392, 128, 256, 1, trans_b=trans_b, misaligned=False))
+
+
 def test_candidates_include_the_heuristic_and_every_known_tile_shape():
     cands = tuning.candidates(4096, 4096, 4096)
     shapes = {(p.block_m, p.block_n, p.cluster) for p in cands}

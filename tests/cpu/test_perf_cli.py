@@ -396,3 +396,25 @@ def test_gemm_benchmarks_take_the_cublaslt_flags():
         spec.loader.exec_module(mod)
         args = mod.build_parser().parse_args([flag])
         assert getattr(args, flag.lstrip("-").replace("-", "_")) is True
+
+
+def test_gemm_suite_shapes_are_any_shapes_and_keep_suite_labels():
+    import importlib.util
+    from pathlib import Path
+
+    from fluxrt.perf.shapes import suite
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gemm_suite", root / "perf" / "gemm_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    known = suite("default")[0]
+    args = mod.build_parser().parse_args(["--shapes", "8200,8200,8192,KN", f"{known.m},{known.n},{known.k},{known.layout}"])
+    picked = mod.pick_shapes(suite("default"), args.shapes)
+    assert [(s.m, s.n, s.k, s.layout, s.label) for s in picked] == [(8200, 8200, 8192, "KN", "cli"),
+                                                                   (known.m, known.n, known.k, known.layout, known.label)]
+    assert picked[0].trans_b is False and picked[1].trans_b == (known.layout == "NK")
+    assert mod.pick_shapes(suite("default"), None) == suite("default")
+    for bad in ("8200,8200,8192", "8200,8200,8192,NN", "0,8,8,NK", "a,8,8,KN"):
+        with pytest.raises(SystemExit):
+            mod.build_parser().parse_args(["--shapes", bad])
