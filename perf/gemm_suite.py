@@ -40,16 +40,9 @@ def _np_dtype(name: str):
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float16)
 
 
-
-
-
-
-
-
-
-
 def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, autotune: bool, check: bool,
-                lt=None) -> dict:
+                lt=None, plan=None) -> dict:
+    """One shape: cuBLAS, fluxrt (the planner's plan, or `plan`) and cuBLASLt (with `lt`), eager and graph."""
     import cupy
 
     from fluxrt.gemm import gemm, plan_for
@@ -68,7 +61,8 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
 
         with stream:
             tune(a, w, trans_b=s.trans_b)
-    plan = plan_for(s.m, s.n, s.k, in_dtype=dtype, out_dtype=dtype, trans_b=s.trans_b)
+    forced = plan
+    plan = forced or plan_for(s.m, s.n, s.k, in_dtype=dtype, out_dtype=dtype, trans_b=s.trans_b)
 
     run_cublas = cublas_gemm(a, w, c_ref, s.trans_b, stream.ptr)
 
@@ -76,7 +70,7 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
         cupy.matmul(a, wm, out=c_ref)
 
     def run_fluxrt():
-        gemm(a, w, c, trans_b=s.trans_b, stream=stream)
+        gemm(a, w, c, trans_b=s.trans_b, stream=stream, plan=forced)
 
     row = {"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": dtype,
            "plan": plan.describe()}
@@ -164,12 +158,40 @@ def build_parser() -> argparse.ArgumentParser:
                          "of the suite keeps its label")
     ap.add_argument("--lt", action="store_true",
                     help="also time cuBLASLt at its best per shape (needs nvmath-python: fluxrt.perf.cublaslt)")
+    ap.add_argument("--plan", type=plan_arg, default=None, metavar="FIELD=VALUE,...",
+                    help="fluxrt runs this plan on every shape instead of the planner's: GemmPlan fields over its "
+                         "defaults, e.g. cluster=2,block_n=192,stages=4 (an A/B of plans in one job)")
     ap.add_argument("--json", type=Path, default=None)
     return ap
 
 
+def plan_arg(text: str):
+    """FIELD=VALUE,... -> a validated GemmPlan (the defaults elsewhere; consumers follow block_m)."""
+    import dataclasses
+
+    from fluxrt.gemm.plan import GemmPlan
+
+    fields = {f.name: f for f in dataclasses.fields(GemmPlan)}
+    kw = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or not value:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        kw[key] = value if key in ("order", "epilogue", "c_staging") else (value.lower() in ("1", "true") if key == "stream_k"
+                                                                           else int(value))
+    if "block_m" in kw and "consumers" not in kw:
+        kw["consumers"] = kw["block_m"] // 64
+    try:
+        return GemmPlan(**kw).validate()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.plan is not None and args.autotune:
+        ap.error("--plan and --autotune exclude each other (--plan fixes fluxrt's plan)")
 
     import cupy
 
@@ -177,7 +199,8 @@ def main(argv=None) -> int:
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"# {name}, {args.dtype}, suite {args.suite} ({len(shapes)} shapes), {args.iters} calls x {args.rounds} "
-          f"rounds, autotune={'on' if args.autotune else 'off'}; ratio = cuBLAS / fluxrt")
+          f"rounds, autotune={'on' if args.autotune else 'off'}"
+          f"{', plan ' + args.plan.describe() if args.plan else ''}; ratio = cuBLAS / fluxrt")
     hdr = (f"{'M':>6} {'N':>6} {'K':>6} {'W':>2} | {'eager cuBLAS':>12} {'fluxrt':>8} {'ratio':>6} | "
            f"{'graph cuBLAS':>12} {'fluxrt':>8} {'ratio':>6} | {'host us':>11} | plan")
     print(hdr)
@@ -192,7 +215,7 @@ def main(argv=None) -> int:
     for s in shapes:
         try:
             r = bench_shape(s, args.dtype, args.iters, args.rounds, not args.no_graph, args.autotune, bool(args.check),
-                            lt)
+                            lt, args.plan)
         except Exception as e:
             print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout:>2} | FAILED {type(e).__name__}: {e}", flush=True)
             rows.append({"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": args.dtype,

@@ -418,3 +418,24 @@ def test_gemm_suite_shapes_are_any_shapes_and_keep_suite_labels():
     for bad in ("8200,8200,8192", "8200,8200,8192,NN", "0,8,8,NK", "a,8,8,KN"):
         with pytest.raises(SystemExit):
             mod.build_parser().parse_args(["--shapes", bad])
+
+
+def test_gemm_suite_plan_option_builds_a_validated_plan():
+    import importlib.util
+    from pathlib import Path
+
+    from fluxrt.gemm.plan import GemmPlan
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gemm_suite", root / "perf" / "gemm_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.build_parser().parse_args(["--plan", "cluster=2,block_n=192,stages=4"])
+    assert args.plan == GemmPlan(cluster=2, block_n=192, stages=4)
+    assert mod.plan_arg("block_m=64,block_n=128,stages=6,stream_k=1") == GemmPlan(block_m=64, consumers=1, block_n=128,
+                                                                                    stages=6, stream_k=True)
+    for bad in ("cluster=3", "stages=9,block_n=256", "tile=128", "cluster="):
+        with pytest.raises(SystemExit):
+            mod.build_parser().parse_args(["--plan", bad])
+    with pytest.raises(SystemExit):
+        mod.main(["--plan", "cluster=2", "--autotune"])
