@@ -253,6 +253,9 @@ CLUSTER_MIN_TILE_ROWS = 16   # cluster-2 plans only where at least this many 128
 # every TMA load of B touch one more sector; sharing B across a cluster halves those loads. Factor on the
 # rates of every cluster-1 plan (plain, split-K, stream-K) where such rows are loaded.
 MISALIGNED_B_CLUSTER1_RATE = 0.80
+# K not a multiple of 64 (rows of A not whole 128-byte lines): a smaller factor on plain cluster-1 plans only,
+# where measurements disagree (docs/tuning.md); B's sectors take precedence.
+UNALIGNED_K_CLUSTER1_RATE = 0.88
 SECTOR_BYTES = 32
 
 
@@ -262,12 +265,15 @@ def misaligned_b_rows(n: int, k: int, trans_b: bool = True, itemsize: int = 2) -
     return bool(((k if trans_b else n) * itemsize) % SECTOR_BYTES)
 
 
-def _cluster1_factor(m: int, n: int, k: int, trans_b: bool) -> float:
-    """MISALIGNED_B_CLUSTER1_RATE where cluster-2 plans are an alternative (enough tile rows pair up) and B's
-    rows are misaligned, else 1."""
-    if math.ceil(m / 128) >= CLUSTER_MIN_TILE_ROWS and misaligned_b_rows(n, k, trans_b):
+def _cluster1_factor(m: int, n: int, k: int, trans_b: bool, plain: bool = False) -> float:
+    """The rate factor of a cluster-1 plan where cluster-2 plans are an alternative (enough tile rows pair up):
+    MISALIGNED_B_CLUSTER1_RATE where B's rows are misaligned, else (plain plans only) UNALIGNED_K_CLUSTER1_RATE
+    where K % 64 != 0, else 1."""
+    if math.ceil(m / 128) < CLUSTER_MIN_TILE_ROWS:
+        return 1.0
+    if misaligned_b_rows(n, k, trans_b):
         return MISALIGNED_B_CLUSTER1_RATE
-    return 1.0
+    return UNALIGNED_K_CLUSTER1_RATE if plain and k % 64 else 1.0
 
 
 def tile_cost(m: int, n: int, k: int, block_m: int, block_n: int, cluster: int = 1,
@@ -281,7 +287,7 @@ def tile_cost(m: int, n: int, k: int, block_m: int, block_n: int, cluster: int =
     waves = math.ceil(tiles / num_sms)
     rate = TILE_RATE[(block_m, block_n, cluster)]
     if cluster == 1 and misaligned:
-        rate *= _cluster1_factor(m, n, k, trans_b)
+        rate *= _cluster1_factor(m, n, k, trans_b, plain=True)
     return waves * block_m * block_n * (k + TILE_FIXED_K) / rate
 
 

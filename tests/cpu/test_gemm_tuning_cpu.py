@@ -124,24 +124,31 @@ def test_misaligned_b_rows_is_the_pitch_of_b_in_32_byte_sectors(n, k, trans_b, p
                                            (7179, 10480, 8024, True), (6952, 9344, 5400, True)])
 def test_misaligned_b_rows_cost_cluster_1_plans_more_and_the_heuristic_shares_b(m, n, k, trans_b):
     from fluxrt.gemm.plan import MISALIGNED_B_CLUSTER1_RATE as f
-    from fluxrt.gemm.plan import stream_k_cost
+    from fluxrt.gemm.plan import UNALIGNED_K_CLUSTER1_RATE as fk
+    from fluxrt.gemm.plan import split_cost, stream_k_cost
 
-    assert tile_cost(m, n, k, 128, 256, 1, trans_b=trans_b) == pytest.approx(
-        tile_cost(m, n, k, 128, 256, 1, trans_b=trans_b, misaligned=False) / f)
-    # the other layout of the same problem has B rows of a whole number of sectors: no factor
-    assert tile_cost(m, n, k, 128, 256, 1, trans_b=not trans_b) == pytest.approx(
-        tile_cost(m, n, k, 128, 256, 1, trans_b=not trans_b, misaligned=False))
+    raw = tile_cost(m, n, k, 128, 256, 1, trans_b=trans_b, misaligned=False)
+    assert tile_cost(m, n, k, 128, 256, 1, trans_b=trans_b) == pytest.approx(raw / f)
+    # the other layout of the same problem has B rows of whole sectors: at most the K % 64 factor, plain plans only
+    other = tile_cost(m, n, k, 128, 256, 1, trans_b=not trans_b, misaligned=False)
+    assert tile_cost(m, n, k, 128, 256, 1, trans_b=not trans_b) == pytest.approx(other / (fk if k % 64 else 1.0))
     assert stream_k_cost(m, n, k, 128, 256, trans_b=trans_b) == pytest.approx(
         stream_k_cost(m, n, k, 128, 256, trans_b=not trans_b) / f)
+    assert split_cost(m, n, k, 128, 128, 2, trans_b=trans_b) > split_cost(m, n, k, 128, 128, 2, trans_b=not trans_b)
     assert tile_cost(m, n, k, 128, 256, 2, trans_b=trans_b) == tile_cost(m, n, k, 128, 256, 2, trans_b=not trans_b)
     assert heuristic_plan(m, n, k, trans_b=trans_b).cluster == 2
 
 
-def test_sector_aligned_b_rows_keep_cluster_1_rates():
-    # K = 7392: rows of 14784 B are whole 32-byte sectors though not whole 128-byte lines
+def test_b_rows_of_whole_sectors_scale_plain_plans_by_k_alignment_alone():
+    from fluxrt.gemm.plan import UNALIGNED_K_CLUSTER1_RATE as fk
+
+    # K = 7392: rows of 14784 B, whole 32-byte sectors though not whole 128-byte lines
     for trans_b in (True, False):
-        assert tile_cost(2048, 8192, 7392, 128, 256, 1, trans_b=trans_b) == pytest.approx(
-            tile_cost(2048, 8192, 7392, 128, 256, 1, trans_b=trans_b, misaligned=False))
+        raw = tile_cost(2048, 8192, 7392, 128, 256, 1, trans_b=trans_b, misaligned=False)
+        assert tile_cost(2048, 8192, 7392, 128, 256, 1, trans_b=trans_b) == pytest.approx(raw / fk)
+        # K = 8192 and N = 8192: every row whole lines
+        raw = tile_cost(2048, 8192, 8192, 128, 256, 1, trans_b=trans_b, misaligned=False)
+        assert tile_cost(2048, 8192, 8192, 128, 256, 1, trans_b=trans_b) == pytest.approx(raw)
 
 
 def test_candidates_include_the_heuristic_and_every_known_tile_shape():
