@@ -252,8 +252,25 @@ def _write(args, argv, gpu_name: str, rows: list[dict], summary: dict) -> None:
     write_json(args.json, doc)
 
 
+SHAPE_CLASSES = ("aligned", "k_off_lines", "b_off_sectors", "small_m")
+
+
+def shape_class(m: int, n: int, k: int, layout: str) -> str:
+    """Which of the populations that lose for different reasons a shape belongs to (kernels/gemm/NOTES.md):
+    small_m (M <= 512: B streamed once, few tile rows), b_off_sectors (B's rows not whole 32-byte sectors),
+    k_off_lines (K % 64 != 0: A's rows not whole 128-byte lines), else aligned."""
+    from fluxrt.gemm.plan import misaligned_b_rows
+
+    if m <= 512:
+        return "small_m"
+    if misaligned_b_rows(n, k, layout == "NK"):
+        return "b_off_sectors"
+    return "k_off_lines" if k % 64 else "aligned"
+
+
 def summarize(rows: list[dict], n_shapes: int, with_lt: bool, t_start: float) -> dict:
-    """Geometric means, counts below 0.95, worst ratios and median host times of the measured rows."""
+    """Geometric means, counts below 0.95, worst ratios and median host times of the measured rows; per shape
+    class (:func:`shape_class`) the count and the geometric mean of the graph (else eager) ratios."""
     ok = [r for r in rows if "ratio_eager" in r]
     summary = {"shapes": n_shapes, "measured": len(ok),
                "geomean_eager": geomean(r["ratio_eager"] for r in ok),
@@ -273,6 +290,11 @@ def summarize(rows: list[dict], n_shapes: int, with_lt: bool, t_start: float) ->
                         "below_0.95_graph_vs_cublaslt": sum(r.get("ratio_graph_lt", 1) < 0.95 for r in ok),
                         "worst_graph_vs_cublaslt": min((r["ratio_graph_lt"] for r in ok if "ratio_graph_lt" in r),
                                                        default=None)})
+    for cls in SHAPE_CLASSES:
+        mine = [r for r in ok if shape_class(r["m"], r["n"], r["k"], r["layout"]) == cls]
+        if mine:
+            summary[f"shapes_{cls}"] = len(mine)
+            summary[f"geomean_{cls}"] = geomean(r.get("ratio_graph", r["ratio_eager"]) for r in mine)
     return summary
 
 

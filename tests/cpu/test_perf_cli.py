@@ -398,16 +398,20 @@ def test_gemm_benchmarks_take_the_cublaslt_flags():
         assert getattr(args, flag.lstrip("-").replace("-", "_")) is True
 
 
-def test_gemm_suite_shapes_are_any_shapes_and_keep_suite_labels():
+def _gemm_suite_module():
     import importlib.util
     from pathlib import Path
 
-    from fluxrt.perf.shapes import suite
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("gemm_suite", root / "perf" / "gemm_suite.py")
+    spec = importlib.util.spec_from_file_location("gemm_suite", Path(__file__).resolve().parents[2] / "perf" / "gemm_suite.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gemm_suite_shapes_are_any_shapes_and_keep_suite_labels():
+    from fluxrt.perf.shapes import suite
+
+    mod = _gemm_suite_module()
     known = suite("default")[0]
     args = mod.build_parser().parse_args(["--shapes", "8200,8200,8192,KN", f"{known.m},{known.n},{known.k},{known.layout}"])
     picked = mod.pick_shapes(suite("default"), args.shapes)
@@ -421,15 +425,9 @@ def test_gemm_suite_shapes_are_any_shapes_and_keep_suite_labels():
 
 
 def test_gemm_suite_plan_option_builds_a_validated_plan():
-    import importlib.util
-    from pathlib import Path
-
     from fluxrt.gemm.plan import GemmPlan
 
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("gemm_suite", root / "perf" / "gemm_suite.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _gemm_suite_module()
     args = mod.build_parser().parse_args(["--plan", "cluster=2,block_n=192,stages=4"])
     assert args.plan == GemmPlan(cluster=2, block_n=192, stages=4)
     assert mod.plan_arg("block_m=64,block_n=128,stages=6,stream_k=1") == GemmPlan(block_m=64, consumers=1, block_n=128,
@@ -439,3 +437,27 @@ def test_gemm_suite_plan_option_builds_a_validated_plan():
             mod.build_parser().parse_args(["--plan", bad])
     with pytest.raises(SystemExit):
         mod.main(["--plan", "cluster=2", "--autotune"])
+
+
+def test_gemm_suite_summary_splits_the_shape_classes():
+    import math
+
+    mod = _gemm_suite_module()
+    assert mod.shape_class(461, 9128, 13208, "NK") == "small_m"
+    assert mod.shape_class(8192, 8192, 8200, "NK") == "b_off_sectors"     # rows of 16400 B
+    assert mod.shape_class(8200, 8200, 8192, "KN") == "b_off_sectors"     # B [K, N]: rows of N
+    assert mod.shape_class(8200, 8200, 8192, "NK") == "aligned"
+    assert mod.shape_class(2048, 8192, 7392, "NK") == "k_off_lines"       # 14784 B: whole sectors, not lines
+    rows = [{"m": 8192, "n": 8192, "k": 8192, "layout": "NK", "ratio_eager": 1.1, "ratio_graph": 1.0,
+             "matmul_eager_ms": 1.0, "fluxrt_eager_ms": 1.0, "fluxrt_host_us": 10.0, "cublas_host_us": 20.0},
+            {"m": 4096, "n": 4096, "k": 4096, "layout": "KN", "ratio_eager": 0.9, "ratio_graph": 0.81,
+             "matmul_eager_ms": 1.0, "fluxrt_eager_ms": 1.0, "fluxrt_host_us": 12.0, "cublas_host_us": 18.0},
+            {"m": 256, "n": 4096, "k": 4096, "layout": "NK", "ratio_eager": 0.5,
+             "matmul_eager_ms": 1.0, "fluxrt_eager_ms": 1.0, "fluxrt_host_us": 9.0, "cublas_host_us": 19.0},
+            {"m": 256, "n": 4096, "k": 4104, "layout": "NK", "error": "CompileError: x"}]
+    s = mod.summarize(rows, 4, False, 0.0)
+    assert s["shapes"] == 4 and s["measured"] == 3
+    assert s["shapes_aligned"] == 2 and math.isclose(s["geomean_aligned"], math.sqrt(1.0 * 0.81))
+    assert s["shapes_small_m"] == 1 and math.isclose(s["geomean_small_m"], 0.5)   # eager where no graph ratio
+    assert "shapes_b_off_sectors" not in s and "geomean_k_off_lines" not in s
+    assert s["below_0.95_graph"] == 1 and s["worst_eager"] == 0.5
