@@ -222,11 +222,12 @@ HEURISTIC_TIE = 0.01       # the heuristic's plan stays unless a finalist beats 
 WARM_UP_MS = 30.0          # GPU time run before the screen, so that its first candidates do not meet idle clocks
 
 _streams: dict = {}        # device -> the private stream candidates are captured and timed on
+_tuning_lock = threading.Lock()   # one tuning at a time: another thread's launch must not land in a capture
 
 
 def _tuning_stream(device: int):
     """A non-blocking stream of the device for the timing graphs (capture needs a stream other than the
-    legacy default one, which is what callers usually pass)."""
+    legacy default one, which is what callers usually pass). Callers hold _tuning_lock."""
     import cupy
 
     s = _streams.get(device)
@@ -234,6 +235,22 @@ def _tuning_stream(device: int):
         with cupy.cuda.Device(device):
             s = _streams[device] = cupy.cuda.Stream(non_blocking=True)
     return s
+
+
+def _stream_k_timed_out(stream) -> bool:
+    """After the stream's work: whether a stream-K fixup wait timed out (the record is then cleared, with the
+    stream-K counters), so that no plan is kept on the time of a launch that gave up waiting."""
+    from ..errors import WaitTimeoutError
+    from . import stream_k
+
+    stream.synchronize()
+    try:
+        stream_k.check_errors()
+    except WaitTimeoutError as e:
+        log.warning("gemm autotune: a stream-K candidate timed out (%s); stream-K plans are left out", e)
+        stream_k.reset_errors()
+        return True
+    return False
 
 
 class _Timed:
@@ -281,7 +298,11 @@ def _pick(screen: list, default_plan: GemmPlan | None, confirm_rounds: int) -> t
     if default is not None and default not in finalists:
         finalists.append(default)
     if len(finalists) == 1 or confirm_rounds <= 0:
-        return ranked[0][0], best_us, {}
+        win, win_us = ranked[0]
+        default_us = next((us for t, us in screen if t is default), None)
+        if default_us is not None and default_us <= win_us * (1 + HEURISTIC_TIE):
+            win, win_us = default, default_us
+        return win, win_us, {}
     times: dict = {id(t): [] for t in finalists}
     for _ in range(confirm_rounds):   # interleaved: clock or thermal drift falls on every finalist alike
         for t in finalists:
@@ -317,7 +338,6 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     import cupy
 
     from .checks import validate_gemm_args
-    from .launch import _prepare, _stream_ptr
 
     fp8 = None
     if fp8_format is not None:
@@ -347,62 +367,100 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
         cands = plans if plans is not None else candidates(m, n, k, out_dt, sms)
     if not cands:
         raise GemmArgumentError(f"gemm autotune: no candidate plan for {key}")
-    user_ptr = _stream_ptr(stream)
+    with _tuning_lock:
+        return _tune(a, b, out, key=key, path=path, dev=dev, fp8=fp8, fp8_format=fp8_format, scale_a=scale_a,
+                     scale_b=scale_b, trans_b=trans_b, out_dtype=out_dtype, out_dt=out_dt, m=m, n=n, stream=stream,
+                     cands=cands, default_plan=default_plan, reps=reps, rounds=rounds, confirm_rounds=confirm_rounds)
+
+
+def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans_b, out_dtype, out_dt, m, n, stream,
+          cands, default_plan, reps, rounds, confirm_rounds) -> TuneResult:
+    """autotune()'s timing and choice, under _tuning_lock. Everything runs on the private stream, after the
+    caller's queued work; the operands are imported with that stream current (so a DLPack producer's stream
+    is ordered before it); the winner's launch is the last one, so ``out`` holds its product."""
+    import cupy
+
+    from .launch import _prepare, _stream_ptr
+
     ts = _tuning_stream(dev)
     after_user = cupy.cuda.Event(disable_timing=True)
-    after_user.record(cupy.cuda.ExternalStream(user_ptr))
+    after_user.record(cupy.cuda.ExternalStream(_stream_ptr(stream)))
     ts.wait_event(after_user)
-    if out is None:
-        if fp8 is not None:
-            from ..dtypes import normalize_dtype
-
-            out = cupy.empty((m, n), dtype=normalize_dtype(out_dt))
-        else:
-            out = cupy.empty((m, n), dtype=cupy.dtype(a.dtype) if out_dtype is None else out_dtype)
     t0 = time.perf_counter()
     prepared, failed = [], []
-    for plan in cands:
-        try:
-            if fp8 is not None:
-                from .fp8 import prepare as prepare_fp8
+    try:
+        with ts:
+            if out is None:
+                if fp8 is not None:
+                    from ..dtypes import normalize_dtype
 
-                with ts:
-                    packed, _, _ = prepare_fp8(a, b, out, fp8_format=fp8_format, scale_a=scale_a, scale_b=scale_b,
-                                               plan=plan, out_dtype=out_dtype)
-            else:
-                packed, _, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype, wait=None,
-                                        epilogue=None, stream_ptr=ts.ptr)
-            for _ in range(2):   # the first launch loads the module
-                packed.launch(ts.ptr)
-            prepared.append(_Timed(plan, packed, ts, reps))
-        except Exception as e:   # a candidate that does not build or launch is skipped, not fatal
-            log.info("gemm autotune %s: %s failed: %s", key, plan.describe(), e)
-            ts.synchronize()
-            failed.append(plan)
-    if not prepared:
-        raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
-    # Screen. The clocks of a loaded GPU drift by 10-15 % within seconds (power and temperature), more than
-    # the gaps between good plans, so each candidate is timed in turn with a reference plan (the heuristic's)
-    # and scored by its time relative to the reference's, in the reference's median microseconds.
-    ref = next((t for t in prepared if t.plan == default_plan), prepared[0])
-    warm_ms, n_warm = 0.0, 0
-    while warm_ms < WARM_UP_MS and n_warm < 1000:   # clocks up before anything is timed
-        warm_ms += ref.us() * reps / 1e3
-        n_warm += 1
-    ratios, ref_us = {}, []
-    for timed in prepared:
-        rs = []
-        for _ in range(rounds):
-            r = ref.us()
-            rs.append(timed.us() / r)
-            ref_us.append(r)
-        ratios[id(timed)] = statistics.median(rs)
-    ref_med = statistics.median(ref_us)
-    screen = [(t, ratios[id(t)] * ref_med) for t in prepared]
-    if not screen:
-        raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
-    win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
-    ts.synchronize()
+                    out = cupy.empty((m, n), dtype=normalize_dtype(out_dt))
+                else:
+                    out = cupy.empty((m, n), dtype=cupy.dtype(a.dtype) if out_dtype is None else out_dtype)
+            for plan in cands:
+                try:
+                    if fp8 is not None:
+                        from .fp8 import prepare as prepare_fp8
+
+                        packed, _, _ = prepare_fp8(a, b, out, fp8_format=fp8_format, scale_a=scale_a,
+                                                   scale_b=scale_b, plan=plan, out_dtype=out_dtype)
+                    else:
+                        packed, _, _ = _prepare(a, b, out, trans_b=trans_b, plan=plan, out_dtype=out_dtype,
+                                                wait=None, epilogue=None, stream_ptr=ts.ptr)
+                    for _ in range(2):   # the first launch loads the module
+                        packed.launch(ts.ptr)
+                    prepared.append(_Timed(plan, packed, ts, reps))
+                except Exception as e:   # a candidate that does not build or launch is skipped, not fatal
+                    log.info("gemm autotune %s: %s failed: %s", key, plan.describe(), e)
+                    ts.synchronize()
+                    failed.append(plan)
+        if not prepared:
+            raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
+        # Screen. The clocks of a loaded GPU drift by 10-15 % within seconds (power and temperature), more than
+        # the gaps between good plans, so each candidate is timed in turn with a reference plan (the
+        # heuristic's) and scored by its time relative to the reference's, in the reference's median us.
+        ref = next((t for t in prepared if t.plan == default_plan), prepared[0])
+        warm_ms, n_warm = 0.0, 0
+        while warm_ms < WARM_UP_MS and n_warm < 1000:   # clocks up before anything is timed
+            warm_ms += ref.us() * reps / 1e3
+            n_warm += 1
+        ratios, ref_us = {}, []
+        for timed in prepared:
+            rs = []
+            try:
+                for _ in range(rounds):
+                    r = ref.us()
+                    rs.append(timed.us() / r)
+                    ref_us.append(r)
+            except Exception as e:   # noqa: BLE001 - one candidate's failure is not the tuning's
+                if timed is ref:
+                    raise
+                log.info("gemm autotune %s: %s failed while timed: %s", key, timed.plan.describe(), e)
+                ts.synchronize()
+                failed.append(timed.plan)
+                continue
+            ratios[id(timed)] = statistics.median(rs)
+        ref_med = statistics.median(ref_us)
+        screen = [(t, ratios[id(t)] * ref_med) for t in prepared if id(t) in ratios]
+        if any(t.plan.stream_k for t, _ in screen) and _stream_k_timed_out(ts):
+            failed += [t.plan for t, _ in screen if t.plan.stream_k]
+            screen = [(t, us) for t, us in screen if not t.plan.stream_k]
+        if not screen:
+            raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
+        win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
+        if win.plan.stream_k and _stream_k_timed_out(ts):
+            failed += [t.plan for t, _ in screen if t.plan.stream_k]
+            screen = [(t, us) for t, us in screen if not t.plan.stream_k]
+            if not screen:
+                raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
+            win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
+        win.packed.launch(ts.ptr)   # the last launch: `out` holds the kept plan's product
+    finally:
+        ts.synchronize()
+    if win.plan.stream_k:
+        from . import stream_k
+
+        stream_k.check_errors()   # the kept plan's own last launch
     best = win.plan
     store(path, {key: {"plan": dataclasses.asdict(best), "us": round(best_us, 3),
                        "date": time.strftime("%Y-%m-%d")}})

@@ -498,3 +498,14 @@ def test_pick_takes_the_screen_alone_when_nothing_is_close():
     cap = [(_Scripted(GemmPlan(block_n=64 + 8 * i, stages=4), [10.0 + i / 100]), 10.0 + i / 100) for i in range(9)]
     win, _, med = tuning._pick(cap, default_plan=None, confirm_rounds=2)
     assert len(med) == tuning.MAX_FINALISTS and win is cap[0][0]
+
+
+def test_pick_without_confirmation_still_keeps_the_heuristic_plan_on_a_near_tie():
+    p = _plans(3)
+    fast, heur, far = _Scripted(p[0], [1.0]), _Scripted(p[1], [1.0]), _Scripted(p[2], [1.0])
+    tie = 10.0 * (1 + tuning.HEURISTIC_TIE / 2)
+    win, us, med = tuning._pick([(fast, 10.0), (heur, tie), (far, 10.2)], default_plan=p[1], confirm_rounds=0)
+    assert win is heur and us == tie and med == {} and fast.calls == heur.calls == 0
+    clear = 10.0 * (1 + 2 * tuning.HEURISTIC_TIE)
+    win, us, _ = tuning._pick([(fast, 10.0), (heur, clear)], default_plan=p[1], confirm_rounds=0)
+    assert win is fast and us == 10.0

@@ -801,6 +801,8 @@ def test_autotune_times_graphs_keeps_a_winner_and_writes_a_correct_out(tmp_path,
     again = poisoned((m, n), "bfloat16")
     gemm(da, db, again, trans_b=True)
     assert rel_err(again, reference(a, b, True)) < TOL["bfloat16"]
+    # the kept plan ran last: `out` has its bits (split-K and stream-K sum in their own fixed orders)
+    assert bool(cupy.all(again.view(cupy.uint16) == out.view(cupy.uint16)))
 
 
 # --- stream-K -----------------------------------------------------------------------------------------
