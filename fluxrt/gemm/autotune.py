@@ -457,6 +457,9 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
         win.packed.launch(ts.ptr)   # the last launch: `out` holds the kept plan's product
     finally:
         ts.synchronize()
+        from .split_k import release_workspaces
+
+        release_workspaces(dev, ts.ptr)   # up to a GiB of partials that no later call on this stream needs
     if win.plan.stream_k:
         from . import stream_k
 

@@ -68,6 +68,14 @@ def workspace(device: int, stream_ptr: int, nbytes: int, zeroed: bool = False):
     return buf
 
 
+def release_workspaces(device: int, stream_ptr: int) -> None:
+    """Drop one stream's split-K and stream-K workspaces (after that stream's work, when no launch that points
+    into them runs again: the autotuner's private stream after a tuning)."""
+    with _lock:
+        _workspaces.pop((device, stream_ptr), None)
+        _workspaces.pop((device, stream_ptr, True), None)
+
+
 def _reducer(out_dtype: str, device: int):
     key = (out_dtype, device)
     with _lock:
@@ -125,4 +133,4 @@ def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_d
     return SplitLaunch(gemm, red, ws)
 
 
-__all__ = ["SplitLaunch", "check_split", "prepare", "workspace"]
+__all__ = ["SplitLaunch", "check_split", "prepare", "release_workspaces", "workspace"]

@@ -509,3 +509,15 @@ def test_pick_without_confirmation_still_keeps_the_heuristic_plan_on_a_near_tie(
     clear = 10.0 * (1 + 2 * tuning.HEURISTIC_TIE)
     win, us, _ = tuning._pick([(fast, 10.0), (heur, clear)], default_plan=p[1], confirm_rounds=0)
     assert win is fast and us == 10.0
+
+
+def test_release_workspaces_drops_one_streams_buffers_only(monkeypatch):
+    from fluxrt.gemm import split_k
+
+    table = {(0, 111): ["partials"], (0, 111, True): ["counters"], (0, 222): ["other stream"],
+             (1, 111): ["other device"]}
+    monkeypatch.setattr(split_k, "_workspaces", dict(table))
+    split_k.release_workspaces(0, 111)
+    assert split_k._workspaces == {(0, 222): ["other stream"], (1, 111): ["other device"]}
+    split_k.release_workspaces(0, 111)   # nothing left to drop: no error
+    assert len(split_k._workspaces) == 2
