@@ -177,8 +177,16 @@ def plan_arg(text: str):
         key, _, value = item.partition("=")
         if key not in fields or not value:
             raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
-        kw[key] = value if key in ("order", "epilogue", "c_staging") else (value.lower() in ("1", "true") if key == "stream_k"
-                                                                           else int(value))
+        if key in ("order", "epilogue", "c_staging"):
+            kw[key] = value
+        elif key == "stream_k":
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise argparse.ArgumentTypeError(f"{item!r}: stream_k is 0, 1, true or false")
+            kw[key] = value.lower() in ("1", "true")
+        elif value.lstrip("-").isdigit():
+            kw[key] = int(value)
+        else:
+            raise argparse.ArgumentTypeError(f"{item!r}: {key} takes an integer")
     if "block_m" in kw and "consumers" not in kw:
         kw["consumers"] = kw["block_m"] // 64
     try:
@@ -270,7 +278,7 @@ def shape_class(m: int, n: int, k: int, layout: str) -> str:
 
 def summarize(rows: list[dict], n_shapes: int, with_lt: bool, t_start: float) -> dict:
     """Geometric means, counts below 0.95, worst ratios and median host times of the measured rows; per shape
-    class (:func:`shape_class`) the count and the geometric mean of the graph (else eager) ratios."""
+    class (:func:`shape_class`) the count and the geometric mean of its graph ratios (eager where none has one)."""
     ok = [r for r in rows if "ratio_eager" in r]
     summary = {"shapes": n_shapes, "measured": len(ok),
                "geomean_eager": geomean(r["ratio_eager"] for r in ok),
@@ -294,7 +302,8 @@ def summarize(rows: list[dict], n_shapes: int, with_lt: bool, t_start: float) ->
         mine = [r for r in ok if shape_class(r["m"], r["n"], r["k"], r["layout"]) == cls]
         if mine:
             summary[f"shapes_{cls}"] = len(mine)
-            summary[f"geomean_{cls}"] = geomean(r.get("ratio_graph", r["ratio_eager"]) for r in mine)
+            graph = [r["ratio_graph"] for r in mine if "ratio_graph" in r]
+            summary[f"geomean_{cls}"] = geomean(graph) if graph else geomean(r["ratio_eager"] for r in mine)
     return summary
 
 

@@ -237,18 +237,21 @@ def _tuning_stream(device: int):
     return s
 
 
-def _stream_k_timed_out(stream) -> bool:
-    """After the stream's work: whether a stream-K fixup wait timed out (the record is then cleared, with the
-    stream-K counters), so that no plan is kept on the time of a launch that gave up waiting."""
+def _stream_k_timed_out(stream, device: int) -> bool:
+    """After the stream's work: whether a stream-K fixup wait timed out, so that no plan is kept on the time of
+    a launch that gave up waiting. Then the record is cleared and the stream's stream-K counters, which may
+    hold counts, are dropped (other streams' workspaces are left alone)."""
     from ..errors import WaitTimeoutError
     from . import stream_k
+    from .split_k import release_workspaces
 
     stream.synchronize()
     try:
         stream_k.check_errors()
     except WaitTimeoutError as e:
         log.warning("gemm autotune: a stream-K candidate timed out (%s); stream-K plans are left out", e)
-        stream_k.reset_errors()
+        stream_k.clear_record()
+        release_workspaces(device, stream.ptr, zeroed_only=True)
         return True
     return False
 
@@ -351,11 +354,8 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     dev = cupy.cuda.runtime.getDevice()
     path = cache_path(dev)
     key = problem_key(m, n, k, in_dt, out_dt, trans_b)
-    if not force and plans is None:
-        entry = _table(path).get(key)
-        plan = _plan_from(entry["plan"]) if entry else None
-        if plan is not None:
-            return TuneResult(plan, float(entry.get("us", 0.0)), cached=True)
+    if not force and plans is None and (hit := _cached(path, key)) is not None:
+        return hit
     from .kernel import _num_sms
 
     sms = _num_sms(dev)
@@ -368,9 +368,18 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     if not cands:
         raise GemmArgumentError(f"gemm autotune: no candidate plan for {key}")
     with _tuning_lock:
+        # another thread may have tuned it while this one waited
+        if not force and plans is None and (hit := _cached(path, key)) is not None:
+            return hit
         return _tune(a, b, out, key=key, path=path, dev=dev, fp8=fp8, fp8_format=fp8_format, scale_a=scale_a,
                      scale_b=scale_b, trans_b=trans_b, out_dtype=out_dtype, out_dt=out_dt, m=m, n=n, stream=stream,
                      cands=cands, default_plan=default_plan, reps=reps, rounds=rounds, confirm_rounds=confirm_rounds)
+
+
+def _cached(path, key) -> TuneResult | None:
+    entry = _table(path).get(key)
+    plan = _plan_from(entry["plan"]) if entry else None
+    return TuneResult(plan, float(entry.get("us", 0.0)), cached=True) if plan is not None else None
 
 
 def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans_b, out_dtype, out_dt, m, n, stream,
@@ -427,28 +436,30 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
         ratios, ref_us = {}, []
         for timed in prepared:
             rs = []
-            try:
-                for _ in range(rounds):
-                    r = ref.us()
+            for _ in range(rounds):
+                r = ref.us()   # the reference failing fails the tuning
+                try:
                     rs.append(timed.us() / r)
-                    ref_us.append(r)
-            except Exception as e:   # noqa: BLE001 - one candidate's failure is not the tuning's
-                if timed is ref:
-                    raise
-                log.info("gemm autotune %s: %s failed while timed: %s", key, timed.plan.describe(), e)
-                ts.synchronize()
-                failed.append(timed.plan)
-                continue
-            ratios[id(timed)] = statistics.median(rs)
+                except Exception as e:   # noqa: BLE001 - one candidate's failure is not the tuning's
+                    if timed is ref:
+                        raise
+                    log.info("gemm autotune %s: %s failed while timed: %s", key, timed.plan.describe(), e)
+                    ts.synchronize()
+                    failed.append(timed.plan)
+                    rs = None
+                    break
+                ref_us.append(r)
+            if rs is not None:
+                ratios[id(timed)] = statistics.median(rs)
         ref_med = statistics.median(ref_us)
         screen = [(t, ratios[id(t)] * ref_med) for t in prepared if id(t) in ratios]
-        if any(t.plan.stream_k for t, _ in screen) and _stream_k_timed_out(ts):
+        if any(t.plan.stream_k for t, _ in screen) and _stream_k_timed_out(ts, dev):
             failed += [t.plan for t, _ in screen if t.plan.stream_k]
             screen = [(t, us) for t, us in screen if not t.plan.stream_k]
         if not screen:
             raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
         win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
-        if win.plan.stream_k and _stream_k_timed_out(ts):
+        if win.plan.stream_k and _stream_k_timed_out(ts, dev):
             failed += [t.plan for t, _ in screen if t.plan.stream_k]
             screen = [(t, us) for t, us in screen if not t.plan.stream_k]
             if not screen:
@@ -456,10 +467,12 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
             win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
         win.packed.launch(ts.ptr)   # the last launch: `out` holds the kept plan's product
     finally:
-        ts.synchronize()
         from .split_k import release_workspaces
 
-        release_workspaces(dev, ts.ptr)   # up to a GiB of partials that no later call on this stream needs
+        try:
+            ts.synchronize()
+        finally:
+            release_workspaces(dev, ts.ptr)   # up to a GiB of partials that no later call on this stream needs
     if win.plan.stream_k:
         from . import stream_k
 

@@ -68,11 +68,13 @@ def workspace(device: int, stream_ptr: int, nbytes: int, zeroed: bool = False):
     return buf
 
 
-def release_workspaces(device: int, stream_ptr: int) -> None:
-    """Drop one stream's split-K and stream-K workspaces (after that stream's work, when no launch that points
-    into them runs again: the autotuner's private stream after a tuning)."""
+def release_workspaces(device: int, stream_ptr: int, *, zeroed_only: bool = False) -> None:
+    """Drop one stream's split-K and stream-K workspaces (zeroed_only: the stream-K counters alone), after that
+    stream's work: the autotuner's private stream after a tuning, or after a stream-K timeout left counts in its
+    counters. Launches built earlier keep their buffers alive; the next one gets a new (zeroed) buffer."""
     with _lock:
-        _workspaces.pop((device, stream_ptr), None)
+        if not zeroed_only:
+            _workspaces.pop((device, stream_ptr), None)
         _workspaces.pop((device, stream_ptr, True), None)
 
 

@@ -91,6 +91,14 @@ def check_errors() -> None:
         raise err.again()
 
 
+def clear_record() -> None:
+    """Clear a recorded timeout without touching any workspace: for a caller that drops the workspace of the
+    stream whose launch timed out instead (the autotuner's private stream)."""
+    with _lock:
+        if _errors is not None:
+            _errors.reset()
+
+
 def reset_errors() -> None:
     """Clear a recorded timeout and zero the counters of every stream-K workspace (after a synchronize: a
     timed-out launch may have left counts behind)."""
@@ -138,5 +146,5 @@ def fill_params(params: np.ndarray, plan: GemmPlan, m: int, n: int, k: int, grid
     return ws
 
 
-__all__ = ["OP_NAME", "StreamKLaunch", "check_errors", "counter_bytes", "fill_params", "geometry", "partial_bytes",
+__all__ = ["OP_NAME", "StreamKLaunch", "check_errors", "clear_record", "counter_bytes", "fill_params", "geometry", "partial_bytes",
            "reset_errors", "units", "workspace_bytes"]

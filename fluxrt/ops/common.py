@@ -232,7 +232,7 @@ def choose_call_path(op, name: str, cost_op: str, m: int, stream, path: str | No
     mine = choose_path(cost_op, m, op.n, op.k, world.size, plan, dt, capturing=capturing, num_sms=op._sms,
                        rates=op._rates,
                        tuned_us=lambda mm, nn, kk: tuned_us(mm, nn, kk, in_key, dt, tb, world.device_id),
-                       fp8=op.fp8 is not None)
+                       fp8=op.fp8 is not None, trans_b=bool(tb))
     first = agreement.exchange(world, f"{name}.path", (mine.path, mine.chunks))[0]
     got = mine if first == (mine.path, mine.chunks) else PathChoice(
         first[0], first[1], f"rank 0's choice (this rank: {mine})", mine.fused_us, mine.decomposed_us, mine.candidates)

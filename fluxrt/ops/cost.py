@@ -150,26 +150,27 @@ def chunk_rows(shard: int, chunks: int) -> list[int]:
 
 
 def ag_fused_us(m: int, n: int, k: int, world: int, dtype: str, *, chunks_per_rank: int, reserved_sms: int,
-                itemsize: int = 2, num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None) -> float:
+                itemsize: int = 2, num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None,
+                trans_b: bool = False) -> float:
     """Fused AllGather+GEMM: the GEMM over the padded rows on all but `reserved_sms` SMs, slowed by its
     hooks; it cannot end before the last peer chunk has been pulled and its rows multiplied."""
     shard = m // world
     pad = padded_shard(shard, TILE_ROWS * chunks_per_rank)
     g = gemm_us(pad * world, n, k, dtype, sms=num_sms - reserved_sms, num_sms=num_sms, rates=rates,
-                tuned_us=tuned_us) * rates.fused_gemm_factor
+                tuned_us=tuned_us, trans_b=trans_b) * rates.fused_gemm_factor
     chunks = (world - 1) * chunks_per_rank
     comm = (world - 1) * pad * k * itemsize / (rates.pull_gbps * 1e3) + chunks * rates.chunk_latency_us
     return max(g, comm + g / (world * chunks_per_rank))
 
 
 def rs_fused_us(m: int, n: int, k: int, world: int, dtype: str, *, reserved_sms: int, itemsize: int = 2,
-                num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None) -> float:
+                num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None, trans_b: bool = False) -> float:
     """Fused GEMM+ReduceScatter: the GEMM over the padded rows, the owners pulling each peer's partials while
     it runs; the last peer's rows (made just before the own rows) must arrive, then the own rows are summed."""
     shard = m // world
     pad = padded_shard(shard, TILE_ROWS)
     g = gemm_us(pad * world, n, k, dtype, sms=num_sms - reserved_sms, num_sms=num_sms, rates=rates,
-                tuned_us=tuned_us) * rates.fused_gemm_factor
+                tuned_us=tuned_us, trans_b=trans_b) * rates.fused_gemm_factor
     comm = (world - 1) * pad * n * itemsize / (rates.pull_gbps * 1e3) + (world - 1) * rates.chunk_latency_us
     reduce = world * pad * n * itemsize / (rates.reduce_gbps * 1e3)
     return max(g, comm + g / world) + reduce
@@ -191,34 +192,36 @@ def _pipeline(first_gemm: float, comm: list[float], gemm: list[float], comm_firs
 
 
 def ag_decomposed_us(m: int, n: int, k: int, world: int, dtype: str, chunks: int, *, itemsize: int = 2,
-                     num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None) -> float:
+                     num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None, trans_b: bool = False) -> float:
     """Decomposed AllGather+GEMM: own shard's GEMM first, then per chunk an allgather beside the GEMMs and
     (world - 1) GEMMs of the chunk's peer rows (one chunk: allgather, then one GEMM of all M rows)."""
     shard = m // world
     rows = chunk_rows(shard, chunks)
     if len(rows) == 1:
         return collective_us(m * k * itemsize, world, rates) + gemm_us(m, n, k, dtype, num_sms=num_sms, rates=rates,
-                                                                      tuned_us=tuned_us)
+                                                                      tuned_us=tuned_us, trans_b=trans_b)
     sms = num_sms - rates.comm_sms
-    own = gemm_us(shard, n, k, dtype, sms=sms, num_sms=num_sms, rates=rates, tuned_us=tuned_us) + rates.launch_us
+    own = gemm_us(shard, n, k, dtype, sms=sms, num_sms=num_sms, rates=rates, tuned_us=tuned_us,
+                  trans_b=trans_b) + rates.launch_us
     comm = [collective_us(world * r * k * itemsize, world, rates, beside_gemm=True) for r in rows]
-    gemm = [(world - 1) * (gemm_us(r, n, k, dtype, sms=sms, num_sms=num_sms, rates=rates, tuned_us=tuned_us)
+    gemm = [(world - 1) * (gemm_us(r, n, k, dtype, sms=sms, num_sms=num_sms, rates=rates, tuned_us=tuned_us,
+                                   trans_b=trans_b)
                            + rates.launch_us) for r in rows]
     return _pipeline(own, comm, gemm, comm_first=True)
 
 
 def rs_decomposed_us(m: int, n: int, k: int, world: int, dtype: str, chunks: int, *, itemsize: int = 2,
-                     num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None) -> float:
+                     num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None, trans_b: bool = False) -> float:
     """Decomposed GEMM+ReduceScatter: per chunk, world GEMMs of the chunk's rows of every owner, then a
     reduce_scatter of them beside the next chunk's GEMMs (one chunk: one GEMM of all M rows, then one
     reduce_scatter)."""
     shard = m // world
     rows = chunk_rows(shard, chunks)
     if len(rows) == 1:
-        return gemm_us(m, n, k, dtype, num_sms=num_sms, rates=rates, tuned_us=tuned_us) + \
+        return gemm_us(m, n, k, dtype, num_sms=num_sms, rates=rates, tuned_us=tuned_us, trans_b=trans_b) + \
             collective_us(m * n * itemsize, world, rates)
     sms = num_sms - rates.comm_sms
-    gemm = [world * (gemm_us(r, n, k, dtype, sms=sms, num_sms=num_sms, rates=rates, tuned_us=tuned_us)
+    gemm = [world * (gemm_us(r, n, k, dtype, sms=sms, num_sms=num_sms, rates=rates, tuned_us=tuned_us, trans_b=trans_b)
                      + rates.launch_us) for r in rows]
     comm = [collective_us(world * r * n * itemsize, world, rates, beside_gemm=True) for r in rows]
     return _pipeline(0.0, comm, gemm, comm_first=False)
@@ -228,23 +231,23 @@ def rs_decomposed_us(m: int, n: int, k: int, world: int, dtype: str, chunks: int
 
 def choose_path(op: str, m: int, n: int, k: int, world: int, plan, dtype: str = "bfloat16", *,
                 capturing: bool = False, num_sms: int = H100_H200_SMS, rates: OpsRates | None = None,
-                tuned_us=None, fp8: bool = False) -> PathChoice:
+                tuned_us=None, fp8: bool = False, trans_b: bool = False) -> PathChoice:
     """The path of one call of `op` ('ag_gemm' or 'gemm_rs') with M rows in total on `world` ranks, from
     the op's plan (``plan.path``, ``plan.decomposed_chunks``, its SMs reserved for communication). Pure:
     every rank computes it from the same arguments (the ops still agree on rank 0's choice, since the
     autotune cache is per host). fp8: the call has fp8 inputs (decomposed only; `tuned_us` then gives fp8
-    GEMM times)."""
+    GEMM times). trans_b: the weights are stored [N, K] (the untuned GEMM model's row alignment)."""
     if op not in ("ag_gemm", "gemm_rs"):
         raise OpsArgumentError(f"choose_path: unknown op {op!r}")
     rates = rates or OPS_RATES[DEFAULT_RATES]
     path = getattr(plan, "path", "auto")
     fixed = getattr(plan, "decomposed_chunks", None)
     if fp8:
-        return _fp8_choice(op, m, n, k, world, path, fixed, dtype, capturing, num_sms, rates, tuned_us)
+        return _fp8_choice(op, m, n, k, world, path, fixed, dtype, capturing, num_sms, rates, tuned_us, trans_b)
     if capturing and path == "fused":
         raise OpsArgumentError(f"{op}: path='fused' inside a CUDA-graph capture: the fused kernels take per-call "
                                "epochs from the host, so a replay would reuse them; use path='auto' or 'decomposed'")
-    kw = dict(num_sms=num_sms, rates=rates, tuned_us=tuned_us)
+    kw = dict(num_sms=num_sms, rates=rates, tuned_us=tuned_us, trans_b=trans_b)
     dec_fn = ag_decomposed_us if op == "ag_gemm" else rs_decomposed_us
     options = (fixed,) if fixed else DECOMPOSED_CHUNKS
     cands = tuple((c, dec_fn(m, n, k, world, dtype, c, **kw)) for c in options)
@@ -272,7 +275,7 @@ def choose_path(op: str, m: int, n: int, k: int, world: int, plan, dtype: str = 
 
 
 def _fp8_choice(op: str, m: int, n: int, k: int, world: int, path: str, fixed, dtype: str, capturing: bool,
-                num_sms: int, rates: OpsRates, tuned_us) -> PathChoice:
+                num_sms: int, rates: OpsRates, tuned_us, trans_b: bool = False) -> PathChoice:
     if path == "fused":
         raise OpsArgumentError(f"{op}: path='fused' with fp8 inputs: the fused kernels have no fp8 hooks yet; use "
                                "path='auto' or 'decomposed' (the fp8 GEMM per chunk beside chunked collectives)")
@@ -280,14 +283,14 @@ def _fp8_choice(op: str, m: int, n: int, k: int, world: int, path: str, fixed, d
     def fp8_us(mm: int, nn: int, kk: int) -> float:
         us = tuned_us(mm, nn, kk) if tuned_us is not None else None
         if us is None:
-            us = gemm_us(mm, nn, kk, dtype, num_sms=num_sms, rates=rates) * rates.fp8_gemm_factor
+            us = gemm_us(mm, nn, kk, dtype, num_sms=num_sms, rates=rates, trans_b=trans_b) * rates.fp8_gemm_factor
         return us
 
     dec_fn = ag_decomposed_us if op == "ag_gemm" else rs_decomposed_us
     # AllGather+GEMM moves fp8 bytes; GEMM+ReduceScatter reduces output-type (16-bit) partials
     itemsize = 1 if op == "ag_gemm" else 2
     cands = tuple((c, dec_fn(m, n, k, world, dtype, c, itemsize=itemsize, num_sms=num_sms, rates=rates,
-                             tuned_us=fp8_us)) for c in ((fixed,) if fixed else DECOMPOSED_CHUNKS))
+                             tuned_us=fp8_us, trans_b=trans_b)) for c in ((fixed,) if fixed else DECOMPOSED_CHUNKS))
     best_c, best_us = min(cands, key=lambda x: x[1])
     why = "fp8 inputs: the fused kernels have no fp8 hooks, the fp8 GEMM runs per chunk beside the collectives"
     if world == 1:

@@ -521,3 +521,6 @@ def test_release_workspaces_drops_one_streams_buffers_only(monkeypatch):
     assert split_k._workspaces == {(0, 222): ["other stream"], (1, 111): ["other device"]}
     split_k.release_workspaces(0, 111)   # nothing left to drop: no error
     assert len(split_k._workspaces) == 2
+    monkeypatch.setattr(split_k, "_workspaces", dict(table))
+    split_k.release_workspaces(0, 111, zeroed_only=True)   # a stream-K timeout: the counters alone
+    assert (0, 111, True) not in split_k._workspaces and split_k._workspaces[(0, 111)] == ["partials"]

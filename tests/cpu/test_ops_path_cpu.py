@@ -178,3 +178,19 @@ def test_call_path_is_agreed_once_per_call_shape(monkeypatch):
     forced = common.choose_call_path(op, "ag", "ag_gemm", 8192, stream, "decomposed")
     assert forced.path == "decomposed" and len(exchanges) == 3
     assert set(op._paths) == {(8192, False, None), (4096, False, None), (8192, False, "decomposed")}
+
+
+@pytest.mark.parametrize("op, fp8", [("ag_gemm", False), ("gemm_rs", False), ("ag_gemm", True)])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_the_weights_layout_reaches_every_gemm_estimate(monkeypatch, op, fp8, trans_b):
+    seen = []
+    real = C.gemm_us
+
+    def spy(*args, **kw):
+        seen.append(kw.get("trans_b"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(C, "gemm_us", spy)
+    plan = (P.AgGemmPlan() if op == "ag_gemm" else P.GemmRsPlan()).validate()
+    C.choose_path(op, 8192, 8200, 8192, 4, plan, trans_b=trans_b, fp8=fp8)
+    assert seen and all(tb is trans_b for tb in seen)
