@@ -390,6 +390,7 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
     import cupy
 
     from .launch import _prepare, _stream_ptr
+    from .split_k import release_workspaces
 
     ts = _tuning_stream(dev)
     after_user = cupy.cuda.Event(disable_timing=True)
@@ -453,22 +454,16 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
                 ratios[id(timed)] = statistics.median(rs)
         ref_med = statistics.median(ref_us)
         screen = [(t, ratios[id(t)] * ref_med) for t in prepared if id(t) in ratios]
-        if any(t.plan.stream_k for t, _ in screen) and _stream_k_timed_out(ts, dev):
-            failed += [t.plan for t, _ in screen if t.plan.stream_k]
-            screen = [(t, us) for t, us in screen if not t.plan.stream_k]
-        if not screen:
-            raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
-        win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
-        if win.plan.stream_k and _stream_k_timed_out(ts, dev):
-            failed += [t.plan for t, _ in screen if t.plan.stream_k]
-            screen = [(t, us) for t, us in screen if not t.plan.stream_k]
+        while True:   # the stream-K record is sticky: one look after the screen and confirmation covers both
             if not screen:
                 raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
             win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
+            if not (any(t.plan.stream_k for t, _ in screen) and _stream_k_timed_out(ts, dev)):
+                break
+            failed += [t.plan for t, _ in screen if t.plan.stream_k]
+            screen = [(t, us) for t, us in screen if not t.plan.stream_k]
         win.packed.launch(ts.ptr)   # the last launch: `out` holds the kept plan's product
     finally:
-        from .split_k import release_workspaces
-
         try:
             ts.synchronize()
         finally:

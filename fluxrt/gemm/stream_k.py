@@ -105,9 +105,7 @@ def reset_errors() -> None:
     from .split_k import _lock as ws_lock
     from .split_k import _workspaces
 
-    with _lock:
-        if _errors is not None:
-            _errors.reset()
+    clear_record()
     with ws_lock:
         bufs = [b for key, lst in _workspaces.items() if key[2:] == (True,) for b in lst]
     for b in bufs:
@@ -146,5 +144,5 @@ def fill_params(params: np.ndarray, plan: GemmPlan, m: int, n: int, k: int, grid
     return ws
 
 
-__all__ = ["OP_NAME", "StreamKLaunch", "check_errors", "clear_record", "counter_bytes", "fill_params", "geometry", "partial_bytes",
-           "reset_errors", "units", "workspace_bytes"]
+__all__ = ["OP_NAME", "StreamKLaunch", "check_errors", "clear_record", "counter_bytes", "fill_params", "geometry",
+           "partial_bytes", "reset_errors", "units", "workspace_bytes"]

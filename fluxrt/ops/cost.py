@@ -164,7 +164,8 @@ def ag_fused_us(m: int, n: int, k: int, world: int, dtype: str, *, chunks_per_ra
 
 
 def rs_fused_us(m: int, n: int, k: int, world: int, dtype: str, *, reserved_sms: int, itemsize: int = 2,
-                num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None, trans_b: bool = False) -> float:
+                num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None,
+                trans_b: bool = False) -> float:
     """Fused GEMM+ReduceScatter: the GEMM over the padded rows, the owners pulling each peer's partials while
     it runs; the last peer's rows (made just before the own rows) must arrive, then the own rows are summed."""
     shard = m // world
@@ -192,7 +193,8 @@ def _pipeline(first_gemm: float, comm: list[float], gemm: list[float], comm_firs
 
 
 def ag_decomposed_us(m: int, n: int, k: int, world: int, dtype: str, chunks: int, *, itemsize: int = 2,
-                     num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None, trans_b: bool = False) -> float:
+                     num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None,
+                     trans_b: bool = False) -> float:
     """Decomposed AllGather+GEMM: own shard's GEMM first, then per chunk an allgather beside the GEMMs and
     (world - 1) GEMMs of the chunk's peer rows (one chunk: allgather, then one GEMM of all M rows)."""
     shard = m // world
@@ -211,7 +213,8 @@ def ag_decomposed_us(m: int, n: int, k: int, world: int, dtype: str, chunks: int
 
 
 def rs_decomposed_us(m: int, n: int, k: int, world: int, dtype: str, chunks: int, *, itemsize: int = 2,
-                     num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None, trans_b: bool = False) -> float:
+                     num_sms: int = H100_H200_SMS, rates: OpsRates, tuned_us=None,
+                     trans_b: bool = False) -> float:
     """Decomposed GEMM+ReduceScatter: per chunk, world GEMMs of the chunk's rows of every owner, then a
     reduce_scatter of them beside the next chunk's GEMMs (one chunk: one GEMM of all M rows, then one
     reduce_scatter)."""
@@ -221,8 +224,8 @@ def rs_decomposed_us(m: int, n: int, k: int, world: int, dtype: str, chunks: int
         return gemm_us(m, n, k, dtype, num_sms=num_sms, rates=rates, tuned_us=tuned_us, trans_b=trans_b) + \
             collective_us(m * n * itemsize, world, rates)
     sms = num_sms - rates.comm_sms
-    gemm = [world * (gemm_us(r, n, k, dtype, sms=sms, num_sms=num_sms, rates=rates, tuned_us=tuned_us, trans_b=trans_b)
-                     + rates.launch_us) for r in rows]
+    gemm = [world * (gemm_us(r, n, k, dtype, sms=sms, num_sms=num_sms, rates=rates, tuned_us=tuned_us,
+                             trans_b=trans_b) + rates.launch_us) for r in rows]
     comm = [collective_us(world * r * n * itemsize, world, rates, beside_gemm=True) for r in rows]
     return _pipeline(0.0, comm, gemm, comm_first=False)
 
