@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fluxrt.perf.baselines import cublas_gemm  # noqa: E402
+from fluxrt.perf.cublaslt import describe_config  # noqa: E402
 from fluxrt.perf.shapes import SUITES, Shape, suite  # noqa: E402
 from fluxrt.perf.timing import capture, eager_ms_and_host_us, geomean, graph_ms  # noqa: E402
 
@@ -79,6 +80,7 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
         c_lt = cupy.empty_like(c)
         impls["cublaslt"] = lt.gemm(a, w, c_lt, trans_b=s.trans_b, stream=stream)
         row["cublaslt_algo"] = impls["cublaslt"].choice.index
+        row["cublaslt_config"] = describe_config(impls["cublaslt"].choice.config)
     with stream:
         run_cublas()
         run_fluxrt()
@@ -235,7 +237,8 @@ def main(argv=None) -> int:
         err = r.get("rel_err_vs_cublas", 0.0)
         flag = "  !! rel err %.2e" % err if err > 1e-2 else ""
         print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout:>2} | {r['cublas_eager_ms']:12.4f} {r['fluxrt_eager_ms']:8.4f} "
-              f"{r['ratio_eager']:6.3f} | {g} | {r['fluxrt_host_us']:5.1f}/{r['cublas_host_us']:5.1f} | {r['plan']}{flag}",
+              f"{r['ratio_eager']:6.3f} | {g} | {r['fluxrt_host_us']:5.1f}/{r['cublas_host_us']:5.1f} | {r['plan']}{flag}"
+              + (f" | lt: {r['cublaslt_config']}" if r.get("cublaslt_config") else ""),
               flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
         if args.json:   # after every shape: a run cut short keeps what it measured

@@ -53,6 +53,49 @@ class LtChoice:
     index: int
     candidates: int
     times_us: tuple
+    config: dict = None   # the algorithm's configuration attributes (see algo_config), None where unreadable
+
+
+# cublasLtMatmulAlgoConfigAttributes_t -> the enum that names its values (None: a plain number)
+_CONFIG_ATTRS = (("id", "ID", None), ("tile", "TILE_ID", "MatmulTile"), ("stages", "STAGES_ID", "MatmulStages"),
+                 ("split_k", "SPLITK_NUM", None), ("reduction", "REDUCTION_SCHEME", "ReductionScheme"),
+                 ("swizzle", "CTA_SWIZZLING", None), ("custom", "CUSTOM_OPTION", None),
+                 ("inner", "INNER_SHAPE_ID", "MatmulInnerShape"), ("cluster", "CLUSTER_SHAPE_ID", "ClusterShape"))
+
+
+def algo_config(lt, algo_ptr: int) -> dict:
+    """The configuration of the cublasLtMatmulAlgo_t at ``algo_ptr``: kernel id, tile, stages, split-K, reduction
+    scheme, CTA swizzle, cluster shape. Tile and cluster are in cuBLASLt's terms: its M is fluxrt's N (C^T)."""
+    out = {}
+    for key, attr_name, enum_name in _CONFIG_ATTRS:
+        attr = getattr(lt.MatmulAlgoConfigAttribute, attr_name, None)
+        if attr is None:
+            continue
+        buf = np.zeros(1, dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
+        written = np.zeros(1, dtype=np.uint64)
+        try:
+            lt.matmul_algo_config_get_attribute(algo_ptr, attr, buf.ctypes.data, buf.itemsize, written.ctypes.data)
+        except Exception as e:   # an attribute this cuBLASLt does not have
+            log.debug("cuBLASLt algorithm attribute %s: %s", attr_name, e)
+            continue
+        value = int(buf[0])
+        enum = getattr(lt, enum_name, None) if enum_name else None
+        if enum is not None:
+            try:
+                value = enum(value).name
+            except ValueError:
+                pass
+        out[key] = value
+    return out
+
+
+def describe_config(cfg: dict | None) -> str:
+    """One line for a table: 'TILE_128x256 STAGES_64x4 k1 SHAPE_2x1x1 id 66' (cuBLASLt's M first)."""
+    if not cfg:
+        return ""
+    parts = [str(cfg.get("tile", "")), str(cfg.get("stages", "")), f"k{cfg.get('split_k', 1)}",
+             str(cfg.get("cluster", "")), f"id {cfg.get('id', '?')}"]
+    return " ".join(p for p in parts if p)
 
 
 class CublasLt:
@@ -164,6 +207,7 @@ class CublasLt:
             raise RuntimeError(f"no cuBLASLt algorithm ran for M={m} N={n} K={k}")
         best = min(ok, key=lambda i: times[i])
         run = runs[best]
-        run.choice = LtChoice(best, count, tuple(times))
+        config = algo_config(lt, results.ctypes.data + best * results.itemsize + algo_offset)
+        run.choice = LtChoice(best, count, tuple(times), config)
         run.keepalive = (alpha, beta, results)
         return run

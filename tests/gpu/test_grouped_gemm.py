@@ -92,6 +92,15 @@ def test_many_groups_skewed():
     run_case(list(sizes), n=256, k=256, trans_b=True, seed=3)
 
 
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_tail_tiles_with_one_consumer_idle(trans_b):
+    # Last tiles with <= 64 rows left (1, 63, 64) leave the second consumer idle for the whole K loop, 65 and
+    # 127 do not; K = 1000 runs each tile over several rounds of the ring (and a K tail), so a consumer that
+    # passed a tile's stages must stay in step with the other one over the tiles that follow.
+    sizes = [65, 64, 1, 0, 192, 193, 63, 127, 128, 320, 1, 64] * 3
+    run_case(sizes, n=512, k=1000, trans_b=trans_b, seed=11)
+
+
 def test_one_consumer_plan():
     run_case([5, 64, 65, 0, 200], n=256, k=128, plan=GemmPlan(block_m=64, consumers=1, stages=4))
 

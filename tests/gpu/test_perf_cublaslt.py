@@ -47,6 +47,8 @@ def test_lt_gemm_matches_float64(lt, rng, dtype, trans_b, m, n, k):
     stream.synchronize()
     assert 0 <= run.choice.index < run.choice.candidates
     assert _rel_err(c, ref) < TOL[dtype]
+    cfg = run.choice.config   # the chosen algorithm's attributes, as the suites record them
+    assert cfg["tile"].startswith("TILE_") and cfg["split_k"] >= 0, cfg
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_accum", "promoted"])
