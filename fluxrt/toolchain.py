@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import logging
 import os
 import re
@@ -156,13 +157,29 @@ def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOp
         # -default-device: lambdas in the device library are device code (NVRTC 13.0 rejects them otherwise)
         device_as_default_execution_space=True,
     )
+    logs = io.StringIO()
     try:
-        obj = Program(src.read_text(), "c++", popts).compile("cubin")
+        obj = Program(src.read_text(), "c++", popts).compile("cubin", logs=logs)
     except Exception as e:  # cuda.core raises its own types with the NVRTC log in the message
         raise CompileError(f"NVRTC failed on {src} for {arch}:\n{e}") from e
     _atomic_write(out, bytes(obj.code))
+    text = logs.getvalue().strip()
+    if text:   # ptxas' remarks (e.g. C7515: wgmma serialised) stay beside the cubin (compile_log)
+        _atomic_write(out.with_suffix(".log"), text.encode())
+        (log.warning if WGMMA_SERIALIZED in text else log.debug)("NVRTC on %s for %s: %s", src.name, arch, text)
     log.info("compiled %s for %s -> %s", src.name, arch, out)
     return out
+
+
+# ptxas' remark when it inserts a wait after every wgmma (accumulators touched by other instructions inside the
+# pipeline): a silent loss of 15-25 % in a GEMM main loop.
+WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
+
+
+def compile_log(cubin: str | os.PathLike) -> str:
+    """NVRTC's log (ptxas remarks) of a cubin that :func:`compile_cubin` built; '' where it printed nothing."""
+    path = Path(cubin).with_suffix(".log")
+    return path.read_text() if path.is_file() else ""
 
 
 _modules: dict = {}

@@ -160,10 +160,10 @@ struct ConsumerSmem {
 // Grouped GEMM, a group's last tile with at most 64 rows left: the consumer whose rows all lie past the group's
 // end computes nothing. It waits for each stage (so that it never runs a ring round ahead of the other
 // consumer: a stage is refilled only once both have arrived on its `empty`) and passes it straight back; the
-// tensor cores are the other consumer's alone meanwhile. Its accumulators go to the epilogue as zeros, which
-// stores nothing past the group's end.
-__device__ __forceinline__ void pass_tile(const ConsumerSmem& sm, int k_blocks, int& stage, u32& phase, int tid,
-                                          float (&acc)[kAccRegs]) {
+// tensor cores are the other consumer's alone meanwhile. Its accumulators go to the epilogue as they are (the
+// epilogue stores nothing past the group's end); writing them here would make ptxas serialise every wgmma of the
+// main loop (a wait after each), which cost 15-25 % of the grouped GEMM's speed when measured.
+__device__ __forceinline__ void pass_tile(const ConsumerSmem& sm, int k_blocks, int& stage, u32& phase, int tid) {
     for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(sm.bars_full + 8 * stage, phase);  // the stage of this round has landed (nothing of it is read)
         release_stage(sm.bars_empty + 8 * stage, tid);
@@ -172,8 +172,6 @@ __device__ __forceinline__ void pass_tile(const ConsumerSmem& sm, int k_blocks, 
             phase ^= 1;
         }
     }
-#pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
 }
 
 // One consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile of the schedule, then hands
@@ -206,7 +204,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 scale.begin_tile(rows.row0 + wg * kRowsPerConsumer, n_tile * kBN, rows.group, tid);
             if constexpr (kGrouped && kConsumers > 1) {
                 if (rows.row0 + wg * kRowsPerConsumer >= rows.row_end) {   // rows all past the group's end
-                    pass_tile(sm, k_blocks, stage, phase, tid, acc);
+                    pass_tile(sm, k_blocks, stage, phase, tid);
                     epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
                     continue;
                 }

@@ -530,7 +530,7 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:
         pytest.skip(reason)
-    from fluxrt.toolchain import compile_cubin
+    from fluxrt.toolchain import WGMMA_SERIALIZED, compile_cubin, compile_log
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
     plan, in_dt, out_dt, tb, hw, he, *rest = cfg
@@ -541,6 +541,7 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     data = cubin.read_bytes()
     assert b"fluxrt_gemm" in data
     assert len(data) > 10_000
+    assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)   # a wait after every wgmma
     # the kernel's own layout constants agree with the planner's (launch size and dynamic smem)
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, shard_copy=hooks["hook_copy"])
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads

@@ -152,12 +152,13 @@ def test_fp8_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     if reason:
         pytest.skip(reason)
     from fluxrt.gemm.params import PARAMS
-    from fluxrt.toolchain import compile_cubin
+    from fluxrt.toolchain import WGMMA_SERIALIZED, compile_cubin, compile_log
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
     plan, a_dt, b_dt, out_dt, scale = cfg
     cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(
         kernel_defines(plan, a_dt, out_dt, True, b_dtype=b_dt, scale=scale), arch="sm_90a"))
+    assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)   # a wait after every wgmma
     data = cubin.read_bytes()
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt)
     assert (_cubin_u32(data, "fluxrt_gemm_block_m"), _cubin_u32(data, "fluxrt_gemm_block_n")) == \

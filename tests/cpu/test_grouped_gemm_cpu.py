@@ -185,14 +185,16 @@ def test_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     if reason:
         pytest.skip(reason)
     from fluxrt.gemm.params import PARAMS
-    from fluxrt.toolchain import compile_cubin
+    from fluxrt.toolchain import WGMMA_SERIALIZED, compile_cubin, compile_log
 
     monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
     plan, in_dt, out_dt, tb = cfg[:4]
     hook = cfg[4] if len(cfg) > 4 else ""
     defines = kernel_defines(plan, in_dt, out_dt, tb, hook_wait=hook == "arrival", hook_epilogue=hook == "scatter",
                              grouped=True)
-    data = compile_cubin("gemm/hopper_gemm.cu", compile_options(defines, arch="sm_90a")).read_bytes()
+    cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(defines, arch="sm_90a"))
+    assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)   # a wait after every wgmma
+    data = cubin.read_bytes()
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, grouped=True)
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
     assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize
@@ -324,7 +326,7 @@ def test_fp8_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     import subprocess
 
     from fluxrt.gemm.params import PARAMS
-    from fluxrt.toolchain import compile_cubin
+    from fluxrt.toolchain import WGMMA_SERIALIZED, compile_cubin, compile_log
 
     from test_toolchain import _cuobjdump
 
@@ -333,6 +335,7 @@ def test_fp8_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     check_grouped_plan(plan, out_dt, a_dt, scale)
     cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(
         kernel_defines(plan, a_dt, out_dt, True, grouped=True, b_dtype=b_dt, scale=scale), arch="sm_90a"))
+    assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)   # a wait after every wgmma
     data = cubin.read_bytes()
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, grouped=True)
     assert _cubin_u32(data, "fluxrt_gemm_block_k") == 128
