@@ -41,8 +41,9 @@ def check_plan(plan: GemmPlan, prob: Fp8Problem) -> None:
     if plan.block_k != FP8_BLOCK_K:
         raise GemmArgumentError(f"gemm: an fp8 plan has block_k={FP8_BLOCK_K} (one 128-byte row), got {plan.block_k}"
                                 " (fluxrt.gemm.plan.fp8_plans lists them)")
-    if plan.split_k > 1 or plan.stream_k:
-        raise GemmArgumentError("gemm: fp8 GEMMs have no split-K or stream-K plans")
+    if plan.split_k > 1 or plan.stream_k or plan.fitted_n:
+        raise GemmArgumentError("gemm: fp8 GEMMs have no split-K, stream-K or fitted-width (block_n not a multiple of "
+                                f"64) plans, got {plan.describe()}")
     if prob.scale == "block" and FP8_SCALE_BLOCK % plan.block_n:
         raise GemmArgumentError(f"gemm: block-scaled fp8 needs block_n in (64, 128) (a tile inside one "
                                 f"{FP8_SCALE_BLOCK}-column scale block, and room for the promotion's registers), "

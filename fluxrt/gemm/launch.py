@@ -16,7 +16,7 @@ from .launch_cache import MISS, LaunchCache, array_key
 from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import ITEMSIZE as _ITEMSIZE
-from .plan import SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plan_gemm
+from .plan import IN_DTYPES, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plan_gemm
 from .split_k import check_split
 from .split_k import prepare as prepare_split
 from .stream_k import StreamKLaunch
@@ -55,6 +55,11 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
     elif plan is None:
         plan = _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype)
     plan.validate(out_dt)
+    if plan.fitted_n and (not trans_b or in_dt not in IN_DTYPES or wait or epilogue or copy or stride):
+        raise GemmArgumentError(f"gemm: plan block_n={plan.block_n} (not a multiple of 64) is for plain 16-bit GEMMs "
+                                f"with B as [N, K] (trans_b=True; B loads as one box of block_n rows), got "
+                                f"trans_b={trans_b}, inputs {in_dt}"
+                                f"{', hooks or row bands' if (wait or epilogue or copy or stride) else ''}")
     if plan.split_k > 1 and (wait or epilogue or copy or stride):
         raise GemmArgumentError("gemm: a split_k plan is for plain GEMMs (no hooks, no row bands)")
     if plan.stream_k and (wait or epilogue or copy or stride):

@@ -101,8 +101,11 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m != 64 * self.consumers:
             raise ValueError(f"GemmPlan.block_m must be 64 * consumers = {64 * self.consumers}, got {self.block_m}")
-        if self.block_n not in (64, 128, 192, 256):
-            raise ValueError(f"GemmPlan.block_n must be one of 64, 128, 192, 256, got {self.block_n}")
+        if self.block_n % 16 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"GemmPlan.block_n must be a multiple of 16 from 64 to 256, got {self.block_n}")
+        if self.fitted_n and (self.epilogue != "direct" or self.cluster != 1 or self.split_k > 1 or self.stream_k):
+            raise ValueError(f"GemmPlan.block_n={self.block_n} (not a multiple of 64) needs epilogue='direct', "
+                             f"cluster=1, no split-K and no stream-K (the staged epilogues store 64-column slabs)")
         if self.block_k not in (BLOCK_K, FP8_BLOCK_K):
             raise ValueError(f"GemmPlan.block_k must be {BLOCK_K} (16-bit inputs) or {FP8_BLOCK_K} (fp8): one 128-byte "
                              f"swizzled row, got {self.block_k}")
@@ -131,6 +134,12 @@ class GemmPlan:
                              f"{out_dtype} output and {self.epilogue}/{self.c_staging} C staging needs {need} B of "
                              f"shared memory > {SMEM_LIMIT_BYTES} B")
         return self
+
+    @property
+    def fitted_n(self) -> bool:
+        """A tile width between the multiples of 64 (a tile fitted to the SMs' waves): B [N, K] (trans_b=True),
+        16-bit inputs, the direct epilogue, plain GEMMs only."""
+        return self.block_n % 64 != 0
 
     def describe(self) -> str:
         """One line for tables and logs, e.g. '128x256x64 s3 grouped/g16 epi=tma x1'."""

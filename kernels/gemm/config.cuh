@@ -231,10 +231,18 @@ constexpr int kConsumerRegs = (kConsumerRegsRaw >= 240 ? 240 : kConsumerRegsRaw)
 // With one consumer (256 threads) every warp can keep the compile-time maximum: no redistribution.
 constexpr bool kRebalanceRegs = kConsumers == 2;
 
-static_assert(kBN % 64 == 0 && kBN >= 64 && kBN <= 256, "tile N must be 64, 128, 192 or 256");
+// Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between, with B K-major (one
+// TMA box of kBN rows; MN-major B comes in 64-column slabs), 16-bit inputs and the direct epilogue (the staged
+// epilogues store 64-column slabs), one CTA per cluster.
+constexpr bool kFitN = kBN % 64 != 0;
+static_assert(kBN % 16 == 0 && kBN >= 64 && kBN <= 256, "tile N: a multiple of 16 from 64 to 256");
+static_assert(!kFitN || (kBKMajor && !kFp8 && kEpiDirect && kCluster == 1 && !kGrouped && !kSplitK &&
+                         !kHookWait && !kHookEpilogue && !kHookCopy),
+              "a tile N other than 64, 128, 192, 256 needs B K-major, 16-bit inputs, the direct epilogue, no cluster, "
+              "no grouping, split-K or hooks");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
 static_assert(kStages >= 2, "at least a double-buffered ring");
-static_assert(kBN % kCCols == 0, "C staging slabs");
+static_assert(kBN % kCCols == 0 || kEpiDirect, "C staging slabs");
 
 // Shared-memory layout, offsets from a 1024-byte aligned base (128B swizzle atoms need that).
 constexpr u32 kOffA = 0;
@@ -259,7 +267,7 @@ constexpr int kReducePrefetchKBlocks = 8;
 // Column groups of 8 whose partial loads are in flight together (2 registers each; the accumulators hold
 // most of the 168 registers a thread may have: 16 and 32 groups spilled at 128x256, 8 did not).
 constexpr int kReduceBatchG = kBN / 8 < 8 ? kBN / 8 : 8;
-static_assert((kBN / 8) % kReduceBatchG == 0, "reduce batches tile the fragment");
+static_assert(!kHookReduce || (kBN / 8) % kReduceBatchG == 0, "reduce batches tile the fragment");
 constexpr bool kOutBf16 = FLUXRT_GEMM_OUT == 0;
 
 // Type selection at compile time (NVRTC has no <type_traits>).

@@ -127,7 +127,7 @@ constexpr int kTailSlabs = kBM / kTailSlabRows;                // slabs per tile
 constexpr int kTailRowVecs = kBN / 8;                          // 16-byte vectors (8 elements) per tile row
 constexpr int kTailVecBatch = 4;                               // vectors per lane whose loads fly together
 constexpr int kTailSrcBatch = 4;                               // ... times this many sources (16 x 16 B)
-static_assert(kBM % kTailSlabRows == 0 && (kTailSlabRows * kTailRowVecs) % (32 * kTailVecBatch) == 0,
+static_assert(kHookReduce != 2 || (kBM % kTailSlabRows == 0 && (kTailSlabRows * kTailRowVecs) % (32 * kTailVecBatch) == 0),
               "tail slabs split evenly over a warp");
 
 __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, int N, const ReduceArgs& r,

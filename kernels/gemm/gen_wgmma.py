@@ -4,13 +4,17 @@ wgmma.mma_async names every accumulator register in the instruction (N/2 floats 
 m64nNk16 / m64nNk32 with f32 accumulate), which is tedious to write by hand. Run:
 python3 kernels/gemm/gen_wgmma.py
 
-16-bit inputs (bf16, f16): m64nNk16, B K-major or MN-major (the transpose immediate).
+16-bit inputs (bf16, f16): m64nNk16 for N of 64 to 256 in steps of 16, B K-major or MN-major (the transpose
+immediate).
 fp8 inputs (e4m3, e5m2, any pairing of A and B): m64nNk32; PTX has no transpose for 8-bit types, so
 both operands are K-major in shared memory (the template argument must be 0).
 """
 from pathlib import Path
 
 NS = (64, 128, 192, 256)
+# 16-bit only: tile widths between the multiples of 64, for tiles that fit the SMs' waves (B K-major, the direct
+# epilogue; kernels/gemm/config.cuh)
+NS_16BIT = (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 TYPES = ("bf16", "f16")
 FP8 = ("e4m3", "e5m2")
 
@@ -73,7 +77,7 @@ def render() -> str:
              "// wgmma.mma_async wrappers, f32 accumulators, both operands from shared memory.\n",
              "#pragma once\n\nnamespace fluxrt_sm90 {\ntypedef unsigned long long u64;\n"]
     for ptx_t in TYPES:
-        for n in NS:
+        for n in NS_16BIT:
             parts.append(emit(n, ptx_t))
     for ta in FP8:
         for tb in FP8:

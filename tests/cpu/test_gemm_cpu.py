@@ -67,8 +67,16 @@ def test_plan_overrides_are_validated():
     p = plan_gemm(4096, 4096, 4096)
     with pytest.raises(ValueError, match="block_m"):
         dataclasses.replace(p, block_m=256).validate()
-    with pytest.raises(ValueError, match="block_n"):
-        dataclasses.replace(p, block_n=96).validate()
+    with pytest.raises(ValueError, match="block_n=96 .*epilogue='direct'"):
+        dataclasses.replace(p, block_n=96).validate()   # a fitted width: the direct epilogue only
+    with pytest.raises(ValueError, match="multiple of 16"):
+        dataclasses.replace(p, block_n=100, epilogue="direct").validate()
+    with pytest.raises(ValueError, match="multiple of 16 from 64 to 256"):
+        dataclasses.replace(p, block_n=272, epilogue="direct").validate()
+    with pytest.raises(ValueError, match="cluster=1"):
+        dataclasses.replace(p, block_n=112, epilogue="direct", cluster=2).validate()
+    fitted = dataclasses.replace(p, block_n=112, epilogue="direct", stages=6).validate()
+    assert fitted.fitted_n and not p.fitted_n
     with pytest.raises(ValueError, match="cluster"):
         dataclasses.replace(p, cluster=4).validate()
     with pytest.raises(ValueError, match="order"):
@@ -497,6 +505,11 @@ COMPILE_CONFIGS = [
     (GemmPlan(stream_k=True), "float16", "float16", False, False, False),
     (GemmPlan(block_n=128, stages=4, stream_k=True), "bfloat16", "float32", False, False, False),
     (GemmPlan(block_m=64, consumers=1, stages=4, stream_k=True), "float16", "float16", True, False, False),
+    # tile widths fitted to the waves (B K-major, direct epilogue)
+    (GemmPlan(block_n=112, stages=6, epilogue="direct"), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=240, stages=4, epilogue="direct"), "float16", "float32", True, False, False),
+    (GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct"), "bfloat16", "float16", True, False,
+     False),
 ]
 
 

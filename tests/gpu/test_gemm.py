@@ -128,6 +128,27 @@ def test_plans(plan, trans_b):
     run_case(1000, 1000, 520, trans_b=trans_b, plan=plan, seed=3)
 
 
+FITTED = [GemmPlan(block_n=112, stages=6, epilogue="direct"), GemmPlan(block_n=144, stages=6, epilogue="direct"),
+          GemmPlan(block_n=240, stages=4, epilogue="direct", order="hilbert"),
+          GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct")]
+
+
+@pytest.mark.parametrize("plan", FITTED, ids=lambda p: f"{p.block_m}x{p.block_n}s{p.stages}-{p.order}")
+@pytest.mark.parametrize("m,n,k,out_dtype", [(1000, 1000, 520, "bfloat16"), (257, 7168, 1000, "bfloat16"),
+                                             (129, 264, 40, "float32"), (300, 2000, 4104, "float16")])
+def test_fitted_tile_widths(plan, m, n, k, out_dtype):
+    # tile widths between the multiples of 64: N tails inside a tile and across tiles, K shorter than one block,
+    # K tails, every output type
+    in_dtype = "float16" if out_dtype == "float16" else "bfloat16"
+    run_case(m, n, k, trans_b=True, plan=plan, in_dtype=in_dtype, out_dtype=out_dtype, seed=21)
+
+
+def test_fitted_tile_width_needs_b_as_n_by_k():
+    a, b = cupy.zeros((256, 128), BF16), cupy.zeros((128, 512), BF16)
+    with pytest.raises(GemmArgumentError, match="block_n=112"):
+        gemm(a, b, trans_b=False, plan=GemmPlan(block_n=112, stages=6, epilogue="direct"))
+
+
 @pytest.mark.parametrize("c_staging", ["per_consumer", "shared"])
 @pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 @pytest.mark.parametrize("m,n,k", [(1100, 1000, 520), (129, 264, 72), (130, 72, 136)])
