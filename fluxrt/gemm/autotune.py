@@ -30,8 +30,8 @@ from pathlib import Path
 
 from ..env import env_flag
 from ..errors import GemmArgumentError
-from .plan import (H100_H200_SMS, GemmPlan, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, plain_plans,
-                   split_plans, stream_k_plans)
+from .plan import (H100_H200_SMS, GemmPlan, fitted_plan, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages,
+                   plain_plans, split_plans, stream_k_plans)
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -191,14 +191,16 @@ def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: s
                           num_sms=num_sms or H100_H200_SMS)
 
 
-def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
+def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS, *,
+               trans_b: bool = False) -> list[GemmPlan]:
     """The plans autotuning times: the heuristic's whole choice set (every tile shape the planner knows at its
-    deepest ring, grouped order, its split-K and stream-K plans), so the heuristic's own pick is always among them, plus
-    the split-K plans of ragged waves (``partial_waves``), which the model cannot rank, and the deeper rings of
-    :func:`deep_ring_plans`."""
+    deepest ring, grouped order, its split-K and stream-K plans, and with B as [N, K] the fitted-width plan), so the
+    heuristic's own pick is always among them, plus the split-K plans of ragged waves (``partial_waves``), which the
+    model cannot rank, and the deeper rings of :func:`deep_ring_plans`."""
+    fit = fitted_plan(m, n, k, out_dtype, num_sms) if trans_b else None
     return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype)
             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
-            + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True))
+            + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True) + ([fit] if fit else []))
 
 
 def deep_ring_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
@@ -364,7 +366,7 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
         cands = plans if plans is not None else fp8_plans(m, fp8.scale, out_dt)
     else:
         default_plan = heuristic_plan(m, n, k, in_dtype=in_dt, out_dtype=out_dt, trans_b=trans_b, num_sms=sms)
-        cands = plans if plans is not None else candidates(m, n, k, out_dt, sms)
+        cands = plans if plans is not None else candidates(m, n, k, out_dt, sms, trans_b=trans_b)
     if not cands:
         raise GemmArgumentError(f"gemm autotune: no candidate plan for {key}")
     with _tuning_lock:

@@ -171,23 +171,6 @@ struct ConsumerSmem {
     u32 bar_c_full, bar_c_empty;   // the pair of this consumer's storer turn (c_turn_of(wg))
 };
 
-// Grouped GEMM, a group's last tile with at most 64 rows left: the consumer whose rows all lie past the group's
-// end computes nothing. It waits for each stage (so that it never runs a ring round ahead of the other
-// consumer: a stage is refilled only once both have arrived on its `empty`) and passes it straight back; the
-// tensor cores are the other consumer's alone meanwhile. Its accumulators go to the epilogue as they are (the
-// epilogue stores nothing past the group's end); writing them here would make ptxas serialise every wgmma of the
-// main loop (a wait after each), which cost 15-25 % of the grouped GEMM's speed when measured.
-__device__ __forceinline__ void pass_tile(const ConsumerSmem& sm, int k_blocks, int& stage, u32& phase, int tid) {
-    for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait(sm.bars_full + 8 * stage, phase);  // the stage of this round has landed (nothing of it is read)
-        release_stage(sm.bars_empty + 8 * stage, tid);
-        if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-        }
-    }
-}
-
 // One consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile of the schedule, then hands
 // the accumulators to the epilogue (Epilogue::store), which the mainloop calls back once per K block
 // (Epilogue::after_k_block, for work that overlaps the MMAs).
@@ -210,19 +193,11 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
         // Block scales: the scales of K blocks kb + 1 and kb + 2 are in flight while kb is computed (they come
         // from L2: the ring leaves little L1, and an L2 round trip is longer than one K block's MMAs).
         BlockScale::Loaded s_next{}, s_after{};
-        if constexpr (ScaleT::kPerTile || (kGrouped && kConsumers > 1)) {
+        if constexpr (ScaleT::kPerTile) {
             int m_tile, n_tile;
             sched.tile(t, m_tile, n_tile);
             const GroupTile rows = sched.rows(m_tile);   // grouped: the tile's group and first row (table)
-            if constexpr (ScaleT::kPerTile)
-                scale.begin_tile(rows.row0 + wg * kRowsPerConsumer, n_tile * kBN, rows.group, tid);
-            if constexpr (kGrouped && kConsumers > 1) {
-                if (rows.row0 + wg * kRowsPerConsumer >= rows.row_end) {   // rows all past the group's end
-                    pass_tile(sm, k_blocks, stage, phase, tid);
-                    epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
-                    continue;
-                }
-            }
+            scale.begin_tile(rows.row0 + wg * kRowsPerConsumer, n_tile * kBN, rows.group, tid);
         }
         if constexpr (kBlockScale) {
             s_next = scale.load(0);

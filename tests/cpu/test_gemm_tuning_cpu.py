@@ -524,3 +524,20 @@ def test_release_workspaces_drops_one_streams_buffers_only(monkeypatch):
     monkeypatch.setattr(split_k, "_workspaces", dict(table))
     split_k.release_workspaces(0, 111, zeroed_only=True)   # a stream-K timeout: the counters alone
     assert (0, 111, True) not in split_k._workspaces and split_k._workspaces[(0, 111)] == ["partials"]
+
+
+def test_fitted_width_plans_for_few_rows_and_long_k():
+    # 256 rows, B [N, K]: 128x128 tiles make 2 x 72 = 144 tiles (a second wave of 12); 144-wide tiles make 128
+    from fluxrt.gemm.autotune import candidates
+    from fluxrt.gemm.plan import FIT_MIN_K, fitted_plan
+
+    p = heuristic_plan(256, 9216, 7168, trans_b=True)
+    assert p.fitted_n and p.block_n == 144 and p.epilogue == "direct"
+    assert math.prod(p.tiles(256, 9216)) <= 132
+    assert p in candidates(256, 9216, 7168, trans_b=True)
+    assert not heuristic_plan(256, 9216, 7168, trans_b=False).fitted_n          # B [K, N]: 64-column slabs
+    assert not heuristic_plan(256, 7168, FIT_MIN_K - 64, trans_b=True).fitted_n  # short K: the stores show
+    assert not heuristic_plan(4096, 9216, 7168, trans_b=True).fitted_n          # many rows: whole waves anyway
+    assert not heuristic_plan(256, 6144, 4096, trans_b=True).fitted_n           # 64x192 fills the waves already
+    assert fitted_plan(256, 8192, 8192) is None                                  # the width would be 128
+    assert all(not c.fitted_n for c in candidates(256, 9216, 7168))              # trans_b=False

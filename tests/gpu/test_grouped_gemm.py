@@ -93,10 +93,9 @@ def test_many_groups_skewed():
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_tail_tiles_with_one_consumer_idle(trans_b):
-    # Last tiles with <= 64 rows left (1, 63, 64) leave the second consumer idle for the whole K loop, 65 and
-    # 127 do not; K = 1000 runs each tile over several rounds of the ring (and a K tail), so a consumer that
-    # passed a tile's stages must stay in step with the other one over the tiles that follow.
+def test_last_tiles_of_at_most_64_rows(trans_b):
+    # last tiles with 1, 63, 64 rows (the second consumer's rows all past the group's end) and 65, 127; K = 1000
+    # runs each tile over several rounds of the ring, with a K tail
     sizes = [65, 64, 1, 0, 192, 193, 63, 127, 128, 320, 1, 64] * 3
     run_case(sizes, n=512, k=1000, trans_b=trans_b, seed=11)
 
