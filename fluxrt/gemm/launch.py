@@ -24,6 +24,7 @@ from .stream_k import fill_params as fill_stream_k
 from .tmaps import NULL_TMAP as _NULL_TMAP
 from .tmaps import order_table as _order_table
 from .tmaps import tensor_map as _tensor_map
+from .tmaps import tensor_map_nd as _tensor_map_nd
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -142,6 +143,10 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
                               bands=bands if c_bands else None) if staged_out else _NULL_TMAP)
         if red is not None and red.where == "epilogue":   # hook 3: C is the reduced chunk's result
             tmap_c = _tensor_map(red_out.data.ptr, out_dt, red_out.shape[0], n, c_cols, 64)
+        # fitted widths, staged: C as [M][N / block_n][block_n] for the inner tile columns (FitArgs)
+        tmap_c_tiles = (_tensor_map_nd(out.data.ptr, out_dt, (plan.block_n, max(1, n // plan.block_n), m),
+                                       (plan.block_n * _ITEMSIZE[out_dt], n * _ITEMSIZE[out_dt]), (c_cols, 1, 64))
+                        if staged_out and plan.fitted_n else None)
         c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
         dst_tmaps = (epilogue.destinations.tensor_maps(m, n, epilogue.chunk_rows, dev, c_cols, 64)
                      if epilogue is not None else None)
@@ -152,6 +157,8 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
         params = gemm_params(tmap_a=tmap_a, tmap_b=tmap_b, tmap_c=tmap_c, order_table=_ptr(table), c_direct=c_direct,
                             m=m, n=n, k=k, group_m=plan.group_m, m_tile_offset=plan.m_tile_offset % mt,
                             chunk_rows=chunk_rows, chunks_per_peer=wait.chunks_per_peer if wait else 1)
+        if tmap_c_tiles is not None:
+            params["fit"]["tmap_c_tiles"] = tmap_c_tiles
         if timed is not None:
             t = params["timeout"]
             t["timeout_ns"], t["err"], t["rank"] = timed.timeout_ns, _ptr(timed.err), timed.rank

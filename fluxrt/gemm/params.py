@@ -55,11 +55,12 @@ GROUP_ARGS = _struct([("offsets", PTR), ("groups", I32), ("offsets_64", I32), ("
 STREAM_K_ARGS = _struct([("counters", PTR), ("partials", PTR), ("dp_tiles", I32), ("op_id", U32), ("pieces", I32),
                          ("piece_blocks", I32)])
 COPY_ARGS = _struct([("tmap_a_own", TMAP[1], 64), ("counters", PTR), ("row0", I32), ("rows", I32)])
+FIT_ARGS = _struct([("tmap_c_tiles", TMAP[1], 64)])
 
 PARAMS, _PARAMS_ALIGN = _struct([
     ("gemm", GEMM_ARGS), ("copy", COPY_ARGS), ("timeout", TIMEOUT_ARGS), ("wait", WAIT_ARGS),
     ("epilogue", EPILOGUE_ARGS), ("reduce", REDUCE_ARGS), ("tail", TAIL_ARGS), ("scale", SCALE_ARGS),
-    ("group", GROUP_ARGS), ("stream_k", STREAM_K_ARGS),
+    ("group", GROUP_ARGS), ("stream_k", STREAM_K_ARGS), ("fit", FIT_ARGS),
 ])
 
 
@@ -92,4 +93,4 @@ def gemm_params(**gemm) -> np.ndarray:
 
 
 __all__ = ["PARAMS", "GEMM_ARGS", "TIMEOUT_ARGS", "WAIT_ARGS", "EPILOGUE_ARGS", "REDUCE_ARGS", "TAIL_ARGS",
-           "COPY_ARGS", "SCALE_ARGS", "GROUP_ARGS", "STREAM_K_ARGS", "gemm_params", "leaf_fields", "new_params"]
+           "COPY_ARGS", "SCALE_ARGS", "GROUP_ARGS", "STREAM_K_ARGS", "FIT_ARGS", "gemm_params", "leaf_fields", "new_params"]

@@ -103,9 +103,9 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.block_m must be 64 * consumers = {64 * self.consumers}, got {self.block_m}")
         if self.block_n % 16 or not 64 <= self.block_n <= 256:
             raise ValueError(f"GemmPlan.block_n must be a multiple of 16 from 64 to 256, got {self.block_n}")
-        if self.fitted_n and (self.epilogue != "direct" or self.cluster != 1 or self.split_k > 1 or self.stream_k):
-            raise ValueError(f"GemmPlan.block_n={self.block_n} (not a multiple of 64) needs epilogue='direct', "
-                             f"cluster=1, no split-K and no stream-K (the staged epilogues store 64-column slabs)")
+        if self.fitted_n and (self.cluster != 1 or self.split_k > 1 or self.stream_k):
+            raise ValueError(f"GemmPlan.block_n={self.block_n} (not a multiple of 64) needs cluster=1, no split-K "
+                             f"and no stream-K")
         if self.block_k not in (BLOCK_K, FP8_BLOCK_K):
             raise ValueError(f"GemmPlan.block_k must be {BLOCK_K} (16-bit inputs) or {FP8_BLOCK_K} (fp8): one 128-byte "
                              f"swizzled row, got {self.block_k}")
@@ -138,7 +138,7 @@ class GemmPlan:
     @property
     def fitted_n(self) -> bool:
         """A tile width between the multiples of 64 (a tile fitted to the SMs' waves): B [N, K] (trans_b=True),
-        16-bit inputs, the direct epilogue, plain GEMMs only."""
+        16-bit inputs, plain GEMMs only (no hooks, bands, split-K, stream-K or cluster)."""
         return self.block_n % 64 != 0
 
     def describe(self) -> str:
@@ -162,7 +162,8 @@ class GemmPlan:
     def c_staging_bytes(self, out_dtype: str) -> int:
         if self.epilogue == "direct":
             return 0
-        return self.block_m // self.c_turns * self.block_n * _bytes_of(out_dtype)
+        slabs = -(-self.block_n * _bytes_of(out_dtype) // 128)   # 128-byte column slabs, the last part-filled
+        return self.block_m // self.c_turns * slabs * 128
 
     def smem_bytes(self, out_dtype: str = "bfloat16", shard_copy: bool = False, grouped: bool = False) -> int:
         """Dynamic shared memory of the kernel; shard_copy: with GEMM hook 4 (its copier's buffer of one

@@ -207,7 +207,8 @@ constexpr u32 kBAtomBytes = 64 * kBK * kInBytes;            // MN-major B: one 6
 // fragment writes from registers are bank-conflict free and the layout matches the TMA store box.
 constexpr int kCCols = 128 / kOutBytes;                     // columns per 128-byte slab
 constexpr u32 kCSlabBytes = kRowsPerConsumer * 128;         // 8 KiB
-constexpr u32 kCConsumerBytes = (kBN / kCCols) * kCSlabBytes;
+constexpr int kCSlabs = (kBN + kCCols - 1) / kCCols;         // the last one part-filled with a fitted width
+constexpr u32 kCConsumerBytes = kCSlabs * kCSlabBytes;
 // Shared C staging (FLUXRT_GEMM_C_SHARED=1 with 2 consumers): ONE consumer-sized region, which the
 // consumers fill in turn and the storer drains once per consumer ("turn") per tile, each turn with its
 // own c_full[turn] / c_empty[turn] pair. Otherwise: one region per consumer, one turn per tile covering
@@ -232,17 +233,17 @@ constexpr int kConsumerRegs = (kConsumerRegsRaw >= 240 ? 240 : kConsumerRegsRaw)
 constexpr bool kRebalanceRegs = kConsumers == 2;
 
 // Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between, with B K-major (one
-// TMA box of kBN rows; MN-major B comes in 64-column slabs), 16-bit inputs and the direct epilogue (the staged
-// epilogues store 64-column slabs), one CTA per cluster.
+// TMA box of kBN rows; MN-major B comes in 64-column slabs), 16-bit inputs, one CTA per cluster, a plain GEMM. The
+// staged epilogue stores the part-filled last slab of an inner tile column through FitArgs' map (params.cuh).
 constexpr bool kFitN = kBN % 64 != 0;
 static_assert(kBN % 16 == 0 && kBN >= 64 && kBN <= 256, "tile N: a multiple of 16 from 64 to 256");
-static_assert(!kFitN || (kBKMajor && !kFp8 && kEpiDirect && kCluster == 1 && !kGrouped && !kSplitK &&
-                         !kHookWait && !kHookEpilogue && !kHookCopy),
-              "a tile N other than 64, 128, 192, 256 needs B K-major, 16-bit inputs, the direct epilogue, no cluster, "
-              "no grouping, split-K or hooks");
+static_assert(!kFitN || (kBKMajor && !kFp8 && kCluster == 1 && !kGrouped && !kSplitK && !kStreamK && !kHookWait &&
+                         !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
+              "a tile N other than 64, 128, 192, 256 needs B K-major, 16-bit inputs, no cluster, and a plain GEMM "
+              "(no grouping, split-K, stream-K, hooks or bands)");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
 static_assert(kStages >= 2, "at least a double-buffered ring");
-static_assert(kBN % kCCols == 0 || kEpiDirect, "C staging slabs");
+static_assert(kBN % kCCols == 0 || kFitN, "C staging slabs");
 
 // Shared-memory layout, offsets from a 1024-byte aligned base (128B swizzle atoms need that).
 constexpr u32 kOffA = 0;

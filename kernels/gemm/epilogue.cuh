@@ -287,6 +287,7 @@ struct StagedEpilogue {
 // C itself (banded C too: the storer splits the row into band and row).
 struct TmaStoreEpilogue : StagedEpilogue {
     const TmaDesc* tmap_c;
+    const TmaDesc* tmap_c_tiles;   // fitted widths: C as [M][N / kBN][kBN] (FitArgs)
 
     __device__ __forceinline__ StoreTarget target(int m0, int row0) const {
         return StoreTarget{tmap_c, m0 + row0, 0, false};
@@ -559,14 +560,19 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
 #pragma unroll
                 for (int c = 0; c < kConsumersPerTurn; ++c)
 #pragma unroll
-                    for (int j = 0; j < kBN / kCCols; ++j) {
+                    for (int j = 0; j < kCSlabs; ++j) {
                         const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes;
                         const int y = d.y0 + c * kRowsPerConsumer;
                         // banded C: GEMM row y is row y % band_rows of band y / band_rows (TMA clips the rest)
                         if constexpr (kBandsC)
                             tma_store_3d(d.map, src, n0 + j * kCCols, y % epilogue.chunks.band_rows(),
                                          y / epilogue.chunks.band_rows());
-                        else
+                        else if constexpr (kFitN) {
+                            // an inner tile column: the tiles' view clips the last slab at the tile's kBN
+                            // columns; the last tile column: C's own map clips at N
+                            if (n_tile + 1 < sched.n_tiles) tma_store_3d(epilogue.tmap_c_tiles, src, j * kCCols, n_tile, y);
+                            else tma_store_2d(d.map, src, n0 + j * kCCols, y);
+                        } else
                             tma_store_2d(d.map, src, n0 + j * kCCols, y);
                     }
                 bulk_commit();
@@ -608,7 +614,7 @@ __device__ __forceinline__ void run_storer_stream_k(const Schedule& sched, const
 #pragma unroll
                 for (int c = 0; c < kConsumersPerTurn; ++c)
 #pragma unroll
-                    for (int j = 0; j < kBN / kCCols; ++j)
+                    for (int j = 0; j < kCSlabs; ++j)
                         tma_store_2d(d.map, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes, n0 + j * kCCols,
                                      d.y0 + c * kRowsPerConsumer);
                 bulk_commit();

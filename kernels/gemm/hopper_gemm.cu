@@ -82,15 +82,15 @@ __device__ __forceinline__ DirectEpilogue make_epilogue(const Params& p, RowChun
     return DirectEpilogue{static_cast<char*>(p.gemm.c_direct), p.gemm.m, p.gemm.n};
 }
 __device__ __forceinline__ TmaStoreEpilogue make_epilogue(const Params& p, RowChunks chunks, TmaStoreEpilogue*) {
-    return TmaStoreEpilogue{{chunks}, &p.gemm.tmap_c};
+    return TmaStoreEpilogue{{chunks}, &p.gemm.tmap_c, &p.fit.tmap_c_tiles};
 }
 __device__ __forceinline__ GroupedStoreEpilogue make_epilogue(const Params& p, RowChunks chunks,
                                                               GroupedStoreEpilogue*) {
-    return GroupedStoreEpilogue{{{chunks}, &p.gemm.tmap_c}, static_cast<char*>(p.gemm.c_direct), p.gemm.n};
+    return GroupedStoreEpilogue{{{chunks}, &p.gemm.tmap_c, nullptr}, static_cast<char*>(p.gemm.c_direct), p.gemm.n};
 }
 __device__ __forceinline__ GroupedScatterEpilogue make_epilogue(const Params& p, RowChunks chunks,
                                                                 GroupedScatterEpilogue*) {
-    return GroupedScatterEpilogue{{{{chunks}, &p.gemm.tmap_c}, static_cast<char*>(p.gemm.c_direct), p.gemm.n},
+    return GroupedScatterEpilogue{{{{chunks}, &p.gemm.tmap_c, nullptr}, static_cast<char*>(p.gemm.c_direct), p.gemm.n},
                                   p.group};
 }
 __device__ __forceinline__ PeerStoreEpilogue make_epilogue(const Params& p, RowChunks chunks, PeerStoreEpilogue*) {

@@ -133,6 +133,13 @@ struct StreamKArgs {
     int piece_blocks;           // K blocks of a piece but the last
 };
 
+// Fitted tile widths (block_n not a multiple of the 64-column staging slab) with the staged epilogue: C seen as
+// [M][N / kBN][kBN], so that a box of one slab clips at the tile's last column; the last tile column (which may
+// be narrower) goes through tmap_c, which clips at N.
+struct FitArgs {
+    TmaDesc tmap_c_tiles;       // dims {kBN, N / kBN, M} (innermost first), box {128 B, 1, 64 rows}
+};
+
 struct Params {
     GemmArgs gemm;
     CopyArgs copy;
@@ -144,6 +151,7 @@ struct Params {
     ScaleArgs scale;
     GroupArgs group;
     StreamKArgs stream_k;       // appended: every earlier field keeps its offset
+    FitArgs fit;                // appended after stream_k
 };
 static_assert(sizeof(Params) <= 4096, "kernel parameters are limited to 4 KiB");
 

@@ -67,8 +67,10 @@ def test_plan_overrides_are_validated():
     p = plan_gemm(4096, 4096, 4096)
     with pytest.raises(ValueError, match="block_m"):
         dataclasses.replace(p, block_m=256).validate()
-    with pytest.raises(ValueError, match="block_n=96 .*epilogue='direct'"):
-        dataclasses.replace(p, block_n=96).validate()   # a fitted width: the direct epilogue only
+    with pytest.raises(ValueError, match="block_n=96 .*cluster=1"):
+        dataclasses.replace(p, block_n=96, cluster=2).validate()   # a fitted width: cluster 1 only
+    assert dataclasses.replace(p, block_n=96, stages=6).validate().c_staging_bytes("bfloat16") == 128 * 256
+    assert dataclasses.replace(p, block_n=96, stages=6).c_staging_bytes("float32") == 128 * 384
     with pytest.raises(ValueError, match="multiple of 16"):
         dataclasses.replace(p, block_n=100, epilogue="direct").validate()
     with pytest.raises(ValueError, match="multiple of 16 from 64 to 256"):
@@ -505,7 +507,10 @@ COMPILE_CONFIGS = [
     (GemmPlan(stream_k=True), "float16", "float16", False, False, False),
     (GemmPlan(block_n=128, stages=4, stream_k=True), "bfloat16", "float32", False, False, False),
     (GemmPlan(block_m=64, consumers=1, stages=4, stream_k=True), "float16", "float16", True, False, False),
-    # tile widths fitted to the waves (B K-major, direct epilogue)
+    # tile widths fitted to the waves (B K-major; staged: FitArgs' map for the part-filled last slab)
+    (GemmPlan(block_n=112, stages=5), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=144, stages=4), "float16", "float32", True, False, False),
+    (GemmPlan(block_n=176, stages=5, c_staging="shared"), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=112, stages=6, epilogue="direct"), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=240, stages=4, epilogue="direct"), "float16", "float32", True, False, False),
     (GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct"), "bfloat16", "float16", True, False,

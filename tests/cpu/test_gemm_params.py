@@ -75,11 +75,12 @@ def test_scale_args_keep_the_layout():
 
 
 def test_stream_k_args_keep_the_layout():
-    """StreamKArgs is appended to Params: every other field keeps its offset (GroupArgs ends at 896); Params grows to
-    960 bytes (a multiple of the tensor maps' 64-byte alignment)."""
+    """StreamKArgs is appended to Params: every other field keeps its offset (GroupArgs ends at 896); it ends at 928,
+    and FitArgs' tensor map follows at 960 (64-byte aligned): Params is 1088 bytes."""
     off = dict((n, o) for n, o, _ in leaf_fields())
     assert off["stream_k.counters"] == 896 and off["group.scatter_entries"] == 888
-    assert off["stream_k.op_id"] == off["stream_k.dp_tiles"] + 4 and PARAMS.itemsize == 960
+    assert off["stream_k.op_id"] == off["stream_k.dp_tiles"] + 4
+    assert off["fit.tmap_c_tiles"] == 960 and PARAMS.itemsize == 1088
     assert off["stream_k.piece_blocks"] == off["stream_k.pieces"] + 4 == 924
     p = new_params()
     p["stream_k"]["dp_tiles"], p["stream_k"]["op_id"] = 264, 7

@@ -130,16 +130,24 @@ def test_plans(plan, trans_b):
 
 FITTED = [GemmPlan(block_n=112, stages=6, epilogue="direct"), GemmPlan(block_n=144, stages=6, epilogue="direct"),
           GemmPlan(block_n=240, stages=4, epilogue="direct", order="hilbert"),
-          GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct")]
+          GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct"),
+          GemmPlan(block_n=112, stages=6), GemmPlan(block_n=176, stages=4, order="hilbert"),
+          GemmPlan(block_n=144, stages=5, c_staging="shared"),
+          GemmPlan(block_m=64, block_n=208, consumers=1, stages=5)]
 
 
-@pytest.mark.parametrize("plan", FITTED, ids=lambda p: f"{p.block_m}x{p.block_n}s{p.stages}-{p.order}")
+@pytest.mark.parametrize("plan", FITTED, ids=lambda p: f"{p.block_m}x{p.block_n}s{p.stages}-{p.order}-{p.epilogue}"
+                                                      f"{'-sharedC' if p.c_staging == 'shared' else ''}")
 @pytest.mark.parametrize("m,n,k,out_dtype", [(1000, 1000, 520, "bfloat16"), (257, 7168, 1000, "bfloat16"),
-                                             (129, 264, 40, "float32"), (300, 2000, 4104, "float16")])
+                                             (129, 264, 40, "float32"), (300, 2000, 4104, "float16"),
+                                             (200, 96, 64, "bfloat16")])
 def test_fitted_tile_widths(plan, m, n, k, out_dtype):
-    # tile widths between the multiples of 64: N tails inside a tile and across tiles, K shorter than one block,
-    # K tails, every output type
+    # tile widths between the multiples of 64: N tails inside a tile and across tiles (N % block_n of every kind;
+    # N below one tile), K shorter than one block, K tails, every output type; staged, the inner tile columns'
+    # part-filled last slab goes through the tiles' view of C
     in_dtype = "float16" if out_dtype == "float16" else "bfloat16"
+    fits = max_stages(plan.block_m, plan.block_n, out_dtype, plan.epilogue, plan.c_staging)
+    plan = dataclasses.replace(plan, stages=min(plan.stages, fits))   # fp32 output: a larger C staging
     run_case(m, n, k, trans_b=True, plan=plan, in_dtype=in_dtype, out_dtype=out_dtype, seed=21)
 
 
