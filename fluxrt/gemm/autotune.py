@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..env import env_flag
 from ..errors import GemmArgumentError
-from .plan import (H100_H200_SMS, GemmPlan, fitted_plan, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages,
+from .plan import (H100_H200_SMS, GemmPlan, fitted_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages,
                    plain_plans, split_plans, stream_k_plans)
 
 log = logging.getLogger("fluxrt.gemm")
@@ -194,13 +194,13 @@ def plan_for(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: s
 def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS, *,
                trans_b: bool = False) -> list[GemmPlan]:
     """The plans autotuning times: the heuristic's whole choice set (every tile shape the planner knows at its
-    deepest ring, grouped order, its split-K and stream-K plans, and with B as [N, K] the fitted-width plan), so the
+    deepest ring, grouped order, its split-K and stream-K plans, and with B as [N, K] the fitted widths), so the
     heuristic's own pick is always among them, plus the split-K plans of ragged waves (``partial_waves``), which the
     model cannot rank, and the deeper rings of :func:`deep_ring_plans`."""
-    fit = fitted_plan(m, n, k, out_dtype, num_sms) if trans_b else None
     return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype)
             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
-            + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True) + ([fit] if fit else []))
+            + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
+            + (fitted_plans(m, out_dtype) if trans_b else []))
 
 
 def deep_ring_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:

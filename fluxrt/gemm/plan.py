@@ -483,39 +483,23 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
     return tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster, num_sms, trans_b)
 
 
-# Fitted tile widths (GemmPlan.fitted_n): for problems of at most FIT_MAX_M rows (B streamed about once) and K of at
-# least FIT_MIN_K (the direct epilogue's stores a small share of a tile), with B as [N, K], where the fitted grid
-# fills the SMs' waves FIT_MIN_GAIN times better than the best whole-tile plan. Provenance: docs/tuning.md.
-FIT_MAX_M = 512
-FIT_MIN_K = 4096
-FIT_MIN_GAIN = 1.05
+# Fitted tile widths (GemmPlan.fitted_n): 128-row tiles of these widths are among the plans of a GEMM whose B is
+# [N, K]; the model costs them at TILE_RATE interpolated between its widths (tile_rate). Provenance: docs/tuning.md.
+FIT_WIDTHS = (80, 96, 112, 144, 160, 176, 208, 224, 240)
 
 
-def fitted_plan(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS) -> GemmPlan | None:
-    """128-row tiles as wide as needed (a multiple of 16) for ceil(M / 128) x ceil(N / width) tiles to fit one wave
-    of ``num_sms`` CTAs, with the direct epilogue and the deepest ring (at most 8 stages); None where that width is
-    a multiple of 64 (a plain plan has it) or outside 80..240."""
-    mt = math.ceil(m / 128)
-    cols = num_sms // mt
-    if cols < 1:
-        return None
-    bn = -(-math.ceil(n / cols) // 16) * 16
-    if bn % 64 == 0 or not 64 < bn < 256:
-        return None
-    stages = min(max_stages(128, bn, out_dtype, "direct"), 8)
-    return GemmPlan(block_n=bn, stages=stages, epilogue="direct", group_m=max(1, min(mt, 16)))
-
-
-def _fitted_pick(m: int, n: int, k: int, out_dtype: str, num_sms: int) -> GemmPlan | None:
-    """The heuristic's fitted plan (FIT_MAX_M, FIT_MIN_K, FIT_MIN_GAIN above), or None."""
-    if m > FIT_MAX_M or k < FIT_MIN_K:
-        return None
-    fit = fitted_plan(m, n, k, out_dtype, num_sms)
-    if fit is None:
-        return None
-    fill = _wave_efficiency(math.prod(fit.tiles(m, n)), num_sms)
-    whole = min(plain_plans(m, out_dtype), key=lambda p: tile_cost(m, n, k, p.block_m, p.block_n, p.cluster, num_sms))
-    return fit if fill >= FIT_MIN_GAIN * _wave_efficiency(math.prod(whole.tiles(m, n)), num_sms) else None
+def fitted_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
+    """128-row tiles of every FIT_WIDTHS width with the staged epilogue at the deepest ring (at most 6 stages); where
+    fewer than 4 stages fit beside per-consumer C staging, shared staging when it adds a stage."""
+    out = []
+    for bn in FIT_WIDTHS:
+        stages, staging = min(max_stages(128, bn, out_dtype), 6), "per_consumer"
+        shared = min(max_stages(128, bn, out_dtype, c_staging="shared"), 6)
+        if stages < 4 and shared > stages:
+            stages, staging = shared, "shared"
+        if stages >= 2:
+            out.append(GemmPlan(block_n=bn, stages=stages, c_staging=staging, group_m=max(1, min(math.ceil(m / 128), 16))))
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -524,19 +508,17 @@ def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dt
     """The plan of a plain GEMM without measuring: the plan of least modelled time (:func:`plan_cost`; ties go
     to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages),
     the split-K plans of :func:`split_plans` and the stream-K plans of :func:`stream_k_plans`, grouped order with bands of up to 16 tile rows;
-    with B as [N, K] (``trans_b``) and few rows, a fitted-width plan (:func:`fitted_plan`) where it fills the waves
-    clearly better. What
+    with B as [N, K] (``trans_b``) also the fitted widths of :func:`fitted_plans`. What
     :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry. stream_k=False: without the stream-K
     plans (for comparisons)."""
     if in_dtype not in IN_DTYPES:
         raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"unsupported output dtype {out_dtype!r} (expected one of {OUT_DTYPES})")
-    if trans_b and (fit := _fitted_pick(m, n, k, out_dtype, num_sms)) is not None:
-        return fit.validate(out_dtype)
     best = None
     for plan in (plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
-                 + (stream_k_plans(m, n, k, out_dtype, num_sms) if stream_k else [])):
+                 + (stream_k_plans(m, n, k, out_dtype, num_sms) if stream_k else [])
+                 + (fitted_plans(m, out_dtype) if trans_b else [])):
         cost = plan_cost(plan, m, n, k, num_sms, trans_b)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)

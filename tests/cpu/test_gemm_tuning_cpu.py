@@ -442,8 +442,8 @@ def test_heuristic_stream_k_tiles_and_the_autotuner_set():
     narrow, every = stream_k_plans(m, n, k), stream_k_plans(m, n, k, every_shape=True)
     assert all((p.block_m, p.block_n) >= STREAM_K_MIN_TILE for p in narrow) and set(narrow) < set(every)
     assert set(every) <= set(candidates(m, n, k))
-    assert heuristic_plan(461, 9128, 13208, trans_b=True).stream_k
-    assert not heuristic_plan(461, 9128, 13208, trans_b=True, stream_k=False).stream_k
+    assert heuristic_plan(461, 9128, 13208, trans_b=False).stream_k
+    assert not heuristic_plan(461, 9128, 13208, trans_b=False, stream_k=False).stream_k
 
 
 # --- choosing among timed candidates ---------------------------------------------------------------------
@@ -526,18 +526,19 @@ def test_release_workspaces_drops_one_streams_buffers_only(monkeypatch):
     assert (0, 111, True) not in split_k._workspaces and split_k._workspaces[(0, 111)] == ["partials"]
 
 
-def test_fitted_width_plans_for_few_rows_and_long_k():
+def test_fitted_width_plans_for_b_as_n_by_k():
     # 256 rows, B [N, K]: 128x128 tiles make 2 x 72 = 144 tiles (a second wave of 12); 144-wide tiles make 128
     from fluxrt.gemm.autotune import candidates
-    from fluxrt.gemm.plan import FIT_MIN_K, fitted_plan
+    from fluxrt.gemm.plan import FIT_WIDTHS, fitted_plans
 
     p = heuristic_plan(256, 9216, 7168, trans_b=True)
-    assert p.fitted_n and p.block_n == 144 and p.epilogue == "direct"
+    assert p.fitted_n and p.block_n == 144 and p.epilogue == "tma"
     assert math.prod(p.tiles(256, 9216)) <= 132
     assert p in candidates(256, 9216, 7168, trans_b=True)
     assert not heuristic_plan(256, 9216, 7168, trans_b=False).fitted_n          # B [K, N]: 64-column slabs
-    assert not heuristic_plan(256, 7168, FIT_MIN_K - 64, trans_b=True).fitted_n  # short K: the stores show
-    assert not heuristic_plan(4096, 9216, 7168, trans_b=True).fitted_n          # many rows: whole waves anyway
-    assert not heuristic_plan(256, 6144, 4096, trans_b=True).fitted_n           # 64x192 fills the waves already
-    assert fitted_plan(256, 8192, 8192) is None                                  # the width would be 128
     assert all(not c.fitted_n for c in candidates(256, 9216, 7168))              # trans_b=False
+    assert not heuristic_plan(8192, 8192, 8192, trans_b=True).fitted_n          # whole waves of 128x256 anyway
+    fits = fitted_plans(4096, "float32")
+    assert [f.block_n for f in fits] == list(FIT_WIDTHS) and all(f.fitted_n for f in fits)
+    for f in fits:
+        assert f.validate("float32").stages >= 2
