@@ -508,7 +508,8 @@ def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dt
     """The plan of a plain GEMM without measuring: the plan of least modelled time (:func:`plan_cost`; ties go
     to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages),
     the split-K plans of :func:`split_plans` and the stream-K plans of :func:`stream_k_plans`, grouped order with bands of up to 16 tile rows;
-    with B as [N, K] (``trans_b``) also the fitted widths of :func:`fitted_plans`. What
+    with B as [N, K] (``trans_b``) whose rows are whole 32-byte sectors also the fitted widths of
+    :func:`fitted_plans` (with B off the sectors a fitted width lost to stream-K: 461x9128x13208). What
     :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry. stream_k=False: without the stream-K
     plans (for comparisons)."""
     if in_dtype not in IN_DTYPES:
@@ -518,7 +519,7 @@ def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dt
     best = None
     for plan in (plain_plans(m, out_dtype) + split_plans(m, n, k, out_dtype, num_sms)
                  + (stream_k_plans(m, n, k, out_dtype, num_sms) if stream_k else [])
-                 + (fitted_plans(m, out_dtype) if trans_b else [])):
+                 + (fitted_plans(m, out_dtype) if trans_b and not misaligned_b_rows(n, k, trans_b) else [])):
         cost = plan_cost(plan, m, n, k, num_sms, trans_b)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)

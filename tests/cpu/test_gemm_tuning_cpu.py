@@ -538,6 +538,7 @@ def test_fitted_width_plans_for_b_as_n_by_k():
     assert not heuristic_plan(256, 9216, 7168, trans_b=False).fitted_n          # B [K, N]: 64-column slabs
     assert all(not c.fitted_n for c in candidates(256, 9216, 7168))              # trans_b=False
     assert not heuristic_plan(8192, 8192, 8192, trans_b=True).fitted_n          # whole waves of 128x256 anyway
+    assert not heuristic_plan(461, 9128, 13208, trans_b=True).fitted_n          # B's rows off the 32-byte sectors
     fits = fitted_plans(4096, "float32")
     assert [f.block_n for f in fits] == list(FIT_WIDTHS) and all(f.fitted_n for f in fits)
     for f in fits:
