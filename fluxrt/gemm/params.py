@@ -93,4 +93,5 @@ def gemm_params(**gemm) -> np.ndarray:
 
 
 __all__ = ["PARAMS", "GEMM_ARGS", "TIMEOUT_ARGS", "WAIT_ARGS", "EPILOGUE_ARGS", "REDUCE_ARGS", "TAIL_ARGS",
-           "COPY_ARGS", "SCALE_ARGS", "GROUP_ARGS", "STREAM_K_ARGS", "FIT_ARGS", "gemm_params", "leaf_fields", "new_params"]
+           "COPY_ARGS", "SCALE_ARGS", "GROUP_ARGS", "STREAM_K_ARGS", "FIT_ARGS", "gemm_params", "leaf_fields",
+           "new_params"]

@@ -287,8 +287,8 @@ def _cluster1_factor(m: int, n: int, k: int, trans_b: bool, plain: bool = False)
 
 
 def tile_rate(block_m: int, block_n: int, cluster: int = 1) -> float:
-    """TILE_RATE of a tile shape; a fitted width (not in the table) between its neighbours there, linearly
-    (not measured separately: the fitted plans are picked by wave fill, not by this rate)."""
+    """TILE_RATE of a tile shape; a fitted width (not in the table) between its neighbours there, linearly (not
+    fitted: the measured runs imply higher rates for most widths, docs/tuning.md)."""
     rate = TILE_RATE.get((block_m, block_n, cluster))
     if rate is not None:
         return rate
@@ -498,7 +498,8 @@ def fitted_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
         if stages < 4 and shared > stages:
             stages, staging = shared, "shared"
         if stages >= 2:
-            out.append(GemmPlan(block_n=bn, stages=stages, c_staging=staging, group_m=max(1, min(math.ceil(m / 128), 16))))
+            out.append(GemmPlan(block_n=bn, stages=stages, c_staging=staging,
+                                group_m=max(1, min(math.ceil(m / 128), 16))))
     return out
 
 
@@ -507,11 +508,11 @@ def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dt
                    trans_b: bool = False, num_sms: int = H100_H200_SMS, stream_k: bool = True) -> GemmPlan:
     """The plan of a plain GEMM without measuring: the plan of least modelled time (:func:`plan_cost`; ties go
     to the one considered first) among every tile shape of TILE_RATE at its deepest ring (at most 6 stages),
-    the split-K plans of :func:`split_plans` and the stream-K plans of :func:`stream_k_plans`, grouped order with bands of up to 16 tile rows;
-    with B as [N, K] (``trans_b``) whose rows are whole 32-byte sectors also the fitted widths of
-    :func:`fitted_plans` (with B off the sectors a fitted width lost to stream-K: 461x9128x13208). What
-    :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry. stream_k=False: without the stream-K
-    plans (for comparisons)."""
+    the split-K plans of :func:`split_plans` and the stream-K plans of :func:`stream_k_plans`, grouped order with
+    bands of up to 16 tile rows; with B as [N, K] (``trans_b``) whose rows are whole 32-byte sectors also the
+    fitted widths of :func:`fitted_plans` (with B off the sectors a fitted width lost to stream-K:
+    461x9128x13208). What :func:`fluxrt.gemm.gemm` takes when the autotune cache has no entry. stream_k=False:
+    without the stream-K plans (for comparisons)."""
     if in_dtype not in IN_DTYPES:
         raise ValueError(f"unsupported input dtype {in_dtype!r} (expected one of {IN_DTYPES})")
     if out_dtype not in OUT_DTYPES:

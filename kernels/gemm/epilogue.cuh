@@ -127,7 +127,8 @@ constexpr int kTailSlabs = kBM / kTailSlabRows;                // slabs per tile
 constexpr int kTailRowVecs = kBN / 8;                          // 16-byte vectors (8 elements) per tile row
 constexpr int kTailVecBatch = 4;                               // vectors per lane whose loads fly together
 constexpr int kTailSrcBatch = 4;                               // ... times this many sources (16 x 16 B)
-static_assert(kHookReduce != 2 || (kBM % kTailSlabRows == 0 && (kTailSlabRows * kTailRowVecs) % (32 * kTailVecBatch) == 0),
+static_assert(kHookReduce != 2 ||
+                  (kBM % kTailSlabRows == 0 && (kTailSlabRows * kTailRowVecs) % (32 * kTailVecBatch) == 0),
               "tail slabs split evenly over a warp");
 
 __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, int N, const ReduceArgs& r,
@@ -570,8 +571,10 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
                         else if constexpr (kFitN) {
                             // an inner tile column: the tiles' view clips the last slab at the tile's kBN
                             // columns; the last tile column: C's own map clips at N
-                            if (n_tile + 1 < sched.n_tiles) tma_store_3d(epilogue.tmap_c_tiles, src, j * kCCols, n_tile, y);
-                            else tma_store_2d(d.map, src, n0 + j * kCCols, y);
+                            if (n_tile + 1 < sched.n_tiles)
+                                tma_store_3d(epilogue.tmap_c_tiles, src, j * kCCols, n_tile, y);
+                            else
+                                tma_store_2d(d.map, src, n0 + j * kCCols, y);
                         } else
                             tma_store_2d(d.map, src, n0 + j * kCCols, y);
                     }

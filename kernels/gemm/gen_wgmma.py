@@ -12,8 +12,8 @@ both operands are K-major in shared memory (the template argument must be 0).
 from pathlib import Path
 
 NS = (64, 128, 192, 256)
-# 16-bit only: tile widths between the multiples of 64, for tiles that fit the SMs' waves (B K-major, the direct
-# epilogue; kernels/gemm/config.cuh)
+# 16-bit only: tile widths between the multiples of 64, for tiles that fit the SMs' waves (B K-major, plain GEMMs;
+# kernels/gemm/config.cuh)
 NS_16BIT = (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 TYPES = ("bf16", "f16")
 FP8 = ("e4m3", "e5m2")
