@@ -138,10 +138,13 @@ def _cuda_include_dirs() -> list[str]:
     return dirs
 
 
-def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOptions()) -> Path:
-    """Compile a kernels/ source with NVRTC into a cached cubin; returns the cubin's path."""
+def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOptions(), *,
+                  resolved_arch: str | None = None) -> Path:
+    """Compile a kernels/ source with NVRTC into a cached cubin; returns the cubin's path. ``resolved_arch``:
+    the arch that ``options.arch=None`` stands for, given by a caller that resolved it already (a worker
+    process of :func:`compile_many` need not open the GPU); the cache key is the same either way."""
     src = _source_path(source)
-    arch = _resolve_arch(options)
+    arch = options.arch or resolved_arch or _resolve_arch(options)
     key = hashlib.sha256("|".join([_source_digest(src, options.include_dirs), options.key(), arch,
                                    _nvrtc_version(), "default-device"]).encode()).hexdigest()[:24]
     out = cache_dir() / f"{src.stem}-{arch}-{key}.cubin"
@@ -169,6 +172,31 @@ def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOp
         (log.warning if WGMMA_SERIALIZED in text else log.debug)("NVRTC on %s for %s: %s", src.name, arch, text)
     log.info("compiled %s for %s -> %s", src.name, arch, out)
     return out
+
+
+def compile_many(source: str | os.PathLike, options: list[CompileOptions], jobs: int | None = None) -> list[Path]:
+    """Compile many configurations of one source into the cache at once, ``jobs`` NVRTC processes in parallel
+    (default: the CPUs this process may use). Configurations already cached cost a file lookup. An NVRTC
+    failure raises :class:`CompileError` naming the configuration."""
+    import concurrent.futures
+    import multiprocessing
+
+    src = _source_path(source)
+    arch = _resolve_arch(CompileOptions())
+    todo = list(dict.fromkeys(options))
+    jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo)))
+    if jobs == 1:
+        return [compile_cubin(src, o, resolved_arch=arch) for o in todo]
+    # spawn: the parent may hold a CUDA context, which a forked child must not inherit
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(compile_cubin, src, o, resolved_arch=arch) for o in todo]
+        out = []
+        for o, f in zip(todo, futures):
+            try:
+                out.append(f.result())
+            except CompileError as e:
+                raise CompileError(f"{e}\n(configuration: {' '.join(f'-D{k}={v}' for k, v in o.defines)})") from e
+        return out
 
 
 # ptxas' remark when it inserts a wait after every wgmma (accumulators touched by other instructions inside the

@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=3, help="alternating timed blocks per implementation")
     ap.add_argument("--no-graph", action="store_true", help="eager calls only")
     ap.add_argument("--autotune", action="store_true", help="tune each shape first (fluxrt.gemm.autotune)")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the suite's first N shapes")
     ap.add_argument("--limit", type=int, default=None, help="first N shapes of the suite only")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="M,N,K,NK|KN", type=shape_arg,
                     help="these shapes instead of the suite (e.g. 461,9128,13208,NK; NK: B stored [N, K]); a shape "
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
 
     import cupy
 
-    shapes = pick_shapes(suite(args.suite), args.shapes)[: args.limit]
+    shapes = pick_shapes(suite(args.suite), args.shapes)[args.skip:][: args.limit]
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"# {name}, {args.dtype}, suite {args.suite} ({len(shapes)} shapes), {args.iters} calls x {args.rounds} "

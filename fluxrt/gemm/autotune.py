@@ -203,6 +203,23 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
             + (fitted_plans(m, out_dtype) if trans_b else []))
 
 
+def build_candidates(problems, jobs: int | None = None) -> int:
+    """Compile the kernels that tuning ``problems`` will time, ``jobs`` NVRTC processes at once, so that a
+    suite's tuning does not compile its configurations one by one between timings. problems: (m, n, k,
+    in_dtype, out_dtype, trans_b) of 16-bit GEMMs. Returns the number of distinct configurations."""
+    from ..toolchain import compile_many
+    from .kernel import KERNEL_SOURCE, compile_options, plain_defines
+
+    options = []
+    for m, n, k, in_dtype, out_dtype, trans_b in problems:
+        plans = candidates(m, n, k, out_dtype, trans_b=trans_b)
+        plans.append(heuristic_plan(m, n, k, in_dtype=in_dtype, out_dtype=out_dtype, trans_b=trans_b))
+        options += [compile_options(plain_defines(p, in_dtype, out_dtype, trans_b)) for p in plans]
+    options = list(dict.fromkeys(options))
+    compile_many(KERNEL_SOURCE, options, jobs)
+    return len(options)
+
+
 def deep_ring_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
     """The plain plans whose ring gets deeper when the two consumers share one C staging buffer (their
     epilogues then take turns): 128x256 with 4 stages instead of 3, 128x192 with 5 instead of 4. Measured on

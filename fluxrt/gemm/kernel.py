@@ -45,6 +45,16 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_turns > 1 else "0")) + fp8
 
 
+def plain_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool) -> tuple[tuple[str, str], ...]:
+    """The macros of a plain 16-bit :func:`fluxrt.gemm.gemm` call (no hooks or bands) under ``plan``: split-K
+    plans run the kernel with fp32 partials into banded C (:mod:`fluxrt.gemm.split_k`)."""
+    if plan.split_k > 1:
+        from .hooks import BANDS_C
+
+        return kernel_defines(plan, in_dtype, "float32", trans_b, bands=BANDS_C)
+    return kernel_defines(plan, in_dtype, out_dtype, trans_b)
+
+
 def compile_options(defines, arch: str | None = None):
     from ..toolchain import CompileOptions
 

@@ -18,8 +18,7 @@ import numpy as np
 
 from ..errors import GemmArgumentError
 from ..packed_launch import PackedLaunch
-from .hooks import BANDS_C
-from .kernel import OUT_IDS, _kernel, _num_sms, kernel_defines
+from .kernel import OUT_IDS, _kernel, _num_sms, plain_defines
 from .params import gemm_params
 from .plan import GemmPlan, split_slices
 from .tmaps import tensor_map
@@ -112,7 +111,7 @@ def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_d
     m_pad = -(-m // plan.block_m) * plan.block_m
     rows = splits * m_pad                                # the launch's M: one band of m_pad rows per slice
     ws = workspace(dev, stream_ptr, splits * m * n * 4)
-    defines = kernel_defines(plan, in_dt, "float32", trans_b, bands=BANDS_C)
+    defines = plain_defines(plan, in_dt, out_dt, trans_b)
     smem = plan.smem_bytes("float32")
     kern = _kernel(defines, dev, smem)
     # the plain GEMM's maps: band s reads them from K column s * ks on (GemmArgs::k_slice)

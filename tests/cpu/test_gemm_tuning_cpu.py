@@ -315,6 +315,27 @@ def test_split_k_kernels_compile(trans_b, tmp_path, monkeypatch):
         assert b"fluxrt_splitk_reduce" in red.read_bytes()
 
 
+def test_every_candidate_of_a_tuning_compiles(tmp_path, monkeypatch):
+    """build_candidates compiles what autotune will time (split-K as fp32 partials into banded C, stream-K,
+    fitted widths, deep rings), and a later plain call finds each kernel in the cache."""
+    from fluxrt import toolchain
+    from fluxrt.gemm.kernel import KERNEL_SOURCE, compile_options, plain_defines
+
+    monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(toolchain, "_resolve_arch", lambda options: options.arch or "sm_90a")
+    problems = [(256, 7168, 8192, "bfloat16", "bfloat16", True), (461, 9128, 13208, "float16", "float16", False)]
+    plans = {(p, pr[3], pr[5]) for pr in problems
+             for p in tuning.candidates(pr[0], pr[1], pr[2], pr[4], trans_b=pr[5])}
+    assert any(p.split_k > 1 for p, _, _ in plans) and any(p.stream_k for p, _, _ in plans)
+    assert any(p.fitted_n for p, _, _ in plans)
+    n = tuning.build_candidates(problems, jobs=2)
+    assert n == len(list(tmp_path.glob("hopper_gemm-*.cubin")))
+    for plan, dt, trans_b in plans:
+        cubin = toolchain.compile_cubin(KERNEL_SOURCE, compile_options(plain_defines(plan, dt, dt, trans_b)))
+        assert cubin.parent == tmp_path and b"fluxrt_gemm" in cubin.read_bytes()
+    assert n == len(list(tmp_path.glob("hopper_gemm-*.cubin")))   # nothing compiled twice
+
+
 def test_partial_wave_split_plans_fill_ragged_waves():
     """The autotuner's wider split-K set: slices only where a few waves of tiles leave the last one mostly idle,
     each fills the waves better than the unsplit tiles, and the heuristic's own set stays a subset."""

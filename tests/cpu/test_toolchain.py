@@ -52,6 +52,26 @@ def test_cache_hit_and_key_changes_with_options():
 
 
 @needs_nvrtc
+def test_compile_many_fills_the_same_cache_entries(monkeypatch):
+    monkeypatch.setattr(toolchain, "_resolve_arch", lambda options: options.arch or "sm_90a")   # no GPU here
+    opts = [toolchain.CompileOptions(defines=(("X", str(i)),)) for i in range(3)]
+    built = toolchain.compile_many("comm/p2p.cu", opts + opts[:1], jobs=2)   # the repeat is built once
+    assert len(built) == 3 and len(set(built)) == 3
+    mtimes = [os.stat(p).st_mtime_ns for p in built]
+    assert [toolchain.compile_cubin("comm/p2p.cu", o) for o in opts] == built   # cache hits, same keys
+    assert [os.stat(p).st_mtime_ns for p in built] == mtimes
+
+
+@needs_nvrtc
+def test_compile_many_names_the_failing_configuration(tmp_path):
+    bad = tmp_path / "half.cu"
+    bad.write_text('#if BROKEN\nthis is not cuda;\n#endif\nextern "C" __global__ void k() {}\n')
+    opts = [toolchain.CompileOptions(arch="sm_90a", defines=(("BROKEN", b),)) for b in ("0", "1")]
+    with pytest.raises(CompileError, match="-DBROKEN=1"):
+        toolchain.compile_many(bad, opts, jobs=2)
+
+
+@needs_nvrtc
 def test_compile_error_carries_the_log(tmp_path):
     bad = tmp_path / "broken.cu"
     bad.write_text('extern "C" __global__ void k() { this is not cuda; }\n')
