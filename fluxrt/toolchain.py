@@ -179,7 +179,6 @@ def compile_many(source: str | os.PathLike, options: list[CompileOptions], jobs:
     (default: the CPUs this process may use). Configurations already cached cost a file lookup. An NVRTC
     failure raises :class:`CompileError` naming the configuration."""
     import concurrent.futures
-    import multiprocessing
 
     src = _source_path(source)
     arch = _resolve_arch(CompileOptions())
@@ -187,8 +186,8 @@ def compile_many(source: str | os.PathLike, options: list[CompileOptions], jobs:
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo)))
     if jobs == 1:
         return [compile_cubin(src, o, resolved_arch=arch) for o in todo]
-    # spawn: the parent may hold a CUDA context, which a forked child must not inherit
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # threads: NVRTC's compile runs without the GIL
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futures = [pool.submit(compile_cubin, src, o, resolved_arch=arch) for o in todo]
         out = []
         for o, f in zip(todo, futures):

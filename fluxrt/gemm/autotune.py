@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..env import env_flag
 from ..errors import GemmArgumentError
-from .plan import (H100_H200_SMS, GemmPlan, fitted_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages,
+from .plan import (H100_H200_SMS, GemmPlan, cluster_n_plans, fitted_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages,
                    plain_plans, split_plans, stream_k_plans)
 
 log = logging.getLogger("fluxrt.gemm")
@@ -196,8 +196,9 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     """The plans autotuning times: the heuristic's whole choice set (every tile shape the planner knows at its
     deepest ring, grouped order, its split-K and stream-K plans, and with B as [N, K] the fitted widths), so the
     heuristic's own pick is always among them, plus the split-K plans of ragged waves (``partial_waves``), which the
-    model cannot rank, and the deeper rings of :func:`deep_ring_plans`."""
-    return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype)
+    model cannot rank, the deeper rings of :func:`deep_ring_plans` and the clusters along N of
+    :func:`cluster_n_plans`."""
+    return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype)
             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
             + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
             + (fitted_plans(m, out_dtype) if trans_b else []))

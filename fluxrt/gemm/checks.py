@@ -321,9 +321,9 @@ def _check_tail(red: ChunkReduce, epilogue: TileEpilogue, plan: GemmPlan, m: int
     if _ptr(red.counter) == 0 or _ptr(red.counter) % 4:
         raise GemmArgumentError("gemm: ChunkReduce(where='tail') needs counter: a non-null, 4-byte aligned device "
                                 "pointer of a uint32 that is 0 (the tail reducers claim slabs with it)")
-    if plan.cluster != 1 or plan.order != "grouped":
+    if plan.cluster_ctas != 1 or plan.order != "grouped":
         raise GemmArgumentError(f"gemm: ChunkReduce(where='tail') needs a cluster-1 plan in grouped order, got "
-                                f"cluster={plan.cluster}, order={plan.order!r}")
+                                f"cluster={plan.cluster}x{plan.cluster_n}, order={plan.order!r}")
     mt, _ = plan.tiles(m, n)
     chunk_tiles = epilogue.chunk_rows // plan.block_m
     tiles = -(-min(epilogue.chunk_rows, m - red.chunk * epilogue.chunk_rows) // plan.block_m)

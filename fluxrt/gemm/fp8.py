@@ -41,9 +41,9 @@ def check_plan(plan: GemmPlan, prob: Fp8Problem) -> None:
     if plan.block_k != FP8_BLOCK_K:
         raise GemmArgumentError(f"gemm: an fp8 plan has block_k={FP8_BLOCK_K} (one 128-byte row), got {plan.block_k}"
                                 " (fluxrt.gemm.plan.fp8_plans lists them)")
-    if plan.split_k > 1 or plan.stream_k or plan.fitted_n:
-        raise GemmArgumentError("gemm: fp8 GEMMs have no split-K, stream-K or fitted-width (block_n not a multiple of "
-                                f"64) plans, got {plan.describe()}")
+    if plan.split_k > 1 or plan.stream_k or plan.fitted_n or plan.cluster_n > 1:
+        raise GemmArgumentError("gemm: fp8 GEMMs have no split-K, stream-K, cluster_n=2 or fitted-width (block_n not a "
+                                f"multiple of 64) plans, got {plan.describe()}")
     if prob.scale == "block" and FP8_SCALE_BLOCK % plan.block_n:
         raise GemmArgumentError(f"gemm: block-scaled fp8 needs block_n in (64, 128) (a tile inside one "
                                 f"{FP8_SCALE_BLOCK}-column scale block, and room for the promotion's registers), "

@@ -129,7 +129,7 @@ def check_grouped_plan(plan: GemmPlan, out_dtype: str, in_dtype: str = "bfloat16
         raise GemmArgumentError(f"grouped_gemm: block-scaled fp8 needs block_n in (64, 128) (a tile inside one "
                                 f"{FP8_SCALE_BLOCK}-column scale block, and room for the promotion's registers), "
                                 f"got {plan.block_n}")
-    if plan.cluster != 1 or plan.order != "grouped" or plan.epilogue != "tma" or plan.split_k != 1 \
+    if plan.cluster_ctas != 1 or plan.order != "grouped" or plan.epilogue != "tma" or plan.split_k != 1 \
             or plan.m_tile_offset != 0 or plan.stream_k:
         raise GemmArgumentError(f"grouped_gemm: a grouped plan needs cluster=1, order='grouped', epilogue='tma', "
                                 f"split_k=1, no stream_k, and m_tile_offset=0, got {plan.describe()} (m_tile_offset="

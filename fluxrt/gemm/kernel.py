@@ -42,7 +42,8 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"),
             ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)),
             # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
-            ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_turns > 1 else "0")) + fp8
+            ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_turns > 1 else "0")) + fp8 \
+        + (("FLUXRT_GEMM_CLUSTER_N", str(plan.cluster_n)),) * (plan.cluster_n > 1)
 
 
 def plain_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool) -> tuple[tuple[str, str], ...]:
@@ -153,9 +154,9 @@ _cluster_caps: dict = {}
 
 
 def _max_clusters(kern, plan: GemmPlan, smem_bytes: int, device_id: int) -> int | None:
-    """How many clusters of plan.cluster CTAs can be resident at once (GPCs may leave SMs unpaired);
-    None for plan.cluster == 1 or when the driver cannot say."""
-    if plan.cluster == 1:
+    """How many clusters of plan.cluster_ctas CTAs can be resident at once (GPCs may leave SMs unpaired);
+    None for one-CTA clusters or when the driver cannot say."""
+    if plan.cluster_ctas == 1:
         return None
     func = kern.kernel.ptr   # cupy.RawKernel -> its loaded CUfunction
     key = (func, device_id)
@@ -163,7 +164,7 @@ def _max_clusters(kern, plan: GemmPlan, smem_bytes: int, device_id: int) -> int 
         from cuda.bindings import driver as drv
 
         cfg = drv.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = plan.cluster * _num_sms(device_id), 1, 1
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = plan.cluster_ctas * _num_sms(device_id), 1, 1
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = plan.threads, 1, 1
         cfg.sharedMemBytes = smem_bytes
         err, n = drv.cuOccupancyMaxActiveClusters(drv.CUfunction(func), cfg)

@@ -63,6 +63,9 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
                                 f"{', hooks or row bands' if (wait or epilogue or copy or stride) else ''}")
     if plan.split_k > 1 and (wait or epilogue or copy or stride):
         raise GemmArgumentError("gemm: a split_k plan is for plain GEMMs (no hooks, no row bands)")
+    if plan.cluster_n > 1 and (in_dt not in IN_DTYPES or wait or epilogue or copy or stride):
+        raise GemmArgumentError(f"gemm: a cluster_n=2 plan is for plain 16-bit GEMMs, got inputs {in_dt}"
+                                f"{', hooks or row bands' if (wait or epilogue or copy or stride) else ''}")
     if plan.stream_k and (wait or epilogue or copy or stride):
         raise GemmArgumentError("gemm: a stream_k plan is for plain GEMMs (no hooks, no row bands)")
     if plan.split_k > 1:
@@ -129,8 +132,9 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
         smem = plan.smem_bytes(out_dt, shard_copy=copy is not None)
         kern = _kernel(defines, dev, smem)
         mt, nt = plan.tiles(m, n)
-        tmap_a = _tensor_map(a.data.ptr, in_dt, a_bands.rows if a_bands else m, k, plan.block_k, plan.block_m,
-                             bands=bands if a_bands else None)
+        # with a cluster along N each CTA loads (and multicasts) block_m / cluster_n rows of A
+        tmap_a = _tensor_map(a.data.ptr, in_dt, a_bands.rows if a_bands else m, k, plan.block_k,
+                             plan.block_m // plan.cluster_n, bands=bands if a_bands else None)
         tmap_own = (_tensor_map(own.data.ptr, in_dt, own.shape[0], k, plan.block_k, plan.block_m)
                     if own is not None else None)
         if trans_b:   # with a cluster each CTA loads (and multicasts) block_n / cluster rows of B

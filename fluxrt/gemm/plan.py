@@ -11,7 +11,9 @@ block_n        tile columns = wgmma N (64, 128, 192, 256)
 block_k        one 128-byte swizzled row: 64 for 16-bit inputs, 128 for fp8 (FP8_BLOCK_K); fixed per type
 stages         depth of the shared-memory ring of (A, B) K blocks
 consumers      consumer warpgroups (1 or 2); the producer warpgroup is always one
-cluster        CTAs per thread-block cluster: 1, or 2 (the pair shares the B tile through TMA multicast)
+cluster        CTAs per thread-block cluster along M: 1, or 2 (the pair shares the B tile through TMA multicast)
+cluster_n      CTAs along N: 1, or 2 (the pair shares the A tile; 16-bit plain GEMMs). A cluster is
+               cluster x cluster_n CTAs: with 2 x 2, each CTA loads half of A's and half of B's rows
 order          'grouped' (bands of group_m tile rows) or 'hilbert' (host-built curve table)
 group_m        band height in tiles for 'grouped'
 m_tile_offset  rank offset: m_tile = (m_tile + m_tile_offset) % m_tiles (a rank starts at its shard)
@@ -77,6 +79,7 @@ class GemmPlan:
     stages: int = 3
     consumers: int = 2
     cluster: int = 1
+    cluster_n: int = 1
     order: str = "grouped"
     group_m: int = 16
     m_tile_offset: int = 0
@@ -111,6 +114,11 @@ class GemmPlan:
                              f"swizzled row, got {self.block_k}")
         if self.cluster not in (1, 2):
             raise ValueError(f"GemmPlan.cluster must be 1 or 2 (CTAs sharing B by TMA multicast), got {self.cluster}")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"GemmPlan.cluster_n must be 1 or 2 (CTAs sharing A by TMA multicast), got {self.cluster_n}")
+        if self.cluster_n > 1 and (self.split_k > 1 or self.stream_k or self.fitted_n):
+            raise ValueError("GemmPlan.cluster_n=2 needs split_k=1, no stream-K and a tile width of 64, 128, 192 "
+                             "or 256")
         if self.order not in ORDERS:
             raise ValueError(f"GemmPlan.order must be one of {ORDERS}, got {self.order!r}")
         if self.group_m < 1:
@@ -136,6 +144,11 @@ class GemmPlan:
         return self
 
     @property
+    def cluster_ctas(self) -> int:
+        """CTAs per thread-block cluster (cluster x cluster_n)."""
+        return self.cluster * self.cluster_n
+
+    @property
     def fitted_n(self) -> bool:
         """A tile width between the multiples of 64 (a tile fitted to the SMs' waves): B [N, K] (trans_b=True),
         16-bit inputs, plain GEMMs only (no hooks, bands, split-K, stream-K or cluster)."""
@@ -147,7 +160,7 @@ class GemmPlan:
         order = self.order + (f"/g{self.group_m}" if self.order == "grouped" else "")
         split = f" k{self.split_k}" if self.split_k > 1 else (" sk" if self.stream_k else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
-                f"x{self.cluster}{split}")
+                f"x{self.cluster}{f'x{self.cluster_n}' if self.cluster_n > 1 else ''}{split}")
 
     # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
     def stage_bytes(self) -> int:
@@ -182,17 +195,17 @@ class GemmPlan:
         return math.ceil(m / self.block_m), math.ceil(n / self.block_n)
 
     def grid(self, m: int, n: int, num_sms: int = H100_H200_SMS, max_clusters: int | None = None) -> int:
-        """Persistent grid: CTAs = cluster * min(resident clusters, work items). A work item is one
-        tile per CTA of a cluster (the same N tile, consecutive M tiles)."""
+        """Persistent grid: CTAs = cluster_ctas * min(resident clusters, work items). A work item is one
+        tile per CTA of a cluster (cluster consecutive M tiles x cluster_n consecutive N tiles)."""
         mt, nt = self.tiles(m, n)
-        items = -(-mt // self.cluster) * nt
+        items = -(-mt // self.cluster) * -(-nt // self.cluster_n)
         if self.stream_k:   # the K blocks are cut over every SM, however few the tiles
             items = num_sms
         cap = num_sms if self.max_ctas is None else min(self.max_ctas, num_sms)
-        clusters = max(1, cap // self.cluster)
+        clusters = max(1, cap // self.cluster_ctas)
         if max_clusters is not None:
             clusters = min(clusters, max_clusters)
-        return self.cluster * max(1, min(clusters, items))
+        return self.cluster_ctas * max(1, min(clusters, items))
 
 
 def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma",
@@ -538,6 +551,25 @@ def plain_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
     return out
 
 
+# Clusters along N (GemmPlan.cluster_n = 2, A shared by TMA multicast as B is along M): (block_m, block_n,
+# cluster) of the autotuner's candidates. Not in the cost model: no rates measured yet (docs/tuning.md).
+CLUSTER_N_TILES = ((128, 256, 2), (128, 192, 2), (128, 128, 2), (128, 256, 1), (128, 128, 1), (128, 64, 1),
+                   (64, 128, 1))
+
+
+def cluster_n_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
+    """Plans with clusters along N (1 x 2 and 2 x 2 CTAs) at their deepest ring (at most 6 stages, 8 for the
+    narrow tiles), grouped order; 2 x 2 only where M has at least two tile rows."""
+    out = []
+    for bm, bn, cluster in CLUSTER_N_TILES:
+        if cluster > 1 and math.ceil(m / bm) < 2:
+            continue
+        stages = min(max_stages(bm, bn, out_dtype), 8 if bm * bn <= 128 * 64 else 6)
+        out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, cluster=cluster, cluster_n=2,
+                            group_m=max(1, min(math.ceil(m / bm), 16))))
+    return out
+
+
 # --- tile orders ------------------------------------------------------------------------------------
 
 def _hilbert_d2xy(order: int, d: int) -> tuple[int, int]:
@@ -587,14 +619,15 @@ def grouped_order(m_tiles: int, n_tiles: int, group_m: int) -> list[tuple[int, i
 
 def tile_order(plan: GemmPlan, m: int, n: int) -> list[tuple[int, int]]:
     """The (m_tile, n_tile) sequence the kernel walks (work item order; the CTAs of a cluster take the
-    consecutive tile rows of one item), rank offset applied."""
+    consecutive tile rows and columns of one item, M rank fastest), rank offset applied."""
     mt, nt = plan.tiles(m, n)
-    slots = -(-mt // plan.cluster)
+    slots, cols = -(-mt // plan.cluster), -(-nt // plan.cluster_n)
     group = max(1, plan.group_m // plan.cluster)
-    base = hilbert_order(slots, nt) if plan.order == "hilbert" else grouped_order(slots, nt, group)
+    base = hilbert_order(slots, cols) if plan.order == "hilbert" else grouped_order(slots, cols, group)
     off = plan.m_tile_offset % mt
-    return [((row * plan.cluster + r + off) % mt, nn) for row, nn in base for r in range(plan.cluster)
-            if row * plan.cluster + r < mt]
+    return [((row * plan.cluster + r + off) % mt, col * plan.cluster_n + c) for row, col in base
+            for c in range(plan.cluster_n) for r in range(plan.cluster)
+            if row * plan.cluster + r < mt and col * plan.cluster_n + c < nt]
 
 
 def replace(plan: GemmPlan, **changes) -> GemmPlan:

@@ -73,10 +73,12 @@ NULL_TMAP = np.zeros((1,), dtype=_TMAP_DTYPE)
 
 
 def order_table(plan: GemmPlan, m_tiles: int, n_tiles: int, device_id: int):
-    """Hilbert order of the work items: [slot rows, n_tiles], a slot row = plan.cluster tile rows."""
+    """Hilbert order of the work items: [slot rows, slot columns], a slot row = plan.cluster tile rows, a slot
+    column = plan.cluster_n tile columns."""
     if plan.order != "hilbert":
         return None
     m_tiles = -(-m_tiles // plan.cluster)
+    n_tiles = -(-n_tiles // plan.cluster_n)
     key = (m_tiles, n_tiles, device_id)
     with _lock:
         t = _order_tables.get(key)

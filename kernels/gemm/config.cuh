@@ -41,6 +41,11 @@
 //   FLUXRT_GEMM_CLUSTER       CTAs per cluster (1 or 2). With 2, the pair computes two M tiles of the
 //                             same N tile, and each CTA loads half of the shared B tile and multicasts
 //                             it to both: L2 -> SM traffic per tile drops from A+B to A+B/2.  default 1
+//   FLUXRT_GEMM_CLUSTER_N     CTAs of a cluster along N (1 or 2; plain 16-bit GEMMs only). With 2, the
+//                             cluster is FLUXRT_GEMM_CLUSTER x 2 CTAs (rank = m rank + FLUXRT_GEMM_CLUSTER
+//                             * n rank) computing its M tiles times two neighbouring N tiles; the CTAs of one
+//                             M tile share its A tile as the CTAs of one N tile share B: each loads
+//                             1 / FLUXRT_GEMM_CLUSTER_N of A's rows and multicasts them.  default 1
 //   FLUXRT_GEMM_BANDS         rows in bands (the fused ops' padded calls): the GEMM's M rows are bands of
 //                             band_rows = chunk_rows * chunks_per_peer rows, of which an operand holds only
 //                             the first `rows` (its 3-D tensor map [bands][rows][cols]); GEMM row y is row
@@ -116,6 +121,9 @@
 #ifndef FLUXRT_GEMM_CLUSTER
 #define FLUXRT_GEMM_CLUSTER 1
 #endif
+#ifndef FLUXRT_GEMM_CLUSTER_N
+#define FLUXRT_GEMM_CLUSTER_N 1
+#endif
 #ifndef FLUXRT_GEMM_SPLIT_K
 #define FLUXRT_GEMM_SPLIT_K 0
 #endif
@@ -159,8 +167,21 @@ constexpr bool kReduceTail = FLUXRT_GEMM_HOOK_REDUCE == 2;       // hook 3 after
 constexpr bool kHookCopy = FLUXRT_GEMM_HOOK_COPY != 0;
 constexpr bool kEpiDirect = FLUXRT_GEMM_EPI_DIRECT != 0;
 constexpr int kCluster = FLUXRT_GEMM_CLUSTER;
-constexpr unsigned short kClusterMask = (1u << kCluster) - 1;  // multicast to every CTA of the cluster
 static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
+constexpr int kClusterN = FLUXRT_GEMM_CLUSTER_N;
+constexpr int kClusterCtas = kCluster * kClusterN;
+static_assert(kClusterN == 1 || kClusterN == 2, "clusters of 1 or 2 CTAs along N");
+// The CTAs that share this CTA's B tile (its N rank's column of the cluster) and its A tile (its M rank's
+// row), as multicast masks; rank = m rank + kCluster * n rank.
+__host__ __device__ constexpr unsigned short b_sharers(int n_rank) {
+    return (unsigned short)(((1u << kCluster) - 1) << (n_rank * kCluster));
+}
+__host__ __device__ constexpr unsigned short a_sharers(int m_rank) {
+    return (unsigned short)(kClusterN == 1 ? 1u << m_rank : (1u << m_rank) | (1u << (m_rank + kCluster)));
+}
+// The CTAs that write this CTA's ring stages (itself, the B sharers, the A sharers), whose consumers all
+// release a stage before its writer refills it.
+constexpr int kStageWriters = kCluster + kClusterN - 1;
 static_assert(!(kEpiDirect && kHookEpilogue), "hook 2 needs the staged (storer-warp) epilogue");
 static_assert(!kHookReduce || (kHookEpilogue && FLUXRT_GEMM_OUT != 2), "hook 3 needs hook 2 and 16-bit partials");
 static_assert(!kHookCopy || kHookWait, "hook 4 needs hook 1 (its chunk geometry)");
@@ -241,6 +262,10 @@ static_assert(!kFitN || (kBKMajor && !kFp8 && kCluster == 1 && !kGrouped && !kSp
                          !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a tile N other than 64, 128, 192, 256 needs B K-major, 16-bit inputs, no cluster, and a plain GEMM "
               "(no grouping, split-K, stream-K, hooks or bands)");
+static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kFitN && !kHookWait && !kHookEpilogue &&
+                                  !kHookCopy && !kBandsA && !kBandsC),
+              "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, fitted tile "
+              "width, hooks or bands)");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
 static_assert(kStages >= 2, "at least a double-buffered ring");
 static_assert(kBN % kCCols == 0 || kFitN, "C staging slabs");

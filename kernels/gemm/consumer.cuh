@@ -47,15 +47,24 @@ FLUXRT_GEMM_MMA_NS(3, 3, k32_e5m2_e5m2)
 #undef FLUXRT_GEMM_MMA
 using TileMma = Mma<kBN, FLUXRT_GEMM_IN, FLUXRT_GEMM_IN_B, kBKMajor ? 0 : 1>;
 
-// Stage s of the ring is free again: every consumer warpgroup of every CTA of the cluster arrives,
-// because the next TMA into stage s (B multicast) writes the shared memory of all of them. Called by
-// every thread of a consumer warpgroup; thread c arrives on CTA c's barrier (one arrive per thread, in
-// parallel, so no thread serialises remote arrives before the next wgmma).
+// Stage s of the ring is free again: the consumers arrive on the empty[s] of every CTA whose TMA writes
+// this CTA's stage s (itself, the CTAs sharing its B tile, those sharing its A tile), because each of those
+// writes the shared memory of all the CTAs it multicasts to. Called by every thread of a consumer warpgroup;
+// thread c arrives on one writer's barrier (one arrive per thread, in parallel, so no thread serialises
+// remote arrives before the next wgmma).
 __device__ __forceinline__ void release_stage(u32 bar_empty, int tid) {
-    if constexpr (kCluster == 1) {
+    if constexpr (kClusterCtas == 1) {
         if (tid == 0) mbar_arrive(bar_empty);
-    } else {
+    } else if constexpr (kClusterN == 1) {
         if (tid < kCluster) mbar_arrive_cluster(bar_empty, (u32)tid);
+    } else {
+        const int rank = (int)cluster_ctarank(), m_rank = rank % kCluster, n_rank = rank / kCluster;
+        if (tid < kCluster) {                     // the CTAs of this N tile (B sharers, this CTA among them)
+            mbar_arrive_cluster(bar_empty, (u32)(n_rank * kCluster + tid));
+        } else if (tid < kStageWriters) {         // the other CTAs of this M tile (A sharers)
+            const int j = tid - kCluster;
+            mbar_arrive_cluster(bar_empty, (u32)(m_rank + kCluster * (j + (j >= n_rank))));
+        }
     }
 }
 

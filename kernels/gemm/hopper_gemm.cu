@@ -118,11 +118,11 @@ __device__ __forceinline__ BlockScale make_scale(const Params& p, BlockScale*) {
 using namespace fluxrt_sm90;
 
 // ---------------------------------------------------------------------------------------------
-// Entry point. Launch with gridDim.x = kCluster * min(co-resident clusters, work items) (persistent),
+// Entry point. Launch with gridDim.x = kClusterCtas * min(co-resident clusters, work items) (persistent),
 // blockDim.x = fluxrt_gemm_threads, dynamic shared memory = fluxrt_gemm_smem_bytes (constants below),
 // and one argument: Params.
-#if FLUXRT_GEMM_CLUSTER > 1
-#define FLUXRT_GEMM_CLUSTER_DIMS __cluster_dims__(FLUXRT_GEMM_CLUSTER, 1, 1)
+#if FLUXRT_GEMM_CLUSTER * FLUXRT_GEMM_CLUSTER_N > 1
+#define FLUXRT_GEMM_CLUSTER_DIMS __cluster_dims__(FLUXRT_GEMM_CLUSTER * FLUXRT_GEMM_CLUSTER_N, 1, 1)
 #else
 #define FLUXRT_GEMM_CLUSTER_DIMS
 #endif
@@ -150,7 +150,7 @@ fluxrt_gemm(const __grid_constant__ Params p) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bars_full + 8 * s, 1);               // the loader's arrive.expect_tx
-            mbar_init(bars_empty + 8 * s, kConsumers * kCluster);  // per consumer WG of the cluster
+            mbar_init(bars_empty + 8 * s, kConsumers * kStageWriters);  // per consumer WG of the CTAs it writes
         }
         for (int k = 0; k < kCTurns; ++k) {
             mbar_init(bar_c_full + 8 * k, 128 * kConsumersPerTurn);  // every thread of the turn's consumers
@@ -168,7 +168,7 @@ fluxrt_gemm(const __grid_constant__ Params p) {
             GroupTable::build(p.group, p.gemm.m, (p.gemm.n + kBN - 1) / kBN,
                               reinterpret_cast<int*>(smem_raw + pad + kOffGroups), (int)(threadIdx.x & 31));
     }
-    if constexpr (kCluster > 1) cluster_sync(); else __syncthreads();
+    if constexpr (kClusterCtas > 1) cluster_sync(); else __syncthreads();
 
     // Stage 2: the roles.
     if (warpgroup == 0) {
@@ -211,7 +211,7 @@ fluxrt_gemm(const __grid_constant__ Params p) {
     }
     // Stage 3: with a cluster, no CTA may exit while its peer can still multicast into its shared memory
     // or arrive on its barriers: every thread of both CTAs meets here once all work is done.
-    if constexpr (kCluster > 1) {
+    if constexpr (kClusterCtas > 1) {
         __syncwarp();
         cluster_sync();
     }

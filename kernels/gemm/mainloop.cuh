@@ -95,7 +95,7 @@ struct ArrivalWaitMainloop {
 };
 using OwnShardMainloop = ArrivalWaitMainloop<OwnShardOfA>;
 
-// The loader: per K block, wait until every consumer (of every CTA of the cluster) released the stage,
+// The loader: per K block, wait until every consumer (of every CTA the stage's loads reach) released it,
 // announce the stage's bytes on full[s], and issue the TMA loads that complete them.
 // Split-K passes its KSlices last (`slices`: none or one).
 template <class Mainloop, class... KSlicesT>
@@ -127,8 +127,13 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                 tma_load_2d(smem + kOffA + stage * kTileABytes, a.map, k0, a_band_row, full);
             else if constexpr (kBandsA)
                 tma_load_3d(smem + kOffA + stage * kTileABytes, a.map, k0, a_band_row, a_band, full);
-            else
+            else if constexpr (kClusterN == 1)
                 tma_load_2d(smem + kOffA + stage * kTileABytes, a.map, k0, a.row, full);
+            else {   // box {64 K, kBM / kClusterN rows}: this CTA's share of A's rows, to the CTAs of its M tile
+                const int part = sched.n_rank();
+                tma_load_2d_multicast(smem + kOffA + stage * kTileABytes + part * (kTileABytes / kClusterN), a.map,
+                                      k0, a.row + part * (kBM / kClusterN), full, a_sharers(sched.m_rank()));
+            }
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
                 // box {64 K, kBN / kCluster rows of N}: with a cluster, this CTA's share of the rows
@@ -137,9 +142,9 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                 } else if constexpr (kCluster == 1) {
                     tma_load_2d(b_dst, tmap_b, k0, n0, full);
                 } else {
-                    const int part = (int)sched.cta_rank;
+                    const int part = sched.m_rank();
                     tma_load_2d_multicast(b_dst + part * (kTileBBytes / kCluster), tmap_b, k0,
-                                          n0 + part * (kBN / kCluster), full, kClusterMask);
+                                          n0 + part * (kBN / kCluster), full, b_sharers(sched.n_rank()));
                 }
             } else {
 #pragma unroll
@@ -148,9 +153,9 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                         tma_load_3d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, rows.group, full);
                     else if constexpr (kCluster == 1)
                         tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
-                    else if (j % kCluster == (int)sched.cta_rank)   // slab j comes from CTA j % kCluster
+                    else if (j % kCluster == sched.m_rank())   // slab j comes from M rank j % kCluster
                         tma_load_2d_multicast(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full,
-                                              kClusterMask);
+                                              b_sharers(sched.n_rank()));
                 }
             }
             if (++stage == kStages) {

@@ -94,16 +94,18 @@ struct GroupTable {
     }
 };
 
-// Tile scheduler. Work items are (slot row, n_tile) of a [m_slots, n_tiles] grid, one slot row = kCluster
-// consecutive M tiles (one per CTA of a cluster, which share the B tile). A cluster takes items
-// t = cluster id, + number of clusters, ...; item t -> (slot row, n_tile):
-//   order_table != nullptr: packed (row << 16 | n) per t (Hilbert curve, computed on the host);
+// Tile scheduler. Work items are (slot row, slot column) of a [m_slots, n_slots] grid, one slot row = kCluster
+// consecutive M tiles (one per M rank of a cluster; those CTAs share the B tile), one slot column = kClusterN
+// consecutive N tiles (one per N rank; those share the A tile). A cluster takes items
+// t = cluster id, + number of clusters, ...; item t -> (slot row, slot column):
+//   order_table != nullptr: packed (row << 16 | column) per t (Hilbert curve, computed on the host);
 //   otherwise grouped order: bands of `group_m` slot rows, column by column inside a band.
-// The CTA's tile is m_tile = row * kCluster + cluster rank; then the rank offset rotates the rows:
+// The CTA's tile is m_tile = row * kCluster + m rank, n_tile = column * kClusterN + n rank; then the rank
+// offset rotates the rows:
 // m_tile = (m_tile + m_tile_offset) % m_tiles, so a rank starts at its own shard of A (AllGather+GEMM)
 // or at the rows the next peer owns (GEMM+ReduceScatter).
 struct Schedule {
-    int m_tiles, n_tiles, m_slots, total;
+    int m_tiles, n_tiles, m_slots, n_slots, total;
     int group_m, m_tile_offset;
     int first, stride;          // this cluster's first item, number of clusters
     int cta_rank;               // rank in the cluster
@@ -117,16 +119,21 @@ struct Schedule {
         s.m_tiles = (g.m + kBM - 1) / kBM;
         s.n_tiles = (g.n + kBN - 1) / kBN;
         s.m_slots = (s.m_tiles + kCluster - 1) / kCluster;
-        s.total = s.m_slots * s.n_tiles;
+        s.n_slots = kClusterN == 1 ? s.n_tiles : (s.n_tiles + kClusterN - 1) / kClusterN;
+        s.total = s.m_slots * s.n_slots;
         s.group_m = g.group_m >= kCluster ? g.group_m / kCluster : 1;   // group_m counts tile rows
         s.m_tile_offset = g.m_tile_offset % s.m_tiles;
-        s.first = (int)(blockIdx.x / kCluster);
-        s.stride = (int)(gridDim.x / kCluster);
-        s.cta_rank = kCluster > 1 ? (int)cluster_ctarank() : 0;
+        s.first = (int)(blockIdx.x / kClusterCtas);
+        s.stride = (int)(gridDim.x / kClusterCtas);
+        s.cta_rank = kClusterCtas > 1 ? (int)cluster_ctarank() : 0;
         s.order_table = g.order_table;
         s.groups = groups;
         return s;
     }
+
+    // This CTA's place in its cluster: which M tile of a slot row, which N tile of a slot column.
+    __device__ __forceinline__ int m_rank() const { return kClusterN == 1 ? cta_rank : cta_rank % kCluster; }
+    __device__ __forceinline__ int n_rank() const { return kClusterN == 1 ? 0 : cta_rank / kCluster; }
 
     // Grouped GEMM: the grid's tile rows are the groups' (m_tiles, m_slots and total above are not used: they
     // count A's rows), read from the table at every use, in grouped order without rank offset.
@@ -147,8 +154,10 @@ struct Schedule {
         else return GroupTile{0, m_tile * kBM, 0};
     }
 
-    // Returns false for the phantom tile of an odd m_tiles (cluster of 2, last slot row): that CTA still
-    // runs the pipeline on a real tile's rows, so that its half of B reaches the peer, but stores nothing.
+    // Returns false for a phantom tile (a cluster of 2 along M or N, m_tiles or n_tiles odd, the last slot):
+    // that CTA still runs the pipeline on the first real tile of its slot, so that its share of B (and A)
+    // reaches the CTAs that share it, but stores nothing. Every CTA of a B (A) sharing group takes the same
+    // N (M) tile, phantom or not, so the parts they multicast make one tile.
     __device__ __forceinline__ bool tile(int t, int& m_tile, int& n_tile) const {
         int row, n;
         if (!kGrouped && order_table != nullptr) {   // grouped: the host has no table (it cannot know the grid)
@@ -156,7 +165,7 @@ struct Schedule {
             row = (int)(packed >> 16);
             n = (int)(packed & 0xFFFFu);
         } else {
-            const int per_group = group_m * n_tiles;
+            const int per_group = group_m * n_slots;
             const int g = t / per_group;
             const int first_row = g * group_m;
             const int rows = min(slot_rows() - first_row, group_m);
@@ -169,13 +178,21 @@ struct Schedule {
             n_tile = n;
             return true;
         }
-        int m = row * kCluster + cta_rank;
-        const bool real = m < m_tiles;
+        int m = row * kCluster + m_rank();
+        bool real = m < m_tiles;
         if (!real) m = row * kCluster;
         m += m_tile_offset;
         if (m >= m_tiles) m -= m_tiles;
         m_tile = m;
         n_tile = n;
+        if constexpr (kClusterN > 1) {
+            n = n * kClusterN + n_rank();
+            if (n >= n_tiles) {
+                n = n_tile * kClusterN;
+                real = false;
+            }
+            n_tile = n;
+        }
         return real;
     }
 };

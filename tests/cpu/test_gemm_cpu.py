@@ -515,6 +515,14 @@ COMPILE_CONFIGS = [
     (GemmPlan(block_n=240, stages=4, epilogue="direct"), "float16", "float32", True, False, False),
     (GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct"), "bfloat16", "float16", True, False,
      False),
+    # clusters along N (A multicast), 1 x 2 and 2 x 2
+    (GemmPlan(cluster=2, cluster_n=2), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(cluster=2, cluster_n=2, block_n=192, stages=4), "float16", "float16", False, False, False),
+    (GemmPlan(cluster_n=2, block_n=64, stages=8), "bfloat16", "float32", True, False, False),
+    (GemmPlan(block_m=64, consumers=1, block_n=128, stages=8, cluster_n=2), "bfloat16", "bfloat16", False, False,
+     False),
+    (GemmPlan(cluster=2, cluster_n=2, block_n=128, stages=6, epilogue="direct"), "float16", "float16", True, False,
+     False),
 ]
 
 
@@ -541,7 +549,7 @@ def _cubin_u32(data: bytes, name: str) -> int:
 @pytest.mark.parametrize("cfg", COMPILE_CONFIGS,
                          ids=lambda c: f"{c[0].block_m}x{c[0].block_n}s{c[0].stages}{c[0].epilogue}"
                                        f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
-                                       f"-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
+                                       f"{f'x{c[0].cluster_n}' if c[0].cluster_n > 1 else ''}-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
                                        f"{f'-r{int(c[6])}' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}"
                                        f"{f'-bands{c[8]}' if c[8:] else ''}{'-sk' if c[0].stream_k else ''}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
@@ -597,6 +605,32 @@ def test_cluster_order_covers_every_tile_once(mt, offset):
     order = tile_order(p, mt * 128, 3 * 256)
     assert sorted(order) == [(m, n) for m in range(mt) for n in range(3)]
     assert order[0] == (offset % mt, 0)
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("mt,nt", [(1, 1), (3, 5), (16, 4), (5, 7)])
+@pytest.mark.parametrize("order", ["grouped", "hilbert"])
+def test_cluster_along_n_order_covers_every_tile_once(cluster, mt, nt, order):
+    p = GemmPlan(cluster=cluster, cluster_n=2, group_m=4, order=order, m_tile_offset=1)
+    order_ = tile_order(p, mt * 128, nt * 256 - 8)
+    assert sorted(order_) == [(m, n) for m in range(mt) for n in range(nt)]
+    # a work item is cluster x 2 tiles: the CTAs of one item share their M tile along N, their N tile along M
+    items = -(-mt // cluster) * -(-nt // 2)
+    assert p.grid(mt * 128, nt * 256 - 8, 132) == 2 * cluster * min(items, 132 // (2 * cluster))
+
+
+def test_cluster_along_n_plans_and_defines():
+    from fluxrt.gemm import kernel_defines
+
+    p = GemmPlan(cluster=2, cluster_n=2).validate()
+    assert p.cluster_ctas == 4 and p.describe().endswith(" x2x2")
+    assert dict(kernel_defines(p, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_CLUSTER_N"] == "2"
+    assert "FLUXRT_GEMM_CLUSTER_N" not in dict(kernel_defines(GemmPlan(cluster=2), "bfloat16", "bfloat16", True))
+    assert p.grid(8192, 8192, 132, max_clusters=30) == 120
+    for bad in (dict(cluster_n=3), dict(cluster_n=2, split_k=2), dict(cluster_n=2, stream_k=True),
+                dict(cluster_n=2, block_n=112, stages=5)):
+        with pytest.raises(ValueError, match="cluster_n"):
+            GemmPlan(**bad).validate()
 
 
 def test_cluster_grid_is_a_multiple_of_the_cluster():

@@ -157,6 +157,31 @@ def test_fitted_tile_width_needs_b_as_n_by_k():
         gemm(a, b, trans_b=False, plan=GemmPlan(block_n=112, stages=6, epilogue="direct"))
 
 
+CLUSTER_N = [GemmPlan(cluster=2, cluster_n=2), GemmPlan(cluster_n=2, block_n=64, stages=8),
+             GemmPlan(block_m=64, consumers=1, block_n=128, stages=8, cluster_n=2),
+             GemmPlan(cluster=2, cluster_n=2, block_n=192, stages=4, order="hilbert", m_tile_offset=3),
+             GemmPlan(cluster=2, cluster_n=2, block_n=128, stages=6, c_staging="shared"),
+             GemmPlan(cluster=2, cluster_n=2, block_m=64, consumers=1, stages=4),
+             GemmPlan(cluster=2, cluster_n=2, epilogue="direct", stages=4),
+             GemmPlan(cluster_n=2, group_m=3, max_ctas=6)]
+
+
+@pytest.mark.parametrize("plan", CLUSTER_N, ids=lambda p: p.describe().replace(" ", "_"))
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("m,n,k", [(1000, 1000, 520), (257, 650, 136), (130, 72, 40), (513, 1400, 4104)])
+def test_cluster_along_n(plan, m, n, k, trans_b):
+    # clusters of 1 x 2 and 2 x 2 CTAs (A multicast along N, with B multicast along M): odd tile counts on
+    # either axis leave phantom tiles in the last slot row or column, N below one tile, K below one block
+    run_case(m, n, k, trans_b=trans_b, plan=plan, seed=31)
+
+
+def test_cluster_along_n_is_for_plain_16_bit_gemms():
+    a8, b8 = cupy.zeros((256, 256), cupy.uint8), cupy.zeros((256, 256), cupy.uint8)
+    with pytest.raises(GemmArgumentError, match="cluster_n=2"):
+        gemm(a8, b8, trans_b=True, fp8_format="e4m3", plan=GemmPlan(block_k=128, cluster_n=2),
+             out_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("c_staging", ["per_consumer", "shared"])
 @pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 @pytest.mark.parametrize("m,n,k", [(1100, 1000, 520), (129, 264, 72), (130, 72, 136)])
