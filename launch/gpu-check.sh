@@ -167,6 +167,7 @@ if want sanitize; then
   small="$small or test_chunk_reduce_adds and per_consumer and bfloat16 and per_group"
   small="$small or test_chunk_reduce_in_the_tail_sums and per_consumer and bfloat16 and per_group"
   small="$small or test_shard_copy and B_KxN or test_split_k_sanitize_small or test_stream_k_sanitize_small"
+  small="$small or test_cluster_along_n_sanitize_small"
   for tool in memcheck racecheck; do
     TAIL=12 step "sanitize-gemm-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
       --report-api-errors no "$py" -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -k "$small"

@@ -175,6 +175,13 @@ def test_cluster_along_n(plan, m, n, k, trans_b):
     run_case(m, n, k, trans_b=trans_b, plan=plan, seed=31)
 
 
+def test_cluster_along_n_sanitize_small():
+    # compute-sanitizer's case (launch/gpu-check.sh): a 2 x 2 cluster with phantom tiles on both axes, B [N, K];
+    # a 1 x 2 cluster of one-consumer tiles, B [K, N]
+    run_case(257, 650, 136, trans_b=True, plan=GemmPlan(cluster=2, cluster_n=2), seed=32)
+    run_case(257, 650, 136, plan=GemmPlan(block_m=64, consumers=1, block_n=128, stages=8, cluster_n=2), seed=33)
+
+
 def test_cluster_along_n_is_for_plain_16_bit_gemms():
     a8, b8 = cupy.zeros((256, 256), cupy.uint8), cupy.zeros((256, 256), cupy.uint8)
     with pytest.raises(GemmArgumentError, match="cluster_n=2"):
