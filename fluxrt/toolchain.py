@@ -186,6 +186,8 @@ def compile_many(source: str | os.PathLike, options: list[CompileOptions], jobs:
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo)))
     if jobs == 1:
         return [compile_cubin(src, o, resolved_arch=arch) for o in todo]
+    from cuda.core import Program  # noqa: F401  (imported once here: a first import from several threads races)
+
     # threads: NVRTC's compile runs without the GIL
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futures = [pool.submit(compile_cubin, src, o, resolved_arch=arch) for o in todo]
