@@ -60,6 +60,22 @@ def loss(rows: list[dict], chosen: list[str]) -> tuple[float, int]:
 UNTIMED_LOSS = math.log(0.8)
 
 
+class Rates:
+    """The planner's rate of a tile shape: TILE_RATE's entry, or for a fitted width (block_n not a multiple of 64)
+    its FIT_RATE entry."""
+
+    def __getitem__(self, key):
+        return P.FIT_RATE[key[1]] if key[1] % 64 else P.TILE_RATE[key]
+
+    def __setitem__(self, key, value):
+        if key[1] % 64:
+            if key[:1] != (128,) or key[2] != 1:
+                raise SystemExit(f"fitted widths have rates for 128-row tiles without a cluster only, not {key}")
+            P.FIT_RATE[key[1]] = value
+        else:
+            P.TILE_RATE[key] = value
+
+
 def key_of(text: str) -> tuple[int, int, int]:
     bm, bn, cl = (int(x) for x in text.split("x"))
     return bm, bn, cl
@@ -78,9 +94,10 @@ def main(argv=None) -> int:
     if not rows:
         ap.error("no rows with candidate times in the passes given")
     keys = [key_of(k) for k in args.keys] if args.keys else [(128, bn, 1) for bn in P.FIT_WIDTHS]
-    for key in keys:   # a key not in the table starts at what tile_rate gives it now
-        P.TILE_RATE.setdefault(key, round(P.tile_rate(*key), 3))
-    before = {key: P.TILE_RATE[key] for key in keys}
+    rates = Rates()
+    for key in keys:   # a fitted width without a FIT_RATE starts at what tile_rate gives it now
+        rates[key] = round(P.tile_rate(*key), 3)
+    before = {key: rates[key] for key in keys}
     chosen0 = picks(rows)
     loss0, missing0 = loss(rows, chosen0)
     lo, hi, step = args.grid
@@ -89,17 +106,17 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         moved = False
         for key in keys:
-            keep = P.TILE_RATE[key]
+            keep = rates[key]
             scores = []
             for v in grid:
-                P.TILE_RATE[key] = v
+                rates[key] = v
                 scores.append((loss(rows, picks(rows))[0], -abs(v - keep), v))
             top = max(scores)
             if top[0] > best + 1e-9:
                 best, moved = top[0], True
-                P.TILE_RATE[key] = top[2]
+                rates[key] = top[2]
             else:
-                P.TILE_RATE[key] = keep
+                rates[key] = keep
         if not moved:
             break
     chosen1 = picks(rows)
@@ -108,7 +125,7 @@ def main(argv=None) -> int:
     print(f"heuristic pick / best candidate, geomean: {math.exp(loss0):.4f} -> {math.exp(loss1):.4f}"
           f"  (picks not timed: {missing0} -> {missing1})")
     for key in keys:
-        print(f"  {key}: {before[key]:.3f} -> {P.TILE_RATE[key]:.3f}")
+        print(f"  {key}: {before[key]:.3f} -> {rates[key]:.3f}")
     print("changed picks (shape: before -> after, us):")
     for r, a, b in zip(rows, chosen0, chosen1):
         if a != b:
@@ -116,7 +133,8 @@ def main(argv=None) -> int:
             fmt = lambda t: f"{t:.1f}" if t else "-"  # noqa: E731
             print(f"  {r['m']}x{r['n']}x{r['k']} {'NK' if r['trans_b'] else 'KN'}: {a} ({fmt(ta)}) -> {b} ({fmt(tb)})"
                   f"  best {min(r['times'].values()):.1f}")
-    print("TILE_RATE entries: " + ", ".join(f"{k}: {P.TILE_RATE[k]:.3f}" for k in keys))
+    print("rates: " + ", ".join(f"{'FIT_RATE' if P.GemmPlan(block_n=k[1]).fitted_n else 'TILE_RATE'}[{k}]: "
+                                f"{rates[k]:.3f}" for k in keys))
     return 0
 
 

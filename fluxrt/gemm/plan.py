@@ -299,12 +299,18 @@ def _cluster1_factor(m: int, n: int, k: int, trans_b: bool, plain: bool = False)
     return UNALIGNED_K_CLUSTER1_RATE if plain and k % 64 else 1.0
 
 
+# Rates of the fitted widths (128-row tiles, cluster 1; GemmPlan.fitted_n), fitted as TILE_RATE is (docs/tuning.md).
+FIT_RATE = {80: 0.749, 96: 0.750, 112: 0.849, 144: 0.990, 160: 0.900, 176: 0.990, 208: 1.000, 224: 0.900, 240: 0.944}
+
+
 def tile_rate(block_m: int, block_n: int, cluster: int = 1) -> float:
-    """TILE_RATE of a tile shape; a fitted width (not in the table) between its neighbours there, linearly (not
-    fitted: the measured runs imply higher rates for most widths, docs/tuning.md)."""
+    """TILE_RATE of a tile shape; a fitted width its FIT_RATE, or where it has none, the rate between its
+    neighbours in TILE_RATE, linearly."""
     rate = TILE_RATE.get((block_m, block_n, cluster))
     if rate is not None:
         return rate
+    if block_m == 128 and cluster == 1 and block_n in FIT_RATE:
+        return FIT_RATE[block_n]
     lo, hi = block_n // 64 * 64, -(-block_n // 64) * 64
     r_lo = TILE_RATE.get((block_m, lo, cluster), TILE_RATE[(block_m, hi, cluster)])
     r_hi = TILE_RATE[(block_m, hi, cluster)]
@@ -552,19 +558,19 @@ def plain_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
 
 
 # Clusters along N (GemmPlan.cluster_n = 2, A shared by TMA multicast as B is along M): (block_m, block_n,
-# cluster) of the autotuner's candidates. Not in the cost model: no rates measured yet (docs/tuning.md).
-CLUSTER_N_TILES = ((128, 256, 2), (128, 192, 2), (128, 128, 2), (128, 256, 1), (128, 128, 1), (128, 64, 1),
-                   (64, 128, 1))
+# cluster) of the autotuner's candidates, the 2 x 2 clusters that won a shape in the measured pass; 1 x 2 clusters
+# (also of the narrow tiles cuBLASLt clusters for small M) won none (docs/tuning.md). Not in the cost model.
+CLUSTER_N_TILES = ((128, 256, 2), (128, 192, 2), (128, 128, 2))
 
 
 def cluster_n_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
-    """Plans with clusters along N (1 x 2 and 2 x 2 CTAs) at their deepest ring (at most 6 stages, 8 for the
-    narrow tiles), grouped order; 2 x 2 only where M has at least two tile rows."""
+    """Plans of CLUSTER_N_TILES at their deepest ring (at most 6 stages), grouped order; 2 x 2 clusters only where M
+    has at least two tile rows."""
     out = []
     for bm, bn, cluster in CLUSTER_N_TILES:
         if cluster > 1 and math.ceil(m / bm) < 2:
             continue
-        stages = min(max_stages(bm, bn, out_dtype), 8 if bm * bn <= 128 * 64 else 6)
+        stages = min(max_stages(bm, bn, out_dtype), 6)
         out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, cluster=cluster, cluster_n=2,
                             group_m=max(1, min(math.ceil(m / bm), 16))))
     return out

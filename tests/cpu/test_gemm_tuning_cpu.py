@@ -160,6 +160,10 @@ def test_candidates_include_the_heuristic_and_every_known_tile_shape():
     deep = {(p.block_n, p.stages, p.cluster) for p in cands if p.c_staging == "shared"}
     assert {(256, 4, 1), (192, 5, 1), (256, 4, 2), (192, 5, 2)} <= deep   # one stage more than per-consumer staging
     assert len(set(cands)) == len(cands)
+    # 2 x 2 clusters (A shared along N as well) are candidates only, never the model's pick
+    assert {(p.block_n, p.cluster) for p in cands if p.cluster_n == 2} == {(256, 2), (192, 2), (128, 2)}
+    assert not any(p.cluster_n == 2 for p in tuning.candidates(100, 4096, 4096))   # one tile row: no pair
+    assert all(heuristic_plan(m, 4096, 4096).cluster_n == 1 for m in (256, 4096, 16384))
 
 
 def test_plan_describe():
@@ -558,7 +562,7 @@ def test_fitted_width_plans_for_b_as_n_by_k():
     assert p in candidates(256, 9216, 7168, trans_b=True)
     assert not heuristic_plan(256, 9216, 7168, trans_b=False).fitted_n          # B [K, N]: 64-column slabs
     assert all(not c.fitted_n for c in candidates(256, 9216, 7168))              # trans_b=False
-    assert not heuristic_plan(8192, 8192, 8192, trans_b=True).fitted_n          # whole waves of 128x256 anyway
+    assert not heuristic_plan(8192, 8192, 8200, trans_b=True).fitted_n          # B's rows off the 32-byte sectors
     assert not heuristic_plan(461, 9128, 13208, trans_b=True).fitted_n          # B's rows off the 32-byte sectors
     fits = fitted_plans(4096, "float32")
     assert [f.block_n for f in fits] == list(FIT_WIDTHS) and all(f.fitted_n for f in fits)
