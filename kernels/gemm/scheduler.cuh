@@ -184,14 +184,14 @@ struct Schedule {
         m += m_tile_offset;
         if (m >= m_tiles) m -= m_tiles;
         m_tile = m;
-        n_tile = n;
-        if constexpr (kClusterN > 1) {
-            n = n * kClusterN + n_rank();
-            if (n >= n_tiles) {
-                n = n_tile * kClusterN;
+        if constexpr (kClusterN == 1) {
+            n_tile = n;
+        } else {   // n is the slot column
+            n_tile = n * kClusterN + n_rank();
+            if (n_tile >= n_tiles) {
+                n_tile = n * kClusterN;
                 real = false;
             }
-            n_tile = n;
         }
         return real;
     }
