@@ -141,8 +141,8 @@ def _cuda_include_dirs() -> list[str]:
 def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOptions(), *,
                   resolved_arch: str | None = None) -> Path:
     """Compile a kernels/ source with NVRTC into a cached cubin; returns the cubin's path. ``resolved_arch``:
-    the arch that ``options.arch=None`` stands for, given by a caller that resolved it already (a worker
-    process of :func:`compile_many` need not open the GPU); the cache key is the same either way."""
+    the arch that ``options.arch=None`` stands for, given by a caller that resolved it already
+    (:func:`compile_many`, whose threads need not query the GPU); the cache key is the same either way."""
     src = _source_path(source)
     arch = options.arch or resolved_arch or _resolve_arch(options)
     key = hashlib.sha256("|".join([_source_digest(src, options.include_dirs), options.key(), arch,
@@ -174,30 +174,40 @@ def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOp
     return out
 
 
-def compile_many(source: str | os.PathLike, options: list[CompileOptions], jobs: int | None = None) -> list[Path]:
-    """Compile many configurations of one source into the cache at once, ``jobs`` NVRTC processes in parallel
-    (default: the CPUs this process may use). Configurations already cached cost a file lookup. An NVRTC
-    failure raises :class:`CompileError` naming the configuration."""
+def compile_many(source: str | os.PathLike, options: list[CompileOptions], jobs: int | None = None, *,
+                 keep_going: bool = False) -> list[Path | None]:
+    """Compile many configurations of one source into the cache at once, ``jobs`` NVRTC compiles in parallel
+    threads (default: the CPUs this process may use), one path per distinct configuration in order.
+    Configurations already cached cost a file lookup. An NVRTC failure raises :class:`CompileError` naming the
+    configuration (the compiles not yet started are cancelled); with ``keep_going`` it is logged and its path is
+    None."""
     import concurrent.futures
 
     src = _source_path(source)
     arch = _resolve_arch(CompileOptions())
     todo = list(dict.fromkeys(options))
     jobs = max(1, min(jobs or len(os.sched_getaffinity(0)), len(todo)))
-    if jobs == 1:
-        return [compile_cubin(src, o, resolved_arch=arch) for o in todo]
     from cuda.core import Program  # noqa: F401  (imported once here: a first import from several threads races)
 
+    def named(o: CompileOptions, e: CompileError) -> CompileError:
+        return CompileError(f"{e}\n(configuration: {' '.join(f'-D{k}={v}' for k, v in o.defines)})")
+
+    out: list[Path | None] = []
     # threads: NVRTC's compile runs without the GIL
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(jobs)
+    try:
         futures = [pool.submit(compile_cubin, src, o, resolved_arch=arch) for o in todo]
-        out = []
         for o, f in zip(todo, futures):
             try:
                 out.append(f.result())
             except CompileError as e:
-                raise CompileError(f"{e}\n(configuration: {' '.join(f'-D{k}={v}' for k, v in o.defines)})") from e
-        return out
+                if not keep_going:
+                    raise named(o, e) from e
+                log.warning("%s", named(o, e))
+                out.append(None)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return out
 
 
 # ptxas' remark when it inserts a wait after every wgmma (accumulators touched by other instructions inside the

@@ -39,7 +39,8 @@ def describe(plan) -> str:
     epilogue ("epi=tma/shared"); per-consumer staging (the default) keeps the older "epi=tma"."""
     staging = "/shared" if plan.c_staging == "shared" else ""
     return (f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages} {plan.order}"
-            f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue}{staging} x{plan.cluster}")
+            f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue}{staging}"
+            f" x{plan.cluster}{f'x{plan.cluster_n}' if plan.cluster_n > 1 else ''}")
 
 
 def idle_hook_runs(plan, m, n, trans_b, dtype) -> dict:

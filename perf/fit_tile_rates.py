@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fit the GEMM planner's tile rates (fluxrt.gemm.plan.TILE_RATE) to autotuning passes.
+"""Fit the GEMM planner's tile rates (fluxrt.gemm.plan.FIT_RATE of the fitted widths by default, or TILE_RATE entries
+named with --keys) to autotuning passes.
 
 An autotuning pass (``python -m fluxrt.gemm tune --suite default --json F``) times every candidate plan of every
 shape. For a set of rates, the heuristic picks one plan per shape without measuring; its loss on a shape is the

@@ -17,7 +17,7 @@ def _tune(args) -> int:
     import cupy
     from ..perf.shapes import Shape, suite
     from ..dtypes import normalize_dtype
-    from .autotune import autotune, build_candidates, cache_path
+    from .autotune import autotune, build_candidates, cache_path, tuned_plan
 
     if args.shape:
         shapes = [Shape(*s, layout="NK" if args.trans_b else "KN", label="cli") for s in args.shape]
@@ -25,10 +25,15 @@ def _tune(args) -> int:
         shapes = suite(args.suite)[args.skip:][: args.limit]
     dt = normalize_dtype(args.dtype)
     rows = []
-    if args.jobs != 0:
+    if args.jobs != 0:   # the candidates of the problems this run will time (cached ones are not re-timed)
+        from .kernel import _num_sms
+
         t0 = time.time()
-        n = build_candidates([(s.m, s.n, s.k, args.dtype, args.dtype, s.trans_b) for s in shapes], args.jobs)
-        print(f"# {n} kernel configurations built in {time.time() - t0:.0f} s", flush=True)
+        todo = [(s.m, s.n, s.k, args.dtype, args.dtype, s.trans_b) for s in shapes
+                if args.force or tuned_plan(s.m, s.n, s.k, args.dtype, args.dtype, s.trans_b) is None]
+        n, failed = build_candidates(todo, args.jobs, _num_sms(cupy.cuda.runtime.getDevice()))
+        print(f"# {n} kernel configurations built in {time.time() - t0:.0f} s"
+              f"{f' ({failed} failed: skipped by the tuning, see the log)' if failed else ''}", flush=True)
     print(f"# tuning {len(shapes)} shapes ({args.dtype}) into {cache_path()}")
     t0 = time.time()
     for i, s in enumerate(shapes):
@@ -111,8 +116,8 @@ def _main(argv=None) -> int:
     t.add_argument("--limit", type=int, default=None, help="first N shapes of the suite only")
     t.add_argument("--skip", type=int, default=0, help="leave out the suite's first N shapes")
     t.add_argument("--jobs", "-j", type=int, default=None,
-                   help="NVRTC processes compiling the candidates before tuning (default: the CPUs; 0: compile "
-                        "each one when first timed)")
+                   help="NVRTC compiles at once (threads) building the candidates before tuning (default: the "
+                        "CPUs; 0: compile each one when first timed)")
     t.add_argument("--force", action="store_true", help="re-time problems already in the cache")
     t.add_argument("--json", default=None, help="write every candidate's time here")
     t.add_argument("-v", "--verbose", action="store_true")

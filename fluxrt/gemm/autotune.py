@@ -198,27 +198,29 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     heuristic's own pick is always among them, plus the split-K plans of ragged waves (``partial_waves``), which the
     model cannot rank, the deeper rings of :func:`deep_ring_plans` and the clusters along N of
     :func:`cluster_n_plans`."""
-    return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype)
+    return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
             + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
             + (fitted_plans(m, out_dtype) if trans_b else []))
 
 
-def build_candidates(problems, jobs: int | None = None) -> int:
-    """Compile the kernels that tuning ``problems`` will time, ``jobs`` NVRTC processes at once, so that a
-    suite's tuning does not compile its configurations one by one between timings. problems: (m, n, k,
-    in_dtype, out_dtype, trans_b) of 16-bit GEMMs. Returns the number of distinct configurations."""
+def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200_SMS) -> tuple[int, int]:
+    """Compile the kernels that tuning ``problems`` will time (on a GPU of ``num_sms`` SMs), ``jobs`` NVRTC compiles
+    at once, so that a suite's tuning does not compile its configurations one by one between timings. problems:
+    (m, n, k, in_dtype, out_dtype, trans_b) of 16-bit GEMMs. A configuration that fails to build is logged and left
+    to autotune, which skips it. Returns (distinct configurations, failed ones)."""
     from ..toolchain import compile_many
     from .kernel import KERNEL_SOURCE, compile_options, plain_defines
 
     options = []
     for m, n, k, in_dtype, out_dtype, trans_b in problems:
-        plans = candidates(m, n, k, out_dtype, trans_b=trans_b)
-        plans.append(heuristic_plan(m, n, k, in_dtype=in_dtype, out_dtype=out_dtype, trans_b=trans_b))
+        plans = candidates(m, n, k, out_dtype, num_sms, trans_b=trans_b)
+        plans.append(heuristic_plan(m, n, k, in_dtype=in_dtype, out_dtype=out_dtype, trans_b=trans_b,
+                                    num_sms=num_sms))
         options += [compile_options(plain_defines(p, in_dtype, out_dtype, trans_b)) for p in plans]
     options = list(dict.fromkeys(options))
-    compile_many(KERNEL_SOURCE, options, jobs)
-    return len(options)
+    built = compile_many(KERNEL_SOURCE, options, jobs, keep_going=True)
+    return len(options), sum(path is None for path in built)
 
 
 def deep_ring_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:

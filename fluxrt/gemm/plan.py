@@ -115,7 +115,8 @@ class GemmPlan:
         if self.cluster not in (1, 2):
             raise ValueError(f"GemmPlan.cluster must be 1 or 2 (CTAs sharing B by TMA multicast), got {self.cluster}")
         if self.cluster_n not in (1, 2):
-            raise ValueError(f"GemmPlan.cluster_n must be 1 or 2 (CTAs sharing A by TMA multicast), got {self.cluster_n}")
+            raise ValueError(f"GemmPlan.cluster_n must be 1 or 2 (CTAs sharing A by TMA multicast), "
+                             f"got {self.cluster_n}")
         if self.cluster_n > 1 and (self.split_k > 1 or self.stream_k or self.fitted_n):
             raise ValueError("GemmPlan.cluster_n=2 needs split_k=1, no stream-K and a tile width of 64, 128, 192 "
                              "or 256")
@@ -499,11 +500,14 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
         return split_cost(m, n, k, plan.block_m, plan.block_n, plan.split_k, num_sms, trans_b)
     if plan.stream_k:
         return stream_k_cost(m, n, k, plan.block_m, plan.block_n, num_sms, trans_b)
+    if plan.cluster_n != 1:
+        raise ValueError(f"plan_cost: no modelled rate for clusters along N ({plan.describe()}: autotune "
+                         f"candidates only)")
     return tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster, num_sms, trans_b)
 
 
 # Fitted tile widths (GemmPlan.fitted_n): 128-row tiles of these widths are among the plans of a GEMM whose B is
-# [N, K]; the model costs them at TILE_RATE interpolated between its widths (tile_rate). Provenance: docs/tuning.md.
+# [N, K]; the model costs them at their FIT_RATE (tile_rate). Provenance: docs/tuning.md.
 FIT_WIDTHS = (80, 96, 112, 144, 160, 176, 208, 224, 240)
 
 
@@ -563,12 +567,12 @@ def plain_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
 CLUSTER_N_TILES = ((128, 256, 2), (128, 192, 2), (128, 128, 2))
 
 
-def cluster_n_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
-    """Plans of CLUSTER_N_TILES at their deepest ring (at most 6 stages), grouped order; 2 x 2 clusters only where M
-    has at least two tile rows."""
+def cluster_n_plans(m: int, out_dtype: str = "bfloat16", n: int | None = None) -> list[GemmPlan]:
+    """Plans of CLUSTER_N_TILES at their deepest ring (at most 6 stages), grouped order; only where M has at least
+    two tile rows and N (when given) at least two tile columns (else half of every cluster computes phantom tiles)."""
     out = []
     for bm, bn, cluster in CLUSTER_N_TILES:
-        if cluster > 1 and math.ceil(m / bm) < 2:
+        if math.ceil(m / bm) < cluster or (n is not None and math.ceil(n / bn) < 2):
             continue
         stages = min(max_stages(bm, bn, out_dtype), 6)
         out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, cluster=cluster, cluster_n=2,

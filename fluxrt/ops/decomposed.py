@@ -98,7 +98,7 @@ class DecomposedState:
         return p
 
     def _cap(self, p, capped: bool):
-        if capped and p.split_k == 1 and p.cluster == 1:
+        if capped and p.split_k == 1 and p.cluster_ctas == 1:
             free = max(1, self.num_sms - self.comm_sms)
             p = dataclasses.replace(p, max_ctas=min(free, p.max_ctas or free))
         return p

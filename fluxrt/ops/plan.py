@@ -184,10 +184,11 @@ class GemmRsPlan:
         if self.reduce_mode in ("epilogue", "tail") and self.partial_dtype is not None:
             raise OpsArgumentError(f"GemmRsPlan: reduce_mode={self.reduce_mode!r} adds partials of the input type "
                                    f"inside the GEMM; partial_dtype={self.partial_dtype!r} needs reduce_mode='after'")
-        if self.reduce_mode == "tail" and self.gemm is not None and (self.gemm.cluster != 1
+        if self.reduce_mode == "tail" and self.gemm is not None and (self.gemm.cluster_ctas != 1
                                                                      or self.gemm.order != "grouped"):
             raise OpsArgumentError("GemmRsPlan: reduce_mode='tail' needs a cluster-1 GEMM plan in grouped order "
-                                   f"(got cluster={self.gemm.cluster}, order={self.gemm.order!r})")
+                                   f"(got cluster={self.gemm.cluster}x{self.gemm.cluster_n}, "
+                                   f"order={self.gemm.order!r})")
         if self.partial_dtype not in (None, "float32"):
             raise OpsArgumentError(f"GemmRsPlan.partial_dtype must be None (input type) or 'float32', "
                                    f"got {self.partial_dtype!r}")
@@ -279,6 +280,9 @@ def _check_gemm_override(plan: GemmPlan | None) -> None:
                                f"got block_m={plan.block_m}")
     if plan.epilogue != "tma":
         raise OpsArgumentError("the fused ops need GemmPlan.epilogue='tma' (the storer-warp epilogue)")
+    if plan.cluster_n != 1:
+        raise OpsArgumentError(f"the fused ops' GEMM runs with hooks, which clusters along N do not support, got "
+                               f"cluster_n={plan.cluster_n}")
 
 
 def plan_ag_gemm(max_m: int, n: int, k: int, world: int, *, num_sms: int = H100_H200_SMS) -> AgGemmPlan:

@@ -38,7 +38,7 @@
 //   FLUXRT_GEMM_C_SHARED      1: the consumers share ONE consumer's C staging region and take turns
 //                             (frees kCConsumerBytes, e.g. room for a 4th stage at 128x256 bf16).
 //                             No effect with one consumer; not with FLUXRT_GEMM_EPI_DIRECT.  default 0
-//   FLUXRT_GEMM_CLUSTER       CTAs per cluster (1 or 2). With 2, the pair computes two M tiles of the
+//   FLUXRT_GEMM_CLUSTER       CTAs of a cluster along M (1 or 2). With 2, the pair computes two M tiles of the
 //                             same N tile, and each CTA loads half of the shared B tile and multicasts
 //                             it to both: L2 -> SM traffic per tile drops from A+B to A+B/2.  default 1
 //   FLUXRT_GEMM_CLUSTER_N     CTAs of a cluster along N (1 or 2; plain 16-bit GEMMs only). With 2, the
@@ -262,8 +262,8 @@ static_assert(!kFitN || (kBKMajor && !kFp8 && kCluster == 1 && !kGrouped && !kSp
                          !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a tile N other than 64, 128, 192, 256 needs B K-major, 16-bit inputs, no cluster, and a plain GEMM "
               "(no grouping, split-K, stream-K, hooks or bands)");
-static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kFitN && !kHookWait && !kHookEpilogue &&
-                                  !kHookCopy && !kBandsA && !kBandsC),
+static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kFitN && !kHookWait &&
+                                  !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, fitted tile "
               "width, hooks or bands)");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");

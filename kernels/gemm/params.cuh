@@ -15,11 +15,11 @@ namespace fluxrt_sm90 {
 
 // The plain GEMM.
 struct GemmArgs {
-    TmaDesc tmap_a;             // A [M, K], box {64 K, kBM rows} (banded A: 3-D, [bands][rows][K])
+    TmaDesc tmap_a;             // A [M, K], box {64 K, kBM / kClusterN rows} (banded A: 3-D, [bands][rows][K])
     TmaDesc tmap_b;             // B [N, K] box {64 K, kBN / kCluster rows}, or [K, N] box {64 N, 64 K}
     TmaDesc tmap_c;             // C [M, N] for the staged epilogue, box {128 B, 64 rows} (banded C: 3-D);
                                 //   hook 3 in the epilogue: the reduced chunk's output [chunk rows, N]
-    const u32* order_table;     // Hilbert order: packed (slot row << 16 | n tile) per work item; null: grouped
+    const u32* order_table;     // Hilbert order: packed (slot row << 16 | slot column) per work item; null: grouped
     void* c_direct;             // C for the direct epilogue (row-major [M, N])
     int m, n, k;
     int group_m;                // grouped order: tile rows per band

@@ -11,6 +11,7 @@ import pytest
 
 from fluxrt.gemm import autotune as _autotune_fn  # noqa: F401  (the package exports the function)
 from fluxrt.gemm.plan import (SMEM_LIMIT_BYTES, TILE_RATE, GemmPlan, heuristic_plan, tile_cost, tile_shapes)
+from fluxrt.gemm import plan as P
 from fluxrt.perf import shapes as S
 
 tuning = sys.modules["fluxrt.gemm.autotune"]
@@ -163,6 +164,9 @@ def test_candidates_include_the_heuristic_and_every_known_tile_shape():
     # 2 x 2 clusters (A shared along N as well) are candidates only, never the model's pick
     assert {(p.block_n, p.cluster) for p in cands if p.cluster_n == 2} == {(256, 2), (192, 2), (128, 2)}
     assert not any(p.cluster_n == 2 for p in tuning.candidates(100, 4096, 4096))   # one tile row: no pair
+    assert not any(p.cluster_n == 2 for p in tuning.candidates(4096, 128, 4096))   # one tile column
+    with pytest.raises(ValueError, match="clusters along N"):
+        P.plan_cost(GemmPlan(cluster=2, cluster_n=2), 4096, 4096, 4096)
     assert all(heuristic_plan(m, 4096, 4096).cluster_n == 1 for m in (256, 4096, 16384))
 
 
@@ -332,8 +336,8 @@ def test_every_candidate_of_a_tuning_compiles(tmp_path, monkeypatch):
              for p in tuning.candidates(pr[0], pr[1], pr[2], pr[4], trans_b=pr[5])}
     assert any(p.split_k > 1 for p, _, _ in plans) and any(p.stream_k for p, _, _ in plans)
     assert any(p.fitted_n for p, _, _ in plans)
-    n = tuning.build_candidates(problems, jobs=2)
-    assert n == len(list(tmp_path.glob("hopper_gemm-*.cubin")))
+    n, failed = tuning.build_candidates(problems, jobs=2)
+    assert failed == 0 and n == len(list(tmp_path.glob("hopper_gemm-*.cubin")))
     for plan, dt, trans_b in plans:
         cubin = toolchain.compile_cubin(KERNEL_SOURCE, compile_options(plain_defines(plan, dt, dt, trans_b)))
         assert cubin.parent == tmp_path and b"fluxrt_gemm" in cubin.read_bytes()

@@ -107,6 +107,12 @@ def test_ag_plan_override_keeps_its_tiles():
         P.AgGemmPlan(gemm=GemmPlan(block_m=64, consumers=1)).validate()
     with pytest.raises(P.OpsArgumentError, match="epilogue='tma'"):
         P.AgGemmPlan(gemm=GemmPlan(epilogue="direct")).validate()
+    with pytest.raises(P.OpsArgumentError, match="cluster_n=2"):
+        P.AgGemmPlan(gemm=GemmPlan(cluster=2, cluster_n=2)).validate()
+    with pytest.raises(P.OpsArgumentError, match="cluster_n=2"):
+        P.GemmRsPlan(gemm=GemmPlan(cluster_n=2), reduce_mode="after").validate()
+    with pytest.raises(P.OpsArgumentError, match="cluster=1x2"):
+        P.GemmRsPlan(gemm=GemmPlan(cluster_n=2), reduce_mode="tail").validate()
 
 
 @pytest.mark.parametrize("bad", [dict(chunks_per_rank=0), dict(comm_mode="ce"), dict(push_blocks=0)])

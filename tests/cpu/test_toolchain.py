@@ -72,6 +72,15 @@ def test_compile_many_names_the_failing_configuration(tmp_path):
 
 
 @needs_nvrtc
+def test_compile_many_keeps_going_past_a_failing_configuration(tmp_path):
+    bad = tmp_path / "half.cu"
+    bad.write_text('#if BROKEN\nthis is not cuda;\n#endif\nextern "C" __global__ void k() {}\n')
+    opts = [toolchain.CompileOptions(arch="sm_90a", defines=(("BROKEN", b),)) for b in ("1", "0")]
+    built = toolchain.compile_many(bad, opts, jobs=2, keep_going=True)
+    assert built[0] is None and built[1] is not None and built[1].read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvrtc
 def test_compile_error_carries_the_log(tmp_path):
     bad = tmp_path / "broken.cu"
     bad.write_text('extern "C" __global__ void k() { this is not cuda; }\n')
