@@ -214,10 +214,8 @@ def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200
 
     options = []
     for m, n, k, in_dtype, out_dtype, trans_b in problems:
-        plans = candidates(m, n, k, out_dtype, num_sms, trans_b=trans_b)
-        plans.append(heuristic_plan(m, n, k, in_dtype=in_dtype, out_dtype=out_dtype, trans_b=trans_b,
-                                    num_sms=num_sms))
-        options += [compile_options(plain_defines(p, in_dtype, out_dtype, trans_b)) for p in plans]
+        options += [compile_options(plain_defines(p, in_dtype, out_dtype, trans_b))   # the heuristic's pick among them
+                    for p in candidates(m, n, k, out_dtype, num_sms, trans_b=trans_b)]
     options = list(dict.fromkeys(options))
     built = compile_many(KERNEL_SOURCE, options, jobs, keep_going=True)
     return len(options), sum(path is None for path in built)

@@ -175,7 +175,7 @@ __device__ __forceinline__ void regs_alloc() {
 // (release/acquire: shared-memory writes and mbarrier inits before it are visible to the peers after it).
 __device__ __forceinline__ u32 cluster_ctarank() {
     u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));   // constant for the CTA's life: not volatile, so it is hoisted
     return r;
 }
 __device__ __forceinline__ void cluster_sync() {
