@@ -119,7 +119,7 @@ struct Schedule {
         s.m_tiles = (g.m + kBM - 1) / kBM;
         s.n_tiles = (g.n + kBN - 1) / kBN;
         s.m_slots = (s.m_tiles + kCluster - 1) / kCluster;
-        s.n_slots = kClusterN == 1 ? s.n_tiles : (s.n_tiles + kClusterN - 1) / kClusterN;
+        s.n_slots = (s.n_tiles + kClusterN - 1) / kClusterN;
         s.total = s.m_slots * s.n_slots;
         s.group_m = g.group_m >= kCluster ? g.group_m / kCluster : 1;   // group_m counts tile rows
         s.m_tile_offset = g.m_tile_offset % s.m_tiles;
