@@ -10,7 +10,7 @@
 #   elsewhere:          OUT=/tmp/gpu-check bash launch/gpu-check.sh
 #   a subset:           FLUXRT_CHECK=gemm,sass bash launch/gpu-check.sh
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
-# collectives ops tune gemmsuite (TEST_FILES narrows the test step, SWEEP_OPS the collective sweeps; tune runs
+# collectives ops tune gemmsuite (TEST_FILES narrows the test step, TEST_RANKS its rank counts, RANK_KILLED=0 skips the killed-rank test, SWEEP_OPS the collective sweeps; tune runs
 # perf/tune_collectives.py candidates, TUNE_SETS of "fabric small mid large"; gemmsuite times the GEMM shape
 # suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT (eager collective sweeps: 420 s default, they time in-place calls too), GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
@@ -41,6 +41,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/logs/NAME.log, record r
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } | tee -a "$summary"
 run=(python3 -m fluxrt.launch --oversubscribe -n)
 ranks=(); for n in 2 4 8; do [ "$ngpu" -ge "$n" ] && ranks+=("$n"); done
+[ -n "${TEST_RANKS:-}" ] && read -ra ranks <<< "$TEST_RANKS"   # e.g. TEST_RANKS=2 with CUDA_VISIBLE_DEVICES=0,1
 [ ${#ranks[@]} -eq 0 ] && echo "== multi-rank steps skipped: $ngpu GPU(s)" | tee -a "$summary"
 read -ra bench_ranks <<< "${BENCH_RANKS:-${ranks[*]}}"   # e.g. BENCH_RANKS=4: sweeps on 4 ranks only
 py=$(command -v python3)   # compute-sanitizer resolves a bare name itself, outside any virtualenv
@@ -62,7 +63,7 @@ if want tests; then   # one step per file, so that a hang or a cascade in one fi
     done
   done
   # a rank SIGKILLed mid-call: the others raise within the bound and the job ends (jobs of its own, up to 4 ranks)
-  [ "$ngpu" -ge 2 ] && TAIL=12 step rank-killed "${TESTS_LIMIT:-180}" python3 -m pytest tests/gpu/test_rank_killed.py \
+  [ "$ngpu" -ge 2 ] && [ "${RANK_KILLED:-1}" = 1 ] && TAIL=12 step rank-killed "${TESTS_LIMIT:-180}" python3 -m pytest tests/gpu/test_rank_killed.py \
     -q -p no:cacheprovider --color=no -rs -s
 fi
 if want p2p && [ "$ngpu" -ge 2 ]; then
