@@ -50,7 +50,7 @@ want build && step build 240 python3 -m fluxrt.toolchain
 if want tests; then   # one step per file, so that a hang or a cascade in one file leaves the others their time
   for n in "${ranks[@]}"; do
     for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
-      case "$f" in tests/gpu/test_gemm*.py|tests/gpu/test_grouped_gemm.py) continue;; esac   # single-GPU: the gemm step
+      case "$f" in tests/gpu/test_gemm*.py|tests/gpu/test_grouped_gemm*.py|tests/gpu/test_perf_cublaslt.py) continue;; esac   # single-GPU: the gemm step
       [ "$f" = tests/gpu/test_rank_killed.py ] && continue   # starts its own jobs: below, once
       name=$(basename "$f" .py)
       if [ "$f" = tests/gpu/test_multinode.py ]; then   # the hierarchical path: one node as 2 virtual nodes
@@ -142,7 +142,7 @@ fi
 if want gemm; then
   TAIL=15 step gemm-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -x
   TAIL=15 step gemm-fp8-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_gemm_fp8.py -q -p no:cacheprovider -x
-  TAIL=15 step gemm-grouped-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_grouped_gemm.py -q -p no:cacheprovider -x
+  TAIL=15 step gemm-grouped-tests "${GEMM_LIMIT:-150}" python3 -m pytest tests/gpu/test_grouped_gemm.py tests/gpu/test_grouped_gemm_fp8.py -q -p no:cacheprovider -x
   TAIL=6 step cublaslt-baseline-tests 120 python3 -m pytest tests/gpu/test_perf_cublaslt.py -q -p no:cacheprovider
   TAIL=12 step gemm-grouped-bench "${GEMM_LIMIT:-150}" python3 perf/grouped_gemm.py --json "$RES/gemm-grouped.json"
   TAIL=60 step gemm-bench "${GEMM_LIMIT:-150}" python3 perf/bench_gemm.py ${GEMM_BENCH_ARGS:-} --json "$RES/gemm.json"

@@ -166,9 +166,11 @@ def _time_case(row, impls, out, out_loop, offs_host, flops, stream, iters, round
         stream.synchronize()
         if check:
             r64 = out_loop.astype(cupy.float64)
-            impls["fluxrt:default"]()
-            stream.synchronize()
-            row["rel_err_vs_loop"] = float(cupy.linalg.norm(out.astype(cupy.float64) - r64) / cupy.linalg.norm(r64))
+            for name in [n for n in impls if n.startswith("fluxrt:") and n != "fluxrt:default"] + ["fluxrt:default"]:
+                impls[name]()   # the default plan last: its output is the one examined below
+                stream.synchronize()
+                key = "rel_err_vs_loop" + ("" if name == "fluxrt:default" else name[6:])
+                row[key] = float(cupy.linalg.norm(out.astype(cupy.float64) - r64) / cupy.linalg.norm(r64))
             if not np.isfinite(row["rel_err_vs_loop"]):   # which output holds the non-finite values, and where
                 for name, o in (("fluxrt", out.astype(cupy.float32)), ("loop", r64)):
                     bad = ~cupy.isfinite(o)
@@ -405,6 +407,15 @@ def main(argv=None) -> int:
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     plans = [_plan(p) for p in args.plans.split(",") if p]
+    from fluxrt.errors import GemmArgumentError
+    from fluxrt.gemm.grouped import check_grouped_plan
+    try:   # before any case: one plan the kernel cannot run would fail every case
+        for p in plans:
+            check_grouped_plan(p, "bfloat16" if args.fp8 else args.dtype, "float8_e4m3fn" if args.fp8 else args.dtype,
+                               args.fp8 or "none")
+    except GemmArgumentError as e:
+        print(f"grouped_gemm: --plans: {e}", file=sys.stderr)
+        return 2
     wanted = set(args.models.split(","))
     if args.fp8 and args.kn:
         print("grouped_gemm: fp8 weights are [G, N, K] only (--kn does not apply)", file=sys.stderr)

@@ -79,6 +79,8 @@ def test_plans_fit_with_the_group_table():
         check_grouped_plan(GemmPlan(cluster=2), "bfloat16")
     with pytest.raises(GemmArgumentError, match="no stream_k"):   # the kernel has no grouped stream-K
         check_grouped_plan(GemmPlan(block_n=128, stages=4, stream_k=True), "bfloat16")
+    with pytest.raises(GemmArgumentError, match="no fitted width"):   # the kernel static_asserts it
+        check_grouped_plan(GemmPlan(block_n=160, stages=4), "bfloat16")
     with pytest.raises(GemmArgumentError, match="group table"):   # 4 shared-staging stages leave no room
         check_grouped_plan(GemmPlan(stages=4, c_staging="shared"), "bfloat16")
 

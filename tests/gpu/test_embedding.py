@@ -350,9 +350,12 @@ def test_jax_arrays_in_and_readonly_out_refused(world):
     import fluxrt
 
     try:
-        dev = jax.devices("gpu")[0]
+        jax.devices("gpu")
     except RuntimeError:
         pytest.skip("jax has no GPU backend here")
+    import fluxrt.jax as fjax
+
+    dev = fjax.device(world)   # this rank's GPU, not JAX's first one
     x = _data(81, world.rank, 3000, "fp32", "sum")
     inputs = _gather(world, x)
     jx = jax.device_put(cupy.asnumpy(x), dev)
