@@ -592,9 +592,9 @@ def main(argv=None, bench: str | None = None) -> int:
 
     import fluxrt
 
-    heap = 0   # symmetric bytes: AG's gathered A [M, K]; RS's received and ('ce') pulled partials, two parities
-    for m, n, k in shapes:       # of [M, N] each (neither scales with TP)
-        heap = max(heap, m * k * 2 + 4096 if bench == "ag_gemm" else 4 * m * n * 2 + 4096)
+    # symmetric bytes: AG's gathered A [M, K]; RS's received and ('ce') pulled partials, two parities of [M, N]
+    # each (neither scales with TP); summed, since every shape's op keeps its buffers until the world ends
+    heap = sum(m * k * 2 + 4096 if bench == "ag_gemm" else 4 * m * n * 2 + 4096 for m, n, k in shapes)
     world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
     world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G",
                                                     check_collective_args=args.check_args, **world_kw))
