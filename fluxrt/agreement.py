@@ -14,6 +14,7 @@ leaving ``with fluxrt.init()`` aborts it).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,7 @@ def _comm(world):
     return getattr(world, "agree_comm", None) or world.comm
 
 
-def exchange(world: World, name: str, payload) -> list:
+def exchange(world: World, name: str, payload, *, timeout_s: float | None = None) -> list:
     """Every rank's `payload`, by rank, like ``comm.allgather`` but bounded by the world's timeout: raises
     AgreementTimeoutError naming the ranks that did not arrive, and CollectiveMismatchError when a rank is
     at another call (a different count of exchanges or op name). A communicator without matched probes
@@ -66,7 +67,7 @@ def exchange(world: World, name: str, payload) -> list:
 
     me, size = comm.Get_rank(), comm.Get_size()
     st.seq = seq = st.seq + 1
-    timeout = float(world.options.timeout_s)
+    timeout = float(world.options.timeout_s) if timeout_s is None else float(timeout_s)
     msg = (seq, name, payload)
     # pickled once for every peer (mpi4py's own pickler, so a matched message's recv() unpickles it)
     buf = MPI.pickle.dumps(msg)
@@ -110,6 +111,21 @@ def barrier(world: World, name: str) -> None:
     """A host barrier over the world bounded by its timeout (``exchange`` of nothing): raises
     AgreementTimeoutError naming the ranks that never arrived instead of blocking in MPI."""
     exchange(world, name, None)
+
+
+def load_wait_s(world: World) -> float:
+    """How long :func:`meet_after_load` waits: FLUXRT_LOAD_WAIT_S (default 300 s), at least the world's timeout."""
+    options = getattr(world, "options", None)
+    return max(float(getattr(options, "timeout_s", 0.0)), float(os.environ.get("FLUXRT_LOAD_WAIT_S", "300")))
+
+
+def meet_after_load(world: World, name: str) -> None:
+    """Every rank, at the first call that launches kernels it loaded (and perhaps compiled) during that call:
+    meet on the host before launching. A rank that compiled on a cold cache can be behind its peers by more
+    than the device waits' bound; a peer's kernel launched meanwhile would wait on it and time out. Bounded by
+    :func:`load_wait_s` (AgreementTimeoutError naming the ranks that never arrived)."""
+    if getattr(world, "size", 1) > 1:
+        exchange(world, name, None, timeout_s=load_wait_s(world))
 
 
 def _signature_text(sig: tuple) -> str:

@@ -52,6 +52,7 @@ from . import tuning_tables
 from .agreement import agree as _agree
 from .agreement import exchange as _exchange
 from .agreement import local as _local
+from .agreement import meet_after_load as _meet_after_load
 from .arrays import as_array
 from .dtypes import bfloat16, normalize_dtype
 from .errors import (CollectiveArgumentError, CollectiveMismatchError, FluxrtError, GraphCaptureError, NotSymmetricError,
@@ -352,6 +353,7 @@ class Collectives:
         self._last_stream = None
         self._kernels: dict = {}
         self._ext_modules: dict = {}
+        self._ext_met: set = set()   # extension modules whose first call met the other ranks
         self._capturing_stream = None
         self._fast: dict = {}
         self._team_base = (_u64(self.epoch.data.ptr), _u64(self.workspace.data.ptr),
@@ -381,6 +383,10 @@ class Collectives:
             code = kernel_module_code(name)
             module = self.module if code is None else self._ext_module(code)
             fn = self._kernels[name] = module.get_function(name)
+            if code is not None and code not in self._ext_met:   # the same call on every rank
+                self._ext_met.add(code)
+                dt = next(d for d, c in EXT_CODES.items() if c == code)
+                _meet_after_load(self.world, f"collectives: first call of the {dt} kernels")
         return fn
 
     def _ext_module(self, code: int):

@@ -368,6 +368,9 @@ def call_plan(op, m: int, out_dtype, *, wait_hook: bool, epilogue_hook: bool, re
         for copy in copy_hooks(g):
             prepare_gemm(op.world, g, op.dtype, out_dtype, op.trans_b, wait_hook, epilogue_hook, reduce_hook, copy,
                          bands)
+        # every rank reaches this call's first use of (m, bands) together: none launches a kernel that waits
+        # on a peer still compiling its GEMM
+        agreement.meet_after_load(op.world, f"{type(op).__name__}: first call with {m} padded rows")
         op._gplans[(m, bands)] = g
         if log.isEnabledFor(logging.INFO):
             log.info("%s: rank %d, %d padded rows (bands %d): GEMM plan %r", type(op).__name__, op.world.rank, m,

@@ -40,6 +40,16 @@ def test_agreement_times_out_naming_the_rank_that_skipped():
     assert "rank 0: OK" in out.stdout and "rank 1: OK" in out.stdout
 
 
+@needs_mpi
+def test_meet_after_load_waits_for_a_loading_peer_and_stays_bounded():
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(SCRIPTS / "meet_after_load.py")], env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "rank 0: waited" in out.stdout
+    assert "rank 0: first call of the fp64 kernels: rank 0 waited 6 s for rank(s) [1]" in out.stdout
+    assert "rank 0: OK" in out.stdout and "rank 1: OK" in out.stdout
+
+
 def test_agreement_single_rank_needs_no_mpi_exchange():
     from fluxrt import agreement
 
