@@ -151,13 +151,15 @@ def _tagged(error: Exception, name: str, rank) -> Exception:
 
 
 def agree(world: World, name: str, sig: tuple, error: Exception | None, extra=None, *,
-          rejected=CollectiveArgumentError, by_rank: bool = False) -> list:
+          rejected=CollectiveArgumentError, by_rank: bool = False, timeout_s: float | None = None) -> list:
     """Compare the call across ranks (when the world checks collective arguments) and make every rank
     raise the same way on a local error or a mismatch. Returns every rank's `extra` (gathered only when
     extra is not None or checks are on).
 
     rejected: the error type raised on the ranks whose own checks passed while another rank's failed.
-    by_rank: list a mismatch rank by rank (else ranks with the same signature are grouped)."""
+    by_rank: list a mismatch rank by rank (else ranks with the same signature are grouped).
+    timeout_s: the exchange's bound (default the world's timeout; :func:`load_wait_s` where a peer's checks
+    may load and compile kernels)."""
     rank = getattr(world, "rank", None)
     if error is not None:
         error = _tagged(error, name, rank)
@@ -166,7 +168,7 @@ def agree(world: World, name: str, sig: tuple, error: Exception | None, extra=No
             raise error
         return [extra]
     local_text = None if error is None else f"{type(error).__name__}: {error}"
-    every = exchange(world, name, (sig, local_text, extra))
+    every = exchange(world, name, (sig, local_text, extra), timeout_s=timeout_s)
     failed = [(r, e) for r, (_, e, _) in enumerate(every) if e]
     if failed:
         if error is not None:

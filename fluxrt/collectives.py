@@ -52,6 +52,7 @@ from . import tuning_tables
 from .agreement import agree as _agree
 from .agreement import exchange as _exchange
 from .agreement import local as _local
+from .agreement import load_wait_s as _load_wait_s
 from .agreement import meet_after_load as _meet_after_load
 from .arrays import as_array
 from .dtypes import bfloat16, normalize_dtype
@@ -408,12 +409,25 @@ class Collectives:
             self._ext_modules[code] = mod
         return mod
 
+    @staticmethod
+    def _ext_code(dt: str, red: str) -> int | None:
+        """The extension module a reduction of `dt` with `red` needs (None: the base module's)."""
+        return None if (dt, _kernel_op(red)) in BASE_REDUCTIONS and red != "avg" else EXT_CODES[dt]
+
     def _check_loaded(self, dt: str, red: str) -> None:
         """Before a reduction that needs an extension module inside a capture: load it now, or refuse."""
-        if (dt, _kernel_op(red)) in BASE_REDUCTIONS and red != "avg":
-            return
-        if EXT_CODES[dt] not in self._ext_modules:
-            self._ext_module(EXT_CODES[dt])  # raises GraphCaptureError inside a capture
+        code = self._ext_code(dt, red)
+        if code is not None and code not in self._ext_modules:
+            self._ext_module(code)  # raises GraphCaptureError inside a capture
+
+    def _agree_bound(self, got, dt_index: int) -> float | None:
+        """The argument exchange's bound for a reducing call: the load wait while the reduction's extension
+        module has not met the other ranks yet (a peer may still be compiling it in its checks), else the
+        world's timeout (None)."""
+        if got is None:
+            return None
+        code = self._ext_code(got[dt_index], got[dt_index + 1])
+        return None if code is None or code in self._ext_met else _load_wait_s(self.world)
 
     def _divide(self, dt: str, o, count: int) -> PackedLaunch:
         """avg's last launch: out[:count] /= ranks (a plain launch: it does not wait for its predecessor
@@ -569,7 +583,7 @@ class Collectives:
         got, err = _local(prepare)
         sig = (("count", None if got is None else got[0].size), ("dtype", None if got is None else got[2]),
                ("op", None if got is None else got[3]), ("algo", None if got is None else got[4]))
-        _agree(world, "allreduce", sig, err)
+        _agree(world, "allreduce", sig, err, timeout_s=self._agree_bound(got, 2))
         a, o, dt, red, chosen = got
         lay, pieces = _allreduce_plan(a.size, a.itemsize, world.size, chosen, self._half(chosen), self.tuning)
         name = f"fluxrt_allreduce_{chosen}_{dt}_{_kernel_op(red)}"
@@ -623,7 +637,7 @@ class Collectives:
         got, err = _local(prepare)
         sig = (("count", None if got is None else got[0].size), ("dtype", None if got is None else got[2]),
                ("op", None if got is None else got[3]), ("algo", None if got is None else got[5]))
-        _agree(world, "reduce_scatter", sig, err)
+        _agree(world, "reduce_scatter", sig, err, timeout_s=self._agree_bound(got, 2))
         a, o, dt, red, c, chosen = got
         lay = self._layout("reduce_scatter", chosen, a.itemsize)
         prefix = {"ll": "ll_", "pipe": "pipe_", "ring": "ring_"}.get(chosen, "")

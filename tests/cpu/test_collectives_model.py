@@ -137,6 +137,7 @@ class Model:
             c.tuning, c.ll_half_bytes = TUNING, self.ll_bytes // 2
             c._kernels = {}
             c._check_loaded = lambda dt, red: None   # no modules to load in the model
+            c._ext_met = set(coll.EXT_CODES.values())   # and none whose first call still has to meet
             c._launch = lambda name, grid, args, block=plan.THREADS, pdl=True: SimpleNamespace(
                 kernel=Kernel(name), grid=grid, args=args, block=block)
             c._teams = {name: ("team", r) for name in plan.ALGOS}

@@ -147,6 +147,19 @@ def test_extension_kernels_are_refused_inside_a_capture_unless_prepared(monkeypa
     c._check_loaded("fp64", "prod")
 
 
+def test_first_call_of_an_extension_module_agrees_with_the_load_wait(monkeypatch):
+    monkeypatch.setenv("FLUXRT_LOAD_WAIT_S", "120")
+    c = object.__new__(coll.Collectives)
+    c.world, c._ext_met = SimpleNamespace(options=SimpleNamespace(timeout_s=5.0)), set()
+    got = lambda dt, red: ("a", "o", dt, red)   # noqa: E731 (the checks' result: dtype and reduction at 2, 3)
+    assert c._agree_bound(got("fp64", "sum"), 2) == 120.0   # a peer may still be compiling fp64's module
+    assert c._agree_bound(got("fp32", "avg"), 2) == 120.0   # avg's division is in fp32's extension module
+    assert c._agree_bound(got("bf16", "sum"), 2) is None    # the base module, loaded with the context
+    assert c._agree_bound(None, 2) is None                  # this rank's checks failed: nothing loaded
+    c._ext_met.add(coll.EXT_CODES["fp64"])
+    assert c._agree_bound(got("fp64", "sum"), 2) is None    # met once: the world's timeout again
+
+
 def test_kernel_module_routing():
     assert coll.kernel_module_code("fluxrt_allreduce_ll_bf16_sum") is None
     assert coll.kernel_module_code("fluxrt_allreduce_ring_fp32_max") is None
