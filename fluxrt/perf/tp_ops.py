@@ -129,6 +129,14 @@ def default_shapes(op: str, world: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def heap_size(op: str, shapes) -> str:
+    """The symmetric heap a sweep of `shapes` needs, as WorldOptions.heap_size: AG's gathered A [M, K]; RS's
+    received and ('ce') pulled partials, two parities of [M, N] each (16-bit sizes, an upper bound for fp8;
+    neither scales with TP), summed because every shape's op keeps its buffers until the world ends."""
+    need = sum(m * k * 2 + 4096 if op == "ag_gemm" else 4 * m * n * 2 + 4096 for m, n, k in shapes)
+    return f"{-(-(need + (64 << 20)) // (1 << 30))}G"
+
+
 def shapes_from_args(op: str, args, world: int = DEFAULT_SHAPES_TP) -> list[tuple[int, int, int]]:
     if getattr(args, "suite", None):
         if args.shapes or any(v is not None for v in (args.m, args.n, args.k)):
@@ -592,11 +600,8 @@ def main(argv=None, bench: str | None = None) -> int:
 
     import fluxrt
 
-    # symmetric bytes: AG's gathered A [M, K]; RS's received and ('ce') pulled partials, two parities of [M, N]
-    # each (neither scales with TP); summed, since every shape's op keeps its buffers until the world ends
-    heap = sum(m * k * 2 + 4096 if bench == "ag_gemm" else 4 * m * n * 2 + 4096 for m, n, k in shapes)
     world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
-    world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-(heap + (64 << 20)) // (1 << 30))}G",
+    world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=heap_size(bench, shapes),
                                                     check_collective_args=args.check_args, **world_kw))
     nccl_comm, nccl_notes = None, []
     try:

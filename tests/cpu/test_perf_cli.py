@@ -461,3 +461,17 @@ def test_gemm_suite_summary_splits_the_shape_classes():
     assert s["shapes_small_m"] == 1 and math.isclose(s["geomean_small_m"], 0.5)   # eager where no graph ratio
     assert "shapes_b_off_sectors" not in s and "geomean_k_off_lines" not in s
     assert s["below_0.95_graph"] == 1 and s["worst_eager"] == 0.5
+
+
+def test_tp_op_heap_holds_every_shapes_buffers_at_once():
+    from fluxrt.perf.tp_ops import heap_size
+
+    # GEMM+RS keeps two parities of received and pulled [M, N] 16-bit partials per shape, and every shape's op
+    # keeps its buffers: the heap is their sum (the largest alone exhausted 1 GiB at 2 ranks)
+    shapes = [(8192, 8192, 14336), (16384, 6144, 16384), (4096, 7168, 16384)]
+    need = sum(4 * m * n * 2 for m, n, _ in shapes)
+    got = int(heap_size("gemm_rs", shapes)[:-1]) << 30
+    assert need < got <= need + (1 << 30) + (64 << 20)
+    need_ag = sum(m * k * 2 for m, _, k in shapes)
+    got_ag = int(heap_size("ag_gemm", shapes)[:-1]) << 30
+    assert need_ag < got_ag <= need_ag + (1 << 30) + (64 << 20)
