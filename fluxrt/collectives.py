@@ -423,9 +423,10 @@ class Collectives:
     def _agree_bound(self, got, dt_index: int) -> float | None:
         """The argument exchange's bound for a reducing call: the load wait while the reduction's extension
         module has not met the other ranks yet (a peer may still be compiling it in its checks), else the
-        world's timeout (None)."""
+        world's timeout (None). A rank whose own checks failed cannot tell what its peers are loading: it
+        waits as long as they may."""
         if got is None:
-            return None
+            return _load_wait_s(self.world)
         code = self._ext_code(got[dt_index], got[dt_index + 1])
         return None if code is None or code in self._ext_met else _load_wait_s(self.world)
 

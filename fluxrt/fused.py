@@ -36,6 +36,7 @@ from . import collectives as _coll
 from . import collectives_plan as plan
 from .agreement import agree as _agree
 from .agreement import local as _local
+from .agreement import meet_after_load
 from .arrays import as_array
 from .dtypes import bfloat16, normalize_dtype
 from .errors import CollectiveArgumentError, op_id
@@ -170,6 +171,7 @@ class _Kernels:
 
         self.module = load_module(KERNEL_SOURCE)
         self._fns: dict = {}
+        self.met = False   # the first collective call has met the other ranks
 
     def get(self, name: str):
         fn = self._fns.get(name)
@@ -178,8 +180,15 @@ class _Kernels:
         return fn
 
 
-def kernels(world: World) -> _Kernels:
-    return world.registry.get_or_create(_KEY, _Kernels)
+def kernels(world: World, collective: bool = True) -> _Kernels:
+    """The world's fused-collective kernels. collective: called by every rank at the same point of a collective
+    call (after its agreement); the first such call meets the other ranks before launching, since one of them
+    may have just compiled the module. add_rmsnorm, which is local, passes False."""
+    k = world.registry.get_or_create(_KEY, _Kernels)
+    if collective and not k.met:
+        k.met = True
+        meet_after_load(world, "fused collectives: first call")
+    return k
 
 
 def team(ctx, op: str) -> tuple:
@@ -321,7 +330,7 @@ def add_rmsnorm(world: World, x, residual, weight, eps: float = 1e-6, *, out=Non
     sc = None if quant is None else _out(scales_out, "scales_out", np.dtype(np.float32),
                                          scales_shape(rows, cols, quant), world, s)
     threads = min(MAX_THREADS, 32 * _ceil_div(_ceil_div(cols * a.itemsize, LINE_BYTES), 32))
-    fn = kernels(world).get(f"fluxrt_add_rmsnorm_{NORM_DTYPES[normalize_dtype(a.dtype)]}")
+    fn = kernels(world, collective=False).get(f"fluxrt_add_rmsnorm_{NORM_DTYPES[normalize_dtype(a.dtype)]}")
     args = (_u64(a.data.ptr), _u64(res.data.ptr), _u64(w.data.ptr), _u64(o.data.ptr), _u64(ro.data.ptr),
             _u64(0 if sc is None else sc.data.ptr), _u32(rows), _u32(cols), np.float32(eps),
             _u32(QUANT_MODES[quant]))

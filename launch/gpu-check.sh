@@ -41,14 +41,14 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/logs/NAME.log, record r
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } | tee -a "$summary"
 run=(python3 -m fluxrt.launch --oversubscribe -n)
 ranks=(); for n in 2 4 8; do [ "$ngpu" -ge "$n" ] && ranks+=("$n"); done
-[ -n "${TEST_RANKS:-}" ] && read -ra ranks <<< "$TEST_RANKS"   # e.g. TEST_RANKS=2 with CUDA_VISIBLE_DEVICES=0,1
+read -ra test_ranks <<< "${TEST_RANKS:-${ranks[*]}}"   # the test step's, e.g. TEST_RANKS=2 with CUDA_VISIBLE_DEVICES=0,1
 [ ${#ranks[@]} -eq 0 ] && echo "== multi-rank steps skipped: $ngpu GPU(s)" | tee -a "$summary"
 read -ra bench_ranks <<< "${BENCH_RANKS:-${ranks[*]}}"   # e.g. BENCH_RANKS=4: sweeps on 4 ranks only
 py=$(command -v python3)   # compute-sanitizer resolves a bare name itself, outside any virtualenv
 
 want build && step build 240 python3 -m fluxrt.toolchain
 if want tests; then   # one step per file, so that a hang or a cascade in one file leaves the others their time
-  for n in "${ranks[@]}"; do
+  for n in "${test_ranks[@]}"; do
     for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
       case "$f" in tests/gpu/test_gemm*.py|tests/gpu/test_grouped_gemm*.py|tests/gpu/test_perf_cublaslt.py) continue;; esac   # single-GPU: the gemm step
       [ "$f" = tests/gpu/test_rank_killed.py ] && continue   # starts its own jobs: below, once

@@ -253,8 +253,10 @@ def bench_case_fp8(model, gemm_name, experts, k, n, rows, scale, iters, rounds, 
     stream = cupy.cuda.Stream(non_blocking=True)
     default = grouped_plan(rows, n, k, experts, in_dtype="float8_e4m3fn", scale=scale)
     fl = {"default": default}
+    from fluxrt.gemm.plan import FP8_BLOCK_K
+
     for p in plans:
-        fl[p.describe()] = dataclasses.replace(p, block_k=128)
+        fl[p.describe()] = dataclasses.replace(p, block_k=FP8_BLOCK_K)
     kw = dict(trans_b=True, fp8_format="e4m3", stream=stream)
     loop_args = []
     for g in range(experts):
@@ -409,9 +411,11 @@ def main(argv=None) -> int:
     plans = [_plan(p) for p in args.plans.split(",") if p]
     from fluxrt.errors import GemmArgumentError
     from fluxrt.gemm.grouped import check_grouped_plan
+    from fluxrt.gemm.plan import FP8_BLOCK_K
     try:   # before any case: one plan the kernel cannot run would fail every case
-        for p in plans:
-            check_grouped_plan(p, "bfloat16" if args.fp8 else args.dtype, "float8_e4m3fn" if args.fp8 else args.dtype,
+        for p in plans:   # an fp8 case runs the plan with fp8's K block (bench_case_fp8)
+            check_grouped_plan(dataclasses.replace(p, block_k=FP8_BLOCK_K) if args.fp8 else p,
+                               "bfloat16" if args.fp8 else args.dtype, "float8_e4m3fn" if args.fp8 else args.dtype,
                                args.fp8 or "none")
     except GemmArgumentError as e:
         print(f"grouped_gemm: --plans: {e}", file=sys.stderr)

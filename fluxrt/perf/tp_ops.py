@@ -130,11 +130,15 @@ def default_shapes(op: str, world: int) -> list[tuple[int, int, int]]:
 
 
 def heap_size(op: str, shapes) -> str:
-    """The symmetric heap a sweep of `shapes` needs, as WorldOptions.heap_size: AG's gathered A [M, K]; RS's
-    received and ('ce') pulled partials, two parities of [M, N] each (16-bit sizes, an upper bound for fp8;
-    neither scales with TP), summed because every shape's op keeps its buffers until the world ends."""
-    need = sum(m * k * 2 + 4096 if op == "ag_gemm" else 4 * m * n * 2 + 4096 for m, n, k in shapes)
-    return f"{-(-(need + (64 << 20)) // (1 << 30))}G"
+    """The symmetric heap a sweep of `shapes` needs, as WorldOptions.heap_size: the largest shape's buffers (AG's
+    gathered A [M, K]; RS's received and ('ce') pulled partials, two parities of [M, N] each; neither scales
+    with TP; each shape's op is freed before the next) beside the collectives context that the decomposed path
+    and the baselines keep (its workspace, LL buffer and flags), and 64 MiB of headroom."""
+    from ..tuning_tables import TUNED_WORKSPACE_BYTES
+
+    largest = max((m * k * 2 if op == "ag_gemm" else 4 * m * n * 2) + 4096 for m, n, k in shapes)
+    need = largest + TUNED_WORKSPACE_BYTES + (64 << 20) + (64 << 20)
+    return f"{-(-need // (1 << 30))}G"
 
 
 def shapes_from_args(op: str, args, world: int = DEFAULT_SHAPES_TP) -> list[tuple[int, int, int]]:

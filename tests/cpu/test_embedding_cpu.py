@@ -155,7 +155,7 @@ def test_first_call_of_an_extension_module_agrees_with_the_load_wait(monkeypatch
     assert c._agree_bound(got("fp64", "sum"), 2) == 120.0   # a peer may still be compiling fp64's module
     assert c._agree_bound(got("fp32", "avg"), 2) == 120.0   # avg's division is in fp32's extension module
     assert c._agree_bound(got("bf16", "sum"), 2) is None    # the base module, loaded with the context
-    assert c._agree_bound(None, 2) is None                  # this rank's checks failed: nothing loaded
+    assert c._agree_bound(None, 2) == 120.0   # this rank's checks failed: its peers may be compiling
     c._ext_met.add(coll.EXT_CODES["fp64"])
     assert c._agree_bound(got("fp64", "sum"), 2) is None    # met once: the world's timeout again
 

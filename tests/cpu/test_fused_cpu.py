@@ -196,3 +196,21 @@ def test_example_weight_quantization_round_trips():
     back = ex.dequantize(codes, scales, 128)
     full = np.repeat(np.repeat(scales.astype(np.float64), 128, 0), 128, 1)[:200, :300]
     assert np.all(np.abs(back - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -10 * full)
+
+
+def test_fused_kernels_meet_the_other_ranks_at_their_first_collective_use(monkeypatch):
+    from types import SimpleNamespace
+
+    from fluxrt.registry import Registry
+
+    monkeypatch.setattr(fused._Kernels, "__init__", lambda self: setattr(self, "met", False))
+    exchanges = []
+    comm = SimpleNamespace(allgather=lambda payload: exchanges.append(payload) or [payload, payload])
+    world = SimpleNamespace(registry=Registry(), comm=comm, rank=0, size=2, options=SimpleNamespace(timeout_s=5.0))
+    k = fused.kernels(world, collective=False)   # add_rmsnorm: local, so no meeting
+    assert exchanges == []
+    assert fused.kernels(world) is k and len(exchanges) == 1   # the first collective call meets once
+    assert fused.kernels(world) is k and len(exchanges) == 1   # later calls do not
+    single = SimpleNamespace(registry=Registry(), comm=None, rank=0, size=1, options=SimpleNamespace(timeout_s=5.0))
+    fused.kernels(single)   # one rank: nobody to meet
+    assert len(exchanges) == 1

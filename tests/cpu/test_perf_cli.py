@@ -463,15 +463,16 @@ def test_gemm_suite_summary_splits_the_shape_classes():
     assert s["below_0.95_graph"] == 1 and s["worst_eager"] == 0.5
 
 
-def test_tp_op_heap_holds_every_shapes_buffers_at_once():
+def test_tp_op_heap_holds_the_largest_shape_beside_the_collectives_context():
     from fluxrt.perf.tp_ops import heap_size
+    from fluxrt.tuning_tables import TUNED_WORKSPACE_BYTES
 
-    # GEMM+RS keeps two parities of received and pulled [M, N] 16-bit partials per shape, and every shape's op
-    # keeps its buffers: the heap is their sum (the largest alone exhausted 1 GiB at 2 ranks)
+    # GEMM+RS: two parities of received and pulled [M, N] 16-bit partials, beside the collectives context's
+    # workspace (the decomposed path's and the baselines'); at 16384x6144 that passed 1 GiB at 2 ranks
     shapes = [(8192, 8192, 14336), (16384, 6144, 16384), (4096, 7168, 16384)]
-    need = sum(4 * m * n * 2 for m, n, _ in shapes)
+    need = max(4 * m * n * 2 for m, n, _ in shapes) + TUNED_WORKSPACE_BYTES
     got = int(heap_size("gemm_rs", shapes)[:-1]) << 30
-    assert need < got <= need + (1 << 30) + (64 << 20)
-    need_ag = sum(m * k * 2 for m, _, k in shapes)
+    assert need + (64 << 20) < got <= need + (1 << 30) + (128 << 20)
+    need_ag = max(m * k * 2 for m, _, k in shapes) + TUNED_WORKSPACE_BYTES
     got_ag = int(heap_size("ag_gemm", shapes)[:-1]) << 30
-    assert need_ag < got_ag <= need_ag + (1 << 30) + (64 << 20)
+    assert need_ag + (64 << 20) < got_ag <= need_ag + (1 << 30) + (128 << 20)
