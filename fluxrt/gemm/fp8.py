@@ -71,6 +71,15 @@ def _dev(x, name: str, writable: bool = False):
     return as_array(x, name=name, op="gemm", writable=writable, error=GemmArgumentError, type_error=GemmTypeError)
 
 
+def load_kernel(plan: GemmPlan, prob: Fp8Problem, dev: int):
+    """The fp8 GEMM kernel of `plan` for `prob` on device `dev`, compiled on first use (cached)."""
+    import cupy
+
+    defines = kernel_defines(plan, prob.a_dtype, prob.out_dtype, True, b_dtype=prob.b_dtype, scale=prob.scale)
+    with cupy.cuda.Device(dev):
+        return _kernel(defines, dev, plan.smem_bytes(prob.out_dtype))
+
+
 def prepare(a, b, out, *, fp8_format, scale_a, scale_b, plan: GemmPlan | None, out_dtype: str | None):
     """Check one fp8 call and build its launch: returns (PackedLaunch, out, plan). Makes no launch."""
     import cupy
@@ -93,12 +102,11 @@ def prepare(a, b, out, *, fp8_format, scale_a, scale_b, plan: GemmPlan | None, o
     if log.isEnabledFor(logging.INFO):
         log.info("gemm fp8 M=%d N=%d K=%d %s x %s -> %s scale=%s: %r", m, n, k, prob.a_dtype, prob.b_dtype,
                  prob.out_dtype, prob.scale, plan)
-    defines = kernel_defines(plan, prob.a_dtype, prob.out_dtype, True, b_dtype=prob.b_dtype, scale=prob.scale)
     with cupy.cuda.Device(dev):
         if out is None:
             out = cupy.empty((m, n), dtype=normalize_dtype(prob.out_dtype))
         smem = plan.smem_bytes(prob.out_dtype)
-        kern = _kernel(defines, dev, smem)
+        kern = load_kernel(plan, prob, dev)
         mt, nt = plan.tiles(m, n)
         tmap_a = tensor_map(a.data.ptr, prob.a_dtype, m, k, plan.block_k, plan.block_m)
         tmap_b = tensor_map(b.data.ptr, prob.b_dtype, n, k, plan.block_k, plan.block_n // plan.cluster)

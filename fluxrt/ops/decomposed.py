@@ -74,6 +74,7 @@ class DecomposedState:
         self.comm_sms = comm_sms
         self.num_sms = num_sms or common.num_sms(world)   # the op's share (plan.sm_count) or the context's
         self._plans: dict = {}
+        self._loaded: set = set()   # (M, chunks) of the calls whose pieces' GEMMs are loaded and have met
 
     def plan(self, m: int, n: int, k: int, dtype: str, trans_b: bool, capped: bool):
         """The GEMM plan of an m-row piece: the autotune cache's or the heuristic's; with `capped` (pieces
@@ -96,6 +97,26 @@ class DecomposedState:
             p = self._cap(plan_fp8(prob, self.world.device_id, self.num_sms), capped)
             self._plans[key] = p
         return p
+
+    def load(self, op, m: int, chunks: int, pieces, out_dtype: str) -> None:
+        """Before the first call with (m, chunks): load (perhaps compile) the GEMMs of its pieces ((rows, capped)
+        pairs), then meet the other ranks. A GEMM compiled between the call's collectives would hold this
+        rank back from them for as long as the compile takes, past the peers' bounded waits."""
+        if (m, chunks) in self._loaded:
+            return
+        from .. import agreement
+        from ..gemm.fp8 import load_kernel
+
+        for rows, capped in sorted(set(pieces)):
+            if op.fp8 is None:
+                common.prepare_gemm(self.world, self.plan(rows, op.n, op.k, op.dtype, op.trans_b, capped), op.dtype,
+                                    out_dtype, op.trans_b, False, False)
+            else:
+                prob = common.fp8_problem(op, rows, op.n, op.k)
+                load_kernel(self.fp8_plan(prob, capped), prob, self.world.device_id)
+        self._loaded.add((m, chunks))
+        agreement.meet_after_load(self.world, f"{type(op).__name__} (decomposed): first call with {m} rows in "
+                                              f"{chunks} chunk(s)")
 
     def _cap(self, p, capped: bool):
         if capped and p.split_k == 1 and p.cluster_ctas == 1:
@@ -126,6 +147,11 @@ def ag_gemm(op, st: DecomposedState, a, b, out, shard: int, m: int, chunks: int,
     tensor = op.fp8 is not None and op.fp8.scale == "tensor"
     block = op.fp8 is not None and op.fp8.scale == "block"
     gathered = None
+    if len(rows) == 1:
+        pieces = [(shard, False)] if tensor else [(m, False)]
+    else:
+        pieces = [(shard, True)] + [(r, True) for r in rows]
+    st.load(op, m, chunks, pieces, str(out.dtype))
     with world.device:
         if len(rows) == 1:
             collectives.allgather(world, a, out=g[:m], stream=s)
@@ -173,6 +199,7 @@ def gemm_rs(op, st: DecomposedState, a, b, out, shard: int, m: int, chunks: int,
     rows = chunk_rows(shard, chunks)
     part = st.buffer
     block = op.fp8 is not None and op.fp8.scale == "block"
+    st.load(op, m, chunks, [(m, False)] if len(rows) == 1 else [(r, True) for r in rows], str(part.dtype))
     with world.device:
         if len(rows) == 1:
             _mm(op, st, a, b, part[:m], s, False, scale_a, scale_b)

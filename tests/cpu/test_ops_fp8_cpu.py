@@ -212,6 +212,19 @@ def test_decomposed_fp8_pieces_on_simulated_ranks(monkeypatch, op_name, mode, sh
             sa, sb = rng.uniform(0.01, 2.0, (a_rows, kbs)), rng.uniform(0.01, 2.0, (nbs, kbs))
         inputs.append((a, b, sa.astype(np.float32), sb.astype(np.float32)))
 
+    # every piece a call multiplies was loaded (and met) before its first collective: (rows, capped) per rank
+    loaded, multiplied = {r: set() for r in range(w)}, {r: set() for r in range(w)}
+    mm = decomposed._mm
+
+    def recording_mm(op, st, a, *args):
+        multiplied[op.world.rank].add((a.shape[0], args[3]))
+        return mm(op, st, a, *args)
+
+    monkeypatch.setattr(decomposed, "_mm", recording_mm)
+
+    def load(r):
+        return lambda op, m_, chunks_, pieces, out_dtype: loaded[r].update(pieces)
+
     def rank(r):
         world = types.SimpleNamespace(size=w, rank=r, device=dev.device)
         op = types.SimpleNamespace(world=world, n=n, k=k, dtype="bfloat16", in_dtype="uint8", trans_b=True, fp8=fp8,
@@ -219,17 +232,20 @@ def test_decomposed_fp8_pieces_on_simulated_ranks(monkeypatch, op_name, mode, sh
         a, b, sa, sb = inputs[r]
         if op_name == "ag_gemm":
             st = types.SimpleNamespace(buffer=np.zeros((m, k), np.uint8), fp8_plan=lambda prob, capped: None,
-                                       scales=np.zeros((w,) if mode == "tensor" else (m, kbs), np.float32))
+                                       scales=np.zeros((w,) if mode == "tensor" else (m, kbs), np.float32),
+                                       load=load(r))
             out = np.full((m, n), np.nan)
             got, _ = decomposed.ag_gemm(op, st, a, b, out, shard, m, chunks, None, scale_a=sa, scale_b=sb)
         else:
-            st = types.SimpleNamespace(buffer=np.full((m, n), np.nan), fp8_plan=lambda prob, capped: None, scales=None)
+            st = types.SimpleNamespace(buffer=np.full((m, n), np.nan), fp8_plan=lambda prob, capped: None, scales=None,
+                                       load=load(r))
             out = np.full((shard, n), np.nan)
             got = decomposed.gemm_rs(op, st, a, b, out, shard, m, chunks, None, scale_a=sa, scale_b=sb)
         return got
 
     results = _run_ranks(comm, rank)
     for r in range(w):
+        assert multiplied[r] and multiplied[r] <= loaded[r], (multiplied[r], loaded[r])
         if op_name == "ag_gemm":
             a_full = np.concatenate([_deq(x, s, 1, "e4m3") for x, _, s, _ in inputs], axis=0)
             ref = a_full @ _deq(inputs[r][1], inputs[r][3], 128, "e4m3").T

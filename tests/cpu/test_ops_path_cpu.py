@@ -194,3 +194,25 @@ def test_the_weights_layout_reaches_every_gemm_estimate(monkeypatch, op, fp8, tr
     plan = (P.AgGemmPlan() if op == "ag_gemm" else P.GemmRsPlan()).validate()
     C.choose_path(op, 8192, 8200, 8192, 4, plan, trans_b=trans_b, fp8=fp8)
     assert seen and all(tb is trans_b for tb in seen)
+
+
+def test_decomposed_pieces_load_once_then_meet(monkeypatch):
+    from types import SimpleNamespace
+
+    from fluxrt import agreement
+    from fluxrt.ops import common, decomposed
+
+    prepared, met = [], []
+    monkeypatch.setattr(common, "prepare_gemm", lambda world, plan, i, o, t, w, e: prepared.append((plan, o)))
+    monkeypatch.setattr(agreement, "meet_after_load", lambda world, name: met.append(name))
+    st = object.__new__(decomposed.DecomposedState)
+    st.world, st._loaded = SimpleNamespace(device_id=0), set()
+    st.plan = lambda rows, n, k, dtype, trans_b, capped: (rows, capped)
+    op = SimpleNamespace(fp8=None, n=512, k=256, dtype="bfloat16", trans_b=True)
+    st.load(op, 1536, 3, [(512, True), (172, True), (170, True), (172, True)], "float32")
+    assert sorted(prepared) == [((170, True), "float32"), ((172, True), "float32"), ((512, True), "float32")]
+    assert len(met) == 1 and "1536 rows in 3 chunk(s)" in met[0]
+    st.load(op, 1536, 3, [(512, True)], "float32")   # the same call again: nothing loads, nobody meets
+    assert len(prepared) == 3 and len(met) == 1
+    st.load(op, 1536, 1, [(1536, False)], "float32")   # another chunking: its own pieces and meeting
+    assert prepared[-1] == ((1536, False), "float32") and len(met) == 2
