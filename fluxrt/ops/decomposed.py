@@ -43,6 +43,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from .. import collectives
+from ..dtypes import dtype_name
 from ..gemm import gemm
 from ..gemm.autotune import plan_for
 from . import common
@@ -151,7 +152,7 @@ def ag_gemm(op, st: DecomposedState, a, b, out, shard: int, m: int, chunks: int,
         pieces = [(shard, False)] if tensor else [(m, False)]
     else:
         pieces = [(shard, True)] + [(r, True) for r in rows]
-    st.load(op, m, chunks, pieces, str(out.dtype))
+    st.load(op, m, chunks, pieces, dtype_name(out.dtype))
     with world.device:
         if len(rows) == 1:
             collectives.allgather(world, a, out=g[:m], stream=s)
@@ -199,7 +200,7 @@ def gemm_rs(op, st: DecomposedState, a, b, out, shard: int, m: int, chunks: int,
     rows = chunk_rows(shard, chunks)
     part = st.buffer
     block = op.fp8 is not None and op.fp8.scale == "block"
-    st.load(op, m, chunks, [(m, False)] if len(rows) == 1 else [(r, True) for r in rows], str(part.dtype))
+    st.load(op, m, chunks, [(m, False)] if len(rows) == 1 else [(r, True) for r in rows], dtype_name(part.dtype))
     with world.device:
         if len(rows) == 1:
             _mm(op, st, a, b, part[:m], s, False, scale_a, scale_b)
