@@ -13,10 +13,11 @@ from .checks import (WRITTEN, _band_stride, _check_bands_plan, _check_copy, _che
                      _ptr, _validate)
 from .hooks import ArrivalWait, RowBands, ShardCopy, TileEpilogue, band_bits
 from .launch_cache import MISS, LaunchCache, array_key
-from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
+from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines, plain_defines
 from .params import gemm_params
 from .plan import ITEMSIZE as _ITEMSIZE
 from .plan import IN_DTYPES, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plan_gemm
+from .split_k import _reducer as _split_reducer
 from .split_k import check_split
 from .split_k import prepare as prepare_split
 from .stream_k import StreamKLaunch
@@ -307,3 +308,17 @@ def gemm_with_hooks(a, b, out=None, *, trans_b: bool = False, stream=None, plan:
     """
     return _launch(a, b, out, trans_b=trans_b, stream=stream, plan=plan, out_dtype=out_dtype, wait=wait,
                    epilogue=epilogue, copy=copy, a_bands=a_bands, c_bands=c_bands)
+
+
+def load_plain(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, device: int) -> None:
+    """Load (compile on first use) every kernel a plain :func:`gemm` call under `plan` launches, without
+    launching: with split-K the kernel of fp32 partials into banded C and the slices' reduction. For callers
+    that must not compile between collectives (the fused ops' decomposed path)."""
+    import cupy
+
+    split = plan.split_k > 1
+    with cupy.cuda.Device(device):
+        _kernel(plain_defines(plan, in_dtype, out_dtype, trans_b), device,
+                plan.smem_bytes("float32" if split else out_dtype))
+        if split:
+            _split_reducer(out_dtype, device)

@@ -107,17 +107,18 @@ class DecomposedState:
             return
         from .. import agreement
         from ..gemm.fp8 import load_kernel
+        from ..gemm.launch import load_plain
 
         for rows, capped in sorted(set(pieces)):
             if op.fp8 is None:
-                common.prepare_gemm(self.world, self.plan(rows, op.n, op.k, op.dtype, op.trans_b, capped), op.dtype,
-                                    out_dtype, op.trans_b, False, False)
+                load_plain(self.plan(rows, op.n, op.k, op.dtype, op.trans_b, capped), op.dtype, out_dtype, op.trans_b,
+                           self.world.device_id)
             else:
                 prob = common.fp8_problem(op, rows, op.n, op.k)
                 load_kernel(self.fp8_plan(prob, capped), prob, self.world.device_id)
-        self._loaded.add((m, chunks))
         agreement.meet_after_load(self.world, f"{type(op).__name__} (decomposed): first call with {m} rows in "
                                               f"{chunks} chunk(s)")
+        self._loaded.add((m, chunks))
 
     def _cap(self, p, capped: bool):
         if capped and p.split_k == 1 and p.cluster_ctas == 1:

@@ -654,3 +654,36 @@ def test_launch_cache_keeps_none_and_drops_the_oldest():
     assert c.get("a") is MISS and c.get("b") == 1 and c.get("c") == 2 and len(c) == 2
     c.clear()
     assert c.get("b") is MISS
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_load_plain_loads_what_a_plain_call_launches(monkeypatch, tmp_path, split):
+    """fluxrt.gemm.launch.load_plain (the decomposed fused ops load their pieces' GEMMs before any collective)
+    loads the configuration a plain gemm() call runs: with split-K the fp32-partials kernel (compiled here with
+    NVRTC where available) and the slices' reduction."""
+    import contextlib
+
+    pytest.importorskip("cupy", reason="cupy not installed")
+    from fluxrt.gemm import launch, split_k
+    from fluxrt.gemm.kernel import kernel_defines, plain_defines
+
+    plan = GemmPlan(block_n=128, stages=4, split_k=split)
+    kernels, reducers = [], []
+    monkeypatch.setattr(launch, "_kernel", lambda defines, dev, smem: kernels.append((defines, smem)))
+    monkeypatch.setattr(launch, "_split_reducer", lambda out_dt, dev: reducers.append(out_dt))
+    monkeypatch.setattr("cupy.cuda.Device", lambda dev: contextlib.nullcontext())
+    launch.load_plain(plan, "bfloat16", "bfloat16", True, 0)
+    if split == 1:
+        assert kernels == [(kernel_defines(plan, "bfloat16", "bfloat16", True), plan.smem_bytes("bfloat16"))]
+        assert reducers == []
+        return
+    assert kernels == [(plain_defines(plan, "bfloat16", "bfloat16", True), plan.smem_bytes("float32"))]
+    assert reducers == ["bfloat16"] and split_k.REDUCE_NAME
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    from fluxrt.toolchain import compile_cubin
+
+    monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
+    cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(kernels[0][0], arch="sm_90a"))
+    assert _cubin_u32(cubin.read_bytes(), "fluxrt_gemm_smem_bytes") == plan.smem_bytes("float32")

@@ -200,10 +200,11 @@ def test_decomposed_pieces_load_once_then_meet(monkeypatch):
     from types import SimpleNamespace
 
     from fluxrt import agreement
-    from fluxrt.ops import common, decomposed
+    from fluxrt.gemm import launch
+    from fluxrt.ops import decomposed
 
     prepared, met = [], []
-    monkeypatch.setattr(common, "prepare_gemm", lambda world, plan, i, o, t, w, e: prepared.append((plan, o)))
+    monkeypatch.setattr(launch, "load_plain", lambda plan, i, o, t, dev: prepared.append((plan, o)))
     monkeypatch.setattr(agreement, "meet_after_load", lambda world, name: met.append(name))
     st = object.__new__(decomposed.DecomposedState)
     st.world, st._loaded = SimpleNamespace(device_id=0), set()
