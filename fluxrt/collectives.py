@@ -77,6 +77,7 @@ _DTYPE_OF = {name: d for d, name in _REDUCE_DTYPES.items()}
 # (collectives.cu built with -DFLUXRT_COLL_EXT=<code>), compiled and loaded when first needed.
 BASE_REDUCTIONS = frozenset((d, o) for d in ("bf16", "fp16", "fp32") for o in ("sum", "max", "min"))
 EXT_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp64": 3, "int32": 4, "int64": 5, "uint8": 6}
+EXT_DTYPES = {c: d for d, c in EXT_CODES.items()}
 _DIVIDE_THREADS, _DIVIDE_MAX_GRID = 256, 1024
 _TABLE_ROWS = 5  # struct ExchangeTable: send_ptr, send_bytes, recv_ptr, recv_bytes, send_dst
 _TABLE_DTYPE = np.dtype([("words", "<u8", (_TABLE_ROWS * plan.MAX_WORLD,))])  # passed by value
@@ -386,8 +387,7 @@ class Collectives:
             fn = self._kernels[name] = module.get_function(name)
             if code is not None and code not in self._ext_met:   # the same call on every rank
                 self._ext_met.add(code)
-                dt = next(d for d, c in EXT_CODES.items() if c == code)
-                _meet_after_load(self.world, f"collectives: first call of the {dt} kernels")
+                _meet_after_load(self.world, f"collectives: first call of the {EXT_DTYPES[code]} kernels")
         return fn
 
     def _ext_module(self, code: int):
@@ -396,7 +396,7 @@ class Collectives:
         if mod is None:
             from .toolchain import CompileOptions, load_module
 
-            dt = next(d for d, c in EXT_CODES.items() if c == code)
+            dt = EXT_DTYPES[code]
             capturing = self._capturing_stream
             if capturing is not None and capturing.is_capturing():
                 raise GraphCaptureError(

@@ -13,12 +13,12 @@ from .checks import (WRITTEN, _band_stride, _check_bands_plan, _check_copy, _che
                      _ptr, _validate)
 from .hooks import ArrivalWait, RowBands, ShardCopy, TileEpilogue, band_bits
 from .launch_cache import MISS, LaunchCache, array_key
-from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines, plain_defines
+from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import ITEMSIZE as _ITEMSIZE
 from .plan import IN_DTYPES, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plan_gemm
-from .split_k import _reducer as _split_reducer
 from .split_k import check_split
+from .split_k import load as load_split
 from .split_k import prepare as prepare_split
 from .stream_k import StreamKLaunch
 from .stream_k import fill_params as fill_stream_k
@@ -316,9 +316,8 @@ def load_plain(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, dev
     that must not compile between collectives (the fused ops' decomposed path)."""
     import cupy
 
-    split = plan.split_k > 1
     with cupy.cuda.Device(device):
-        _kernel(plain_defines(plan, in_dtype, out_dtype, trans_b), device,
-                plan.smem_bytes("float32" if split else out_dtype))
-        if split:
-            _split_reducer(out_dtype, device)
+        if plan.split_k > 1:
+            load_split(plan, in_dtype, out_dtype, trans_b, device)
+        else:
+            _kernel(kernel_defines(plan, in_dtype, out_dtype, trans_b), device, plan.smem_bytes(out_dtype))

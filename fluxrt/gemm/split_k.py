@@ -104,6 +104,13 @@ class SplitLaunch:
         self.reduce.launch(stream_ptr)
 
 
+def load(plan: GemmPlan, in_dt: str, out_dt: str, trans_b: bool, dev: int):
+    """A split-K call's kernels, loaded (compiled on first use): (the GEMM of fp32 partials into banded C, the
+    slices' reduction, the GEMM's shared memory)."""
+    smem = plan.smem_bytes("float32")
+    return _kernel(plain_defines(plan, in_dt, out_dt, trans_b), dev, smem), _reducer(out_dt, dev), smem
+
+
 def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_dt: str, trans_b: bool, dev: int,
             stream_ptr: int) -> SplitLaunch:
     """Build the split-K launches of a checked plain call (CuPy arrays, out allocated)."""
@@ -111,9 +118,7 @@ def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_d
     m_pad = -(-m // plan.block_m) * plan.block_m
     rows = splits * m_pad                                # the launch's M: one band of m_pad rows per slice
     ws = workspace(dev, stream_ptr, splits * m * n * 4)
-    defines = plain_defines(plan, in_dt, out_dt, trans_b)
-    smem = plan.smem_bytes("float32")
-    kern = _kernel(defines, dev, smem)
+    kern, reducer, smem = load(plan, in_dt, out_dt, trans_b, dev)
     # the plain GEMM's maps: band s reads them from K column s * ks on (GemmArgs::k_slice)
     tmap_a = tensor_map(a.data.ptr, in_dt, m, k, plan.block_k, plan.block_m)
     if trans_b:
@@ -128,10 +133,10 @@ def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_d
     gemm = PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem)
     vecs = m * n // 4
     rgrid = max(1, min(-(-vecs // REDUCE_THREADS), 8 * _num_sms(dev)))
-    red = PackedLaunch(_reducer(out_dt, dev), rgrid, REDUCE_THREADS,
+    red = PackedLaunch(reducer, rgrid, REDUCE_THREADS,
                        (np.uint64(ws.data.ptr), np.uint64(out.data.ptr), np.int64(vecs), np.int64(vecs),
                         np.int32(splits)))
     return SplitLaunch(gemm, red, ws)
 
 
-__all__ = ["SplitLaunch", "check_split", "prepare", "release_workspaces", "workspace"]
+__all__ = ["SplitLaunch", "check_split", "load", "prepare", "release_workspaces", "workspace"]

@@ -670,7 +670,8 @@ def test_load_plain_loads_what_a_plain_call_launches(monkeypatch, tmp_path, spli
     plan = GemmPlan(block_n=128, stages=4, split_k=split)
     kernels, reducers = [], []
     monkeypatch.setattr(launch, "_kernel", lambda defines, dev, smem: kernels.append((defines, smem)))
-    monkeypatch.setattr(launch, "_split_reducer", lambda out_dt, dev: reducers.append(out_dt))
+    monkeypatch.setattr(split_k, "_kernel", lambda defines, dev, smem: kernels.append((defines, smem)))
+    monkeypatch.setattr(split_k, "_reducer", lambda out_dt, dev: reducers.append(out_dt))
     monkeypatch.setattr("cupy.cuda.Device", lambda dev: contextlib.nullcontext())
     launch.load_plain(plan, "bfloat16", "bfloat16", True, 0)
     if split == 1:

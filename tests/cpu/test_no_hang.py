@@ -30,24 +30,28 @@ def _env():
     return env
 
 
+def _two_ranks(script: str) -> str:
+    """Run mpi_scripts/`script` on 2 ranks; its stdout, once it exited 0."""
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(SCRIPTS / script)], env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 # --- (a) bounded agreement -------------------------------------------------------------------------
 @needs_mpi
 def test_agreement_times_out_naming_the_rank_that_skipped():
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(SCRIPTS / "agree_skip.py")], env=_env(),
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "rank 0: allgather: rank 0 waited 1.5 s for rank(s) [1]" in out.stdout
-    assert "rank 0: OK" in out.stdout and "rank 1: OK" in out.stdout
+    stdout = _two_ranks("agree_skip.py")
+    assert "rank 0: allgather: rank 0 waited 1.5 s for rank(s) [1]" in stdout
+    assert "rank 0: OK" in stdout and "rank 1: OK" in stdout
 
 
 @needs_mpi
 def test_meet_after_load_waits_for_a_loading_peer_and_stays_bounded():
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(SCRIPTS / "meet_after_load.py")], env=_env(),
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "rank 0: waited" in out.stdout
-    assert "rank 0: first call of the fp64 kernels: rank 0 waited 6 s for rank(s) [1]" in out.stdout
-    assert "rank 0: OK" in out.stdout and "rank 1: OK" in out.stdout
+    stdout = _two_ranks("meet_after_load.py")
+    assert "rank 0: waited" in stdout
+    assert "rank 0: first call of the fp64 kernels: rank 0 waited 6 s for rank(s) [1]" in stdout
+    assert "rank 0: OK" in stdout and "rank 1: OK" in stdout
 
 
 def test_agreement_single_rank_needs_no_mpi_exchange():
