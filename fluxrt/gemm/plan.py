@@ -98,8 +98,8 @@ class GemmPlan:
                 raise ValueError("GemmPlan.split_k > 1 needs cluster=1 and epilogue='tma' (fp32 partials stored by "
                                  "the storer warp)")
             out_dtype = "float32"   # the GEMM itself writes fp32 partials
-        if self.stream_k and (self.split_k > 1 or self.cluster != 1 or self.epilogue != "tma"):
-            raise ValueError("GemmPlan.stream_k needs split_k=1, cluster=1 and epilogue='tma'")
+        if self.stream_k and (self.split_k > 1 or self.cluster_n != 1 or self.epilogue != "tma"):
+            raise ValueError("GemmPlan.stream_k needs split_k=1, cluster_n=1 and epilogue='tma'")
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m != 64 * self.consumers:
@@ -452,25 +452,30 @@ def stream_k_geometry(tiles: int, k_blocks: int, ctas: int, tile_bytes: int = 12
 
 
 def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = H100_H200_SMS,
-                  trans_b: bool = True) -> float:
+                  trans_b: bool = True, cluster: int = 1) -> float:
     """Modelled time of a stream-K plan in :func:`tile_cost` units: :func:`stream_k_geometry`'s K blocks per CTA
-    at the tile shape's rate times STREAM_K_RATE."""
-    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
+    at the tile shape's rate times STREAM_K_RATE. cluster=2: the geometry over pairs of M tiles and clusters, at
+    the cluster-2 rate of the tile."""
+    items = math.ceil(math.ceil(m / block_m) / cluster) * math.ceil(n / block_n)
+    ctas = num_sms // cluster
     kb = -(-k // BLOCK_K)
-    dp, pieces, pb = stream_k_geometry(tiles, kb, num_sms, block_m * block_n * 4)
+    dp, pieces, pb = stream_k_geometry(items, kb, ctas, cluster * block_m * block_n * 4)
     fixed = TILE_FIXED_K // BLOCK_K
-    cut = tiles - dp
-    blocks = (dp // num_sms) * (kb + fixed) + -(-cut * pieces // num_sms) * (pb + fixed)
+    cut = items - dp
+    blocks = (dp // ctas) * (kb + fixed) + -(-cut * pieces // ctas) * (pb + fixed)
     if pieces > 1:
         blocks += STREAM_K_PIECE_COST * pieces
-    rate = TILE_RATE[(block_m, block_n, 1)] * STREAM_K_RATE * _cluster1_factor(m, n, k, trans_b)
+    rate = TILE_RATE[(block_m, block_n, cluster)] * STREAM_K_RATE
+    if cluster == 1:
+        rate *= _cluster1_factor(m, n, k, trans_b)
     return block_m * block_n * BLOCK_K * blocks / rate
 
 
 def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS, *,
                    every_shape: bool = False) -> list[GemmPlan]:
     """Stream-K plans worth considering: every cluster-1 tile shape of at least STREAM_K_MIN_TILE (every_shape:
-    any, the autotuner's set) whose tiles fill their waves less than STREAM_K_MAX_FILL, when K has at least
+    any, and the cluster-2 tiles of TILE_RATE where M has two tile rows: the autotuner's set) whose work items
+    (tiles; pairs of M tiles with a cluster) fill their waves less than STREAM_K_MAX_FILL, when K has at least
     STREAM_K_MIN_K columns. Not for the heuristic (every_shape=False): a geometry that cuts every tile into more
     than STREAM_K_MAX_ALL_CUT_PIECES pieces (few tiles: each finisher folds many partials alone, where split-K's
     reduction spreads over the GPU; measured slower than split-K or a narrower tile on H200)."""
@@ -478,19 +483,21 @@ def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms:
         return []
     out = []
     for bm, bn, cluster in TILE_RATE:
-        if cluster != 1 or (not every_shape and (bm, bn) < STREAM_K_MIN_TILE):
+        if not every_shape and (cluster != 1 or (bm, bn) < STREAM_K_MIN_TILE):
             continue
-        tiles = math.ceil(m / bm) * math.ceil(n / bn)
-        if _wave_fill(tiles, num_sms) >= STREAM_K_MAX_FILL:
+        if cluster != 1 and math.ceil(m / bm) < cluster:   # else every pair computes a phantom tile
+            continue
+        items = math.ceil(math.ceil(m / bm) / cluster) * math.ceil(n / bn)
+        if _wave_fill(items, num_sms // cluster) >= STREAM_K_MAX_FILL:
             continue
         if not every_shape:
-            dp, pieces, _ = stream_k_geometry(tiles, -(-k // BLOCK_K), num_sms, bm * bn * 4)
+            dp, pieces, _ = stream_k_geometry(items, -(-k // BLOCK_K), num_sms, bm * bn * 4)
             if dp == 0 and pieces > STREAM_K_MAX_ALL_CUT_PIECES:
                 continue
         stages = min(max_stages(bm, bn, out_dtype), 6)
         if stages >= 2:
             out.append(GemmPlan(block_m=bm, block_n=bn, stages=stages, consumers=bm // 64, stream_k=True,
-                                group_m=max(1, min(math.ceil(m / bm), 16))))
+                                cluster=cluster, group_m=max(1, min(math.ceil(m / bm), 16))))
     return out
 
 
@@ -499,7 +506,7 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
     if plan.split_k > 1:
         return split_cost(m, n, k, plan.block_m, plan.block_n, plan.split_k, num_sms, trans_b)
     if plan.stream_k:
-        return stream_k_cost(m, n, k, plan.block_m, plan.block_n, num_sms, trans_b)
+        return stream_k_cost(m, n, k, plan.block_m, plan.block_n, num_sms, trans_b, plan.cluster)
     if plan.cluster_n != 1:
         raise ValueError(f"plan_cost: no modelled rate for clusters along N ({plan.describe()}: autotune "
                          f"candidates only)")

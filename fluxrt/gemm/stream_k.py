@@ -34,15 +34,23 @@ _lock = threading.Lock()
 _errors: ErrorRecordView | None = None   # the process's stream-K record (made on the first stream-K call)
 
 
-def geometry(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> tuple[int, int, int]:
-    """(dp_tiles, pieces, piece_blocks) of a call (:func:`fluxrt.gemm.plan.stream_k_geometry`)."""
+def items(plan: GemmPlan, m: int, n: int) -> int:
+    """Schedule items of a call: tiles, or with a cluster of 2 along M the pairs' slots (two M tiles each)."""
     mt, nt = plan.tiles(m, n)
-    return stream_k_geometry(mt * nt, -(-k // plan.block_k), ctas, plan.block_m * plan.block_n * 4)
+    return -(-mt // plan.cluster) * nt
+
+
+def geometry(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> tuple[int, int, int]:
+    """(dp_items, pieces, piece_blocks) of a call on a grid of ``ctas`` CTAs (:func:`fluxrt.gemm.plan.stream_k_geometry`
+    over schedule items and clusters: a pair's CTAs run every unit together, on their two M tiles)."""
+    return stream_k_geometry(items(plan, m, n), -(-k // plan.block_k), ctas // plan.cluster,
+                             plan.cluster * plan.block_m * plan.block_n * 4)
 
 
 def units(tiles: int, k_blocks: int, ctas: int, dp: int, pieces: int, piece_blocks: int) -> list[list[tuple]]:
-    """Host mirror of the kernel's for_each_unit (scheduler.cuh): per CTA, its work units (schedule item, first
-    K block, K blocks) in the order it runs them. For tests and tools."""
+    """Host mirror of the kernel's for_each_unit (scheduler.cuh): per CTA (with a cluster: per cluster, and
+    ``tiles`` counts schedule items), its work units (schedule item, first K block, K blocks) in the order it runs
+    them. For tests and tools."""
     cut = tiles - dp
     out = []
     for b in range(ctas):
@@ -57,16 +65,17 @@ def units(tiles: int, k_blocks: int, ctas: int, dp: int, pieces: int, piece_bloc
 
 def counter_bytes() -> int:
     """Bytes of the counters at the start of every stream-K workspace: one u64 per cut tile and consumer
-    warpgroup, for any call (fewer than 2 x MAX_CTAS cut tiles, 2 warpgroups), so that calls of different shapes
-    sharing a stream's workspace never see another call's partials as counters."""
+    warpgroup, for any call (fewer than 2 x MAX_CTAS cut tiles: fewer than two waves of items are cut, an item has
+    a tile per CTA of its cluster; 2 warpgroups), so that calls of different shapes sharing a stream's workspace
+    never see another call's partials as counters."""
     return 2 * MAX_CTAS * 2 * 8
 
 
 def partial_bytes(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> int:
-    """Bytes of the fp32 partials: one tile per piece of a cut tile but its last."""
+    """Bytes of the fp32 partials: one tile per piece of a cut tile but its last (a cut item has a tile per CTA
+    of its cluster, a phantom one's slot unused)."""
     dp, pieces, _ = geometry(plan, m, n, k, ctas)
-    mt, nt = plan.tiles(m, n)
-    return (mt * nt - dp) * (pieces - 1) * plan.block_m * plan.block_n * 4
+    return (items(plan, m, n) - dp) * plan.cluster * (pieces - 1) * plan.block_m * plan.block_n * 4
 
 
 def workspace_bytes(plan: GemmPlan, m: int, n: int, k: int, ctas: int) -> int:
@@ -145,4 +154,4 @@ def fill_params(params: np.ndarray, plan: GemmPlan, m: int, n: int, k: int, grid
 
 
 __all__ = ["OP_NAME", "StreamKLaunch", "check_errors", "clear_record", "counter_bytes", "fill_params", "geometry",
-           "partial_bytes", "reset_errors", "units", "workspace_bytes"]
+           "items", "partial_bytes", "reset_errors", "units", "workspace_bytes"]

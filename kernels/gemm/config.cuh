@@ -58,12 +58,14 @@
 //                             scheduler.cuh) and stores its fp32 partial into band s of C. A and B are the
 //                             plain 2-D maps, read at the slice's K offset. A separate kernel sums the
 //                             partials in split order. default 0
-//   FLUXRT_GEMM_STREAM_K      1: stream-K (plain GEMM: no hooks, no cluster, no bands, no split-K, 16-bit inputs,
+//   FLUXRT_GEMM_STREAM_K      1: stream-K (plain GEMM: no hooks, no cluster along N, no bands, no split-K, 16-bit inputs,
 //                             staged epilogue): the schedule's first StreamKArgs::dp_tiles items are whole
 //                             tiles (round robin, as without it); each remaining tile is cut into `pieces`
 //                             K ranges, units that continue the round robin so that the waves fill up. A cut
 //                             tile's last piece waits for the others' fp32 partials and adds them in piece
-//                             order (StreamK in scheduler.cuh, stream_k_fixup in consumer.cuh). default 0
+//                             order (StreamK in scheduler.cuh, stream_k_fixup in consumer.cuh). With
+//                             FLUXRT_GEMM_CLUSTER=2 the items and units are the pairs' (both CTAs of a pair
+//                             run the same K range of their two M tiles and share B). default 0
 //   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; hooks 1, 2 only; no cluster, bands; staged epilogue):
 //                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a
@@ -212,9 +214,9 @@ static_assert(!kGrouped || !kFp8 || (!kHookWait && !kHookEpilogue),
 // Grouped GEMM with hook 2: every row of C goes to its home rank's buffer (GroupArgs::scatter_*), counted.
 constexpr bool kGroupScatter = kGrouped && kHookEpilogue;
 constexpr bool kStreamK = FLUXRT_GEMM_STREAM_K != 0;
-static_assert(!kStreamK || (!kHookWait && !kHookEpilogue && !kHookCopy && kCluster == 1 && !kBandsA && !kBandsC &&
+static_assert(!kStreamK || (!kHookWait && !kHookEpilogue && !kHookCopy && kClusterN == 1 && !kBandsA && !kBandsC &&
                             !kSplitK && !kGrouped && !kEpiDirect && !kFp8),
-              "stream-K: plain 16-bit GEMM (no hooks, cluster, bands, split-K, grouping), staged epilogue");
+              "stream-K: plain 16-bit GEMM (no hooks, cluster along N, bands, split-K, grouping), staged epilogue");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread

@@ -284,10 +284,16 @@ __device__ __forceinline__ float4* stream_k_slot(const StreamK& sk, int slot, in
 //     warpgroup meets; then each thread adds the partials in piece order with ld.global.cg (L2, never a stale
 //     L1 line); the waiter resets the counter for the next launch (stream order publishes it). On timeout the
 //     ErrorRecord names the op and the CTA of the tile's first piece; the tile becomes NaN.
-__device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const StreamK& sk, int t, int kb0, int kbs,
-                                               int wg, int tid) {
+// With a cluster of 2 a phantom tile's pieces touch neither counter nor partials; its last piece returns true (the
+// storer drops the staged tile).
+__device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const StreamK& sk, const Schedule& sched, int t,
+                                               int kb0, int kbs, int wg, int tid) {
     if (kbs == sk.k_blocks) return true;   // a whole tile
-    const int i = t - sk.dp_tiles;
+    if constexpr (kCluster > 1) {
+        int m_tile, n_tile;
+        if (!sched.tile(t, m_tile, n_tile)) return kb0 + kbs == sk.k_blocks;
+    }
+    const int i = sk.cut_tile(t, sched);
     const int others = sk.pieces - 1;
     u64* counter = sk.counters + (long long)i * kConsumers + wg;
     if (kb0 + kbs < sk.k_blocks) {
@@ -301,7 +307,10 @@ __device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const Str
         return false;
     }
     bool ok = true;
-    if (tid == 0) ok = fluxrt::acquire_for_block(counter, (u64)others, sk.watch, (u64)sk.cta_of(i));
+    // the peer: the CTA of the tile's first piece (with a cluster, the same rank of that unit's cluster)
+    if (tid == 0)
+        ok = fluxrt::acquire_for_block(counter, (u64)others, sk.watch,
+                                       (u64)(sk.cta_of(t - sk.dp_tiles) * kCluster + sched.m_rank()));
     ok = named_bar_and(1 + wg, 128, ok);
     constexpr int kBatch = 8;   // float4 loads in flight per thread (32 registers beside the accumulators)
     for (int piece = 0; piece < others; ++piece) {
@@ -363,7 +372,7 @@ __device__ __forceinline__ void run_consumer_stream_k(const Schedule& sched, con
         wgmma_wait<0>();
         reg_fence(acc);
         release_stage(sm.bars_empty + 8 * prev_stage, tid);   // kbs >= 1: for_each_unit has no empty units
-        if (stream_k_fixup(acc, sk, t, kb0, kbs, wg, tid)) epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
+        if (stream_k_fixup(acc, sk, sched, t, kb0, kbs, wg, tid)) epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
     });
 }
 

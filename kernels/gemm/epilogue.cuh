@@ -595,8 +595,9 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
 
 
 // Stream-K storer (FLUXRT_GEMM_STREAM_K, TmaStoreEpilogue): run_storer's protocol over this CTA's work units,
-// skipping the pieces that went to the partials (all but a tile's last: the consumers staged nothing). Kept apart
-// from run_storer so that every other configuration compiles to the instructions it had.
+// skipping the pieces that went to the partials (all but a tile's last: the consumers staged nothing) and, with a
+// cluster, a phantom tile's staging. Kept apart from run_storer so that every other configuration compiles to the
+// instructions it had.
 template <class Epilogue>
 __device__ __forceinline__ void run_storer_stream_k(const Schedule& sched, const StreamK& sk, const Epilogue& epilogue,
                                                     u32 smem, u32 bar_c_full, u32 bar_c_empty) {
@@ -605,13 +606,18 @@ __device__ __forceinline__ void run_storer_stream_k(const Schedule& sched, const
     for_each_unit(sched, sk, [&](int t, int kb0, int kbs) {
         if (kb0 + kbs < sk.k_blocks) return;
         int m_tile, n_tile;
-        sched.tile(t, m_tile, n_tile);
+        const bool real = sched.tile(t, m_tile, n_tile) || kCluster == 1;
         const int m0 = m_tile * kBM, n0 = n_tile * kBN;
 #pragma unroll
         for (int turn = 0; turn < kCTurns; ++turn) {
             const u32 bar_next_empty = bar_c_empty + 8 * ((turn + 1) % kCTurns);
             const int row0 = turn * kTurnRows;
             mbar_wait(bar_c_full + 8 * turn, phase);   // acquire: this turn's staging writes are visible
+            if (!real) {                   // phantom tile (cluster of 2, M tiles odd): nothing to store
+                if (lane == 0) mbar_arrive(bar_next_empty);
+                __syncwarp();
+                continue;
+            }
             const StoreTarget d = epilogue.target(m0, row0);
             if (lane == 0) {
 #pragma unroll

@@ -167,7 +167,8 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
 }
 
 // Stream-K loader (FLUXRT_GEMM_STREAM_K): the same ring protocol as run_loader, over this CTA's work units
-// (schedule item, first K block, K blocks) of for_each_unit; plain 2-D loads (no hooks, cluster, bands, groups).
+// (schedule item, first K block, K blocks) of for_each_unit; plain 2-D loads (no hooks, bands, groups), B
+// multicast to the pair as in run_loader with a cluster of 2 along M.
 // Kept apart from run_loader so that every other configuration compiles to the instructions it had.
 __device__ __forceinline__ void run_loader_stream_k(const Schedule& sched, const StreamK& sk, const TmaDesc* tmap_a,
                                                     const TmaDesc* tmap_b, u32 smem, u32 bars_full, u32 bars_empty) {
@@ -185,10 +186,22 @@ __device__ __forceinline__ void run_loader_stream_k(const Schedule& sched, const
             tma_load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full);
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
-                tma_load_2d(b_dst, tmap_b, k0, n0, full);
+                if constexpr (kCluster == 1) {
+                    tma_load_2d(b_dst, tmap_b, k0, n0, full);
+                } else {   // box {64 K, kBN / kCluster rows of N}: this CTA's share, to both CTAs of the pair
+                    const int part = sched.m_rank();
+                    tma_load_2d_multicast(b_dst + part * (kTileBBytes / kCluster), tmap_b, k0,
+                                          n0 + part * (kBN / kCluster), full, b_sharers(sched.n_rank()));
+                }
             } else {
 #pragma unroll
-                for (int j = 0; j < kBN / 64; ++j) tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
+                for (int j = 0; j < kBN / 64; ++j) {
+                    if constexpr (kCluster == 1)
+                        tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
+                    else if (j % kCluster == sched.m_rank())   // slab j comes from M rank j % kCluster
+                        tma_load_2d_multicast(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full,
+                                              b_sharers(sched.n_rank()));
+                }
             }
             if (++stage == kStages) {
                 stage = 0;

@@ -239,6 +239,10 @@ struct KSlices {
 // CTA waits for the tile's counter to count the other pieces, which stored their fp32 partials in slots
 // i * (pieces - 1) + piece, adds them in piece order and stores the tile, so reruns give the same bits. Every
 // role (loader, consumers, storer) walks the same units with for_each_unit.
+// With a cluster of 2 along M the schedule's items are the pairs' slots and `ctas` counts clusters: both CTAs of a
+// pair run every unit on their own M tile of the slot (the same K range, so B is multicast as in a whole tile), and
+// cut tile i * kCluster + m rank has its own counter and partials; a phantom tile (M tiles odd) runs its units for
+// the multicast only and touches neither.
 //
 // No deadlock: a unit waits only for units of smaller index u, and a CTA runs its units in increasing u, so the
 // CTA waiting at the smallest u waits for units whose CTAs are past them (the grid is at most one CTA per SM,
@@ -248,7 +252,7 @@ struct StreamK {
     int dp_tiles;       // whole tiles first (a multiple of ctas)
     int total;          // schedule items
     int k_blocks;       // K blocks per tile
-    int ctas;           // the grid
+    int ctas;           // the grid, in clusters
     int pieces;         // K ranges per cut tile (>= 1)
     int piece_blocks;   // K blocks of a piece but the last
     u64* counters;
@@ -261,9 +265,14 @@ struct StreamK {
                        a.counters, a.partials, fluxrt::Watch{to.timeout_ns, to.err, a.op_id, to.rank}};
     }
     __device__ __forceinline__ int cut() const { return total - dp_tiles; }
-    // The unit that holds K blocks [kb0, ...) of schedule item t (t >= dp_tiles), and its CTA.
+    // The unit that holds K blocks [kb0, ...) of schedule item t (t >= dp_tiles), and its cluster.
     __device__ __forceinline__ int unit_of(int t, int kb0) const { return kb0 / piece_blocks * cut() + t - dp_tiles; }
     __device__ __forceinline__ int cta_of(int u) const { return (dp_tiles + u) % ctas; }
+    // Cut tile index of this CTA's tile in schedule item t: its counter and partials.
+    __device__ __forceinline__ int cut_tile(int t, const Schedule& sched) const {
+        if constexpr (kCluster == 1) return t - dp_tiles;
+        else return (t - dp_tiles) * kCluster + sched.m_rank();
+    }
 };
 
 // The work units of this CTA: body(schedule item, first K block, K blocks), whole tiles first.

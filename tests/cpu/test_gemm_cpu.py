@@ -507,6 +507,8 @@ COMPILE_CONFIGS = [
     (GemmPlan(stream_k=True), "float16", "float16", False, False, False),
     (GemmPlan(block_n=128, stages=4, stream_k=True), "bfloat16", "float32", False, False, False),
     (GemmPlan(block_m=64, consumers=1, stages=4, stream_k=True), "float16", "float16", True, False, False),
+    (GemmPlan(stream_k=True, cluster=2), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=128, stages=6, stream_k=True, cluster=2), "float16", "float16", False, False, False),
     # tile widths fitted to the waves (B K-major; staged: FitArgs' map for the part-filled last slab)
     (GemmPlan(block_n=112, stages=5), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=144, stages=4), "float16", "float32", True, False, False),

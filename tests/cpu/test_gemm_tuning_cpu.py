@@ -422,7 +422,12 @@ def test_stream_k_plan_validation_defines_and_grid():
     with pytest.raises(ValueError, match="stream_k"):
         GemmPlan(stream_k=True, split_k=2).validate()
     with pytest.raises(ValueError, match="stream_k"):
-        GemmPlan(stream_k=True, cluster=2).validate()
+        GemmPlan(stream_k=True, cluster_n=2).validate()
+    with pytest.raises(ValueError, match="stream_k"):
+        GemmPlan(stream_k=True, epilogue="direct").validate()
+    pair = GemmPlan(stream_k=True, cluster=2).validate()
+    assert pair.describe().endswith(" x2 sk") and pair.grid(128, 256, 132) == 132   # one item, cut over every pair
+    assert pair.grid(128, 256, 132, max_clusters=40) == 80
     sk = GemmPlan(stream_k=True)
     assert sk.describe().endswith(" sk")
     assert dict(kernel_defines(sk, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_STREAM_K"] == "1"
@@ -433,6 +438,7 @@ def test_stream_k_plan_validation_defines_and_grid():
 
 
 def test_stream_k_workspace_sizes():
+    from fluxrt.gemm.plan import stream_k_geometry
     from fluxrt.gemm.stream_k import MAX_CTAS, counter_bytes, geometry, partial_bytes, workspace_bytes
 
     plan = GemmPlan(stream_k=True)
@@ -443,6 +449,13 @@ def test_stream_k_workspace_sizes():
     assert partial_bytes(plan, 256, 7168, 8192, 132) == 56 * 1 * 128 * 256 * 4
     assert workspace_bytes(plan, 256, 7168, 8192, 132) == counter_bytes() + 56 * 128 * 256 * 4
     assert partial_bytes(plan, 256, 256, 40, 132) == 0   # one K block: nothing cut
+    # a cluster of 2 along M: the items are pairs of M tiles (3 M tiles: 2 pairs, one with a phantom) on 66
+    # clusters; each cut item has a partial tile per CTA of its pair
+    pair = GemmPlan(stream_k=True, cluster=2)
+    assert geometry(pair, 384, 4096, 8192, 132) == stream_k_geometry(2 * 16, 128, 66, 2 * 128 * 256 * 4)
+    dp, pieces, _ = geometry(pair, 384, 4096, 8192, 132)
+    assert dp == 0 and pieces == 2                       # 32 items: 64 units on 66 pairs
+    assert partial_bytes(pair, 384, 4096, 8192, 132) == 32 * 2 * 1 * 128 * 256 * 4
 
 
 def test_stream_k_plans_where_waves_are_partial():
@@ -456,7 +469,14 @@ def test_stream_k_plans_where_waves_are_partial():
         for p in plans:
             p.validate()
             tiles = math.ceil(m / p.block_m) * math.ceil(n / p.block_n)
-            assert p.stream_k and p.split_k == 1 and _wave_fill(tiles, SMS) < STREAM_K_MAX_FILL
+            assert p.stream_k and p.split_k == 1 and p.cluster == 1 and _wave_fill(tiles, SMS) < STREAM_K_MAX_FILL
+        # the autotuner also times pairs of M tiles sharing B (where M has two tile rows), by the pairs' waves
+        pairs = [p for p in stream_k_plans(m, n, k, every_shape=True) if p.cluster == 2]
+        assert pairs and set(pairs) <= set(candidates(m, n, k))
+        for p in pairs:
+            items = math.ceil(math.ceil(m / p.block_m) / 2) * math.ceil(n / p.block_n)
+            assert p.validate().cluster_n == 1 and _wave_fill(items, SMS // 2) < STREAM_K_MAX_FILL
+    assert not [p for p in stream_k_plans(100, 9216, 8192, every_shape=True) if p.cluster == 2]   # one tile row
     assert all(p.block_n != 256 or p.block_m != 128 for p in stream_k_plans(8192, 8192, 8192))   # 2048 tiles: 97 %
     assert stream_k_plans(256, 9216, STREAM_K_MIN_K - 64) == []
 

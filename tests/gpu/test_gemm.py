@@ -876,6 +876,11 @@ STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles cut into m
     (257, 72, 2000, GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=6)),  # 32 K blocks: 16 + 16
     (200, 264, 40, GemmPlan(stream_k=True)),                                     # K shorter than one block: no cut
     (100, 384, 1544, GemmPlan(block_m=64, consumers=1, stages=4, stream_k=True, max_ctas=9)),
+    # clusters of 2 along M (B multicast to the pair; items are pairs of M tiles)
+    (300, 520, 3000, GemmPlan(stream_k=True, cluster=2)),                        # 3 M tiles: a phantom in each item
+    (461, 1000, 4104, GemmPlan(block_n=128, stages=6, stream_k=True, cluster=2)),   # 16 items, K % 64 == 8
+    (128, 256, 8192, GemmPlan(stream_k=True, cluster=2)),                        # 1 item, its second tile a phantom
+    (1000, 1000, 1000, GemmPlan(block_n=128, stages=6, stream_k=True, cluster=2, max_ctas=10)),  # 32 items, 5 pairs
 ]
 
 
@@ -907,7 +912,9 @@ def test_stream_k_fp32_out_counts_every_k_block_once():
     """Ones times ones into fp32: every element is exactly K, so a K block summed twice or never shows exactly."""
     for m, n, k, plan in [(128, 256, 8192, GemmPlan(block_n=128, stages=4, stream_k=True)),
                           (1000, 1000, 1000, GemmPlan(block_n=128, stages=4, stream_k=True, max_ctas=8)),
-                          (461, 9128, 13208 - 8, GemmPlan(block_n=128, stages=4, stream_k=True))]:
+                          (461, 9128, 13208 - 8, GemmPlan(block_n=128, stages=4, stream_k=True)),
+                          (1000, 1000, 1000, GemmPlan(block_n=128, stages=4, stream_k=True, cluster=2, max_ctas=10)),
+                          (461, 9128, 13208 - 8, GemmPlan(block_n=128, stages=4, stream_k=True, cluster=2))]:
         a = cupy.ones((m, k), dtype=BF16)
         b = cupy.ones((n, k), dtype=BF16)
         out = cupy.full((m, n), np.nan, dtype=cupy.float32)
@@ -972,10 +979,13 @@ def test_stream_k_refuses_hooks():
                         wait=ArrivalWait(flags=flags, epoch=1, chunk_rows=128, err=0))
 
 
-def test_stream_k_sanitize_small():
-    """A small cut (for compute-sanitizer memcheck / racecheck: 6 tiles cut in 2 on 12 CTAs, tails in M, N and K)."""
+@pytest.mark.parametrize("cluster", [1, 2], ids=["x1", "x2"])
+def test_stream_k_sanitize_small(cluster):
+    """A small cut (for compute-sanitizer memcheck / racecheck: 6 tiles cut in 2 on 12 CTAs, tails in M, N and K;
+    with a cluster of 2, 3 items (pairs of M tiles) cut over 6 pairs)."""
     rng = np.random.default_rng(8)
     a, b = rand_matrix(rng, (200, 1000), "bfloat16"), rand_matrix(rng, (1000, 264), "bfloat16")
     out = poisoned((200, 264), "bfloat16")
-    gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=12))
+    gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=12,
+                                                        cluster=cluster))
     assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
