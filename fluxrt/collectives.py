@@ -506,7 +506,9 @@ class Collectives:
     def _call(self, key, plan_call, stream, async_op, result, keep):
         """Launch a call: from the cache of validated launch lists (same arrays, same arguments, no
         cross-rank check wanted), else validate, agree and plan through `plan_call(stream)` -> (launches,
-        out). Every public call comes through here, which converts its stream (once)."""
+        out). Every public call comes through here, which makes the world's GPU current and converts its stream
+        (once)."""
+        self.world.make_current()
         s = as_cupy_stream(stream)
         self._capturing_stream = s
         if self.world.options.check_collective_args:
@@ -947,6 +949,7 @@ def context(world: World, stream=None) -> Collectives:
     stream that is capturing a CUDA graph raises GraphCaptureError instead (before anything is enqueued)."""
     ctx = world.registry.get(_KEY)
     if ctx is None:
+        world.make_current()   # the stream below and the context's allocations are the world's GPU's
         path, why = plan.choose_path(getattr(world, "topology", None))
         if path == "hierarchical":   # ranks without NVLink pointers between them: fluxrt.collectives_hier
             from . import collectives_hier

@@ -358,6 +358,7 @@ class World:
         """Collective: an uninitialised symmetric array (a cupy.ndarray subclass with ``peer(r)``)."""
         self.check_active()
         self.check_errors()
+        self.make_current()   # the context and fused ops allocate (and zero) through here
         return self.heap.empty(shape, dtype)
 
     def zeros(self, shape, dtype="float32"):
@@ -431,6 +432,16 @@ class World:
     @property
     def timeout_ns(self) -> int:
         return int(self.options.timeout_s * 1e9)
+
+    def make_current(self) -> None:
+        """Make the world's GPU the calling thread's current device if something else changed it (JAX's GPU
+        client makes its own first GPU current when it starts). A fluxrt call allocates its outputs, takes its
+        default stream and launches on the current device, so every collective and fused-op call (and every
+        symmetric allocation) starts here; the device stays current after the call, as fluxrt.init left it."""
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() != self.device_id:
+            self.device.use()
 
     def check_active(self) -> None:
         """Raise NvshmemInitError when this world has been finalized."""

@@ -18,6 +18,9 @@ Timing, per case, in alternating rounds: "graph" = `iters` calls captured once i
 (kernel time; the loop's 64 launches included), "eager" = the same calls back to back between two events
 (host time included, as a user sees it). Ratios are baseline time / fluxrt time (> 1: fluxrt faster);
 "tile_rows_128" counts the 128-row tiles the experts need (padding included), against rows / 128 for dense.
+"wave_bound_vs_dense" is the ratio to dense that whole waves of the default plan's tiles allow: dense's waves of
+tiles over the grouped call's (each expert's rows padded to whole tiles; every tile runs all of K), with one
+tile per SM; a grouped GEMM whose tiles ran at the dense tile rate would reach it.
 
     python3 perf/grouped_gemm.py --json perf/results/gemm-grouped-h200-<date>-<commit>.json
 
@@ -150,7 +153,21 @@ def bench_case(model, gemm_name, experts, k, n, rows, dtype, trans_b, iters, rou
            "layout": "NK" if trans_b else "KN", "empty_experts": int((counts == 0).sum()),
            "max_rows": int(counts.max()), "min_nonzero_rows": int(counts[counts > 0].min()),
            "tile_rows_128": int(sum(-(-int(c) // 128) for c in counts)), "plan": default.describe()}
+    row.update(wave_bound(counts, rows, n, default.block_m, default.block_n,
+                          cupy.cuda.Device().attributes["MultiProcessorCount"]))
     return _time_case(row, impls, out, out_loop, offs_host, 2.0 * rows * n * k, stream, iters, rounds, check)
+
+
+def wave_bound(counts, rows: int, n: int, block_m: int, block_n: int, sms: int) -> dict:
+    """Whole waves of tiles (one per SM) of the grouped call (every expert's rows padded to whole tiles) and of the
+    dense GEMM of the same rows, and their ratio: the best ratio to dense a grouped GEMM of this tile can reach
+    when its tiles run at the dense tile rate."""
+    n_tiles = -(-n // block_n)
+    grouped = sum(-(-int(c) // block_m) for c in counts) * n_tiles
+    dense = -(-rows // block_m) * n_tiles
+    gw, dw = -(-grouped // sms), -(-dense // sms)
+    return {"tiles": grouped, "dense_tiles": dense, "tile_waves": gw, "dense_tile_waves": dw,
+            "wave_bound_vs_dense": dw / gw}
 
 
 def _time_case(row, impls, out, out_loop, offs_host, flops, stream, iters, rounds, check) -> dict:
@@ -280,6 +297,8 @@ def bench_case_fp8(model, gemm_name, experts, k, n, rows, scale, iters, rounds, 
            "empty_experts": int((counts == 0).sum()), "max_rows": int(counts.max()),
            "min_nonzero_rows": int(counts[counts > 0].min()),
            "tile_rows_128": int(sum(-(-int(c) // 128) for c in counts)), "plan": default.describe()}
+    row.update(wave_bound(counts, rows, n, default.block_m, default.block_n,
+                          cupy.cuda.Device().attributes["MultiProcessorCount"]))
     return _time_case(row, impls, out, out_loop, offs_host, 2.0 * rows * n * k, stream, iters, rounds, check)
 
 

@@ -335,6 +335,7 @@ class MoELayer:
         out: optional [T, H]; without it the result is a view of the layer's output buffer, overwritten by the
         next call. Stream-ordered on `stream`, no host sync. overlap: None follows ``options.overlap``; False runs
         an overlapped layer's stages one after another (True needs a layer made with overlap)."""
+        self.world.make_current()
         s = as_cupy_stream(stream)
         if overlap is None:
             overlap = self.options.overlap

@@ -87,6 +87,7 @@ class TPMLP:
     def forward(self, x_shard, w_gate_up, w_down, out=None, stream=None, *, path: str | None = None):
         """y [M/world, hidden] of this rank, stream-ordered on `stream`. path: None (each op's plan), 'fused'
         or 'decomposed' for both ops of this call."""
+        self.world.make_current()
         s = as_cupy_stream(stream)
         rows = getattr(x_shard, "shape", (None,))[0]
         if rows is None or rows <= 0:

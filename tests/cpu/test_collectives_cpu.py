@@ -647,9 +647,10 @@ def test_kernels_compile_with_every_entry_point():
     assert not missing
 
 
-def _context_stub(check: bool):
+def _context_stub(check: bool, made_current: list | None = None):
     c = object.__new__(coll.Collectives)
-    c.world = SimpleNamespace(options=SimpleNamespace(check_collective_args=check))
+    c.world = SimpleNamespace(options=SimpleNamespace(check_collective_args=check),
+                              make_current=lambda: None if made_current is None else made_current.append(1))
     c._fast = {}
     c._run = lambda stream, async_op, launches, result, keep: (launches, result)
     return c
@@ -673,6 +674,35 @@ def test_launch_lists_are_reused_only_without_cross_rank_checks(monkeypatch):
     checked._call(("k",), plan_call, None, False, None, ())
     checked._call(("k",), plan_call, None, False, None, ())
     assert len(planned) == 4 and checked._fast == {}  # every checked call is compared across ranks
+
+
+def test_every_call_starts_on_the_worlds_gpu(monkeypatch):
+    """A call (cached or planned) first makes the world's GPU current, before it takes the default stream or
+    allocates: another library (JAX's GPU client) may have made its own GPU current on this thread."""
+    order = []
+    monkeypatch.setattr(coll, "as_cupy_stream", lambda stream: order.append("stream") or stream)
+    made = []
+    c = _context_stub(check=False, made_current=made)
+    c.world.make_current = lambda: order.append("current")
+    c._call(("k",), lambda s: (("launches",), "out"), None, False, None, ())
+    c._call(("k",), lambda s: (("launches",), "out"), None, False, None, ())   # the cached path too
+    assert order == ["current", "stream"] * 2
+
+
+def test_world_make_current_switches_only_when_another_gpu_is_current(monkeypatch):
+    import cupy
+
+    from fluxrt.world import World
+
+    used = []
+    w = object.__new__(World)
+    w.device_id, w.device = 1, SimpleNamespace(use=lambda: used.append(1))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)   # e.g. JAX made GPU 0 current
+    w.make_current()
+    assert used == [1]
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 1)
+    w.make_current()
+    assert used == [1]                                               # already current: no device switch
 
 
 # ---------------------------------------------------------------------------------------------- packed launches

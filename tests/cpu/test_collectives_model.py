@@ -129,7 +129,7 @@ class Model:
         self.epoch = [0] * n
         self.ctx = []
         for r in range(n):
-            world = SimpleNamespace(size=n, rank=r, device_id=0, heap=self.heap,
+            world = SimpleNamespace(size=n, rank=r, device_id=0, heap=self.heap, make_current=lambda: None,
                                     options=SimpleNamespace(check_collective_args=check),
                                     comm=SimpleNamespace(allgather=lambda v, r=r: self.comm.allgather(r, v)))
             c = object.__new__(coll.Collectives)

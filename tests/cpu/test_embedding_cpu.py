@@ -127,7 +127,7 @@ def test_a_first_call_inside_a_capture_is_refused_before_anything_runs(monkeypat
     monkeypatch.setattr(coll, "as_cupy_stream", lambda s: s)
     made = []
     monkeypatch.setattr(coll, "Collectives", lambda *a, **k: made.append(a))
-    world = SimpleNamespace(registry={})
+    world = SimpleNamespace(registry={}, make_current=lambda: None)
     with pytest.raises(fluxrt.GraphCaptureError, match="fluxrt.prepare"):
         coll.context(world, _Stream(True))
     assert not made

@@ -491,7 +491,7 @@ def test_layer_forward_checks_its_arguments_before_the_dispatch(monkeypatch):
     cfg = moe.check_layer_config(2, 4, 64, 64, 8, "bf16")
     calls = []
     world = SimpleNamespace(size=1, rank=0, options=SimpleNamespace(check_collective_args=False),
-                            check_active=lambda: None, check_errors=lambda: None, device_id=0)
+                            check_active=lambda: None, check_errors=lambda: None, device_id=0, make_current=lambda: None)
     layer.world, layer.cfg, layer._freed = world, cfg, False
     layer.options, layer._overlap = moe.MoELayerOptions(), None
     layer.dispatch = lambda *a, **k: calls.append("dispatch")

@@ -356,10 +356,12 @@ def test_jax_arrays_in_and_readonly_out_refused(world):
     import fluxrt.jax as fjax
 
     dev = fjax.device(world)   # this rank's GPU, not JAX's first one
-    x = _data(81, world.rank, 3000, "fp32", "sum")
+    with world.device:   # JAX's GPU client made another GPU current when it started: CuPy allocates on the world's
+        x = _data(81, world.rank, 3000, "fp32", "sum")
     inputs = _gather(world, x)
     jx = jax.device_put(cupy.asnumpy(x), dev)
-    out = fluxrt.allreduce(world, jx)
+    cupy.cuda.Device((world.device_id + 1) % cupy.cuda.runtime.getDeviceCount()).use()   # as JAX leaves it
+    out = fluxrt.allreduce(world, jx)   # on the world's GPU all the same (World.make_current)
     world.synchronize()
     _check(out, inputs, "sum", "fp32", "jax in")
     with pytest.raises(fluxrt.CollectiveArgumentError, match="immutable JAX array"):
