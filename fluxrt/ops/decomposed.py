@@ -121,7 +121,8 @@ class DecomposedState:
         self._loaded.add((m, chunks))
 
     def _cap(self, p, capped: bool):
-        if capped and p.split_k == 1 and p.cluster_ctas == 1:
+        # stream-K pairs too: their fixups wait for pieces of clusters that a collective holding SMs would delay
+        if capped and p.split_k == 1 and (p.cluster_ctas == 1 or p.stream_k):
             free = max(1, self.num_sms - self.comm_sms)
             p = dataclasses.replace(p, max_ctas=min(free, p.max_ctas or free))
         return p

@@ -592,3 +592,18 @@ def test_fitted_width_plans_for_b_as_n_by_k():
     assert [f.block_n for f in fits] == list(FIT_WIDTHS) and all(f.fitted_n for f in fits)
     for f in fits:
         assert f.validate("float32").stages >= 2
+
+
+def test_decomposed_pieces_beside_a_collective_cap_stream_k_pairs():
+    """A tuned stream-K pair plan beside a collective leaves the collective's SMs free as a one-CTA plan does (its
+    fixups wait for pieces of clusters the collective would delay); a plain cluster plan keeps its grid."""
+    from fluxrt.ops.decomposed import DecomposedState
+
+    st = object.__new__(DecomposedState)
+    st.num_sms, st.comm_sms = 132, 16
+    pair = GemmPlan(stream_k=True, cluster=2)
+    capped = st._cap(pair, True)
+    assert capped.max_ctas == 116 and capped.grid(4096, 4096, 132, max_clusters=66) == 116
+    assert st._cap(pair, False).max_ctas is None
+    assert st._cap(GemmPlan(cluster=2), True).max_ctas is None
+    assert st._cap(GemmPlan(), True).max_ctas == 116
