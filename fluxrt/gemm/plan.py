@@ -488,10 +488,11 @@ def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms:
         if cluster != 1 and math.ceil(m / bm) < cluster:   # else every pair computes a phantom tile
             continue
         items = math.ceil(math.ceil(m / bm) / cluster) * math.ceil(n / bn)
-        if _wave_fill(items, num_sms // cluster) >= STREAM_K_MAX_FILL:
+        ctas = num_sms // cluster   # with a cluster: items are pairs of M tiles, run by clusters
+        if _wave_fill(items, ctas) >= STREAM_K_MAX_FILL:
             continue
         if not every_shape:
-            dp, pieces, _ = stream_k_geometry(items, -(-k // BLOCK_K), num_sms, bm * bn * 4)
+            dp, pieces, _ = stream_k_geometry(items, -(-k // BLOCK_K), ctas, cluster * bm * bn * 4)
             if dp == 0 and pieces > STREAM_K_MAX_ALL_CUT_PIECES:
                 continue
         stages = min(max_stages(bm, bn, out_dtype), 6)

@@ -177,7 +177,7 @@ class AllGatherGemm:
         gives the gathered fp8 bytes [M, K] (uint8).
         """
         world, me = self.world, self.world.rank
-        self.world.make_current()
+        world.make_current()
         s = as_cupy_stream(stream)
         ops = common.forward_operands(self, OP, a_shard, b, out, s, sharded_a=True, scales=(scale_a, scale_b))
         a, b, out, shard, m = ops[:5]

@@ -142,7 +142,7 @@ class GemmReduceScatter:
         path: None (the plan's), 'fused' or 'decomposed' for this call (see :meth:`path_choice`).
         scale_a, scale_b: an fp8 op's scales (fp32 device arrays, see the class docstring)."""
         world = self.world
-        self.world.make_current()
+        world.make_current()
         s = as_cupy_stream(stream)
         ops = common.forward_operands(self, OP, a, b, out, s, sharded_a=False, scales=(scale_a, scale_b))
         a, b, out, shard, m = ops[:5]

@@ -137,7 +137,8 @@ def heap_size(op: str, shapes) -> str:
     from ..tuning_tables import TUNED_WORKSPACE_BYTES
 
     largest = max((m * k * 2 if op == "ag_gemm" else 4 * m * n * 2) + 4096 for m, n, k in shapes)
-    need = largest + TUNED_WORKSPACE_BYTES + (64 << 20) + (64 << 20)
+    ll_and_flags, headroom = 64 << 20, 64 << 20
+    need = largest + TUNED_WORKSPACE_BYTES + ll_and_flags + headroom
     return f"{-(-need // (1 << 30))}G"
 
 
