@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..errors import GemmArgumentError
 from .plan import GemmPlan
 
 log = logging.getLogger("fluxrt.gemm")
@@ -168,8 +169,14 @@ def _max_clusters(kern, plan: GemmPlan, smem_bytes: int, device_id: int) -> int 
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = plan.threads, 1, 1
         cfg.sharedMemBytes = smem_bytes
         err, n = drv.cuOccupancyMaxActiveClusters(drv.CUfunction(func), cfg)
-        if err != drv.CUresult.CUDA_SUCCESS or n <= 0:
+        ok = err == drv.CUresult.CUDA_SUCCESS and n > 0
+        if not ok and plan.stream_k:
+            # stream-K's finishers wait for pieces of other clusters: every cluster of the grid must be resident
+            raise GemmArgumentError(f"gemm: plan {plan.describe()} needs the number of resident clusters, and "
+                                    f"cuOccupancyMaxActiveClusters failed ({err}) on device {device_id}; use a "
+                                    f"stream-K plan without a cluster")
+        if not ok:
             log.warning("cuOccupancyMaxActiveClusters failed (%s); assuming every SM pairs up", err)
-        _cluster_caps[key] = int(n) if err == drv.CUresult.CUDA_SUCCESS and n > 0 else None
+        _cluster_caps[key] = int(n) if ok else None
     return _cluster_caps[key]
 

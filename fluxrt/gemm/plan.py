@@ -306,15 +306,20 @@ FIT_RATE = {80: 0.749, 96: 0.750, 112: 0.849, 144: 0.990, 160: 0.900, 176: 0.990
 
 def tile_rate(block_m: int, block_n: int, cluster: int = 1) -> float:
     """TILE_RATE of a tile shape; a fitted width its FIT_RATE, or where it has none, the rate between its
-    neighbours in TILE_RATE, linearly."""
+    neighbours in TILE_RATE (same rows and cluster), linearly. ValueError where the table has no neighbours on
+    both sides (such plans are autotune candidates only)."""
     rate = TILE_RATE.get((block_m, block_n, cluster))
     if rate is not None:
         return rate
     if block_m == 128 and cluster == 1 and block_n in FIT_RATE:
         return FIT_RATE[block_n]
-    lo, hi = block_n // 64 * 64, -(-block_n // 64) * 64
-    r_lo = TILE_RATE.get((block_m, lo, cluster), TILE_RATE[(block_m, hi, cluster)])
-    r_hi = TILE_RATE[(block_m, hi, cluster)]
+    widths = sorted(bn for bm, bn, c in TILE_RATE if bm == block_m and c == cluster)
+    lo = max((w for w in widths if w < block_n), default=None)
+    hi = min((w for w in widths if w > block_n), default=None)
+    if lo is None or hi is None:
+        raise ValueError(f"no modelled rate for {block_m}x{block_n} tiles in clusters of {cluster} (autotune "
+                         f"candidates only)")
+    r_lo, r_hi = TILE_RATE[(block_m, lo, cluster)], TILE_RATE[(block_m, hi, cluster)]
     return r_lo + (r_hi - r_lo) * (block_n - lo) / (hi - lo)
 
 
@@ -465,7 +470,7 @@ def stream_k_cost(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: i
     blocks = (dp // ctas) * (kb + fixed) + -(-cut * pieces // ctas) * (pb + fixed)
     if pieces > 1:
         blocks += STREAM_K_PIECE_COST * pieces
-    rate = TILE_RATE[(block_m, block_n, cluster)] * STREAM_K_RATE
+    rate = tile_rate(block_m, block_n, cluster) * STREAM_K_RATE
     if cluster == 1:
         rate *= _cluster1_factor(m, n, k, trans_b)
     return block_m * block_n * BLOCK_K * blocks / rate

@@ -124,10 +124,12 @@ struct GroupArgs {
 // Stream-K (FLUXRT_GEMM_STREAM_K): the tiles cut between CTAs and where their pieces meet. The bounded wait of a
 // tile's finishing CTA reports through TimeoutArgs (err, timeout_ns, rank) and op_id here.
 struct StreamKArgs {
-    u64* counters;              // per stream-K tile and consumer warpgroup: pieces stored; 0 before the launch,
-                                //   reset to 0 by the tile's finishing warpgroup
+    u64* counters;              // per cut tile and consumer warpgroup: pieces stored; 0 before the launch,
+                                //   reset to 0 by the tile's finishing warpgroup (with a cluster of 2 along M, cut
+                                //   tile i * 2 + M rank of cut item i)
     float* partials;            // per piece of a cut tile but its last, one fp32 partial tile (fragment order)
-    int dp_tiles;               // schedule items [0, dp_tiles) are whole tiles; the rest are cut by K blocks
+    int dp_tiles;               // schedule items [0, dp_tiles) run whole (tiles, or with a cluster the pairs'
+                                //   slots); the rest are cut by K blocks
     u32 op_id;
     int pieces;                 // K ranges per cut tile
     int piece_blocks;           // K blocks of a piece but the last

@@ -509,6 +509,9 @@ COMPILE_CONFIGS = [
     (GemmPlan(block_m=64, consumers=1, stages=4, stream_k=True), "float16", "float16", True, False, False),
     (GemmPlan(stream_k=True, cluster=2), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=128, stages=6, stream_k=True, cluster=2), "float16", "float16", False, False, False),
+    # B [K, N] in 64-column slabs shared over the pair: three slabs (2 + 1), one slab (the second CTA loads none)
+    (GemmPlan(block_n=192, stages=4, stream_k=True, cluster=2), "bfloat16", "bfloat16", False, False, False),
+    (GemmPlan(block_n=64, stages=6, stream_k=True, cluster=2), "float16", "float32", False, False, False),
     # tile widths fitted to the waves (B K-major; staged: FitArgs' map for the part-filled last slab)
     (GemmPlan(block_n=112, stages=5), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=144, stages=4), "float16", "float32", True, False, False),

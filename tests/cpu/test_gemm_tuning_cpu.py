@@ -607,3 +607,51 @@ def test_decomposed_pieces_beside_a_collective_cap_stream_k_pairs():
     assert st._cap(pair, False).max_ctas is None
     assert st._cap(GemmPlan(cluster=2), True).max_ctas is None
     assert st._cap(GemmPlan(), True).max_ctas == 116
+
+
+def test_tile_rate_interpolates_between_neighbours_and_refuses_outside_the_table():
+    """Widths between two of TILE_RATE's (same rows, same cluster) get the linear rate between them; widths
+    outside the table's range for their cluster are refused (ValueError, not a KeyError), in the stream-K cost
+    too, which costs pair plans at their cluster-2 rate."""
+    from fluxrt.gemm.plan import stream_k_cost, tile_rate
+
+    lo, hi = TILE_RATE[(128, 128, 2)], TILE_RATE[(128, 192, 2)]
+    assert tile_rate(128, 160, 2) == pytest.approx((lo + hi) / 2)
+    assert tile_rate(64, 160, 1) == pytest.approx((TILE_RATE[(64, 128, 1)] + TILE_RATE[(64, 192, 1)]) / 2)
+    assert tile_rate(128, 144, 1) == P.FIT_RATE[144]
+    for bm, bn, cluster in ((128, 64, 2), (64, 128, 2), (128, 96, 2)):
+        with pytest.raises(ValueError, match=f"{bm}x{bn} tiles in clusters of {cluster}"):
+            tile_rate(bm, bn, cluster)
+        with pytest.raises(ValueError, match="autotune candidates only"):
+            stream_k_cost(4096, 4096, 8192, bm, bn, cluster=cluster)
+    pair = stream_k_cost(4096, 4096, 8192, 128, 160, cluster=2)
+    assert stream_k_cost(4096, 4096, 8192, 128, 128, cluster=2) > pair > 0
+
+
+def test_stream_k_pairs_need_the_resident_cluster_count(monkeypatch):
+    """A stream-K pair plan whose resident-cluster count the driver cannot give is refused before any launch
+    (its finishers would wait for clusters that never run); a plain cluster plan falls back to every SM pairing
+    up, with a warning."""
+    drv = pytest.importorskip("cuda.bindings.driver", reason="cuda-python's driver bindings are not installed")
+    from fluxrt.errors import GemmArgumentError
+    from fluxrt.gemm import kernel as K
+
+    fail = drv.CUresult.CUDA_ERROR_NOT_SUPPORTED
+    monkeypatch.setattr(drv, "cuOccupancyMaxActiveClusters", lambda func, cfg: (fail, 0))
+    monkeypatch.setattr(drv, "CUfunction", lambda ptr: ptr)
+    monkeypatch.setattr(K, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(K, "_cluster_caps", {})
+
+    class Kern:   # what _max_clusters reads of a loaded kernel: its function handle
+        class kernel:
+            ptr = 1234
+
+    with pytest.raises(GemmArgumentError, match="cuOccupancyMaxActiveClusters failed"):
+        K._max_clusters(Kern, GemmPlan(stream_k=True, cluster=2), 200_000, 0)
+    assert K._max_clusters(Kern, GemmPlan(cluster=2), 200_000, 0) is None
+    assert GemmPlan(cluster=2).grid(8192, 8192, 132, None) == 132
+    ok = drv.CUresult.CUDA_SUCCESS
+    monkeypatch.setattr(drv, "cuOccupancyMaxActiveClusters", lambda func, cfg: (ok, 60))
+    monkeypatch.setattr(K, "_cluster_caps", {})
+    assert K._max_clusters(Kern, GemmPlan(stream_k=True, cluster=2), 200_000, 0) == 60
+    assert GemmPlan(stream_k=True, cluster=2).grid(8192, 8192, 132, 60) == 120

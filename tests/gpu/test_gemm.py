@@ -881,6 +881,8 @@ STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles cut into m
     (461, 1000, 4104, GemmPlan(block_n=128, stages=6, stream_k=True, cluster=2)),   # 16 items, K % 64 == 8
     (128, 256, 8192, GemmPlan(stream_k=True, cluster=2)),                        # 1 item, its second tile a phantom
     (1000, 1000, 1000, GemmPlan(block_n=128, stages=6, stream_k=True, cluster=2, max_ctas=10)),  # 32 items, 5 pairs
+    (700, 1000, 3000, GemmPlan(block_n=192, stages=4, stream_k=True, cluster=2, max_ctas=12)),  # 3 B slabs: 2 + 1
+    (300, 200, 2600, GemmPlan(block_n=64, stages=6, stream_k=True, cluster=2, max_ctas=8)),     # 1 slab: 1 + 0
 ]
 
 
@@ -922,12 +924,13 @@ def test_stream_k_fp32_out_counts_every_k_block_once():
         assert bool((out == k).all()), (m, n, k, plan.describe())
 
 
-def test_stream_k_in_a_cuda_graph_replays():
+@pytest.mark.parametrize("cluster", [1, 2], ids=["x1", "x2"])
+def test_stream_k_in_a_cuda_graph_replays(cluster):
     """Captured once, replayed three times with new inputs in between: the counters the finishing CTAs reset make
     every replay complete and equal to an eager call."""
     m, n, k = 256, 2048, 6144
     rng = np.random.default_rng(9)
-    plan = GemmPlan(stream_k=True)
+    plan = GemmPlan(stream_k=True, cluster=cluster)
     a = to_device(rand_matrix(rng, (m, k), "bfloat16"))
     b = to_device(rand_matrix(rng, (n, k), "bfloat16"))
     out = poisoned((m, n), "bfloat16")
@@ -955,7 +958,8 @@ def test_stream_k_calls_of_several_shapes_share_a_stream():
     rng = np.random.default_rng(4)
     cases = [(300, 520, 3000, GemmPlan(stream_k=True)), (461, 1000, 4104, GemmPlan(block_n=128, stages=6,
                                                                                     stream_k=True)),
-             (128, 256, 8192, GemmPlan(stream_k=True))]
+             (128, 256, 8192, GemmPlan(stream_k=True)), (700, 1000, 3000, GemmPlan(block_n=192, stages=4,
+                                                                                   stream_k=True, cluster=2))]
     ops = []
     for m, n, k, plan in cases:
         a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (k, n), "bfloat16")
