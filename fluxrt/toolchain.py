@@ -13,6 +13,7 @@ may compile the same module at the same time.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -105,6 +106,33 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """Exclusive lock on ``out``'s build (a ``.lock`` file beside it): the ranks of a node that miss the cache at
+    once wait for one compile instead of each running its own, and so leave it together (ranks compiling side by
+    side finish seconds apart, and a rank ahead reaches its next bounded exchange early). Released when the holder
+    exits, however it ends; no lock where the file system refuses one."""
+    try:
+        import fcntl
+    except ImportError:   # not POSIX: every process compiles for itself, as without the lock
+        yield
+        return
+    try:
+        fd = os.open(out.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.debug("no build lock for %s (%s)", out.name, e)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            log.debug("no build lock for %s (%s)", out.name, e)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _source_path(source: str | os.PathLike) -> Path:
     p = Path(source)
     if not p.is_absolute():
@@ -150,6 +178,13 @@ def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOp
     out = cache_dir() / f"{src.stem}-{arch}-{key}.cubin"
     if out.is_file():
         return out
+    with _build_lock(out):
+        if out.is_file():   # built by another process while this one waited
+            return out
+        return _nvrtc_compile(src, arch, options, out)
+
+
+def _nvrtc_compile(src: Path, arch: str, options: CompileOptions, out: Path) -> Path:
     from cuda.core import Program, ProgramOptions
 
     popts = ProgramOptions(
@@ -165,11 +200,11 @@ def compile_cubin(source: str | os.PathLike, options: CompileOptions = CompileOp
         obj = Program(src.read_text(), "c++", popts).compile("cubin", logs=logs)
     except Exception as e:  # cuda.core raises its own types with the NVRTC log in the message
         raise CompileError(f"NVRTC failed on {src} for {arch}:\n{e}") from e
-    _atomic_write(out, bytes(obj.code))
     text = logs.getvalue().strip()
-    if text:   # ptxas' remarks (e.g. C7515: wgmma serialised) stay beside the cubin (compile_log)
+    if text:   # ptxas' remarks (e.g. C7515: wgmma serialised) stay beside the cubin (compile_log), written first
         _atomic_write(out.with_suffix(".log"), text.encode())
         (log.warning if WGMMA_SERIALIZED in text else log.debug)("NVRTC on %s for %s: %s", src.name, arch, text)
+    _atomic_write(out, bytes(obj.code))
     log.info("compiled %s for %s -> %s", src.name, arch, out)
     return out
 
@@ -354,6 +389,14 @@ def compile_nvshmem_cubin(source: str | os.PathLike, options: CompileOptions = C
     out = cache_dir() / f"{src.stem}-{arch}-nvshmem-{key}.cubin"
     if out.is_file():
         return out
+    with _build_lock(out):
+        if out.is_file():   # built by another process while this one waited
+            return out
+        _nvcc_link(src, arch, options, root, lib, nvcc, out)
+    return out
+
+
+def _nvcc_link(src: Path, arch: str, options: CompileOptions, root: Path, lib: Path, nvcc: str, out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rdc = Path(tmp) / "rdc.cubin"
         cmd = [nvcc, _gencode(arch), "-rdc=true", "-cubin", f"-std={options.std}", "-DFLUXRT_WITH_NVSHMEM=1",
@@ -380,7 +423,6 @@ def compile_nvshmem_cubin(source: str | os.PathLike, options: CompileOptions = C
             raise CompileError(f"nvJitLink failed linking {src} with {lib}:\n{e}") from e
         _atomic_write(out, bytes(linked.code))
     log.info("compiled+linked %s (NVSHMEM) for %s -> %s", src.name, arch, out)
-    return out
 
 
 def load_nvshmem_module(source: str | os.PathLike, options: CompileOptions = CompileOptions()):

@@ -62,6 +62,44 @@ def test_compile_many_fills_the_same_cache_entries(monkeypatch):
     assert [os.stat(p).st_mtime_ns for p in built] == mtimes
 
 
+def _compile_counting(cache, marks, start, q):
+    """One process of test_processes_missing_the_cache_at_once_compile_once: compile p2p.cu once the others are
+    ready, appending a line to `marks` for every NVRTC compile it actually runs."""
+    os.environ["FLUXRT_CACHE_DIR"] = cache
+    real = toolchain._nvrtc_compile
+
+    def counted(*args):
+        with open(marks, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(*args)
+
+    toolchain._nvrtc_compile = counted
+    start.wait()
+    q.put(str(toolchain.compile_cubin("comm/p2p.cu", toolchain.CompileOptions(arch="sm_90a",
+                                                                               defines=(("LOCK_TEST", "1"),)))))
+
+
+@needs_nvrtc
+def test_processes_missing_the_cache_at_once_compile_once(tmp_path):
+    """Ranks of a node that miss the cache together: one compiles, the others wait for its cubin (so they leave
+    the compile together) instead of compiling it again side by side."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    marks, start, q = tmp_path / "marks", ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_compile_counting, args=(str(tmp_path / "shared"), str(marks), start, q))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    start.set()
+    paths = {q.get(timeout=300) for _ in procs}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(paths) == 1 and Path(paths.pop()).stat().st_size > 1000
+    assert len(marks.read_text().split()) == 1
+
+
 @needs_nvrtc
 def test_compile_many_names_the_failing_configuration(tmp_path):
     bad = tmp_path / "half.cu"
