@@ -163,11 +163,14 @@ using Scale = Select<kBlockScale, BlockScale,
 // One K block's MMAs: the kBK / kWgmmaK wgmma of the stage at a_base / b_base into acc; the first of a tile
 // (accumulate false) computes D = A*B, the rest D += A*B. The caller fences before and commits after.
 __device__ __forceinline__ void mma_k_block(float (&acc)[kAccRegs], u32 a_base, u32 b_base, bool accumulate) {
+    // The stage's descriptors once; each k16 step adds its byte offset >> 4 to the start-address field (no carry
+    // out of it: shared memory ends below 256 KiB), one add instead of rebuilding the descriptor per wgmma.
+    const u64 da0 = desc_kmajor(a_base);
+    const u64 db0 = kBKMajor ? desc_kmajor(b_base) : desc_mnmajor(b_base, kBAtomBytes);
 #pragma unroll
     for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
-        const u64 da = desc_kmajor(a_base + kk * kWgmmaK * kInBytes);
-        const u64 db = kBKMajor ? desc_kmajor(b_base + kk * kWgmmaK * kInBytes)
-                                : desc_mnmajor(b_base + kk * kWgmmaK * 128u, kBAtomBytes);
+        const u64 da = da0 + desc_step(kk * kWgmmaK * kInBytes);
+        const u64 db = db0 + desc_step(kBKMajor ? kk * kWgmmaK * kInBytes : kk * kWgmmaK * 128u);
         TileMma::run(acc, da, db, (accumulate || kk > 0) ? 1 : 0);
     }
 }

@@ -146,7 +146,9 @@ fluxrt_gemm(const __grid_constant__ Params p) {
 
     // Stage 1: barriers initialised (and the tensor maps prefetched) before anyone -- in this CTA or,
     // with a cluster, the peer CTA's TMA multicasts and stage releases -- waits on or arrives at them.
-    const int warpgroup = threadIdx.x / 128;
+    // Broadcast from lane 0: the compiler then keeps the warpgroup (and what the consumers derive from it, the
+    // wgmma descriptors of their A rows) in uniform registers instead of per-thread ones moved over per wgmma.
+    const int warpgroup = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bars_full + 8 * s, 1);               // the loader's arrive.expect_tx

@@ -225,6 +225,8 @@ __device__ __forceinline__ u64 make_desc(u32 smem, u32 lbo_bytes, u32 sbo_bytes)
     d |= (u64)1 << 62;  // 128B swizzle
     return d;
 }
+// The start-address field of a descriptor `bytes` further on (an offset within one tile of the same swizzle).
+__device__ __forceinline__ constexpr u64 desc_step(u32 bytes) { return (u64)(bytes >> 4); }
 // K-major operand (rows of 64 16-bit K elements = 128 B): 8-row groups are 1024 B apart (SBO);
 // LBO is unused with 128B swizzle. Step k16 inside the 64-wide K block by adding 32 B to the start.
 __device__ __forceinline__ u64 desc_kmajor(u32 smem) { return make_desc(smem, 16, kSwizzleAtomBytes); }
