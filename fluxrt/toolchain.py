@@ -366,6 +366,30 @@ def nvcc_path() -> str:
     raise CompileError(f"nvcc not found (needed for kernels that call the NVSHMEM device API): {NVCC_REMEDY}")
 
 
+def binary_utility(name: str) -> str | None:
+    """A CUDA binary utility (``cuobjdump``, ``nvdisasm``) for inspecting cubins: PATH, then beside nvcc or in
+    $CUDA_HOME / /usr/local/cuda, then pip's wheel (``cuda-toolkit[cuobjdump,nvdisasm]``, which the ``test`` extra installs)
+    through cuda-pathfinder; None where none is found."""
+    found = shutil.which(name)
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    dirs = [Path(home) / "bin"]
+    try:
+        dirs.insert(0, Path(nvcc_path()).resolve().parent)
+    except CompileError:
+        pass
+    for d in dirs:
+        if (d / name).is_file():
+            return str(d / name)
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+
+        return find_nvidia_binary_utility(name)
+    except Exception:  # cuda-pathfinder absent or older than its binary finder
+        return None
+
+
 def _nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
 

@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -213,10 +212,15 @@ def main(argv=None) -> int:
     ap.add_argument("--against", type=Path, help="compare the current tree with facts saved earlier")
     ap.add_argument("--tests", action="store_true", help="also every configuration the CPU tests compile")
     ap.add_argument("--markdown", action="store_true", help="the comparison as a markdown table")
-    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump"))
+    ap.add_argument("--cuobjdump", default=None, help="default: fluxrt.toolchain.binary_utility('cuobjdump')")
     args = ap.parse_args(argv)
     if not args.cuobjdump:
-        print("sass_compare: cuobjdump not on PATH (add the CUDA toolkit's bin directory or pass --cuobjdump)",
+        from fluxrt.toolchain import binary_utility
+
+        args.cuobjdump = binary_utility("cuobjdump")
+    if not args.cuobjdump:
+        print("sass_compare: cuobjdump not found (a CUDA toolkit's bin directory on PATH, pip install "
+              "'cuda-toolkit[cuobjdump,nvdisasm]==13.*', or --cuobjdump)",
               file=sys.stderr)
         return 2
     configs = named_configs()

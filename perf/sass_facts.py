@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -43,9 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="8192,8192,8192", help="M,K,N whose default plan is inspected")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    cuobjdump = shutil.which("cuobjdump")
+    from fluxrt.toolchain import binary_utility
+
+    cuobjdump = binary_utility("cuobjdump")
     if cuobjdump is None:
-        print("sass_facts: cuobjdump not on PATH (add the CUDA toolkit's bin directory)", file=sys.stderr)
+        print("sass_facts: cuobjdump not found (a CUDA toolkit's bin directory on PATH, or pip install "
+              "'cuda-toolkit[cuobjdump,nvdisasm]==13.*')", file=sys.stderr)
         return 2
 
     from fluxrt.gemm import compile_options, kernel_defines

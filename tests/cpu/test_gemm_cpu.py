@@ -582,6 +582,35 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     from fluxrt.gemm.params import PARAMS
 
     assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize
+    if in_dt in ("bfloat16", "float16"):
+        _assert_uniform_descriptors(cubin)
+
+
+def _assert_uniform_descriptors(cubin) -> None:
+    """The consumer's wgmma take their descriptors from uniform registers stepped in the uniform datapath: no R2UR
+    (a per-thread value moved over) inside a K block's run of HGMMAs (from one to the next that ends its group,
+    gsb0), where a descriptor rebuilt per k16 step from a per-thread warpgroup index put a chain of vector
+    instructions before every wgmma. Needs cuobjdump and nvdisasm (the test extra's
+    cuda-toolkit[cuobjdump,nvdisasm]); nothing checked without them."""
+    import subprocess
+
+    from test_toolchain import _cuobjdump
+
+    tool = _cuobjdump()
+    if tool is None:
+        return
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = [line.split(";")[0].split("*/")[-1].strip() for line in sass.splitlines() if "/*" in line and ";" in line]
+    runs, start = [], None
+    for i, op in enumerate(ops):
+        if "HGMMA" in op:
+            start = i if start is None else start
+            if "gsb0" in op:
+                runs.append(ops[start:i + 1])
+                start = None
+    assert runs, "no HGMMA group in a 16-bit GEMM configuration"
+    moved = [op for run in runs for op in run if "R2UR" in op.split()[:2]]
+    assert not moved, "\n\n".join("\n".join(run) for run in runs)
 
 
 def test_generated_wgmma_header_is_current():

@@ -223,16 +223,8 @@ def test_every_kernel_folder_ships_in_the_wheel():
 
 def _cuobjdump() -> str | None:
     import os
-    import shutil
 
-    found = os.environ.get("FLUXRT_CUOBJDUMP") or shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        beside = Path(toolchain.nvcc_path()).resolve().parent / "cuobjdump"
-    except CompileError:
-        return None
-    return str(beside) if beside.is_file() else None
+    return os.environ.get("FLUXRT_CUOBJDUMP") or toolchain.binary_utility("cuobjdump")
 
 
 _DEVICE_LIBRARY_UNITS = [
