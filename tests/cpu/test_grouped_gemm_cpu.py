@@ -12,7 +12,7 @@ from fluxrt.gemm.grouped import (check_grouped_plan, group_tiles, grouped_grid, 
                                  validate_grouped_args)
 from fluxrt.gemm.plan import MAX_GROUPS, SMEM_LIMIT_BYTES, GemmPlan
 
-from test_gemm_cpu import _cubin_u32, _nvrtc_available, arr
+from test_gemm_cpu import _assert_uniform_descriptors, _cubin_u32, _nvrtc_available, arr
 
 
 def args(m=300, k=128, n=256, g=4, trans_b=False, odt=np.int32, **kw):
@@ -200,6 +200,7 @@ def test_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, grouped=True)
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
     assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize
+    _assert_uniform_descriptors(cubin)
 
 
 # --- fp8 ------------------------------------------------------------------------------------------------------
