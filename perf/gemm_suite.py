@@ -15,12 +15,15 @@ Per shape and implementation, in alternating rounds on one stream:
 
     python3 perf/gemm_suite.py --suite default -d bf16 --json $OUT/gemm-suite.json
     python3 perf/gemm_suite.py --shapes 461,9128,13208,NK 8200,8200,8192,KN   # any shapes (suite labels kept)
+    python3 perf/gemm_suite.py --plans-from perf/results/gemm-suite-tuned-....json   # its shapes and plans: an A/B
+                                                              # of two kernel trees, one process on each
 
 Ratios are cuBLAS time / fluxrt time (> 1: fluxrt faster); geometric means over the suite at the end.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -164,8 +167,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plan", type=plan_arg, default=None, metavar="FIELD=VALUE,...",
                     help="fluxrt runs this plan on every shape instead of the planner's: GemmPlan fields over its "
                          "defaults, e.g. cluster=2,block_n=192,stages=4 (an A/B of plans in one job)")
+    ap.add_argument("--plans-from", type=Path, default=None, metavar="JSON",
+                    help="the shapes and, per shape, the plan of an earlier gemm_suite or `fluxrt.gemm tune` JSON (its "
+                         "rows' m, n, k, layout and plan): the same plans on another kernel tree or machine; with "
+                         "--shapes, those of them the file has")
     ap.add_argument("--json", type=Path, default=None)
     return ap
+
+
+def plans_from(path: Path, dtype: str) -> dict:
+    """(m, n, k, layout) -> GemmPlan of the rows of an earlier result of this dtype (rows without a plan, e.g.
+    failed shapes, are left out)."""
+    from fluxrt.gemm.plan import GemmPlan
+
+    rows = json.loads(Path(path).read_text()).get("rows", [])
+    out = {}
+    for r in rows:
+        if r.get("plan") and r.get("dtype", dtype) == dtype:
+            out[(int(r["m"]), int(r["n"]), int(r["k"]), r["layout"])] = GemmPlan.parse(r["plan"]).validate(dtype)
+    if not out:
+        raise SystemExit(f"gemm_suite: {path} has no {dtype} rows with a plan")
+    return out
 
 
 def plan_arg(text: str):
@@ -201,12 +223,19 @@ def plan_arg(text: str):
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.plan is not None and args.autotune:
-        ap.error("--plan and --autotune exclude each other (--plan fixes fluxrt's plan)")
+    if sum(x is not None and x is not False for x in (args.plan, args.plans_from, args.autotune or None)) > 1:
+        ap.error("--plan, --plans-from and --autotune exclude each other (each fixes fluxrt's plan)")
+    fixed = plans_from(args.plans_from, args.dtype) if args.plans_from else None
 
     import cupy
 
-    shapes = pick_shapes(suite(args.suite), args.shapes)[args.skip:][: args.limit]
+    shapes = pick_shapes(suite(args.suite), args.shapes)
+    if fixed is not None:   # the file's shapes (those of --shapes it has), in its order
+        wanted = {(s.m, s.n, s.k, s.layout) for s in shapes} if args.shapes else None
+        shapes = [shape_arg(f"{m},{n},{k},{lay}") for (m, n, k, lay) in fixed
+                  if wanted is None or (m, n, k, lay) in wanted]
+        shapes = pick_shapes(suite(args.suite), shapes)   # suite shapes keep their labels
+    shapes = shapes[args.skip:][: args.limit]
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"# {name}, {args.dtype}, suite {args.suite} ({len(shapes)} shapes), {args.iters} calls x {args.rounds} "
@@ -225,8 +254,9 @@ def main(argv=None) -> int:
     t_start = time.time()
     for s in shapes:
         try:
+            plan = fixed[(s.m, s.n, s.k, s.layout)] if fixed is not None else args.plan
             r = bench_shape(s, args.dtype, args.iters, args.rounds, not args.no_graph, args.autotune, bool(args.check),
-                            lt, args.plan)
+                            lt, plan)
         except Exception as e:
             print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout:>2} | FAILED {type(e).__name__}: {e}", flush=True)
             rows.append({"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": args.dtype,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 BLOCK_K = 64
@@ -69,6 +70,11 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "floa
 
 def _bytes_of(dtype_name: str) -> int:
     return ITEMSIZE[dtype_name]
+
+
+# GemmPlan.describe's line: tile, stages, order (and group), epilogue (and staging), cluster, split-K or stream-K
+_DESCRIBE = re.compile(r"(\d+)x(\d+)x(\d+) s(\d+) (grouped|hilbert)(?:/g(\d+))? epi=(tma|direct)(/shared)? "
+                       r"x(\d+)(?:x(\d+))?(?: k(\d+)| (sk))?")
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,23 @@ class GemmPlan:
         split = f" k{self.split_k}" if self.split_k > 1 else (" sk" if self.stream_k else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
                 f"x{self.cluster}{f'x{self.cluster_n}' if self.cluster_n > 1 else ''}{split}")
+
+    @classmethod
+    def parse(cls, text: str) -> "GemmPlan":
+        """The plan a :meth:`describe` line names (tables, logs, results JSON); m_tile_offset and max_ctas, which the
+        line leaves out, take their defaults. Not validated (:meth:`validate` takes the output dtype). ValueError
+        on a line of another form."""
+        m = _DESCRIBE.fullmatch(text.strip())
+        if m is None:
+            raise ValueError(f"{text!r} is not a GemmPlan description such as "
+                             f"'128x256x64 s3 grouped/g16 epi=tma x1' (GemmPlan.describe)")
+        bm, bn, bk, stages, order, group, epi, shared, cl, cn, split, sk = m.groups()
+        kw = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), stages=int(stages), consumers=int(bm) // 64,
+                  order=order, epilogue=epi, cluster=int(cl), cluster_n=int(cn or 1), split_k=int(split or 1),
+                  stream_k=bool(sk), c_staging="shared" if shared else "per_consumer")
+        if group:
+            kw["group_m"] = int(group)
+        return cls(**kw)
 
     # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
     def stage_bytes(self) -> int:

@@ -1,6 +1,7 @@
 """The GEMM shape suite, the heuristic planner and the autotune cache, without a GPU."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -655,3 +656,23 @@ def test_stream_k_pairs_need_the_resident_cluster_count(monkeypatch):
     monkeypatch.setattr(K, "_cluster_caps", {})
     assert K._max_clusters(Kern, GemmPlan(stream_k=True, cluster=2), 200_000, 0) == 60
     assert GemmPlan(stream_k=True, cluster=2).grid(8192, 8192, 132, 60) == 120
+
+
+def test_plan_descriptions_parse_back_to_their_plans():
+    """GemmPlan.parse inverts describe on every plan the autotuner times (tile shapes, fitted widths, rings, shared
+    staging, clusters along M and N, split-K, stream-K) and on the other order and epilogue; other text is refused."""
+    from fluxrt.gemm.autotune import candidates
+
+    plans = set()
+    for m, n, k, trans_b in ((8192, 8192, 8192, True), (461, 9128, 13208, True), (1024, 1024, 6144, False),
+                             (256, 4096, 6144, True), (4096, 1280, 8192, False)):
+        plans.update(candidates(m, n, k, "bfloat16", trans_b=trans_b))
+    plans.update({GemmPlan(order="hilbert", epilogue="direct", stages=4), GemmPlan(cluster_n=2, block_n=64, stages=8)})
+    assert len(plans) > 40
+    assert {p.split_k > 1 for p in plans} == {True, False} and any(p.stream_k for p in plans)
+    assert any(p.fitted_n for p in plans) and any(p.cluster_n == 2 for p in plans)
+    for p in plans:
+        assert GemmPlan.parse(p.describe()) == dataclasses.replace(p, m_tile_offset=0, max_ctas=None), p.describe()
+    for bad in ("128x256 s3", "128x256x64 s3 grouped/g16 epi=tma x1 k2 sk", "big", ""):
+        with pytest.raises(ValueError, match="not a GemmPlan description"):
+            GemmPlan.parse(bad)

@@ -439,6 +439,37 @@ def test_gemm_suite_plan_option_builds_a_validated_plan():
         mod.main(["--plan", "cluster=2", "--autotune"])
 
 
+def test_gemm_suite_plans_from_an_earlier_result(tmp_path):
+    """--plans-from: every shape of an earlier result with the plan it recorded (its own dtype's rows; those of
+    --shapes only), parsed back from the describe line; it excludes --plan and --autotune."""
+    import json
+
+    from fluxrt.gemm.plan import GemmPlan
+
+    mod = _gemm_suite_module()
+    rows = [{"m": 461, "n": 9128, "k": 13208, "layout": "NK", "dtype": "bfloat16",
+             "plan": "128x256x64 s3 grouped/g4 epi=tma x2 sk"},
+            {"m": 1024, "n": 1024, "k": 6144, "layout": "KN", "dtype": "bfloat16",
+             "plan": "64x128x64 s6 grouped/g16 epi=tma x1"},
+            {"m": 1024, "n": 1024, "k": 6144, "layout": "KN", "dtype": "float16",
+             "plan": "128x128x64 s5 grouped/g16 epi=tma x1 k2"},
+            {"m": 256, "n": 4096, "k": 4104, "layout": "NK", "dtype": "bfloat16", "error": "CompileError: x"}]
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps({"bench": "gemm-suite", "rows": rows}))
+    got = mod.plans_from(path, "bfloat16")
+    assert got == {(461, 9128, 13208, "NK"): GemmPlan(stages=3, group_m=4, cluster=2, stream_k=True),
+                   (1024, 1024, 6144, "KN"): GemmPlan(block_m=64, block_n=128, consumers=1, stages=6)}
+    assert mod.plans_from(path, "float16") == {(1024, 1024, 6144, "KN"): GemmPlan(block_n=128, stages=5, split_k=2)}
+    args = mod.build_parser().parse_args(["--plans-from", str(path)])
+    assert args.plans_from == path
+    for other in (["--plan", "cluster=2"], ["--autotune"]):
+        with pytest.raises(SystemExit):
+            mod.main(["--plans-from", str(path), *other])
+    (tmp_path / "empty.json").write_text(json.dumps({"rows": rows[3:]}))
+    with pytest.raises(SystemExit, match="no bfloat16 rows with a plan"):
+        mod.plans_from(tmp_path / "empty.json", "bfloat16")
+
+
 def test_gemm_suite_summary_splits_the_shape_classes():
     import math
 
@@ -476,3 +507,73 @@ def test_tp_op_heap_holds_the_largest_shape_beside_the_collectives_context():
     need_ag = max(m * k * 2 for m, _, k in shapes) + TUNED_WORKSPACE_BYTES
     got_ag = int(heap_size("ag_gemm", shapes)[:-1]) << 30
     assert need_ag + (64 << 20) < got_ag <= need_ag + (1 << 30) + (128 << 20)
+
+
+def _gemm_kernels_module():
+    import importlib.util
+    from pathlib import Path
+
+    perf = Path(__file__).resolve().parents[2] / "perf"
+    spec = importlib.util.spec_from_file_location("gemm_kernels", perf / "gemm_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gemm_kernels_pairs_ncu_kernels_with_the_shapes(tmp_path, capsys):
+    """perf/gemm_kernels.py summarize: ncu's raw CSV (after the program's own output) paired shape by shape, each
+    shape's cuBLAS kernels up to the first fluxrt kernel, then fluxrt's (a split-K reduce counted with its GEMM);
+    a shape the run did not reach is left out; the JSON carries cuBLAS's kernel, grid, cluster and the byte counts."""
+    import csv
+    import io
+    import json
+
+    mod = _gemm_kernels_module()
+    assert mod.main(["metrics"]) == 0
+    assert capsys.readouterr().out.strip().split(",") == list(mod.METRICS)
+    rows = [{"m": 256, "n": 2048, "k": 6144, "layout": "NK", "dtype": "bfloat16",
+             "plan": "64x128x64 s6 grouped/g8 epi=tma x1 k2"},
+            {"m": 1024, "n": 1024, "k": 6144, "layout": "KN", "dtype": "bfloat16",
+             "plan": "64x128x64 s6 grouped/g16 epi=tma x1"},
+            {"m": 8192, "n": 8192, "k": 8192, "layout": "NK", "dtype": "bfloat16",
+             "plan": "128x256x64 s3 grouped/g16 epi=tma x2"}]
+    plans = tmp_path / "suite.json"
+    plans.write_text(json.dumps({"rows": rows}))
+    header = ["ID", "Process ID", "Kernel Name", *mod.METRICS]
+    units = ["", "", "", "ns", "", "", "", "byte", "sector"]
+
+    def kernel(i, name, ns, grid, cx, dram, sectors):
+        return [str(i), "7", name, f"{ns:,}", str(grid), str(cx), "1", f"{dram:,}", f"{sectors:,}"]
+
+    table = [kernel(0, "nvjet_sm90_tst_64x64_64x13_2x1_v_bz_TNT", 15232, 128, 2, 28328960, 2396000),
+             kernel(1, "fluxrt_gemm", 16480, 128, 0, 28329472, 2272000),
+             kernel(2, "fluxrt_splitk_reduce", 4064, 512, 0, 4202240, 131000),
+             kernel(3, "nvjet_sm90_tst_128x64_64x8_1x2_h_bz_NNT", 20800, 128, 2, 25187328, 3940000),
+             kernel(4, "fluxrt_gemm", 26656, 128, 0, 25180416, 5053000),
+             kernel(5, "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 1181632, 132, 2, 545295360, 27065000)]
+    buf = io.StringIO()
+    w = csv.writer(buf, quoting=csv.QUOTE_ALL)
+    for r in (header, units, *table):
+        w.writerow(r)
+    ncu = tmp_path / "ncu.csv"
+    ncu.write_text("==PROF== Connected to process 7\n# program output\n" + buf.getvalue())
+    out = tmp_path / "kernels.json"
+    assert mod.main(["summarize", str(ncu), "--plans-from", str(plans), "--json", str(out)]) == 0
+    assert "2 of 3 shapes paired" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "gemm-cublas-kernels" and len(doc["rows"]) == 2
+    first, second = doc["rows"]
+    assert first["cublas_kernel"].startswith("nvjet_sm90_tst_64x64") and first["cublas_cluster"] == "2x1"
+    assert first["cublas_us"] == 15.23 and first["fluxrt_us"] == round((16480 + 4064) / 1e3, 2)
+    assert first["ratio"] == round(15.23 / 20.54, 3) and first["cublas_grid"] == 128
+    assert first["fluxrt_dram_read_mb"] == round((28329472 + 4202240) / 1e6, 2)
+    assert first["cublas_l2_read_mb"] == round(2396000 * 32 / 1e6, 2)
+    assert first["fluxrt_plan"] == "64x128x64 s6 grouped/g8 epi=tma x1 k2"
+    assert (second["m"], second["layout"], second["fluxrt_us"]) == (1024, "KN", 26.66)
+    bad = tmp_path / "bad.csv"
+    bad.write_text(ncu.read_text().replace("dram__bytes_read.sum", "dram__other"))
+    with pytest.raises(SystemExit, match="lacks"):
+        mod.main(["summarize", str(bad), "--plans-from", str(plans)])
+    (tmp_path / "none.csv").write_text("no table\n")
+    with pytest.raises(SystemExit, match="no ncu CSV table"):
+        mod.main(["summarize", str(tmp_path / "none.csv"), "--plans-from", str(plans)])
