@@ -336,6 +336,8 @@ class Collectives:
         self._freed = False
         n = world.size
         self.module = load_module(KERNEL_SOURCE)
+        # a rank that compiled the module on a cold cache is behind: meet before the bounded allocations' exchanges
+        _meet_after_load(world, "collectives: context kernels loaded")
         self.epoch = cupy.zeros(1, dtype=np.uint64)  # round counter (kernels: begin_round)
         self.workspace = world.empty((ws,), np.uint8)
         self.flags = world.zeros((plan.FLAG_PHASES * n * plan.MAX_BLOCKS,), np.uint64)  # all zero: no round yet

@@ -317,6 +317,8 @@ class Dispatcher:
         with world.device:
             self.module = load_module(KERNEL_SOURCE)
             self._fn = {name: self.module.get_function(name) for name in self._kernel_names()}
+            # a rank that compiled the kernels on a cold cache is behind: meet before the bounded allocations
+            agreement.meet_after_load(world, "Dispatcher(): kernels loaded")
             self.recv = world.empty((cfg.recv_rows, cfg.hidden), cfg.dtype)
             self.recv_fp8 = self.recv_scales = self.staging = None
             if cfg.staging_rows:
