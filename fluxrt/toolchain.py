@@ -124,13 +124,32 @@ def _build_lock(out: Path):
         yield
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            log.debug("no build lock for %s (%s)", out.name, e)
+        _take_lock(fcntl, fd, out)
         yield
     finally:
         os.close(fd)
+
+
+def _take_lock(fcntl, fd: int, out: Path) -> None:
+    """Take the build lock, waiting at most FLUXRT_LOAD_WAIT_S (default 300 s) for the process that holds it; past
+    that (a stopped or hung compile), build without it: the cubin is written atomically either way."""
+    import time
+
+    limit = float(os.environ.get("FLUXRT_LOAD_WAIT_S", "300"))
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                log.warning("waited %.0f s (FLUXRT_LOAD_WAIT_S) for another process's build of %s; building it here",
+                            limit, out.name)
+                return
+            time.sleep(0.05)
+        except OSError as e:   # a file system without locks
+            log.debug("no build lock for %s (%s)", out.name, e)
+            return
 
 
 def _source_path(source: str | os.PathLike) -> Path:

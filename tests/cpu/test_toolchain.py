@@ -101,6 +101,31 @@ def test_processes_missing_the_cache_at_once_compile_once(tmp_path):
 
 
 @needs_nvrtc
+def test_a_build_lock_held_too_long_is_passed_by(tmp_path, monkeypatch, caplog):
+    """A process holding a cubin's build lock past FLUXRT_LOAD_WAIT_S (stopped, hung) does not stop the others:
+    they build the cubin themselves after the bound, with a warning."""
+    import fcntl
+    import logging
+    import time
+
+    monkeypatch.setenv("FLUXRT_LOAD_WAIT_S", "0.3")
+    opts = toolchain.CompileOptions(arch="sm_90a", defines=(("LOCK_HELD", "1"),))
+    key_probe = toolchain.compile_cubin("comm/p2p.cu", opts)   # where the cubin and its lock live
+    key_probe.unlink()
+    fd = os.open(key_probe.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)   # held by "another process" (another open file description)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="fluxrt"):
+            built = toolchain.compile_cubin("comm/p2p.cu", opts)
+        assert 0.3 <= time.monotonic() - t0 < 60
+        assert built == key_probe and built.stat().st_size > 1000
+        assert "FLUXRT_LOAD_WAIT_S" in caplog.text
+    finally:
+        os.close(fd)
+
+
+@needs_nvrtc
 def test_compile_many_names_the_failing_configuration(tmp_path):
     bad = tmp_path / "half.cu"
     bad.write_text('#if BROKEN\nthis is not cuda;\n#endif\nextern "C" __global__ void k() {}\n')
