@@ -129,9 +129,9 @@ def facts(cubin: Path, cuobjdump: str) -> dict:
         if mm:
             hist[mm.group(2)] += 1
             seq.append(mm.group(2) + mm.group(3))
-    # the main loop: from 24 instructions before the first HGMMA to 24 after the last (the stage wait, the
+    # the main loop: from 24 instructions before the first wgmma to 24 after the last (the stage wait, the
     # MMAs, the group wait and the stage release), opcodes with modifiers in order
-    hg = [i for i, op in enumerate(seq) if op.startswith("HGMMA")]
+    hg = [i for i, op in enumerate(seq) if op.startswith(("HGMMA", "QGMMA"))]   # 16-bit, fp8
     hot = seq[max(0, hg[0] - 24):hg[-1] + 25] if hg else []
     return {
         "registers": int(m.group(1)), "stack": int(m.group(2)), "local": int(m.group(4)),
