@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 _RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
-KEY_OPS = ("HGMMA", "LDG", "STG", "LDS", "STS", "SYNCS", "UTMALDG", "UTMASTG", "UBLKCP", "BAR", "LDL", "STL")
+KEY_OPS = ("HGMMA", "QGMMA", "LDG", "STG", "LDS", "STS", "SYNCS", "UTMALDG", "UTMASTG", "UBLKCP", "BAR", "LDL", "STL")
 
 
 def named_configs():
