@@ -878,3 +878,33 @@ def test_a_timed_out_call_leaves_nan_and_a_sticky_error(world, monkeypatch, op, 
     finally:
         world.reset_error()
         ctx.free()
+
+
+def test_a_context_waits_for_a_rank_still_loading_its_kernels(world, monkeypatch):
+    """A rank whose kernel load outlasts the world's timeout (a cold cache of its own: another node) does not make
+    its peers' context creation time out in the symmetric allocations that follow: the ranks meet after the load,
+    bounded by FLUXRT_LOAD_WAIT_S. The context then reduces correctly."""
+    import time
+
+    from fluxrt import toolchain
+    from fluxrt.collectives import Collectives
+
+    real = toolchain.load_module
+
+    def slow(*args, **kw):   # rank 1 compiles: the load takes longer than the device waits' bound
+        if world.rank == 1:
+            time.sleep(float(world.options.timeout_s) + 2.0)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(toolchain, "load_module", slow)
+    ctx = Collectives(world)
+    monkeypatch.setattr(toolchain, "load_module", real)
+    try:
+        x = _data(77, world, 4099, "fp32")
+        every = _gather(world, x)
+        out = _poisoned(4099, "fp32")
+        ctx.allreduce(x, out)
+        world.synchronize()
+        _assert_reduced(_host(out), every, "sum", "fp32", "allreduce after a slow load")
+    finally:
+        ctx.free()
