@@ -8,8 +8,9 @@ Two paths:
   with ``libnvshmem_device.a`` -> ``cupy.RawModule`` -> ``nvshmem.bindings.cumodule_init``.
 
 Cubins are cached on disk, keyed by every source byte the compile can see (the kernel and the shared
-include tree), the options, the arch and the compiler version. Writes are atomic: every rank of a job
-may compile the same module at the same time.
+include tree), the options, the arch and the compiler version. Writes are atomic, and a process that misses
+the cache takes a lock beside the cubin (bounded by FLUXRT_LOAD_WAIT_S), so the ranks of a node that share the
+cache compile a module once and leave the compile together.
 """
 from __future__ import annotations
 
@@ -387,8 +388,8 @@ def nvcc_path() -> str:
 
 def binary_utility(name: str) -> str | None:
     """A CUDA binary utility (``cuobjdump``, ``nvdisasm``) for inspecting cubins: PATH, then beside nvcc or in
-    $CUDA_HOME / /usr/local/cuda, then pip's wheel (``cuda-toolkit[cuobjdump,nvdisasm]``, which the ``test`` extra installs)
-    through cuda-pathfinder; None where none is found."""
+    $CUDA_HOME / /usr/local/cuda, then pip's wheel (``cuda-toolkit[cuobjdump,nvdisasm]``, which the ``test`` extra
+    installs) through cuda-pathfinder; None where none is found."""
     found = shutil.which(name)
     if found:
         return found
