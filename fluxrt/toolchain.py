@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,45 +113,33 @@ def _build_lock(out: Path):
     """Exclusive lock on ``out``'s build (a ``.lock`` file beside it): the ranks of a node that miss the cache at
     once wait for one compile instead of each running its own, and so leave it together (ranks compiling side by
     side finish seconds apart, and a rank ahead reaches its next bounded exchange early). Released when the holder
-    exits, however it ends; no lock where the file system refuses one."""
+    exits, however it ends. The wait is bounded by FLUXRT_LOAD_WAIT_S (default 300 s): past it (a stopped or hung
+    compile) this process builds without the lock, as it does where the platform or file system has none; the
+    cubin is written atomically either way."""
+    fd = None
     try:
         import fcntl
-    except ImportError:   # not POSIX: every process compiles for itself, as without the lock
-        yield
-        return
-    try:
+
         fd = os.open(out.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
+        limit = float(os.environ.get("FLUXRT_LOAD_WAIT_S", "300"))
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("waited %.0f s (FLUXRT_LOAD_WAIT_S) for another process's build of %s; building "
+                                "it here", limit, out.name)
+                    break
+                time.sleep(0.05)
+    except (ImportError, OSError) as e:   # not POSIX, or a file system without locks
         log.debug("no build lock for %s (%s)", out.name, e)
-        yield
-        return
     try:
-        _take_lock(fcntl, fd, out)
         yield
     finally:
-        os.close(fd)
-
-
-def _take_lock(fcntl, fd: int, out: Path) -> None:
-    """Take the build lock, waiting at most FLUXRT_LOAD_WAIT_S (default 300 s) for the process that holds it; past
-    that (a stopped or hung compile), build without it: the cubin is written atomically either way."""
-    import time
-
-    limit = float(os.environ.get("FLUXRT_LOAD_WAIT_S", "300"))
-    deadline = time.monotonic() + limit
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                log.warning("waited %.0f s (FLUXRT_LOAD_WAIT_S) for another process's build of %s; building it here",
-                            limit, out.name)
-                return
-            time.sleep(0.05)
-        except OSError as e:   # a file system without locks
-            log.debug("no build lock for %s (%s)", out.name, e)
-            return
+        if fd is not None:
+            os.close(fd)
 
 
 def _source_path(source: str | os.PathLike) -> Path:
@@ -387,21 +376,18 @@ def nvcc_path() -> str:
 
 
 def binary_utility(name: str) -> str | None:
-    """A CUDA binary utility (``cuobjdump``, ``nvdisasm``) for inspecting cubins: PATH, then beside nvcc or in
-    $CUDA_HOME / /usr/local/cuda, then pip's wheel (``cuda-toolkit[cuobjdump,nvdisasm]``, which the ``test`` extra
+    """A CUDA binary utility (``cuobjdump``, ``nvdisasm``) for inspecting cubins: PATH, then beside the nvcc that
+    :func:`nvcc_path` finds, then pip's wheel (``cuda-toolkit[cuobjdump,nvdisasm]``, which the ``test`` extra
     installs) through cuda-pathfinder; None where none is found."""
     found = shutil.which(name)
     if found:
         return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    dirs = [Path(home) / "bin"]
     try:
-        dirs.insert(0, Path(nvcc_path()).resolve().parent)
+        beside = Path(nvcc_path()).resolve().parent / name
+        if beside.is_file():
+            return str(beside)
     except CompileError:
         pass
-    for d in dirs:
-        if (d / name).is_file():
-            return str(d / name)
     try:
         from cuda.pathfinder import find_nvidia_binary_utility
 

@@ -97,6 +97,10 @@ def read_ncu_csv(path: Path) -> list[dict]:
     return [dict(zip(header, r)) for r in rows[2:] if len(r) == len(header)]
 
 
+def _total(kernels: list[dict], metric: str, scale: float = 1.0) -> float:
+    return round(sum(_number(x[metric]) for x in kernels) * scale, 2)
+
+
 def pair(kernels: list[dict], shapes: list[tuple]) -> list[dict]:
     """Per shape in order: cuBLAS's kernels (every kernel up to the first fluxrt one), then fluxrt's (names starting
     with fluxrt_). Shapes without both are left out (a run cut short)."""
@@ -111,12 +115,8 @@ def pair(kernels: list[dict], shapes: list[tuple]) -> list[dict]:
             i += 1
         if not theirs or not ours:
             break
-
-        def total(ks, metric, scale=1.0):
-            return round(sum(_number(x[metric]) for x in ks) * scale, 2)
-
         first = theirs[0]
-        us = total(theirs, "gpu__time_duration.sum", 1e-3), total(ours, "gpu__time_duration.sum", 1e-3)
+        us = _total(theirs, "gpu__time_duration.sum", 1e-3), _total(ours, "gpu__time_duration.sum", 1e-3)
         out.append({
             "m": m, "n": n, "k": k, "layout": lay, "fluxrt_plan": plan.describe() if plan else None,
             "cublas_kernel": first["Kernel Name"], "cublas_kernels": len(theirs),
@@ -124,10 +124,10 @@ def pair(kernels: list[dict], shapes: list[tuple]) -> list[dict]:
             "cublas_cluster": f"{first['launch__cluster_dim_x']}x{first['launch__cluster_dim_y']}",
             "fluxrt_grid": int(_number(ours[0]["launch__grid_size"])),
             "cublas_us": us[0], "fluxrt_us": us[1], "ratio": round(us[0] / us[1], 3) if us[1] else None,
-            "cublas_dram_read_mb": total(theirs, "dram__bytes_read.sum", 1e-6),
-            "fluxrt_dram_read_mb": total(ours, "dram__bytes_read.sum", 1e-6),
-            "cublas_l2_read_mb": total(theirs, "lts__t_sectors_srcunit_tex_op_read.sum", SECTOR_BYTES * 1e-6),
-            "fluxrt_l2_read_mb": total(ours, "lts__t_sectors_srcunit_tex_op_read.sum", SECTOR_BYTES * 1e-6)})
+            "cublas_dram_read_mb": _total(theirs, "dram__bytes_read.sum", 1e-6),
+            "fluxrt_dram_read_mb": _total(ours, "dram__bytes_read.sum", 1e-6),
+            "cublas_l2_read_mb": _total(theirs, "lts__t_sectors_srcunit_tex_op_read.sum", SECTOR_BYTES * 1e-6),
+            "fluxrt_l2_read_mb": _total(ours, "lts__t_sectors_srcunit_tex_op_read.sum", SECTOR_BYTES * 1e-6)})
     return out
 
 

@@ -223,7 +223,7 @@ def plan_arg(text: str):
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if sum(x is not None and x is not False for x in (args.plan, args.plans_from, args.autotune or None)) > 1:
+    if (args.plan is not None) + (args.plans_from is not None) + bool(args.autotune) > 1:
         ap.error("--plan, --plans-from and --autotune exclude each other (each fixes fluxrt's plan)")
     fixed = plans_from(args.plans_from, args.dtype) if args.plans_from else None
 
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     shapes = pick_shapes(suite(args.suite), args.shapes)
     if fixed is not None:   # the file's shapes (those of --shapes it has), in its order
         wanted = {(s.m, s.n, s.k, s.layout) for s in shapes} if args.shapes else None
-        shapes = [shape_arg(f"{m},{n},{k},{lay}") for (m, n, k, lay) in fixed
+        shapes = [Shape(m, n, k, layout=lay, label="cli") for (m, n, k, lay) in fixed
                   if wanted is None or (m, n, k, lay) in wanted]
         shapes = pick_shapes(suite(args.suite), shapes)   # suite shapes keep their labels
     shapes = shapes[args.skip:][: args.limit]
