@@ -492,6 +492,17 @@ def test_gemm_suite_summary_splits_the_shape_classes():
     assert s["shapes_small_m"] == 1 and math.isclose(s["geomean_small_m"], 0.5)   # eager where no graph ratio
     assert "shapes_b_off_sectors" not in s and "geomean_k_off_lines" not in s
     assert s["below_0.95_graph"] == 1 and s["worst_eager"] == 0.5
+    assert s["below_0.95_both"] == 2   # 0.9 / 0.81, and 0.5 eager with no graph timing; not 1.1 / 1.0
+
+
+def test_gemm_suite_rounds_reverse_the_order_every_other_round():
+    mod = _gemm_suite_module()
+    impls = {"cublas": None, "fluxrt": None, "cublaslt": None}
+    orders = [mod.round_order(impls, i) for i in range(4)]
+    assert orders[0] == ["cublas", "fluxrt", "cublaslt"] and orders[1] == ["cublaslt", "fluxrt", "cublas"]
+    assert orders[2] == orders[0] and orders[3] == orders[1]
+    firsts = [o[0] for o in orders]
+    assert firsts.count("cublas") == firsts.count("cublaslt") == 2
 
 
 def test_tp_op_heap_holds_the_largest_shape_beside_the_collectives_context():
