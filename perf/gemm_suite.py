@@ -51,6 +51,15 @@ def round_order(impls: dict, i: int) -> list[str]:
     return names if i % 2 == 0 else names[::-1]
 
 
+def timed_rounds(impls: dict, rounds: int, time_one) -> dict[str, list]:
+    """{name: [time_one(impl) of each round]}, the implementations of each round in :func:`round_order`."""
+    out = {name: [] for name in impls}
+    for i in range(rounds):
+        for name in round_order(impls, i):
+            out[name].append(time_one(impls[name]))
+    return out
+
+
 def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, autotune: bool, check: bool,
                 lt=None, plan=None) -> dict:
     """One shape: cuBLAS, fluxrt (the planner's plan, or `plan`) and cuBLASLt (with `lt`), eager and graph."""
@@ -105,17 +114,12 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
             for _ in range(3):
                 fn()
         stream.synchronize()
-        eager = {name: [] for name in impls}
-        host = {name: [] for name in impls}
-        for i in range(rounds):
-            for name in round_order(impls, i):
-                ms, us = eager_ms_and_host_us(impls[name], iters, stream)
-                eager[name].append(ms)
-                host[name].append(us)
-        for name in eager:
-            row[f"{name}_eager_ms"] = float(np.median(eager[name]))
-            row[f"{name}_host_us"] = float(np.median(host[name]))
-            row[f"{name}_eager_rounds_ms"] = [round(float(t), 5) for t in eager[name]]
+        timed = timed_rounds(impls, rounds, lambda fn: eager_ms_and_host_us(fn, iters, stream))
+        for name, pairs in timed.items():
+            eager = [ms for ms, _ in pairs]
+            row[f"{name}_eager_ms"] = float(np.median(eager))
+            row[f"{name}_host_us"] = float(np.median([us for _, us in pairs]))
+            row[f"{name}_eager_rounds_ms"] = [round(float(t), 5) for t in eager]
         row["ratio_eager"] = row["cublas_eager_ms"] / row["fluxrt_eager_ms"]
         if lt is not None:
             row["ratio_eager_lt"] = row["cublaslt_eager_ms"] / row["fluxrt_eager_ms"]
@@ -125,10 +129,7 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
                 gs = {name: capture(fn, iters, stream) for name, fn in impls.items()}
                 for g in gs.values():
                     g.launch(stream)
-                times = {name: [] for name in gs}
-                for i in range(rounds):
-                    for name in round_order(gs, i):
-                        times[name].append(graph_ms(gs[name], iters, stream))
+                times = timed_rounds(gs, rounds, lambda g: graph_ms(g, iters, stream))
                 for name in times:
                     row[f"{name}_graph_ms"] = float(np.median(times[name]))
                     row[f"{name}_graph_rounds_ms"] = [round(float(t), 5) for t in times[name]]

@@ -503,6 +503,10 @@ def test_gemm_suite_rounds_reverse_the_order_every_other_round():
     assert orders[2] == orders[0] and orders[3] == orders[1]
     firsts = [o[0] for o in orders]
     assert firsts.count("cublas") == firsts.count("cublaslt") == 2
+    calls = []
+    timed = mod.timed_rounds({"a": 1, "b": 2}, 3, lambda v: calls.append(v) or 10 * v + len(calls))
+    assert calls == [1, 2, 2, 1, 1, 2]
+    assert timed == {"a": [11, 14, 15], "b": [22, 23, 26]}
 
 
 def test_tp_op_heap_holds_the_largest_shape_beside_the_collectives_context():
