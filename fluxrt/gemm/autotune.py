@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import threading
@@ -337,6 +338,50 @@ def _pick(screen: list, default_plan: GemmPlan | None, confirm_rounds: int) -> t
     return win, med[id(win)], med
 
 
+# Band refinement: after the pick, the winner's tile order with other band heights (tile rows per band of the
+# grouped order) is timed against it. The band height moves the L2 reuse of a GEMM of many waves by several
+# percent with no rule the model could use (docs/tuning.md, "Band height").
+ORDER_BANDS = (4, 8, 16, 32)
+BAND_TIE = 0.01            # a band height replaces the winner's only when faster by more than 1 %
+
+
+def band_variants(plan: GemmPlan, m: int, n: int, num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
+    """``plan`` with each other band height of ORDER_BANDS that gives another tile order, for a whole-tile plan
+    (no split-K, no stream-K) in grouped order whose work items fill at least two waves; [] otherwise. Band heights
+    count tile rows; with a cluster along M a band is group_m // cluster slot rows (at least one), and a band of
+    all the slot rows or more is one order whatever its height."""
+    if plan.order != "grouped" or plan.split_k > 1 or plan.stream_k:
+        return []
+    slot_rows = math.ceil(math.ceil(m / plan.block_m) / plan.cluster)
+    slot_cols = math.ceil(math.ceil(n / plan.block_n) / plan.cluster_n)
+    if slot_rows * slot_cols < 2 * (num_sms // (plan.cluster * plan.cluster_n)):
+        return []
+
+    def rows(group_m: int) -> int:   # as the kernel's Schedule reads group_m
+        return min(group_m // plan.cluster if group_m >= plan.cluster else 1, slot_rows)
+
+    seen, out = {rows(plan.group_m)}, []
+    for g in ORDER_BANDS:
+        if rows(g) not in seen:
+            seen.add(rows(g))
+            out.append(dataclasses.replace(plan, group_m=g))
+    return out
+
+
+def _refine_bands(win, variants: list, rounds: int) -> tuple:
+    """The winner and its band variants replayed interleaved ``rounds`` times; a variant replaces the winner when
+    its median is more than BAND_TIE below the winner's. Returns (kept _Timed, its median us, {id: median us} of
+    the variants)."""
+    times: dict = {id(t): [] for t in [win, *variants]}
+    for _ in range(rounds):
+        for t in [win, *variants]:
+            times[id(t)].append(t.us())
+    med = {key: statistics.median(v) for key, v in times.items()}
+    best = min(variants, key=lambda t: med[id(t)])
+    kept = best if med[id(best)] < med[id(win)] * (1 - BAND_TIE) else win
+    return kept, med[id(kept)], {id(t): med[id(t)] for t in variants}
+
+
 def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = None, stream=None,
              plans: list[GemmPlan] | None = None, reps: int = 10, rounds: int = 3, confirm_rounds: int = CONFIRM_ROUNDS,
              force: bool = False, fp8_format=None, scale_a=None, scale_b=None) -> TuneResult:
@@ -352,7 +397,9 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     finalists (within ``FINALIST_BAND`` of the screen's best, at most ``MAX_FINALISTS``, and the heuristic's
     own plan) replayed interleaved ``confirm_rounds`` times; the lowest median wins, except that the
     heuristic's plan stays unless beaten by more than ``HEURISTIC_TIE`` (so a near-tie does not swap the plan
-    an untuned run takes for one that only won on noise).
+    an untuned run takes for one that only won on noise). Band refinement (the default candidates only): the
+    winner's other band heights (:func:`band_variants`) replayed interleaved with it; one replaces it when faster
+    by more than ``BAND_TIE``.
 
     Runs after the work queued on ``stream``, on a private stream of the device, writing into ``out`` (a
     scratch array when None), and returns when it is done: not for use inside a CUDA-graph capture. A problem
@@ -393,7 +440,8 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
             return hit
         return _tune(a, b, out, key=key, path=path, dev=dev, fp8=fp8, fp8_format=fp8_format, scale_a=scale_a,
                      scale_b=scale_b, trans_b=trans_b, out_dtype=out_dtype, out_dt=out_dt, m=m, n=n, stream=stream,
-                     cands=cands, default_plan=default_plan, reps=reps, rounds=rounds, confirm_rounds=confirm_rounds)
+                     cands=cands, default_plan=default_plan, reps=reps, rounds=rounds, confirm_rounds=confirm_rounds,
+                     refine_bands=plans is None, num_sms=sms)
 
 
 def _cached(path, key) -> TuneResult | None:
@@ -403,7 +451,7 @@ def _cached(path, key) -> TuneResult | None:
 
 
 def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans_b, out_dtype, out_dt, m, n, stream,
-          cands, default_plan, reps, rounds, confirm_rounds) -> TuneResult:
+          cands, default_plan, reps, rounds, confirm_rounds, refine_bands, num_sms) -> TuneResult:
     """autotune()'s timing and choice, under _tuning_lock. Everything runs on the private stream, after the
     caller's queued work; the operands are imported with that stream current (so a DLPack producer's stream
     is ordered before it); the winner's launch is the last one, so ``out`` holds its product."""
@@ -417,7 +465,7 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
     after_user.record(cupy.cuda.ExternalStream(_stream_ptr(stream)))
     ts.wait_event(after_user)
     t0 = time.perf_counter()
-    prepared, failed = [], []
+    failed = []
     try:
         with ts:
             if out is None:
@@ -427,7 +475,8 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
                     out = cupy.empty((m, n), dtype=normalize_dtype(out_dt))
                 else:
                     out = cupy.empty((m, n), dtype=cupy.dtype(a.dtype) if out_dtype is None else out_dtype)
-            for plan in cands:
+
+            def prepare_timed(plan):
                 try:
                     if fp8 is not None:
                         from .fp8 import prepare as prepare_fp8
@@ -439,11 +488,14 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
                                                 wait=None, epilogue=None, stream_ptr=ts.ptr)
                     for _ in range(2):   # the first launch loads the module
                         packed.launch(ts.ptr)
-                    prepared.append(_Timed(plan, packed, ts, reps))
+                    return _Timed(plan, packed, ts, reps)
                 except Exception as e:   # a candidate that does not build or launch is skipped, not fatal
                     log.info("gemm autotune %s: %s failed: %s", key, plan.describe(), e)
                     ts.synchronize()
                     failed.append(plan)
+                    return None
+
+            prepared = [t for t in map(prepare_timed, cands) if t is not None]
         if not prepared:
             raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
         # Screen. The clocks of a loaded GPU drift by 10-15 % within seconds (power and temperature), more than
@@ -482,6 +534,13 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
                 break
             failed += [t.plan for t, _ in screen if t.plan.stream_k]
             screen = [(t, us) for t, us in screen if not t.plan.stream_k]
+        if refine_bands:
+            with ts:
+                variants = [t for t in map(prepare_timed, band_variants(win.plan, m, n, num_sms)) if t is not None]
+            if variants:
+                win, best_us, band_med = _refine_bands(win, variants, max(confirm_rounds, 3))
+                screen += [(t, band_med[id(t)]) for t in variants]
+                confirmed = {**confirmed, **band_med}
         win.packed.launch(ts.ptr)   # the last launch: `out` holds the kept plan's product
     finally:
         try:

@@ -561,6 +561,42 @@ def test_pick_without_confirmation_still_keeps_the_heuristic_plan_on_a_near_tie(
     assert win is fast and us == 10.0
 
 
+def test_band_variants_are_the_other_orders_of_a_whole_tile_plan_of_two_waves_or_more():
+    base = GemmPlan(stages=4, group_m=16)
+    # 7179 x 10480: 57 x 41 tiles; every other height of ORDER_BANDS is another order
+    got = tuning.band_variants(base, 7179, 10480, 132)
+    assert [p.group_m for p in got] == [g for g in tuning.ORDER_BANDS if g != 16]
+    assert all(dataclasses.replace(p, group_m=16) == base for p in got)
+    # 20 tile rows: 32 and 16 cover them in one band (the same order as 20), so 32 is not another order
+    assert [p.group_m for p in tuning.band_variants(GemmPlan(stages=4, group_m=20), 2560, 10480, 132)] == [4, 8, 16]
+    # a cluster of 2 along M: a band is group_m // 2 slot rows, 1 at least (g 4 -> 2 slot rows, g 1 -> 1)
+    pair = GemmPlan(stages=4, cluster=2, group_m=2)
+    assert [p.group_m for p in tuning.band_variants(pair, 7179, 10480, 132)] == [4, 8, 16, 32]
+    assert [p.group_m for p in tuning.band_variants(dataclasses.replace(pair, group_m=8), 7179, 10480, 132)] == \
+        [4, 16, 32]
+    # waves: 16 x 16 tiles = 256 < 2 x 132 (nothing); 16 x 17 = 272 (bands of 16 and 32 are both all 16 rows)
+    assert tuning.band_variants(GemmPlan(stages=4, group_m=16), 2048, 4096, 132) == []
+    assert [p.group_m for p in tuning.band_variants(GemmPlan(stages=4, group_m=16), 2048, 4352, 132)] == [4, 8]
+    # pairs: 8 slot rows x 17 = 136 items >= 2 x 66 clusters; bands of 16 and 32 tile rows are both all 8 slot rows
+    assert [p.group_m for p in tuning.band_variants(pair, 2048, 4352, 132)] == [4, 8, 16]
+    assert tuning.band_variants(pair, 2048, 3840, 132) == []   # 8 x 15 = 120 items
+    for other in (dataclasses.replace(base, stream_k=True), dataclasses.replace(base, order="hilbert"),
+                  GemmPlan(block_m=64, consumers=1, block_n=128, stages=6, split_k=2)):
+        assert tuning.band_variants(other, 7179, 10480, 132) == []
+
+
+def test_refine_bands_replaces_the_winner_only_past_the_tie():
+    p = _plans(1)[0]
+    win = _Scripted(p, [10.0, 10.0, 10.0])
+    near = _Scripted(dataclasses.replace(p, group_m=8), [10.0 * (1 - tuning.BAND_TIE / 2)])
+    kept, us, med = tuning._refine_bands(win, [near], 3)
+    assert kept is win and us == 10.0 and med == {id(near): pytest.approx(9.95)}
+    assert win.calls == near.calls == 3
+    fast = _Scripted(dataclasses.replace(p, group_m=4), [9.0, 9.2, 30.0])   # one slow replay: median 9.2
+    kept, us, med = tuning._refine_bands(_Scripted(p, [10.0]), [near, fast], 3)
+    assert kept is fast and us == pytest.approx(9.2) and set(med) == {id(near), id(fast)}
+
+
 def test_release_workspaces_drops_one_streams_buffers_only(monkeypatch):
     from fluxrt.gemm import split_k
 

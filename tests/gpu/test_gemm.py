@@ -866,6 +866,35 @@ def test_autotune_times_graphs_keeps_a_winner_and_writes_a_correct_out(tmp_path,
     assert bool(cupy.all(again.view(cupy.uint16) == out.view(cupy.uint16)))
 
 
+def test_autotune_refines_the_band_height_of_the_winner(tmp_path, monkeypatch):
+    """Default candidates (narrowed to one plan here): the winner's band variants are prepared and replayed with it;
+    the kept plan is one of them, the product float64-close and the plan cached."""
+    import sys
+
+    from fluxrt.gemm import autotune, plan_for
+
+    monkeypatch.setenv("FLUXRT_GEMM_TUNE_DIR", str(tmp_path))
+    at = sys.modules["fluxrt.gemm.autotune"]
+    monkeypatch.setattr(at, "_paths", {})
+    monkeypatch.setattr(at, "_tables", {})
+    plan = GemmPlan(block_n=128, stages=6, group_m=16)
+    monkeypatch.setattr(at, "candidates", lambda *args, **kw: [plan])
+    m, n, k = 2304, 2304, 256   # 18 x 18 tiles: two waves and more on an H100/H200
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    variants = at.band_variants(plan, m, n, sms)
+    if not variants:
+        pytest.skip(f"{m}x{n} fills fewer than two waves of {sms} SMs")
+    rng = np.random.default_rng(22)
+    a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
+    out = poisoned((m, n), "bfloat16")
+    res = autotune(to_device(a), to_device(b), out, trans_b=True, force=True)
+    assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"]
+    assert res.plan in [plan, *variants]
+    assert {d for d, _ in res.timings} == {p.describe() for p in [plan, *variants]}
+    assert set(res.confirmed) >= {p.describe() for p in variants} and all(us > 0 for _, us in res.timings)
+    assert plan_for(m, n, k, trans_b=True) == res.plan
+
+
 # --- stream-K -----------------------------------------------------------------------------------------
 
 STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles cut into many pieces; whole waves first
