@@ -197,11 +197,12 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     """The plans autotuning times: the heuristic's whole choice set (every tile shape the planner knows at its
     deepest ring, grouped order, its split-K and stream-K plans, and with B as [N, K] the fitted widths), so the
     heuristic's own pick is always among them, plus the split-K plans of ragged waves (``partial_waves``), which the
-    model cannot rank, the deeper rings of :func:`deep_ring_plans` and the clusters along N of
-    :func:`cluster_n_plans`."""
+    model cannot rank, the deeper rings of :func:`deep_ring_plans` (of the plain and the stream-K plans) and the
+    clusters along N of :func:`cluster_n_plans`."""
+    stream_k = stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
     return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
-            + stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
+            + stream_k + deep_ring_plans(m, out_dtype, stream_k)
             + (fitted_plans(m, out_dtype) if trans_b else []))
 
 
@@ -222,12 +223,12 @@ def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200
     return len(options), sum(path is None for path in built)
 
 
-def deep_ring_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
-    """The plain plans whose ring gets deeper when the two consumers share one C staging buffer (their
-    epilogues then take turns): 128x256 with 4 stages instead of 3, 128x192 with 5 instead of 4. Measured on
-    H200 within a few percent of the per-consumer plan either way, so only the autotuner tries them."""
+def deep_ring_plans(m: int, out_dtype: str = "bfloat16", plans: list[GemmPlan] | None = None) -> list[GemmPlan]:
+    """The plans (default: the plain plans) whose ring gets deeper when the two consumers share one C staging
+    buffer (their epilogues then take turns): 128x256 with 4 stages instead of 3, 128x192 with 5 instead of 4.
+    Measured on H200 within a few percent of the per-consumer plan either way, so only the autotuner tries them."""
     out = []
-    for plan in plain_plans(m, out_dtype):
+    for plan in plain_plans(m, out_dtype) if plans is None else plans:
         if plan.consumers == 2:
             deeper = min(max_stages(plan.block_m, plan.block_n, out_dtype, c_staging="shared"), 6)
             if deeper > plan.stages:

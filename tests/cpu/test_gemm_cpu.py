@@ -512,6 +512,9 @@ COMPILE_CONFIGS = [
     # B [K, N] in 64-column slabs shared over the pair: three slabs (2 + 1), one slab (the second CTA loads none)
     (GemmPlan(block_n=192, stages=4, stream_k=True, cluster=2), "bfloat16", "bfloat16", False, False, False),
     (GemmPlan(block_n=64, stages=6, stream_k=True, cluster=2), "float16", "float32", False, False, False),
+    # the consumers' turns at one shared C staging region (the autotuner's deeper stream-K rings)
+    (GemmPlan(stages=4, c_staging="shared", stream_k=True), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(stages=4, c_staging="shared", stream_k=True, cluster=2), "float16", "float16", False, False, False),
     # tile widths fitted to the waves (B K-major; staged: FitArgs' map for the part-filled last slab)
     (GemmPlan(block_n=112, stages=5), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=144, stages=4), "float16", "float32", True, False, False),

@@ -462,7 +462,8 @@ def test_stream_k_workspace_sizes():
 def test_stream_k_plans_where_waves_are_partial():
     from fluxrt.gemm.autotune import candidates
     from fluxrt.gemm.plan import H100_H200_SMS as SMS
-    from fluxrt.gemm.plan import STREAM_K_MAX_FILL, STREAM_K_MIN_K, _wave_fill, stream_k_plans
+    from fluxrt.gemm.plan import (STREAM_K_MAX_FILL, STREAM_K_MIN_K, STREAM_K_TUNE_MAX_FILL, _wave_fill,
+                                  stream_k_plans)
 
     for m, n, k in [(256, 9216, 7168), (9166, 664, 12896), (461, 9128, 13208)]:
         plans = stream_k_plans(m, n, k)
@@ -476,7 +477,13 @@ def test_stream_k_plans_where_waves_are_partial():
         assert pairs and set(pairs) <= set(candidates(m, n, k))
         for p in pairs:
             items = math.ceil(math.ceil(m / p.block_m) / 2) * math.ceil(n / p.block_n)
-            assert p.validate().cluster_n == 1 and _wave_fill(items, SMS // 2) < STREAM_K_MAX_FILL
+            assert p.validate().cluster_n == 1 and _wave_fill(items, SMS // 2) < STREAM_K_TUNE_MAX_FILL
+    # 7179 x 10480: 29 x 41 pairs of 128x256 tiles = 1189 items, 18 waves of 66 pairs and one more item (fill
+    # 0.948): stream-K for the autotuner only, also with the deeper ring of shared C staging
+    tune = [p for p in candidates(7179, 10480, 8024, trans_b=True) if p.stream_k and p.cluster == 2]
+    assert GemmPlan(stages=3, cluster=2, group_m=16, stream_k=True) in tune
+    assert GemmPlan(stages=4, cluster=2, group_m=16, stream_k=True, c_staging="shared") in tune
+    assert not [p for p in stream_k_plans(7179, 10480, 8024) if (p.block_m, p.block_n) == (128, 256)]
     assert not [p for p in stream_k_plans(100, 9216, 8192, every_shape=True) if p.cluster == 2]   # one tile row
     assert all(p.block_n != 256 or p.block_m != 128 for p in stream_k_plans(8192, 8192, 8192))   # 2048 tiles: 97 %
     assert stream_k_plans(256, 9216, STREAM_K_MIN_K - 64) == []

@@ -912,6 +912,9 @@ STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles cut into m
     (1000, 1000, 1000, GemmPlan(block_n=128, stages=6, stream_k=True, cluster=2, max_ctas=10)),  # 32 items, 5 pairs
     (700, 1000, 3000, GemmPlan(block_n=192, stages=4, stream_k=True, cluster=2, max_ctas=12)),  # 3 B slabs: 2 + 1
     (300, 200, 2600, GemmPlan(block_n=64, stages=6, stream_k=True, cluster=2, max_ctas=8)),     # 1 slab: 1 + 0
+    # the consumers' turns at one shared C staging region (the autotuner's deeper rings), partials and finishers
+    (700, 1000, 3000, GemmPlan(stages=4, c_staging="shared", stream_k=True, max_ctas=12)),      # 24 tiles, 12 CTAs
+    (461, 1000, 4104, GemmPlan(stages=4, c_staging="shared", stream_k=True, cluster=2, max_ctas=10)),
 ]
 
 
@@ -1012,13 +1015,14 @@ def test_stream_k_refuses_hooks():
                         wait=ArrivalWait(flags=flags, epoch=1, chunk_rows=128, err=0))
 
 
+@pytest.mark.parametrize("staging", ["per_consumer", "shared"])
 @pytest.mark.parametrize("cluster", [1, 2], ids=["x1", "x2"])
-def test_stream_k_sanitize_small(cluster):
+def test_stream_k_sanitize_small(cluster, staging):
     """A small cut (for compute-sanitizer memcheck / racecheck: 6 tiles cut in 2 on 12 CTAs, tails in M, N and K;
-    with a cluster of 2, 3 items (pairs of M tiles) cut over 6 pairs)."""
+    with a cluster of 2, 3 items (pairs of M tiles) cut over 6 pairs), with each C staging."""
     rng = np.random.default_rng(8)
     a, b = rand_matrix(rng, (200, 1000), "bfloat16"), rand_matrix(rng, (1000, 264), "bfloat16")
     out = poisoned((200, 264), "bfloat16")
     gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=12,
-                                                        cluster=cluster))
+                                                        cluster=cluster, c_staging=staging))
     assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
