@@ -484,6 +484,8 @@ def test_stream_k_plans_where_waves_are_partial():
     assert GemmPlan(stages=3, cluster=2, group_m=16, stream_k=True) in tune
     assert GemmPlan(stages=4, cluster=2, group_m=16, stream_k=True, c_staging="shared") in tune
     assert not [p for p in stream_k_plans(7179, 10480, 8024) if (p.block_m, p.block_n) == (128, 256)]
+    # 128x192 pairs fill 24.2 waves (0.966): between the two fills only tiles of STREAM_K_TUNE_MIN_TILE or more
+    assert not [p for p in tune if p.block_n == 192]
     assert not [p for p in stream_k_plans(100, 9216, 8192, every_shape=True) if p.cluster == 2]   # one tile row
     assert all(p.block_n != 256 or p.block_m != 128 for p in stream_k_plans(8192, 8192, 8192))   # 2048 tiles: 97 %
     assert stream_k_plans(256, 9216, STREAM_K_MIN_K - 64) == []
