@@ -225,8 +225,10 @@ def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200
 
 def deep_ring_plans(m: int, out_dtype: str = "bfloat16", plans: list[GemmPlan] | None = None) -> list[GemmPlan]:
     """The plans (default: the plain plans) whose ring gets deeper when the two consumers share one C staging
-    buffer (their epilogues then take turns): 128x256 with 4 stages instead of 3, 128x192 with 5 instead of 4.
-    Measured on H200 within a few percent of the per-consumer plan either way, so only the autotuner tries them."""
+    buffer (their epilogues then take turns): with 16-bit output 128x256 with 4 stages instead of 3, 128x192 with 5
+    instead of 4. Measured on H200: plain plans within a few percent of the per-consumer plan either way; 128x256
+    stream-K on ten large off-grid shapes, 1-5 % ahead on 9 of them with pairs (2 % behind on one), 0.4-7 % behind on
+    all without a cluster (`gemm-offgrid-study-*`). So only the autotuner tries them."""
     out = []
     for plan in plain_plans(m, out_dtype) if plans is None else plans:
         if plan.consumers == 2:
@@ -341,7 +343,7 @@ def _pick(screen: list, default_plan: GemmPlan | None, confirm_rounds: int) -> t
 
 # Band refinement: after the pick, the winner's tile order with other band heights (tile rows per band of the
 # grouped order) is timed against it. The band height moves the L2 reuse of a GEMM of many waves by several
-# percent with no rule the model could use (docs/tuning.md, "Band height").
+# percent with no rule the model could use (docs/tuning.md, `ORDER_BANDS`).
 ORDER_BANDS = (4, 8, 16, 32)
 BAND_TIE = 0.01            # a band height replaces the winner's only when faster by more than 1 %
 
@@ -350,13 +352,13 @@ def band_variants(plan: GemmPlan, m: int, n: int, num_sms: int = H100_H200_SMS) 
     """``plan`` with each other band height of ORDER_BANDS that gives another tile order, for a whole-tile plan
     (no split-K, no stream-K) in grouped order whose work items fill at least two waves; [] otherwise. Band heights
     count tile rows; with a cluster along M a band is group_m // cluster slot rows (at least one), and a band of
-    all the slot rows or more is one order whatever its height."""
+    all the slot rows or more is one order whatever its height (as is any band over a single slot column)."""
     if plan.order != "grouped" or plan.split_k > 1 or plan.stream_k:
         return []
     slot_rows = math.ceil(math.ceil(m / plan.block_m) / plan.cluster)
     slot_cols = math.ceil(math.ceil(n / plan.block_n) / plan.cluster_n)
-    if slot_rows * slot_cols < 2 * (num_sms // (plan.cluster * plan.cluster_n)):
-        return []
+    if slot_cols == 1 or slot_rows * slot_cols < 2 * (num_sms // (plan.cluster * plan.cluster_n)):
+        return []   # one slot column: every band height walks the rows in the same order
 
     def rows(group_m: int) -> int:   # as the kernel's Schedule reads group_m
         return min(group_m // plan.cluster if group_m >= plan.cluster else 1, slot_rows)
@@ -371,16 +373,25 @@ def band_variants(plan: GemmPlan, m: int, n: int, num_sms: int = H100_H200_SMS) 
 
 def _refine_bands(win, variants: list, rounds: int) -> tuple:
     """The winner and its band variants replayed interleaved ``rounds`` times; a variant replaces the winner when
-    its median is more than BAND_TIE below the winner's. Returns (kept _Timed, its median us, {id: median us} of
-    the variants)."""
-    times: dict = {id(t): [] for t in [win, *variants]}
+    its median is more than BAND_TIE below the winner's. A variant whose replay raises is dropped (the winner's
+    raising fails the tuning). Returns (kept _Timed, its median us, {id: median us} of the winner and the variants
+    still timed, [dropped variants])."""
+    timed, dropped = [win, *variants], []
+    times: dict = {id(t): [] for t in timed}
     for _ in range(rounds):
-        for t in [win, *variants]:
-            times[id(t)].append(t.us())
-    med = {key: statistics.median(v) for key, v in times.items()}
-    best = min(variants, key=lambda t: med[id(t)])
+        for t in list(timed):
+            try:
+                times[id(t)].append(t.us())
+            except Exception:   # noqa: BLE001 - one variant's failure is not the tuning's
+                if t is win:
+                    raise
+                timed.remove(t)
+                dropped.append(t)
+    med = {id(t): statistics.median(times[id(t)]) for t in timed}
+    rest = [t for t in timed if t is not win]
+    best = min(rest, key=lambda t: med[id(t)]) if rest else win
     kept = best if med[id(best)] < med[id(win)] * (1 - BAND_TIE) else win
-    return kept, med[id(kept)], {id(t): med[id(t)] for t in variants}
+    return kept, med[id(kept)], med, dropped
 
 
 def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = None, stream=None,
@@ -399,8 +410,8 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     own plan) replayed interleaved ``confirm_rounds`` times; the lowest median wins, except that the
     heuristic's plan stays unless beaten by more than ``HEURISTIC_TIE`` (so a near-tie does not swap the plan
     an untuned run takes for one that only won on noise). Band refinement (the default candidates only): the
-    winner's other band heights (:func:`band_variants`) replayed interleaved with it; one replaces it when faster
-    by more than ``BAND_TIE``.
+    winner's other band heights (:func:`band_variants`) replayed interleaved with it, at least 3 rounds even with
+    ``confirm_rounds=0``; one replaces it (the heuristic's plan included) when faster by more than ``BAND_TIE``.
 
     Runs after the work queued on ``stream``, on a private stream of the device, writing into ``out`` (a
     scratch array when None), and returns when it is done: not for use inside a CUDA-graph capture. A problem
@@ -539,9 +550,14 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
             with ts:
                 variants = [t for t in map(prepare_timed, band_variants(win.plan, m, n, num_sms)) if t is not None]
             if variants:
-                win, best_us, band_med = _refine_bands(win, variants, max(confirm_rounds, 3))
-                screen += [(t, band_med[id(t)]) for t in variants]
-                confirmed = {**confirmed, **band_med}
+                win, best_us, band_med, dropped = _refine_bands(win, variants, max(confirm_rounds, 3))
+                if dropped:
+                    ts.synchronize()
+                    for t in dropped:
+                        log.info("gemm autotune %s: %s failed while timed", key, t.plan.describe())
+                    failed += [t.plan for t in dropped]
+                screen += [(t, band_med[id(t)]) for t in variants if id(t) in band_med]
+                confirmed = {**confirmed, **band_med}   # the winner's entry too: all of one interleaved timing
         win.packed.launch(ts.ptr)   # the last launch: `out` holds the kept plan's product
     finally:
         try:

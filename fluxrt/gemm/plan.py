@@ -442,7 +442,7 @@ def _ragged_waves(tiles: int, num_sms: int) -> bool:
 
 
 STREAM_K_MAX_FILL = 0.9      # stream-K plans where the tiles' waves are busy less than this
-STREAM_K_TUNE_MAX_FILL = 0.97   # ... for the autotuner (every_shape): a last wave short by 3 % of the call or more,
+STREAM_K_TUNE_MAX_FILL = 0.97   # ... for the autotuner (every_shape): a last wave short by more than 3 % of the call,
 STREAM_K_TUNE_MIN_TILE = (128, 256)   # with tiles of at least this between the two fills (where it was measured)
 STREAM_K_MIN_K = 1024        # ... and K has at least this many columns (16 K blocks) to cut
 STREAM_K_MAX_PIECES = 16     # K ranges a cut tile may be cut into

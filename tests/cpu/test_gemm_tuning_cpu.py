@@ -483,9 +483,11 @@ def test_stream_k_plans_where_waves_are_partial():
     tune = [p for p in candidates(7179, 10480, 8024, trans_b=True) if p.stream_k and p.cluster == 2]
     assert GemmPlan(stages=3, cluster=2, group_m=16, stream_k=True) in tune
     assert GemmPlan(stages=4, cluster=2, group_m=16, stream_k=True, c_staging="shared") in tune
-    assert not [p for p in stream_k_plans(7179, 10480, 8024) if (p.block_m, p.block_n) == (128, 256)]
+    assert not [p for p in stream_k_plans(7179, 10480, 8024) if p.cluster == 2]   # pairs: autotuner only
     # 128x192 pairs fill 24.2 waves (0.966): between the two fills only tiles of STREAM_K_TUNE_MIN_TILE or more
     assert not [p for p in tune if p.block_n == 192]
+    # 8192^3 with 128x256 tiles: 2048 tiles fill 0.970 of 16 waves: the autotuner's set only
+    assert GemmPlan(stages=3, group_m=16, stream_k=True) in stream_k_plans(8192, 8192, 8192, every_shape=True)
     assert not [p for p in stream_k_plans(100, 9216, 8192, every_shape=True) if p.cluster == 2]   # one tile row
     assert all(p.block_n != 256 or p.block_m != 128 for p in stream_k_plans(8192, 8192, 8192))   # 2048 tiles: 97 %
     assert stream_k_plans(256, 9216, STREAM_K_MIN_K - 64) == []
@@ -576,9 +578,9 @@ def test_band_variants_are_the_other_orders_of_a_whole_tile_plan_of_two_waves_or
     got = tuning.band_variants(base, 7179, 10480, 132)
     assert [p.group_m for p in got] == [g for g in tuning.ORDER_BANDS if g != 16]
     assert all(dataclasses.replace(p, group_m=16) == base for p in got)
-    # 20 tile rows: 32 and 16 cover them in one band (the same order as 20), so 32 is not another order
+    # 20 tile rows: a band of 32 covers them all, the same order as 20, so 32 is not another order
     assert [p.group_m for p in tuning.band_variants(GemmPlan(stages=4, group_m=20), 2560, 10480, 132)] == [4, 8, 16]
-    # a cluster of 2 along M: a band is group_m // 2 slot rows, 1 at least (g 4 -> 2 slot rows, g 1 -> 1)
+    # a cluster of 2 along M: a band is group_m // 2 slot rows, 1 at least (g 4 -> 2 slot rows, g 2 -> 1)
     pair = GemmPlan(stages=4, cluster=2, group_m=2)
     assert [p.group_m for p in tuning.band_variants(pair, 7179, 10480, 132)] == [4, 8, 16, 32]
     assert [p.group_m for p in tuning.band_variants(dataclasses.replace(pair, group_m=8), 7179, 10480, 132)] == \
@@ -589,6 +591,12 @@ def test_band_variants_are_the_other_orders_of_a_whole_tile_plan_of_two_waves_or
     # pairs: 8 slot rows x 17 = 136 items >= 2 x 66 clusters; bands of 16 and 32 tile rows are both all 8 slot rows
     assert [p.group_m for p in tuning.band_variants(pair, 2048, 4352, 132)] == [4, 8, 16]
     assert tuning.band_variants(pair, 2048, 3840, 132) == []   # 8 x 15 = 120 items
+    # 2 x 2 clusters: 29 x 21 slots = 609 items on 33 clusters; 8 x 8 = 64 < 66
+    quad = GemmPlan(stages=4, cluster=2, cluster_n=2, group_m=16)
+    assert [p.group_m for p in tuning.band_variants(quad, 7179, 10480, 132)] == [4, 8, 32]
+    assert tuning.band_variants(quad, 2048, 4096, 132) == []
+    # one slot column: every band height walks the rows in the same order
+    assert tuning.band_variants(GemmPlan(block_n=128, stages=6), 65536, 128, 132) == []
     for other in (dataclasses.replace(base, stream_k=True), dataclasses.replace(base, order="hilbert"),
                   GemmPlan(block_m=64, consumers=1, block_n=128, stages=6, split_k=2)):
         assert tuning.band_variants(other, 7179, 10480, 132) == []
@@ -598,12 +606,32 @@ def test_refine_bands_replaces_the_winner_only_past_the_tie():
     p = _plans(1)[0]
     win = _Scripted(p, [10.0, 10.0, 10.0])
     near = _Scripted(dataclasses.replace(p, group_m=8), [10.0 * (1 - tuning.BAND_TIE / 2)])
-    kept, us, med = tuning._refine_bands(win, [near], 3)
-    assert kept is win and us == 10.0 and med == {id(near): pytest.approx(9.95)}
+    kept, us, med, dropped = tuning._refine_bands(win, [near], 3)
+    assert kept is win and us == 10.0 and med == {id(win): 10.0, id(near): pytest.approx(9.95)} and dropped == []
     assert win.calls == near.calls == 3
+    old = _Scripted(p, [10.0])
     fast = _Scripted(dataclasses.replace(p, group_m=4), [9.0, 9.2, 30.0])   # one slow replay: median 9.2
-    kept, us, med = tuning._refine_bands(_Scripted(p, [10.0]), [near, fast], 3)
-    assert kept is fast and us == pytest.approx(9.2) and set(med) == {id(near), id(fast)}
+    kept, us, med, _ = tuning._refine_bands(old, [near, fast], 3)
+    assert kept is fast and us == pytest.approx(9.2) and set(med) == {id(old), id(near), id(fast)}
+
+
+class _Failing(_Scripted):
+    """Replays at 1.0 us once, then raises (a launch that fails on a later replay)."""
+
+    def us(self):
+        self.calls += 1
+        if self.calls >= 2:
+            raise RuntimeError("launch failed")
+        return 1.0
+
+
+def test_refine_bands_drops_a_variant_that_fails_and_fails_with_the_winner():
+    p = _plans(1)[0]
+    win, bad = _Scripted(p, [10.0]), _Failing(dataclasses.replace(p, group_m=8), [])
+    kept, us, med, dropped = tuning._refine_bands(win, [bad], 3)   # 1.0 in the first round, then it raises
+    assert kept is win and us == 10.0 and dropped == [bad] and set(med) == {id(win)} and win.calls == 3
+    with pytest.raises(RuntimeError, match="launch failed"):
+        tuning._refine_bands(_Failing(p, []), [_Scripted(dataclasses.replace(p, group_m=8), [1.0])], 3)
 
 
 def test_release_workspaces_drops_one_streams_buffers_only(monkeypatch):
