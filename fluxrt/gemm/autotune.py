@@ -32,7 +32,7 @@ from pathlib import Path
 from ..env import env_flag
 from ..errors import GemmArgumentError
 from .plan import (H100_H200_SMS, GemmPlan, cluster_n_plans, fitted_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages,
-                   plain_plans, split_plans, stream_k_plans)
+                   plain_plans, split_plans, stream_k_plans, tile_order)
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -349,25 +349,21 @@ BAND_TIE = 0.01            # a band height replaces the winner's only when faste
 
 
 def band_variants(plan: GemmPlan, m: int, n: int, num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
-    """``plan`` with each other band height of ORDER_BANDS that gives another tile order, for a whole-tile plan
-    (no split-K, no stream-K) in grouped order whose work items fill at least two waves; [] otherwise. Band heights
-    count tile rows; with a cluster along M a band is group_m // cluster slot rows (at least one), and a band of
-    all the slot rows or more is one order whatever its height (as is any band over a single slot column)."""
+    """``plan`` with each other band height of ORDER_BANDS whose tile order (:func:`tile_order`, the kernel's walk)
+    is new, for a whole-tile plan (no split-K, no stream-K) in grouped order whose work items fill at least two
+    waves; [] otherwise. (A band of all the tile rows, or any band over one slot column, walks the same order.)"""
     if plan.order != "grouped" or plan.split_k > 1 or plan.stream_k:
         return []
-    slot_rows = math.ceil(math.ceil(m / plan.block_m) / plan.cluster)
-    slot_cols = math.ceil(math.ceil(n / plan.block_n) / plan.cluster_n)
-    if slot_cols == 1 or slot_rows * slot_cols < 2 * (num_sms // (plan.cluster * plan.cluster_n)):
-        return []   # one slot column: every band height walks the rows in the same order
-
-    def rows(group_m: int) -> int:   # as the kernel's Schedule reads group_m
-        return min(group_m // plan.cluster if group_m >= plan.cluster else 1, slot_rows)
-
-    seen, out = {rows(plan.group_m)}, []
+    mt, nt = plan.tiles(m, n)
+    if -(-mt // plan.cluster) * -(-nt // plan.cluster_n) < 2 * (num_sms // plan.cluster_ctas):
+        return []
+    seen, out = {tuple(tile_order(plan, m, n))}, []
     for g in ORDER_BANDS:
-        if rows(g) not in seen:
-            seen.add(rows(g))
-            out.append(dataclasses.replace(plan, group_m=g))
+        variant = dataclasses.replace(plan, group_m=g)
+        order = tuple(tile_order(variant, m, n))
+        if order not in seen:
+            seen.add(order)
+            out.append(variant)
     return out
 
 

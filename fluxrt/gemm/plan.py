@@ -443,7 +443,7 @@ def _ragged_waves(tiles: int, num_sms: int) -> bool:
 
 STREAM_K_MAX_FILL = 0.9      # stream-K plans where the tiles' waves are busy less than this
 STREAM_K_TUNE_MAX_FILL = 0.97   # ... for the autotuner (every_shape): a last wave short by more than 3 % of the call,
-STREAM_K_TUNE_MIN_TILE = (128, 256)   # with tiles of at least this between the two fills (where it was measured)
+STREAM_K_TUNE_TILE = (128, 256)   # for this tile between the two fills (where it was measured)
 STREAM_K_MIN_K = 1024        # ... and K has at least this many columns (16 K blocks) to cut
 STREAM_K_MAX_PIECES = 16     # K ranges a cut tile may be cut into
 STREAM_K_MIN_PIECE_BLOCKS = 4    # K blocks of a piece at least (shorter pieces spend their time filling the ring)
@@ -506,7 +506,7 @@ def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms:
     """Stream-K plans worth considering: every cluster-1 tile shape of at least STREAM_K_MIN_TILE (every_shape:
     any, and the cluster-2 tiles of TILE_RATE where M has two tile rows: the autotuner's set) whose work items
     (tiles; pairs of M tiles with a cluster) fill their waves less than STREAM_K_MAX_FILL (every_shape: also
-    the tiles of at least STREAM_K_TUNE_MIN_TILE under STREAM_K_TUNE_MAX_FILL), when K has at least
+    the tile STREAM_K_TUNE_TILE under STREAM_K_TUNE_MAX_FILL), when K has at least
     STREAM_K_MIN_K columns. Not for the heuristic (every_shape=False): a geometry that cuts every tile into more
     than STREAM_K_MAX_ALL_CUT_PIECES pieces (few tiles: each finisher folds many partials alone, where split-K's
     reduction spreads over the GPU; measured slower than split-K or a narrower tile on H200)."""
@@ -522,7 +522,7 @@ def stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms:
         ctas = num_sms // cluster   # with a cluster: items are pairs of M tiles, run by clusters
         fill = _wave_fill(items, ctas)
         if fill >= STREAM_K_MAX_FILL and not (every_shape and fill < STREAM_K_TUNE_MAX_FILL
-                                              and (bm, bn) >= STREAM_K_TUNE_MIN_TILE):
+                                              and (bm, bn) == STREAM_K_TUNE_TILE):
             continue
         if not every_shape:
             dp, pieces, _ = stream_k_geometry(items, -(-k // BLOCK_K), ctas, cluster * bm * bn * 4)

@@ -484,7 +484,7 @@ def test_stream_k_plans_where_waves_are_partial():
     assert GemmPlan(stages=3, cluster=2, group_m=16, stream_k=True) in tune
     assert GemmPlan(stages=4, cluster=2, group_m=16, stream_k=True, c_staging="shared") in tune
     assert not [p for p in stream_k_plans(7179, 10480, 8024) if p.cluster == 2]   # pairs: autotuner only
-    # 128x192 pairs fill 24.2 waves (0.966): between the two fills only tiles of STREAM_K_TUNE_MIN_TILE or more
+    # 128x192 pairs fill 24.2 waves (0.966): between the two fills only the STREAM_K_TUNE_TILE tile
     assert not [p for p in tune if p.block_n == 192]
     # 8192^3 with 128x256 tiles: 2048 tiles fill 0.970 of 16 waves: the autotuner's set only
     assert GemmPlan(stages=3, group_m=16, stream_k=True) in stream_k_plans(8192, 8192, 8192, every_shape=True)
