@@ -48,6 +48,9 @@ def check_plan(plan: GemmPlan, prob: Fp8Problem) -> None:
         raise GemmArgumentError(f"gemm: block-scaled fp8 needs block_n in (64, 128) (a tile inside one "
                                 f"{FP8_SCALE_BLOCK}-column scale block, and room for the promotion's registers), "
                                 f"got {plan.block_n}")
+    if prob.scale == "block" and plan.pingpong:
+        raise GemmArgumentError("gemm: block-scaled fp8 has no pingpong plans (the promotion's second set of "
+                                f"accumulators leaves no room for a whole tile per consumer), got {plan.describe()}")
 
 
 def plan_fp8(prob: Fp8Problem, device_id: int | None = None, num_sms: int | None = None) -> GemmPlan:

@@ -32,9 +32,9 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
     (:func:`fluxrt.gemm.grouped_gemm`)."""
     fp8 = (("FLUXRT_GEMM_IN_B", str(IN_IDS[b_dtype or in_dtype])), ("FLUXRT_GEMM_SCALE", str(SCALE_IDS[scale]))) \
         if IN_IDS[in_dtype] >= 2 else ()
-    # hook 4, bands, grouped, split-K and stream-K only when on: every configuration without them keeps its earlier macros (and
+    # hook 4, bands, grouped, split-K, stream-K and ping-pong only when on: every configuration without them keeps its earlier macros (and
     # cache key)
-    return (("FLUXRT_GEMM_GROUPED", "1"),) * grouped + (("FLUXRT_GEMM_SPLIT_K", "1"),) * (plan.split_k > 1) + (("FLUXRT_GEMM_STREAM_K", "1"),) * plan.stream_k + (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
+    return (("FLUXRT_GEMM_GROUPED", "1"),) * grouped + (("FLUXRT_GEMM_SPLIT_K", "1"),) * (plan.split_k > 1) + (("FLUXRT_GEMM_STREAM_K", "1"),) * plan.stream_k + (("FLUXRT_GEMM_PINGPONG", "1"),) * plan.pingpong + (("FLUXRT_GEMM_BANDS", str(bands)),) * (bands > 0) + (("FLUXRT_GEMM_HOOK_COPY", "1"),) * hook_copy + (("FLUXRT_GEMM_BN", str(plan.block_n)), ("FLUXRT_GEMM_CONSUMERS", str(plan.consumers)),
             ("FLUXRT_GEMM_STAGES", str(plan.stages)), ("FLUXRT_GEMM_IN", str(IN_IDS[in_dtype])),
             ("FLUXRT_GEMM_OUT", str(OUT_IDS[out_dtype])), ("FLUXRT_GEMM_B_KMAJOR", "1" if trans_b else "0"),
             ("FLUXRT_GEMM_HOOK_WAIT", "1" if hook_wait else "0"),
@@ -43,7 +43,7 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             ("FLUXRT_GEMM_EPI_DIRECT", "1" if plan.epilogue == "direct" else "0"),
             ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)),
             # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
-            ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_turns > 1 else "0")) + fp8 \
+            ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_staging == "shared" and plan.consumers > 1 else "0")) + fp8 \
         + (("FLUXRT_GEMM_CLUSTER_N", str(plan.cluster_n)),) * (plan.cluster_n > 1)
 
 

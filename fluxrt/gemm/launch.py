@@ -69,6 +69,8 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
                                 f"{', hooks or row bands' if (wait or epilogue or copy or stride) else ''}")
     if plan.stream_k and (wait or epilogue or copy or stride):
         raise GemmArgumentError("gemm: a stream_k plan is for plain GEMMs (no hooks, no row bands)")
+    if plan.pingpong and (wait or epilogue or copy or stride):
+        raise GemmArgumentError("gemm: a pingpong plan is for plain GEMMs (no hooks, no row bands)")
     if plan.split_k > 1:
         check_split(plan, m, n, k)
     if stride:

@@ -30,6 +30,10 @@ split_k        K in this many slices (whole K blocks, the last shorter: any K), 
 stream_k       True: the tiles of the last one or two waves are cut into K ranges that fill the waves
                (stream_k_geometry; the earlier waves run whole tiles); a cut tile's last piece adds the
                others' fp32 partials in piece order (deterministic, one launch)
+pingpong       True (FLUXRT_GEMM_PINGPONG=1; 2 consumers, a plain GEMM with the 'tma' epilogue, tile width 64,
+               128 or 192): each consumer computes whole tiles, the CTA's tiles alternating between them, so one
+               consumer's epilogue runs beside the other's MMAs (short K); 128 x block_n accumulators per
+               consumer, and twice the C staging of 'per_consumer' (the same as one 64-row region x 2 with 'shared')
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -46,6 +50,7 @@ ROW_BYTES = 128                    # bytes of K per stage row, both input widths
 SMEM_LIMIT_BYTES = 232448          # 227 KiB: the opt-in maximum dynamic shared memory per block on H100/H200
 SMEM_ALIGN_BYTES = 1024            # the kernel aligns its base to a 128B-swizzle atom
 MAX_STAGES = 8
+PINGPONG_BLOCK_N = (64, 128, 192)   # ping-pong tile widths: 128 x block_n fp32 accumulators per consumer thread fit
 H100_H200_SMS = 132
 BLOCK_NS = (256, 192, 128, 64)     # wgmma N of the tile widths the kernel instantiates
 ORDERS = ("grouped", "hilbert")
@@ -74,7 +79,7 @@ def _bytes_of(dtype_name: str) -> int:
 
 # GemmPlan.describe's line: tile, stages, order (and group), epilogue (and staging), cluster, split-K or stream-K
 _DESCRIBE = re.compile(r"(\d+)x(\d+)x(\d+) s(\d+) (grouped|hilbert)(?:/g(\d+))? epi=(tma|direct)(/shared)? "
-                       r"x(\d+)(?:x(\d+))?(?: k(\d+)| (sk))?")
+                       r"x(\d+)(?:x(\d+))?(?: k(\d+)| (sk))?( pp)?")
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class GemmPlan:
     c_staging: str = "per_consumer"
     split_k: int = 1
     stream_k: bool = False
+    pingpong: bool = False
 
     def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
         """Raise ValueError when the kernel cannot be instantiated with this plan."""
@@ -106,6 +112,10 @@ class GemmPlan:
             out_dtype = "float32"   # the GEMM itself writes fp32 partials
         if self.stream_k and (self.split_k > 1 or self.cluster_n != 1 or self.epilogue != "tma"):
             raise ValueError("GemmPlan.stream_k needs split_k=1, cluster_n=1 and epilogue='tma'")
+        if self.pingpong and (self.consumers != 2 or self.epilogue != "tma" or self.split_k > 1 or self.stream_k
+                              or self.cluster_n != 1 or self.block_n not in PINGPONG_BLOCK_N):
+            raise ValueError(f"GemmPlan.pingpong needs 2 consumers, epilogue='tma', no split-K or stream-K, cluster_n=1 "
+                             f"and a tile width in {PINGPONG_BLOCK_N} (128 x block_n accumulators per consumer)")
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m != 64 * self.consumers:
@@ -167,7 +177,8 @@ class GemmPlan:
         order = self.order + (f"/g{self.group_m}" if self.order == "grouped" else "")
         split = f" k{self.split_k}" if self.split_k > 1 else (" sk" if self.stream_k else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
-                f"x{self.cluster}{f'x{self.cluster_n}' if self.cluster_n > 1 else ''}{split}")
+                f"x{self.cluster}{f'x{self.cluster_n}' if self.cluster_n > 1 else ''}{split}"
+                f"{' pp' if self.pingpong else ''}")
 
     @classmethod
     def parse(cls, text: str) -> "GemmPlan":
@@ -178,10 +189,10 @@ class GemmPlan:
         if m is None:
             raise ValueError(f"{text!r} is not a GemmPlan description such as "
                              f"'128x256x64 s3 grouped/g16 epi=tma x1' (GemmPlan.describe)")
-        bm, bn, bk, stages, order, group, epi, shared, cl, cn, split, sk = m.groups()
+        bm, bn, bk, stages, order, group, epi, shared, cl, cn, split, sk, pp = m.groups()
         kw = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), stages=int(stages), consumers=int(bm) // 64,
                   order=order, epilogue=epi, cluster=int(cl), cluster_n=int(cn or 1), split_k=int(split or 1),
-                  stream_k=bool(sk), c_staging="shared" if shared else "per_consumer")
+                  stream_k=bool(sk), c_staging="shared" if shared else "per_consumer", pingpong=bool(pp))
         if group:
             kw["group_m"] = int(group)
         return cls(**kw)
@@ -193,13 +204,15 @@ class GemmPlan:
     @property
     def c_turns(self) -> int:
         """Storer turns per tile (= c_full/c_empty barrier pairs, kCTurns in the kernel): one per consumer
-        with shared staging, else one. A single consumer is the same either way."""
-        return self.consumers if self.c_staging == "shared" else 1
+        with shared staging or ping-pong, else one. A single consumer is the same either way."""
+        return self.consumers if self.c_staging == "shared" or self.pingpong else 1
 
     def c_staging_bytes(self, out_dtype: str) -> int:
         if self.epilogue == "direct":
             return 0
         slabs = -(-self.block_n * _bytes_of(out_dtype) // 128)   # 128-byte column slabs, the last part-filled
+        if self.pingpong:   # a whole tile per consumer region: one region (shared) or one per consumer
+            return self.block_m * (1 if self.c_staging == "shared" else self.consumers) * slabs * 128
         return self.block_m // self.c_turns * slabs * 128
 
     def smem_bytes(self, out_dtype: str = "bfloat16", shard_copy: bool = False, grouped: bool = False) -> int:
@@ -233,10 +246,10 @@ class GemmPlan:
 
 
 def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma",
-               c_staging: str = "per_consumer") -> int:
+               c_staging: str = "per_consumer", pingpong: bool = False) -> int:
     """Deepest ring that fits next to the C staging buffer (and the barriers), up to MAX_STAGES."""
     probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=block_m // 64, stages=1, epilogue=epilogue,
-                     c_staging=c_staging)
+                     c_staging=c_staging, pingpong=pingpong)
     s = 0
     while s + 1 <= MAX_STAGES and dataclasses.replace(probe, stages=s + 1).smem_bytes(out_dtype) <= SMEM_LIMIT_BYTES:
         s += 1
@@ -602,6 +615,29 @@ def plain_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
     return out
 
 
+# Ping-pong consumers (GemmPlan.pingpong): (block_n, c_staging) of the autotuner's candidates, each at its deepest
+# ring (at most 6 stages), without and with a cluster pair. Measured on H200 (docs/tuning.md): 128 x 128 gains 5-11 %
+# over the best cooperative plan on fp8 shapes with K 768-1536 and 2-5 % on bf16 ones with K 768-4096; 128 x 64 lost
+# everywhere measured. Not in the cost model: only the autotuner tries them.
+PINGPONG_TILES = ((128, "per_consumer"), (128, "shared"), (192, "shared"))
+
+
+def pingpong_plans(m: int, out_dtype: str = "bfloat16", block_k: int = BLOCK_K) -> list[GemmPlan]:
+    """Plans of PINGPONG_TILES (128-row tiles; only where M has more than one 64-row block), with cluster 2 where M
+    has two tile rows."""
+    if m <= 64:
+        return []
+    out = []
+    for bn, staging in PINGPONG_TILES:
+        stages = min(max_stages(128, bn, out_dtype, c_staging=staging, pingpong=True), 6)
+        if stages < 2:
+            continue
+        for cluster in (1, 2) if math.ceil(m / 128) >= 2 else (1,):
+            out.append(GemmPlan(block_m=128, block_n=bn, block_k=block_k, stages=stages, cluster=cluster,
+                                c_staging=staging, pingpong=True, group_m=max(1, min(math.ceil(m / 128), 16))))
+    return out
+
+
 # Clusters along N (GemmPlan.cluster_n = 2, A shared by TMA multicast as B is along M): (block_m, block_n,
 # cluster) of the autotuner's candidates, the 2 x 2 clusters that won a shape in the measured pass; 1 x 2 clusters
 # (also of the narrow tiles cuBLASLt clusters for small M) won none (docs/tuning.md). Not in the cost model.
@@ -688,9 +724,9 @@ def replace(plan: GemmPlan, **changes) -> GemmPlan:
 # --- fp8 ---------------------------------------------------------------------------------------------
 
 def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> list[GemmPlan]:
-    """The fp8 plans: every tile shape of :func:`plain_plans` with the fp8 K block (128). Block scales keep a
-    second set of accumulators per K block (the promotion), so their tiles are at most 128 wide (and lie in
-    one 128-column scale block of B)."""
+    """The fp8 plans: every tile shape of :func:`plain_plans` with the fp8 K block (128), then (not with block
+    scales) the ping-pong plans of :func:`pingpong_plans`. Block scales keep a second set of accumulators per K block
+    (the promotion), so their tiles are at most 128 wide (and lie in one 128-column scale block of B)."""
     if scale not in SCALE_MODES:
         raise ValueError(f"unknown scale mode {scale!r} (expected one of {SCALE_MODES})")
     out = []
@@ -698,6 +734,8 @@ def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> lis
         if scale == "block" and FP8_SCALE_BLOCK % plan.block_n:
             continue
         out.append(dataclasses.replace(plan, block_k=FP8_BLOCK_K))
+    if scale != "block":
+        out += pingpong_plans(m, out_dtype, block_k=FP8_BLOCK_K)
     return out
 
 
@@ -710,6 +748,8 @@ def fp8_heuristic_plan(m: int, n: int, k: int, *, scale: str = "tensor", out_dty
         raise ValueError(f"unsupported fp8 output dtype {out_dtype!r} (expected one of {FP8_OUT_DTYPES})")
     best = None
     for plan in fp8_plans(m, scale, out_dtype):
+        if plan.pingpong:   # not in the cost model (PINGPONG_TILES): the autotuner's
+            continue
         cost = tile_cost(m, n, k // 2, plan.block_m, plan.block_n, plan.cluster, num_sms)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)

@@ -66,6 +66,12 @@
 //                             order (StreamK in scheduler.cuh, stream_k_fixup in consumer.cuh). With
 //                             FLUXRT_GEMM_CLUSTER=2 the items and units are the pairs' (both CTAs of a pair
 //                             run the same K range of their two M tiles and share B). default 0
+//   FLUXRT_GEMM_PINGPONG      1: ping-pong consumers (plain GEMM: no hooks, bands, split-K, stream-K, grouping,
+//                             block scales or cluster along N; 2 consumers, staged epilogue): each consumer
+//                             warpgroup computes whole tiles (all kBM rows: kBM / 64 wgmma row blocks), the
+//                             CTA's even tiles on consumer 0, odd ones on consumer 1. The ring holds the tiles'
+//                             K blocks in order, so one consumer's MMAs run while the other stages its tile:
+//                             the epilogue hides behind the other tile's main loop (short K).   default 0
 //   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; hooks 1, 2 only; no cluster, bands; staged epilogue):
 //                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a
@@ -141,14 +147,22 @@
 #ifndef FLUXRT_GEMM_STREAM_K
 #define FLUXRT_GEMM_STREAM_K 0
 #endif
+#ifndef FLUXRT_GEMM_PINGPONG
+#define FLUXRT_GEMM_PINGPONG 0
+#endif
 
 namespace fluxrt_sm90 {
 
 // ---------------------------------------------------------------------------------------------
 // Configuration constants (sizes in elements unless the name says bytes).
 constexpr int kConsumers = FLUXRT_GEMM_CONSUMERS;
-constexpr int kRowsPerConsumer = 64;                       // wgmma M
-constexpr int kBM = kRowsPerConsumer * kConsumers;          // tile rows
+constexpr bool kPingPong = FLUXRT_GEMM_PINGPONG != 0;
+constexpr int kMmaRows = 64;                                // wgmma M
+constexpr int kBM = kMmaRows * kConsumers;                  // tile rows
+// Rows of a tile one consumer computes: its 64-row slice (cooperative), or the whole tile (ping-pong), in
+// kRowBlocks wgmma row blocks.
+constexpr int kRowBlocks = kPingPong ? kConsumers : 1;
+constexpr int kRowsPerConsumer = kMmaRows * kRowBlocks;
 constexpr int kBN = FLUXRT_GEMM_BN;                         // tile cols (= wgmma N)
 constexpr bool kFp8 = FLUXRT_GEMM_IN >= 2;
 constexpr int kInBytes = kFp8 ? 1 : 2;
@@ -218,18 +232,28 @@ static_assert(!kStreamK || (!kHookWait && !kHookEpilogue && !kHookCopy && kClust
                             !kSplitK && !kGrouped && !kEpiDirect && !kFp8),
               "stream-K: plain 16-bit GEMM (no hooks, cluster along N, bands, split-K, grouping), staged epilogue");
 
+static_assert(!kPingPong || (kConsumers == 2 && !kHookWait && !kHookEpilogue && !kHookCopy && kClusterN == 1 &&
+                             !kBandsA && !kBandsC && !kSplitK && !kStreamK && !kGrouped && !kEpiDirect && !kBlockScale),
+              "ping-pong consumers: a plain GEMM (no hooks, bands, split-K, stream-K, grouping, block scales or "
+              "cluster along N) with two consumers and the staged epilogue");
+
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kAccRegs = kBN / 2;                           // fp32 accumulators per consumer thread
+constexpr int kMmaAccRegs = kBN / 2;                        // fp32 accumulators of one m64 row block per thread
+constexpr int kAccRegs = kMmaAccRegs * kRowBlocks;          // fp32 accumulators per consumer thread
+// Consumer warpgroups that read (and release) each ring stage: all (cooperative), or the tile's own (ping-pong).
+constexpr int kStageReaders = kPingPong ? 1 : kConsumers;
+// Ping-pong's order barriers: named barriers kPingPongBar + wg (1 + wg are the hook 3 warpgroup barriers).
+constexpr u32 kPingPongBar = 3;
 
 constexpr u32 kTileABytes = kBM * kBK * kInBytes;           // 16 KiB for BM = 128
 constexpr u32 kTileBBytes = kBN * kBK * kInBytes;           // 32 KiB for BN = 256
 constexpr u32 kStageBytes = kTileABytes + kTileBBytes;      // TMA transaction bytes per stage
 constexpr u32 kBAtomBytes = 64 * kBK * kInBytes;            // MN-major B: one 64-column slab (8 KiB)
 
-// C staging: per consumer, [kBN / kCCols column slabs][64 rows][128 B], 128B-swizzled, so that the
+// C staging: per consumer, [kBN / kCCols column slabs][its rows][128 B], 128B-swizzled, so that the
 // fragment writes from registers are bank-conflict free and the layout matches the TMA store box.
 constexpr int kCCols = 128 / kOutBytes;                     // columns per 128-byte slab
-constexpr u32 kCSlabBytes = kRowsPerConsumer * 128;         // 8 KiB
+constexpr u32 kCSlabBytes = kRowsPerConsumer * 128;         // 8 KiB (ping-pong: 16 KiB)
 constexpr int kCSlabs = (kBN + kCCols - 1) / kCCols;         // the last one part-filled with a fitted width
 constexpr u32 kCConsumerBytes = kCSlabs * kCSlabBytes;
 // Shared C staging (FLUXRT_GEMM_C_SHARED=1 with 2 consumers): ONE consumer-sized region, which the
@@ -239,12 +263,14 @@ constexpr u32 kCConsumerBytes = kCSlabs * kCSlabBytes;
 static_assert(!(FLUXRT_GEMM_C_SHARED && kEpiDirect), "shared C staging needs the staged (storer-warp) epilogue");
 constexpr bool kCShared = FLUXRT_GEMM_C_SHARED != 0 && kConsumers > 1;
 constexpr int kCSlots = kCShared ? 1 : kConsumers;            // consumer-sized staging regions
-constexpr int kCTurns = kCShared ? kConsumers : 1;            // storer turns per tile = c_full/c_empty pairs
-constexpr int kConsumersPerTurn = kConsumers / kCTurns;
+// Ping-pong: one barrier pair per consumer, one turn per tile (the tile's consumer's); with shared staging the
+// token passes between the consumers tile by tile.
+constexpr int kCTurns = (kCShared || kPingPong) ? kConsumers : 1;   // c_full/c_empty pairs (turns per tile)
+constexpr int kConsumersPerTurn = kPingPong ? 1 : kConsumers / kCTurns;
 constexpr int kTurnRows = kConsumersPerTurn * kRowsPerConsumer;
 constexpr u32 kCBytes = kEpiDirect ? 0u : kCSlots * kCConsumerBytes;
 // Consumer wg: its storer turn (index of its c_full / c_empty pair) and its staging region.
-__host__ __device__ constexpr int c_turn_of(int wg) { return kCShared ? wg : 0; }
+__host__ __device__ constexpr int c_turn_of(int wg) { return (kCShared || kPingPong) ? wg : 0; }
 __host__ __device__ constexpr int c_slot_of(int wg) { return kCShared ? 0 : wg; }
 
 // Register split (setmaxnreg): the producer warpgroup keeps few, the math warpgroups get the rest of
@@ -268,6 +294,7 @@ static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && 
                                   !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, fitted tile "
               "width, hooks or bands)");
+static_assert(!(kPingPong && kFitN), "ping-pong consumers: tile N 64, 128, 192 or 256");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
 static_assert(kStages >= 2, "at least a double-buffered ring");
 static_assert(kBN % kCCols == 0 || kFitN, "C staging slabs");

@@ -160,18 +160,28 @@ struct BlockScale {
 using Scale = Select<kBlockScale, BlockScale,
                      Select<kTensorScale, Select<kGrouped, GroupTensorScale, TensorScale>::type, NoScale>::type>::type;
 
-// One K block's MMAs: the kBK / kWgmmaK wgmma of the stage at a_base / b_base into acc; the first of a tile
-// (accumulate false) computes D = A*B, the rest D += A*B. The caller fences before and commits after.
+// The accumulators of wgmma row block rb (rows [64 rb, 64 rb + 64) of the consumer's rows): a view, no copy.
+__device__ __forceinline__ float (&row_block(float (&acc)[kAccRegs], int rb))[kMmaAccRegs] {
+    return *reinterpret_cast<float(*)[kMmaAccRegs]>(&acc[rb * kMmaAccRegs]);
+}
+
+// One K block's MMAs: the kBK / kWgmmaK wgmma steps of the stage at a_base / b_base into acc, each one wgmma per
+// row block (ping-pong: two, sharing B's descriptor); the first of a tile (accumulate false) computes D = A*B, the
+// rest D += A*B. The caller fences before and commits after.
 __device__ __forceinline__ void mma_k_block(float (&acc)[kAccRegs], u32 a_base, u32 b_base, bool accumulate) {
     // The stage's descriptors once; each k16 step adds its byte offset >> 4 to the start-address field (no carry
     // out of it: shared memory ends below 256 KiB), one add instead of rebuilding the descriptor per wgmma.
+    // A row block is 64 rows of 128 bytes further: whole 1024-byte swizzle atoms, so the same add applies.
     const u64 da0 = desc_kmajor(a_base);
     const u64 db0 = kBKMajor ? desc_kmajor(b_base) : desc_mnmajor(b_base, kBAtomBytes);
 #pragma unroll
     for (int kk = 0; kk < kBK / kWgmmaK; ++kk) {
         const u64 da = da0 + desc_step(kk * kWgmmaK * kInBytes);
         const u64 db = db0 + desc_step(kBKMajor ? kk * kWgmmaK * kInBytes : kk * kWgmmaK * 128u);
-        TileMma::run(acc, da, db, (accumulate || kk > 0) ? 1 : 0);
+#pragma unroll
+        for (int rb = 0; rb < kRowBlocks; ++rb)
+            TileMma::run(row_block(acc, rb), da + desc_step(rb * kMmaRows * kBK * kInBytes), db,
+                         (accumulate || kk > 0) ? 1 : 0);
     }
 }
 
@@ -263,6 +273,63 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
             reg_fence(acc);
             if (k_blocks > 0) release_stage(sm.bars_empty + 8 * prev_stage, tid);
         }
+        scale.finish(acc);
+        epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
+    }
+    epilogue.after_tiles(sched);
+}
+
+// Ping-pong consumer (FLUXRT_GEMM_PINGPONG): consumer wg computes whole tiles, this CTA's tiles i = wg, wg + 2, ...
+// of the schedule. The loader fills the ring with every tile's K blocks in schedule order, so tile i's blocks
+// occupy ring positions [i * k_blocks, (i + 1) * k_blocks): the consumer starts each tile at its position's stage
+// and phase, skipping the other consumer's blocks, and releases only the stages it read (empty[s] expects one
+// consumer per writing CTA). While one consumer stages its tile, the other's MMAs keep the tensor cores busy.
+// Order barrier: consumer wg starts tile i's main loop only once the other consumer has passed every full-barrier
+// wait of tile i - 1 (named barrier kPingPongBar + wg: the other arrives, wg syncs; an arrival only where the
+// waiter has that tile, so none is left pending at exit). Two reasons:
+//   1. correctness: a barrier's parity names its phase only within one phase. Skipping the other consumer's
+//      blocks, wg could wait on a stage whose previous fill (the other's block) has not happened yet and read
+//      that earlier phase as its own. Once every earlier ring position has been waited on, each stage wg waits
+//      on is at most one phase from its own fill.
+//   2. the MMAs of one tile are issued together, so the tile finishes (and its epilogue starts) as early as it can.
+// Kept apart from run_consumer so that every other configuration compiles to the instructions it had.
+template <class Epilogue, class ScaleT>
+__device__ __forceinline__ void run_consumer_pingpong(const Schedule& sched, int K, int wg, const ConsumerSmem& sm,
+                                                      Epilogue& epilogue, ScaleT scale) {
+    static_assert(!ScaleT::kPerTile, "ping-pong: no per-tile scales");
+    const int tid = threadIdx.x & 127;
+    const int k_blocks = (K + kBK - 1) / kBK;
+    float acc[kAccRegs];
+    typename Epilogue::ConsumerState es = epilogue.consumer_state(wg);
+    int i = wg;   // this CTA's tile index
+    for (int t = sched.first + wg * sched.stride; t < sched.end(); t += kConsumers * sched.stride, i += kConsumers) {
+        if (i > 0) named_bar_sync(kPingPongBar + wg, 256);   // the other consumer passed tile i - 1's waits
+        const u32 pos = (u32)i * (u32)k_blocks;   // ring position of the tile's first K block
+        int stage = (int)(pos % kStages);
+        u32 phase = (pos / kStages) & 1u;
+        int prev_stage = 0;
+        const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
+        for (int kb = 0; kb < k_blocks; ++kb) {
+            mbar_wait(sm.bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
+            wgmma_fence();  // accumulator registers written before (epilogue reads, previous MMAs) -> wgmma
+            mma_k_block(acc, sm.smem + kOffA + stage * kTileABytes, sm.smem + kOffB + stage * kTileBBytes, kb > 0);
+            wgmma_commit();
+            epilogue.after_k_block(tile, kb, k_blocks, wg, tid);
+            if (kb > 0) {   // the previous K block's group retired: its stage goes back to the loader
+                wgmma_wait<1>();
+                release_stage(sm.bars_empty + 8 * prev_stage, tid);
+            }
+            prev_stage = stage;
+            if (++stage == kStages) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        // tile i + 1 (the other consumer's) may start: every wait of tile i is behind us
+        if (t + sched.stride < sched.end()) named_bar_arrive(kPingPongBar + (wg ^ 1), 256);
+        wgmma_wait<0>();  // all MMAs of the tile retired: accumulators final
+        reg_fence(acc);
+        if (k_blocks > 0) release_stage(sm.bars_empty + 8 * prev_stage, tid);
         scale.finish(acc);
         epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
     }

@@ -224,15 +224,18 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[kAccRegs], int wg,
     c_phase ^= 1;
     char* c_base = sm.generic + kOffC + c_slot_of(wg) * kCConsumerBytes;
 #pragma unroll
-    for (int g = 0; g < kBN / 8; ++g) {
+    for (int rb = 0; rb < kRowBlocks; ++rb) {   // ping-pong: the tile's two row blocks
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = warp * 16 + (lane >> 2) + 8 * h;
-            const int col = g * 8 + (lane & 3) * 2;
-            const float v0 = acc[4 * g + 2 * h], v1 = acc[4 * g + 2 * h + 1];
-            char* p = c_base + c_stage_offset(row, col);
-            if constexpr (FLUXRT_GEMM_OUT == 2) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-            else *reinterpret_cast<u32*>(p) = Out16::pack2(v0, v1);
+        for (int g = 0; g < kBN / 8; ++g) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = rb * kMmaRows + warp * 16 + (lane >> 2) + 8 * h;
+                const int col = g * 8 + (lane & 3) * 2;
+                const float v0 = acc[rb * kMmaAccRegs + 4 * g + 2 * h], v1 = acc[rb * kMmaAccRegs + 4 * g + 2 * h + 1];
+                char* p = c_base + c_stage_offset(row, col);
+                if constexpr (FLUXRT_GEMM_OUT == 2) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+                else *reinterpret_cast<u32*>(p) = Out16::pack2(v0, v1);
+            }
         }
     }
     fence_proxy_async_smem();  // generic st.shared above -> visible to the TMA store (async proxy)
@@ -274,7 +277,8 @@ struct StagedEpilogue {
     RowChunks chunks;
 
     __device__ __forceinline__ ConsumerState consumer_state(int wg) const {
-        return ConsumerState{c_turn_of(wg) == 0 ? 0u : 1u};   // see the parities at stage_tile
+        // see the parities at stage_tile; ping-pong with a staging region per consumer: each its own pair, no token
+        return ConsumerState{kCShared && c_turn_of(wg) != 0 ? 1u : 0u};
     }
     __device__ __forceinline__ Tile begin_tile(const Schedule&, int) const { return Tile{}; }
     __device__ __forceinline__ void after_k_block(const Tile&, int, int, int, int) const {}
@@ -593,6 +597,43 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
     if (lane == 0) bulk_wait_all();  // the last stores are complete before the CTA retires
 }
 
+
+// Ping-pong storer (FLUXRT_GEMM_PINGPONG, TmaStoreEpilogue): this CTA's tile i is consumer k = i % 2's, staged in
+// k's region (or the shared one) and announced on c_full[k], whose j-th completion (parity j & 1) is k's j-th tile.
+// Once read, the region goes back: to k itself on c_empty[k] (a region per consumer), or, passing the token, to the
+// other consumer on c_empty[k ^ 1] (shared staging; parities at stage_tile). Each tile leaves in 64-row boxes (C's
+// tensor map), two per 128-byte column slab.
+template <class Epilogue>
+__device__ __forceinline__ void run_storer_pingpong(const Schedule& sched, const Epilogue& epilogue, u32 smem,
+                                                    u32 bar_c_full, u32 bar_c_empty) {
+    const int lane = threadIdx.x & 31;
+    u32 phases = 0;   // bit k: parity of consumer k's next c_full completion
+    int k = 0;
+    for (int t = sched.first; t < sched.end(); t += sched.stride) {
+        int m_tile, n_tile;
+        const bool real = sched.tile(t, m_tile, n_tile);   // a phantom tile (cluster pairs) is not stored
+        mbar_wait(bar_c_full + 8 * k, (phases >> k) & 1u);  // acquire: consumer k's staging writes are visible
+        phases ^= 1u << k;
+        if (lane == 0) {
+            if (real) {
+                const StoreTarget d = epilogue.target(m_tile * kBM, 0);
+                const u32 src = smem + kOffC + c_slot_of(k) * kCConsumerBytes;
+#pragma unroll
+                for (int j = 0; j < kCSlabs; ++j)
+#pragma unroll
+                    for (int rb = 0; rb < kRowBlocks; ++rb)
+                        tma_store_2d(d.map, src + j * kCSlabBytes + rb * kMmaRows * 128u, n_tile * kBN + j * kCCols,
+                                     d.y0 + rb * kMmaRows);
+                bulk_commit();
+                bulk_wait_read_all();   // staging has been read: it may be overwritten
+            }
+            mbar_arrive(bar_c_empty + 8 * (kCShared ? k ^ 1 : k));
+        }
+        __syncwarp();
+        k ^= 1;
+    }
+    if (lane == 0) bulk_wait_all();  // the last stores are complete before the CTA retires
+}
 
 // Stream-K storer (FLUXRT_GEMM_STREAM_K, TmaStoreEpilogue): run_storer's protocol over this CTA's work units,
 // skipping the pieces that went to the partials (all but a tile's last: the consumers staged nothing) and, with a

@@ -14,7 +14,8 @@
 //                                           into the tile's chunk destination (a peer's buffer), then
 //                                           a per-tile flag (grouped with hook 2: the warp's lanes store
 //                                           each row to its home rank, then count the rows there)
-//   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile, [hook 3: + other
+//   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile (ping-pong: on every row
+//                                           of every other tile), [hook 3: + other
 //                                           sources' partials of the tile], then registers -> C staging smem;
 //                                           [hook 3 tail: after its last tile, each warp reduces 16-row
 //                                           slabs of the reduced chunk, claimed one at a time]
@@ -152,7 +153,7 @@ fluxrt_gemm(const __grid_constant__ Params p) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bars_full + 8 * s, 1);               // the loader's arrive.expect_tx
-            mbar_init(bars_empty + 8 * s, kConsumers * kStageWriters);  // per consumer WG of the CTAs it writes
+            mbar_init(bars_empty + 8 * s, kStageReaders * kStageWriters);  // per reading consumer WG of the CTAs it writes
         }
         for (int k = 0; k < kCTurns; ++k) {
             mbar_init(bar_c_full + 8 * k, 128 * kConsumersPerTurn);  // every thread of the turn's consumers
@@ -189,7 +190,9 @@ fluxrt_gemm(const __grid_constant__ Params p) {
                     run_loader(sched, p.gemm.k, mainloop, &p.gemm.tmap_b, chunks, smem, bars_full, bars_empty);
             }
         } else if (warp == 1) {
-            if constexpr (kStreamK)
+            if constexpr (kPingPong)
+                run_storer_pingpong(sched, epilogue, smem, bar_c_full, bar_c_empty);
+            else if constexpr (kStreamK)
                 run_storer_stream_k(sched, StreamK::of(sched, p.gemm, p.stream_k, p.timeout), epilogue, smem,
                                     bar_c_full, bar_c_empty);
             else if constexpr (!kEpiDirect)
@@ -208,6 +211,8 @@ fluxrt_gemm(const __grid_constant__ Params p) {
             run_consumer(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr), KSlices::of(p.gemm, chunks));
         else if constexpr (kStreamK)
             run_consumer_stream_k(sched, StreamK::of(sched, p.gemm, p.stream_k, p.timeout), wg, sm, epilogue);
+        else if constexpr (kPingPong)
+            run_consumer_pingpong(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr));
         else
             run_consumer(sched, p.gemm.k, wg, sm, epilogue, make_scale(p, (Scale*)nullptr));
     }

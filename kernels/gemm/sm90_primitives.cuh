@@ -198,6 +198,11 @@ __device__ __forceinline__ void named_bar_sync(u32 id, u32 threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Arrive on a named barrier without waiting (the waiters bar.sync it; `threads` counts both sides).
+__device__ __forceinline__ void named_bar_arrive(u32 id, u32 threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // bar.sync with an AND over the threads' predicates (bar.red.and.pred): the named barrier and a vote.
 __device__ __forceinline__ bool named_bar_and(u32 id, u32 threads, bool pred) {
     u32 all;

@@ -531,6 +531,14 @@ COMPILE_CONFIGS = [
      False),
     (GemmPlan(cluster=2, cluster_n=2, block_n=128, stages=6, epilogue="direct"), "float16", "float16", True, False,
      False),
+    # ping-pong consumers (whole tiles alternating between the consumers: two wgmma row blocks each)
+    (GemmPlan(block_n=128, stages=5, pingpong=True), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=128, stages=5, pingpong=True), "float16", "float16", False, False, False),
+    (GemmPlan(block_n=192, stages=4, c_staging="shared", pingpong=True), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=64, stages=8, pingpong=True, cluster=2), "float16", "float16", True, False, False),
+    (GemmPlan(block_n=128, stages=3, pingpong=True), "bfloat16", "float32", False, False, False),
+    (GemmPlan(block_n=128, stages=6, c_staging="shared", cluster=2, pingpong=True), "bfloat16", "bfloat16", False,
+     False, False),
 ]
 
 
@@ -559,7 +567,7 @@ def _cubin_u32(data: bytes, name: str) -> int:
                                        f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
                                        f"{f'x{c[0].cluster_n}' if c[0].cluster_n > 1 else ''}-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
                                        f"{f'-r{int(c[6])}' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}"
-                                       f"{f'-bands{c[8]}' if c[8:] else ''}{'-sk' if c[0].stream_k else ''}")
+                                       f"{f'-bands{c[8]}' if c[8:] else ''}{'-sk' if c[0].stream_k else ''}{'-pp' if c[0].pingpong else ''}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:

@@ -142,6 +142,9 @@ FP8_COMPILE = [
     (GemmPlan(block_n=64, block_k=128, stages=6, cluster=2), "float8_e5m2", None, "float16", "block"),
     (GemmPlan(block_k=128, stages=4, c_staging="shared", cluster=2), "float8_e4m3fn", None, "bfloat16", "tensor"),
     (GemmPlan(block_k=128, stages=4, epilogue="direct"), "float8_e4m3fn", None, "float16", "tensor"),
+    (GemmPlan(block_n=128, block_k=128, stages=5, pingpong=True), "float8_e4m3fn", None, "bfloat16", "tensor"),
+    (GemmPlan(block_n=192, block_k=128, stages=4, c_staging="shared", cluster=2, pingpong=True), "float8_e4m3fn",
+     "float8_e5m2", "float16", "none"),
 ]
 
 

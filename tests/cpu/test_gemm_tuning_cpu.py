@@ -740,12 +740,39 @@ def test_plan_descriptions_parse_back_to_their_plans():
     for m, n, k, trans_b in ((8192, 8192, 8192, True), (461, 9128, 13208, True), (1024, 1024, 6144, False),
                              (256, 4096, 6144, True), (4096, 1280, 8192, False)):
         plans.update(candidates(m, n, k, "bfloat16", trans_b=trans_b))
-    plans.update({GemmPlan(order="hilbert", epilogue="direct", stages=4), GemmPlan(cluster_n=2, block_n=64, stages=8)})
+    plans.update({GemmPlan(order="hilbert", epilogue="direct", stages=4), GemmPlan(cluster_n=2, block_n=64, stages=8),
+                  GemmPlan(block_n=128, stages=6, c_staging="shared", cluster=2, pingpong=True)})
     assert len(plans) > 40
     assert {p.split_k > 1 for p in plans} == {True, False} and any(p.stream_k for p in plans)
     assert any(p.fitted_n for p in plans) and any(p.cluster_n == 2 for p in plans)
     for p in plans:
         assert GemmPlan.parse(p.describe()) == dataclasses.replace(p, m_tile_offset=0, max_ctas=None), p.describe()
-    for bad in ("128x256 s3", "128x256x64 s3 grouped/g16 epi=tma x1 k2 sk", "big", ""):
+    assert GemmPlan.parse("128x128x128 s5 grouped/g16 epi=tma x1 pp").pingpong
+    for bad in ("128x256 s3", "128x256x64 s3 grouped/g16 epi=tma x1 k2 sk", "128x256x64 s3 grouped/g16 epi=tma x1 ppp",
+                "big", ""):
         with pytest.raises(ValueError, match="not a GemmPlan description"):
             GemmPlan.parse(bad)
+
+
+def test_pingpong_plans_validate_and_size_their_staging():
+    """Ping-pong plans: a whole tile of C staging per consumer (or one shared region), two barrier pairs, the
+    FLUXRT_GEMM_PINGPONG macro only where on (other configurations keep their macros), and the refusals."""
+    from fluxrt.gemm.kernel import kernel_defines
+    from fluxrt.gemm.plan import max_stages
+
+    pp = GemmPlan(block_n=128, stages=5, pingpong=True).validate("bfloat16")
+    coop = GemmPlan(block_n=128, stages=5)
+    assert pp.c_turns == 2 and coop.c_turns == 1
+    assert pp.c_staging_bytes("bfloat16") == 2 * 128 * 2 * 128 == 2 * coop.c_staging_bytes("bfloat16")
+    shared = GemmPlan(block_n=128, stages=6, c_staging="shared", pingpong=True)
+    assert shared.c_staging_bytes("bfloat16") == 128 * 2 * 128
+    assert shared.smem_bytes("bfloat16") == 6 * 256 * 128 + 128 * 256 + 8 * (2 * 6 + 2 * 2) + 1024
+    d = dict(kernel_defines(pp, "bfloat16", "bfloat16", True))
+    assert d["FLUXRT_GEMM_PINGPONG"] == "1" and d["FLUXRT_GEMM_C_SHARED"] == "0"
+    assert dict(kernel_defines(shared, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_C_SHARED"] == "1"
+    assert "FLUXRT_GEMM_PINGPONG" not in dict(kernel_defines(coop, "bfloat16", "bfloat16", True))
+    assert max_stages(128, 128, "bfloat16", pingpong=True) == 5 < max_stages(128, 128, "bfloat16")
+    for bad in (dict(block_n=256), dict(block_n=160), dict(consumers=1, block_m=64), dict(stream_k=True),
+                dict(split_k=2), dict(epilogue="direct"), dict(cluster_n=2)):
+        with pytest.raises(ValueError, match="pingpong"):
+            dataclasses.replace(GemmPlan(block_n=128, stages=4, pingpong=True), **bad).validate("bfloat16")

@@ -1028,3 +1028,96 @@ def test_stream_k_sanitize_small(cluster, staging):
     gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=12,
                                                         cluster=cluster, c_staging=staging))
     assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
+
+
+# --- ping-pong consumers (GemmPlan.pingpong: whole tiles alternating between the two consumers) ---------------------
+PINGPONG_CASES = [  # (M, N, K, plan): tails in M, N and K; K shorter than one stage; ring positions that wrap mid-tile
+    (1000, 1000, 1000, GemmPlan(block_n=128, stages=5, pingpong=True)),
+    (1000, 1000, 1000, GemmPlan(block_n=192, stages=4, c_staging="shared", pingpong=True)),
+    (777, 1032, 200, GemmPlan(block_n=128, stages=5, pingpong=True, max_ctas=2)),   # 4 K blocks, 28 tiles per CTA
+    (777, 1032, 200, GemmPlan(block_n=64, stages=6, c_staging="shared", pingpong=True, max_ctas=3)),
+    (257, 136, 48, GemmPlan(block_n=128, stages=5, pingpong=True)),                 # K < one K block
+    (1400, 1160, 328, GemmPlan(block_n=128, stages=3, pingpong=True, max_ctas=5)),  # K % 64 == 8, odd tiles per CTA
+    # clusters of 2 along M (B multicast): both CTAs' consumers release each stage; 3 M tiles leave a phantom
+    (300, 520, 3000, GemmPlan(block_n=128, stages=5, cluster=2, pingpong=True)),
+    (1000, 1000, 456, GemmPlan(block_n=128, stages=6, c_staging="shared", cluster=2, pingpong=True, max_ctas=6)),
+]
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", range(len(PINGPONG_CASES)))
+def test_pingpong_matches_float64_and_reruns_bitwise(case, dtype, trans_b):
+    m, n, k, plan = PINGPONG_CASES[case]
+    rng = np.random.default_rng(m * 13 + n * 7 + k + case)
+    a = rand_matrix(rng, (m, k), dtype)
+    b = rand_matrix(rng, (n, k) if trans_b else (k, n), dtype)
+    da, db = to_device(a), to_device(b)
+    out = poisoned((m, n), dtype)
+    gemm(da, db, out, trans_b=trans_b, plan=plan)
+    assert rel_err(out, reference(a, b, trans_b)) < TOL[dtype], plan.describe()
+    again = poisoned((m, n), dtype)
+    gemm(da, db, again, trans_b=trans_b, plan=plan)
+    assert bool((out.view(cupy.uint8) == again.view(cupy.uint8)).all()), plan.describe()
+
+
+def test_pingpong_fp32_out_and_cooperative_agree():
+    """fp32 output (128 KiB of staging per consumer at 128x128: 3 stages); every element equal to the cooperative
+    plan's (the same MMAs in the same K order per element)."""
+    m, n, k = 1000, 900, 1000
+    rng = np.random.default_rng(21)
+    a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
+    da, db = to_device(a), to_device(b)
+    pp = GemmPlan(block_n=128, stages=max_stages(128, 128, "float32", pingpong=True), pingpong=True)
+    out = poisoned((m, n), "float32")
+    gemm(da, db, out, trans_b=True, plan=pp)
+    assert rel_err(out, reference(a, b, True)) < TOL["float32"], pp.describe()
+    coop = poisoned((m, n), "float32")
+    gemm(da, db, coop, trans_b=True, plan=GemmPlan(block_n=128, stages=4))
+    assert bool((out == coop).all())
+
+
+def test_pingpong_in_a_cuda_graph_replays():
+    m, n, k = 1000, 1000, 600
+    plan = GemmPlan(block_n=128, stages=5, pingpong=True)
+    rng = np.random.default_rng(22)
+    b = to_device(rand_matrix(rng, (n, k), "bfloat16"))
+    a = cupy.empty((m, k), dtype=BF16)
+    out = poisoned((m, n), "bfloat16")
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        a.set(rand_matrix(rng, (m, k), "bfloat16"), stream=s)
+        gemm(a, b, out, trans_b=True, plan=plan, stream=s)   # compile and cache the launch outside the capture
+        s.begin_capture()
+        gemm(a, b, out, trans_b=True, plan=plan, stream=s)
+        graph = s.end_capture()
+        for i in range(2):
+            a_host = rand_matrix(rng, (m, k), "bfloat16")
+            a.set(a_host, stream=s)
+            out.view(cupy.uint16).fill(NAN_BITS["bfloat16"])
+            graph.launch(s)
+            s.synchronize()
+            assert rel_err(out, reference(a_host, cupy.asnumpy(b), True)) < TOL["bfloat16"], i
+
+
+def test_pingpong_refuses_hooks():
+    a = cupy.zeros((256, 512), dtype=BF16)
+    b = cupy.zeros((512, 256), dtype=BF16)
+    flags = cupy.zeros((2,), dtype=cupy.uint64)
+    with pytest.raises(GemmArgumentError, match="pingpong"):
+        gemm_with_hooks(a, b, cupy.empty((256, 256), dtype=BF16), plan=GemmPlan(block_n=128, stages=5, pingpong=True),
+                        wait=ArrivalWait(flags=flags, epoch=1, chunk_rows=128, err=0))
+
+
+@pytest.mark.parametrize("staging", ["per_consumer", "shared"])
+@pytest.mark.parametrize("cluster", [1, 2], ids=["x1", "x2"])
+def test_pingpong_sanitize_small(cluster, staging):
+    """A small case for compute-sanitizer memcheck / racecheck: 3 x 3 tiles on 2 CTAs (or one pair), K of 3 blocks
+    on a 2-stage ring (positions wrap inside a tile), tails in M, N and K; a phantom tile with the cluster."""
+    m, n, k = 300, 264, 168
+    plan = GemmPlan(block_n=128, stages=2, c_staging=staging, cluster=cluster, pingpong=True, max_ctas=2)
+    rng = np.random.default_rng(23)
+    a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
+    out = poisoned((m, n), "bfloat16")
+    gemm(to_device(a), to_device(b), out, trans_b=True, plan=plan)
+    assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"], plan.describe()

@@ -118,14 +118,19 @@ PLANS = [
     GemmPlan(block_k=128, epilogue="direct", stages=4),
     GemmPlan(block_k=128, c_staging="shared", stages=4),
     GemmPlan(block_k=128, max_ctas=3),
+    # ping-pong consumers (whole tiles alternating between the consumers), both stagings, a cluster, few CTAs
+    GemmPlan(block_k=128, block_n=128, stages=5, pingpong=True),
+    GemmPlan(block_k=128, block_n=192, stages=4, c_staging="shared", pingpong=True),
+    GemmPlan(block_k=128, block_n=128, stages=5, cluster=2, pingpong=True),
+    GemmPlan(block_k=128, block_n=64, stages=8, pingpong=True, max_ctas=3),
 ]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=[p.describe().replace(" ", "_") for p in PLANS])
 @pytest.mark.parametrize("scale", ["tensor", "block"])
 def test_plans(plan, scale):
-    if scale == "block" and plan.block_n > 128:
-        with pytest.raises(GemmArgumentError, match="block_n in"):
+    if scale == "block" and (plan.block_n > 128 or plan.pingpong):
+        with pytest.raises(GemmArgumentError, match="block_n in" if plan.block_n > 128 else "pingpong"):
             run_case(136, 136, 256, scale=scale, plan=plan)
         return
     run_case(1000, 776, 1040, scale=scale, plan=plan, seed=3)
@@ -211,8 +216,23 @@ def test_autotune_fp8(tmp_path, monkeypatch):
     assert rel_err(out, reference(a8, b8, "block", sa, sb)) < TOL["bfloat16"]
 
 
+# Short K (3 K blocks) over many tiles per CTA: each consumer's ring positions skip the other's blocks across
+# the ring's wrap, on every stage count; an odd number of tiles per CTA leaves consumer 1 one tile fewer.
+@pytest.mark.parametrize("plan", [GemmPlan(block_k=128, block_n=128, stages=s, pingpong=True, max_ctas=c)
+                                  for s, c in ((2, 3), (4, 5), (5, 2))] +
+                         [GemmPlan(block_k=128, block_n=128, stages=6, c_staging="shared", pingpong=True, max_ctas=4),
+                          GemmPlan(block_k=128, block_n=128, stages=5, cluster=2, pingpong=True, max_ctas=6)],
+                         ids=lambda p: p.describe().replace(" ", "_") + f"_ctas{p.max_ctas}")
+def test_pingpong_short_k_many_tiles_per_cta(plan):
+    run_case(1400, 1160, 320, scale="tensor", plan=plan, seed=12)
+
+
 # Small cases for compute-sanitizer (memcheck, racecheck): one per new kernel configuration.
-@pytest.mark.parametrize("scale", ["none", "tensor", "block"])
+@pytest.mark.parametrize("scale", ["none", "tensor", "block", "tensor-pingpong"])
 def test_sanitize_small(scale):
+    if scale == "tensor-pingpong":   # 2 x 2 tiles on 2 CTAs (cluster pair): each consumer one tile, a phantom
+        run_case(200, 192, 400, scale="tensor", seed=11, plan=GemmPlan(block_k=128, block_n=128, stages=2,
+                                                                       cluster=2, pingpong=True, max_ctas=2))
+        return
     run_case(200, 192, 272, scale=scale, plan=dataclasses.replace(
         fp8_heuristic_plan(200, 192, 272, scale=scale), max_ctas=2), seed=11)
