@@ -35,12 +35,9 @@ def parse_shape(s: str) -> tuple[int, int, int]:
 
 
 def describe(plan) -> str:
-    """One-line plan text of the table and the JSON rows. The C staging mode shows as a suffix of the
-    epilogue ("epi=tma/shared"); per-consumer staging (the default) keeps the older "epi=tma"."""
-    staging = "/shared" if plan.c_staging == "shared" else ""
-    return (f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.stages} {plan.order}"
-            f"{'/g' + str(plan.group_m) if plan.order == 'grouped' else ''} epi={plan.epilogue}{staging}"
-            f" x{plan.cluster}{f'x{plan.cluster_n}' if plan.cluster_n > 1 else ''}")
+    """One-line plan text of the table and the JSON rows: GemmPlan.describe (C staging as a suffix of the epilogue,
+    "epi=tma/shared"; split-K, stream-K and ping-pong as " k<n>", " sk", " pp")."""
+    return plan.describe()
 
 
 def idle_hook_runs(plan, m, n, trans_b, dtype) -> dict:

@@ -32,8 +32,9 @@ stream_k       True: the tiles of the last one or two waves are cut into K range
                others' fp32 partials in piece order (deterministic, one launch)
 pingpong       True (FLUXRT_GEMM_PINGPONG=1; 2 consumers, a plain GEMM with the 'tma' epilogue, tile width 64,
                128 or 192): each consumer computes whole tiles, the CTA's tiles alternating between them, so one
-               consumer's epilogue runs beside the other's MMAs (short K); 128 x block_n accumulators per
-               consumer, and twice the C staging of 'per_consumer' (the same as one 64-row region x 2 with 'shared')
+               consumer's epilogue runs beside the other's MMAs (short K); a whole 128 x block_n tile of
+               accumulators per consumer warpgroup (block_n per thread), and twice the C staging of 'per_consumer'
+               (one tile-sized region per consumer; 'shared': one, taken in turns)
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ ROW_BYTES = 128                    # bytes of K per stage row, both input widths
 SMEM_LIMIT_BYTES = 232448          # 227 KiB: the opt-in maximum dynamic shared memory per block on H100/H200
 SMEM_ALIGN_BYTES = 1024            # the kernel aligns its base to a 128B-swizzle atom
 MAX_STAGES = 8
-PINGPONG_BLOCK_N = (64, 128, 192)   # ping-pong tile widths: 128 x block_n fp32 accumulators per consumer thread fit
+PINGPONG_BLOCK_N = (64, 128, 192)   # ping-pong tile widths: block_n fp32 accumulators per consumer thread fit
 H100_H200_SMS = 132
 BLOCK_NS = (256, 192, 128, 64)     # wgmma N of the tile widths the kernel instantiates
 ORDERS = ("grouped", "hilbert")
@@ -115,7 +116,7 @@ class GemmPlan:
         if self.pingpong and (self.consumers != 2 or self.epilogue != "tma" or self.split_k > 1 or self.stream_k
                               or self.cluster_n != 1 or self.block_n not in PINGPONG_BLOCK_N):
             raise ValueError(f"GemmPlan.pingpong needs 2 consumers, epilogue='tma', no split-K or stream-K, cluster_n=1 "
-                             f"and a tile width in {PINGPONG_BLOCK_N} (128 x block_n accumulators per consumer)")
+                             f"and a tile width in {PINGPONG_BLOCK_N} (block_n fp32 accumulators per consumer thread)")
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m != 64 * self.consumers:

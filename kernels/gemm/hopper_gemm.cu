@@ -22,8 +22,10 @@
 //
 // Pipeline objects (all in shared memory):
 //   full[s]   loader -> math    stage s holds A,B of one K block   (1 arrival + TMA transaction bytes)
-//   empty[s]  math -> loader    stage s may be overwritten         (1 arrival per consumer WG)
-//   c_full    math -> storer    C staging holds a finished tile     (every consumer thread arrives)
+//   empty[s]  math -> loader    stage s may be overwritten         (1 arrival per consumer WG that read it,
+//                                                                    per CTA writing it; ping-pong: the tile's one)
+//   c_full    math -> storer    C staging holds a finished tile     (every thread of the turn's consumers;
+//                                                                    ping-pong: one pair per consumer)
 //   c_empty   storer -> math    C staging may be overwritten        (1 arrival, storer lane 0)
 //   With FLUXRT_GEMM_C_SHARED=1 the consumers share one staging region and take turns: one c_full[c] /
 //   c_empty[c] pair per consumer c, passing a single token (kCTurns in config.cuh, stage_tile in

@@ -142,6 +142,8 @@ def test_bench_describe_shows_c_staging():
     spec.loader.exec_module(mod)
     assert mod.describe(GemmPlan()) == "128x256x64 s3 grouped/g16 epi=tma x1"      # as in earlier results
     assert mod.describe(GemmPlan(stages=4, c_staging="shared", cluster=2)) == "128x256x64 s4 grouped/g16 epi=tma/shared x2"
+    assert mod.describe(GemmPlan(block_n=128, stages=5, pingpong=True)) == "128x128x64 s5 grouped/g16 epi=tma x1 pp"
+    assert mod.describe(GemmPlan(stream_k=True)) == "128x256x64 s3 grouped/g16 epi=tma x1 sk"
 
 
 @pytest.mark.parametrize("mt,nt", [(1, 1), (3, 5), (64, 32), (7, 1), (1, 9), (17, 13)])
@@ -584,6 +586,7 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     assert b"fluxrt_gemm" in data
     assert len(data) > 10_000
     assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)   # a wait after every wgmma
+    _assert_no_spills(cubin)
     # the kernel's own layout constants agree with the planner's (launch size and dynamic smem)
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, shard_copy=hooks["hook_copy"])
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
@@ -595,6 +598,22 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     assert _cubin_u32(data, "fluxrt_gemm_params_bytes") == PARAMS.itemsize
     if in_dt in ("bfloat16", "float16"):
         _assert_uniform_descriptors(cubin)
+
+
+def _assert_no_spills(cubin) -> None:
+    """No stack and no local memory (cuobjdump -res-usage): the accumulators stay in registers (ping-pong's 128 x 192
+    tile holds 192 per thread). Needs cuobjdump (the test extra); nothing checked without it."""
+    import re
+    import subprocess
+
+    from test_toolchain import _cuobjdump
+
+    tool = _cuobjdump()
+    if tool is None:
+        return
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    found = re.findall(r"Function (\w+):\s*\n\s*REG:\d+ STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
+    assert found and all(st == "0" and lo == "0" for _, st, lo in found), res
 
 
 def _assert_uniform_descriptors(cubin) -> None:

@@ -162,6 +162,9 @@ def test_fp8_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(
         kernel_defines(plan, a_dt, out_dt, True, b_dtype=b_dt, scale=scale), arch="sm_90a"))
     assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)   # a wait after every wgmma
+    from test_gemm_cpu import _assert_no_spills
+
+    _assert_no_spills(cubin)
     data = cubin.read_bytes()
     assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt)
     assert (_cubin_u32(data, "fluxrt_gemm_block_m"), _cubin_u32(data, "fluxrt_gemm_block_n")) == \
@@ -181,3 +184,18 @@ def test_fp8_needs_b_kmajor_at_compile_time(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="K-major"):
         compile_cubin("gemm/hopper_gemm.cu", compile_options(
             kernel_defines(plan, "float8_e4m3fn", "bfloat16", False, scale="tensor"), arch="sm_90a"))
+
+
+def test_pingpong_is_for_per_tensor_scales_and_the_autotuner_only():
+    """Block scales refuse a ping-pong plan before any launch; the fp8 heuristic never returns one (not in the cost
+    model); the per-tensor candidates include them."""
+    from fluxrt.gemm.fp8 import check_plan
+
+    a, b, sa, sb = fp8_args(scale="block")
+    prob = validate_fp8_args(a, b, fp8_format="e4m3", scale_a=sa, scale_b=sb)
+    with pytest.raises(GemmArgumentError, match="pingpong"):
+        check_plan(GemmPlan(block_n=128, block_k=128, stages=5, pingpong=True), prob)
+    for m, n, k in ((16384, 8192, 1024), (4096, 12288, 1536), (1024, 1024, 1024), (8192, 8192, 8192)):
+        for scale in ("tensor", "block"):
+            assert not fp8_heuristic_plan(m, n, k, scale=scale).pingpong
+    assert any(p.pingpong for p in fp8_plans(4096, "tensor")) and not any(p.pingpong for p in fp8_plans(4096, "block"))

@@ -1031,15 +1031,16 @@ def test_stream_k_sanitize_small(cluster, staging):
 
 
 # --- ping-pong consumers (GemmPlan.pingpong: whole tiles alternating between the two consumers) ---------------------
-PINGPONG_CASES = [  # (M, N, K, plan): tails in M, N and K; K shorter than one stage; ring positions that wrap mid-tile
-    (1000, 1000, 1000, GemmPlan(block_n=128, stages=5, pingpong=True)),
-    (1000, 1000, 1000, GemmPlan(block_n=192, stages=4, c_staging="shared", pingpong=True)),
-    (777, 1032, 200, GemmPlan(block_n=128, stages=5, pingpong=True, max_ctas=2)),   # 4 K blocks, 28 tiles per CTA
-    (777, 1032, 200, GemmPlan(block_n=64, stages=6, c_staging="shared", pingpong=True, max_ctas=3)),
-    (257, 136, 48, GemmPlan(block_n=128, stages=5, pingpong=True)),                 # K < one K block
-    (1400, 1160, 328, GemmPlan(block_n=128, stages=3, pingpong=True, max_ctas=5)),  # K % 64 == 8, odd tiles per CTA
+PINGPONG_CASES = [  # (M, N, K, plan): tails in M, N and K; K shorter than one stage; ring positions that wrap mid-tile.
+    # Every case gives a CTA at least 3 tiles (max_ctas), so both consumers, the order barriers and both staging turns run.
+    (1000, 1000, 1000, GemmPlan(block_n=128, stages=5, pingpong=True, max_ctas=8)),    # 64 tiles: 8 per CTA
+    (1000, 1000, 1000, GemmPlan(block_n=192, stages=4, c_staging="shared", pingpong=True, max_ctas=7)),  # 48: 7 or 6
+    (777, 1032, 200, GemmPlan(block_n=128, stages=5, pingpong=True, max_ctas=2)),   # 4 K blocks, 63 tiles: 32 and 31
+    (777, 1032, 200, GemmPlan(block_n=64, stages=6, c_staging="shared", pingpong=True, max_ctas=3)),   # 119: 40, 40, 39
+    (257, 136, 48, GemmPlan(block_n=128, stages=5, pingpong=True, max_ctas=2)),     # K < one K block; 6 tiles: 3 each
+    (1400, 1160, 328, GemmPlan(block_n=128, stages=3, pingpong=True, max_ctas=4)),  # K % 64 == 8; 110 tiles: 28, 28, 27, 27
     # clusters of 2 along M (B multicast): both CTAs' consumers release each stage; 3 M tiles leave a phantom
-    (300, 520, 3000, GemmPlan(block_n=128, stages=5, cluster=2, pingpong=True)),
+    (300, 520, 3000, GemmPlan(block_n=128, stages=5, cluster=2, pingpong=True, max_ctas=4)),   # 10 items: 5 per pair
     (1000, 1000, 456, GemmPlan(block_n=128, stages=6, c_staging="shared", cluster=2, pingpong=True, max_ctas=6)),
 ]
 
@@ -1062,13 +1063,13 @@ def test_pingpong_matches_float64_and_reruns_bitwise(case, dtype, trans_b):
 
 
 def test_pingpong_fp32_out_and_cooperative_agree():
-    """fp32 output (128 KiB of staging per consumer at 128x128: 3 stages); every element equal to the cooperative
-    plan's (the same MMAs in the same K order per element)."""
+    """fp32 output (64 KiB of staging per consumer at 128x128: 3 stages), 8 tiles per CTA; every element equal to the
+    cooperative plan's (the same MMAs in the same K order per element)."""
     m, n, k = 1000, 900, 1000
     rng = np.random.default_rng(21)
     a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
     da, db = to_device(a), to_device(b)
-    pp = GemmPlan(block_n=128, stages=max_stages(128, 128, "float32", pingpong=True), pingpong=True)
+    pp = GemmPlan(block_n=128, stages=max_stages(128, 128, "float32", pingpong=True), pingpong=True, max_ctas=8)
     out = poisoned((m, n), "float32")
     gemm(da, db, out, trans_b=True, plan=pp)
     assert rel_err(out, reference(a, b, True)) < TOL["float32"], pp.describe()
@@ -1079,7 +1080,7 @@ def test_pingpong_fp32_out_and_cooperative_agree():
 
 def test_pingpong_in_a_cuda_graph_replays():
     m, n, k = 1000, 1000, 600
-    plan = GemmPlan(block_n=128, stages=5, pingpong=True)
+    plan = GemmPlan(block_n=128, stages=5, pingpong=True, max_ctas=8)   # 8 tiles per CTA
     rng = np.random.default_rng(22)
     b = to_device(rand_matrix(rng, (n, k), "bfloat16"))
     a = cupy.empty((m, k), dtype=BF16)

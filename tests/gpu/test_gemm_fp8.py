@@ -118,10 +118,11 @@ PLANS = [
     GemmPlan(block_k=128, epilogue="direct", stages=4),
     GemmPlan(block_k=128, c_staging="shared", stages=4),
     GemmPlan(block_k=128, max_ctas=3),
-    # ping-pong consumers (whole tiles alternating between the consumers), both stagings, a cluster, few CTAs
-    GemmPlan(block_k=128, block_n=128, stages=5, pingpong=True),
-    GemmPlan(block_k=128, block_n=192, stages=4, c_staging="shared", pingpong=True),
-    GemmPlan(block_k=128, block_n=128, stages=5, cluster=2, pingpong=True),
+    # ping-pong consumers (whole tiles alternating between the consumers), both stagings, a cluster; few CTAs, so
+    # that each has several tiles (1000 x 776: 56 tiles of 128x128, 40 of 128x192, 28 pairs)
+    GemmPlan(block_k=128, block_n=128, stages=5, pingpong=True, max_ctas=9),
+    GemmPlan(block_k=128, block_n=192, stages=4, c_staging="shared", pingpong=True, max_ctas=7),
+    GemmPlan(block_k=128, block_n=128, stages=5, cluster=2, pingpong=True, max_ctas=6),
     GemmPlan(block_k=128, block_n=64, stages=8, pingpong=True, max_ctas=3),
 ]
 
@@ -230,8 +231,8 @@ def test_pingpong_short_k_many_tiles_per_cta(plan):
 # Small cases for compute-sanitizer (memcheck, racecheck): one per new kernel configuration.
 @pytest.mark.parametrize("scale", ["none", "tensor", "block", "tensor-pingpong"])
 def test_sanitize_small(scale):
-    if scale == "tensor-pingpong":   # 2 x 2 tiles on 2 CTAs (cluster pair): each consumer one tile, a phantom
-        run_case(200, 192, 400, scale="tensor", seed=11, plan=GemmPlan(block_k=128, block_n=128, stages=2,
+    if scale == "tensor-pingpong":   # 3 x 2 tiles on one cluster pair: a phantom M tile, two items per consumer
+        run_case(300, 192, 400, scale="tensor", seed=11, plan=GemmPlan(block_k=128, block_n=128, stages=2,
                                                                        cluster=2, pingpong=True, max_ctas=2))
         return
     run_case(200, 192, 272, scale=scale, plan=dataclasses.replace(
