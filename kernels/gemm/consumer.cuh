@@ -193,6 +193,25 @@ struct ConsumerSmem {
     u32 bar_c_full, bar_c_empty;   // the pair of this consumer's storer turn (c_turn_of(wg))
 };
 
+// One K block of a consumer's main loop with one wgmma group kept in flight: wait for the stage's bytes, issue its
+// MMAs into acc (the first K block of a tile overwrites), run `between` (the epilogue's per-K-block work), then, once
+// the previous K block's group has retired, give that block's stage (prev_stage) back to the loader. The caller
+// releases the tile's last stage after wgmma_wait<0>.
+template <class Between>
+__device__ __forceinline__ void mma_step(float (&acc)[kAccRegs], const ConsumerSmem& sm, int stage, u32 phase,
+                                         int prev_stage, int kb, u32 a_rows_offset, int tid, Between between) {
+    mbar_wait(sm.bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
+    wgmma_fence();  // accumulator registers written before (epilogue reads, previous MMAs) -> wgmma
+    mma_k_block(acc, sm.smem + kOffA + stage * kTileABytes + a_rows_offset, sm.smem + kOffB + stage * kTileBBytes,
+                kb > 0);
+    wgmma_commit();
+    between();
+    if (kb > 0) {   // the previous K block's group retired: its stage's smem is no longer read by the tensor cores
+        wgmma_wait<1>();
+        release_stage(sm.bars_empty + 8 * prev_stage, tid);
+    }
+}
+
 // One consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile of the schedule, then hands
 // the accumulators to the epilogue (Epilogue::store), which the mainloop calls back once per K block
 // (Epilogue::after_k_block, for work that overlaps the MMAs).
@@ -233,10 +252,10 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 s_next = s_after;
                 if (kb + 2 < k_blocks) s_after = scale.load(kb + 2);
             }
-            mbar_wait(sm.bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
-            const u32 a_base = sm.smem + kOffA + stage * kTileABytes + a_rows_offset;
-            const u32 b_base = sm.smem + kOffB + stage * kTileBBytes;
             if constexpr (kBlockScale) {
+                mbar_wait(sm.bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
+                const u32 a_base = sm.smem + kOffA + stage * kTileABytes + a_rows_offset;
+                const u32 b_base = sm.smem + kOffB + stage * kTileBBytes;
                 // The K block's product in its own registers; once retired, its stage goes back to the
                 // loader and the product is scaled into acc (the other consumer's MMAs run meanwhile).
                 float part[kAccRegs];
@@ -251,16 +270,8 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 release_stage(sm.bars_empty + 8 * stage, tid);
                 scale.promote(acc, part, s);
             } else {
-                wgmma_fence();  // accumulator registers written before (epilogue reads, previous MMAs) -> wgmma
-                mma_k_block(acc, a_base, b_base, kb > 0);
-                wgmma_commit();
-                epilogue.after_k_block(tile, kb, k_blocks, wg, tid);
-                // Keep one group in flight: when the previous K block's group has retired, its stage's
-                // smem is no longer read by the tensor cores and goes back to the loader.
-                if (kb > 0) {
-                    wgmma_wait<1>();
-                    release_stage(sm.bars_empty + 8 * prev_stage, tid);
-                }
+                mma_step(acc, sm, stage, phase, prev_stage, kb, a_rows_offset, tid,
+                         [&] { epilogue.after_k_block(tile, kb, k_blocks, wg, tid); });
             }
             prev_stage = stage;
             if (++stage == kStages) {
@@ -310,15 +321,8 @@ __device__ __forceinline__ void run_consumer_pingpong(const Schedule& sched, int
         int prev_stage = 0;
         const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
         for (int kb = 0; kb < k_blocks; ++kb) {
-            mbar_wait(sm.bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
-            wgmma_fence();  // accumulator registers written before (epilogue reads, previous MMAs) -> wgmma
-            mma_k_block(acc, sm.smem + kOffA + stage * kTileABytes, sm.smem + kOffB + stage * kTileBBytes, kb > 0);
-            wgmma_commit();
-            epilogue.after_k_block(tile, kb, k_blocks, wg, tid);
-            if (kb > 0) {   // the previous K block's group retired: its stage goes back to the loader
-                wgmma_wait<1>();
-                release_stage(sm.bars_empty + 8 * prev_stage, tid);
-            }
+            mma_step(acc, sm, stage, phase, prev_stage, kb, 0u, tid,
+                     [&] { epilogue.after_k_block(tile, kb, k_blocks, wg, tid); });
             prev_stage = stage;
             if (++stage == kStages) {
                 stage = 0;
@@ -407,8 +411,9 @@ __device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const Str
     return true;
 }
 
-// Stream-K consumer (FLUXRT_GEMM_STREAM_K): run_consumer's main loop (16-bit inputs: no scales) over this CTA's
-// work units, then stream_k_fixup; a finished tile goes to the epilogue as in run_consumer. Kept apart from
+// Stream-K consumer (FLUXRT_GEMM_STREAM_K): run_consumer's main loop (16-bit inputs: no scales; written out rather
+// than through mma_step, with which NVRTC schedules this loop differently) over this CTA's work units, then
+// stream_k_fixup; a finished tile goes to the epilogue as in run_consumer. Kept apart from
 // run_consumer so that every other configuration compiles to the instructions it had.
 template <class Epilogue>
 __device__ __forceinline__ void run_consumer_stream_k(const Schedule& sched, const StreamK& sk, int wg,
