@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import statistics
 import threading

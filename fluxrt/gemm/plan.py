@@ -212,9 +212,9 @@ class GemmPlan:
         if self.epilogue == "direct":
             return 0
         slabs = -(-self.block_n * _bytes_of(out_dtype) // 128)   # 128-byte column slabs, the last part-filled
-        if self.pingpong:   # a whole tile per consumer region: one region (shared) or one per consumer
-            return self.block_m * (1 if self.c_staging == "shared" else self.consumers) * slabs * 128
-        return self.block_m // self.c_turns * slabs * 128
+        rows = self.block_m if self.pingpong else 64   # one consumer's rows of a tile (kRowsPerConsumer)
+        regions = 1 if self.c_staging == "shared" else self.consumers   # kCSlots
+        return regions * rows * slabs * 128
 
     def smem_bytes(self, out_dtype: str = "bfloat16", shard_copy: bool = False, grouped: bool = False) -> int:
         """Dynamic shared memory of the kernel; shard_copy: with GEMM hook 4 (its copier's buffer of one

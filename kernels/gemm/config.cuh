@@ -294,7 +294,7 @@ static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && 
                                   !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, fitted tile "
               "width, hooks or bands)");
-static_assert(!(kPingPong && kFitN), "ping-pong consumers: tile N 64, 128, 192 or 256");
+static_assert(!(kPingPong && kFitN), "ping-pong consumers: tile N 64, 128 or 192");
 static_assert(!kPingPong || kBN <= 192, "ping-pong consumers: kBN fp32 accumulators per thread, kBN <= 192 "
                                         "(256 spills and serialises the wgmma)");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");

@@ -920,9 +920,9 @@ STREAM_K_CASES = [  # (M, N, K, plan): tails in M, N and K; few tiles cut into m
 ]
 
 
-def _check_stream_k(m, n, k, plan, trans_b, dtype, out_dtype, seed):
-    """A stream-K plan against float64, and the same bits on a second and third call (the partials are added in K
-    order; the counters reset themselves)."""
+def _check_float64_and_reruns(m, n, k, plan, trans_b, dtype, out_dtype, seed):
+    """A plan against float64, and the same bits on a second and third call (stream-K: the partials are added in K
+    order and the counters reset themselves; ping-pong: the ring positions and barrier parities start over)."""
     rng = np.random.default_rng(seed)
     a = rand_matrix(rng, (m, k), dtype)
     b = rand_matrix(rng, (n, k) if trans_b else (k, n), dtype)
@@ -941,7 +941,7 @@ def _check_stream_k(m, n, k, plan, trans_b, dtype, out_dtype, seed):
 @pytest.mark.parametrize("case", range(len(STREAM_K_CASES)))
 def test_stream_k_matches_float64_and_reruns_bitwise(case, trans_b, dtype, out_dtype):
     m, n, k, plan = STREAM_K_CASES[case]
-    _check_stream_k(m, n, k, plan, trans_b, dtype, out_dtype, m * 17 + n * 3 + k)
+    _check_float64_and_reruns(m, n, k, plan, trans_b, dtype, out_dtype, m * 17 + n * 3 + k)
 
 
 def test_stream_k_fp32_out_counts_every_k_block_once():
@@ -958,13 +958,10 @@ def test_stream_k_fp32_out_counts_every_k_block_once():
         assert bool((out == k).all()), (m, n, k, plan.describe())
 
 
-@pytest.mark.parametrize("cluster", [1, 2], ids=["x1", "x2"])
-def test_stream_k_in_a_cuda_graph_replays(cluster):
-    """Captured once, replayed three times with new inputs in between: the counters the finishing CTAs reset make
-    every replay complete and equal to an eager call."""
-    m, n, k = 256, 2048, 6144
-    rng = np.random.default_rng(9)
-    plan = GemmPlan(stream_k=True, cluster=cluster)
+def _check_graph_replays(m, n, k, plan, seed, replays=3):
+    """Captured once (B [N, K], bf16), replayed with new inputs in between: every replay matches float64 and an
+    eager call bit for bit."""
+    rng = np.random.default_rng(seed)
     a = to_device(rand_matrix(rng, (m, k), "bfloat16"))
     b = to_device(rand_matrix(rng, (n, k), "bfloat16"))
     out = poisoned((m, n), "bfloat16")
@@ -974,7 +971,7 @@ def test_stream_k_in_a_cuda_graph_replays(cluster):
         s.begin_capture()
         gemm(a, b, out, trans_b=True, plan=plan, stream=s)
         graph = s.end_capture()
-        for i in range(3):
+        for i in range(replays):
             a_host = rand_matrix(rng, (m, k), "bfloat16")
             a.set(a_host, stream=s)
             out.view(cupy.uint16).fill(NAN_BITS["bfloat16"])
@@ -984,6 +981,12 @@ def test_stream_k_in_a_cuda_graph_replays(cluster):
             s.synchronize()
             assert rel_err(out, reference(a_host, cupy.asnumpy(b), True)) < TOL["bfloat16"], i
             assert bool((out.view(cupy.uint16) == eager.view(cupy.uint16)).all()), i
+
+
+@pytest.mark.parametrize("cluster", [1, 2], ids=["x1", "x2"])
+def test_stream_k_in_a_cuda_graph_replays(cluster):
+    """The counters the finishing CTAs reset make every replay complete and equal to an eager call."""
+    _check_graph_replays(256, 2048, 6144, GemmPlan(stream_k=True, cluster=cluster), seed=9)
 
 
 def test_stream_k_calls_of_several_shapes_share_a_stream():
@@ -1050,16 +1053,7 @@ PINGPONG_CASES = [  # (M, N, K, plan): tails in M, N and K; K shorter than one s
 @pytest.mark.parametrize("case", range(len(PINGPONG_CASES)))
 def test_pingpong_matches_float64_and_reruns_bitwise(case, dtype, trans_b):
     m, n, k, plan = PINGPONG_CASES[case]
-    rng = np.random.default_rng(m * 13 + n * 7 + k + case)
-    a = rand_matrix(rng, (m, k), dtype)
-    b = rand_matrix(rng, (n, k) if trans_b else (k, n), dtype)
-    da, db = to_device(a), to_device(b)
-    out = poisoned((m, n), dtype)
-    gemm(da, db, out, trans_b=trans_b, plan=plan)
-    assert rel_err(out, reference(a, b, trans_b)) < TOL[dtype], plan.describe()
-    again = poisoned((m, n), dtype)
-    gemm(da, db, again, trans_b=trans_b, plan=plan)
-    assert bool((out.view(cupy.uint8) == again.view(cupy.uint8)).all()), plan.describe()
+    _check_float64_and_reruns(m, n, k, plan, trans_b, dtype, dtype, m * 13 + n * 7 + k + case)
 
 
 def test_pingpong_fp32_out_and_cooperative_agree():
@@ -1079,26 +1073,8 @@ def test_pingpong_fp32_out_and_cooperative_agree():
 
 
 def test_pingpong_in_a_cuda_graph_replays():
-    m, n, k = 1000, 1000, 600
     plan = GemmPlan(block_n=128, stages=5, pingpong=True, max_ctas=8)   # 8 tiles per CTA
-    rng = np.random.default_rng(22)
-    b = to_device(rand_matrix(rng, (n, k), "bfloat16"))
-    a = cupy.empty((m, k), dtype=BF16)
-    out = poisoned((m, n), "bfloat16")
-    s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        a.set(rand_matrix(rng, (m, k), "bfloat16"), stream=s)
-        gemm(a, b, out, trans_b=True, plan=plan, stream=s)   # compile and cache the launch outside the capture
-        s.begin_capture()
-        gemm(a, b, out, trans_b=True, plan=plan, stream=s)
-        graph = s.end_capture()
-        for i in range(2):
-            a_host = rand_matrix(rng, (m, k), "bfloat16")
-            a.set(a_host, stream=s)
-            out.view(cupy.uint16).fill(NAN_BITS["bfloat16"])
-            graph.launch(s)
-            s.synchronize()
-            assert rel_err(out, reference(a_host, cupy.asnumpy(b), True)) < TOL["bfloat16"], i
+    _check_graph_replays(1000, 1000, 600, plan, seed=22, replays=2)
 
 
 def test_pingpong_refuses_hooks():
