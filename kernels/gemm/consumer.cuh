@@ -39,6 +39,19 @@ FLUXRT_GEMM_MMA_NS(1, 1, k16_f16)
 FLUXRT_GEMM_MMA_NS_FIT(0, k16_bf16)
 FLUXRT_GEMM_MMA_NS_FIT(1, k16_f16)
 #undef FLUXRT_GEMM_MMA_NS_FIT
+// fp8: the fitted widths from 144 (wgmma_ops.cuh has no narrower fp8 ones)
+#define FLUXRT_GEMM_MMA_NS_FIT8(IN_ID, INB_ID, T)             \
+    FLUXRT_GEMM_MMA(144, IN_ID, INB_ID, wgmma_m64n144##T)     \
+    FLUXRT_GEMM_MMA(160, IN_ID, INB_ID, wgmma_m64n160##T)     \
+    FLUXRT_GEMM_MMA(176, IN_ID, INB_ID, wgmma_m64n176##T)     \
+    FLUXRT_GEMM_MMA(208, IN_ID, INB_ID, wgmma_m64n208##T)     \
+    FLUXRT_GEMM_MMA(224, IN_ID, INB_ID, wgmma_m64n224##T)     \
+    FLUXRT_GEMM_MMA(240, IN_ID, INB_ID, wgmma_m64n240##T)
+FLUXRT_GEMM_MMA_NS_FIT8(2, 2, k32_e4m3_e4m3)
+FLUXRT_GEMM_MMA_NS_FIT8(2, 3, k32_e4m3_e5m2)
+FLUXRT_GEMM_MMA_NS_FIT8(3, 2, k32_e5m2_e4m3)
+FLUXRT_GEMM_MMA_NS_FIT8(3, 3, k32_e5m2_e5m2)
+#undef FLUXRT_GEMM_MMA_NS_FIT8
 FLUXRT_GEMM_MMA_NS(2, 2, k32_e4m3_e4m3)
 FLUXRT_GEMM_MMA_NS(2, 3, k32_e4m3_e5m2)
 FLUXRT_GEMM_MMA_NS(3, 2, k32_e5m2_e4m3)

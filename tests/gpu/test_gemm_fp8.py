@@ -124,6 +124,10 @@ PLANS = [
     GemmPlan(block_k=128, block_n=192, stages=4, c_staging="shared", pingpong=True, max_ctas=7),
     GemmPlan(block_k=128, block_n=128, stages=5, cluster=2, pingpong=True, max_ctas=6),
     GemmPlan(block_k=128, block_n=64, stages=8, pingpong=True, max_ctas=3),
+    # fitted widths: N = 776 leaves a part-filled last tile column (176: 4 x 176 + 72; 144: 5 x 144 + 56)
+    GemmPlan(block_k=128, block_n=176, stages=4, c_staging="shared", pingpong=True),
+    GemmPlan(block_k=128, block_n=144, stages=5, c_staging="shared", pingpong=True, max_ctas=5),
+    GemmPlan(block_k=128, block_n=240, stages=3),
 ]
 
 
