@@ -205,6 +205,8 @@ def test_pingpong_is_for_per_tensor_scales_and_the_autotuner_only():
         for scale in ("tensor", "block"):
             assert not fp8_heuristic_plan(m, n, k, scale=scale).pingpong
     assert any(p.pingpong for p in fp8_plans(4096, "tensor")) and not any(p.pingpong for p in fp8_plans(4096, "block"))
+
+
 def test_fp8_fitted_widths_are_planned_and_checked():
     """fp8 plans include the fitted ping-pong tiles (not with block scales); fitted widths without an fp8 wgmma are
     refused before any launch."""
