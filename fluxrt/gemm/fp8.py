@@ -29,8 +29,8 @@ from .checks import Fp8Problem, _ptr, validate_fp8_args
 from .launch_cache import MISS, LaunchCache, array_key
 from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
-from .plan import FP8_BLOCK_K, FP8_SCALE_BLOCK, ITEMSIZE, GemmPlan, fp8_heuristic_plan
-from .tmaps import order_table, tensor_map
+from .plan import FP8_BLOCK_K, FP8_FIT_WIDTHS, FP8_SCALE_BLOCK, ITEMSIZE, GemmPlan, fp8_heuristic_plan
+from .tmaps import order_table, tensor_map, tensor_map_nd
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -41,9 +41,11 @@ def check_plan(plan: GemmPlan, prob: Fp8Problem) -> None:
     if plan.block_k != FP8_BLOCK_K:
         raise GemmArgumentError(f"gemm: an fp8 plan has block_k={FP8_BLOCK_K} (one 128-byte row), got {plan.block_k}"
                                 " (fluxrt.gemm.plan.fp8_plans lists them)")
-    if plan.split_k > 1 or plan.stream_k or plan.fitted_n or plan.cluster_n > 1:
-        raise GemmArgumentError("gemm: fp8 GEMMs have no split-K, stream-K, cluster_n=2 or fitted-width (block_n not a "
-                                f"multiple of 64) plans, got {plan.describe()}")
+    if plan.split_k > 1 or plan.stream_k or plan.cluster_n > 1:
+        raise GemmArgumentError(f"gemm: fp8 GEMMs have no split-K, stream-K or cluster_n=2 plans, got {plan.describe()}")
+    if plan.fitted_n and plan.block_n not in FP8_FIT_WIDTHS:
+        raise GemmArgumentError(f"gemm: fp8 fitted widths (block_n not a multiple of 64) are {FP8_FIT_WIDTHS}, got "
+                                f"{plan.block_n}")
     if prob.scale == "block" and FP8_SCALE_BLOCK % plan.block_n:
         raise GemmArgumentError(f"gemm: block-scaled fp8 needs block_n in (64, 128) (a tile inside one "
                                 f"{FP8_SCALE_BLOCK}-column scale block, and room for the promotion's registers), "
@@ -121,6 +123,11 @@ def prepare(a, b, out, *, fp8_format, scale_a, scale_b, plan: GemmPlan | None, o
         params = gemm_params(tmap_a=tmap_a, tmap_b=tmap_b, tmap_c=tmap_c, order_table=_ptr(table), c_direct=c_direct,
                              m=m, n=n, k=k, group_m=plan.group_m, m_tile_offset=plan.m_tile_offset % mt,
                              chunk_rows=0, chunks_per_peer=1)
+        if plan.fitted_n and plan.epilogue == "tma":   # C as [M][N / block_n][block_n] for the inner tile columns
+            isz = ITEMSIZE[prob.out_dtype]
+            params["fit"]["tmap_c_tiles"] = tensor_map_nd(out.data.ptr, prob.out_dtype,
+                                                          (plan.block_n, max(1, n // plan.block_n), m),
+                                                          (plan.block_n * isz, n * isz), (c_cols, 1, 64))
         s = params["scale"]
         s["a"], s["b"], s["k_blocks"] = _ptr(sa), _ptr(sb), prob.k_blocks
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan

@@ -51,7 +51,9 @@ ROW_BYTES = 128                    # bytes of K per stage row, both input widths
 SMEM_LIMIT_BYTES = 232448          # 227 KiB: the opt-in maximum dynamic shared memory per block on H100/H200
 SMEM_ALIGN_BYTES = 1024            # the kernel aligns its base to a 128B-swizzle atom
 MAX_STAGES = 8
-PINGPONG_BLOCK_N = (64, 128, 192)   # ping-pong tile widths: block_n fp32 accumulators per consumer thread fit
+# ping-pong tile widths: block_n fp32 accumulators per consumer thread fit (the fitted ones: B [N, K])
+PINGPONG_BLOCK_N = (64, 128, 144, 160, 176, 192)
+FP8_FIT_WIDTHS = (144, 160, 176, 208, 224, 240)   # fitted widths with fp8 wgmma (kernels/gemm/gen_wgmma.py NS_FP8)
 H100_H200_SMS = 132
 BLOCK_NS = (256, 192, 128, 64)     # wgmma N of the tile widths the kernel instantiates
 ORDERS = ("grouped", "hilbert")
@@ -724,6 +726,11 @@ def replace(plan: GemmPlan, **changes) -> GemmPlan:
 
 # --- fp8 ---------------------------------------------------------------------------------------------
 
+# Ping-pong tiles of the fitted widths for fp8 (B is always [N, K]): cuBLASLt's fp8 kernel on short-K shapes runs
+# 128 x 176 ping-pong tiles (`gemm-pingpong-study-*`). Shared staging: per-consumer staging leaves 3 stages.
+FP8_PINGPONG_FIT_TILES = (144, 160, 176)
+
+
 def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> list[GemmPlan]:
     """The fp8 plans: every tile shape of :func:`plain_plans` with the fp8 K block (128), then (not with block
     scales) the ping-pong plans of :func:`pingpong_plans`. Block scales keep a second set of accumulators per K block
@@ -737,6 +744,11 @@ def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> lis
         out.append(dataclasses.replace(plan, block_k=FP8_BLOCK_K))
     if scale != "block":
         out += pingpong_plans(m, out_dtype, block_k=FP8_BLOCK_K)
+        if m > 64:
+            for bn in FP8_PINGPONG_FIT_TILES:
+                stages = min(max_stages(128, bn, out_dtype, c_staging="shared", pingpong=True), 6)
+                out.append(GemmPlan(block_m=128, block_n=bn, block_k=FP8_BLOCK_K, stages=stages, c_staging="shared",
+                                    pingpong=True, group_m=max(1, min(math.ceil(m / 128), 16))))
     return out
 
 

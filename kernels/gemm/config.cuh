@@ -281,20 +281,19 @@ constexpr int kConsumerRegs = (kConsumerRegsRaw >= 240 ? 240 : kConsumerRegsRaw)
 // With one consumer (256 threads) every warp can keep the compile-time maximum: no redistribution.
 constexpr bool kRebalanceRegs = kConsumers == 2;
 
-// Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between, with B K-major (one
-// TMA box of kBN rows; MN-major B comes in 64-column slabs), 16-bit inputs, one CTA per cluster, a plain GEMM. The
+// Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between (fp8: from 144), with B
+// K-major (one TMA box of kBN rows; MN-major B comes in 64-column slabs), one CTA per cluster, a plain GEMM. The
 // staged epilogue stores the part-filled last slab of an inner tile column through FitArgs' map (params.cuh).
 constexpr bool kFitN = kBN % 64 != 0;
 static_assert(kBN % 16 == 0 && kBN >= 64 && kBN <= 256, "tile N: a multiple of 16 from 64 to 256");
-static_assert(!kFitN || (kBKMajor && !kFp8 && kCluster == 1 && !kGrouped && !kSplitK && !kStreamK && !kHookWait &&
-                         !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
-              "a tile N other than 64, 128, 192, 256 needs B K-major, 16-bit inputs, no cluster, and a plain GEMM "
+static_assert(!kFitN || (kBKMajor && !kBlockScale && kCluster == 1 && !kGrouped && !kSplitK && !kStreamK &&
+                         !kHookWait && !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
+              "a tile N other than 64, 128, 192, 256 needs B K-major, no block scales, no cluster, and a plain GEMM "
               "(no grouping, split-K, stream-K, hooks or bands)");
 static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kFitN && !kHookWait &&
                                   !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, fitted tile "
               "width, hooks or bands)");
-static_assert(!(kPingPong && kFitN), "ping-pong consumers: tile N 64, 128 or 192");
 static_assert(!kPingPong || kBN <= 192, "ping-pong consumers: kBN fp32 accumulators per thread, kBN <= 192 "
                                         "(256 spills and serialises the wgmma)");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");

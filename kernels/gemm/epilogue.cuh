@@ -621,9 +621,16 @@ __device__ __forceinline__ void run_storer_pingpong(const Schedule& sched, const
 #pragma unroll
                 for (int j = 0; j < kCSlabs; ++j)
 #pragma unroll
-                    for (int rb = 0; rb < kRowBlocks; ++rb)
-                        tma_store_2d(d.map, src + j * kCSlabBytes + rb * kMmaRows * 128u, n_tile * kBN + j * kCCols,
-                                     d.y0 + rb * kMmaRows);
+                    for (int rb = 0; rb < kRowBlocks; ++rb) {
+                        const u32 box = src + j * kCSlabBytes + rb * kMmaRows * 128u;
+                        const int y = d.y0 + rb * kMmaRows;
+                        // fitted widths: an inner tile column through the tiles' view (it clips the last slab at
+                        // the tile's kBN columns), the last one through C's own map (it clips at N)
+                        if (kFitN && n_tile + 1 < sched.n_tiles)
+                            tma_store_3d(epilogue.tmap_c_tiles, box, j * kCCols, n_tile, y);
+                        else
+                            tma_store_2d(d.map, box, n_tile * kBN + j * kCCols, y);
+                    }
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: it may be overwritten
             }

@@ -5,7 +5,7 @@ m64nNk16 / m64nNk32 with f32 accumulate), which is tedious to write by hand. Run
 python3 kernels/gemm/gen_wgmma.py
 
 16-bit inputs (bf16, f16): m64nNk16 for N of 64 to 256 in steps of 16, B K-major or MN-major (the transpose
-immediate).
+immediate). fp8: 64, 128, 192, 256 and the fitted widths from 144 (NS_FP8).
 fp8 inputs (e4m3, e5m2, any pairing of A and B): m64nNk32; PTX has no transpose for 8-bit types, so
 both operands are K-major in shared memory (the template argument must be 0).
 """
@@ -15,6 +15,8 @@ NS = (64, 128, 192, 256)
 # 16-bit only: tile widths between the multiples of 64, for tiles that fit the SMs' waves (B K-major, plain GEMMs;
 # kernels/gemm/config.cuh)
 NS_16BIT = (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+# fp8: the fitted widths from 144 up (narrower fitted tiles lose to 128 on every 16-bit shape measured)
+NS_FP8 = (64, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 TYPES = ("bf16", "f16")
 FP8 = ("e4m3", "e5m2")
 
@@ -81,7 +83,7 @@ def render() -> str:
             parts.append(emit(n, ptx_t))
     for ta in FP8:
         for tb in FP8:
-            for n in NS:
+            for n in NS_FP8:
                 parts.append(emit_fp8(n, ta, tb))
     parts.append("\n}  // namespace fluxrt_sm90\n")
     return "".join(parts)

@@ -145,6 +145,12 @@ FP8_COMPILE = [
     (GemmPlan(block_n=128, block_k=128, stages=5, pingpong=True), "float8_e4m3fn", None, "bfloat16", "tensor"),
     (GemmPlan(block_n=192, block_k=128, stages=4, c_staging="shared", cluster=2, pingpong=True), "float8_e4m3fn",
      "float8_e5m2", "float16", "none"),
+    # fitted widths (cuBLASLt's 128 x 176 ping-pong tile; the cooperative form too)
+    (GemmPlan(block_n=176, block_k=128, stages=4, c_staging="shared", pingpong=True), "float8_e4m3fn", None,
+     "bfloat16", "tensor"),
+    (GemmPlan(block_n=144, block_k=128, stages=5, c_staging="shared", pingpong=True), "float8_e5m2", "float8_e4m3fn",
+     "float16", "none"),
+    (GemmPlan(block_n=240, block_k=128, stages=3), "float8_e4m3fn", None, "bfloat16", "tensor"),
 ]
 
 
@@ -199,3 +205,20 @@ def test_pingpong_is_for_per_tensor_scales_and_the_autotuner_only():
         for scale in ("tensor", "block"):
             assert not fp8_heuristic_plan(m, n, k, scale=scale).pingpong
     assert any(p.pingpong for p in fp8_plans(4096, "tensor")) and not any(p.pingpong for p in fp8_plans(4096, "block"))
+
+
+def test_fp8_fitted_widths_are_planned_and_checked():
+    """fp8 plans include the fitted ping-pong tiles (not with block scales); fitted widths without an fp8 wgmma are
+    refused before any launch."""
+    from fluxrt.gemm.fp8 import check_plan
+    from fluxrt.gemm.plan import FP8_FIT_WIDTHS, FP8_PINGPONG_FIT_TILES, fp8_plans
+
+    widths = {p.block_n for p in fp8_plans(4096, "tensor") if p.fitted_n}
+    assert widths == set(FP8_PINGPONG_FIT_TILES) and widths <= set(FP8_FIT_WIDTHS)
+    assert all(p.pingpong and p.c_staging == "shared" for p in fp8_plans(4096, "tensor") if p.fitted_n)
+    assert not any(p.fitted_n or p.pingpong for p in fp8_plans(4096, "block"))
+    a, b, sa, sb = fp8_args(scale="tensor")
+    prob = validate_fp8_args(a, b, fp8_format="e4m3", scale_a=sa, scale_b=sb)
+    check_plan(GemmPlan(block_n=176, block_k=128, stages=4, c_staging="shared", pingpong=True), prob)
+    with pytest.raises(GemmArgumentError, match="fp8 fitted widths"):
+        check_plan(GemmPlan(block_n=112, block_k=128, stages=5), prob)

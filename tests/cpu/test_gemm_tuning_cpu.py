@@ -772,7 +772,7 @@ def test_pingpong_plans_validate_and_size_their_staging():
     assert dict(kernel_defines(shared, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_C_SHARED"] == "1"
     assert "FLUXRT_GEMM_PINGPONG" not in dict(kernel_defines(coop, "bfloat16", "bfloat16", True))
     assert max_stages(128, 128, "bfloat16", pingpong=True) == 5 < max_stages(128, 128, "bfloat16")
-    for bad in (dict(block_n=256), dict(block_n=160), dict(consumers=1, block_m=64), dict(stream_k=True),
+    for bad in (dict(block_n=256), dict(block_n=208), dict(consumers=1, block_m=64), dict(stream_k=True),
                 dict(split_k=2), dict(epilogue="direct"), dict(cluster_n=2)):
         with pytest.raises(ValueError, match="pingpong"):
             dataclasses.replace(GemmPlan(block_n=128, stages=4, pingpong=True), **bad).validate("bfloat16")

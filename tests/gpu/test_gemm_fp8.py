@@ -124,6 +124,10 @@ PLANS = [
     GemmPlan(block_k=128, block_n=192, stages=4, c_staging="shared", pingpong=True, max_ctas=7),
     GemmPlan(block_k=128, block_n=128, stages=5, cluster=2, pingpong=True, max_ctas=6),
     GemmPlan(block_k=128, block_n=64, stages=8, pingpong=True, max_ctas=3),
+    # fitted widths: N = 776 leaves a part-filled last tile column (176: 4 x 176 + 72; 144: 5 x 144 + 56)
+    GemmPlan(block_k=128, block_n=176, stages=4, c_staging="shared", pingpong=True),
+    GemmPlan(block_k=128, block_n=144, stages=5, c_staging="shared", pingpong=True, max_ctas=5),
+    GemmPlan(block_k=128, block_n=240, stages=3),
 ]
 
 
@@ -229,8 +233,12 @@ def test_pingpong_short_k_many_tiles_per_cta(plan):
 
 
 # Small cases for compute-sanitizer (memcheck, racecheck): one per new kernel configuration.
-@pytest.mark.parametrize("scale", ["none", "tensor", "block", "tensor-pingpong"])
+@pytest.mark.parametrize("scale", ["none", "tensor", "block", "tensor-pingpong", "tensor-pingpong-fitted"])
 def test_sanitize_small(scale):
+    if scale == "tensor-pingpong-fitted":   # 176 wide: 3 x 3 tiles on 2 CTAs, last column 48 wide, K 3 blocks on 2 stages
+        run_case(300, 400, 384, scale="tensor", seed=11, plan=GemmPlan(block_k=128, block_n=176, stages=2,
+                                                                       c_staging="shared", pingpong=True, max_ctas=2))
+        return
     if scale == "tensor-pingpong":   # 3 x 2 tiles on one cluster pair: a phantom M tile, two items per consumer
         run_case(300, 192, 400, scale="tensor", seed=11, plan=GemmPlan(block_k=128, block_n=128, stages=2,
                                                                        cluster=2, pingpong=True, max_ctas=2))
