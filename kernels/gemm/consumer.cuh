@@ -247,23 +247,15 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
         // Block scales: the scales of K blocks kb + 1 and kb + 2 are in flight while kb is computed (they come
         // from L2: the ring leaves little L1, and an L2 round trip is longer than one K block's MMAs).
         BlockScale::Loaded s_next{}, s_after{};
-        // Grouped: a consumer whose rows all lie past the tile's group (an expert's last, partial tile row) only
-        // waits for and releases the stages; its MMAs would compute rows the storer never stores, and skipping
-        // them gives the other consumer's MMAs the tensor cores alone (the tile takes half the MMA time).
-        bool idle = false;
-        if constexpr (ScaleT::kPerTile || kGrouped) {
+        if constexpr (ScaleT::kPerTile) {
             int m_tile, n_tile;
             sched.tile(t, m_tile, n_tile);
             const GroupTile rows = sched.rows(m_tile);   // grouped: the tile's group and first row (table)
-            if constexpr (ScaleT::kPerTile)
-                scale.begin_tile(rows.row0 + wg * kRowsPerConsumer, n_tile * kBN, rows.group, tid);
-            if constexpr (kGrouped) idle = rows.row0 + wg * kRowsPerConsumer >= rows.row_end;
+            scale.begin_tile(rows.row0 + wg * kRowsPerConsumer, n_tile * kBN, rows.group, tid);
         }
         if constexpr (kBlockScale) {
             s_next = scale.load(0);
             if (k_blocks > 1) s_after = scale.load(1);
-        }
-        if (kBlockScale || idle) {   // block scales add into acc; an idle consumer stages zeros (never stored)
 #pragma unroll
             for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
         }
@@ -273,10 +265,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 s_next = s_after;
                 if (kb + 2 < k_blocks) s_after = scale.load(kb + 2);
             }
-            if (idle) {   // nothing to read: once the stage's bytes have landed it goes back to the loader
-                mbar_wait(sm.bars_full + 8 * stage, phase);
-                release_stage(sm.bars_empty + 8 * stage, tid);
-            } else if constexpr (kBlockScale) {
+            if constexpr (kBlockScale) {
                 mbar_wait(sm.bars_full + 8 * stage, phase);  // acquire: TMA bytes of this stage have landed
                 const u32 a_base = sm.smem + kOffA + stage * kTileABytes + a_rows_offset;
                 const u32 b_base = sm.smem + kOffB + stage * kTileBBytes;
@@ -306,7 +295,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
         if constexpr (!kBlockScale) {
             wgmma_wait<0>();  // all MMAs of the tile retired: accumulators final
             reg_fence(acc);
-            if (k_blocks > 0 && !idle) release_stage(sm.bars_empty + 8 * prev_stage, tid);   // idle: released above
+            if (k_blocks > 0) release_stage(sm.bars_empty + 8 * prev_stage, tid);
         }
         scale.finish(acc);
         epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
