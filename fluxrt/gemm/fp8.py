@@ -29,7 +29,8 @@ from .checks import Fp8Problem, _ptr, validate_fp8_args
 from .launch_cache import MISS, LaunchCache, array_key
 from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
-from .plan import FP8_BLOCK_K, FP8_FIT_WIDTHS, FP8_SCALE_BLOCK, ITEMSIZE, GemmPlan, fp8_heuristic_plan
+from .plan import (FP8_BLOCK_K, FP8_BLOCK_SCALE_WIDTHS, FP8_FIT_WIDTHS, FP8_SCALE_BLOCK, ITEMSIZE, GemmPlan,
+                   fp8_heuristic_plan)
 from .tmaps import order_table, tensor_map, tensor_map_nd
 
 log = logging.getLogger("fluxrt.gemm")
@@ -46,10 +47,10 @@ def check_plan(plan: GemmPlan, prob: Fp8Problem) -> None:
     if plan.fitted_n and plan.block_n not in FP8_FIT_WIDTHS:
         raise GemmArgumentError(f"gemm: fp8 fitted widths (block_n not a multiple of 64) are {FP8_FIT_WIDTHS}, got "
                                 f"{plan.block_n}")
-    if prob.scale == "block" and FP8_SCALE_BLOCK % plan.block_n:
-        raise GemmArgumentError(f"gemm: block-scaled fp8 needs block_n in (64, 128) (a tile inside one "
-                                f"{FP8_SCALE_BLOCK}-column scale block, and room for the promotion's registers), "
-                                f"got {plan.block_n}")
+    if prob.scale == "block" and plan.block_n not in FP8_BLOCK_SCALE_WIDTHS:
+        raise GemmArgumentError(f"gemm: block-scaled fp8 needs block_n in {FP8_BLOCK_SCALE_WIDTHS} (a tile inside one "
+                                f"{FP8_SCALE_BLOCK}-column scale block or spanning two, and room for the promotion's "
+                                f"registers), got {plan.block_n}")
     if prob.scale == "block" and plan.pingpong:
         raise GemmArgumentError("gemm: block-scaled fp8 has no pingpong plans (the promotion's second set of "
                                 f"accumulators leaves no room for a whole tile per consumer), got {plan.describe()}")

@@ -44,8 +44,9 @@ from .checks import _check_matrix, _check_scale, _inspect, fp8_formats
 from .launch_cache import MISS, LaunchCache, array_key
 from .kernel import _kernel, _num_sms, kernel_defines
 from .params import gemm_params
-from .plan import (BLOCK_K, FP8_BLOCK_K, FP8_DTYPES, FP8_OUT_DTYPES, FP8_SCALE_BLOCK, H100_H200_SMS, IN_DTYPES,
-                   ITEMSIZE, MAX_GROUPS, MAX_STAGES, OUT_DTYPES, SCALE_MODES, SMEM_LIMIT_BYTES, TMA_ALIGN, GemmPlan)
+from .plan import (BLOCK_K, FP8_BLOCK_K, FP8_BLOCK_SCALE_WIDTHS, FP8_DTYPES, FP8_OUT_DTYPES, FP8_SCALE_BLOCK,
+                   H100_H200_SMS, IN_DTYPES, ITEMSIZE, MAX_GROUPS, MAX_STAGES, OUT_DTYPES, SCALE_MODES, SMEM_LIMIT_BYTES,
+                   TMA_ALIGN, GemmPlan)
 from .hooks import GroupArrival, GroupScatter
 from .tmaps import tensor_map, tensor_map_nd
 
@@ -125,10 +126,10 @@ def check_grouped_plan(plan: GemmPlan, out_dtype: str, in_dtype: str = "bfloat16
     if in_dtype in FP8_DTYPES and plan.block_k != FP8_BLOCK_K:
         raise GemmArgumentError(f"grouped_gemm: an fp8 plan has block_k={FP8_BLOCK_K} (one 128-byte row), got "
                                 f"{plan.block_k} (grouped_plan(..., in_dtype=...) gives one)")
-    if scale == "block" and FP8_SCALE_BLOCK % plan.block_n:
-        raise GemmArgumentError(f"grouped_gemm: block-scaled fp8 needs block_n in (64, 128) (a tile inside one "
-                                f"{FP8_SCALE_BLOCK}-column scale block, and room for the promotion's registers), "
-                                f"got {plan.block_n}")
+    if scale == "block" and plan.block_n not in FP8_BLOCK_SCALE_WIDTHS:
+        raise GemmArgumentError(f"grouped_gemm: block-scaled fp8 needs block_n in {FP8_BLOCK_SCALE_WIDTHS} (a tile "
+                                f"inside one {FP8_SCALE_BLOCK}-column scale block or spanning two, and room for the "
+                                f"promotion's registers), got {plan.block_n}")
     if plan.cluster_ctas != 1 or plan.order != "grouped" or plan.epilogue != "tma" or plan.split_k != 1 \
             or plan.m_tile_offset != 0 or plan.stream_k or plan.fitted_n or plan.pingpong:
         raise GemmArgumentError(f"grouped_gemm: a grouped plan needs cluster=1, order='grouped', epilogue='tma', "

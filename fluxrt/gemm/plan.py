@@ -66,6 +66,9 @@ FP8_DTYPES = tuple(FP8_FORMATS.values())
 FP8_OUT_DTYPES = ("bfloat16", "float16")
 SCALE_MODES = ("none", "tensor", "block")   # fp8 dequantisation (FLUXRT_GEMM_SCALE 0, 1, 2)
 FP8_SCALE_BLOCK = 128                      # block scales: A 1 x 128, B 128 x 128
+# block-scaled fp8 tile widths: inside one 128-column scale block of B, or 192 (a tile starts at column 0 or 64 of a
+# block and spans two; 256 would span two too, but the promotion's second set of accumulators would not fit)
+FP8_BLOCK_SCALE_WIDTHS = (64, 128, 192)
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 TMA_ALIGN = 16                     # bytes: TMA global addresses and row strides are multiples of 16
 MAX_GROUPS = 256                   # grouped GEMM: groups per call (kMaxGroups of the kernel)
@@ -734,12 +737,12 @@ FP8_PINGPONG_FIT_TILES = (144, 160, 176)
 def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> list[GemmPlan]:
     """The fp8 plans: every tile shape of :func:`plain_plans` with the fp8 K block (128), then (not with block
     scales) the ping-pong plans of :func:`pingpong_plans`. Block scales keep a second set of accumulators per K block
-    (the promotion), so their tiles are at most 128 wide (and lie in one 128-column scale block of B)."""
+    (the promotion), so their tiles are at most 192 wide (FP8_BLOCK_SCALE_WIDTHS)."""
     if scale not in SCALE_MODES:
         raise ValueError(f"unknown scale mode {scale!r} (expected one of {SCALE_MODES})")
     out = []
     for plan in plain_plans(m, out_dtype):
-        if scale == "block" and FP8_SCALE_BLOCK % plan.block_n:
+        if scale == "block" and plan.block_n not in FP8_BLOCK_SCALE_WIDTHS:
             continue
         out.append(dataclasses.replace(plan, block_k=FP8_BLOCK_K))
     if scale != "block":
@@ -762,6 +765,8 @@ def fp8_heuristic_plan(m: int, n: int, k: int, *, scale: str = "tensor", out_dty
     best = None
     for plan in fp8_plans(m, scale, out_dtype):
         if plan.pingpong:   # not in the cost model (PINGPONG_TILES): the autotuner's
+            continue
+        if scale == "block" and plan.block_n > FP8_SCALE_BLOCK:   # two scale blocks per tile: the autotuner's
             continue
         cost = tile_cost(m, n, k // 2, plan.block_m, plan.block_n, plan.cluster, num_sms)
         if best is None or cost < best[0] * 0.999:

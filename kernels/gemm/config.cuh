@@ -212,8 +212,11 @@ static_assert(kFp8 ? (FLUXRT_GEMM_IN_B == 2 || FLUXRT_GEMM_IN_B == 3) : FLUXRT_G
 static_assert(!kFp8 || kBKMajor, "fp8 wgmma reads B K-major only: B must be [N, K] (FLUXRT_GEMM_B_KMAJOR=1)");
 static_assert(kScaleMode == 0 || kFp8, "scales are for fp8 inputs");
 static_assert(kScaleMode >= 0 && kScaleMode <= 2, "scale mode 0..2");
-static_assert(!kBlockScale || (kBK == kScaleBlock && kScaleBlock % kBN == 0 && !kSplitK),
-              "block scales: one scale block per K block, tiles inside one 128-column scale block, no split-K");
+// A 192-wide tile starts at column 0 or 64 of a 128-column scale block and so spans exactly two of them.
+constexpr bool kTwoScaleCols = kBlockScale && kScaleBlock % kBN != 0;
+static_assert(!kBlockScale || (kBK == kScaleBlock && (kScaleBlock % kBN == 0 || kBN == 192) && !kSplitK),
+              "block scales: one scale block per K block, tiles inside one 128-column scale block or 192 wide "
+              "(two of them), no split-K");
 static_assert(!kSplitK || (kBandsC && !kBandsA && FLUXRT_GEMM_OUT == 2 && kCluster == 1 && !kHookWait &&
                            !kHookEpilogue), "split-K: fp32 partials into banded C, plain loads, no cluster");
 

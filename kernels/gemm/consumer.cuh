@@ -132,19 +132,24 @@ struct GroupTensorScale {
 
 // The thread's rows of the fragment (16w + l/4 and +8, clamped into A's rows: the tail rows of the last
 // tile are computed on zeros and never stored; grouped, rows past the group's end read the next group's
-// scales and are not stored either) and the tile's scale block of B (grouped: of the tile's group).
+// scales and are not stored either) and the tile's scale block of B (grouped: of the tile's group). A 192-wide
+// tile (kTwoScaleCols) has two of B's scale blocks: its columns before `split` (128 - n0 % 128: 128 or 64) in the
+// first, the rest in the second (clamped into B's blocks: columns past N are never stored).
 struct BlockScale {
     static constexpr bool kPerTile = true;
     const float* a;
     const float* b;
-    int k_blocks, m;
+    int k_blocks, m, n_blocks;
     int b_group_stride;    // grouped GEMM only
     const float* row0;     // this tile's scale rows of the thread
     const float* row1;
     const float* col;      // the tile's 128-column block of B
+    const float* col2;     // kTwoScaleCols: the next one
+    int split;             // kTwoScaleCols: the tile's first column in col2's block
 
-    static __device__ __forceinline__ BlockScale of(const ScaleArgs& s, int m) {
-        return BlockScale{s.a, s.b, s.k_blocks, m, s.b_group_stride, nullptr, nullptr, nullptr};
+    static __device__ __forceinline__ BlockScale of(const ScaleArgs& s, int m, int n) {
+        return BlockScale{s.a, s.b, s.k_blocks, m, (n + kScaleBlock - 1) / kScaleBlock, s.b_group_stride,
+                          nullptr, nullptr, nullptr, nullptr, 0};
     }
     __device__ __forceinline__ void begin_tile(int m0, int n0, int group, int tid) {
         const int r = m0 + (tid >> 5) * 16 + ((tid & 31) >> 2);
@@ -152,20 +157,42 @@ struct BlockScale {
         row1 = a + (long long)min(r + 8, m - 1) * k_blocks;
         col = b + (long long)(n0 / kScaleBlock) * k_blocks;
         if constexpr (kGrouped) col += (long long)group * b_group_stride;
+        if constexpr (kTwoScaleCols) {
+            col2 = b + (long long)min(n0 / kScaleBlock + 1, n_blocks - 1) * k_blocks;
+            if constexpr (kGrouped) col2 += (long long)group * b_group_stride;
+            split = kScaleBlock - n0 % kScaleBlock;
+        }
     }
     // A K block's scales of the thread's two rows and of the tile's columns, as loaded: they are multiplied
     // only in promote(), so that no instruction waits for the loads before the block's MMAs have retired.
     struct Loaded {
-        float row0, row1, col;
+        float row0, row1, col, col2;
     };
     __device__ __forceinline__ Loaded load(int kb) const {
-        return Loaded{__ldg(row0 + kb), __ldg(row1 + kb), __ldg(col + kb)};
+        return Loaded{__ldg(row0 + kb), __ldg(row1 + kb), __ldg(col + kb), kTwoScaleCols ? __ldg(col2 + kb) : 0.f};
     }
-    // acc += part * sa[row] * sb; fragment registers 4g + {0,1} are the thread's first row, 4g + {2,3} its row + 8.
+    // acc += part * sa[row] * sb; fragment registers 4g + {0,1} are the thread's first row, 4g + {2,3} its row + 8,
+    // all of them in columns [8g, 8g + 8) of the tile. kSplitGroup: the first 8-column group in col2's block.
+    template <int kSplitGroup>
+    __device__ __forceinline__ static void promote_split(float (&acc)[kAccRegs], const float (&part)[kAccRegs],
+                                                         float s0, float s1, float t0, float t1) {
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) {
+            const bool second = (i >> 2) >= kSplitGroup;
+            acc[i] = fmaf(part[i], (i & 2) ? (second ? t1 : s1) : (second ? t0 : s0), acc[i]);
+        }
+    }
     __device__ __forceinline__ void promote(float (&acc)[kAccRegs], const float (&part)[kAccRegs], Loaded s) const {
         const float s0 = s.row0 * s.col, s1 = s.row1 * s.col;
+        if constexpr (kTwoScaleCols) {
+            const float t0 = s.row0 * s.col2, t1 = s.row1 * s.col2;
+            // one branch per K block, uniform across the warpgroup; the scale of every register is then static
+            if (split == kScaleBlock) promote_split<kScaleBlock / 8>(acc, part, s0, s1, t0, t1);
+            else promote_split<(kScaleBlock - kBN % kScaleBlock) / 8>(acc, part, s0, s1, t0, t1);
+        } else {
 #pragma unroll
-        for (int i = 0; i < kAccRegs; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+            for (int i = 0; i < kAccRegs; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+        }
     }
     __device__ __forceinline__ void finish(float (&)[kAccRegs]) const {}
 };

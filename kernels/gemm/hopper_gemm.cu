@@ -113,7 +113,7 @@ __device__ __forceinline__ GroupTensorScale make_scale(const Params& p, GroupTen
     return GroupTensorScale::of(p.scale);
 }
 __device__ __forceinline__ BlockScale make_scale(const Params& p, BlockScale*) {
-    return BlockScale::of(p.scale, p.gemm.m);
+    return BlockScale::of(p.scale, p.gemm.m, p.gemm.n);
 }
 
 }  // namespace fluxrt_sm90

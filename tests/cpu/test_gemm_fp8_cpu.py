@@ -104,7 +104,7 @@ def test_fp8_plans():
         assert plans and all(p.block_k == FP8_BLOCK_K and p.split_k == 1 for p in plans)
         # the same 128-byte rows as 16-bit plans: the same shared memory
         assert all(p.smem_bytes() == GemmPlan(**{**p.__dict__, "block_k": 64}).smem_bytes() for p in plans)
-    assert {p.block_n for p in fp8_plans(4096, "block")} == {64, 128}
+    assert {p.block_n for p in fp8_plans(4096, "block")} == {64, 128, 192}
     big = fp8_heuristic_plan(8192, 8192, 8192)
     assert (big.block_m, big.block_n, big.block_k) == (128, 256, 128)
     assert fp8_heuristic_plan(8192, 8192, 8192, scale="block").block_n == 128
@@ -140,6 +140,9 @@ FP8_COMPILE = [
     (GemmPlan(block_m=64, consumers=1, block_n=128, block_k=128, stages=6), "float8_e4m3fn", "float8_e5m2",
      "bfloat16", "block"),
     (GemmPlan(block_n=64, block_k=128, stages=6, cluster=2), "float8_e5m2", None, "float16", "block"),
+    # 192-wide block-scaled tiles: B's scales of two 128-column blocks per tile
+    (GemmPlan(block_n=192, block_k=128, stages=4), "float8_e4m3fn", None, "bfloat16", "block"),
+    (GemmPlan(block_n=192, block_k=128, stages=4, cluster=2), "float8_e4m3fn", "float8_e5m2", "float16", "block"),
     (GemmPlan(block_k=128, stages=4, c_staging="shared", cluster=2), "float8_e4m3fn", None, "bfloat16", "tensor"),
     (GemmPlan(block_k=128, stages=4, epilogue="direct"), "float8_e4m3fn", None, "float16", "tensor"),
     (GemmPlan(block_n=128, block_k=128, stages=5, pingpong=True), "float8_e4m3fn", None, "bfloat16", "tensor"),

@@ -18,7 +18,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 pytestmark = pytest.mark.hopper   # skipped off Hopper, with the reason (conftest.py)
 
 from fluxrt.gemm import GemmArgumentError, GemmTypeError, autotune, gemm  # noqa: E402
-from fluxrt.gemm.plan import GemmPlan, fp8_heuristic_plan  # noqa: E402
+from fluxrt.gemm.plan import FP8_BLOCK_SCALE_WIDTHS, GemmPlan, fp8_heuristic_plan  # noqa: E402
 
 from gemm_checks import TOL, poisoned, rand_fp8  # noqa: E402
 
@@ -128,14 +128,19 @@ PLANS = [
     GemmPlan(block_k=128, block_n=176, stages=4, c_staging="shared", pingpong=True),
     GemmPlan(block_k=128, block_n=144, stages=5, c_staging="shared", pingpong=True, max_ctas=5),
     GemmPlan(block_k=128, block_n=240, stages=3),
+    # 192 wide with block scales: tiles start at column 0 or 64 of B's 128-column scale blocks (776: the last tile
+    # 8 wide, its second scale block past N)
+    GemmPlan(block_k=128, block_n=192, stages=4, cluster=2, max_ctas=6),
+    GemmPlan(block_m=64, block_n=192, block_k=128, consumers=1, stages=5, max_ctas=7),
 ]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=[p.describe().replace(" ", "_") for p in PLANS])
 @pytest.mark.parametrize("scale", ["tensor", "block"])
 def test_plans(plan, scale):
-    if scale == "block" and (plan.block_n > 128 or plan.pingpong):
-        with pytest.raises(GemmArgumentError, match="block_n in" if plan.block_n > 128 else "pingpong"):
+    if scale == "block" and (plan.block_n not in FP8_BLOCK_SCALE_WIDTHS or plan.pingpong):
+        with pytest.raises(GemmArgumentError,
+                           match="pingpong" if plan.block_n in FP8_BLOCK_SCALE_WIDTHS else "block_n in"):
             run_case(136, 136, 256, scale=scale, plan=plan)
         return
     run_case(1000, 776, 1040, scale=scale, plan=plan, seed=3)
@@ -233,8 +238,12 @@ def test_pingpong_short_k_many_tiles_per_cta(plan):
 
 
 # Small cases for compute-sanitizer (memcheck, racecheck): one per new kernel configuration.
-@pytest.mark.parametrize("scale", ["none", "tensor", "block", "tensor-pingpong", "tensor-pingpong-fitted"])
+@pytest.mark.parametrize("scale", ["none", "tensor", "block", "block-192", "tensor-pingpong", "tensor-pingpong-fitted"])
 def test_sanitize_small(scale):
+    if scale == "block-192":   # 3 x 3 tiles on 2 CTAs: scale splits at 128, 64, 128; the last tile's second block
+        run_case(300, 400, 384, scale="block", seed=11,   # past N
+                 plan=GemmPlan(block_k=128, block_n=192, stages=2, max_ctas=2))
+        return
     if scale == "tensor-pingpong-fitted":   # 176 wide: 3 x 3 tiles on 2 CTAs, last column 48 wide, K 3 blocks on 2 stages
         run_case(300, 400, 384, scale="tensor", seed=11, plan=GemmPlan(block_k=128, block_n=176, stages=2,
                                                                        c_staging="shared", pingpong=True, max_ctas=2))

@@ -143,6 +143,10 @@ def test_other_plans(scale):
              plan=GemmPlan(block_m=64, consumers=1, block_n=128, block_k=128, stages=6))
     run_case([131, 2, 0, 400], n=320, k=384, scale=scale, seed=5,
              plan=GemmPlan(block_n=64 if scale == "block" else 256, block_k=128, stages=3))
+    # 192 wide: with block scales each tile spans two of B's 128-column scale blocks (N = 520: tiles at columns 0,
+    # 192 and 384, the last one's second block past N)
+    run_case([131, 2, 0, 400, 77], n=520, k=400, scale=scale, seed=6,
+             plan=GemmPlan(block_n=192, block_k=128, stages=4))
 
 
 def test_many_groups_skewed():
