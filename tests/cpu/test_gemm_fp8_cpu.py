@@ -107,7 +107,7 @@ def test_fp8_plans():
     assert {p.block_n for p in fp8_plans(4096, "block")} == {64, 128, 192}
     big = fp8_heuristic_plan(8192, 8192, 8192)
     assert (big.block_m, big.block_n, big.block_k) == (128, 256, 128)
-    assert fp8_heuristic_plan(8192, 8192, 8192, scale="block").block_n == 128
+    assert fp8_heuristic_plan(8192, 8192, 8192, scale="block").block_n == 192   # two scale blocks per tile
     # an fp8 K block holds twice the elements: the 16-bit model at K/2
     hp = heuristic_plan(4096, 1280, 4096)
     fp = fp8_heuristic_plan(4096, 1280, 8192)
