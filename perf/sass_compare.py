@@ -38,14 +38,14 @@ def named_configs():
     """name -> (plan, in, out, trans_b, hook_wait, hook_epilogue, hook_reduce, hook_copy, bands[, kwargs]); kwargs:
     the other arguments of kernel_defines (fp8's b_dtype and scale, grouped)."""
     from fluxrt.gemm.grouped import grouped_plan
-    from fluxrt.gemm.plan import GemmPlan, fp8_heuristic_plan, plan_gemm
+    from fluxrt.gemm.plan import GemmPlan, plan_gemm
 
     big = plan_gemm(8192, 8192, 8192)                      # 128x256x64, 3 stages, 2 consumers
     f32 = plan_gemm(4096, 4096, 4096, out_dtype="float32")  # 128x128
     bf = "bfloat16"
     e4 = "float8_e4m3fn"
-    fp8 = fp8_heuristic_plan(8192, 8192, 8192)                        # 128x256x128
-    fp8_block = fp8_heuristic_plan(8192, 8192, 8192, scale="block")   # 128x128x128
+    fp8 = GemmPlan(block_k=128, stages=3)                             # 128x256x128, cooperative
+    fp8_block = GemmPlan(block_n=128, block_k=128, stages=6)          # 128x128x128
     grp = grouped_plan(8192, 2048, 7168, 64)                          # 128x256, 3 stages
     grp128 = grouped_plan(8192, 128, 7168, 64)                        # 128x128
     grp32 = grouped_plan(8192, 2048, 7168, 64, out_dtype="float32")

@@ -86,8 +86,8 @@ def grouped_plan(m: int, n: int, k: int, groups: int, *, in_dtype: str = "bfloat
     is at most 128 or fp32 output leaves fewer than 3 stages beside the staging; the deepest ring that fits
     with the group table (at most 6 stages); bands of 16 tile rows (the tile rows of neighbouring groups
     share a wave, each group's B tiles are read by its rows' CTAs together). fp8 (in_dtype an fp8 type): the
-    same with 128-element K blocks (the same 128-byte stage rows), and 128 x 128 tiles with block scales (the
-    promotion's second accumulator set; a tile inside one 128-column scale block)."""
+    same with 128-element K blocks (the same 128-byte stage rows), and 128 x 192 tiles with block scales (the
+    promotion's second accumulator set leaves room for 192 columns; 128 x 128 where N is at most 128)."""
     fp8 = in_dtype in FP8_DTYPES
     if in_dtype not in IN_DTYPES + FP8_DTYPES:
         raise GemmTypeError(f"grouped_gemm: unsupported input dtype {in_dtype!r} (expected one of "
@@ -98,9 +98,9 @@ def grouped_plan(m: int, n: int, k: int, groups: int, *, in_dtype: str = "bfloat
     if scale not in SCALE_MODES or (scale != "none" and not fp8):
         raise GemmArgumentError(f"grouped_gemm: scale mode {scale!r} needs fp8 inputs and one of {SCALE_MODES}")
     block_k = FP8_BLOCK_K if fp8 else BLOCK_K
-    for bn in ((128,) if scale == "block" else (256, 128)):
+    for bn in ((192, 128) if scale == "block" else (256, 128)):
         stages = grouped_max_stages(GemmPlan(block_n=bn), out_dtype)
-        if (bn == 256 and n <= 128) or stages < 3:
+        if (bn > 128 and n <= 128) or stages < 3:
             continue
         return GemmPlan(block_n=bn, block_k=block_k, stages=min(stages, 6), group_m=16)
     return GemmPlan(block_n=128, block_k=block_k, stages=min(grouped_max_stages(GemmPlan(block_n=128), out_dtype), 6),

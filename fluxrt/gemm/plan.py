@@ -732,6 +732,9 @@ def replace(plan: GemmPlan, **changes) -> GemmPlan:
 # Ping-pong tiles of the fitted widths for fp8 (B is always [N, K]): cuBLASLt's fp8 kernel on short-K shapes runs
 # 128 x 176 ping-pong tiles (`gemm-pingpong-study-*`). Shared staging: per-consumer staging leaves 3 stages.
 FP8_PINGPONG_FIT_TILES = (144, 160, 176)
+# The fp8 heuristic's ping-pong plans (per-tensor or no scales): tile width -> relative rate, fitted on interleaved
+# timings of the heuristic's cooperative plan and every ping-pong width over the suite (docs/tuning.md).
+FP8_PINGPONG_RATE = {128: 1.0, 144: 1.031, 160: 1.0, 176: 1.010, 192: 1.0}
 
 
 def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> list[GemmPlan]:
@@ -758,11 +761,25 @@ def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> lis
 @functools.lru_cache(maxsize=1024)
 def fp8_heuristic_plan(m: int, n: int, k: int, *, scale: str = "tensor", out_dtype: str = "bfloat16",
                        num_sms: int = H100_H200_SMS) -> GemmPlan:
-    """The plan of an fp8 GEMM without measuring: least :func:`tile_cost` among :func:`fp8_plans` (no split-K).
-    K counts in 128-byte rows, like the 16-bit model's (an fp8 K block is as long as a 16-bit one)."""
+    """The plan of an fp8 GEMM without measuring. Per-tensor or no scales, a wave of 128 x 128 tiles or more and B's
+    rows on whole sectors: the ping-pong plan (cluster 1, shared staging) of least waves x width / FP8_PINGPONG_RATE.
+    Otherwise: least :func:`tile_cost` among the cooperative :func:`fp8_plans` (no split-K); K counts in 128-byte
+    rows, like the 16-bit model's (an fp8 K block is as long as a 16-bit one)."""
     if out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"unsupported fp8 output dtype {out_dtype!r} (expected one of {FP8_OUT_DTYPES})")
     best = None
+    if scale != "block" and math.ceil(m / 128) * math.ceil(n / 128) >= num_sms \
+            and not misaligned_b_rows(n, k, True, itemsize=1):
+        # a wave of tiles or more, B's rows on whole sectors (else the cooperative plans' clusters win): ping-pong
+        # tiles without a cluster, the width whose whole waves of tiles cost least at FP8_PINGPONG_RATE
+        for plan in fp8_plans(m, scale, out_dtype):
+            if not (plan.pingpong and plan.cluster == 1 and plan.c_staging == "shared"):
+                continue
+            waves = math.ceil(math.ceil(m / plan.block_m) * math.ceil(n / plan.block_n) / num_sms)
+            cost = waves * plan.block_n / FP8_PINGPONG_RATE[plan.block_n]
+            if best is None or cost < best[0] * 0.999:
+                best = (cost, plan)
+        return best[1].validate(out_dtype)
     for plan in fp8_plans(m, scale, out_dtype):
         if plan.pingpong:   # not in the cost model (PINGPONG_TILES): the autotuner's
             continue

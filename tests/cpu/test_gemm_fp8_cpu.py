@@ -105,12 +105,12 @@ def test_fp8_plans():
         # the same 128-byte rows as 16-bit plans: the same shared memory
         assert all(p.smem_bytes() == GemmPlan(**{**p.__dict__, "block_k": 64}).smem_bytes() for p in plans)
     assert {p.block_n for p in fp8_plans(4096, "block")} == {64, 128, 192}
-    big = fp8_heuristic_plan(8192, 8192, 8192)
-    assert (big.block_m, big.block_n, big.block_k) == (128, 256, 128)
+    big = fp8_heuristic_plan(8192, 8192, 8192, scale="none")
+    assert (big.block_m, big.block_k, big.pingpong) == (128, 128, True)
     assert fp8_heuristic_plan(8192, 8192, 8192, scale="block").block_n == 192   # two scale blocks per tile
     # an fp8 K block holds twice the elements: the 16-bit model at K/2
-    hp = heuristic_plan(4096, 1280, 4096)
-    fp = fp8_heuristic_plan(4096, 1280, 8192)
+    hp = heuristic_plan(512, 4096, 4096)
+    fp = fp8_heuristic_plan(512, 4096, 8192)   # 128 tiles of 128 x 128: less than a wave, the cooperative model
     assert (fp.block_m, fp.block_n, fp.cluster) == (hp.block_m, hp.block_n, hp.cluster)
     with pytest.raises(ValueError, match="block_k"):
         GemmPlan(block_k=32).validate()
@@ -195,19 +195,28 @@ def test_fp8_needs_b_kmajor_at_compile_time(tmp_path, monkeypatch):
             kernel_defines(plan, "float8_e4m3fn", "bfloat16", False, scale="tensor"), arch="sm_90a"))
 
 
-def test_pingpong_is_for_per_tensor_scales_and_the_autotuner_only():
-    """Block scales refuse a ping-pong plan before any launch; the fp8 heuristic never returns one (not in the cost
-    model); the per-tensor candidates include them."""
+def test_pingpong_plans_of_the_fp8_heuristic():
+    """Block scales refuse a ping-pong plan before any launch and their heuristic never returns one; per tensor, the
+    heuristic takes a ping-pong plan (cluster 1, shared staging) for a wave of 128 x 128 tiles or more with B's rows
+    on whole 32-byte sectors, the width of least whole waves x width / FP8_PINGPONG_RATE, else a cooperative plan."""
     from fluxrt.gemm.fp8 import check_plan
+    from fluxrt.gemm.plan import FP8_PINGPONG_RATE
 
     a, b, sa, sb = fp8_args(scale="block")
     prob = validate_fp8_args(a, b, fp8_format="e4m3", scale_a=sa, scale_b=sb)
     with pytest.raises(GemmArgumentError, match="pingpong"):
         check_plan(GemmPlan(block_n=128, block_k=128, stages=5, pingpong=True), prob)
     for m, n, k in ((16384, 8192, 1024), (4096, 12288, 1536), (1024, 1024, 1024), (8192, 8192, 8192)):
-        for scale in ("tensor", "block"):
-            assert not fp8_heuristic_plan(m, n, k, scale=scale).pingpong
+        assert not fp8_heuristic_plan(m, n, k, scale="block").pingpong
     assert any(p.pingpong for p in fp8_plans(4096, "tensor")) and not any(p.pingpong for p in fp8_plans(4096, "block"))
+    # 16384 x 8192: 128 tile rows; whole waves on 132 SMs of each width's columns (64, 57, 52, 47, 43 tiles)
+    waves = {w: -(-128 * -(-8192 // w) // 132) for w in FP8_PINGPONG_RATE}
+    want = min(FP8_PINGPONG_RATE, key=lambda w: (waves[w] * w / FP8_PINGPONG_RATE[w], -w))
+    p = fp8_heuristic_plan(16384, 8192, 1024)
+    assert p.pingpong and p.cluster == 1 and p.c_staging == "shared" and p.block_n == want
+    assert not fp8_heuristic_plan(1024, 1024, 1024).pingpong     # 64 tiles: less than a wave
+    assert not fp8_heuristic_plan(4096, 8192, 3696).pingpong     # 3696-byte rows: off the sectors
+    assert fp8_heuristic_plan(4096, 8192, 3712).pingpong         # 3712 = 116 x 32
 
 
 def test_fp8_fitted_widths_are_planned_and_checked():

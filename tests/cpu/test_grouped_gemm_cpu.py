@@ -285,8 +285,11 @@ def test_fp8_plans():
         assert (p.block_m, p.block_n, p.block_k) == (128, 256, 128)
         check_grouped_plan(p, "bfloat16", e4, scale)
     p = grouped_plan(8192, 2048, 7168, 64, in_dtype=e4, scale="block")
-    assert (p.block_n, p.block_k) == (128, 128) and p.stages >= 3
+    assert (p.block_n, p.block_k) == (192, 128) and p.stages >= 3   # two of B's scale blocks per tile
     check_grouped_plan(p, "float16", e4, "block")
+    narrow = grouped_plan(8192, 128, 7168, 64, in_dtype=e4, scale="block")   # N within one scale block
+    assert narrow.block_n == 128
+    check_grouped_plan(narrow, "bfloat16", e4, "block")
     # the same 128-byte stage rows as the 16-bit plan: the same stages fit
     assert grouped_plan(8192, 2048, 7168, 64).stages == grouped_plan(8192, 2048, 7168, 64, in_dtype=e4).stages
     with pytest.raises(GemmArgumentError, match="block_k=128"):
