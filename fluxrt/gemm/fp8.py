@@ -37,7 +37,8 @@ log = logging.getLogger("fluxrt.gemm")
 
 
 def check_plan(plan: GemmPlan, prob: Fp8Problem) -> None:
-    """A plan an fp8 call can run: 128-element K blocks, no split-K, block scales on tiles of <= 128 columns."""
+    """A plan an fp8 call can run: 128-element K blocks, no split-K, block scales on tiles of
+    FP8_BLOCK_SCALE_WIDTHS columns and no ping-pong with them."""
     plan.validate(prob.out_dtype)
     if plan.block_k != FP8_BLOCK_K:
         raise GemmArgumentError(f"gemm: an fp8 plan has block_k={FP8_BLOCK_K} (one 128-byte row), got {plan.block_k}"

@@ -753,6 +753,8 @@ def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> lis
         if m > 64:
             for bn in FP8_PINGPONG_FIT_TILES:
                 stages = min(max_stages(128, bn, out_dtype, c_staging="shared", pingpong=True), 6)
+                if stages < 2:
+                    continue
                 out.append(GemmPlan(block_m=128, block_n=bn, block_k=FP8_BLOCK_K, stages=stages, c_staging="shared",
                                     pingpong=True, group_m=max(1, min(math.ceil(m / 128), 16))))
     return out
@@ -761,25 +763,27 @@ def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> lis
 @functools.lru_cache(maxsize=1024)
 def fp8_heuristic_plan(m: int, n: int, k: int, *, scale: str = "tensor", out_dtype: str = "bfloat16",
                        num_sms: int = H100_H200_SMS) -> GemmPlan:
-    """The plan of an fp8 GEMM without measuring. Per-tensor or no scales, a wave of 128 x 128 tiles or more and B's
-    rows on whole sectors: the ping-pong plan (cluster 1, shared staging) of least waves x width / FP8_PINGPONG_RATE.
+    """The plan of an fp8 GEMM without measuring. Per-tensor or no scales, M > 64, N >= 128, a wave of 128 x 128
+    tiles or more and B's rows on whole sectors: the ping-pong plan (cluster 1, shared staging) of least waves x width / FP8_PINGPONG_RATE.
     Otherwise: least :func:`tile_cost` among the cooperative :func:`fp8_plans` (no split-K); K counts in 128-byte
     rows, like the 16-bit model's (an fp8 K block is as long as a 16-bit one)."""
     if out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"unsupported fp8 output dtype {out_dtype!r} (expected one of {FP8_OUT_DTYPES})")
     best = None
-    if scale != "block" and math.ceil(m / 128) * math.ceil(n / 128) >= num_sms \
+    if scale != "block" and m > 64 and n >= 128 and math.ceil(m / 128) * math.ceil(n / 128) >= num_sms \
             and not misaligned_b_rows(n, k, True, itemsize=1):
-        # a wave of tiles or more, B's rows on whole sectors (else the cooperative plans' clusters win): ping-pong
-        # tiles without a cluster, the width whose whole waves of tiles cost least at FP8_PINGPONG_RATE
+        # two 64-row blocks, a 128-wide tile column, a wave of tiles or more, B's rows on whole sectors (else the
+        # cooperative plans' clusters or narrow tiles win): ping-pong tiles without a cluster, the width whose whole
+        # waves of tiles cost least at FP8_PINGPONG_RATE
         for plan in fp8_plans(m, scale, out_dtype):
             if not (plan.pingpong and plan.cluster == 1 and plan.c_staging == "shared"):
                 continue
             waves = math.ceil(math.ceil(m / plan.block_m) * math.ceil(n / plan.block_n) / num_sms)
-            cost = waves * plan.block_n / FP8_PINGPONG_RATE[plan.block_n]
+            cost = waves * plan.block_n / FP8_PINGPONG_RATE.get(plan.block_n, 1.0)
             if best is None or cost < best[0] * 0.999:
                 best = (cost, plan)
-        return best[1].validate(out_dtype)
+        if best is not None:
+            return best[1].validate(out_dtype)
     for plan in fp8_plans(m, scale, out_dtype):
         if plan.pingpong:   # not in the cost model (PINGPONG_TILES): the autotuner's
             continue

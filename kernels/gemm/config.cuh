@@ -14,7 +14,7 @@
 //                             in device memory); 2 block scales (DeepSeek-V3 style): A 1x128 per row and K
 //                             block ([M, K/128] fp32), B 128x128 ([N/128, K/128] fp32); each K block's product
 //                             is accumulated in fresh registers and added into the fp32 accumulators times
-//                             sa[row, kb] * sb[n / 128, kb]. Needs kBN <= 128.                  default 0
+//                             sa[row, kb] * sb[n / 128, kb]. Needs kBN <= 128 or 192.           default 0
 //   FLUXRT_GEMM_OUT           0 bf16, 1 fp16, 2 fp32                     default 0
 //   FLUXRT_GEMM_B_KMAJOR      1: B is [N,K]; 0: B is [K,N]               default 0
 //   FLUXRT_GEMM_HOOK_WAIT     1: hook 1 (arrival wait before A loads)    default 0
@@ -293,6 +293,7 @@ static_assert(!kFitN || (kBKMajor && !kBlockScale && kCluster == 1 && !kGrouped 
                          !kHookWait && !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a tile N other than 64, 128, 192, 256 needs B K-major, no block scales, no cluster, and a plain GEMM "
               "(no grouping, split-K, stream-K, hooks or bands)");
+static_assert(!(kFp8 && kFitN) || kBN >= 144, "fp8 fitted widths start at 144 (wgmma_ops.cuh has no narrower fp8 ones)");
 static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kFitN && !kHookWait &&
                                   !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, fitted tile "

@@ -209,14 +209,18 @@ def test_pingpong_plans_of_the_fp8_heuristic():
     for m, n, k in ((16384, 8192, 1024), (4096, 12288, 1536), (1024, 1024, 1024), (8192, 8192, 8192)):
         assert not fp8_heuristic_plan(m, n, k, scale="block").pingpong
     assert any(p.pingpong for p in fp8_plans(4096, "tensor")) and not any(p.pingpong for p in fp8_plans(4096, "block"))
-    # 16384 x 8192: 128 tile rows; whole waves on 132 SMs of each width's columns (64, 57, 52, 47, 43 tiles)
-    waves = {w: -(-128 * -(-8192 // w) // 132) for w in FP8_PINGPONG_RATE}
-    want = min(FP8_PINGPONG_RATE, key=lambda w: (waves[w] * w / FP8_PINGPONG_RATE[w], -w))
+    # 16384 x 8192 on 132 SMs: 128 tile rows x (64, 57, 52, 47, 43) columns of 128 / 144 / 160 / 176 / 192 make 63,
+    # 56, 51, 46, 42 waves; x width: 8064, 8064, 8160, 8096, 8064; over the rates (144: 1.031, 176: 1.010) 144 least
     p = fp8_heuristic_plan(16384, 8192, 1024)
-    assert p.pingpong and p.cluster == 1 and p.c_staging == "shared" and p.block_n == want
+    assert p.pingpong and p.cluster == 1 and p.c_staging == "shared" and p.block_n == 144
+    assert set(FP8_PINGPONG_RATE) == {q.block_n for q in fp8_plans(4096, "tensor") if q.pingpong}
     assert not fp8_heuristic_plan(1024, 1024, 1024).pingpong     # 64 tiles: less than a wave
     assert not fp8_heuristic_plan(4096, 8192, 3696).pingpong     # 3696-byte rows: off the sectors
     assert fp8_heuristic_plan(4096, 8192, 3712).pingpong         # 3712 = 116 x 32
+    # one 64-row block (no ping-pong plans), or N narrower than a ping-pong tile: the cooperative model
+    for m, n, k, sms in ((64, 32768, 4096, 132), (48, 16384, 4096, 100), (64, 8192, 4096, 60), (32768, 64, 4096, 132)):
+        q = fp8_heuristic_plan(m, n, k, num_sms=sms)
+        assert not q.pingpong and q.block_n <= max(64, n), (m, n, k, q.describe())
 
 
 def test_fp8_fitted_widths_are_planned_and_checked():

@@ -144,9 +144,12 @@ def test_other_plans(scale):
     run_case([131, 2, 0, 400], n=320, k=384, scale=scale, seed=5,
              plan=GemmPlan(block_n=64 if scale == "block" else 256, block_k=128, stages=3))
     # 192 wide: with block scales each tile spans two of B's 128-column scale blocks (N = 520: tiles at columns 0,
-    # 192 and 384, the last one's second block past N)
-    run_case([131, 2, 0, 400, 77], n=520, k=400, scale=scale, seed=6,
-             plan=GemmPlan(block_n=192, block_k=128, stages=4))
+    # 192 and 384 of 5 blocks; N = 512: the tile at 384 starts a block and its second block is past N, clamped)
+    for n in (520, 512):
+        run_case([131, 2, 0, 400, 77], n=n, k=400, scale=scale, seed=6,
+                 plan=GemmPlan(block_n=192, block_k=128, stages=4))
+    # N within one scale block: grouped_plan's 128 x 128 plan
+    run_case([131, 2, 0, 400], n=128, k=384, scale=scale, seed=7)
 
 
 def test_many_groups_skewed():
