@@ -70,6 +70,12 @@ def named_configs():
         "fp8-none-e5m2": (fp8, e4, "float16", True, False, False, 0, False, 0, dict(b_dtype="float8_e5m2")),
         "fp8-tensor": (fp8, e4, bf, True, False, False, 0, False, 0, dict(scale="tensor")),
         "fp8-block": (fp8_block, e4, bf, True, False, False, 0, False, 0, dict(scale="block")),
+        "fp8-fit-240": (GemmPlan(block_n=240, block_k=128, stages=3), e4, bf, True, False, False, 0, False, 0,
+                        dict(scale="tensor")),
+        "fp8-pingpong-176": (GemmPlan(block_n=176, block_k=128, stages=4, c_staging="shared", pingpong=True), e4, bf,
+                             True, False, False, 0, False, 0, dict(scale="tensor")),
+        "fp8-block-192": (GemmPlan(block_n=192, block_k=128, stages=4), e4, bf, True, False, False, 0, False, 0,
+                          dict(scale="block")),
         "grouped-bf16-kn": (grp, bf, bf, False, False, False, 0, False, 0, dict(grouped=True)),
         "grouped-bf16-nk": (grp, bf, bf, True, False, False, 0, False, 0, dict(grouped=True)),
         "grouped-f32-128": (grp32, bf, "float32", True, False, False, 0, False, 0, dict(grouped=True)),
@@ -77,6 +83,8 @@ def named_configs():
                                dict(scale="tensor", grouped=True)),
         "grouped-fp8-block": (dataclasses.replace(grp128, block_k=128), e4, bf, True, False, False, 0, False, 0,
                               dict(scale="block", grouped=True)),
+        "grouped-fp8-block-192": (grouped_plan(8192, 2048, 7168, 64, in_dtype=e4, scale="block"), e4, bf, True, False,
+                                  False, 0, False, 0, dict(scale="block", grouped=True)),
     }
 
 
