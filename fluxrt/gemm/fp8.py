@@ -31,7 +31,7 @@ from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import (FP8_BLOCK_K, FP8_BLOCK_SCALE_WIDTHS, FP8_FIT_WIDTHS, FP8_SCALE_BLOCK, ITEMSIZE, GemmPlan,
                    fp8_heuristic_plan)
-from .tmaps import order_table, tensor_map, tensor_map_nd
+from .tmaps import fitted_c_tiles_map, order_table, tensor_map
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -44,7 +44,8 @@ def check_plan(plan: GemmPlan, prob: Fp8Problem) -> None:
         raise GemmArgumentError(f"gemm: an fp8 plan has block_k={FP8_BLOCK_K} (one 128-byte row), got {plan.block_k}"
                                 " (fluxrt.gemm.plan.fp8_plans lists them)")
     if plan.split_k > 1 or plan.stream_k or plan.cluster_n > 1:
-        raise GemmArgumentError(f"gemm: fp8 GEMMs have no split-K, stream-K or cluster_n=2 plans, got {plan.describe()}")
+        raise GemmArgumentError(f"gemm: fp8 GEMMs have no split-K, stream-K or cluster_n=2 plans, got "
+                                f"{plan.describe()}")
     if plan.fitted_n and plan.block_n not in FP8_FIT_WIDTHS:
         raise GemmArgumentError(f"gemm: fp8 fitted widths (block_n not a multiple of 64) are {FP8_FIT_WIDTHS}, got "
                                 f"{plan.block_n}")
@@ -125,11 +126,8 @@ def prepare(a, b, out, *, fp8_format, scale_a, scale_b, plan: GemmPlan | None, o
         params = gemm_params(tmap_a=tmap_a, tmap_b=tmap_b, tmap_c=tmap_c, order_table=_ptr(table), c_direct=c_direct,
                              m=m, n=n, k=k, group_m=plan.group_m, m_tile_offset=plan.m_tile_offset % mt,
                              chunk_rows=0, chunks_per_peer=1)
-        if plan.fitted_n and plan.epilogue == "tma":   # C as [M][N / block_n][block_n] for the inner tile columns
-            isz = ITEMSIZE[prob.out_dtype]
-            params["fit"]["tmap_c_tiles"] = tensor_map_nd(out.data.ptr, prob.out_dtype,
-                                                          (plan.block_n, max(1, n // plan.block_n), m),
-                                                          (plan.block_n * isz, n * isz), (c_cols, 1, 64))
+        if plan.fitted_n and plan.epilogue == "tma":
+            params["fit"]["tmap_c_tiles"] = fitted_c_tiles_map(out.data.ptr, prob.out_dtype, m, n, plan.block_n)
         s = params["scale"]
         s["a"], s["b"], s["k_blocks"] = _ptr(sa), _ptr(sb), prob.k_blocks
     return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan

@@ -45,8 +45,8 @@ from .launch_cache import MISS, LaunchCache, array_key
 from .kernel import _kernel, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import (BLOCK_K, FP8_BLOCK_K, FP8_BLOCK_SCALE_WIDTHS, FP8_DTYPES, FP8_OUT_DTYPES, FP8_SCALE_BLOCK,
-                   H100_H200_SMS, IN_DTYPES, ITEMSIZE, MAX_GROUPS, MAX_STAGES, OUT_DTYPES, SCALE_MODES, SMEM_LIMIT_BYTES,
-                   TMA_ALIGN, GemmPlan)
+                   H100_H200_SMS, IN_DTYPES, ITEMSIZE, MAX_GROUPS, MAX_STAGES, OUT_DTYPES, SCALE_MODES,
+                   SMEM_LIMIT_BYTES, TMA_ALIGN, GemmPlan)
 from .hooks import GroupArrival, GroupScatter
 from .tmaps import tensor_map, tensor_map_nd
 

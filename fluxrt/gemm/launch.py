@@ -25,7 +25,7 @@ from .stream_k import fill_params as fill_stream_k
 from .tmaps import NULL_TMAP as _NULL_TMAP
 from .tmaps import order_table as _order_table
 from .tmaps import tensor_map as _tensor_map
-from .tmaps import tensor_map_nd as _tensor_map_nd
+from .tmaps import fitted_c_tiles_map
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -151,8 +151,7 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
         if red is not None and red.where == "epilogue":   # hook 3: C is the reduced chunk's result
             tmap_c = _tensor_map(red_out.data.ptr, out_dt, red_out.shape[0], n, c_cols, 64)
         # fitted widths, staged: C as [M][N / block_n][block_n] for the inner tile columns (FitArgs)
-        tmap_c_tiles = (_tensor_map_nd(out.data.ptr, out_dt, (plan.block_n, max(1, n // plan.block_n), m),
-                                       (plan.block_n * _ITEMSIZE[out_dt], n * _ITEMSIZE[out_dt]), (c_cols, 1, 64))
+        tmap_c_tiles = (fitted_c_tiles_map(out.data.ptr, out_dt, m, n, plan.block_n)
                         if staged_out and plan.fitted_n else None)
         c_direct = out.data.ptr if (out is not None and epilogue is None and plan.epilogue == "direct") else 0
         dst_tmaps = (epilogue.destinations.tensor_maps(m, n, epilogue.chunk_rows, dev, c_cols, 64)

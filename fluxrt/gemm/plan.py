@@ -628,17 +628,18 @@ def plain_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
 PINGPONG_TILES = ((128, "per_consumer"), (128, "shared"), (192, "shared"))
 
 
-def pingpong_plans(m: int, out_dtype: str = "bfloat16", block_k: int = BLOCK_K) -> list[GemmPlan]:
-    """Plans of PINGPONG_TILES (128-row tiles; only where M has more than one 64-row block), with cluster 2 where M
-    has two tile rows."""
+def pingpong_plans(m: int, out_dtype: str = "bfloat16", block_k: int = BLOCK_K, tiles=PINGPONG_TILES,
+                   pairs: bool = True) -> list[GemmPlan]:
+    """Plans of ``tiles`` ((block_n, c_staging) pairs; 128-row tiles, only where M has more than one 64-row block),
+    also with cluster 2 where ``pairs`` and M has two tile rows (fitted widths run without clusters)."""
     if m <= 64:
         return []
     out = []
-    for bn, staging in PINGPONG_TILES:
+    for bn, staging in tiles:
         stages = min(max_stages(128, bn, out_dtype, c_staging=staging, pingpong=True), 6)
         if stages < 2:
             continue
-        for cluster in (1, 2) if math.ceil(m / 128) >= 2 else (1,):
+        for cluster in (1, 2) if pairs and math.ceil(m / 128) >= 2 else (1,):
             out.append(GemmPlan(block_m=128, block_n=bn, block_k=block_k, stages=stages, cluster=cluster,
                                 c_staging=staging, pingpong=True, group_m=max(1, min(math.ceil(m / 128), 16))))
     return out
@@ -750,13 +751,8 @@ def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> lis
         out.append(dataclasses.replace(plan, block_k=FP8_BLOCK_K))
     if scale != "block":
         out += pingpong_plans(m, out_dtype, block_k=FP8_BLOCK_K)
-        if m > 64:
-            for bn in FP8_PINGPONG_FIT_TILES:
-                stages = min(max_stages(128, bn, out_dtype, c_staging="shared", pingpong=True), 6)
-                if stages < 2:
-                    continue
-                out.append(GemmPlan(block_m=128, block_n=bn, block_k=FP8_BLOCK_K, stages=stages, c_staging="shared",
-                                    pingpong=True, group_m=max(1, min(math.ceil(m / 128), 16))))
+        fitted = [(bn, "shared") for bn in FP8_PINGPONG_FIT_TILES]
+        out += pingpong_plans(m, out_dtype, block_k=FP8_BLOCK_K, tiles=fitted, pairs=False)
     return out
 
 
@@ -764,7 +760,8 @@ def fp8_plans(m: int, scale: str = "tensor", out_dtype: str = "bfloat16") -> lis
 def fp8_heuristic_plan(m: int, n: int, k: int, *, scale: str = "tensor", out_dtype: str = "bfloat16",
                        num_sms: int = H100_H200_SMS) -> GemmPlan:
     """The plan of an fp8 GEMM without measuring. Per-tensor or no scales, M > 64, N >= 128, a wave of 128 x 128
-    tiles or more and B's rows on whole sectors: the ping-pong plan (cluster 1, shared staging) of least waves x width / FP8_PINGPONG_RATE.
+    tiles or more and B's rows on whole sectors: the ping-pong plan (cluster 1, shared staging) of least
+    waves x width / FP8_PINGPONG_RATE.
     Otherwise: least :func:`tile_cost` among the cooperative :func:`fp8_plans` (no split-K); K counts in 128-byte
     rows, like the 16-bit model's (an fp8 K block is as long as a 16-bit one)."""
     if out_dtype not in FP8_OUT_DTYPES:

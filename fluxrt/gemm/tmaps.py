@@ -72,6 +72,13 @@ def tensor_map_nd(ptr: int, dtype: str, dims: tuple, strides: tuple, box: tuple,
 NULL_TMAP = np.zeros((1,), dtype=_TMAP_DTYPE)
 
 
+def fitted_c_tiles_map(ptr: int, dtype: str, m: int, n: int, block_n: int) -> np.ndarray:
+    """Fitted tile widths, staged epilogue: C as [M][N / block_n][block_n] (FitArgs.tmap_c_tiles), so that a store
+    into an inner tile column clips its last 128-byte slab at the tile's block_n columns."""
+    isz = _ITEMSIZE[dtype]
+    return tensor_map_nd(ptr, dtype, (block_n, max(1, n // block_n), m), (block_n * isz, n * isz), (128 // isz, 1, 64))
+
+
 def order_table(plan: GemmPlan, m_tiles: int, n_tiles: int, device_id: int):
     """Hilbert order of the work items: [slot rows, slot columns], a slot row = plan.cluster tile rows, a slot
     column = plan.cluster_n tile columns."""

@@ -293,7 +293,8 @@ static_assert(!kFitN || (kBKMajor && !kBlockScale && kCluster == 1 && !kGrouped 
                          !kHookWait && !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a tile N other than 64, 128, 192, 256 needs B K-major, no block scales, no cluster, and a plain GEMM "
               "(no grouping, split-K, stream-K, hooks or bands)");
-static_assert(!(kFp8 && kFitN) || kBN >= 144, "fp8 fitted widths start at 144 (wgmma_ops.cuh has no narrower fp8 ones)");
+static_assert(!(kFp8 && kFitN) || kBN >= 144,
+              "fp8 fitted widths start at 144 (wgmma_ops.cuh has no narrower fp8 ones)");
 static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kFitN && !kHookWait &&
                                   !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
               "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, fitted tile "

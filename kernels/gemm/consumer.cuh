@@ -23,39 +23,34 @@ struct Mma;
     FLUXRT_GEMM_MMA(128, IN_ID, INB_ID, wgmma_m64n128##T)       \
     FLUXRT_GEMM_MMA(192, IN_ID, INB_ID, wgmma_m64n192##T)       \
     FLUXRT_GEMM_MMA(256, IN_ID, INB_ID, wgmma_m64n256##T)
-// 16-bit only: the widths between (tiles fitted to the waves; config.cuh)
-#define FLUXRT_GEMM_MMA_NS_FIT(IN_ID, T)                      \
-    FLUXRT_GEMM_MMA(80, IN_ID, IN_ID, wgmma_m64n80##T)         \
-    FLUXRT_GEMM_MMA(96, IN_ID, IN_ID, wgmma_m64n96##T)         \
-    FLUXRT_GEMM_MMA(112, IN_ID, IN_ID, wgmma_m64n112##T)       \
-    FLUXRT_GEMM_MMA(144, IN_ID, IN_ID, wgmma_m64n144##T)       \
-    FLUXRT_GEMM_MMA(160, IN_ID, IN_ID, wgmma_m64n160##T)       \
-    FLUXRT_GEMM_MMA(176, IN_ID, IN_ID, wgmma_m64n176##T)       \
-    FLUXRT_GEMM_MMA(208, IN_ID, IN_ID, wgmma_m64n208##T)       \
-    FLUXRT_GEMM_MMA(224, IN_ID, IN_ID, wgmma_m64n224##T)       \
-    FLUXRT_GEMM_MMA(240, IN_ID, IN_ID, wgmma_m64n240##T)
-FLUXRT_GEMM_MMA_NS(0, 0, k16_bf16)
-FLUXRT_GEMM_MMA_NS(1, 1, k16_f16)
-FLUXRT_GEMM_MMA_NS_FIT(0, k16_bf16)
-FLUXRT_GEMM_MMA_NS_FIT(1, k16_f16)
-#undef FLUXRT_GEMM_MMA_NS_FIT
-// fp8: the fitted widths from 144 (wgmma_ops.cuh has no narrower fp8 ones)
-#define FLUXRT_GEMM_MMA_NS_FIT8(IN_ID, INB_ID, T)             \
+// The widths between (tiles fitted to the waves; config.cuh): from 144 for every input type, below 144 16-bit only
+// (wgmma_ops.cuh has no narrower fp8 ones).
+#define FLUXRT_GEMM_MMA_NS_FIT(IN_ID, INB_ID, T)              \
     FLUXRT_GEMM_MMA(144, IN_ID, INB_ID, wgmma_m64n144##T)     \
     FLUXRT_GEMM_MMA(160, IN_ID, INB_ID, wgmma_m64n160##T)     \
     FLUXRT_GEMM_MMA(176, IN_ID, INB_ID, wgmma_m64n176##T)     \
     FLUXRT_GEMM_MMA(208, IN_ID, INB_ID, wgmma_m64n208##T)     \
     FLUXRT_GEMM_MMA(224, IN_ID, INB_ID, wgmma_m64n224##T)     \
     FLUXRT_GEMM_MMA(240, IN_ID, INB_ID, wgmma_m64n240##T)
-FLUXRT_GEMM_MMA_NS_FIT8(2, 2, k32_e4m3_e4m3)
-FLUXRT_GEMM_MMA_NS_FIT8(2, 3, k32_e4m3_e5m2)
-FLUXRT_GEMM_MMA_NS_FIT8(3, 2, k32_e5m2_e4m3)
-FLUXRT_GEMM_MMA_NS_FIT8(3, 3, k32_e5m2_e5m2)
-#undef FLUXRT_GEMM_MMA_NS_FIT8
+#define FLUXRT_GEMM_MMA_NS_FIT16(IN_ID, T)                    \
+    FLUXRT_GEMM_MMA(80, IN_ID, IN_ID, wgmma_m64n80##T)         \
+    FLUXRT_GEMM_MMA(96, IN_ID, IN_ID, wgmma_m64n96##T)         \
+    FLUXRT_GEMM_MMA(112, IN_ID, IN_ID, wgmma_m64n112##T)       \
+    FLUXRT_GEMM_MMA_NS_FIT(IN_ID, IN_ID, T)
+FLUXRT_GEMM_MMA_NS(0, 0, k16_bf16)
+FLUXRT_GEMM_MMA_NS(1, 1, k16_f16)
+FLUXRT_GEMM_MMA_NS_FIT16(0, k16_bf16)
+FLUXRT_GEMM_MMA_NS_FIT16(1, k16_f16)
+#undef FLUXRT_GEMM_MMA_NS_FIT16
 FLUXRT_GEMM_MMA_NS(2, 2, k32_e4m3_e4m3)
 FLUXRT_GEMM_MMA_NS(2, 3, k32_e4m3_e5m2)
 FLUXRT_GEMM_MMA_NS(3, 2, k32_e5m2_e4m3)
 FLUXRT_GEMM_MMA_NS(3, 3, k32_e5m2_e5m2)
+FLUXRT_GEMM_MMA_NS_FIT(2, 2, k32_e4m3_e4m3)
+FLUXRT_GEMM_MMA_NS_FIT(2, 3, k32_e4m3_e5m2)
+FLUXRT_GEMM_MMA_NS_FIT(3, 2, k32_e5m2_e4m3)
+FLUXRT_GEMM_MMA_NS_FIT(3, 3, k32_e5m2_e5m2)
+#undef FLUXRT_GEMM_MMA_NS_FIT
 #undef FLUXRT_GEMM_MMA_NS
 #undef FLUXRT_GEMM_MMA
 using TileMma = Mma<kBN, FLUXRT_GEMM_IN, FLUXRT_GEMM_IN_B, kBKMajor ? 0 : 1>;
@@ -190,8 +185,7 @@ struct BlockScale {
             if (split == kScaleBlock) promote_split<kScaleBlock / 8>(acc, part, s0, s1, t0, t1);
             else promote_split<(kScaleBlock - kBN % kScaleBlock) / 8>(acc, part, s0, s1, t0, t1);
         } else {
-#pragma unroll
-            for (int i = 0; i < kAccRegs; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+            promote_split<kAccRegs / 4>(acc, part, s0, s1, s0, s1);   // every group in the first block
         }
     }
     __device__ __forceinline__ void finish(float (&)[kAccRegs]) const {}

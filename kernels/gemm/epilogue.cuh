@@ -251,6 +251,17 @@ struct StoreTarget {
     bool reduced;   // hook 3's chunk
 };
 
+// Fitted widths (kFitN): one staged box of tile column n_tile at column `col` of the tile and row y. An inner tile
+// column goes through the tiles' view C[M][N / kBN][kBN] (it clips the last slab at the tile's kBN columns), the
+// last one through C's own map (it clips at N).
+__device__ __forceinline__ void store_fitted_box(const TmaDesc* c, const TmaDesc* tiles, u32 src, int n_tile,
+                                                 int n_tiles, int col, int y) {
+    if (n_tile + 1 < n_tiles)
+        tma_store_3d(tiles, src, col, n_tile, y);
+    else
+        tma_store_2d(c, src, n_tile * kBN + col, y);
+}
+
 // The per-tile release of a staged epilogue with flags, after the tile's last turn (the flag covers every
 // row of the tile): set or add `value` to `flag`; no flag (null): nothing to release.
 struct TileFlag {
@@ -572,14 +583,9 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
                         if constexpr (kBandsC)
                             tma_store_3d(d.map, src, n0 + j * kCCols, y % epilogue.chunks.band_rows(),
                                          y / epilogue.chunks.band_rows());
-                        else if constexpr (kFitN) {
-                            // an inner tile column: the tiles' view clips the last slab at the tile's kBN
-                            // columns; the last tile column: C's own map clips at N
-                            if (n_tile + 1 < sched.n_tiles)
-                                tma_store_3d(epilogue.tmap_c_tiles, src, j * kCCols, n_tile, y);
-                            else
-                                tma_store_2d(d.map, src, n0 + j * kCCols, y);
-                        } else
+                        else if constexpr (kFitN)
+                            store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, sched.n_tiles, j * kCCols, y);
+                        else
                             tma_store_2d(d.map, src, n0 + j * kCCols, y);
                     }
                 bulk_commit();
@@ -624,10 +630,8 @@ __device__ __forceinline__ void run_storer_pingpong(const Schedule& sched, const
                     for (int rb = 0; rb < kRowBlocks; ++rb) {
                         const u32 box = src + j * kCSlabBytes + rb * kMmaRows * 128u;
                         const int y = d.y0 + rb * kMmaRows;
-                        // fitted widths: an inner tile column through the tiles' view (it clips the last slab at
-                        // the tile's kBN columns), the last one through C's own map (it clips at N)
-                        if (kFitN && n_tile + 1 < sched.n_tiles)
-                            tma_store_3d(epilogue.tmap_c_tiles, box, j * kCCols, n_tile, y);
+                        if constexpr (kFitN)
+                            store_fitted_box(d.map, epilogue.tmap_c_tiles, box, n_tile, sched.n_tiles, j * kCCols, y);
                         else
                             tma_store_2d(d.map, box, n_tile * kBN + j * kCCols, y);
                     }

@@ -244,7 +244,8 @@ def test_sanitize_small(scale):
         run_case(300, 400, 384, scale="block", seed=11,   # past N
                  plan=GemmPlan(block_k=128, block_n=192, stages=2, max_ctas=2))
         return
-    if scale == "tensor-pingpong-fitted":   # 176 wide: 3 x 3 tiles on 2 CTAs, last column 48 wide, K 3 blocks on 2 stages
+    if scale == "tensor-pingpong-fitted":   # 176 wide: 3 x 3 tiles on 2 CTAs, a 48-wide last column, K of 3
+        # blocks on 2 stages
         run_case(300, 400, 384, scale="tensor", seed=11, plan=GemmPlan(block_k=128, block_n=176, stages=2,
                                                                        c_staging="shared", pingpong=True, max_ctas=2))
         return
