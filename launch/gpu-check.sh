@@ -170,12 +170,12 @@ if want sanitize; then
   small="$small or test_shard_copy and B_KxN or test_split_k_sanitize_small or test_stream_k_sanitize_small"
   small="$small or test_cluster_along_n_sanitize_small or test_pingpong_sanitize_small"
   for tool in memcheck racecheck; do
-    # racecheck: the grouped fp8 case with one tile per CTA (the test says why)
+    # racecheck: the grouped ping-pong and fp8 cases with one tile per CTA (the tests say why)
     one_tile=""; [ "$tool" = racecheck ] && one_tile=" and one_tile_each"
     TAIL=12 step "sanitize-gemm-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
       --report-api-errors no "$py" -m pytest tests/gpu/test_gemm.py -q -p no:cacheprovider -k "$small"
     for t in "test_gemm_fp8:test_sanitize_small" "test_grouped_gemm:test_k_shorter_than_one_stage_and_n_tail" \
-             "test_grouped_gemm_fp8:test_sanitize_small$one_tile"; do
+             "test_grouped_gemm:test_pingpong_sanitize_small$one_tile" "test_grouped_gemm_fp8:test_sanitize_small$one_tile"; do
       TAIL=12 step "sanitize-${t%%:*}-$tool" "${SANITIZE_LIMIT:-180}" compute-sanitizer --tool "$tool" --error-exitcode 86 \
         --report-api-errors no "$py" -m pytest "tests/gpu/${t%%:*}.py" -q -p no:cacheprovider -k "${t#*:}"
     done

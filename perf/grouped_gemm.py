@@ -394,9 +394,12 @@ def _np_dtype(name: str):
 
 
 def _plan(text: str):
-    """'128x128s5' -> GemmPlan(block_n=128, stages=5) (block_m 128 or 64)."""
+    """'128x128s5' -> GemmPlan(block_n=128, stages=5) (block_m 128 or 64); a GemmPlan.describe() line (with spaces,
+    e.g. '128x128x64 s5 grouped/g16 epi=tma/shared x1 pp') -> that plan."""
     from fluxrt.gemm.plan import GemmPlan
 
+    if " " in text.strip():
+        return GemmPlan.parse(text)
     mn, s = text.lower().split("s")
     bm, bn = (int(x) for x in mn.split("x"))
     return GemmPlan(block_m=bm, block_n=bn, consumers=bm // 64, stages=int(s), group_m=16)
@@ -412,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kn", action="store_true", help="weights [G, K, N] (trans_b=False) instead of [G, N, K]")
     ap.add_argument("--models", default=",".join(sorted({m for m, *_ in MODELS})), help="comma-separated")
     ap.add_argument("--rows", type=int, nargs="*", default=None, help="total rows (default: per model)")
-    ap.add_argument("--plans", default="", help="extra grouped plans to time, e.g. 128x128s5,64x256s4")
+    ap.add_argument("--plans", default="", help="extra grouped plans to time, comma-separated: 128x128s5,64x256s4 or "
+                    "GemmPlan.describe() lines ('128x128x64 s5 grouped/g16 epi=tma/shared x1 pp')")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     ap.add_argument("--fp8", choices=("tensor", "block"), default=None,
                     help="the fp8 grouped GEMM (e4m3 -> bf16) with these scales, against dense fluxrt fp8 GEMMs")

@@ -236,9 +236,10 @@ static_assert(!kStreamK || (!kHookWait && !kHookEpilogue && !kHookCopy && kClust
               "stream-K: plain 16-bit GEMM (no hooks, cluster along N, bands, split-K, grouping), staged epilogue");
 
 static_assert(!kPingPong || (kConsumers == 2 && !kHookWait && !kHookEpilogue && !kHookCopy && kClusterN == 1 &&
-                             !kBandsA && !kBandsC && !kSplitK && !kStreamK && !kGrouped && !kEpiDirect && !kBlockScale),
-              "ping-pong consumers: a plain GEMM (no hooks, bands, split-K, stream-K, grouping, block scales or "
-              "cluster along N) with two consumers and the staged epilogue");
+                             !kBandsA && !kBandsC && !kSplitK && !kStreamK && !kEpiDirect && !kBlockScale &&
+                             (!kGrouped || kCluster == 1)),
+              "ping-pong consumers: no hooks, bands, split-K, stream-K, block scales or cluster along N (grouped: no "
+              "cluster), two consumers and the staged epilogue");
 
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kMmaAccRegs = kBN / 2;                        // fp32 accumulators of one m64 row block per thread

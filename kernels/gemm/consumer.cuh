@@ -341,7 +341,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
 template <class Epilogue, class ScaleT>
 __device__ __forceinline__ void run_consumer_pingpong(const Schedule& sched, int K, int wg, const ConsumerSmem& sm,
                                                       Epilogue& epilogue, ScaleT scale) {
-    static_assert(!ScaleT::kPerTile, "ping-pong: no per-tile scales");
+    static_assert(!kBlockScale, "ping-pong: no block scales");
     const int tid = threadIdx.x & 127;
     const int k_blocks = (K + kBK - 1) / kBK;
     float acc[kAccRegs];
@@ -349,6 +349,12 @@ __device__ __forceinline__ void run_consumer_pingpong(const Schedule& sched, int
     int i = wg;   // this CTA's tile index
     for (int t = sched.first + wg * sched.stride; t < sched.end(); t += kConsumers * sched.stride, i += kConsumers) {
         if (i > 0) named_bar_sync(kPingPongBar + wg, 256);   // the other consumer passed tile i - 1's waits
+        if constexpr (ScaleT::kPerTile) {   // grouped fp8: the scale of the tile's group
+            int m_tile, n_tile;
+            sched.tile(t, m_tile, n_tile);
+            const GroupTile rows = sched.rows(m_tile);
+            scale.begin_tile(rows.row0, n_tile * kBN, rows.group, tid);
+        }
         const u32 pos = (u32)i * (u32)k_blocks;   // ring position of the tile's first K block
         int stage = (int)(pos % kStages);
         u32 phase = (pos / kStages) & 1u;

@@ -608,7 +608,8 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
 // k's region (or the shared one) and announced on c_full[k], whose j-th completion (parity j & 1) is k's j-th tile.
 // Once read, the region goes back: to k itself on c_empty[k] (a region per consumer), or, passing the token, to the
 // other consumer on c_empty[k ^ 1] (shared staging; parities at stage_tile). Each tile leaves in 64-row boxes (C's
-// tensor map), two per 128-byte column slab.
+// tensor map), two per 128-byte column slab; grouped, a tile that ends past its group leaves through the
+// epilogue's row-masked stores (store_rows over k's 128 rows), as in run_storer.
 template <class Epilogue>
 __device__ __forceinline__ void run_storer_pingpong(const Schedule& sched, const Epilogue& epilogue, u32 smem,
                                                     u32 bar_c_full, u32 bar_c_empty) {
@@ -618,11 +619,24 @@ __device__ __forceinline__ void run_storer_pingpong(const Schedule& sched, const
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int m_tile, n_tile;
         const bool real = sched.tile(t, m_tile, n_tile);   // a phantom tile (cluster pairs) is not stored
+        GroupTile rows{0, 0, 0};
+        if constexpr (kGrouped) rows = sched.rows(m_tile);
+        const int m0 = kGrouped ? rows.row0 : m_tile * kBM;
         mbar_wait(bar_c_full + 8 * k, (phases >> k) & 1u);  // acquire: consumer k's staging writes are visible
         phases ^= 1u << k;
+        if constexpr (kGrouped) {
+            if (m0 + kBM > rows.row_end) {   // the tile ends past its group: row-masked stores from k's region
+                epilogue.store_rows(smem + c_slot_of(k) * kCConsumerBytes, m0, rows.row_end, n_tile * kBN, lane);
+                __syncwarp();                // every lane's staging reads are done
+                if (lane == 0) mbar_arrive(bar_c_empty + 8 * (kCShared ? k ^ 1 : k));
+                __syncwarp();
+                k ^= 1;
+                continue;
+            }
+        }
         if (lane == 0) {
             if (real) {
-                const StoreTarget d = epilogue.target(m_tile * kBM, 0);
+                const StoreTarget d = epilogue.target(m0, 0);
                 const u32 src = smem + kOffC + c_slot_of(k) * kCConsumerBytes;
 #pragma unroll
                 for (int j = 0; j < kCSlabs; ++j)

@@ -81,6 +81,10 @@ def test_plans_fit_with_the_group_table():
         check_grouped_plan(GemmPlan(block_n=128, stages=4, stream_k=True), "bfloat16")
     with pytest.raises(GemmArgumentError, match="no fitted width"):   # the kernel static_asserts it
         check_grouped_plan(GemmPlan(block_n=160, stages=4), "bfloat16")
+    check_grouped_plan(GemmPlan(block_n=128, stages=5, c_staging="shared", pingpong=True), "bfloat16")
+    with pytest.raises(GemmArgumentError, match="no block scales"):
+        check_grouped_plan(GemmPlan(block_n=128, block_k=128, stages=4, pingpong=True), "bfloat16", "float8_e4m3fn",
+                           "block")
     with pytest.raises(GemmArgumentError, match="group table"):   # 4 shared-staging stages leave no room
         check_grouped_plan(GemmPlan(stages=4, c_staging="shared"), "bfloat16")
 
@@ -167,6 +171,9 @@ GROUPED_CONFIGS = [
     (grouped_plan(8192, 2048, 7168, 64, out_dtype="float32"), "bfloat16", "float32", False),
     (GemmPlan(block_n=128, stages=4), "bfloat16", "bfloat16", False),
     (GemmPlan(block_m=64, consumers=1, stages=4), "bfloat16", "bfloat16", False),
+    (GemmPlan(block_n=128, stages=5, c_staging="shared", pingpong=True), "bfloat16", "bfloat16", True),
+    (GemmPlan(block_n=128, stages=4, pingpong=True), "float16", "float16", False),
+    (GemmPlan(block_n=192, stages=3, c_staging="shared", pingpong=True), "bfloat16", "float32", True),
 ]
 
 
@@ -317,6 +324,8 @@ FP8_GROUPED_CONFIGS = [
     (GemmPlan(block_m=64, consumers=1, block_n=128, block_k=128, stages=6), "float8_e5m2", None, "bfloat16", "block"),
     (GemmPlan(block_n=64, block_k=128, stages=6), "float8_e4m3fn", None, "bfloat16", "block"),
     (GemmPlan(block_n=128, block_k=128, stages=5), "float8_e5m2", "float8_e4m3fn", "float16", "none"),
+    (GemmPlan(block_n=128, block_k=128, stages=5, c_staging="shared", pingpong=True), "float8_e4m3fn", None,
+     "bfloat16", "tensor"),
 ]
 
 

@@ -152,6 +152,13 @@ def test_other_plans(scale):
     run_case([131, 2, 0, 400], n=128, k=384, scale=scale, seed=7)
 
 
+@pytest.mark.parametrize("scale", ["none", "tensor"])
+def test_pingpong_plan(scale):
+    # each consumer a whole tile, the group's scale of B read per tile; last tiles of 1, 64, 65 rows
+    run_case([0, 1, 127, 0, 128, 129, 65, 64, 300], n=456, k=1008, scale=scale, seed=9,
+             plan=GemmPlan(block_n=128, block_k=128, stages=5, c_staging="shared", pingpong=True))
+
+
 def test_many_groups_skewed():
     rng = np.random.default_rng(7)
     sizes = (rng.zipf(1.6, size=256) - 1).clip(0, 700)   # G = 256, many empty, a few long
