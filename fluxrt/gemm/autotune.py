@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..env import env_flag
 from ..errors import GemmArgumentError
-from .plan import (H100_H200_SMS, GemmPlan, cluster_n_plans, fitted_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, pingpong_plans,
+from .plan import (H100_H200_SMS, GemmPlan, cluster_n_plans, fitted_plans, fitted_stream_k_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, pingpong_plans,
                    plain_plans, split_plans, stream_k_plans, tile_order)
 
 log = logging.getLogger("fluxrt.gemm")
@@ -197,13 +197,14 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     deepest ring, grouped order, its split-K and stream-K plans, and with B as [N, K] the fitted widths), so the
     heuristic's own pick is always among them, plus the split-K plans of ragged waves (``partial_waves``), which the
     model cannot rank, the deeper rings of :func:`deep_ring_plans` (of the plain and the stream-K plans), the
-    clusters along N of :func:`cluster_n_plans` and the ping-pong plans of :func:`pingpong_plans`."""
+    clusters along N of :func:`cluster_n_plans`, the ping-pong plans of :func:`pingpong_plans` and with B as [N, K]
+    the stream-K forms of the wider fitted widths (:func:`fitted_stream_k_plans`)."""
     stream_k = stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
     return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
             + pingpong_plans(m, out_dtype)
             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
             + stream_k + deep_ring_plans(m, out_dtype, stream_k)
-            + (fitted_plans(m, out_dtype) if trans_b else []))
+            + (fitted_plans(m, out_dtype) + fitted_stream_k_plans(m, n, k, out_dtype, num_sms) if trans_b else []))
 
 
 def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200_SMS) -> tuple[int, int]:

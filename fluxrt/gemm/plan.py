@@ -128,9 +128,8 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.block_m must be 64 * consumers = {64 * self.consumers}, got {self.block_m}")
         if self.block_n % 16 or not 64 <= self.block_n <= 256:
             raise ValueError(f"GemmPlan.block_n must be a multiple of 16 from 64 to 256, got {self.block_n}")
-        if self.fitted_n and (self.cluster != 1 or self.split_k > 1 or self.stream_k):
-            raise ValueError(f"GemmPlan.block_n={self.block_n} (not a multiple of 64) needs cluster=1, no split-K "
-                             f"and no stream-K")
+        if self.fitted_n and (self.cluster != 1 or self.split_k > 1):
+            raise ValueError(f"GemmPlan.block_n={self.block_n} (not a multiple of 64) needs cluster=1 and no split-K")
         if self.block_k not in (BLOCK_K, FP8_BLOCK_K):
             raise ValueError(f"GemmPlan.block_k must be {BLOCK_K} (16-bit inputs) or {FP8_BLOCK_K} (fp8): one 128-byte "
                              f"swizzled row, got {self.block_k}")
@@ -584,6 +583,18 @@ def fitted_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
             out.append(GemmPlan(block_n=bn, stages=stages, c_staging=staging,
                                 group_m=max(1, min(math.ceil(m / 128), 16))))
     return out
+
+
+def fitted_stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16",
+                          num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
+    """The stream-K forms of the :func:`fitted_plans` wider than 128 whose tiles fill their waves less than
+    STREAM_K_MAX_FILL, where K has at least STREAM_K_MIN_K columns: a width that wastes few columns of N with the
+    partial wave cut along K. The autotuner's candidates with B as [N, K]; not in the cost model."""
+    if k < STREAM_K_MIN_K:
+        return []
+    return [dataclasses.replace(p, stream_k=True) for p in fitted_plans(m, out_dtype)
+            if p.block_n > 128 and _wave_fill(math.ceil(m / p.block_m) * math.ceil(n / p.block_n), num_sms)
+            < STREAM_K_MAX_FILL]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -689,9 +689,14 @@ __device__ __forceinline__ void run_storer_stream_k(const Schedule& sched, const
 #pragma unroll
                 for (int c = 0; c < kConsumersPerTurn; ++c)
 #pragma unroll
-                    for (int j = 0; j < kCSlabs; ++j)
-                        tma_store_2d(d.map, smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes, n0 + j * kCCols,
-                                     d.y0 + c * kRowsPerConsumer);
+                    for (int j = 0; j < kCSlabs; ++j) {
+                        const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes;
+                        const int y = d.y0 + c * kRowsPerConsumer;
+                        if constexpr (kFitN)
+                            store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, sched.n_tiles, j * kCCols, y);
+                        else
+                            tma_store_2d(d.map, src, n0 + j * kCCols, y);
+                    }
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
                 mbar_arrive(bar_next_empty);

@@ -77,6 +77,9 @@ def test_plan_overrides_are_validated():
         dataclasses.replace(p, block_n=272, epilogue="direct").validate()
     with pytest.raises(ValueError, match="cluster=1"):
         dataclasses.replace(p, block_n=112, epilogue="direct", cluster=2).validate()
+    with pytest.raises(ValueError, match="block_n=176 .*no split-K"):
+        dataclasses.replace(p, block_n=176, stages=4, split_k=2).validate()
+    assert dataclasses.replace(p, block_n=176, stages=4, stream_k=True).validate().fitted_n   # stream-K form
     fitted = dataclasses.replace(p, block_n=112, epilogue="direct", stages=6).validate()
     assert fitted.fitted_n and not p.fitted_n
     with pytest.raises(ValueError, match="cluster"):
@@ -525,6 +528,9 @@ COMPILE_CONFIGS = [
     (GemmPlan(block_n=240, stages=4, epilogue="direct"), "float16", "float32", True, False, False),
     (GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct"), "bfloat16", "float16", True, False,
      False),
+    # fitted widths in stream-K form (the fitted C box store in the stream-K storer)
+    (GemmPlan(block_n=224, stages=4, c_staging="shared", stream_k=True), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=176, stages=3, stream_k=True), "float16", "float32", True, False, False),
     # clusters along N (A multicast), 1 x 2 and 2 x 2
     (GemmPlan(cluster=2, cluster_n=2), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(cluster=2, cluster_n=2, block_n=192, stages=4), "float16", "float16", False, False, False),

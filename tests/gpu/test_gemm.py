@@ -944,6 +944,24 @@ def test_stream_k_matches_float64_and_reruns_bitwise(case, trans_b, dtype, out_d
     _check_float64_and_reruns(m, n, k, plan, trans_b, dtype, out_dtype, m * 17 + n * 3 + k)
 
 
+# Fitted widths in stream-K form (B as [N, K] only): the stream-K storer's fitted C box store (an inner tile column's
+# part-filled last slab through the tiles' map, the last column clipped by C's map), partials of block_n columns.
+FITTED_STREAM_K_CASES = [  # (M, N, K, plan)
+    (461, 1000, 4104, GemmPlan(block_n=176, stages=4, stream_k=True)),          # 4 x 6 tiles (the last 120 wide), K % 64 == 8
+    (700, 664, 3000, GemmPlan(block_n=224, stages=4, c_staging="shared", stream_k=True, max_ctas=12)),  # 6 x 3 on 12
+    (300, 520, 3000, GemmPlan(block_n=144, stages=5, stream_k=True, max_ctas=5)),   # 3 x 4 tiles on 5 CTAs
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", range(len(FITTED_STREAM_K_CASES)))
+def test_fitted_stream_k_matches_float64_and_reruns_bitwise(case, dtype):
+    m, n, k, plan = FITTED_STREAM_K_CASES[case]
+    _check_float64_and_reruns(m, n, k, plan, True, dtype, dtype, m * 13 + n * 5 + k)
+    if case == 0:   # fp32 out: 3 stages beside the wider staging
+        _check_float64_and_reruns(m, n, k, dataclasses.replace(plan, stages=3), True, dtype, "float32", m + n + k)
+
+
 def test_stream_k_fp32_out_counts_every_k_block_once():
     """Ones times ones into fp32: every element is exactly K, so a K block summed twice or never shows exactly."""
     for m, n, k, plan in [(128, 256, 8192, GemmPlan(block_n=128, stages=4, stream_k=True)),
@@ -1031,6 +1049,17 @@ def test_stream_k_sanitize_small(cluster, staging):
     gemm(to_device(a), to_device(b), out, plan=GemmPlan(block_n=128, stages=6, stream_k=True, max_ctas=12,
                                                         cluster=cluster, c_staging=staging))
     assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
+
+
+def test_fitted_stream_k_sanitize_small():
+    """A small cut of a fitted width (for compute-sanitizer memcheck / racecheck: 2 x 2 tiles of 128 x 176, the
+    last column 88 wide, cut over 12 CTAs, tails in M, N and K)."""
+    rng = np.random.default_rng(10)
+    a, b = rand_matrix(rng, (200, 1000), "bfloat16"), rand_matrix(rng, (264, 1000), "bfloat16")
+    out = poisoned((200, 264), "bfloat16")
+    gemm(to_device(a), to_device(b), out, trans_b=True,
+         plan=GemmPlan(block_n=176, stages=4, stream_k=True, max_ctas=12))
+    assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"]
 
 
 # --- ping-pong consumers (GemmPlan.pingpong: whole tiles alternating between the two consumers) ---------------------
