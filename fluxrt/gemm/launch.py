@@ -56,11 +56,10 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
         plan = plan_gemm(m, n, k, in_dtype=in_dt, out_dtype=out_dt)
     elif plan is None:
         plan = _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype)
-    plan.validate(out_dt)
-    if plan.fitted_n and (not trans_b or in_dt not in IN_DTYPES or wait or epilogue or copy or stride):
-        raise GemmArgumentError(f"gemm: plan block_n={plan.block_n} (not a multiple of 64) is for plain 16-bit GEMMs "
-                                f"with B as [N, K] (trans_b=True; B loads as one box of block_n rows), got "
-                                f"trans_b={trans_b}, inputs {in_dt}"
+    plan.validate(out_dt, b_kmajor=trans_b)
+    if plan.fitted_n and (in_dt not in IN_DTYPES or wait or epilogue or copy or stride):
+        raise GemmArgumentError(f"gemm: plan block_n={plan.block_n} (not a multiple of 64) is for plain 16-bit GEMMs, "
+                                f"got inputs {in_dt}"
                                 f"{', hooks or row bands' if (wait or epilogue or copy or stride) else ''}")
     if plan.split_k > 1 and (wait or epilogue or copy or stride):
         raise GemmArgumentError("gemm: a split_k plan is for plain GEMMs (no hooks, no row bands)")
@@ -132,7 +131,7 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
                              red.hook_id if red is not None else 0,
                              copy is not None, band_bits(a_bands, c_bands))
     with cupy.cuda.Device(dev):
-        smem = plan.smem_bytes(out_dt, shard_copy=copy is not None)
+        smem = plan.smem_bytes(out_dt, shard_copy=copy is not None, b_kmajor=trans_b)
         kern = _kernel(defines, dev, smem)
         mt, nt = plan.tiles(m, n)
         # with a cluster along N each CTA loads (and multicasts) block_m / cluster_n rows of A
@@ -321,4 +320,5 @@ def load_plain(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool, dev
         if plan.split_k > 1:
             load_split(plan, in_dtype, out_dtype, trans_b, device)
         else:
-            _kernel(kernel_defines(plan, in_dtype, out_dtype, trans_b), device, plan.smem_bytes(out_dtype))
+            _kernel(kernel_defines(plan, in_dtype, out_dtype, trans_b), device,
+                    plan.smem_bytes(out_dtype, b_kmajor=trans_b))

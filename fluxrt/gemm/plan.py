@@ -107,8 +107,9 @@ class GemmPlan:
     stream_k: bool = False
     pingpong: bool = False
 
-    def validate(self, out_dtype: str = "bfloat16") -> "GemmPlan":
-        """Raise ValueError when the kernel cannot be instantiated with this plan."""
+    def validate(self, out_dtype: str = "bfloat16", b_kmajor: bool = True) -> "GemmPlan":
+        """Raise ValueError when the kernel cannot be instantiated with this plan (b_kmajor: B as [N, K]; False for
+        [K, N], whose fitted widths take more shared memory)."""
         if self.split_k < 1:
             raise ValueError(f"GemmPlan.split_k must be >= 1, got {self.split_k}")
         if self.split_k > 1:
@@ -158,7 +159,7 @@ class GemmPlan:
                              "has no C staging)")
         if self.stages < 2:
             raise ValueError(f"GemmPlan.stages must be >= 2, got {self.stages}")
-        need = self.smem_bytes(out_dtype)
+        need = self.smem_bytes(out_dtype, b_kmajor=b_kmajor)
         if need > SMEM_LIMIT_BYTES:
             raise ValueError(f"GemmPlan {self.block_m}x{self.block_n}x{self.block_k} with {self.stages} stages, "
                              f"{out_dtype} output and {self.epilogue}/{self.c_staging} C staging needs {need} B of "
@@ -203,8 +204,10 @@ class GemmPlan:
         return cls(**kw)
 
     # --- shared-memory budget (mirrors the constants of hopper_gemm.cu) ---------------------------
-    def stage_bytes(self) -> int:
-        return (self.block_m + self.block_n) * ROW_BYTES
+    def stage_bytes(self, b_kmajor: bool = True) -> int:
+        """One ring stage: A's rows and B's; B as [K, N] (b_kmajor=False) in whole 64-column slabs (kTileBBytes)."""
+        b_cols = self.block_n if b_kmajor else -(-self.block_n // 64) * 64
+        return (self.block_m + b_cols) * ROW_BYTES
 
     @property
     def c_turns(self) -> int:
@@ -220,13 +223,15 @@ class GemmPlan:
         regions = 1 if self.c_staging == "shared" else self.consumers   # kCSlots
         return regions * rows * slabs * 128
 
-    def smem_bytes(self, out_dtype: str = "bfloat16", shard_copy: bool = False, grouped: bool = False) -> int:
+    def smem_bytes(self, out_dtype: str = "bfloat16", shard_copy: bool = False, grouped: bool = False,
+                   b_kmajor: bool = True) -> int:
         """Dynamic shared memory of the kernel; shard_copy: with GEMM hook 4 (its copier's buffer of one
-        A piece and its barrier); grouped: the grouped GEMM (its group table)."""
+        A piece and its barrier); grouped: the grouped GEMM (its group table); b_kmajor: B as [N, K] (False: [K, N],
+        which differs only for a fitted width, whose last 64-column slab of B is loaded whole)."""
         barriers = 8 * (2 * self.stages + 2 * self.c_turns + int(shard_copy))
         copy = self.block_m * ROW_BYTES if shard_copy else 0
         table = GROUP_TABLE_BYTES if grouped else 0
-        return (self.stages * self.stage_bytes() + self.c_staging_bytes(out_dtype) + copy + barriers + table
+        return (self.stages * self.stage_bytes(b_kmajor) + self.c_staging_bytes(out_dtype) + copy + barriers + table
                 + SMEM_ALIGN_BYTES)
 
     @property
@@ -251,12 +256,13 @@ class GemmPlan:
 
 
 def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma",
-               c_staging: str = "per_consumer", pingpong: bool = False) -> int:
+               c_staging: str = "per_consumer", pingpong: bool = False, b_kmajor: bool = True) -> int:
     """Deepest ring that fits next to the C staging buffer (and the barriers), up to MAX_STAGES."""
     probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=block_m // 64, stages=1, epilogue=epilogue,
                      c_staging=c_staging, pingpong=pingpong)
     s = 0
-    while s + 1 <= MAX_STAGES and dataclasses.replace(probe, stages=s + 1).smem_bytes(out_dtype) <= SMEM_LIMIT_BYTES:
+    while s + 1 <= MAX_STAGES and dataclasses.replace(probe, stages=s + 1).smem_bytes(
+            out_dtype, b_kmajor=b_kmajor) <= SMEM_LIMIT_BYTES:
         s += 1
     return s
 
@@ -570,13 +576,14 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
 FIT_WIDTHS = (80, 96, 112, 144, 160, 176, 208, 224, 240)
 
 
-def fitted_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
+def fitted_plans(m: int, out_dtype: str = "bfloat16", b_kmajor: bool = True) -> list[GemmPlan]:
     """128-row tiles of every FIT_WIDTHS width with the staged epilogue at the deepest ring (at most 6 stages); where
-    fewer than 4 stages fit beside per-consumer C staging, shared staging when it adds a stage."""
+    fewer than 4 stages fit beside per-consumer C staging, shared staging when it adds a stage. b_kmajor=False: the
+    rings of B as [K, N] (whole 64-column slabs of B per stage)."""
     out = []
     for bn in FIT_WIDTHS:
-        stages, staging = min(max_stages(128, bn, out_dtype), 6), "per_consumer"
-        shared = min(max_stages(128, bn, out_dtype, c_staging="shared"), 6)
+        stages, staging = min(max_stages(128, bn, out_dtype, b_kmajor=b_kmajor), 6), "per_consumer"
+        shared = min(max_stages(128, bn, out_dtype, c_staging="shared", b_kmajor=b_kmajor), 6)
         if stages < 4 and shared > stages:
             stages, staging = shared, "shared"
         if stages >= 2:
@@ -585,14 +592,14 @@ def fitted_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
     return out
 
 
-def fitted_stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16",
-                          num_sms: int = H100_H200_SMS) -> list[GemmPlan]:
+def fitted_stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS,
+                          b_kmajor: bool = True) -> list[GemmPlan]:
     """The stream-K forms of the :func:`fitted_plans` wider than 128 whose tiles fill their waves less than
     STREAM_K_MAX_FILL, where K has at least STREAM_K_MIN_K columns: a width that wastes few columns of N with the
-    partial wave cut along K. The autotuner's candidates with B as [N, K]; not in the cost model."""
+    partial wave cut along K. The autotuner's candidates; not in the cost model."""
     if k < STREAM_K_MIN_K:
         return []
-    return [dataclasses.replace(p, stream_k=True) for p in fitted_plans(m, out_dtype)
+    return [dataclasses.replace(p, stream_k=True) for p in fitted_plans(m, out_dtype, b_kmajor)
             if p.block_n > 128 and _wave_fill(math.ceil(m / p.block_m) * math.ceil(n / p.block_n), num_sms)
             < STREAM_K_MAX_FILL]
 

@@ -250,9 +250,12 @@ constexpr int kStageReaders = kPingPong ? 1 : kConsumers;
 constexpr u32 kPingPongBar = 3;
 
 constexpr u32 kTileABytes = kBM * kBK * kInBytes;           // 16 KiB for BM = 128
-constexpr u32 kTileBBytes = kBN * kBK * kInBytes;           // 32 KiB for BN = 256
-constexpr u32 kStageBytes = kTileABytes + kTileBBytes;      // TMA transaction bytes per stage
 constexpr u32 kBAtomBytes = 64 * kBK * kInBytes;            // MN-major B: one 64-column slab (8 KiB)
+// MN-major B comes in whole 64-column slabs: a fitted width's last slab is loaded whole (the next tile's columns,
+// or zeros past N) and its wgmma reads the first kBN % 64 columns of it.
+constexpr int kBSlabs = (kBN + 63) / 64;
+constexpr u32 kTileBBytes = kBKMajor ? kBN * kBK * kInBytes : kBSlabs * kBAtomBytes;   // 32 KiB for BN = 256
+constexpr u32 kStageBytes = kTileABytes + kTileBBytes;      // TMA transaction bytes per stage
 
 // C staging: per consumer, [kBN / kCCols column slabs][its rows][128 B], 128B-swizzled, so that the
 // fragment writes from registers are bank-conflict free and the layout matches the TMA store box.
@@ -285,15 +288,15 @@ constexpr int kConsumerRegs = (kConsumerRegsRaw >= 240 ? 240 : kConsumerRegsRaw)
 // With one consumer (256 threads) every warp can keep the compile-time maximum: no redistribution.
 constexpr bool kRebalanceRegs = kConsumers == 2;
 
-// Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between (fp8: from 144), with B
-// K-major (one TMA box of kBN rows; MN-major B comes in 64-column slabs), one CTA per cluster, a plain GEMM (or its
-// stream-K form). The staged epilogue stores the part-filled last slab of an inner tile column through FitArgs' map
-// (params.cuh).
+// Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between (fp8: from 144, B K-major),
+// one CTA per cluster, a plain GEMM (or its stream-K form). B K-major loads as one TMA box of kBN rows, MN-major in
+// whole 64-column slabs (kTileBBytes). The staged epilogue stores the part-filled last slab of an inner tile column
+// through FitArgs' map (params.cuh).
 constexpr bool kFitN = kBN % 64 != 0;
 static_assert(kBN % 16 == 0 && kBN >= 64 && kBN <= 256, "tile N: a multiple of 16 from 64 to 256");
-static_assert(!kFitN || (kBKMajor && !kBlockScale && kCluster == 1 && !kGrouped && !kSplitK &&
+static_assert(!kFitN || ((kBKMajor || !kFp8) && !kBlockScale && kCluster == 1 && !kGrouped && !kSplitK &&
                          !kHookWait && !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
-              "a tile N other than 64, 128, 192, 256 needs B K-major, no block scales, no cluster, and a plain GEMM "
+              "a tile N other than 64, 128, 192, 256 needs no block scales, no cluster, and a plain GEMM "
               "(no grouping, split-K, hooks or bands)");
 static_assert(!(kFp8 && kFitN) || kBN >= 144,
               "fp8 fitted widths start at 144 (wgmma_ops.cuh has no narrower fp8 ones)");

@@ -148,7 +148,7 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                 }
             } else {
 #pragma unroll
-                for (int j = 0; j < kBN / 64; ++j) {  // boxes {64 N, 64 K}: one 128-byte wide slab each
+                for (int j = 0; j < kBSlabs; ++j) {  // boxes {64 N, 64 K}: one 128-byte wide slab each
                     if constexpr (kGrouped)   // B [G][K][N] as (n, k, group)
                         tma_load_3d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, rows.group, full);
                     else if constexpr (kCluster == 1)
@@ -195,7 +195,7 @@ __device__ __forceinline__ void run_loader_stream_k(const Schedule& sched, const
                 }
             } else {
 #pragma unroll
-                for (int j = 0; j < kBN / 64; ++j) {
+                for (int j = 0; j < kBSlabs; ++j) {
                     if constexpr (kCluster == 1)
                         tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
                     else if (j % kCluster == sched.m_rank())   // slab j comes from M rank j % kCluster

@@ -528,6 +528,11 @@ COMPILE_CONFIGS = [
     (GemmPlan(block_n=240, stages=4, epilogue="direct"), "float16", "float32", True, False, False),
     (GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct"), "bfloat16", "float16", True, False,
      False),
+    # fitted widths with B as [K, N] (whole 64-column slabs of B per stage, the last one part-read)
+    (GemmPlan(block_n=176, stages=4), "bfloat16", "bfloat16", False, False, False),
+    (GemmPlan(block_n=112, stages=6), "float16", "float16", False, False, False),
+    (GemmPlan(block_n=144, stages=3), "bfloat16", "float32", False, False, False),
+    (GemmPlan(block_n=224, stages=4, c_staging="shared", stream_k=True), "float16", "float16", False, False, False),
     # fitted widths in stream-K form (the fitted C box store in the stream-K storer)
     (GemmPlan(block_n=224, stages=4, c_staging="shared", stream_k=True), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=176, stages=3, stream_k=True), "float16", "float32", True, False, False),
@@ -594,7 +599,8 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)   # a wait after every wgmma
     _assert_no_spills(cubin)
     # the kernel's own layout constants agree with the planner's (launch size and dynamic smem)
-    assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, shard_copy=hooks["hook_copy"])
+    assert _cubin_u32(data, "fluxrt_gemm_smem_bytes") == plan.smem_bytes(out_dt, shard_copy=hooks["hook_copy"],
+                                                                        b_kmajor=tb)
     assert _cubin_u32(data, "fluxrt_gemm_threads") == plan.threads
     assert (_cubin_u32(data, "fluxrt_gemm_block_m"), _cubin_u32(data, "fluxrt_gemm_block_n")) == \
         (plan.block_m, plan.block_n)

@@ -658,8 +658,14 @@ def test_fitted_width_plans_for_b_as_n_by_k():
     assert p.fitted_n and p.block_n == 144 and p.epilogue == "tma"
     assert math.prod(p.tiles(256, 9216)) <= 132
     assert p in candidates(256, 9216, 7168, trans_b=True)
-    assert not heuristic_plan(256, 9216, 7168, trans_b=False).fitted_n          # B [K, N]: 64-column slabs
-    assert all(not c.fitted_n for c in candidates(256, 9216, 7168))              # trans_b=False
+    assert not heuristic_plan(256, 9216, 7168, trans_b=False).fitted_n          # B [K, N]: the autotuner's only
+    kn = [c for c in candidates(256, 9216, 7168) if c.fitted_n]                   # trans_b=False: whole 64-column
+    assert {c.block_n for c in kn if not c.stream_k} == set(FIT_WIDTHS)          # slabs of B, so rings of their own
+    for c in kn:
+        assert c.smem_bytes("bfloat16", b_kmajor=False) <= SMEM_LIMIT_BYTES
+        assert c.validate("bfloat16", b_kmajor=False) is c
+    p144 = GemmPlan(block_n=144, stages=5)   # 144 columns of B as [N, K], 192 as [K, N]
+    assert p144.smem_bytes(b_kmajor=False) - p144.smem_bytes() == 5 * 48 * 128
     assert not heuristic_plan(8192, 8192, 8200, trans_b=True).fitted_n          # B's rows off the 32-byte sectors
     assert not heuristic_plan(461, 9128, 13208, trans_b=True).fitted_n          # B's rows off the 32-byte sectors
     fits = fitted_plans(4096, "float32")

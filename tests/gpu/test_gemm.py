@@ -141,20 +141,25 @@ FITTED = [GemmPlan(block_n=112, stages=6, epilogue="direct"), GemmPlan(block_n=1
 @pytest.mark.parametrize("m,n,k,out_dtype", [(1000, 1000, 520, "bfloat16"), (257, 7168, 1000, "bfloat16"),
                                              (129, 264, 40, "float32"), (300, 2000, 4104, "float16"),
                                              (200, 96, 64, "bfloat16")])
-def test_fitted_tile_widths(plan, m, n, k, out_dtype):
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+def test_fitted_tile_widths(plan, m, n, k, out_dtype, trans_b):
     # tile widths between the multiples of 64: N tails inside a tile and across tiles (N % block_n of every kind;
     # N below one tile), K shorter than one block, K tails, every output type; staged, the inner tile columns'
-    # part-filled last slab goes through the tiles' view of C
+    # part-filled last slab goes through the tiles' view of C. B as [K, N]: whole 64-column slabs of B per stage,
+    # the last one read in part (the next tile's columns, or zeros past N)
     in_dtype = "float16" if out_dtype == "float16" else "bfloat16"
-    fits = max_stages(plan.block_m, plan.block_n, out_dtype, plan.epilogue, plan.c_staging)
+    fits = max_stages(plan.block_m, plan.block_n, out_dtype, plan.epilogue, plan.c_staging, b_kmajor=trans_b)
     plan = dataclasses.replace(plan, stages=min(plan.stages, fits))   # fp32 output: a larger C staging
-    run_case(m, n, k, trans_b=True, plan=plan, in_dtype=in_dtype, out_dtype=out_dtype, seed=21)
+    run_case(m, n, k, trans_b=trans_b, plan=plan, in_dtype=in_dtype, out_dtype=out_dtype, seed=21)
 
 
-def test_fitted_tile_width_needs_b_as_n_by_k():
+def test_fitted_tile_width_with_b_as_k_by_n_takes_more_shared_memory():
+    # 128 x 144 with B as [K, N] stages 192 columns of B: 5 stages fit with B as [N, K], not with [K, N]
     a, b = cupy.zeros((256, 128), BF16), cupy.zeros((128, 512), BF16)
-    with pytest.raises(GemmArgumentError, match="block_n=112"):
-        gemm(a, b, trans_b=False, plan=GemmPlan(block_n=112, stages=6, epilogue="direct"))
+    plan = GemmPlan(block_n=144, stages=5)
+    gemm(a, cupy.ascontiguousarray(b.T), trans_b=True, plan=plan)
+    with pytest.raises(ValueError, match="shared memory"):
+        gemm(a, b, trans_b=False, plan=plan)
 
 
 CLUSTER_N = [GemmPlan(cluster=2, cluster_n=2), GemmPlan(cluster_n=2, block_n=64, stages=8),
@@ -944,7 +949,7 @@ def test_stream_k_matches_float64_and_reruns_bitwise(case, trans_b, dtype, out_d
     _check_float64_and_reruns(m, n, k, plan, trans_b, dtype, out_dtype, m * 17 + n * 3 + k)
 
 
-# Fitted widths in stream-K form (B as [N, K] only): the stream-K storer's fitted C box store (an inner tile column's
+# Fitted widths in stream-K form, both layouts of B: the stream-K storer's fitted C box store (an inner tile column's
 # part-filled last slab through the tiles' map, the last column clipped by C's map), partials of block_n columns.
 FITTED_STREAM_K_CASES = [  # (M, N, K, plan)
     (461, 1000, 4104, GemmPlan(block_n=176, stages=4, stream_k=True)),          # 4 x 6 tiles (the last 120 wide), K % 64 == 8
@@ -953,13 +958,18 @@ FITTED_STREAM_K_CASES = [  # (M, N, K, plan)
 ]
 
 
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", range(len(FITTED_STREAM_K_CASES)))
-def test_fitted_stream_k_matches_float64_and_reruns_bitwise(case, dtype):
+def test_fitted_stream_k_matches_float64_and_reruns_bitwise(case, dtype, trans_b):
     m, n, k, plan = FITTED_STREAM_K_CASES[case]
-    _check_float64_and_reruns(m, n, k, plan, True, dtype, dtype, m * 13 + n * 5 + k)
-    if case == 0:   # fp32 out: 3 stages beside the wider staging
-        _check_float64_and_reruns(m, n, k, dataclasses.replace(plan, stages=3), True, dtype, "float32", m + n + k)
+    fits = max_stages(plan.block_m, plan.block_n, dtype, c_staging=plan.c_staging, b_kmajor=trans_b)
+    plan = dataclasses.replace(plan, stages=min(plan.stages, fits))
+    _check_float64_and_reruns(m, n, k, plan, trans_b, dtype, dtype, m * 13 + n * 5 + k)
+    if case == 0:   # fp32 out: fewer stages beside the wider staging
+        fits = max_stages(plan.block_m, plan.block_n, "float32", c_staging=plan.c_staging, b_kmajor=trans_b)
+        _check_float64_and_reruns(m, n, k, dataclasses.replace(plan, stages=fits), trans_b, dtype, "float32",
+                                  m + n + k)
 
 
 def test_stream_k_fp32_out_counts_every_k_block_once():
@@ -1051,15 +1061,19 @@ def test_stream_k_sanitize_small(cluster, staging):
     assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
 
 
-def test_fitted_stream_k_sanitize_small():
-    """A small cut of a fitted width (for compute-sanitizer memcheck / racecheck: 2 x 2 tiles of 128 x 176, the
-    last column 88 wide, cut over 12 CTAs, tails in M, N and K)."""
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("stream_k", [False, True], ids=["whole", "stream_k"])
+def test_fitted_sanitize_small(stream_k, trans_b):
+    """A fitted width, small (for compute-sanitizer memcheck / racecheck: 2 x 2 tiles of 128 x 176, the last column
+    88 wide, tails in M, N and K; whole tiles on 3 CTAs or cut over 12). B as [K, N]: the second tile column's last
+    two 64-column slabs lie past N (zero-filled by TMA) and the first column's last slab is half the next tile's."""
     rng = np.random.default_rng(10)
-    a, b = rand_matrix(rng, (200, 1000), "bfloat16"), rand_matrix(rng, (264, 1000), "bfloat16")
+    a = rand_matrix(rng, (200, 1000), "bfloat16")
+    b = rand_matrix(rng, (264, 1000) if trans_b else (1000, 264), "bfloat16")
     out = poisoned((200, 264), "bfloat16")
-    gemm(to_device(a), to_device(b), out, trans_b=True,
-         plan=GemmPlan(block_n=176, stages=4, stream_k=True, max_ctas=12))
-    assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"]
+    gemm(to_device(a), to_device(b), out, trans_b=trans_b,
+         plan=GemmPlan(block_n=176, stages=4, stream_k=stream_k, max_ctas=12 if stream_k else 3))
+    assert rel_err(out, reference(a, b, trans_b)) < TOL["bfloat16"]
 
 
 # --- ping-pong consumers (GemmPlan.pingpong: whole tiles alternating between the two consumers) ---------------------
