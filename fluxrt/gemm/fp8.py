@@ -27,7 +27,7 @@ from ..packed_launch import PackedLaunch
 from ..streams import as_cupy_stream, stream_handle
 from .checks import Fp8Problem, _ptr, validate_fp8_args
 from .launch_cache import MISS, LaunchCache, array_key
-from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines, pdl_on
+from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import (FP8_BLOCK_K, FP8_BLOCK_SCALE_WIDTHS, FP8_FIT_WIDTHS, FP8_SCALE_BLOCK, ITEMSIZE, GemmPlan,
                    fp8_heuristic_plan)
@@ -130,7 +130,7 @@ def prepare(a, b, out, *, fp8_format, scale_a, scale_b, plan: GemmPlan | None, o
             params["fit"]["tmap_c_tiles"] = fitted_c_tiles_map(out.data.ptr, prob.out_dtype, m, n, plan.block_n)
         s = params["scale"]
         s["a"], s["b"], s["k_blocks"] = _ptr(sa), _ptr(sb), prob.k_blocks
-    return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem, pdl=pdl_on()), out, plan
+    return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
 
 _fast = LaunchCache(256)   # repeated calls (fluxrt.gemm.launch_cache), scales and formats in the key

@@ -42,7 +42,7 @@ from ..packed_launch import PackedLaunch
 from ..streams import as_cupy_stream, stream_handle
 from .checks import _check_matrix, _check_scale, _inspect, fp8_formats
 from .launch_cache import MISS, LaunchCache, array_key
-from .kernel import _kernel, _num_sms, kernel_defines, pdl_on
+from .kernel import _kernel, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import (BLOCK_K, FP8_BLOCK_K, FP8_BLOCK_SCALE_WIDTHS, FP8_DTYPES, FP8_OUT_DTYPES, FP8_SCALE_BLOCK,
                    H100_H200_SMS, IN_DTYPES, ITEMSIZE, MAX_GROUPS, MAX_STAGES, OUT_DTYPES, SCALE_MODES,
@@ -429,8 +429,7 @@ def _prepare(a, b, offsets, out, *, trans_b: bool | None, plan: GemmPlan | None,
             grp["scatter_dst"], grp["scatter_flags"] = scatter.dsts, scatter.flags
             grp["scatter_ld"], grp["scatter_entries"] = scatter.ld, scatter.entries
         grid = grouped_grid(plan, m, n, g, _num_sms(dev))
-    pdl = pdl_on() and arrival is None and scatter is None   # the MoE layer's hooked GEMMs: without
-    return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem, pdl=pdl), out, plan
+    return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
 
 _cache = LaunchCache(256)   # repeated calls (fluxrt.gemm.launch_cache); None: M = 0, nothing to launch

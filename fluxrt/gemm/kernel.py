@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..env import env_flag
 from ..errors import GemmArgumentError
 from .plan import GemmPlan
 
@@ -56,13 +55,6 @@ def plain_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool) 
 
         return kernel_defines(plan, in_dtype, "float32", trans_b, bands=BANDS_C)
     return kernel_defines(plan, in_dtype, out_dtype, trans_b)
-
-
-def pdl_on() -> bool:
-    """Whether plain GEMM launches (16-bit, fp8, grouped without hooks) carry programmatic dependent launch
-    (``FLUXRT_GEMM_PDL``, default on): the grid may be scheduled while the kernel ahead of it on the stream finishes,
-    and waits for it (``griddepcontrol.wait``) before touching memory. Read when a call's launch is built."""
-    return env_flag("FLUXRT_GEMM_PDL", True)
 
 
 def compile_options(defines, arch: str | None = None):

@@ -13,7 +13,7 @@ from .checks import (WRITTEN, _band_stride, _check_bands_plan, _check_copy, _che
                      _ptr, _validate)
 from .hooks import ArrivalWait, RowBands, ShardCopy, TileEpilogue, band_bits
 from .launch_cache import MISS, LaunchCache, array_key
-from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines, pdl_on
+from .kernel import _kernel, _max_clusters, _num_sms, kernel_defines
 from .params import gemm_params
 from .plan import ITEMSIZE as _ITEMSIZE
 from .plan import IN_DTYPES, SMEM_LIMIT_BYTES, GemmPlan, heuristic_plan, plan_gemm
@@ -190,10 +190,8 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
         if plan.stream_k:   # the partials and counters of the call's stream
             sptr = cupy.cuda.get_current_stream().ptr if stream_ptr is None else stream_ptr
             ws = fill_stream_k(params, plan, m, n, k, grid, dev, sptr)
-            return StreamKLaunch(PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem, pdl=pdl_on()),
-                                 ws), out, plan
-    pdl = pdl_on() and not (wait or epilogue or copy or red or stride)   # the fused ops' hooked GEMMs: without
-    return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem, pdl=pdl), out, plan
+            return StreamKLaunch(PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), ws), out, plan
+    return PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem), out, plan
 
 
 def _plain_plan(a, b, out, m, n, k, in_dt, out_dt, trans_b, out_dtype) -> GemmPlan:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import GemmArgumentError
 from ..packed_launch import PackedLaunch
-from .kernel import OUT_IDS, _kernel, _num_sms, pdl_on, plain_defines
+from .kernel import OUT_IDS, _kernel, _num_sms, plain_defines
 from .params import gemm_params
 from .plan import GemmPlan, split_slices
 from .tmaps import tensor_map
@@ -130,7 +130,7 @@ def prepare(a, b, out, plan: GemmPlan, m: int, n: int, k: int, in_dt: str, out_d
     params = gemm_params(tmap_a=tmap_a, tmap_b=tmap_b, tmap_c=tmap_c, m=rows, n=n, k=k, group_m=plan.group_m,
                         m_tile_offset=plan.m_tile_offset % mt, chunk_rows=m_pad, chunks_per_peer=1, k_slice=ks)
     grid = plan.grid(rows, n, _num_sms(dev))
-    gemm = PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem, pdl=pdl_on())   # the reduce: without
+    gemm = PackedLaunch(kern, grid, plan.threads, (params,), shared_mem=smem)
     vecs = m * n // 4
     rgrid = max(1, min(-(-vecs // REDUCE_THREADS), 8 * _num_sms(dev)))
     red = PackedLaunch(reducer, rgrid, REDUCE_THREADS,

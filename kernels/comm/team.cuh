@@ -104,8 +104,10 @@ struct ExchangeTable {
 constexpr u64 kRoundShift = 20;
 constexpr u64 kRoundUnit = 1ull << kRoundShift;  // > kMaxBlocks: every block's share is at least 1
 
-// pdl_launch_dependents (fluxrt/sync.cuh): the first invocation by any thread of a block counts for the block, so
-// only the thread that took the block's share of the round calls it, after the atomic's result came back.
+// The first invocation by any thread of a block counts for the block: only the thread that took the
+// block's share of the round calls it, after the atomic's result came back.
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // Hooks for a kernel's first loads, in flight beside the round's atomic: constant() loads what was set
 // before any round (the peer tables), so it may run before the PDL wait; prefetch() (a first line of x)

@@ -123,7 +123,7 @@ using namespace fluxrt_sm90;
 // ---------------------------------------------------------------------------------------------
 // Entry point. Launch with gridDim.x = kClusterCtas * min(co-resident clusters, work items) (persistent),
 // blockDim.x = fluxrt_gemm_threads, dynamic shared memory = fluxrt_gemm_smem_bytes (constants below),
-// and one argument: Params; with or without programmatic dependent launch.
+// and one argument: Params.
 #if FLUXRT_GEMM_CLUSTER * FLUXRT_GEMM_CLUSTER_N > 1
 #define FLUXRT_GEMM_CLUSTER_DIMS __cluster_dims__(FLUXRT_GEMM_CLUSTER * FLUXRT_GEMM_CLUSTER_N, 1, 1)
 #else
@@ -168,12 +168,6 @@ fluxrt_gemm(const __grid_constant__ Params p) {
         if constexpr (kHookCopy) tma_prefetch_desc(&p.copy.tmap_a_own);
         if constexpr ((!kHookEpilogue || kReduceEpilogue) && !kEpiDirect) tma_prefetch_desc(&p.gemm.tmap_c);
     }
-    // Programmatic dependent launch (fluxrt.gemm launches a plain GEMM with it): this grid may be scheduled before
-    // the kernel ahead of it on the stream has finished, so no thread reads or writes global memory before that
-    // kernel's writes are visible. The next grid may be scheduled at once: this one is persistent (every CTA
-    // resident), so the next one only takes SMs this one leaves idle, and waits in turn.
-    fluxrt::pdl_wait();
-    fluxrt::pdl_launch_dependents();
     if constexpr (kGrouped) {   // warp 1 reads the offsets while thread 0 initialises the barriers
         if (threadIdx.x / 32 == 1)
             GroupTable::build(p.group, p.gemm.m, (p.gemm.n + kBN - 1) / kBN,

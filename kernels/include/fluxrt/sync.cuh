@@ -80,13 +80,6 @@ __device__ __forceinline__ void red_release_sys_add(u64* p, u64 v) {
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 // Orders generic-proxy accesses (the flag acquire) before async-proxy ones (TMA loads of the data).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
-
-// Programmatic dependent launch (a launch with the programmatic-stream-serialization attribute): the grid may be
-// scheduled before the kernel ahead of it on the stream has finished. pdl_wait returns once that kernel has
-// completed with its memory visible (at once for a launch without the attribute); pdl_launch_dependents lets the
-// next such grid be scheduled (the first call by any thread counts for its block).
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ u64 globaltimer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
