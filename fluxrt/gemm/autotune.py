@@ -198,14 +198,14 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     heuristic's own pick is always among them, plus the split-K plans of ragged waves (``partial_waves``), which the
     model cannot rank, the deeper rings of :func:`deep_ring_plans` (of the plain and the stream-K plans), the
     clusters along N of :func:`cluster_n_plans`, the ping-pong plans of :func:`pingpong_plans`, and the fitted widths
-    with B as [K, N] too (:func:`fitted_plans` with its rings) and the stream-K forms of the wider ones
-    (:func:`fitted_stream_k_plans`)."""
+    with B as [K, N] too (:func:`fitted_plans` with its rings), the wider ones also in pairs along M and in stream-K
+    form (:func:`fitted_stream_k_plans`)."""
     stream_k = stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
     return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
             + pingpong_plans(m, out_dtype)
             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
             + stream_k + deep_ring_plans(m, out_dtype, stream_k)
-            + fitted_plans(m, out_dtype, b_kmajor=trans_b)
+            + fitted_plans(m, out_dtype, b_kmajor=trans_b, pairs=True)
             + fitted_stream_k_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b))
 
 

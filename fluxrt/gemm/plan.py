@@ -129,8 +129,9 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.block_m must be 64 * consumers = {64 * self.consumers}, got {self.block_m}")
         if self.block_n % 16 or not 64 <= self.block_n <= 256:
             raise ValueError(f"GemmPlan.block_n must be a multiple of 16 from 64 to 256, got {self.block_n}")
-        if self.fitted_n and (self.cluster != 1 or self.split_k > 1):
-            raise ValueError(f"GemmPlan.block_n={self.block_n} (not a multiple of 64) needs cluster=1 and no split-K")
+        if self.fitted_n and (self.split_k > 1 or (self.cluster != 1 and self.block_k != BLOCK_K)):
+            raise ValueError(f"GemmPlan.block_n={self.block_n} (not a multiple of 64) needs no split-K, and cluster=1 "
+                             f"with fp8 (block_k={self.block_k})")
         if self.block_k not in (BLOCK_K, FP8_BLOCK_K):
             raise ValueError(f"GemmPlan.block_k must be {BLOCK_K} (16-bit inputs) or {FP8_BLOCK_K} (fp8): one 128-byte "
                              f"swizzled row, got {self.block_k}")
@@ -576,10 +577,11 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
 FIT_WIDTHS = (80, 96, 112, 144, 160, 176, 208, 224, 240)
 
 
-def fitted_plans(m: int, out_dtype: str = "bfloat16", b_kmajor: bool = True) -> list[GemmPlan]:
+def fitted_plans(m: int, out_dtype: str = "bfloat16", b_kmajor: bool = True, pairs: bool = False) -> list[GemmPlan]:
     """128-row tiles of every FIT_WIDTHS width with the staged epilogue at the deepest ring (at most 6 stages); where
     fewer than 4 stages fit beside per-consumer C staging, shared staging when it adds a stage. b_kmajor=False: the
-    rings of B as [K, N] (whole 64-column slabs of B per stage)."""
+    rings of B as [K, N] (whole 64-column slabs of B per stage). pairs: also each in a cluster of 2 along M (B
+    multicast), where M has two tile rows."""
     out = []
     for bn in FIT_WIDTHS:
         stages, staging = min(max_stages(128, bn, out_dtype, b_kmajor=b_kmajor), 6), "per_consumer"
@@ -589,6 +591,8 @@ def fitted_plans(m: int, out_dtype: str = "bfloat16", b_kmajor: bool = True) -> 
         if stages >= 2:
             out.append(GemmPlan(block_n=bn, stages=stages, c_staging=staging,
                                 group_m=max(1, min(math.ceil(m / 128), 16))))
+    if pairs and math.ceil(m / 128) >= 2:   # the widths above 128 (the narrower ones are small-M tiles)
+        out += [dataclasses.replace(p, cluster=2) for p in out if p.block_n > 128]
     return out
 
 

@@ -288,16 +288,16 @@ constexpr int kConsumerRegs = (kConsumerRegsRaw >= 240 ? 240 : kConsumerRegsRaw)
 // With one consumer (256 threads) every warp can keep the compile-time maximum: no redistribution.
 constexpr bool kRebalanceRegs = kConsumers == 2;
 
-// Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between (fp8: from 144, B K-major),
-// one CTA per cluster, a plain GEMM (or its stream-K form). B K-major loads as one TMA box of kBN rows, MN-major in
-// whole 64-column slabs (kTileBBytes). The staged epilogue stores the part-filled last slab of an inner tile column
+// Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between (fp8: from 144, B K-major,
+// one CTA per cluster), a plain GEMM (or its stream-K form). B K-major loads as one TMA box of kBN rows (with a pair,
+// kBN / 2 rows each, whole 1 KiB swizzle atoms since kBN % 16 == 0), MN-major in whole 64-column slabs (kTileBBytes). The staged epilogue stores the part-filled last slab of an inner tile column
 // through FitArgs' map (params.cuh).
 constexpr bool kFitN = kBN % 64 != 0;
 static_assert(kBN % 16 == 0 && kBN >= 64 && kBN <= 256, "tile N: a multiple of 16 from 64 to 256");
-static_assert(!kFitN || ((kBKMajor || !kFp8) && !kBlockScale && kCluster == 1 && !kGrouped && !kSplitK &&
+static_assert(!kFitN || ((kBKMajor || !kFp8) && !kBlockScale && (kCluster == 1 || !kFp8) && !kGrouped && !kSplitK &&
                          !kHookWait && !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
-              "a tile N other than 64, 128, 192, 256 needs no block scales, no cluster, and a plain GEMM "
-              "(no grouping, split-K, hooks or bands)");
+              "a tile N other than 64, 128, 192, 256 needs no block scales, 16-bit inputs for a cluster, and a plain "
+              "GEMM (no grouping, split-K, hooks or bands)");
 static_assert(!(kFp8 && kFitN) || kBN >= 144,
               "fp8 fitted widths start at 144 (wgmma_ops.cuh has no narrower fp8 ones)");
 static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kFitN && !kHookWait &&

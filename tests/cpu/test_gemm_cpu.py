@@ -67,16 +67,15 @@ def test_plan_overrides_are_validated():
     p = plan_gemm(4096, 4096, 4096)
     with pytest.raises(ValueError, match="block_m"):
         dataclasses.replace(p, block_m=256).validate()
-    with pytest.raises(ValueError, match="block_n=96 .*cluster=1"):
-        dataclasses.replace(p, block_n=96, cluster=2).validate()   # a fitted width: cluster 1 only
+    assert dataclasses.replace(p, block_n=96, stages=6, cluster=2).validate().fitted_n   # 16-bit: pairs too
+    with pytest.raises(ValueError, match="block_n=144 .*cluster=1 with fp8"):
+        dataclasses.replace(p, block_n=144, block_k=128, stages=4, cluster=2).validate()
     assert dataclasses.replace(p, block_n=96, stages=6).validate().c_staging_bytes("bfloat16") == 128 * 256
     assert dataclasses.replace(p, block_n=96, stages=6).c_staging_bytes("float32") == 128 * 384
     with pytest.raises(ValueError, match="multiple of 16"):
         dataclasses.replace(p, block_n=100, epilogue="direct").validate()
     with pytest.raises(ValueError, match="multiple of 16 from 64 to 256"):
         dataclasses.replace(p, block_n=272, epilogue="direct").validate()
-    with pytest.raises(ValueError, match="cluster=1"):
-        dataclasses.replace(p, block_n=112, epilogue="direct", cluster=2).validate()
     with pytest.raises(ValueError, match="block_n=176 .*no split-K"):
         dataclasses.replace(p, block_n=176, stages=4, split_k=2).validate()
     assert dataclasses.replace(p, block_n=176, stages=4, stream_k=True).validate().fitted_n   # stream-K form
@@ -533,6 +532,11 @@ COMPILE_CONFIGS = [
     (GemmPlan(block_n=112, stages=6), "float16", "float16", False, False, False),
     (GemmPlan(block_n=144, stages=3), "bfloat16", "float32", False, False, False),
     (GemmPlan(block_n=224, stages=4, c_staging="shared", stream_k=True), "float16", "float16", False, False, False),
+    # fitted widths in clusters of 2 along M (B multicast: kBN / 2 rows, or every other 64-column slab, per CTA)
+    (GemmPlan(block_n=176, stages=4, cluster=2), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=144, stages=4, cluster=2), "float16", "float16", False, False, False),
+    (GemmPlan(block_n=208, stages=4, c_staging="shared", cluster=2, stream_k=True), "bfloat16", "bfloat16", True,
+     False, False),
     # fitted widths in stream-K form (the fitted C box store in the stream-K storer)
     (GemmPlan(block_n=224, stages=4, c_staging="shared", stream_k=True), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=176, stages=3, stream_k=True), "float16", "float32", True, False, False),

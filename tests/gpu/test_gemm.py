@@ -133,7 +133,10 @@ FITTED = [GemmPlan(block_n=112, stages=6, epilogue="direct"), GemmPlan(block_n=1
           GemmPlan(block_m=64, block_n=80, consumers=1, stages=8, epilogue="direct"),
           GemmPlan(block_n=112, stages=6), GemmPlan(block_n=176, stages=4, order="hilbert"),
           GemmPlan(block_n=144, stages=5, c_staging="shared"),
-          GemmPlan(block_m=64, block_n=208, consumers=1, stages=5)]
+          GemmPlan(block_m=64, block_n=208, consumers=1, stages=5),
+          # in pairs along M (B multicast: half of B's rows, or every other 64-column slab, from each CTA)
+          GemmPlan(block_n=176, stages=4, cluster=2), GemmPlan(block_n=240, stages=4, c_staging="shared", cluster=2),
+          GemmPlan(block_n=112, stages=6, epilogue="direct", cluster=2)]
 
 
 @pytest.mark.parametrize("plan", FITTED, ids=lambda p: f"{p.block_m}x{p.block_n}s{p.stages}-{p.order}-{p.epilogue}"
@@ -955,6 +958,7 @@ FITTED_STREAM_K_CASES = [  # (M, N, K, plan)
     (461, 1000, 4104, GemmPlan(block_n=176, stages=4, stream_k=True)),          # 4 x 6 tiles (the last 120 wide), K % 64 == 8
     (700, 664, 3000, GemmPlan(block_n=224, stages=4, c_staging="shared", stream_k=True, max_ctas=12)),  # 6 x 3 on 12
     (300, 520, 3000, GemmPlan(block_n=144, stages=5, stream_k=True, max_ctas=5)),   # 3 x 4 tiles on 5 CTAs
+    (300, 1000, 3000, GemmPlan(block_n=208, stages=4, c_staging="shared", stream_k=True, cluster=2, max_ctas=10)),
 ]
 
 
@@ -1061,18 +1065,21 @@ def test_stream_k_sanitize_small(cluster, staging):
     assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
 
 
+@pytest.mark.parametrize("cluster", [1, 2], ids=["x1", "x2"])
 @pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
 @pytest.mark.parametrize("stream_k", [False, True], ids=["whole", "stream_k"])
-def test_fitted_sanitize_small(stream_k, trans_b):
+def test_fitted_sanitize_small(stream_k, trans_b, cluster):
     """A fitted width, small (for compute-sanitizer memcheck / racecheck: 2 x 2 tiles of 128 x 176, the last column
-    88 wide, tails in M, N and K; whole tiles on 3 CTAs or cut over 12). B as [K, N]: the second tile column's last
-    two 64-column slabs lie past N (zero-filled by TMA) and the first column's last slab is half the next tile's."""
+    88 wide, tails in M, N and K; whole tiles on 2 CTAs or pairs, or cut over 12). B as [K, N]: the second tile
+    column's last two 64-column slabs lie past N (zero-filled by TMA) and the first column's last slab is half the
+    next tile's."""
     rng = np.random.default_rng(10)
     a = rand_matrix(rng, (200, 1000), "bfloat16")
     b = rand_matrix(rng, (264, 1000) if trans_b else (1000, 264), "bfloat16")
     out = poisoned((200, 264), "bfloat16")
     gemm(to_device(a), to_device(b), out, trans_b=trans_b,
-         plan=GemmPlan(block_n=176, stages=4, stream_k=stream_k, max_ctas=12 if stream_k else 3))
+         plan=GemmPlan(block_n=176, stages=4, stream_k=stream_k, cluster=cluster,
+                       max_ctas=12 if stream_k else 2 * cluster))
     assert rel_err(out, reference(a, b, trans_b)) < TOL["bfloat16"]
 
 
