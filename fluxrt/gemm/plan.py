@@ -575,13 +575,14 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
 # Fitted tile widths (GemmPlan.fitted_n): 128-row tiles of these widths are among the plans of a GEMM whose B is
 # [N, K]; the model costs them at their FIT_RATE (tile_rate). Provenance: docs/tuning.md.
 FIT_WIDTHS = (80, 96, 112, 144, 160, 176, 208, 224, 240)
+FIT_PAIR_MIN_TILE_ROWS = 8   # the autotuner's fitted pairs where M has this many tile rows (docs/tuning.md)
 
 
 def fitted_plans(m: int, out_dtype: str = "bfloat16", b_kmajor: bool = True, pairs: bool = False) -> list[GemmPlan]:
     """128-row tiles of every FIT_WIDTHS width with the staged epilogue at the deepest ring (at most 6 stages); where
     fewer than 4 stages fit beside per-consumer C staging, shared staging when it adds a stage. b_kmajor=False: the
     rings of B as [K, N] (whole 64-column slabs of B per stage). pairs: also each in a cluster of 2 along M (B
-    multicast), where M has two tile rows."""
+    multicast), where M has FIT_PAIR_MIN_TILE_ROWS tile rows."""
     out = []
     for bn in FIT_WIDTHS:
         stages, staging = min(max_stages(128, bn, out_dtype, b_kmajor=b_kmajor), 6), "per_consumer"
@@ -591,7 +592,7 @@ def fitted_plans(m: int, out_dtype: str = "bfloat16", b_kmajor: bool = True, pai
         if stages >= 2:
             out.append(GemmPlan(block_n=bn, stages=stages, c_staging=staging,
                                 group_m=max(1, min(math.ceil(m / 128), 16))))
-    if pairs and math.ceil(m / 128) >= 2:   # the widths above 128 (the narrower ones are small-M tiles)
+    if pairs and math.ceil(m / 128) >= FIT_PAIR_MIN_TILE_ROWS:   # the widths above 128 (the narrower: small M)
         out += [dataclasses.replace(p, cluster=2) for p in out if p.block_n > 128]
     return out
 
