@@ -30,11 +30,11 @@ split_k        K in this many slices (whole K blocks, the last shorter: any K), 
 stream_k       True: the tiles of the last one or two waves are cut into K ranges that fill the waves
                (stream_k_geometry; the earlier waves run whole tiles); a cut tile's last piece adds the
                others' fp32 partials in piece order (deterministic, one launch)
-pingpong       True (FLUXRT_GEMM_PINGPONG=1; 2 consumers, a plain GEMM with the 'tma' epilogue, tile width 64,
-               128 or 192): each consumer computes whole tiles, the CTA's tiles alternating between them, so one
-               consumer's epilogue runs beside the other's MMAs (short K); a whole 128 x block_n tile of
-               accumulators per consumer warpgroup (block_n per thread), and twice the C staging of 'per_consumer'
-               (one tile-sized region per consumer; 'shared': one, taken in turns)
+pingpong       True (FLUXRT_GEMM_PINGPONG=1; 2 consumers, a plain or grouped GEMM with the 'tma' epilogue, a
+               tile width of PINGPONG_BLOCK_N): each consumer computes whole tiles, the CTA's tiles alternating
+               between them, so one consumer's epilogue runs beside the other's MMAs (short K); a whole
+               128 x block_n tile of accumulators per consumer warpgroup (block_n per thread), and twice the C
+               staging of 'per_consumer' (one tile-sized region per consumer; 'shared': one, taken in turns)
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -572,8 +572,9 @@ def plan_cost(plan: GemmPlan, m: int, n: int, k: int, num_sms: int = H100_H200_S
     return tile_cost(m, n, k, plan.block_m, plan.block_n, plan.cluster, num_sms, trans_b)
 
 
-# Fitted tile widths (GemmPlan.fitted_n): 128-row tiles of these widths are among the plans of a GEMM whose B is
-# [N, K]; the model costs them at their FIT_RATE (tile_rate). Provenance: docs/tuning.md.
+# Fitted tile widths (GemmPlan.fitted_n): 128-row tiles of these widths are among the heuristic's plans of a GEMM whose
+# B is [N, K], costed at their FIT_RATE (tile_rate), and among the autotuner's with either layout. Provenance:
+# docs/tuning.md.
 FIT_WIDTHS = (80, 96, 112, 144, 160, 176, 208, 224, 240)
 FIT_PAIR_MIN_TILE_ROWS = 8   # the autotuner's fitted pairs where M has this many tile rows (docs/tuning.md)
 
@@ -654,7 +655,7 @@ PINGPONG_TILES = ((128, "per_consumer"), (128, "shared"), (192, "shared"))
 def pingpong_plans(m: int, out_dtype: str = "bfloat16", block_k: int = BLOCK_K, tiles=PINGPONG_TILES,
                    pairs: bool = True) -> list[GemmPlan]:
     """Plans of ``tiles`` ((block_n, c_staging) pairs; 128-row tiles, only where M has more than one 64-row block),
-    also with cluster 2 where ``pairs`` and M has two tile rows (fitted widths run without clusters)."""
+    also with cluster 2 where ``pairs`` and M has two tile rows (fp8's fitted ping-pong tiles are given without)."""
     if m <= 64:
         return []
     out = []

@@ -66,7 +66,7 @@
 //                             order (StreamK in scheduler.cuh, stream_k_fixup in consumer.cuh). With
 //                             FLUXRT_GEMM_CLUSTER=2 the items and units are the pairs' (both CTAs of a pair
 //                             run the same K range of their two M tiles and share B). default 0
-//   FLUXRT_GEMM_PINGPONG      1: ping-pong consumers (plain GEMM: no hooks, bands, split-K, stream-K, grouping,
+//   FLUXRT_GEMM_PINGPONG      1: ping-pong consumers (plain or grouped GEMM: no hooks, bands, split-K, stream-K,
 //                             block scales or cluster along N; 2 consumers, staged epilogue): each consumer
 //                             warpgroup computes whole tiles (all kBM rows: kBM / 64 wgmma row blocks), the
 //                             CTA's even tiles on consumer 0, odd ones on consumer 1. The ring holds the tiles'
@@ -290,8 +290,8 @@ constexpr bool kRebalanceRegs = kConsumers == 2;
 
 // Tile N: 64, 128, 192 or 256; or, fitted to the SMs' waves, any multiple of 16 in between (fp8: from 144, B K-major,
 // one CTA per cluster), a plain GEMM (or its stream-K form). B K-major loads as one TMA box of kBN rows (with a pair,
-// kBN / 2 rows each, whole 1 KiB swizzle atoms since kBN % 16 == 0), MN-major in whole 64-column slabs (kTileBBytes). The staged epilogue stores the part-filled last slab of an inner tile column
-// through FitArgs' map (params.cuh).
+// kBN / 2 rows each, whole 1 KiB swizzle atoms since kBN % 16 == 0), MN-major in whole 64-column slabs (kTileBBytes).
+// The staged epilogue stores the part-filled last slab of an inner tile column through FitArgs' map (params.cuh).
 constexpr bool kFitN = kBN % 64 != 0;
 static_assert(kBN % 16 == 0 && kBN >= 64 && kBN <= 256, "tile N: a multiple of 16 from 64 to 256");
 static_assert(!kFitN || ((kBKMajor || !kFp8) && !kBlockScale && (kCluster == 1 || !kFp8) && !kGrouped && !kSplitK &&

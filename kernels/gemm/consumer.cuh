@@ -246,6 +246,16 @@ __device__ __forceinline__ void mma_step(float (&acc)[kAccRegs], const ConsumerS
     }
 }
 
+// Per-tile scales (ScaleT::kPerTile) of tile t: its first row and group from the schedule (grouped: the table),
+// the consumer's rows starting row_offset into the tile.
+template <class ScaleT>
+__device__ __forceinline__ void begin_tile_scale(ScaleT& scale, const Schedule& sched, int t, int row_offset, int tid) {
+    int m_tile, n_tile;
+    sched.tile(t, m_tile, n_tile);
+    const GroupTile rows = sched.rows(m_tile);
+    scale.begin_tile(rows.row0 + row_offset, n_tile * kBN, rows.group, tid);
+}
+
 // One consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile of the schedule, then hands
 // the accumulators to the epilogue (Epilogue::store), which the mainloop calls back once per K block
 // (Epilogue::after_k_block, for work that overlaps the MMAs).
@@ -268,12 +278,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
         // Block scales: the scales of K blocks kb + 1 and kb + 2 are in flight while kb is computed (they come
         // from L2: the ring leaves little L1, and an L2 round trip is longer than one K block's MMAs).
         BlockScale::Loaded s_next{}, s_after{};
-        if constexpr (ScaleT::kPerTile) {
-            int m_tile, n_tile;
-            sched.tile(t, m_tile, n_tile);
-            const GroupTile rows = sched.rows(m_tile);   // grouped: the tile's group and first row (table)
-            scale.begin_tile(rows.row0 + wg * kRowsPerConsumer, n_tile * kBN, rows.group, tid);
-        }
+        if constexpr (ScaleT::kPerTile) begin_tile_scale(scale, sched, t, wg * kRowsPerConsumer, tid);
         if constexpr (kBlockScale) {
             s_next = scale.load(0);
             if (k_blocks > 1) s_after = scale.load(1);
@@ -349,12 +354,7 @@ __device__ __forceinline__ void run_consumer_pingpong(const Schedule& sched, int
     int i = wg;   // this CTA's tile index
     for (int t = sched.first + wg * sched.stride; t < sched.end(); t += kConsumers * sched.stride, i += kConsumers) {
         if (i > 0) named_bar_sync(kPingPongBar + wg, 256);   // the other consumer passed tile i - 1's waits
-        if constexpr (ScaleT::kPerTile) {   // grouped fp8: the scale of the tile's group
-            int m_tile, n_tile;
-            sched.tile(t, m_tile, n_tile);
-            const GroupTile rows = sched.rows(m_tile);
-            scale.begin_tile(rows.row0, n_tile * kBN, rows.group, tid);
-        }
+        if constexpr (ScaleT::kPerTile) begin_tile_scale(scale, sched, t, 0, tid);   // grouped fp8: the group's scale
         const u32 pos = (u32)i * (u32)k_blocks;   // ring position of the tile's first K block
         int stage = (int)(pos % kStages);
         u32 phase = (pos / kStages) & 1u;

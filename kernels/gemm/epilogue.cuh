@@ -344,6 +344,14 @@ struct GroupedStoreEpilogue : TmaStoreEpilogue {
             }
         }
     }
+    // store_rows, then the staging goes back (bar_empty) once every lane's reads of it are done.
+    __device__ __forceinline__ void store_rows_and_release(u32 smem, int y0, int row_end, int n0, int lane,
+                                                           u32 bar_empty) const {
+        store_rows(smem, y0, row_end, n0, lane);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_empty);
+        __syncwarp();
+    }
     __device__ __forceinline__ char* c_ptr(int row, int col) const {
         return c + ((long long)row * n + col) * kOutBytes;
     }
@@ -562,10 +570,7 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
             } else if constexpr (kGrouped) {
                 const int row_end = rows.row_end;
                 if (m0 + kBM > row_end) {   // the tile ends past its group: row-masked stores
-                    epilogue.store_rows(smem, m0 + row0, row_end, n0, lane);
-                    __syncwarp();                // every lane's staging reads are done
-                    if (lane == 0) mbar_arrive(bar_next_empty);
-                    __syncwarp();
+                    epilogue.store_rows_and_release(smem, m0 + row0, row_end, n0, lane, bar_next_empty);
                     continue;
                 }
             }
@@ -626,10 +631,8 @@ __device__ __forceinline__ void run_storer_pingpong(const Schedule& sched, const
         phases ^= 1u << k;
         if constexpr (kGrouped) {
             if (m0 + kBM > rows.row_end) {   // the tile ends past its group: row-masked stores from k's region
-                epilogue.store_rows(smem + c_slot_of(k) * kCConsumerBytes, m0, rows.row_end, n_tile * kBN, lane);
-                __syncwarp();                // every lane's staging reads are done
-                if (lane == 0) mbar_arrive(bar_c_empty + 8 * (kCShared ? k ^ 1 : k));
-                __syncwarp();
+                epilogue.store_rows_and_release(smem + c_slot_of(k) * kCConsumerBytes, m0, rows.row_end, n_tile * kBN,
+                                                lane, bar_c_empty + 8 * (kCShared ? k ^ 1 : k));
                 k ^= 1;
                 continue;
             }

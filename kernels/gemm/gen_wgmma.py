@@ -12,8 +12,8 @@ both operands are K-major in shared memory (the template argument must be 0).
 from pathlib import Path
 
 NS = (64, 128, 192, 256)
-# 16-bit only: tile widths between the multiples of 64, for tiles that fit the SMs' waves (B K-major, plain GEMMs;
-# kernels/gemm/config.cuh)
+# 16-bit: the widths between the multiples of 64 too, for tiles that fit the SMs' waves (plain GEMMs, either layout
+# of B; kernels/gemm/config.cuh)
 NS_16BIT = (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 # fp8: the fitted widths from 144 up (narrower fitted tiles lose to 128 on every 16-bit shape measured)
 NS_FP8 = (64, 128, 144, 160, 176, 192, 208, 224, 240, 256)
