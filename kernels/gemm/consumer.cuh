@@ -297,12 +297,15 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 const u32 b_base = sm.smem + kOffB + stage * kTileBBytes;
                 // The K block's product in its own registers; once retired, its stage goes back to the
                 // loader and the product is scaled into acc (the other consumer's MMAs run meanwhile).
+                // Descriptors stepped per k32 as in mma_k_block (both operands K-major).
                 float part[kAccRegs];
+                const u64 da0 = desc_kmajor(a_base);
+                const u64 db0 = desc_kmajor(b_base);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBK / kWgmmaK; ++kk)
-                    TileMma::run(part, desc_kmajor(a_base + kk * kWgmmaK * kInBytes),
-                                 desc_kmajor(b_base + kk * kWgmmaK * kInBytes), kk > 0 ? 1 : 0);
+                    TileMma::run(part, da0 + desc_step(kk * kWgmmaK * kInBytes),
+                                 db0 + desc_step(kk * kWgmmaK * kInBytes), kk > 0 ? 1 : 0);
                 wgmma_commit();
                 wgmma_wait<0>();
                 reg_fence(part);
