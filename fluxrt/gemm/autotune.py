@@ -31,7 +31,7 @@ from pathlib import Path
 from ..env import env_flag
 from ..errors import GemmArgumentError
 from .plan import (H100_H200_SMS, GemmPlan, cluster_n_plans, fitted_plans, fitted_stream_k_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, pingpong_plans,
-                   plain_plans, split_plans, stream_k_plans, tile_order)
+                   plain_plans, split_plans, stream_k_plans, tall_plans, tile_order)
 
 log = logging.getLogger("fluxrt.gemm")
 
@@ -197,16 +197,17 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     deepest ring, grouped order, its split-K and stream-K plans, and with B as [N, K] the fitted widths), so the
     heuristic's own pick is always among them, plus the split-K plans of ragged waves (``partial_waves``), which the
     model cannot rank, the deeper rings of :func:`deep_ring_plans` (of the plain and the stream-K plans), the
-    clusters along N of :func:`cluster_n_plans`, the ping-pong plans of :func:`pingpong_plans`, and the fitted widths
+    clusters along N of :func:`cluster_n_plans`, the ping-pong plans of :func:`pingpong_plans`, the fitted widths
     with B as [K, N] too (:func:`fitted_plans` with its rings), the wider ones also in pairs along M and in stream-K
-    form (:func:`fitted_stream_k_plans`)."""
+    form (:func:`fitted_stream_k_plans`), and the 256-row tiles of :func:`tall_plans`."""
     stream_k = stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
     return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
             + pingpong_plans(m, out_dtype)
             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
             + stream_k + deep_ring_plans(m, out_dtype, stream_k)
             + fitted_plans(m, out_dtype, b_kmajor=trans_b, pairs=True)
-            + fitted_stream_k_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b))
+            + fitted_stream_k_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b)
+            + tall_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b))
 
 
 def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200_SMS) -> tuple[int, int]:

@@ -131,10 +131,11 @@ def check_grouped_plan(plan: GemmPlan, out_dtype: str, in_dtype: str = "bfloat16
                                 f"inside one {FP8_SCALE_BLOCK}-column scale block or spanning two, and room for the "
                                 f"promotion's registers), got {plan.block_n}")
     if plan.cluster_ctas != 1 or plan.order != "grouped" or plan.epilogue != "tma" or plan.split_k != 1 \
-            or plan.m_tile_offset != 0 or plan.stream_k or plan.fitted_n:
+            or plan.m_tile_offset != 0 or plan.stream_k or plan.fitted_n or plan.row_blocks > 1:
         raise GemmArgumentError(f"grouped_gemm: a grouped plan needs cluster=1, order='grouped', epilogue='tma', "
-                                f"split_k=1, no stream_k, m_tile_offset=0 and block_n one of 64, 128, 192, 256 (no "
-                                f"fitted width), got {plan.describe()} (m_tile_offset={plan.m_tile_offset})")
+                                f"split_k=1, no stream_k, m_tile_offset=0, tiles of 64 or 128 rows and block_n one of "
+                                f"64, 128, 192, 256 (no fitted width), got {plan.describe()} "
+                                f"(m_tile_offset={plan.m_tile_offset})")
     if plan.pingpong and scale == "block":
         raise GemmArgumentError(f"grouped_gemm: ping-pong plans have no block scales, got {plan.describe()}")
     need = plan.smem_bytes(out_dtype, grouped=True)

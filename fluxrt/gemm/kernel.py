@@ -44,7 +44,8 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             ("FLUXRT_GEMM_CLUSTER", str(plan.cluster)),
             # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
             ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_staging == "shared" and plan.consumers > 1 else "0")) + fp8 \
-        + (("FLUXRT_GEMM_CLUSTER_N", str(plan.cluster_n)),) * (plan.cluster_n > 1)
+        + (("FLUXRT_GEMM_CLUSTER_N", str(plan.cluster_n)),) * (plan.cluster_n > 1) \
+        + (("FLUXRT_GEMM_ROW_BLOCKS", str(plan.row_blocks)),) * (plan.row_blocks > 1)
 
 
 def plain_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool) -> tuple[tuple[str, str], ...]:

@@ -83,6 +83,8 @@ def _bytes_of(dtype_name: str) -> int:
     return ITEMSIZE[dtype_name]
 
 
+TALL_MAX_BLOCK_N = 192             # 256-row tiles: block_n fp32 accumulators per consumer thread (256 would spill)
+TALL_STREAM_K_MAX_BLOCK_N = 176    # ... in stream-K form (192 spills: the fixup's loads beside the accumulators)
 # GemmPlan.describe's line: tile, stages, order (and group), epilogue (and staging), cluster, split-K or stream-K
 _DESCRIBE = re.compile(r"(\d+)x(\d+)x(\d+) s(\d+) (grouped|hilbert)(?:/g(\d+))? epi=(tma|direct)(/shared)? "
                        r"x(\d+)(?:x(\d+))?(?: k(\d+)| (sk))?( pp)?")
@@ -125,8 +127,19 @@ class GemmPlan:
                              f"and a tile width in {PINGPONG_BLOCK_N} (block_n fp32 accumulators per consumer thread)")
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
-        if self.block_m != 64 * self.consumers:
-            raise ValueError(f"GemmPlan.block_m must be 64 * consumers = {64 * self.consumers}, got {self.block_m}")
+        if self.block_m == 2 * 64 * self.consumers == 256:   # 256-row tiles (row_blocks = 2)
+            if (self.pingpong or self.split_k > 1 or self.epilogue != "tma" or self.cluster_n != 1
+                    or self.block_k != BLOCK_K or self.block_n > TALL_MAX_BLOCK_N):
+                raise ValueError(f"GemmPlan.block_m=256 (two consumers of 128 rows) needs 16-bit inputs (block_k="
+                                 f"{BLOCK_K}), epilogue='tma', no ping-pong or split-K, cluster_n=1 and block_n <= "
+                                 f"{TALL_MAX_BLOCK_N} (block_n fp32 accumulators per consumer thread), got "
+                                 f"{self.describe()}")
+            if self.stream_k and self.block_n > TALL_STREAM_K_MAX_BLOCK_N:
+                raise ValueError(f"GemmPlan.block_m=256 in stream-K form needs block_n <= {TALL_STREAM_K_MAX_BLOCK_N} "
+                                 f"(the fixup's loads beside the accumulators spill above), got {self.describe()}")
+        elif self.block_m != 64 * self.consumers:
+            raise ValueError(f"GemmPlan.block_m must be 64 * consumers = {64 * self.consumers} (or 256 with two "
+                             f"consumers), got {self.block_m}")
         if self.block_n % 16 or not 64 <= self.block_n <= 256:
             raise ValueError(f"GemmPlan.block_n must be a multiple of 16 from 64 to 256, got {self.block_n}")
         if self.fitted_n and (self.split_k > 1 or (self.cluster != 1 and self.block_k != BLOCK_K)):
@@ -173,6 +186,12 @@ class GemmPlan:
         return self.cluster * self.cluster_n
 
     @property
+    def row_blocks(self) -> int:
+        """64-row wgmma blocks per consumer of a cooperative tile: 1, or 2 in a 256-row tile (the kernel's
+        FLUXRT_GEMM_ROW_BLOCKS); ping-pong consumers compute whole tiles instead."""
+        return 1 if self.pingpong else max(1, self.block_m // (64 * self.consumers))
+
+    @property
     def fitted_n(self) -> bool:
         """A tile width between the multiples of 64 (a tile fitted to the SMs' waves): B [N, K] (trans_b=True),
         16-bit inputs, plain GEMMs only (no hooks, bands, split-K, stream-K or cluster)."""
@@ -197,7 +216,7 @@ class GemmPlan:
             raise ValueError(f"{text!r} is not a GemmPlan description such as "
                              f"'128x256x64 s3 grouped/g16 epi=tma x1' (GemmPlan.describe)")
         bm, bn, bk, stages, order, group, epi, shared, cl, cn, split, sk, pp = m.groups()
-        kw = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), stages=int(stages), consumers=int(bm) // 64,
+        kw = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), stages=int(stages), consumers=min(int(bm) // 64, 2),
                   order=order, epilogue=epi, cluster=int(cl), cluster_n=int(cn or 1), split_k=int(split or 1),
                   stream_k=bool(sk), c_staging="shared" if shared else "per_consumer", pingpong=bool(pp))
         if group:
@@ -220,7 +239,7 @@ class GemmPlan:
         if self.epilogue == "direct":
             return 0
         slabs = -(-self.block_n * _bytes_of(out_dtype) // 128)   # 128-byte column slabs, the last part-filled
-        rows = self.block_m if self.pingpong else 64   # one consumer's rows of a tile (kRowsPerConsumer)
+        rows = self.block_m if self.pingpong else self.block_m // self.consumers   # kRowsPerConsumer
         regions = 1 if self.c_staging == "shared" else self.consumers   # kCSlots
         return regions * rows * slabs * 128
 
@@ -259,7 +278,7 @@ class GemmPlan:
 def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma",
                c_staging: str = "per_consumer", pingpong: bool = False, b_kmajor: bool = True) -> int:
     """Deepest ring that fits next to the C staging buffer (and the barriers), up to MAX_STAGES."""
-    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=block_m // 64, stages=1, epilogue=epilogue,
+    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=min(block_m // 64, 2), stages=1, epilogue=epilogue,
                      c_staging=c_staging, pingpong=pingpong)
     s = 0
     while s + 1 <= MAX_STAGES and dataclasses.replace(probe, stages=s + 1).smem_bytes(
@@ -608,6 +627,43 @@ def fitted_stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", n
     return [dataclasses.replace(p, stream_k=True) for p in fitted_plans(m, out_dtype, b_kmajor)
             if p.block_n > 128 and _wave_fill(math.ceil(m / p.block_m) * math.ceil(n / p.block_n), num_sms)
             < STREAM_K_MAX_FILL]
+
+
+# 256-row tiles (two consumers of 128 rows, GemmPlan.row_blocks = 2): the autotuner's candidates where M has more
+# than 256 rows, each width at its deepest ring (3-4 stages: A's stage is 32 KiB), in pairs along M where M has
+# TALL_PAIR_MIN_TILE_ROWS of them, in stream-K form where the waves are ragged. Measured on H200 (docs/tuning.md):
+# 1.05-1.07x the tuned winner at 9166x664x12896 NK (256 x 96, the tile cuBLASLt runs there), 1.01-1.06x at
+# 11603x3408x11800 KN (256 x 176); 0.8-1.0x on most other shapes. Not in the cost model.
+TALL_WIDTHS = (96, 128, 144, 160, 176, 192)
+TALL_PAIR_MIN_TILE_ROWS = 4
+
+
+def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS,
+               b_kmajor: bool = True) -> list[GemmPlan]:
+    """256 x TALL_WIDTHS plans at the deepest ring (at most 6 stages; shared C staging where it adds a stage), also
+    in clusters of 2 along M where M has TALL_PAIR_MIN_TILE_ROWS 256-row tiles, and in stream-K form (widths up to
+    TALL_STREAM_K_MAX_BLOCK_N) where their waves are busy less than STREAM_K_MAX_FILL and K has STREAM_K_MIN_K
+    columns. None where M has 256 rows or fewer."""
+    if m <= 256:
+        return []
+    rows = math.ceil(m / 256)
+    out = []
+    for bn in TALL_WIDTHS:
+        stages = min(max_stages(256, bn, out_dtype, b_kmajor=b_kmajor), 6)
+        shared = min(max_stages(256, bn, out_dtype, c_staging="shared", b_kmajor=b_kmajor), 6)
+        staging = "per_consumer"
+        if shared > stages:
+            stages, staging = shared, "shared"
+        if stages < 2:
+            continue
+        plan = GemmPlan(block_m=256, block_n=bn, stages=stages, c_staging=staging, group_m=max(1, min(rows, 8)))
+        out.append(plan)
+        if rows >= TALL_PAIR_MIN_TILE_ROWS:
+            out.append(dataclasses.replace(plan, cluster=2))
+        if (bn <= TALL_STREAM_K_MAX_BLOCK_N and k >= STREAM_K_MIN_K
+                and _wave_fill(rows * math.ceil(n / bn), num_sms) < STREAM_K_MAX_FILL):
+            out.append(dataclasses.replace(plan, stream_k=True))
+    return out
 
 
 @functools.lru_cache(maxsize=4096)

@@ -5,6 +5,9 @@
 // that the kernel name `fluxrt_gemm` stays stable):
 //   FLUXRT_GEMM_BN            tile N (64..256, multiple of 64)           default 256
 //   FLUXRT_GEMM_CONSUMERS     consumer warpgroups; tile M = 64 * this    default 2
+//   FLUXRT_GEMM_ROW_BLOCKS    wgmma row blocks (64 rows each) per consumer: 2 makes 256-row tiles, two consumers of
+//                             128 rows (a plain 16-bit GEMM or its stream-K form, cluster along M allowed; no
+//                             ping-pong, hooks, bands, split-K, grouping, direct epilogue; tile N <= 192)  default 1
 //   FLUXRT_GEMM_STAGES        smem ring depth                            default 3
 //   FLUXRT_GEMM_IN            A's type: 0 bf16, 1 fp16, 2 fp8 e4m3, 3 fp8 e5m2     default 0
 //   FLUXRT_GEMM_IN_B          B's type when it differs from A's (fp8 only: 2 or 3)   default FLUXRT_GEMM_IN
@@ -93,6 +96,9 @@
 #ifndef FLUXRT_GEMM_CONSUMERS
 #define FLUXRT_GEMM_CONSUMERS 2
 #endif
+#ifndef FLUXRT_GEMM_ROW_BLOCKS
+#define FLUXRT_GEMM_ROW_BLOCKS 1
+#endif
 #ifndef FLUXRT_GEMM_STAGES
 #define FLUXRT_GEMM_STAGES 3
 #endif
@@ -158,10 +164,13 @@ namespace fluxrt_sm90 {
 constexpr int kConsumers = FLUXRT_GEMM_CONSUMERS;
 constexpr bool kPingPong = FLUXRT_GEMM_PINGPONG != 0;
 constexpr int kMmaRows = 64;                                // wgmma M
-constexpr int kBM = kMmaRows * kConsumers;                  // tile rows
-// Rows of a tile one consumer computes: its 64-row slice (cooperative), or the whole tile (ping-pong), in
-// kRowBlocks wgmma row blocks.
-constexpr int kRowBlocks = kPingPong ? kConsumers : 1;
+// Row blocks of a consumer's slice of a cooperative tile: one (64 rows), or two (256-row tiles).
+constexpr int kCoopRowBlocks = FLUXRT_GEMM_ROW_BLOCKS;
+constexpr bool kTallTile = kCoopRowBlocks > 1;
+constexpr int kBM = kMmaRows * kConsumers * (kPingPong ? 1 : kCoopRowBlocks);   // tile rows
+// Rows of a tile one consumer computes: its slice (cooperative: 64 rows, 128 in a 256-row tile), or the whole tile
+// (ping-pong), in kRowBlocks wgmma row blocks.
+constexpr int kRowBlocks = kPingPong ? kConsumers : kCoopRowBlocks;
 constexpr int kRowsPerConsumer = kMmaRows * kRowBlocks;
 constexpr int kBN = FLUXRT_GEMM_BN;                         // tile cols (= wgmma N)
 constexpr bool kFp8 = FLUXRT_GEMM_IN >= 2;
@@ -307,6 +316,12 @@ static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && 
 static_assert(!kPingPong || kBN <= 192, "ping-pong consumers: kBN fp32 accumulators per thread, kBN <= 192 "
                                         "(256 spills and serialises the wgmma)");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
+static_assert(kCoopRowBlocks == 1 || kCoopRowBlocks == 2, "1 or 2 row blocks per consumer");
+static_assert(!kTallTile || (kConsumers == 2 && !kPingPong && !kFp8 && !kHookWait && !kHookEpilogue && !kHookCopy &&
+                             !kBandsA && !kBandsC && !kSplitK && !kGrouped && !kEpiDirect && kClusterN == 1 &&
+                             kBN <= 192),
+              "256-row tiles: two consumers, a plain 16-bit GEMM (or stream-K; no ping-pong, hooks, bands, split-K, "
+              "grouping, direct epilogue, cluster along N) and kBN <= 192 (kBN fp32 accumulators per thread)");
 static_assert(kStages >= 2, "at least a double-buffered ring");
 static_assert(kBN % kCCols == 0 || kFitN, "C staging slabs");
 

@@ -256,7 +256,7 @@ __device__ __forceinline__ void begin_tile_scale(ScaleT& scale, const Schedule& 
     scale.begin_tile(rows.row0 + row_offset, n_tile * kBN, rows.group, tid);
 }
 
-// One consumer warpgroup computes rows [64 * wg, 64 * wg + 64) of each tile of the schedule, then hands
+// One consumer warpgroup computes rows [wg, wg + 1) * kRowsPerConsumer of each tile of the schedule, then hands
 // the accumulators to the epilogue (Epilogue::store), which the mainloop calls back once per K block
 // (Epilogue::after_k_block, for work that overlaps the MMAs).
 // Split-K passes its KSlices last (`slices`: none or one); without it every tile has all of K's blocks.
@@ -269,7 +269,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
     int stage = 0;
     u32 phase = 0;
     typename Epilogue::ConsumerState es = epilogue.consumer_state(wg);
-    const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per consumer
+    const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per row block
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int prev_stage = 0;
         const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
@@ -304,7 +304,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBK / kWgmmaK; ++kk)
-                    TileMma::run(part, da0 + desc_step(kk * kWgmmaK * kInBytes),
+                    TileMma::run(row_block(part, 0), da0 + desc_step(kk * kWgmmaK * kInBytes),
                                  db0 + desc_step(kk * kWgmmaK * kInBytes), kk > 0 ? 1 : 0);
                 wgmma_commit();
                 wgmma_wait<0>();

@@ -201,7 +201,7 @@ __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// Consumer side of the staged epilogues: registers -> C staging (this consumer's 64 rows), in storer turn
+// Consumer side of the staged epilogues: registers -> C staging (this consumer's rows), in storer turn
 // k = c_turn_of(wg). Parities, for this CTA's i-th tile (i = 0, 1, ...; protocol in hopper_gemm.cu):
 //   c_full[k] completes once per tile (completion i: turn k's consumers wrote tile i);
 //   c_empty[k] completes once per tile when the storer has drained the turn BEFORE k (turn k - 1 of
@@ -576,23 +576,26 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
             }
             const StoreTarget d = epilogue.target(m0, row0);
             if (lane == 0) {
-                // One box per (consumer, 128-byte column slab). The consumers issued
+                // One 64-row box per (consumer, 128-byte column slab, row block). The consumers issued
                 // fence.proxy.async.shared::cta after writing the staging, before arriving on c_full.
 #pragma unroll
                 for (int c = 0; c < kConsumersPerTurn; ++c)
 #pragma unroll
-                    for (int j = 0; j < kCSlabs; ++j) {
-                        const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes;
-                        const int y = d.y0 + c * kRowsPerConsumer;
-                        // banded C: GEMM row y is row y % band_rows of band y / band_rows (TMA clips the rest)
-                        if constexpr (kBandsC)
-                            tma_store_3d(d.map, src, n0 + j * kCCols, y % epilogue.chunks.band_rows(),
-                                         y / epilogue.chunks.band_rows());
-                        else if constexpr (kFitN)
-                            store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, sched.n_tiles, j * kCCols, y);
-                        else
-                            tma_store_2d(d.map, src, n0 + j * kCCols, y);
-                    }
+                    for (int j = 0; j < kCSlabs; ++j)
+#pragma unroll
+                        for (int rb = 0; rb < kRowBlocks; ++rb) {
+                            const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes + rb * kMmaRows * 128u;
+                            const int y = d.y0 + c * kRowsPerConsumer + rb * kMmaRows;
+                            // banded C: GEMM row y is row y % band_rows of band y / band_rows (TMA clips the rest)
+                            if constexpr (kBandsC)
+                                tma_store_3d(d.map, src, n0 + j * kCCols, y % epilogue.chunks.band_rows(),
+                                             y / epilogue.chunks.band_rows());
+                            else if constexpr (kFitN)
+                                store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, sched.n_tiles, j * kCCols,
+                                                 y);
+                            else
+                                tma_store_2d(d.map, src, n0 + j * kCCols, y);
+                        }
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
                 mbar_arrive(bar_next_empty);
@@ -692,14 +695,17 @@ __device__ __forceinline__ void run_storer_stream_k(const Schedule& sched, const
 #pragma unroll
                 for (int c = 0; c < kConsumersPerTurn; ++c)
 #pragma unroll
-                    for (int j = 0; j < kCSlabs; ++j) {
-                        const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes;
-                        const int y = d.y0 + c * kRowsPerConsumer;
-                        if constexpr (kFitN)
-                            store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, sched.n_tiles, j * kCCols, y);
-                        else
-                            tma_store_2d(d.map, src, n0 + j * kCCols, y);
-                    }
+                    for (int j = 0; j < kCSlabs; ++j)
+#pragma unroll
+                        for (int rb = 0; rb < kRowBlocks; ++rb) {
+                            const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes + rb * kMmaRows * 128u;
+                            const int y = d.y0 + c * kRowsPerConsumer + rb * kMmaRows;
+                            if constexpr (kFitN)
+                                store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, sched.n_tiles, j * kCCols,
+                                                 y);
+                            else
+                                tma_store_2d(d.map, src, n0 + j * kCCols, y);
+                        }
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
                 mbar_arrive(bar_next_empty);

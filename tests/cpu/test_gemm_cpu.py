@@ -556,6 +556,15 @@ COMPILE_CONFIGS = [
     (GemmPlan(block_n=128, stages=3, pingpong=True), "bfloat16", "float32", False, False, False),
     (GemmPlan(block_n=128, stages=6, c_staging="shared", cluster=2, pingpong=True), "bfloat16", "bfloat16", False,
      False, False),
+    # 256-row tiles (two consumers of two wgmma row blocks each): whole, in pairs, fitted, stream-K
+    (GemmPlan(block_m=256, block_n=128, stages=4, c_staging="shared"), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_m=256, block_n=128, stages=3), "float16", "float16", False, False, False),
+    (GemmPlan(block_m=256, block_n=192, stages=3, c_staging="shared", cluster=2), "bfloat16", "bfloat16", True, False,
+     False),
+    (GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared"), "float16", "float16", False, False, False),
+    (GemmPlan(block_m=256, block_n=96, stages=4, c_staging="shared", cluster=2, stream_k=True), "bfloat16", "bfloat16",
+     True, False, False),
+    (GemmPlan(block_m=256, block_n=128, stages=2), "bfloat16", "float32", True, False, False),
 ]
 
 

@@ -782,3 +782,43 @@ def test_pingpong_plans_validate_and_size_their_staging():
                 dict(split_k=2), dict(epilogue="direct"), dict(cluster_n=2)):
         with pytest.raises(ValueError, match="pingpong"):
             dataclasses.replace(GemmPlan(block_n=128, stages=4, pingpong=True), **bad).validate("bfloat16")
+
+
+def test_tall_tile_plans():
+    """256-row tiles: two consumers of two 64-row wgmma blocks; staging, smem and defines follow; the restrictions raise
+    before any launch; the autotuner's candidates only where M has more than 256 rows."""
+    from fluxrt.gemm.autotune import candidates
+    from fluxrt.gemm.kernel import kernel_defines
+    from fluxrt.gemm.plan import TALL_WIDTHS, tall_plans
+
+    p = GemmPlan(block_m=256, block_n=128, stages=4, c_staging="shared").validate("bfloat16")
+    assert (p.consumers, p.row_blocks, p.threads) == (2, 2, 384)
+    assert GemmPlan.parse(p.describe()) == p and p.describe().startswith("256x128x64 s4")
+    assert p.c_staging_bytes("bfloat16") == 128 * 2 * 128              # one region: 128 rows x 2 slabs of 128 B
+    assert dataclasses.replace(p, c_staging="per_consumer").c_staging_bytes("bfloat16") == 2 * 128 * 2 * 128
+    assert p.stage_bytes() == (256 + 128) * 128
+    assert p.smem_bytes() <= SMEM_LIMIT_BYTES < dataclasses.replace(p, stages=5).smem_bytes()
+    assert dict(kernel_defines(p, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_ROW_BLOCKS"] == "2"
+    assert "FLUXRT_GEMM_ROW_BLOCKS" not in dict(kernel_defines(GemmPlan(), "bfloat16", "bfloat16", True))
+    assert GemmPlan(block_n=128, pingpong=True).row_blocks == 1 and GemmPlan().row_blocks == 1
+    for bad in (dict(block_n=256), dict(pingpong=True), dict(epilogue="direct"), dict(split_k=2),
+                dict(cluster_n=2), dict(block_k=128), dict(block_n=192, stream_k=True)):
+        with pytest.raises(ValueError, match="block_m=256"):
+            dataclasses.replace(GemmPlan(block_m=256, block_n=128, stages=2), **bad).validate("bfloat16")
+    with pytest.raises(ValueError, match="block_m"):
+        GemmPlan(block_m=256, consumers=1, block_n=128, stages=2).validate("bfloat16")
+    assert GemmPlan(block_m=256, block_n=176, stages=3, c_staging="shared", stream_k=True).validate("bfloat16")
+
+    assert tall_plans(256, 4096, 6144) == []
+    few = tall_plans(461, 9128, 13208)           # 2 tile rows: no pairs; ragged waves: stream-K forms
+    assert {q.block_n for q in few} == set(TALL_WIDTHS) and all(q.cluster == 1 for q in few)
+    assert all(q.block_n <= 176 for q in few if q.stream_k) and any(q.stream_k for q in few)
+    many = tall_plans(9166, 664, 12896)          # 36 tile rows: pairs too
+    assert any(q.cluster == 2 for q in many)
+    for q in few + many + tall_plans(11603, 3408, 11800, b_kmajor=False):
+        assert q.block_m == 256 and q.row_blocks == 2 and q.stages >= 2
+        assert q.validate("bfloat16", b_kmajor=False) is q and q.validate("float16") is q
+    assert set(many) <= set(candidates(9166, 664, 12896, trans_b=True))
+    assert not any(c.block_m == 256 for c in candidates(256, 4096, 6144, trans_b=True))
+    assert not any(q.block_m == 256 for q in P.plain_plans(9166))   # not in the cost model
+    assert heuristic_plan(9166, 664, 12896, trans_b=True).block_m == 128

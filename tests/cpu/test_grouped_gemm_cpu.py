@@ -361,3 +361,8 @@ def test_fp8_grouped_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     stack, local = re.search(r"STACK:(\d+)\s+SHARED:\d+\s+LOCAL:(\d+)", res).groups()
     assert (stack, local) == ("0", "0"), res
+
+
+def test_grouped_gemm_refuses_256_row_tiles():
+    with pytest.raises(GemmArgumentError, match="64 or 128 rows"):
+        check_grouped_plan(GemmPlan(block_m=256, block_n=128, stages=2), "bfloat16")

@@ -1148,3 +1148,73 @@ def test_pingpong_sanitize_small(cluster, staging):
     out = poisoned((m, n), "bfloat16")
     gemm(to_device(a), to_device(b), out, trans_b=True, plan=plan)
     assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"], plan.describe()
+
+
+# --- 256-row tiles (GemmPlan.block_m=256: two consumers of two wgmma row blocks, 128 rows each) ---------------------
+TALL_CASES = [  # (M, N, K, plan): tails in M (inside a consumer's second row block, inside its first, in the other
+    # consumer's rows), N and K; K shorter than one K block; fitted widths; pairs along M with a phantom tile.
+    (1000, 1000, 1000, GemmPlan(block_m=256, block_n=128, stages=3)),              # M tail in consumer 1's 2nd block
+    (300, 1000, 520, GemmPlan(block_m=256, block_n=128, stages=4, c_staging="shared")),   # 44 rows of the 2nd tile
+    (461, 1000, 4104, GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared")),  # K % 64 == 8, fitted width
+    (200, 264, 40, GemmPlan(block_m=256, block_n=192, stages=3, c_staging="shared")),     # one tile row, K < 64
+    (700, 1000, 1000, GemmPlan(block_m=256, block_n=96, stages=4, c_staging="shared", cluster=2)),  # 3 rows: a phantom
+    (1000, 1000, 456, GemmPlan(block_m=256, block_n=192, stages=3, c_staging="shared", cluster=2, max_ctas=4)),
+    # stream-K forms: cut tiles' partials of 256 x block_n, pairs
+    (461, 1000, 4104, GemmPlan(block_m=256, block_n=128, stages=4, c_staging="shared", stream_k=True)),
+    (700, 1000, 3000, GemmPlan(block_m=256, block_n=176, stages=3, c_staging="shared", stream_k=True, max_ctas=10)),
+    (700, 1000, 3000, GemmPlan(block_m=256, block_n=96, stages=4, c_staging="shared", stream_k=True, cluster=2,
+                               max_ctas=8)),
+]
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", range(len(TALL_CASES)))
+def test_tall_tiles_match_float64_and_rerun_bitwise(case, dtype, trans_b):
+    m, n, k, plan = TALL_CASES[case]
+    plan.validate(dtype, b_kmajor=trans_b)
+    _check_float64_and_reruns(m, n, k, plan, trans_b, dtype, dtype, m * 11 + n * 5 + k + case)
+
+
+def test_tall_tiles_fp32_out_and_128_row_tiles_agree():
+    """fp32 output (2 stages beside 128 rows of fp32 staging per consumer); every element equal to a 128-row tile's
+    (the same MMAs in the same K order per element)."""
+    m, n, k = 1000, 900, 1000
+    rng = np.random.default_rng(41)
+    a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
+    da, db = to_device(a), to_device(b)
+    tall = GemmPlan(block_m=256, block_n=128, stages=max_stages(256, 128, "float32"))
+    out = poisoned((m, n), "float32")
+    gemm(da, db, out, trans_b=True, plan=tall)
+    assert rel_err(out, reference(a, b, True)) < TOL["float32"], tall.describe()
+    short = poisoned((m, n), "float32")
+    gemm(da, db, short, trans_b=True, plan=GemmPlan(block_n=128, stages=4))
+    assert bool((out == short).all())
+
+
+def test_tall_tiles_in_a_cuda_graph_replays():
+    _check_graph_replays(1000, 1000, 600, GemmPlan(block_m=256, block_n=128, stages=4, c_staging="shared"), seed=42,
+                         replays=2)
+
+
+def test_tall_tiles_are_for_plain_16_bit_gemms():
+    a = cupy.zeros((256, 512), dtype=BF16)
+    b = cupy.zeros((512, 256), dtype=BF16)
+    flags = cupy.zeros((2,), dtype=cupy.uint64)
+    with pytest.raises(GemmArgumentError, match="256-row"):
+        gemm_with_hooks(a, b, cupy.empty((256, 256), dtype=BF16), plan=GemmPlan(block_m=256, block_n=128, stages=3),
+                        wait=ArrivalWait(flags=flags, epoch=1, chunk_rows=256, err=0))
+
+
+@pytest.mark.parametrize("cluster", [1, 2], ids=["x1", "x2"])
+@pytest.mark.parametrize("stream_k", [False, True], ids=["whole", "stream_k"])
+def test_tall_sanitize_small(stream_k, cluster):
+    """256-row tiles, small (for compute-sanitizer memcheck / racecheck: 2 x 2 tiles of 256 x 144, M and N tails inside
+    the second tile row and column, K % 64 == 40; whole tiles on 2 CTAs or a pair, or cut over 8)."""
+    rng = np.random.default_rng(43)
+    a, b = rand_matrix(rng, (300, 1000), "bfloat16"), rand_matrix(rng, (264, 1000), "bfloat16")
+    out = poisoned((300, 264), "bfloat16")
+    plan = GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared", stream_k=stream_k, cluster=cluster,
+                    max_ctas=8 if stream_k else 2 * cluster)
+    gemm(to_device(a), to_device(b), out, trans_b=True, plan=plan)
+    assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"], plan.describe()
