@@ -202,7 +202,7 @@ def plans_from(path: Path, dtype: str) -> dict:
 
 
 def plan_arg(text: str):
-    """FIELD=VALUE,... -> a validated GemmPlan (the defaults elsewhere; consumers follow block_m)."""
+    """FIELD=VALUE,... -> a validated GemmPlan (the defaults elsewhere; consumers follow block_m: 1 for 64 rows, else 2)."""
     import dataclasses
 
     from fluxrt.gemm.plan import GemmPlan
@@ -224,7 +224,7 @@ def plan_arg(text: str):
         else:
             raise argparse.ArgumentTypeError(f"{item!r}: {key} takes an integer")
     if "block_m" in kw and "consumers" not in kw:
-        kw["consumers"] = kw["block_m"] // 64
+        kw["consumers"] = min(kw["block_m"] // 64, 2)   # 256-row tiles: two consumers of 128 rows
     try:
         return GemmPlan(**kw).validate()
     except ValueError as e:

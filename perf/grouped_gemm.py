@@ -402,7 +402,7 @@ def _plan(text: str):
         return GemmPlan.parse(text)
     mn, s = text.lower().split("s")
     bm, bn = (int(x) for x in mn.split("x"))
-    return GemmPlan(block_m=bm, block_n=bn, consumers=bm // 64, stages=int(s), group_m=16)
+    return GemmPlan(block_m=bm, block_n=bn, consumers=min(bm // 64, 2), stages=int(s), group_m=16)
 
 
 def build_parser() -> argparse.ArgumentParser:

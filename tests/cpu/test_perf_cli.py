@@ -432,7 +432,10 @@ def test_gemm_suite_plan_option_builds_a_validated_plan():
     assert args.plan == GemmPlan(cluster=2, block_n=192, stages=4)
     assert mod.plan_arg("block_m=64,block_n=128,stages=6,stream_k=1") == GemmPlan(block_m=64, consumers=1, block_n=128,
                                                                                     stages=6, stream_k=True)
-    for bad in ("cluster=3", "stages=9,block_n=256", "tile=128", "cluster=", "stream_k=yes", "stages=four"):
+    assert mod.plan_arg("block_m=256,block_n=128,stages=4,c_staging=shared") == GemmPlan(
+        block_m=256, consumers=2, block_n=128, stages=4, c_staging="shared")   # two consumers of 128 rows
+    for bad in ("cluster=3", "stages=9,block_n=256", "tile=128", "cluster=", "stream_k=yes", "stages=four",
+                "block_m=256,block_n=256,stages=2"):
         with pytest.raises(SystemExit):
             mod.build_parser().parse_args(["--plan", bad])
     with pytest.raises(SystemExit):
