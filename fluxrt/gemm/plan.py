@@ -128,10 +128,10 @@ class GemmPlan:
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m == 2 * 64 * self.consumers == 256:   # 256-row tiles (row_blocks = 2)
-            if (self.pingpong or self.split_k > 1 or self.epilogue != "tma" or self.cluster_n != 1
-                    or self.block_k != BLOCK_K or self.block_n > TALL_MAX_BLOCK_N):
+            if (self.pingpong or self.split_k > 1 or self.cluster_n != 1 or self.block_k != BLOCK_K
+                    or self.block_n > TALL_MAX_BLOCK_N):
                 raise ValueError(f"GemmPlan.block_m=256 (two consumers of 128 rows) needs 16-bit inputs (block_k="
-                                 f"{BLOCK_K}), epilogue='tma', no ping-pong or split-K, cluster_n=1 and block_n <= "
+                                 f"{BLOCK_K}), no ping-pong or split-K, cluster_n=1 and block_n <= "
                                  f"{TALL_MAX_BLOCK_N} (block_n fp32 accumulators per consumer thread), got "
                                  f"{self.describe()}")
             if self.stream_k and self.block_n > TALL_STREAM_K_MAX_BLOCK_N:

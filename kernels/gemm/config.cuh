@@ -4,10 +4,10 @@
 // Compile-time configuration (the Python side passes these as -D macros; one module per config so
 // that the kernel name `fluxrt_gemm` stays stable):
 //   FLUXRT_GEMM_BN            tile N (64..256, multiple of 64)           default 256
-//   FLUXRT_GEMM_CONSUMERS     consumer warpgroups; tile M = 64 * this    default 2
+//   FLUXRT_GEMM_CONSUMERS     consumer warpgroups; tile M = 64 * this * FLUXRT_GEMM_ROW_BLOCKS    default 2
 //   FLUXRT_GEMM_ROW_BLOCKS    wgmma row blocks (64 rows each) per consumer: 2 makes 256-row tiles, two consumers of
 //                             128 rows (a plain 16-bit GEMM or its stream-K form, cluster along M allowed; no
-//                             ping-pong, hooks, bands, split-K, grouping, direct epilogue; tile N <= 192)  default 1
+//                             ping-pong, hooks, bands, split-K, grouping; tile N <= 192)              default 1
 //   FLUXRT_GEMM_STAGES        smem ring depth                            default 3
 //   FLUXRT_GEMM_IN            A's type: 0 bf16, 1 fp16, 2 fp8 e4m3, 3 fp8 e5m2     default 0
 //   FLUXRT_GEMM_IN_B          B's type when it differs from A's (fp8 only: 2 or 3)   default FLUXRT_GEMM_IN
@@ -318,10 +318,9 @@ static_assert(!kPingPong || kBN <= 192, "ping-pong consumers: kBN fp32 accumulat
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
 static_assert(kCoopRowBlocks == 1 || kCoopRowBlocks == 2, "1 or 2 row blocks per consumer");
 static_assert(!kTallTile || (kConsumers == 2 && !kPingPong && !kFp8 && !kHookWait && !kHookEpilogue && !kHookCopy &&
-                             !kBandsA && !kBandsC && !kSplitK && !kGrouped && !kEpiDirect && kClusterN == 1 &&
-                             kBN <= 192),
+                             !kBandsA && !kBandsC && !kSplitK && !kGrouped && kClusterN == 1 && kBN <= 192),
               "256-row tiles: two consumers, a plain 16-bit GEMM (or stream-K; no ping-pong, hooks, bands, split-K, "
-              "grouping, direct epilogue, cluster along N) and kBN <= 192 (kBN fp32 accumulators per thread)");
+              "grouping, cluster along N) and kBN <= 192 (kBN fp32 accumulators per thread)");
 static_assert(kStages >= 2, "at least a double-buffered ring");
 static_assert(kBN % kCCols == 0 || kFitN, "C staging slabs");
 

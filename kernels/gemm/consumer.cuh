@@ -435,10 +435,13 @@ __device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const Str
 #pragma unroll
         for (int j0 = 0; j0 < kAccRegs / 4; j0 += kBatch) {
             uint4 v[kBatch];
+            // the last batch of a width whose kAccRegs / 4 is not a multiple of kBatch is partial (compile-time bound)
 #pragma unroll
-            for (int j = 0; j < kBatch; ++j) v[j] = ld_cg_v4(slot + (j0 + j) * 128);
+            for (int j = 0; j < kBatch; ++j)
+                if (j0 + j < kAccRegs / 4) v[j] = ld_cg_v4(slot + (j0 + j) * 128);
 #pragma unroll
             for (int j = 0; j < kBatch; ++j) {
+                if (j0 + j >= kAccRegs / 4) break;
                 acc[4 * (j0 + j)] += __uint_as_float(v[j].x);
                 acc[4 * (j0 + j) + 1] += __uint_as_float(v[j].y);
                 acc[4 * (j0 + j) + 2] += __uint_as_float(v[j].z);

@@ -37,7 +37,7 @@ __device__ __forceinline__ u32 c_stage_offset(int row, int col) {
 // Reduction of partials (hook 3), in the epilogue (reduce_prefetch, reduce_into_acc) and in the tail
 // (run_tail_reduce). Partials are C's element type; sums in fp32, sources in fixed order.
 
-// Row of the partials (chunk-local) where consumer wg's 64 rows of global m tile m_tile start.
+// Row of the partials (chunk-local) where consumer wg's rows of global m tile m_tile start.
 __device__ __forceinline__ long long reduce_row0(const ReduceArgs& r, int chunk_rows, int m_tile, int wg) {
     return (long long)m_tile * kBM - (long long)r.chunk * chunk_rows + wg * kRowsPerConsumer;
 }
@@ -519,15 +519,19 @@ struct DirectEpilogue {
         const int row0 = m_tile * kBM + wg * kRowsPerConsumer + warp * 16 + (lane >> 2);
         const int col0 = n_tile * kBN + (lane & 3) * 2;
 #pragma unroll
-        for (int g = 0; g < kBN / 8; ++g) {
+        for (int rb = 0; rb < kRowBlocks; ++rb) {   // 256-row tiles: the consumer's two row blocks
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row0 + 8 * h, col = col0 + 8 * g;
-                if (real && row < m && col < n) {   // N is even: the pair is in or out as a whole
-                    const float v0 = acc[4 * g + 2 * h], v1 = acc[4 * g + 2 * h + 1];
-                    char* p = c + ((long long)row * n + col) * kOutBytes;
-                    if constexpr (FLUXRT_GEMM_OUT == 2) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-                    else *reinterpret_cast<u32*>(p) = Out16::pack2(v0, v1);
+            for (int g = 0; g < kBN / 8; ++g) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row0 + rb * kMmaRows + 8 * h, col = col0 + 8 * g;
+                    if (real && row < m && col < n) {   // N is even: the pair is in or out as a whole
+                        const float v0 = acc[rb * kMmaAccRegs + 4 * g + 2 * h];
+                        const float v1 = acc[rb * kMmaAccRegs + 4 * g + 2 * h + 1];
+                        char* p = c + ((long long)row * n + col) * kOutBytes;
+                        if constexpr (FLUXRT_GEMM_OUT == 2) *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+                        else *reinterpret_cast<u32*>(p) = Out16::pack2(v0, v1);
+                    }
                 }
             }
         }

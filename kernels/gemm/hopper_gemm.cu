@@ -14,7 +14,8 @@
 //                                           into the tile's chunk destination (a peer's buffer), then
 //                                           a per-tile flag (grouped with hook 2: the warp's lanes store
 //                                           each row to its home rank, then count the rows there)
-//   consumer WG c                "math":    wgmma on rows [64c, 64c+64) of the tile (ping-pong: on every row
+//   consumer WG c                "math":    wgmma on its rows of the tile, [64c, 64c+64) (256-row tiles: 128c on,
+//                                           128 rows; ping-pong: on every row
 //                                           of every other tile), [hook 3: + other
 //                                           sources' partials of the tile], then registers -> C staging smem;
 //                                           [hook 3 tail: after its last tile, each warp reduces 16-row

@@ -565,6 +565,9 @@ COMPILE_CONFIGS = [
     (GemmPlan(block_m=256, block_n=96, stages=4, c_staging="shared", cluster=2, stream_k=True), "bfloat16", "bfloat16",
      True, False, False),
     (GemmPlan(block_m=256, block_n=128, stages=2), "bfloat16", "float32", True, False, False),
+    (GemmPlan(block_m=256, block_n=192, stages=4, epilogue="direct", cluster=2), "bfloat16", "bfloat16", True, False,
+     False),
+    (GemmPlan(block_m=256, block_n=96, stages=5, epilogue="direct"), "float16", "float32", True, False, False),
 ]
 
 

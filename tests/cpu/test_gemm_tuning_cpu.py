@@ -801,13 +801,15 @@ def test_tall_tile_plans():
     assert dict(kernel_defines(p, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_ROW_BLOCKS"] == "2"
     assert "FLUXRT_GEMM_ROW_BLOCKS" not in dict(kernel_defines(GemmPlan(), "bfloat16", "bfloat16", True))
     assert GemmPlan(block_n=128, pingpong=True).row_blocks == 1 and GemmPlan().row_blocks == 1
-    for bad in (dict(block_n=256), dict(pingpong=True), dict(epilogue="direct"), dict(split_k=2),
+    for bad in (dict(block_n=256), dict(pingpong=True), dict(split_k=2),
                 dict(cluster_n=2), dict(block_k=128), dict(block_n=192, stream_k=True)):
         with pytest.raises(ValueError, match="block_m=256"):
             dataclasses.replace(GemmPlan(block_m=256, block_n=128, stages=2), **bad).validate("bfloat16")
     with pytest.raises(ValueError, match="block_m"):
         GemmPlan(block_m=256, consumers=1, block_n=128, stages=2).validate("bfloat16")
     assert GemmPlan(block_m=256, block_n=176, stages=3, c_staging="shared", stream_k=True).validate("bfloat16")
+    direct = GemmPlan(block_m=256, block_n=192, stages=4, epilogue="direct").validate("bfloat16")   # no C staging:
+    assert direct.c_staging_bytes("bfloat16") == 0 and direct.smem_bytes() <= SMEM_LIMIT_BYTES      # a 4th stage
 
     assert tall_plans(256, 4096, 6144) == []
     few = tall_plans(461, 9128, 13208)           # 2 tile rows: no pairs; ragged waves: stream-K forms
