@@ -539,6 +539,31 @@ struct DirectEpilogue {
     __device__ __forceinline__ void after_tiles(const Schedule&) const {}
 };
 
+// The storer's TMA stores of one turn of a staged tile: one 64-row box per (consumer of the turn, 128-byte column
+// slab, row block) from the staging at smem + kOffC to d's map. The consumers issued fence.proxy.async.shared::cta
+// after writing the staging, before arriving on c_full. Lane 0 only; the caller commits.
+template <class Epilogue>
+__device__ __forceinline__ void store_turn_boxes(const Epilogue& epilogue, const StoreTarget& d, u32 smem, int n0,
+                                                 int n_tile, int n_tiles) {
+#pragma unroll
+    for (int c = 0; c < kConsumersPerTurn; ++c)
+#pragma unroll
+        for (int j = 0; j < kCSlabs; ++j)
+#pragma unroll
+            for (int rb = 0; rb < kRowBlocks; ++rb) {
+                const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes + rb * kMmaRows * 128u;
+                const int y = d.y0 + c * kRowsPerConsumer + rb * kMmaRows;
+                // banded C: GEMM row y is row y % band_rows of band y / band_rows (TMA clips the rest)
+                if constexpr (kBandsC)
+                    tma_store_3d(d.map, src, n0 + j * kCCols, y % epilogue.chunks.band_rows(),
+                                 y / epilogue.chunks.band_rows());
+                else if constexpr (kFitN)
+                    store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, n_tiles, j * kCCols, y);
+                else
+                    tma_store_2d(d.map, src, n0 + j * kCCols, y);
+            }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Storer (warp 1 of the producer warpgroup, staged epilogues): moves finished tiles from C staging to their
 // target, in kCTurns turns per tile (turn k drains the staging of consumers [k * kConsumersPerTurn,
@@ -580,26 +605,7 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
             }
             const StoreTarget d = epilogue.target(m0, row0);
             if (lane == 0) {
-                // One 64-row box per (consumer, 128-byte column slab, row block). The consumers issued
-                // fence.proxy.async.shared::cta after writing the staging, before arriving on c_full.
-#pragma unroll
-                for (int c = 0; c < kConsumersPerTurn; ++c)
-#pragma unroll
-                    for (int j = 0; j < kCSlabs; ++j)
-#pragma unroll
-                        for (int rb = 0; rb < kRowBlocks; ++rb) {
-                            const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes + rb * kMmaRows * 128u;
-                            const int y = d.y0 + c * kRowsPerConsumer + rb * kMmaRows;
-                            // banded C: GEMM row y is row y % band_rows of band y / band_rows (TMA clips the rest)
-                            if constexpr (kBandsC)
-                                tma_store_3d(d.map, src, n0 + j * kCCols, y % epilogue.chunks.band_rows(),
-                                             y / epilogue.chunks.band_rows());
-                            else if constexpr (kFitN)
-                                store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, sched.n_tiles, j * kCCols,
-                                                 y);
-                            else
-                                tma_store_2d(d.map, src, n0 + j * kCCols, y);
-                        }
+                store_turn_boxes(epilogue, d, smem, n0, n_tile, sched.n_tiles);
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
                 mbar_arrive(bar_next_empty);
@@ -696,20 +702,7 @@ __device__ __forceinline__ void run_storer_stream_k(const Schedule& sched, const
             }
             const StoreTarget d = epilogue.target(m0, row0);
             if (lane == 0) {
-#pragma unroll
-                for (int c = 0; c < kConsumersPerTurn; ++c)
-#pragma unroll
-                    for (int j = 0; j < kCSlabs; ++j)
-#pragma unroll
-                        for (int rb = 0; rb < kRowBlocks; ++rb) {
-                            const u32 src = smem + kOffC + c * kCConsumerBytes + j * kCSlabBytes + rb * kMmaRows * 128u;
-                            const int y = d.y0 + c * kRowsPerConsumer + rb * kMmaRows;
-                            if constexpr (kFitN)
-                                store_fitted_box(d.map, epilogue.tmap_c_tiles, src, n_tile, sched.n_tiles, j * kCCols,
-                                                 y);
-                            else
-                                tma_store_2d(d.map, src, n0 + j * kCCols, y);
-                        }
+                store_turn_boxes(epilogue, d, smem, n0, n_tile, sched.n_tiles);
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
                 mbar_arrive(bar_next_empty);
