@@ -598,17 +598,21 @@ FIT_WIDTHS = (80, 96, 112, 144, 160, 176, 208, 224, 240)
 FIT_PAIR_MIN_TILE_ROWS = 8   # the autotuner's fitted pairs where M has this many tile rows (docs/tuning.md)
 
 
+def staged_ring(block_m: int, block_n: int, out_dtype: str, b_kmajor: bool = True) -> tuple[int, str]:
+    """(stages, c_staging) of a staged-epilogue tile at its deepest ring (at most 6 stages): beside per-consumer C
+    staging, or, where that leaves fewer than 4 stages, beside shared staging when it adds a stage."""
+    stages = min(max_stages(block_m, block_n, out_dtype, b_kmajor=b_kmajor), 6)
+    shared = min(max_stages(block_m, block_n, out_dtype, c_staging="shared", b_kmajor=b_kmajor), 6)
+    return (shared, "shared") if stages < 4 and shared > stages else (stages, "per_consumer")
+
+
 def fitted_plans(m: int, out_dtype: str = "bfloat16", b_kmajor: bool = True, pairs: bool = False) -> list[GemmPlan]:
-    """128-row tiles of every FIT_WIDTHS width with the staged epilogue at the deepest ring (at most 6 stages); where
-    fewer than 4 stages fit beside per-consumer C staging, shared staging when it adds a stage. b_kmajor=False: the
-    rings of B as [K, N] (whole 64-column slabs of B per stage). pairs: also each in a cluster of 2 along M (B
-    multicast), where M has FIT_PAIR_MIN_TILE_ROWS tile rows."""
+    """128-row tiles of every FIT_WIDTHS width with the staged epilogue at the ring of :func:`staged_ring`.
+    b_kmajor=False: the rings of B as [K, N] (whole 64-column slabs of B per stage). pairs: also each in a cluster of
+    2 along M (B multicast), where M has FIT_PAIR_MIN_TILE_ROWS tile rows."""
     out = []
     for bn in FIT_WIDTHS:
-        stages, staging = min(max_stages(128, bn, out_dtype, b_kmajor=b_kmajor), 6), "per_consumer"
-        shared = min(max_stages(128, bn, out_dtype, c_staging="shared", b_kmajor=b_kmajor), 6)
-        if stages < 4 and shared > stages:
-            stages, staging = shared, "shared"
+        stages, staging = staged_ring(128, bn, out_dtype, b_kmajor)
         if stages >= 2:
             out.append(GemmPlan(block_n=bn, stages=stages, c_staging=staging,
                                 group_m=max(1, min(math.ceil(m / 128), 16))))
@@ -640,7 +644,7 @@ TALL_PAIR_MIN_TILE_ROWS = 4
 
 def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS,
                b_kmajor: bool = True) -> list[GemmPlan]:
-    """256 x TALL_WIDTHS plans at the deepest ring (at most 6 stages; shared C staging where it adds a stage), also
+    """256 x TALL_WIDTHS plans at the ring of :func:`staged_ring` (shared C staging wherever it adds a stage), also
     in clusters of 2 along M where M has TALL_PAIR_MIN_TILE_ROWS 256-row tiles, and in stream-K form (widths up to
     TALL_STREAM_K_MAX_BLOCK_N) where their waves are busy less than STREAM_K_MAX_FILL and K has STREAM_K_MIN_K
     columns. None where M has 256 rows or fewer."""
@@ -649,11 +653,7 @@ def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     rows = math.ceil(m / 256)
     out = []
     for bn in TALL_WIDTHS:
-        stages = min(max_stages(256, bn, out_dtype, b_kmajor=b_kmajor), 6)
-        shared = min(max_stages(256, bn, out_dtype, c_staging="shared", b_kmajor=b_kmajor), 6)
-        staging = "per_consumer"
-        if shared > stages:
-            stages, staging = shared, "shared"
+        stages, staging = staged_ring(256, bn, out_dtype, b_kmajor)
         if stages < 2:
             continue
         plan = GemmPlan(block_m=256, block_n=bn, stages=stages, c_staging=staging, group_m=max(1, min(rows, 8)))
