@@ -71,7 +71,8 @@ def _prepare(a, b, out, *, trans_b, plan, out_dtype, wait: ArrivalWait | None,
     if plan.pingpong and (wait or epilogue or copy or stride):
         raise GemmArgumentError("gemm: a pingpong plan is for plain GEMMs (no hooks, no row bands)")
     if plan.row_blocks > 1 and (in_dt not in IN_DTYPES or wait or epilogue or copy or stride):
-        raise GemmArgumentError(f"gemm: a plan of {plan.block_m}-row tiles is for plain 16-bit GEMMs, got inputs {in_dt}"
+        raise GemmArgumentError(f"gemm: a plan of {plan.block_m}-row tiles ({plan.describe()}) is for plain 16-bit "
+                                f"GEMMs, got M={m} N={n} K={k} with inputs {in_dt}"
                                 f"{', hooks or row bands' if (wait or epilogue or copy or stride) else ''}")
     if plan.split_k > 1:
         check_split(plan, m, n, k)
