@@ -227,6 +227,9 @@ def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200
     return len(options), sum(path is None for path in built)
 
 
+ONE_CONSUMER_MAX_STAGES = 8   # the 64-row tiles' deepest ring among the candidates (docs/tuning.md)
+
+
 def deep_ring_plans(m: int, out_dtype: str = "bfloat16", plans: list[GemmPlan] | None = None) -> list[GemmPlan]:
     """The plans (default: the plain plans) whose ring gets deeper when the two consumers share one C staging
     buffer (their epilogues then take turns): with 16-bit output 128x256 with 4 stages instead of 3, 128x192 with 5
@@ -239,6 +242,10 @@ def deep_ring_plans(m: int, out_dtype: str = "bfloat16", plans: list[GemmPlan] |
             deeper = min(max_stages(plan.block_m, plan.block_n, out_dtype, c_staging="shared"), 6)
             if deeper > plan.stages:
                 out.append(dataclasses.replace(plan, stages=deeper, c_staging="shared"))
+        elif not plan.stream_k and plan.split_k == 1:   # 64-row tiles: up to 8 stages of 8 KiB of A
+            deeper = min(max_stages(plan.block_m, plan.block_n, out_dtype), ONE_CONSUMER_MAX_STAGES)
+            if deeper > plan.stages:
+                out.append(dataclasses.replace(plan, stages=deeper))
     return out
 
 

@@ -128,10 +128,9 @@ class GemmPlan:
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m == 2 * 64 * self.consumers == 256:   # 256-row tiles (row_blocks = 2)
-            if (self.pingpong or self.split_k > 1 or self.cluster_n != 1 or self.block_k != BLOCK_K
-                    or self.block_n > TALL_MAX_BLOCK_N):
+            if self.pingpong or self.split_k > 1 or self.block_k != BLOCK_K or self.block_n > TALL_MAX_BLOCK_N:
                 raise ValueError(f"GemmPlan.block_m=256 (two consumers of 128 rows) needs 16-bit inputs (block_k="
-                                 f"{BLOCK_K}), no ping-pong or split-K, cluster_n=1 and block_n <= "
+                                 f"{BLOCK_K}), no ping-pong or split-K and block_n <= "
                                  f"{TALL_MAX_BLOCK_N} (block_n fp32 accumulators per consumer thread), got "
                                  f"{self.describe()}")
             if self.stream_k and self.block_n > TALL_STREAM_K_MAX_BLOCK_N:
@@ -153,9 +152,9 @@ class GemmPlan:
         if self.cluster_n not in (1, 2):
             raise ValueError(f"GemmPlan.cluster_n must be 1 or 2 (CTAs sharing A by TMA multicast), "
                              f"got {self.cluster_n}")
-        if self.cluster_n > 1 and (self.split_k > 1 or self.stream_k or self.fitted_n):
-            raise ValueError("GemmPlan.cluster_n=2 needs split_k=1, no stream-K and a tile width of 64, 128, 192 "
-                             "or 256")
+        if self.cluster_n > 1 and (self.split_k > 1 or self.stream_k or self.block_k != BLOCK_K):
+            raise ValueError("GemmPlan.cluster_n=2 needs 16-bit inputs (block_k="
+                             f"{BLOCK_K}), split_k=1 and no stream-K, got {self.describe()}")
         if self.order not in ORDERS:
             raise ValueError(f"GemmPlan.order must be one of {ORDERS}, got {self.order!r}")
         if self.group_m < 1:
@@ -635,9 +634,12 @@ def fitted_stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", n
 
 # 256-row tiles (two consumers of 128 rows, GemmPlan.row_blocks = 2): the autotuner's candidates where M has more
 # than 256 rows, each width at its deepest ring (3-4 stages: A's stage is 32 KiB), in pairs along M where M has
-# TALL_PAIR_MIN_TILE_ROWS of them, in stream-K form where the waves are ragged. Measured on H200 (docs/tuning.md):
-# 1.05-1.07x the tuned winner at 9166x664x12896 NK (256 x 96, the tile cuBLASLt runs there), 1.01-1.06x at
-# 11603x3408x11800 KN (256 x 176); 0.8-1.0x on most other shapes. Not in the cost model.
+# TALL_PAIR_MIN_TILE_ROWS of them, in pairs along N (A multicast: each CTA loads 128 of the 256 rows) where N has two
+# tile columns, in stream-K form where the waves are ragged; where the staged ring has fewer than 4 stages, also with
+# the direct epilogue in pairs along N (4 stages: no C staging). Measured on H200 (docs/tuning.md): 1.05-1.07x the
+# tuned winner at 9166x664x12896 NK (256 x 96, the tile cuBLASLt runs there), pairs along N 1.0-1.1x on six shapes
+# (11603x3408x11800, 2692x1960x8424 KN: 256 x 176), the direct epilogue 1.13-1.17x at 461x9128x13208. Not in the
+# cost model.
 TALL_WIDTHS = (96, 128, 144, 160, 176, 192)
 TALL_PAIR_MIN_TILE_ROWS = 4
 
@@ -645,9 +647,10 @@ TALL_PAIR_MIN_TILE_ROWS = 4
 def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int = H100_H200_SMS,
                b_kmajor: bool = True) -> list[GemmPlan]:
     """256 x TALL_WIDTHS plans at the ring of :func:`staged_ring` (shared C staging wherever it adds a stage), also
-    in clusters of 2 along M where M has TALL_PAIR_MIN_TILE_ROWS 256-row tiles, and in stream-K form (widths up to
-    TALL_STREAM_K_MAX_BLOCK_N) where their waves are busy less than STREAM_K_MAX_FILL and K has STREAM_K_MIN_K
-    columns. None where M has 256 rows or fewer."""
+    in clusters of 2 along M where M has TALL_PAIR_MIN_TILE_ROWS 256-row tiles, in clusters of 2 along N where N has
+    two tile columns (and there, where the staged ring is shallower than 4 stages, with the direct epilogue at its
+    deeper ring), and in stream-K form (widths up to TALL_STREAM_K_MAX_BLOCK_N) where their waves are busy less than
+    STREAM_K_MAX_FILL and K has STREAM_K_MIN_K columns. None where M has 256 rows or fewer."""
     if m <= 256:
         return []
     rows = math.ceil(m / 256)
@@ -660,6 +663,12 @@ def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
         out.append(plan)
         if rows >= TALL_PAIR_MIN_TILE_ROWS:
             out.append(dataclasses.replace(plan, cluster=2))
+        if math.ceil(n / bn) >= 2:
+            out.append(dataclasses.replace(plan, cluster_n=2))
+            direct = min(max_stages(256, bn, out_dtype, epilogue="direct", b_kmajor=b_kmajor), 6)
+            if stages < 4 <= direct:
+                out.append(dataclasses.replace(plan, cluster_n=2, epilogue="direct", c_staging="per_consumer",
+                                               stages=direct))
         if (bn <= TALL_STREAM_K_MAX_BLOCK_N and k >= STREAM_K_MIN_K
                 and _wave_fill(rows * math.ceil(n / bn), num_sms) < STREAM_K_MAX_FILL):
             out.append(dataclasses.replace(plan, stream_k=True))

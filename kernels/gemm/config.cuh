@@ -309,18 +309,18 @@ static_assert(!kFitN || ((kBKMajor || !kFp8) && !kBlockScale && (kCluster == 1 |
               "GEMM (no grouping, split-K, hooks or bands)");
 static_assert(!(kFp8 && kFitN) || kBN >= 144,
               "fp8 fitted widths start at 144 (wgmma_ops.cuh has no narrower fp8 ones)");
-static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kFitN && !kHookWait &&
-                                  !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC),
-              "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, fitted tile "
-              "width, hooks or bands)");
+static_assert(kClusterN == 1 || (!kFp8 && !kGrouped && !kSplitK && !kStreamK && !kHookWait && !kHookEpilogue &&
+                                  !kHookCopy && !kBandsA && !kBandsC),
+              "a cluster along N needs 16-bit inputs and a plain GEMM (no grouping, split-K, stream-K, hooks or "
+              "bands)");
 static_assert(!kPingPong || kBN <= 192, "ping-pong consumers: kBN fp32 accumulators per thread, kBN <= 192 "
                                         "(256 spills and serialises the wgmma)");
 static_assert(kConsumers == 1 || kConsumers == 2, "1 or 2 consumer warpgroups");
 static_assert(kCoopRowBlocks == 1 || kCoopRowBlocks == 2, "1 or 2 row blocks per consumer");
 static_assert(!kTallTile || (kConsumers == 2 && !kPingPong && !kFp8 && !kHookWait && !kHookEpilogue && !kHookCopy &&
-                             !kBandsA && !kBandsC && !kSplitK && !kGrouped && kClusterN == 1 && kBN <= 192),
+                             !kBandsA && !kBandsC && !kSplitK && !kGrouped && kBN <= 192),
               "256-row tiles: two consumers, a plain 16-bit GEMM (or stream-K; no ping-pong, hooks, bands, split-K, "
-              "grouping, cluster along N) and kBN <= 192 (kBN fp32 accumulators per thread)");
+              "grouping) and kBN <= 192 (kBN fp32 accumulators per thread)");
 static_assert(kStages >= 2, "at least a double-buffered ring");
 static_assert(kBN % kCCols == 0 || kFitN, "C staging slabs");
 

@@ -568,6 +568,17 @@ COMPILE_CONFIGS = [
     (GemmPlan(block_m=256, block_n=192, stages=4, epilogue="direct", cluster=2), "bfloat16", "bfloat16", True, False,
      False),
     (GemmPlan(block_m=256, block_n=96, stages=5, epilogue="direct"), "float16", "float32", True, False, False),
+    # clusters along N (A multicast) with 256-row tiles and fitted widths
+    (GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared", cluster_n=2), "bfloat16", "bfloat16", True,
+     False, False),
+    (GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared", cluster=2, cluster_n=2), "float16", "float16",
+     True, False, False),
+    (GemmPlan(block_m=256, block_n=160, stages=3, c_staging="shared", cluster_n=2), "bfloat16", "bfloat16", False,
+     False, False),
+    (GemmPlan(block_m=256, block_n=144, stages=4, epilogue="direct", cluster_n=2), "bfloat16", "bfloat16", True,
+     False, False),
+    (GemmPlan(block_n=144, stages=4, c_staging="shared", cluster_n=2), "bfloat16", "bfloat16", True, False, False),
+    (GemmPlan(block_n=176, stages=4, cluster=2, cluster_n=2), "float16", "float16", False, False, False),
 ]
 
 

@@ -802,9 +802,14 @@ def test_tall_tile_plans():
     assert "FLUXRT_GEMM_ROW_BLOCKS" not in dict(kernel_defines(GemmPlan(), "bfloat16", "bfloat16", True))
     assert GemmPlan(block_n=128, pingpong=True).row_blocks == 1 and GemmPlan().row_blocks == 1
     for bad in (dict(block_n=256), dict(pingpong=True), dict(split_k=2),
-                dict(cluster_n=2), dict(block_k=128), dict(block_n=192, stream_k=True)):
+                dict(block_k=128), dict(block_n=192, stream_k=True)):
         with pytest.raises(ValueError, match="block_m=256"):
             dataclasses.replace(GemmPlan(block_m=256, block_n=128, stages=2), **bad).validate("bfloat16")
+    # in clusters along N (A multicast), also of a fitted width, not in stream-K form
+    assert GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared", cluster=2, cluster_n=2).validate()
+    assert GemmPlan(block_n=144, stages=4, c_staging="shared", cluster_n=2).validate()
+    with pytest.raises(ValueError, match="cluster_n=1"):
+        GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared", cluster_n=2, stream_k=True).validate()
     with pytest.raises(ValueError, match="block_m"):
         GemmPlan(block_m=256, consumers=1, block_n=128, stages=2).validate("bfloat16")
     assert GemmPlan(block_m=256, block_n=176, stages=3, c_staging="shared", stream_k=True).validate("bfloat16")

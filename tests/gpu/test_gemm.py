@@ -171,7 +171,13 @@ CLUSTER_N = [GemmPlan(cluster=2, cluster_n=2), GemmPlan(cluster_n=2, block_n=64,
              GemmPlan(cluster=2, cluster_n=2, block_n=128, stages=6, c_staging="shared"),
              GemmPlan(cluster=2, cluster_n=2, block_m=64, consumers=1, stages=4),
              GemmPlan(cluster=2, cluster_n=2, epilogue="direct", stages=4),
-             GemmPlan(cluster_n=2, group_m=3, max_ctas=6)]
+             GemmPlan(cluster_n=2, group_m=3, max_ctas=6),
+             # fitted widths (the last slab part-filled, the last tile column through C's own map) and 256-row tiles
+             GemmPlan(block_n=144, stages=4, c_staging="shared", cluster_n=2),
+             GemmPlan(block_n=176, stages=4, cluster=2, cluster_n=2),
+             GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared", cluster_n=2),
+             GemmPlan(block_m=256, block_n=160, stages=3, c_staging="shared", cluster=2, cluster_n=2),
+             GemmPlan(block_m=256, block_n=128, stages=4, epilogue="direct", cluster=2, cluster_n=2)]
 
 
 @pytest.mark.parametrize("plan", CLUSTER_N, ids=lambda p: p.describe().replace(" ", "_"))
@@ -188,6 +194,9 @@ def test_cluster_along_n_sanitize_small():
     # a 1 x 2 cluster of one-consumer tiles, B [K, N]
     run_case(257, 648, 136, trans_b=True, plan=GemmPlan(cluster=2, cluster_n=2), seed=32)
     run_case(257, 648, 136, plan=GemmPlan(block_m=64, consumers=1, block_n=128, stages=8, cluster_n=2), seed=33)
+    # 256-row tiles of a fitted width in a 2 x 2 cluster: the pair along N splits A's 256 rows, along M B's 144
+    run_case(300, 648, 136, trans_b=True, plan=GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared",
+                                                        cluster=2, cluster_n=2), seed=34)
 
 
 def test_cluster_along_n_is_for_plain_16_bit_gemms():
