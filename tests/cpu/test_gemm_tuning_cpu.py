@@ -163,9 +163,16 @@ def test_candidates_include_the_heuristic_and_every_known_tile_shape():
     assert {(256, 4, 1), (192, 5, 1), (256, 4, 2), (192, 5, 2)} <= deep   # one stage more than per-consumer staging
     assert len(set(cands)) == len(cands)
     # 2 x 2 clusters (A shared along N as well) are candidates only, never the model's pick
-    assert {(p.block_n, p.cluster) for p in cands if p.cluster_n == 2} == {(256, 2), (192, 2), (128, 2)}
+    assert {(p.block_n, p.cluster) for p in cands if p.cluster_n == 2 and p.block_m == 128} == \
+        {(256, 2), (192, 2), (128, 2)}
+    # 256-row tiles in pairs along N, every width (and the direct epilogue where staging leaves 3 stages)
+    tall = {(p.block_n, p.epilogue) for p in cands if p.cluster_n == 2 and p.block_m == 256}
+    assert {(bn, "tma") for bn in P.TALL_WIDTHS} | {(bn, "direct") for bn in (144, 160, 176, 192)} == tall
     assert not any(p.cluster_n == 2 for p in tuning.candidates(100, 4096, 4096))   # one tile row: no pair
-    assert not any(p.cluster_n == 2 for p in tuning.candidates(4096, 128, 4096))   # one tile column
+    # one tile column: no pair (but two columns of the 96 wide 256-row tiles)
+    assert {p.block_n for p in tuning.candidates(4096, 128, 4096) if p.cluster_n == 2} == {96}
+    # 64-row tiles also at rings up to 8 stages
+    assert {(p.block_n, p.stages) for p in cands if p.consumers == 1 and p.stages > 6} == {(64, 8), (128, 8)}
     with pytest.raises(ValueError, match="clusters along N"):
         P.plan_cost(GemmPlan(cluster=2, cluster_n=2), 4096, 4096, 4096)
     assert all(heuristic_plan(m, 4096, 4096).cluster_n == 1 for m in (256, 4096, 16384))
