@@ -227,7 +227,10 @@ def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200
     return len(options), sum(path is None for path in built)
 
 
-ONE_CONSUMER_MAX_STAGES = 8   # the 64-row tiles' deepest ring among the candidates (docs/tuning.md)
+# Tiles whose stage is at most SMALL_STAGE_BYTES (64 x 64, 64 x 128, 128 x 64) are also candidates at rings of up to
+# SMALL_STAGE_MAX_STAGES (docs/tuning.md: 1.04-1.13x at 256x4096x6144 NK and 1024x1024x6144 KN).
+SMALL_STAGE_BYTES = 24 * 1024
+SMALL_STAGE_MAX_STAGES = 8
 
 
 def deep_ring_plans(m: int, out_dtype: str = "bfloat16", plans: list[GemmPlan] | None = None) -> list[GemmPlan]:
@@ -238,14 +241,14 @@ def deep_ring_plans(m: int, out_dtype: str = "bfloat16", plans: list[GemmPlan] |
     all without a cluster (`gemm-offgrid-study-*`). So only the autotuner tries them."""
     out = []
     for plan in plain_plans(m, out_dtype) if plans is None else plans:
-        if plan.consumers == 2:
+        if plan.stage_bytes() <= SMALL_STAGE_BYTES and not plan.stream_k and plan.split_k == 1:
+            deeper = min(max_stages(plan.block_m, plan.block_n, out_dtype), SMALL_STAGE_MAX_STAGES)
+            if deeper > plan.stages:
+                out.append(dataclasses.replace(plan, stages=deeper))
+        elif plan.consumers == 2:
             deeper = min(max_stages(plan.block_m, plan.block_n, out_dtype, c_staging="shared"), 6)
             if deeper > plan.stages:
                 out.append(dataclasses.replace(plan, stages=deeper, c_staging="shared"))
-        elif not plan.stream_k and plan.split_k == 1:   # 64-row tiles: up to 8 stages of 8 KiB of A
-            deeper = min(max_stages(plan.block_m, plan.block_n, out_dtype), ONE_CONSUMER_MAX_STAGES)
-            if deeper > plan.stages:
-                out.append(dataclasses.replace(plan, stages=deeper))
     return out
 
 

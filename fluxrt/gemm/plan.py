@@ -152,9 +152,8 @@ class GemmPlan:
         if self.cluster_n not in (1, 2):
             raise ValueError(f"GemmPlan.cluster_n must be 1 or 2 (CTAs sharing A by TMA multicast), "
                              f"got {self.cluster_n}")
-        if self.cluster_n > 1 and (self.split_k > 1 or self.stream_k or self.block_k != BLOCK_K):
-            raise ValueError("GemmPlan.cluster_n=2 needs 16-bit inputs (block_k="
-                             f"{BLOCK_K}), split_k=1 and no stream-K, got {self.describe()}")
+        if self.cluster_n > 1 and (self.split_k > 1 or self.stream_k):
+            raise ValueError(f"GemmPlan.cluster_n=2 needs split_k=1 and no stream-K, got {self.describe()}")
         if self.order not in ORDERS:
             raise ValueError(f"GemmPlan.order must be one of {ORDERS}, got {self.order!r}")
         if self.group_m < 1:

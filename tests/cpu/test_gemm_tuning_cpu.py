@@ -171,8 +171,9 @@ def test_candidates_include_the_heuristic_and_every_known_tile_shape():
     assert not any(p.cluster_n == 2 for p in tuning.candidates(100, 4096, 4096))   # one tile row: no pair
     # one tile column: no pair (but two columns of the 96 wide 256-row tiles)
     assert {p.block_n for p in tuning.candidates(4096, 128, 4096) if p.cluster_n == 2} == {96}
-    # 64-row tiles also at rings up to 8 stages
-    assert {(p.block_n, p.stages) for p in cands if p.consumers == 1 and p.stages > 6} == {(64, 8), (128, 8)}
+    # the tiles of small stages also at rings up to 8 stages
+    assert {(p.block_m, p.block_n, p.stages) for p in cands if p.stages > 6} == {(64, 64, 8), (64, 128, 8),
+                                                                                  (128, 64, 8)}
     with pytest.raises(ValueError, match="clusters along N"):
         P.plan_cost(GemmPlan(cluster=2, cluster_n=2), 4096, 4096, 4096)
     assert all(heuristic_plan(m, 4096, 4096).cluster_n == 1 for m in (256, 4096, 16384))
