@@ -238,7 +238,8 @@ def deep_ring_plans(m: int, out_dtype: str = "bfloat16", plans: list[GemmPlan] |
     buffer (their epilogues then take turns): with 16-bit output 128x256 with 4 stages instead of 3, 128x192 with 5
     instead of 4. Measured on H200: plain plans within a few percent of the per-consumer plan either way; 128x256
     stream-K on ten large off-grid shapes, 1-5 % ahead on 9 of them with pairs (2 % behind on one), 0.4-7 % behind on
-    all without a cluster (`gemm-offgrid-study-*`). So only the autotuner tries them."""
+    all without a cluster (`gemm-offgrid-study-*`). So only the autotuner tries them. The tiles whose stage is at most
+    SMALL_STAGE_BYTES get rings of up to SMALL_STAGE_MAX_STAGES instead (their C staging stays per consumer)."""
     out = []
     for plan in plain_plans(m, out_dtype) if plans is None else plans:
         if plan.stage_bytes() <= SMALL_STAGE_BYTES and not plan.stream_k and plan.split_k == 1:
