@@ -10,7 +10,7 @@ def stream_handle(stream) -> int:
         return cupy.cuda.get_current_stream().ptr
     if isinstance(stream, int):
         return stream
-    if hasattr(stream, "ptr"):  # cupy.cuda.Stream / ExternalStream
+    if hasattr(stream, "ptr"):  # cupy.cuda.Stream
         return int(stream.ptr)
     if hasattr(stream, "__cuda_stream__"):  # cuda.core / any stream-protocol object
         _version, handle = stream.__cuda_stream__()
@@ -43,6 +43,8 @@ def as_cupy_stream(stream):
     if isinstance(stream, cupy.cuda.Stream):
         return stream
     handle = stream_handle(stream)
+    if handle == 0:   # the legacy default stream
+        return cupy.cuda.Stream.null
     wrapped = _wrapped.get(handle)
     if wrapped is None:
         if len(_wrapped) >= 256:  # handles of destroyed streams get reused; keep the map small

@@ -480,12 +480,13 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
     is ordered before it); the winner's launch is the last one, so ``out`` holds its product."""
     import cupy
 
+    from ..streams import as_cupy_stream
     from .launch import _prepare, _stream_ptr
     from .split_k import release_workspaces
 
     ts = _tuning_stream(dev)
     after_user = cupy.cuda.Event(disable_timing=True)
-    after_user.record(cupy.cuda.ExternalStream(_stream_ptr(stream)))
+    after_user.record(as_cupy_stream(_stream_ptr(stream)))
     ts.wait_event(after_user)
     t0 = time.perf_counter()
     failed = []

@@ -50,6 +50,8 @@ def workspace(device: int, stream_ptr: int, nbytes: int, zeroed: bool = False):
     (stream-K's counters, which its launches leave at zero)."""
     import cupy
 
+    from ..streams import as_cupy_stream
+
     key = (device, stream_ptr, True) if zeroed else (device, stream_ptr)
     with _lock:
         bufs = _workspaces.get(key)
@@ -58,7 +60,7 @@ def workspace(device: int, stream_ptr: int, nbytes: int, zeroed: bool = False):
     size = max(nbytes, 2 * bufs[0].nbytes if bufs else 0)
     with cupy.cuda.Device(device):
         if zeroed:
-            with cupy.cuda.ExternalStream(stream_ptr):
+            with as_cupy_stream(stream_ptr):
                 buf = cupy.zeros((size,), dtype=cupy.uint8)
         else:
             buf = cupy.empty((size,), dtype=cupy.uint8)

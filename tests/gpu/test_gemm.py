@@ -236,6 +236,10 @@ def test_raw_stream_handle_and_cupy_stream():
     s = cupy.cuda.Stream(non_blocking=True)
     run_case(640, 512, 256, stream=s.ptr)
     run_case(640, 512, 256, stream=s, seed=4)
+    # handle 0 (the legacy default stream), also where the call zeroes a stream-K workspace on its stream
+    run_case(640, 512, 256, stream=0, seed=5)
+    run_case(461, 1000, 4104, stream=0, plan=GemmPlan(block_n=128, stages=6, stream_k=True), seed=6)
+    run_case(461, 1000, 4104, stream=s.ptr, plan=GemmPlan(block_n=128, stages=6, stream_k=True), seed=7)
 
 
 def test_unaligned_shape_rejected_before_launch():
