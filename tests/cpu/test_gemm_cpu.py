@@ -730,10 +730,13 @@ def test_cluster_along_n_plans_and_defines():
     assert dict(kernel_defines(p, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_CLUSTER_N"] == "2"
     assert "FLUXRT_GEMM_CLUSTER_N" not in dict(kernel_defines(GemmPlan(cluster=2), "bfloat16", "bfloat16", True))
     assert p.grid(8192, 8192, 132, max_clusters=30) == 120
-    for bad in (dict(cluster_n=3), dict(cluster_n=2, split_k=2), dict(cluster_n=2, stream_k=True),
-                dict(cluster_n=2, block_n=112, stages=5)):
+    for bad in (dict(cluster_n=3), dict(cluster_n=2, split_k=2), dict(cluster_n=2, stream_k=True)):
         with pytest.raises(ValueError, match="cluster_n"):
             GemmPlan(**bad).validate()
+    # fitted widths and 256-row tiles pair along N too
+    assert GemmPlan(cluster_n=2, block_n=112, stages=5).validate().cluster_ctas == 2
+    assert GemmPlan(block_m=256, block_n=176, stages=3, c_staging="shared", cluster_n=2).validate().grid(
+        4096, 4096, 132) == 132
 
 
 def test_cluster_grid_is_a_multiple_of_the_cluster():
