@@ -205,7 +205,7 @@ def plan_arg(text: str):
     """FIELD=VALUE,... -> a validated GemmPlan (the defaults elsewhere; consumers follow block_m: 1 for 64 rows, else 2)."""
     import dataclasses
 
-    from fluxrt.gemm.plan import GemmPlan
+    from fluxrt.gemm.plan import GemmPlan, consumers_for
 
     fields = {f.name: f for f in dataclasses.fields(GemmPlan)}
     kw = {}
@@ -224,7 +224,7 @@ def plan_arg(text: str):
         else:
             raise argparse.ArgumentTypeError(f"{item!r}: {key} takes an integer")
     if "block_m" in kw and "consumers" not in kw:
-        kw["consumers"] = min(kw["block_m"] // 64, 2)   # 256-row tiles: two consumers of 128 rows
+        kw["consumers"] = consumers_for(kw["block_m"])
     try:
         return GemmPlan(**kw).validate()
     except ValueError as e:

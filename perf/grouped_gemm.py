@@ -396,13 +396,13 @@ def _np_dtype(name: str):
 def _plan(text: str):
     """'128x128s5' -> GemmPlan(block_n=128, stages=5) (block_m 128 or 64); a GemmPlan.describe() line (with spaces,
     e.g. '128x128x64 s5 grouped/g16 epi=tma/shared x1 pp') -> that plan."""
-    from fluxrt.gemm.plan import GemmPlan
+    from fluxrt.gemm.plan import GemmPlan, consumers_for
 
     if " " in text.strip():
         return GemmPlan.parse(text)
     mn, s = text.lower().split("s")
     bm, bn = (int(x) for x in mn.split("x"))
-    return GemmPlan(block_m=bm, block_n=bn, consumers=min(bm // 64, 2), stages=int(s), group_m=16)
+    return GemmPlan(block_m=bm, block_n=bn, consumers=consumers_for(bm), stages=int(s), group_m=16)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..env import env_flag
 from ..errors import GemmArgumentError
+from ..streams import as_cupy_stream
 from .plan import (H100_H200_SMS, GemmPlan, cluster_n_plans, fitted_plans, fitted_stream_k_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, pingpong_plans,
                    plain_plans, split_plans, stream_k_plans, tall_plans, tile_order)
 
@@ -480,7 +481,6 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
     is ordered before it); the winner's launch is the last one, so ``out`` holds its product."""
     import cupy
 
-    from ..streams import as_cupy_stream
     from .launch import _prepare, _stream_ptr
     from .split_k import release_workspaces
 

@@ -83,6 +83,12 @@ def _bytes_of(dtype_name: str) -> int:
     return ITEMSIZE[dtype_name]
 
 
+def consumers_for(block_m: int) -> int:
+    """The consumer warpgroups of a cooperative tile of block_m rows: 1 for 64 rows, else 2 (128 rows: one 64-row
+    block each; 256 rows: two each)."""
+    return min(block_m // 64, 2)
+
+
 TALL_MAX_BLOCK_N = 192             # 256-row tiles: block_n fp32 accumulators per consumer thread (256 would spill)
 TALL_STREAM_K_MAX_BLOCK_N = 176    # ... in stream-K form (192 spills: the fixup's loads beside the accumulators)
 # GemmPlan.describe's line: tile, stages, order (and group), epilogue (and staging), cluster, split-K or stream-K
@@ -214,9 +220,10 @@ class GemmPlan:
             raise ValueError(f"{text!r} is not a GemmPlan description such as "
                              f"'128x256x64 s3 grouped/g16 epi=tma x1' (GemmPlan.describe)")
         bm, bn, bk, stages, order, group, epi, shared, cl, cn, split, sk, pp = m.groups()
-        kw = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), stages=int(stages), consumers=min(int(bm) // 64, 2),
-                  order=order, epilogue=epi, cluster=int(cl), cluster_n=int(cn or 1), split_k=int(split or 1),
-                  stream_k=bool(sk), c_staging="shared" if shared else "per_consumer", pingpong=bool(pp))
+        kw = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), stages=int(stages),
+                  consumers=consumers_for(int(bm)), order=order, epilogue=epi, cluster=int(cl),
+                  cluster_n=int(cn or 1), split_k=int(split or 1), stream_k=bool(sk),
+                  c_staging="shared" if shared else "per_consumer", pingpong=bool(pp))
         if group:
             kw["group_m"] = int(group)
         return cls(**kw)
@@ -276,7 +283,7 @@ class GemmPlan:
 def max_stages(block_m: int, block_n: int, out_dtype: str, epilogue: str = "tma",
                c_staging: str = "per_consumer", pingpong: bool = False, b_kmajor: bool = True) -> int:
     """Deepest ring that fits next to the C staging buffer (and the barriers), up to MAX_STAGES."""
-    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=min(block_m // 64, 2), stages=1, epilogue=epilogue,
+    probe = GemmPlan(block_m=block_m, block_n=block_n, consumers=consumers_for(block_m), stages=1, epilogue=epilogue,
                      c_staging=c_staging, pingpong=pingpong)
     s = 0
     while s + 1 <= MAX_STAGES and dataclasses.replace(probe, stages=s + 1).smem_bytes(

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import GemmArgumentError
 from ..packed_launch import PackedLaunch
+from ..streams import as_cupy_stream
 from .kernel import OUT_IDS, _kernel, _num_sms, plain_defines
 from .params import gemm_params
 from .plan import GemmPlan, split_slices
@@ -49,8 +50,6 @@ def workspace(device: int, stream_ptr: int, nbytes: int, zeroed: bool = False):
     packed launches that point into it. zeroed: a separate buffer per stream, zeroed on that stream when made
     (stream-K's counters, which its launches leave at zero)."""
     import cupy
-
-    from ..streams import as_cupy_stream
 
     key = (device, stream_ptr, True) if zeroed else (device, stream_ptr)
     with _lock:

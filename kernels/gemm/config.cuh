@@ -6,7 +6,7 @@
 //   FLUXRT_GEMM_BN            tile N (64..256, multiple of 64)           default 256
 //   FLUXRT_GEMM_CONSUMERS     consumer warpgroups; tile M = 64 * this * FLUXRT_GEMM_ROW_BLOCKS    default 2
 //   FLUXRT_GEMM_ROW_BLOCKS    wgmma row blocks (64 rows each) per consumer: 2 makes 256-row tiles, two consumers of
-//                             128 rows (a plain 16-bit GEMM or its stream-K form, cluster along M allowed; no
+//                             128 rows (a plain 16-bit GEMM or its stream-K form, clusters allowed; no
 //                             ping-pong, hooks, bands, split-K, grouping; tile N <= 192)              default 1
 //   FLUXRT_GEMM_STAGES        smem ring depth                            default 3
 //   FLUXRT_GEMM_IN            A's type: 0 bf16, 1 fp16, 2 fp8 e4m3, 3 fp8 e5m2     default 0

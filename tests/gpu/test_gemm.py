@@ -1119,20 +1119,26 @@ def test_pingpong_matches_float64_and_reruns_bitwise(case, dtype, trans_b):
     _check_float64_and_reruns(m, n, k, plan, trans_b, dtype, dtype, m * 13 + n * 7 + k + case)
 
 
-def test_pingpong_fp32_out_and_cooperative_agree():
-    """fp32 output (64 KiB of staging per consumer at 128x128: 3 stages), 8 tiles per CTA; every element equal to the
-    cooperative plan's (the same MMAs in the same K order per element)."""
+def _check_fp32_out_equals(plan, other, seed):
+    """plan's fp32 output of a 1000 x 900 x 1000 GEMM against float64, and every element equal to other's (the same
+    MMAs in the same K order per element)."""
     m, n, k = 1000, 900, 1000
-    rng = np.random.default_rng(21)
+    rng = np.random.default_rng(seed)
     a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
     da, db = to_device(a), to_device(b)
-    pp = GemmPlan(block_n=128, stages=max_stages(128, 128, "float32", pingpong=True), pingpong=True, max_ctas=8)
     out = poisoned((m, n), "float32")
-    gemm(da, db, out, trans_b=True, plan=pp)
-    assert rel_err(out, reference(a, b, True)) < TOL["float32"], pp.describe()
-    coop = poisoned((m, n), "float32")
-    gemm(da, db, coop, trans_b=True, plan=GemmPlan(block_n=128, stages=4))
-    assert bool((out == coop).all())
+    gemm(da, db, out, trans_b=True, plan=plan)
+    assert rel_err(out, reference(a, b, True)) < TOL["float32"], plan.describe()
+    same = poisoned((m, n), "float32")
+    gemm(da, db, same, trans_b=True, plan=other)
+    assert bool((out == same).all())
+
+
+def test_pingpong_fp32_out_and_cooperative_agree():
+    """fp32 output (64 KiB of staging per consumer at 128x128: 3 stages), 8 tiles per CTA; equal to the cooperative
+    plan's."""
+    pp = GemmPlan(block_n=128, stages=max_stages(128, 128, "float32", pingpong=True), pingpong=True, max_ctas=8)
+    _check_fp32_out_equals(pp, GemmPlan(block_n=128, stages=4), seed=21)
 
 
 def test_pingpong_in_a_cuda_graph_replays():
@@ -1193,19 +1199,9 @@ def test_tall_tiles_match_float64_and_rerun_bitwise(case, dtype, trans_b):
 
 
 def test_tall_tiles_fp32_out_and_128_row_tiles_agree():
-    """fp32 output (2 stages beside 128 rows of fp32 staging per consumer); every element equal to a 128-row tile's
-    (the same MMAs in the same K order per element)."""
-    m, n, k = 1000, 900, 1000
-    rng = np.random.default_rng(41)
-    a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (n, k), "bfloat16")
-    da, db = to_device(a), to_device(b)
+    """fp32 output (2 stages beside 128 rows of fp32 staging per consumer); equal to a 128-row tile's."""
     tall = GemmPlan(block_m=256, block_n=128, stages=max_stages(256, 128, "float32"))
-    out = poisoned((m, n), "float32")
-    gemm(da, db, out, trans_b=True, plan=tall)
-    assert rel_err(out, reference(a, b, True)) < TOL["float32"], tall.describe()
-    short = poisoned((m, n), "float32")
-    gemm(da, db, short, trans_b=True, plan=GemmPlan(block_n=128, stages=4))
-    assert bool((out == short).all())
+    _check_fp32_out_equals(tall, GemmPlan(block_n=128, stages=4), seed=41)
 
 
 def test_tall_tiles_in_a_cuda_graph_replays():
