@@ -31,7 +31,7 @@ from pathlib import Path
 from ..env import env_flag
 from ..errors import GemmArgumentError
 from ..streams import as_cupy_stream
-from .plan import (H100_H200_SMS, GemmPlan, cluster_n_plans, fitted_plans, fitted_stream_k_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, pingpong_plans,
+from .plan import (H100_H200_SMS, L2_HINT_MAX_M, GemmPlan, cluster_n_plans, fitted_plans, fitted_stream_k_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, pingpong_plans,
                    plain_plans, split_plans, stream_k_plans, tall_plans, tile_order)
 
 log = logging.getLogger("fluxrt.gemm")
@@ -202,13 +202,16 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     with B as [K, N] too (:func:`fitted_plans` with its rings), the wider ones also in pairs along M and in stream-K
     form (:func:`fitted_stream_k_plans`), and the 256-row tiles of :func:`tall_plans`."""
     stream_k = stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
-    return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
-            + pingpong_plans(m, out_dtype)
-            + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
-            + stream_k + deep_ring_plans(m, out_dtype, stream_k)
-            + fitted_plans(m, out_dtype, b_kmajor=trans_b, pairs=True)
-            + fitted_stream_k_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b)
-            + tall_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b))
+    plans = (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
+             + pingpong_plans(m, out_dtype)
+             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
+             + stream_k + deep_ring_plans(m, out_dtype, stream_k)
+             + fitted_plans(m, out_dtype, b_kmajor=trans_b, pairs=True)
+             + fitted_stream_k_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b)
+             + tall_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b))
+    if m <= L2_HINT_MAX_M:   # the heuristic's form (its pick among them); the winner's other form is timed after
+        plans = [dataclasses.replace(p, l2_hint=True) if p.split_k == 1 else p for p in plans]
+    return plans
 
 
 def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200_SMS) -> tuple[int, int]:
@@ -383,8 +386,6 @@ def band_variants(plan: GemmPlan, m: int, n: int, num_sms: int = H100_H200_SMS) 
     return out
 
 
-# The L2 eviction priorities (GemmPlan.l2_hint) move single shapes by up to ~10 % either way and the suite's average
-# not at all (docs/tuning.md): no rule for the heuristic, so the autotuner times the winner's other form.
 def hint_variants(plan: GemmPlan) -> list[GemmPlan]:
     """``plan`` with the L2 eviction priorities toggled (GemmPlan.l2_hint), for a plan without split-K; [] else."""
     return [dataclasses.replace(plan, l2_hint=not plan.l2_hint)] if plan.split_k == 1 else []

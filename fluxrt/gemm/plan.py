@@ -38,8 +38,7 @@ pingpong       True (FLUXRT_GEMM_PINGPONG=1; 2 consumers, a plain or grouped GEM
 l2_hint        True (FLUXRT_GEMM_L2_HINT=1; split_k=1): L2 eviction priorities on the operand loads, A's K blocks
                evict_last and B's evict_first, so that B's stream does not push A out of L2 where every tile
                column reads all of A (few rows of A). Only a plain or stream-K 16-bit GEMM takes it; the
-               fused ops' hooked GEMMs, the grouped GEMM and fp8 run without it (kernel_defines). Not in the
-               heuristic; the autotuner times its winner with it toggled (docs/tuning.md)
+               fused ops' hooked GEMMs, the grouped GEMM and fp8 run without it (kernel_defines)
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -690,6 +689,12 @@ def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     return out
 
 
+# The heuristic's plans take the L2 eviction priorities (GemmPlan.l2_hint) up to this many rows of A: there every tile
+# column reads all of A (at most 2 tile rows) while B streams through L2 once. Measured on H200 (docs/tuning.md):
+# 1.03-1.11x on M = 256 shapes whose B is 40-130 MB, level where B is larger; the autotuner times both forms.
+L2_HINT_MAX_M = 256
+
+
 @functools.lru_cache(maxsize=4096)
 def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
                    trans_b: bool = False, num_sms: int = H100_H200_SMS, stream_k: bool = True) -> GemmPlan:
@@ -711,7 +716,10 @@ def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dt
         cost = plan_cost(plan, m, n, k, num_sms, trans_b)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)
-    return best[1].validate(out_dtype)
+    plan = best[1]
+    if m <= L2_HINT_MAX_M and plan.split_k == 1:
+        plan = dataclasses.replace(plan, l2_hint=True)
+    return plan.validate(out_dtype)
 
 
 def plain_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:
