@@ -169,7 +169,7 @@ if want sanitize; then
   small="$small or test_chunk_reduce_in_the_tail_sums and per_consumer and bfloat16 and per_group"
   small="$small or test_shard_copy and B_KxN or test_split_k_sanitize_small or test_stream_k_sanitize_small"
   small="$small or test_cluster_along_n_sanitize_small or test_pingpong_sanitize_small or test_fitted_sanitize_small"
-  small="$small or test_tall_sanitize_small or test_l2_hint_sanitize_small"
+  small="$small or test_tall_sanitize_small"
   for tool in memcheck racecheck; do
     # racecheck: the grouped ping-pong and fp8 cases with one tile per CTA (the tests say why)
     one_tile=""; [ "$tool" = racecheck ] && one_tile=" and one_tile_each"

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..env import env_flag
 from ..errors import GemmArgumentError
 from ..streams import as_cupy_stream
-from .plan import (H100_H200_SMS, L2_HINT_MAX_M, GemmPlan, cluster_n_plans, fitted_plans, fitted_stream_k_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, pingpong_plans,
+from .plan import (H100_H200_SMS, GemmPlan, cluster_n_plans, fitted_plans, fitted_stream_k_plans, fp8_heuristic_plan, fp8_plans, heuristic_plan, max_stages, pingpong_plans,
                    plain_plans, split_plans, stream_k_plans, tall_plans, tile_order)
 
 log = logging.getLogger("fluxrt.gemm")
@@ -202,16 +202,13 @@ def candidates(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     with B as [K, N] too (:func:`fitted_plans` with its rings), the wider ones also in pairs along M and in stream-K
     form (:func:`fitted_stream_k_plans`), and the 256-row tiles of :func:`tall_plans`."""
     stream_k = stream_k_plans(m, n, k, out_dtype, num_sms, every_shape=True)
-    plans = (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
-             + pingpong_plans(m, out_dtype)
-             + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
-             + stream_k + deep_ring_plans(m, out_dtype, stream_k)
-             + fitted_plans(m, out_dtype, b_kmajor=trans_b, pairs=True)
-             + fitted_stream_k_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b)
-             + tall_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b))
-    if m <= L2_HINT_MAX_M:   # the heuristic's form (its pick among them); the winner's other form is timed after
-        plans = [dataclasses.replace(p, l2_hint=True) if p.split_k == 1 else p for p in plans]
-    return plans
+    return (plain_plans(m, out_dtype) + deep_ring_plans(m, out_dtype) + cluster_n_plans(m, out_dtype, n)
+            + pingpong_plans(m, out_dtype)
+            + split_plans(m, n, k, out_dtype, num_sms, partial_waves=True)
+            + stream_k + deep_ring_plans(m, out_dtype, stream_k)
+            + fitted_plans(m, out_dtype, b_kmajor=trans_b, pairs=True)
+            + fitted_stream_k_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b)
+            + tall_plans(m, n, k, out_dtype, num_sms, b_kmajor=trans_b))
 
 
 def build_candidates(problems, jobs: int | None = None, num_sms: int = H100_H200_SMS) -> tuple[int, int]:
@@ -386,11 +383,6 @@ def band_variants(plan: GemmPlan, m: int, n: int, num_sms: int = H100_H200_SMS) 
     return out
 
 
-def hint_variants(plan: GemmPlan) -> list[GemmPlan]:
-    """``plan`` with the L2 eviction priorities toggled (GemmPlan.l2_hint), for a plan without split-K; [] else."""
-    return [dataclasses.replace(plan, l2_hint=not plan.l2_hint)] if plan.split_k == 1 else []
-
-
 def _refine_bands(win, variants: list, rounds: int) -> tuple:
     """The winner and its band variants replayed interleaved ``rounds`` times; a variant replaces the winner when
     its median is more than BAND_TIE below the winner's. A variant whose replay raises is dropped (the winner's
@@ -431,8 +423,7 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     heuristic's plan stays unless beaten by more than ``HEURISTIC_TIE`` (so a near-tie does not swap the plan
     an untuned run takes for one that only won on noise). Band refinement (the default candidates only): the
     winner's other band heights (:func:`band_variants`) replayed interleaved with it, at least 3 rounds even with
-    ``confirm_rounds=0``, and (16-bit) the winner with its L2 eviction priorities toggled (:func:`hint_variants`);
-    one replaces it (the heuristic's plan included) when faster by more than ``BAND_TIE``.
+    ``confirm_rounds=0``; one replaces it (the heuristic's plan included) when faster by more than ``BAND_TIE``.
 
     Runs after the work queued on ``stream``, on a private stream of the device, writing into ``out`` (a
     scratch array when None), and returns when it is done: not for use inside a CUDA-graph capture. A problem
@@ -569,9 +560,7 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
             screen = [(t, us) for t, us in screen if not t.plan.stream_k]
         if refine_bands:
             with ts:
-                variants = [t for t in map(prepare_timed, band_variants(win.plan, m, n, num_sms)
-                                           + (hint_variants(win.plan) if fp8 is None else []))
-                            if t is not None]
+                variants = [t for t in map(prepare_timed, band_variants(win.plan, m, n, num_sms)) if t is not None]
             if variants:
                 win, best_us, band_med, dropped = _refine_bands(win, variants, max(confirm_rounds, 3))
                 if dropped:

@@ -45,16 +45,7 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
             ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_staging == "shared" and plan.consumers > 1 else "0")) + fp8 \
         + (("FLUXRT_GEMM_CLUSTER_N", str(plan.cluster_n)),) * (plan.cluster_n > 1) \
-        + (("FLUXRT_GEMM_ROW_BLOCKS", str(plan.row_blocks)),) * (plan.row_blocks > 1) \
-        + (("FLUXRT_GEMM_L2_HINT", "1"),) * (plan.l2_hint and l2_hint_applies(in_dtype, hook_wait, hook_epilogue,
-                                                                                 hook_reduce, hook_copy, bands, grouped))
-
-
-def l2_hint_applies(in_dtype: str, hook_wait: bool = False, hook_epilogue: bool = False, hook_reduce: int = 0,
-                    hook_copy: bool = False, bands: int = 0, grouped: bool = False) -> bool:
-    """Whether a plan's l2_hint reaches the kernel: only a plain (or stream-K) 16-bit GEMM loads through the hinted
-    loads; the hooked, banded (split-K), grouped and fp8 forms run the plan without it."""
-    return (IN_IDS[in_dtype] < 2 and not (hook_wait or hook_epilogue or hook_reduce or hook_copy or bands or grouped))
+        + (("FLUXRT_GEMM_ROW_BLOCKS", str(plan.row_blocks)),) * (plan.row_blocks > 1)
 
 
 def plain_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool) -> tuple[tuple[str, str], ...]:

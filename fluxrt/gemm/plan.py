@@ -35,10 +35,6 @@ pingpong       True (FLUXRT_GEMM_PINGPONG=1; 2 consumers, a plain or grouped GEM
                between them, so one consumer's epilogue runs beside the other's MMAs (short K); a whole
                128 x block_n tile of accumulators per consumer warpgroup (block_n per thread), and twice the C
                staging of 'per_consumer' (one tile-sized region per consumer; 'shared': one, taken in turns)
-l2_hint        True (FLUXRT_GEMM_L2_HINT=1; split_k=1): L2 eviction priorities on the operand loads, A's K blocks
-               evict_last and B's evict_first, so that B's stream does not push A out of L2 where every tile
-               column reads all of A (few rows of A). Only a plain or stream-K 16-bit GEMM takes it; the
-               fused ops' hooked GEMMs, the grouped GEMM and fp8 run without it (kernel_defines)
 =============  =====================================================================================
 """
 from __future__ import annotations
@@ -97,7 +93,7 @@ TALL_MAX_BLOCK_N = 192             # 256-row tiles: block_n fp32 accumulators pe
 TALL_STREAM_K_MAX_BLOCK_N = 176    # ... in stream-K form (192 spills: the fixup's loads beside the accumulators)
 # GemmPlan.describe's line: tile, stages, order (and group), epilogue (and staging), cluster, split-K or stream-K
 _DESCRIBE = re.compile(r"(\d+)x(\d+)x(\d+) s(\d+) (grouped|hilbert)(?:/g(\d+))? epi=(tma|direct)(/shared)? "
-                       r"x(\d+)(?:x(\d+))?(?: k(\d+)| (sk))?( pp)?( l2)?")
+                       r"x(\d+)(?:x(\d+))?(?: k(\d+)| (sk))?( pp)?")
 
 
 @dataclass(frozen=True)
@@ -118,7 +114,6 @@ class GemmPlan:
     split_k: int = 1
     stream_k: bool = False
     pingpong: bool = False
-    l2_hint: bool = False
 
     def validate(self, out_dtype: str = "bfloat16", b_kmajor: bool = True) -> "GemmPlan":
         """Raise ValueError when the kernel cannot be instantiated with this plan (b_kmajor: B as [N, K]; False for
@@ -136,8 +131,6 @@ class GemmPlan:
                               or self.cluster_n != 1 or self.block_n not in PINGPONG_BLOCK_N):
             raise ValueError(f"GemmPlan.pingpong needs 2 consumers, epilogue='tma', no split-K or stream-K, cluster_n=1 "
                              f"and a tile width in {PINGPONG_BLOCK_N} (block_n fp32 accumulators per consumer thread)")
-        if self.l2_hint and self.split_k > 1:
-            raise ValueError("GemmPlan.l2_hint needs split_k=1 (the split-K slices load without eviction priorities)")
         if self.consumers not in (1, 2):
             raise ValueError(f"GemmPlan.consumers must be 1 or 2, got {self.consumers}")
         if self.block_m == 2 * 64 * self.consumers == 256:   # 256-row tiles (row_blocks = 2)
@@ -209,14 +202,13 @@ class GemmPlan:
         return self.block_n % 64 != 0
 
     def describe(self) -> str:
-        """One line for tables and logs, e.g. '128x256x64 s3 grouped/g16 epi=tma x1' (' pp' ping-pong, ' l2' the L2
-        eviction priorities at the end)."""
+        """One line for tables and logs, e.g. '128x256x64 s3 grouped/g16 epi=tma x1'."""
         staging = "/shared" if self.c_staging == "shared" else ""
         order = self.order + (f"/g{self.group_m}" if self.order == "grouped" else "")
         split = f" k{self.split_k}" if self.split_k > 1 else (" sk" if self.stream_k else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} s{self.stages} {order} epi={self.epilogue}{staging} "
                 f"x{self.cluster}{f'x{self.cluster_n}' if self.cluster_n > 1 else ''}{split}"
-                f"{' pp' if self.pingpong else ''}{' l2' if self.l2_hint else ''}")
+                f"{' pp' if self.pingpong else ''}")
 
     @classmethod
     def parse(cls, text: str) -> "GemmPlan":
@@ -227,11 +219,11 @@ class GemmPlan:
         if m is None:
             raise ValueError(f"{text!r} is not a GemmPlan description such as "
                              f"'128x256x64 s3 grouped/g16 epi=tma x1' (GemmPlan.describe)")
-        bm, bn, bk, stages, order, group, epi, shared, cl, cn, split, sk, pp, l2 = m.groups()
+        bm, bn, bk, stages, order, group, epi, shared, cl, cn, split, sk, pp = m.groups()
         kw = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), stages=int(stages),
                   consumers=consumers_for(int(bm)), order=order, epilogue=epi, cluster=int(cl),
                   cluster_n=int(cn or 1), split_k=int(split or 1), stream_k=bool(sk),
-                  c_staging="shared" if shared else "per_consumer", pingpong=bool(pp), l2_hint=bool(l2))
+                  c_staging="shared" if shared else "per_consumer", pingpong=bool(pp))
         if group:
             kw["group_m"] = int(group)
         return cls(**kw)
@@ -689,12 +681,6 @@ def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     return out
 
 
-# The heuristic's plans take the L2 eviction priorities (GemmPlan.l2_hint) up to this many rows of A: there every tile
-# column reads all of A (at most 2 tile rows) while B streams through L2 once. Measured on H200 (docs/tuning.md):
-# 1.03-1.11x on M = 256 shapes whose B is 40-130 MB, level where B is larger; the autotuner times both forms.
-L2_HINT_MAX_M = 256
-
-
 @functools.lru_cache(maxsize=4096)
 def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
                    trans_b: bool = False, num_sms: int = H100_H200_SMS, stream_k: bool = True) -> GemmPlan:
@@ -716,10 +702,7 @@ def heuristic_plan(m: int, n: int, k: int, *, in_dtype: str = "bfloat16", out_dt
         cost = plan_cost(plan, m, n, k, num_sms, trans_b)
         if best is None or cost < best[0] * 0.999:
             best = (cost, plan)
-    plan = best[1]
-    if m <= L2_HINT_MAX_M and plan.split_k == 1:
-        plan = dataclasses.replace(plan, l2_hint=True)
-    return plan.validate(out_dtype)
+    return best[1].validate(out_dtype)
 
 
 def plain_plans(m: int, out_dtype: str = "bfloat16") -> list[GemmPlan]:

@@ -75,10 +75,6 @@
 //                             CTA's even tiles on consumer 0, odd ones on consumer 1. The ring holds the tiles'
 //                             K blocks in order, so one consumer's MMAs run while the other stages its tile:
 //                             the epilogue hides behind the other tile's main loop (short K).   default 0
-//   FLUXRT_GEMM_L2_HINT       1: L2 eviction priorities on the plain loads (a plain or stream-K 16-bit GEMM: no hooks,
-//                             bands, split-K or grouping): A's K blocks evict_last, B's evict_first. With few rows
-//                             of A every tile column reads all of A again while each K block of B is read by one or
-//                             two tiles: B's stream no longer pushes A out of L2.                 default 0
 //   FLUXRT_GEMM_GROUPED       1: grouped GEMM (MoE experts; hooks 1, 2 only; no cluster, bands; staged epilogue):
 //                             G problems A[offsets[g]:offsets[g+1]] @ B[g], offsets read on the device
 //                             (GroupArgs). The tile grid is the groups' tile rows one after another; B is a
@@ -160,9 +156,6 @@
 #ifndef FLUXRT_GEMM_PINGPONG
 #define FLUXRT_GEMM_PINGPONG 0
 #endif
-#ifndef FLUXRT_GEMM_L2_HINT
-#define FLUXRT_GEMM_L2_HINT 0
-#endif
 
 namespace fluxrt_sm90 {
 
@@ -170,7 +163,6 @@ namespace fluxrt_sm90 {
 // Configuration constants (sizes in elements unless the name says bytes).
 constexpr int kConsumers = FLUXRT_GEMM_CONSUMERS;
 constexpr bool kPingPong = FLUXRT_GEMM_PINGPONG != 0;
-constexpr bool kL2Hint = FLUXRT_GEMM_L2_HINT != 0;
 constexpr int kMmaRows = 64;                                // wgmma M
 // Row blocks of a consumer's slice of a cooperative tile: one (64 rows), or two (256-row tiles).
 constexpr int kCoopRowBlocks = FLUXRT_GEMM_ROW_BLOCKS;
@@ -251,10 +243,6 @@ constexpr bool kStreamK = FLUXRT_GEMM_STREAM_K != 0;
 static_assert(!kStreamK || (!kHookWait && !kHookEpilogue && !kHookCopy && kClusterN == 1 && !kBandsA && !kBandsC &&
                             !kSplitK && !kGrouped && !kEpiDirect && !kFp8),
               "stream-K: plain 16-bit GEMM (no hooks, cluster along N, bands, split-K, grouping), staged epilogue");
-
-static_assert(!kL2Hint || (!kFp8 && !kHookWait && !kHookEpilogue && !kHookCopy && !kBandsA && !kBandsC && !kSplitK &&
-                           !kGrouped),
-              "L2 eviction priorities: a plain or stream-K 16-bit GEMM (no hooks, bands, split-K or grouping)");
 
 static_assert(!kPingPong || (kConsumers == 2 && !kHookWait && !kHookEpilogue && !kHookCopy && kClusterN == 1 &&
                              !kBandsA && !kBandsC && !kSplitK && !kStreamK && !kEpiDirect && !kBlockScale &&

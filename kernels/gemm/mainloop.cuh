@@ -95,29 +95,6 @@ struct ArrivalWaitMainloop {
 };
 using OwnShardMainloop = ArrivalWaitMainloop<OwnShardOfA>;
 
-// The L2 eviction priorities of A's and B's loads (FLUXRT_GEMM_L2_HINT) and the loads that take them: A evict_last, B
-// evict_first; without the hint the plain loads (and no policy register).
-struct L2Hints {
-    u64 a, b;
-    static __device__ __forceinline__ L2Hints make() {
-        if constexpr (!kL2Hint) return L2Hints{0, 0};
-        return L2Hints{l2_policy_evict_last(), l2_policy_evict_first()};
-    }
-};
-__device__ __forceinline__ void load_2d(u32 dst, const TmaDesc* desc, int x, int y, u32 bar, u64 policy) {
-    if constexpr (kL2Hint)
-        tma_load_2d_hint(dst, desc, x, y, bar, policy);
-    else
-        tma_load_2d(dst, desc, x, y, bar);
-}
-__device__ __forceinline__ void load_2d_multicast(u32 dst, const TmaDesc* desc, int x, int y, u32 bar,
-                                                  unsigned short mask, u64 policy) {
-    if constexpr (kL2Hint)
-        tma_load_2d_multicast_hint(dst, desc, x, y, bar, mask, policy);
-    else
-        tma_load_2d_multicast(dst, desc, x, y, bar, mask);
-}
-
 // The loader: per K block, wait until every consumer (of every CTA the stage's loads reach) released it,
 // announce the stage's bytes on full[s], and issue the TMA loads that complete them.
 // Split-K passes its KSlices last (`slices`: none or one).
@@ -126,7 +103,6 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                                            RowChunks chunks, u32 smem, u32 bars_full, u32 bars_empty,
                                            KSlicesT... slices) {
     const int k_blocks_all = (K + kBK - 1) / kBK;
-    const L2Hints hints = L2Hints::make();
     int stage = 0;
     u32 phase = 0;
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
@@ -152,11 +128,11 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
             else if constexpr (kBandsA)
                 tma_load_3d(smem + kOffA + stage * kTileABytes, a.map, k0, a_band_row, a_band, full);
             else if constexpr (kClusterN == 1)
-                load_2d(smem + kOffA + stage * kTileABytes, a.map, k0, a.row, full, hints.a);
+                tma_load_2d(smem + kOffA + stage * kTileABytes, a.map, k0, a.row, full);
             else {   // box {64 K, kBM / kClusterN rows}: this CTA's share of A's rows, to the CTAs of its M tile
                 const int part = sched.n_rank();
-                load_2d_multicast(smem + kOffA + stage * kTileABytes + part * (kTileABytes / kClusterN), a.map,
-                                  k0, a.row + part * (kBM / kClusterN), full, a_sharers(sched.m_rank()), hints.a);
+                tma_load_2d_multicast(smem + kOffA + stage * kTileABytes + part * (kTileABytes / kClusterN), a.map,
+                                      k0, a.row + part * (kBM / kClusterN), full, a_sharers(sched.m_rank()));
             }
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
@@ -164,11 +140,11 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                 if constexpr (kGrouped) {   // B [G][N][K] as (k, n, group)
                     tma_load_3d(b_dst, tmap_b, k0, n0, rows.group, full);
                 } else if constexpr (kCluster == 1) {
-                    load_2d(b_dst, tmap_b, k0, n0, full, hints.b);
+                    tma_load_2d(b_dst, tmap_b, k0, n0, full);
                 } else {
                     const int part = sched.m_rank();
-                    load_2d_multicast(b_dst + part * (kTileBBytes / kCluster), tmap_b, k0,
-                                      n0 + part * (kBN / kCluster), full, b_sharers(sched.n_rank()), hints.b);
+                    tma_load_2d_multicast(b_dst + part * (kTileBBytes / kCluster), tmap_b, k0,
+                                          n0 + part * (kBN / kCluster), full, b_sharers(sched.n_rank()));
                 }
             } else {
 #pragma unroll
@@ -176,10 +152,10 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
                     if constexpr (kGrouped)   // B [G][K][N] as (n, k, group)
                         tma_load_3d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, rows.group, full);
                     else if constexpr (kCluster == 1)
-                        load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full, hints.b);
+                        tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
                     else if (j % kCluster == sched.m_rank())   // slab j comes from M rank j % kCluster
-                        load_2d_multicast(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full,
-                                          b_sharers(sched.n_rank()), hints.b);
+                        tma_load_2d_multicast(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full,
+                                              b_sharers(sched.n_rank()));
                 }
             }
             if (++stage == kStages) {
@@ -196,7 +172,6 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
 // Kept apart from run_loader so that every other configuration compiles to the instructions it had.
 __device__ __forceinline__ void run_loader_stream_k(const Schedule& sched, const StreamK& sk, const TmaDesc* tmap_a,
                                                     const TmaDesc* tmap_b, u32 smem, u32 bars_full, u32 bars_empty) {
-    const L2Hints hints = L2Hints::make();
     int stage = 0;
     u32 phase = 0;
     for_each_unit(sched, sk, [&](int t, int kb0, int kbs) {
@@ -208,24 +183,24 @@ __device__ __forceinline__ void run_loader_stream_k(const Schedule& sched, const
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol)
             mbar_arrive_expect_tx(full, kStageBytes);
             const int k0 = kb * kBK;
-            load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full, hints.a);
+            tma_load_2d(smem + kOffA + stage * kTileABytes, tmap_a, k0, m0, full);
             const u32 b_dst = smem + kOffB + stage * kTileBBytes;
             if constexpr (kBKMajor) {
                 if constexpr (kCluster == 1) {
-                    load_2d(b_dst, tmap_b, k0, n0, full, hints.b);
+                    tma_load_2d(b_dst, tmap_b, k0, n0, full);
                 } else {   // box {64 K, kBN / kCluster rows of N}: this CTA's share, to both CTAs of the pair
                     const int part = sched.m_rank();
-                    load_2d_multicast(b_dst + part * (kTileBBytes / kCluster), tmap_b, k0,
-                                      n0 + part * (kBN / kCluster), full, b_sharers(sched.n_rank()), hints.b);
+                    tma_load_2d_multicast(b_dst + part * (kTileBBytes / kCluster), tmap_b, k0,
+                                          n0 + part * (kBN / kCluster), full, b_sharers(sched.n_rank()));
                 }
             } else {
 #pragma unroll
                 for (int j = 0; j < kBSlabs; ++j) {
                     if constexpr (kCluster == 1)
-                        load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full, hints.b);
+                        tma_load_2d(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full);
                     else if (j % kCluster == sched.m_rank())   // slab j comes from M rank j % kCluster
-                        load_2d_multicast(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full,
-                                          b_sharers(sched.n_rank()), hints.b);
+                        tma_load_2d_multicast(b_dst + j * kBAtomBytes, tmap_b, n0 + 64 * j, k0, full,
+                                              b_sharers(sched.n_rank()));
                 }
             }
             if (++stage == kStages) {

@@ -97,32 +97,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TmaDesc* de
         ::"r"(dst), "l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y), "r"(bar), "h"(cta_mask)
         : "memory");
 }
-// The same loads with an L2 eviction priority (`policy`, from l2_policy_*).
-__device__ __forceinline__ void tma_load_2d_hint(u32 dst, const TmaDesc* desc, int x, int y, u32 bar, u64 policy) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1, {%2, %3}], [%4], %5;"
-        ::"r"(dst), "l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y), "r"(bar), "l"(policy)
-        : "memory");
-}
-__device__ __forceinline__ void tma_load_2d_multicast_hint(u32 dst, const TmaDesc* desc, int x, int y, u32 bar,
-                                                           unsigned short cta_mask, u64 policy) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint"
-        " [%0], [%1, {%2, %3}], [%4], %5, %6;"
-        ::"r"(dst), "l"(reinterpret_cast<u64>(desc)), "r"(x), "r"(y), "r"(bar), "h"(cta_mask), "l"(policy)
-        : "memory");
-}
-__device__ __forceinline__ u64 l2_policy_evict_last() {
-    u64 p;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-__device__ __forceinline__ u64 l2_policy_evict_first() {
-    u64 p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
 // Shared -> global, box at (x, y); elements outside the tensor are clipped (not written).
 __device__ __forceinline__ void tma_store_2d(const TmaDesc* desc, u32 src, int x, int y) {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"

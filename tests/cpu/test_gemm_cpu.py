@@ -134,28 +134,6 @@ def test_kernel_defines_c_staging():
     assert shared["FLUXRT_GEMM_HOOK_EPILOGUE"] == "1" and shared["FLUXRT_GEMM_EPI_DIRECT"] == "0"
 
 
-def test_l2_hint_defines_and_refusals():
-    """GemmPlan.l2_hint sets FLUXRT_GEMM_L2_HINT for a plain or stream-K 16-bit GEMM only: the hooked, banded,
-    grouped and fp8 forms run the plan without it (the kernel refuses the macro there); split-K plans refuse it."""
-    from fluxrt.gemm.kernel import l2_hint_applies
-
-    hinted = GemmPlan(block_n=128, stages=6, l2_hint=True)
-    assert dict(kernel_defines(hinted, "bfloat16", "bfloat16", True))["FLUXRT_GEMM_L2_HINT"] == "1"
-    assert dict(kernel_defines(dataclasses.replace(hinted, stream_k=True), "float16", "float16", False))[
-        "FLUXRT_GEMM_L2_HINT"] == "1"
-    assert "FLUXRT_GEMM_L2_HINT" not in dict(kernel_defines(GemmPlan(block_n=128, stages=6), "bfloat16", "bfloat16",
-                                                            True))
-    for kw in (dict(hook_wait=True), dict(hook_epilogue=True), dict(hook_copy=True, hook_wait=True), dict(bands=1),
-               dict(grouped=True)):
-        assert "FLUXRT_GEMM_L2_HINT" not in dict(kernel_defines(hinted, "bfloat16", "bfloat16", True, **kw)), kw
-    assert "FLUXRT_GEMM_L2_HINT" not in dict(kernel_defines(hinted, "float8_e4m3fn", "bfloat16", True))
-    assert l2_hint_applies("float16") and not l2_hint_applies("float8_e5m2") and not l2_hint_applies("bfloat16",
-                                                                                                     bands=2)
-    with pytest.raises(ValueError, match="l2_hint needs split_k=1"):
-        GemmPlan(block_n=128, split_k=3, l2_hint=True).validate()
-    assert hinted.describe().endswith(" x1 l2")
-
-
 def test_bench_describe_shows_c_staging():
     import importlib.util
     from pathlib import Path
@@ -601,16 +579,6 @@ COMPILE_CONFIGS = [
      False, False),
     (GemmPlan(block_n=144, stages=4, c_staging="shared", cluster_n=2), "bfloat16", "bfloat16", True, False, False),
     (GemmPlan(block_n=176, stages=4, cluster=2, cluster_n=2), "float16", "float16", False, False, False),
-    # L2 eviction priorities on the plain loads: alone, in pairs along M and N, stream-K, ping-pong
-    (GemmPlan(block_m=64, consumers=1, block_n=128, stages=8, l2_hint=True), "bfloat16", "bfloat16", True, False,
-     False),
-    (GemmPlan(block_n=128, stages=6, c_staging="shared", pingpong=True, l2_hint=True), "float16", "float16", True,
-     False, False),
-    (GemmPlan(block_n=256, stages=4, c_staging="shared", cluster=2, l2_hint=True), "bfloat16", "bfloat16", False,
-     False, False),
-    (GemmPlan(block_m=256, block_n=160, stages=4, epilogue="direct", cluster_n=2, l2_hint=True), "bfloat16",
-     "bfloat16", True, False, False),
-    (GemmPlan(block_n=128, stages=6, stream_k=True, l2_hint=True), "bfloat16", "bfloat16", False, False, False),
 ]
 
 
@@ -639,7 +607,7 @@ def _cubin_u32(data: bytes, name: str) -> int:
                                        f"{'-sharedC' if c[0].c_staging == 'shared' else ''}-x{c[0].cluster}"
                                        f"{f'x{c[0].cluster_n}' if c[0].cluster_n > 1 else ''}-{c[1]}-{c[2]}-tb{int(c[3])}-w{int(c[4])}-e{int(c[5])}"
                                        f"{f'-r{int(c[6])}' if c[6:] and c[6] else ''}{'-c1' if c[7:] and c[7] else ''}"
-                                       f"{f'-bands{c[8]}' if c[8:] else ''}{'-sk' if c[0].stream_k else ''}{'-pp' if c[0].pingpong else ''}{'-l2' if c[0].l2_hint else ''}")
+                                       f"{f'-bands{c[8]}' if c[8:] else ''}{'-sk' if c[0].stream_k else ''}{'-pp' if c[0].pingpong else ''}")
 def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
     reason = _nvrtc_available()
     if reason:

@@ -467,33 +467,6 @@ def test_stream_k_workspace_sizes():
     assert partial_bytes(pair, 384, 4096, 8192, 132) == 32 * 2 * 1 * 128 * 256 * 4
 
 
-def _without_hint(plans) -> set:
-    """The plans with the L2 eviction priorities off (the candidates of M <= L2_HINT_MAX_M carry them)."""
-    return {dataclasses.replace(p, l2_hint=False) for p in plans}
-
-
-def test_l2_hint_in_the_heuristic_and_the_candidates():
-    """Up to L2_HINT_MAX_M rows the heuristic's plan (without split-K) and every candidate without split-K carry the
-    L2 eviction priorities, the heuristic's pick among them; above, none does; hint_variants toggles the winner's."""
-    from fluxrt.gemm.autotune import candidates, hint_variants
-    from fluxrt.gemm.plan import L2_HINT_MAX_M
-
-    for m, n, k, tb in [(L2_HINT_MAX_M, 8192, 3696, True), (128, 4096, 1024, False), (L2_HINT_MAX_M + 1, 8192, 4096,
-                                                                                       True), (1024, 1024, 6144, False)]:
-        plan = heuristic_plan(m, n, k, trans_b=tb)
-        cands = candidates(m, n, k, trans_b=tb)
-        assert plan in cands
-        small = m <= L2_HINT_MAX_M
-        assert plan.l2_hint == (small and plan.split_k == 1)
-        assert all(p.l2_hint == (small and p.split_k == 1) for p in cands)
-        variants = hint_variants(plan)
-        if plan.split_k == 1:
-            assert variants == [dataclasses.replace(plan, l2_hint=not plan.l2_hint)]
-        else:
-            assert variants == []
-    assert hint_variants(GemmPlan(block_n=128, split_k=3)) == []
-
-
 def test_stream_k_plans_where_waves_are_partial():
     from fluxrt.gemm.autotune import candidates
     from fluxrt.gemm.plan import H100_H200_SMS as SMS
@@ -502,14 +475,14 @@ def test_stream_k_plans_where_waves_are_partial():
 
     for m, n, k in [(256, 9216, 7168), (9166, 664, 12896), (461, 9128, 13208)]:
         plans = stream_k_plans(m, n, k)
-        assert plans and set(plans) <= _without_hint(candidates(m, n, k))
+        assert plans and set(plans) <= set(candidates(m, n, k))
         for p in plans:
             p.validate()
             tiles = math.ceil(m / p.block_m) * math.ceil(n / p.block_n)
             assert p.stream_k and p.split_k == 1 and p.cluster == 1 and _wave_fill(tiles, SMS) < STREAM_K_MAX_FILL
         # the autotuner also times pairs of M tiles sharing B (where M has two tile rows), by the pairs' waves
         pairs = [p for p in stream_k_plans(m, n, k, every_shape=True) if p.cluster == 2]
-        assert pairs and set(pairs) <= _without_hint(candidates(m, n, k))
+        assert pairs and set(pairs) <= set(candidates(m, n, k))
         for p in pairs:
             items = math.ceil(math.ceil(m / p.block_m) / 2) * math.ceil(n / p.block_n)
             assert p.validate().cluster_n == 1 and _wave_fill(items, SMS // 2) < STREAM_K_TUNE_MAX_FILL
@@ -537,7 +510,7 @@ def test_heuristic_stream_k_tiles_and_the_autotuner_set():
     m, n, k = 256, 1280, 8192
     narrow, every = stream_k_plans(m, n, k), stream_k_plans(m, n, k, every_shape=True)
     assert all((p.block_m, p.block_n) >= STREAM_K_MIN_TILE for p in narrow) and set(narrow) < set(every)
-    assert set(every) <= _without_hint(candidates(m, n, k))
+    assert set(every) <= set(candidates(m, n, k))
     assert heuristic_plan(461, 9128, 13208, trans_b=False).stream_k
     assert not heuristic_plan(461, 9128, 13208, trans_b=False, stream_k=False).stream_k
 
@@ -785,14 +758,12 @@ def test_plan_descriptions_parse_back_to_their_plans():
                   GemmPlan(block_n=128, stages=6, c_staging="shared", cluster=2, pingpong=True)})
     assert len(plans) > 40
     assert {p.split_k > 1 for p in plans} == {True, False} and any(p.stream_k for p in plans)
-    assert any(p.fitted_n for p in plans) and any(p.cluster_n == 2 for p in plans) and any(p.l2_hint for p in plans)
+    assert any(p.fitted_n for p in plans) and any(p.cluster_n == 2 for p in plans)
     for p in plans:
         assert GemmPlan.parse(p.describe()) == dataclasses.replace(p, m_tile_offset=0, max_ctas=None), p.describe()
     assert GemmPlan.parse("128x128x128 s5 grouped/g16 epi=tma x1 pp").pingpong
-    hinted = GemmPlan.parse("128x128x64 s6 grouped/g2 epi=tma/shared x1 pp l2")
-    assert hinted.l2_hint and hinted.pingpong and not GemmPlan.parse("128x128x64 s6 grouped/g2 epi=tma x1").l2_hint
     for bad in ("128x256 s3", "128x256x64 s3 grouped/g16 epi=tma x1 k2 sk", "128x256x64 s3 grouped/g16 epi=tma x1 ppp",
-                "128x256x64 s3 grouped/g16 epi=tma x1 l2 pp", "big", ""):
+                "big", ""):
         with pytest.raises(ValueError, match="not a GemmPlan description"):
             GemmPlan.parse(bad)
 

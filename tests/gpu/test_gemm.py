@@ -199,32 +199,6 @@ def test_cluster_along_n_sanitize_small():
                                                         cluster=2, cluster_n=2), seed=34)
 
 
-# L2 eviction priorities on the loads (GemmPlan.l2_hint): every load path that takes them (alone, B multicast along M,
-# A multicast along N, 64-row tiles, ping-pong, 256-row tiles, stream-K, fitted widths)
-L2_HINT = [GemmPlan(block_m=64, consumers=1, block_n=128, stages=8, l2_hint=True),
-           GemmPlan(block_n=128, stages=6, c_staging="shared", pingpong=True, l2_hint=True),
-           GemmPlan(block_n=256, stages=4, c_staging="shared", cluster=2, l2_hint=True),
-           GemmPlan(block_m=256, block_n=160, stages=4, epilogue="direct", cluster_n=2, l2_hint=True),
-           GemmPlan(block_n=128, stages=6, stream_k=True, l2_hint=True),
-           GemmPlan(block_n=144, stages=5, cluster=2, cluster_n=2, l2_hint=True)]
-
-
-@pytest.mark.parametrize("plan", L2_HINT, ids=lambda p: p.describe().replace(" ", "_"))
-@pytest.mark.parametrize("trans_b", [False, True], ids=["B_KxN", "B_NxK"])
-@pytest.mark.parametrize("m,n,k", [(256, 4096, 1000), (257, 648, 136), (1000, 1000, 520)])
-def test_l2_hint(plan, m, n, k, trans_b):
-    if plan.fitted_n and not trans_b:
-        pytest.skip("fitted widths: B [N, K] (the planner's candidates)")
-    run_case(m, n, k, trans_b=trans_b, plan=plan, seed=35)
-
-
-def test_l2_hint_sanitize_small():
-    # compute-sanitizer's case (launch/gpu-check.sh): hinted loads alone and multicast along M and N
-    run_case(257, 648, 136, trans_b=True, plan=GemmPlan(block_n=128, stages=6, cluster=2, cluster_n=2, l2_hint=True),
-             seed=36)
-    run_case(257, 648, 136, plan=GemmPlan(block_m=64, consumers=1, block_n=128, stages=8, l2_hint=True), seed=37)
-
-
 def test_cluster_along_n_is_for_plain_16_bit_gemms():
     a8, b8 = cupy.zeros((256, 256), cupy.uint8), cupy.zeros((256, 256), cupy.uint8)
     with pytest.raises(GemmArgumentError, match="cluster_n=2"):
