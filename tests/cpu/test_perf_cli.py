@@ -5,6 +5,7 @@ import argparse
 import io
 import json
 import math
+import statistics
 from fractions import Fraction
 
 import pytest
@@ -595,3 +596,54 @@ def test_gemm_kernels_pairs_ncu_kernels_with_the_shapes(tmp_path, capsys):
     (tmp_path / "none.csv").write_text("no table\n")
     with pytest.raises(SystemExit, match="no ncu CSV table"):
         mod.main(["summarize", str(tmp_path / "none.csv"), "--plans-from", str(plans)])
+
+
+def _perf_module(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "perf" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _suite_run(ratios: dict, dtype: str = "bfloat16", plan: str = "128x256x64 s3 grouped/g16 epi=tma x1") -> dict:
+    """A gemm_suite document whose rows have the given (eager, graph) ratio per (m, n, k, layout)."""
+    return {"bench": "gemm-suite", "commit": "abc", "machine": {"kind": "nvidia-h200", "gpu_name": "NVIDIA H200"},
+            "rows": [{"m": m, "n": n, "k": k, "layout": lay, "dtype": dtype, "label": "x", "plan": plan,
+                      "ratio_eager": e, "ratio_graph": g} for (m, n, k, lay), (e, g) in ratios.items()]}
+
+
+def test_gemm_suite_repeat_medians_and_the_shapes_below(tmp_path, capsys):
+    """Per shape the runs' ratios and their medians; the summary's geometric means are of the medians, and a shape
+    is below only where its median is (one noisy run does not put it there)."""
+    mod = _perf_module("gemm_suite_repeat")
+    a, b, c = (256, 4096, 1024, "NK"), (4096, 4096, 4096, "KN"), (461, 9128, 13208, "NK")
+    runs = [_suite_run({a: (0.90, 0.99), b: (1.00, 1.02), c: (0.87, 0.86)}),
+            _suite_run({a: (0.97, 0.93), b: (1.04, 0.91), c: (0.85, 0.88)}),
+            _suite_run({a: (0.99, 0.96), b: (1.01, 1.05), c: (0.90, 0.84)}, plan="256x160x64 s4 grouped/g2 epi=direct x1x2")]
+    rows, summary = mod.combine(runs)
+    by = {(r["m"], r["n"], r["k"], r["layout"]): r for r in rows}
+    assert by[a]["ratio_eager_runs"] == [0.90, 0.97, 0.99] and by[a]["ratio_eager_median"] == 0.97
+    assert by[b]["ratio_graph_median"] == 1.02 and by[c]["ratio_graph_median"] == 0.86
+    meds = [statistics.median(v) for v in ((0.99, 0.93, 0.96), (1.02, 0.91, 1.05), (0.86, 0.88, 0.84))]
+    assert summary["geomean_graph_of_medians"] == round(math.exp(sum(map(math.log, meds)) / 3), 4)
+    assert summary["below_both_medians"] == ["461x9128x13208 NK"]
+    assert summary["below_eager_median"] == ["461x9128x13208 NK"] and summary["below_graph_median"] == ["461x9128x13208 NK"]
+    assert summary["below_both_per_run"] == [1, 1, 1]   # run 2's a and b are below in graph replay only
+    assert summary["plans_differ"] == ["256x4096x1024 NK", "4096x4096x4096 KN", "461x9128x13208 NK"]
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    out = tmp_path / "repeat.json"
+    assert mod.main([*map(str, paths), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "gemm-suite-repeat" and doc["summary"] == json.loads(json.dumps(summary))
+    assert "461" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="at least two runs"):
+        mod.combine(runs[:1])
+    with pytest.raises(ValueError, match="several dtypes"):
+        mod.combine([runs[0], _suite_run({a: (1.0, 1.0)}, dtype="float16")])
+    assert mod.main([str(paths[0])]) == 2
