@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fluxrt.perf.timing import geomean  # noqa: E402
 
 TIMINGS = ("eager", "graph")
 
@@ -57,8 +58,7 @@ def combine(runs: list[dict], threshold: float = 0.95) -> tuple[list[dict], dict
 
     summary = {"runs": len(runs), "shapes": len(rows), "threshold": threshold}
     for timing in TIMINGS:
-        meds = [r[f"ratio_{timing}_median"] for r in rows]
-        summary[f"geomean_{timing}_of_medians"] = round(math.exp(sum(map(math.log, meds)) / len(meds)), 4)
+        summary[f"geomean_{timing}_of_medians"] = round(geomean(r[f"ratio_{timing}_median"] for r in rows), 4)
         summary[f"below_{timing}_median"] = [name(r) for r in rows if r[f"ratio_{timing}_median"] < threshold]
     summary["below_both_medians"] = [name(r) for r in rows
                                      if all(r[f"ratio_{t}_median"] < threshold for t in TIMINGS)]

@@ -386,33 +386,28 @@ def test_cublaslt_baseline_without_nvmath_says_how_to_get_it(monkeypatch):
     assert issubclass(CublasLtUnavailable, ImportError)
 
 
-def test_gemm_benchmarks_take_the_cublaslt_flags():
+def _perf_module(name: str):
+    """perf/<name>.py loaded as a module (the perf scripts are not a package)."""
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    for script, flag in (("gemm_suite.py", "--lt"), ("gemm_fp8.py", "--no-lt")):
-        spec = importlib.util.spec_from_file_location(script[:-3], root / "perf" / script)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        args = mod.build_parser().parse_args([flag])
-        assert getattr(args, flag.lstrip("-").replace("-", "_")) is True
-
-
-def _gemm_suite_module():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("gemm_suite", Path(__file__).resolve().parents[2] / "perf" / "gemm_suite.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "perf" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+def test_gemm_benchmarks_take_the_cublaslt_flags():
+    for script, flag in (("gemm_suite", "--lt"), ("gemm_fp8", "--no-lt")):
+        mod = _perf_module(script)
+        args = mod.build_parser().parse_args([flag])
+        assert getattr(args, flag.lstrip("-").replace("-", "_")) is True
+
+
 def test_gemm_suite_shapes_are_any_shapes_and_keep_suite_labels():
     from fluxrt.perf.shapes import suite
 
-    mod = _gemm_suite_module()
+    mod = _perf_module("gemm_suite")
     known = suite("default")[0]
     args = mod.build_parser().parse_args(["--shapes", "8200,8200,8192,KN", f"{known.m},{known.n},{known.k},{known.layout}"])
     picked = mod.pick_shapes(suite("default"), args.shapes)
@@ -428,7 +423,7 @@ def test_gemm_suite_shapes_are_any_shapes_and_keep_suite_labels():
 def test_gemm_suite_plan_option_builds_a_validated_plan():
     from fluxrt.gemm.plan import GemmPlan
 
-    mod = _gemm_suite_module()
+    mod = _perf_module("gemm_suite")
     args = mod.build_parser().parse_args(["--plan", "cluster=2,block_n=192,stages=4"])
     assert args.plan == GemmPlan(cluster=2, block_n=192, stages=4)
     assert mod.plan_arg("block_m=64,block_n=128,stages=6,stream_k=1") == GemmPlan(block_m=64, consumers=1, block_n=128,
@@ -450,7 +445,7 @@ def test_gemm_suite_plans_from_an_earlier_result(tmp_path):
 
     from fluxrt.gemm.plan import GemmPlan
 
-    mod = _gemm_suite_module()
+    mod = _perf_module("gemm_suite")
     rows = [{"m": 461, "n": 9128, "k": 13208, "layout": "NK", "dtype": "bfloat16",
              "plan": "128x256x64 s3 grouped/g4 epi=tma x2 sk"},
             {"m": 1024, "n": 1024, "k": 6144, "layout": "KN", "dtype": "bfloat16",
@@ -477,7 +472,7 @@ def test_gemm_suite_plans_from_an_earlier_result(tmp_path):
 def test_gemm_suite_summary_splits_the_shape_classes():
     import math
 
-    mod = _gemm_suite_module()
+    mod = _perf_module("gemm_suite")
     assert mod.shape_class(461, 9128, 13208, "NK") == "small_m"
     assert mod.shape_class(8192, 8192, 8200, "NK") == "b_off_sectors"     # rows of 16400 B
     assert mod.shape_class(8200, 8200, 8192, "KN") == "b_off_sectors"     # B [K, N]: rows of N
@@ -500,7 +495,7 @@ def test_gemm_suite_summary_splits_the_shape_classes():
 
 
 def test_gemm_suite_rounds_reverse_the_order_every_other_round():
-    mod = _gemm_suite_module()
+    mod = _perf_module("gemm_suite")
     impls = {"cublas": None, "fluxrt": None, "cublaslt": None}
     orders = [mod.round_order(impls, i) for i in range(4)]
     assert orders[0] == ["cublas", "fluxrt", "cublaslt"] and orders[1] == ["cublaslt", "fluxrt", "cublas"]
@@ -528,17 +523,6 @@ def test_tp_op_heap_holds_the_largest_shape_beside_the_collectives_context():
     assert need_ag + (64 << 20) < got_ag <= need_ag + (1 << 30) + (128 << 20)
 
 
-def _gemm_kernels_module():
-    import importlib.util
-    from pathlib import Path
-
-    perf = Path(__file__).resolve().parents[2] / "perf"
-    spec = importlib.util.spec_from_file_location("gemm_kernels", perf / "gemm_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_gemm_kernels_pairs_ncu_kernels_with_the_shapes(tmp_path, capsys):
     """perf/gemm_kernels.py summarize: ncu's raw CSV (after the program's own output) paired shape by shape, each
     shape's cuBLAS kernels up to the first fluxrt kernel, then fluxrt's (a split-K reduce counted with its GEMM);
@@ -547,7 +531,7 @@ def test_gemm_kernels_pairs_ncu_kernels_with_the_shapes(tmp_path, capsys):
     import io
     import json
 
-    mod = _gemm_kernels_module()
+    mod = _perf_module("gemm_kernels")
     assert mod.main(["metrics"]) == 0
     assert capsys.readouterr().out.strip().split(",") == list(mod.METRICS)
     rows = [{"m": 256, "n": 2048, "k": 6144, "layout": "NK", "dtype": "bfloat16",
@@ -596,16 +580,6 @@ def test_gemm_kernels_pairs_ncu_kernels_with_the_shapes(tmp_path, capsys):
     (tmp_path / "none.csv").write_text("no table\n")
     with pytest.raises(SystemExit, match="no ncu CSV table"):
         mod.main(["summarize", str(tmp_path / "none.csv"), "--plans-from", str(plans)])
-
-
-def _perf_module(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "perf" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _suite_run(ratios: dict, dtype: str = "bfloat16", plan: str = "128x256x64 s3 grouped/g16 epi=tma x1") -> dict:
