@@ -528,16 +528,17 @@ def test_ag_gemm_missing_peer_times_out_naming_it(world, rng, monkeypatch):
 
     n, k, shard = 256, 128, 128
     op = AllGatherGemm(world, shard * world.size, n, k, "bf16")
-    # the host-side argument check is an MPI collective that rank 0 would never join: only the device
-    # wait is under test here. The path choice is collective on its first use per M: made by every rank
-    # first, the skipped call finds it made
-    monkeypatch.setattr(world, "options", dataclasses.replace(world.options, check_collective_args=False))
     try:
-        op.path_choice(shard * world.size)
+        a, b = _dev(_rand(rng, (shard, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16"))
+        # The first call with an M is collective on the host (path choice, then a meeting after the GEMMs'
+        # load, bounded by FLUXRT_LOAD_WAIT_S): every rank makes it, so that only the device wait is under test.
+        op.forward(a, b)
         world.synchronize()
+        # the host-side argument check is an MPI collective that rank 0 would never join
+        monkeypatch.setattr(world, "options", dataclasses.replace(world.options, check_collective_args=False))
         world.comm.Barrier()
         if world.rank != 0:
-            op.forward(_dev(_rand(rng, (shard, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16")))
+            op.forward(a, b)
             with pytest.raises(WaitTimeoutError) as err:
                 world.synchronize()
             assert err.value.peer == 0 and err.value.op.startswith("ag_gemm"), str(err.value)
@@ -566,12 +567,14 @@ def test_gemm_rs_missing_peer_leaves_nan_and_a_sticky_error(world, rng, monkeypa
     m = shard * world.size
     plan = GemmRsPlan(reduce_mode=mode, comm_mode="sm")
     op = GemmReduceScatter(world, m, n, k, "bf16", plan=plan.validate())
-    monkeypatch.setattr(world, "options", dataclasses.replace(world.options, check_collective_args=False))
     try:
-        op.path_choice(m)   # collective on first use per M: every rank, before rank 0 skips the call
         a, b = _dev(_rand(rng, (m, k), "bfloat16")), _dev(_rand(rng, (k, n), "bfloat16"))
+        # the first call with an M is collective on the host (path choice, the meeting after the GEMMs' load):
+        # every rank makes it, before rank 0 skips the next one
+        op.forward(a, b)
         out = cupy.zeros((shard, n), dtype=a.dtype)   # finite: any NaN is the kernels'
         world.synchronize()
+        monkeypatch.setattr(world, "options", dataclasses.replace(world.options, check_collective_args=False))
         world.comm.Barrier()
         if world.rank != 0:
             op.forward(a, b, out=out)
