@@ -4,6 +4,7 @@ occupancy)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from ..errors import GemmArgumentError
@@ -45,7 +46,15 @@ def kernel_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool,
             # 1 only where it changes the kernel (2 consumers): one consumer's plans share one module
             ("FLUXRT_GEMM_C_SHARED", "1" if plan.c_staging == "shared" and plan.consumers > 1 else "0")) + fp8 \
         + (("FLUXRT_GEMM_CLUSTER_N", str(plan.cluster_n)),) * (plan.cluster_n > 1) \
-        + (("FLUXRT_GEMM_ROW_BLOCKS", str(plan.row_blocks)),) * (plan.row_blocks > 1)
+        + (("FLUXRT_GEMM_ROW_BLOCKS", str(plan.row_blocks)),) * (plan.row_blocks > 1) \
+        + (("FLUXRT_GEMM_TRACE", "1"),) * trace_build()
+
+
+def trace_build() -> bool:
+    """FLUXRT_GEMM_TRACE=1: kernels loaded from now on are the diagnostic build that records CTA 0's pipeline
+    waits per K block (kernels/gemm/config.cuh, read by perf/gemm_trace.py); a different module per
+    configuration, slower, for measurement only."""
+    return os.environ.get("FLUXRT_GEMM_TRACE", "0") not in ("", "0")
 
 
 def plain_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool) -> tuple[tuple[str, str], ...]:

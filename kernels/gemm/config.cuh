@@ -156,6 +156,16 @@
 #ifndef FLUXRT_GEMM_PINGPONG
 #define FLUXRT_GEMM_PINGPONG 0
 #endif
+#ifndef FLUXRT_GEMM_TRACE
+#define FLUXRT_GEMM_TRACE 0
+#endif
+
+#if FLUXRT_GEMM_TRACE
+// Diagnostic build (FLUXRT_GEMM_TRACE=1; perf/gemm_trace.py reads it): CTA 0's clock64 before and after the
+// loader's wait for a free slot (rows 0, 1) and consumer 0's wait for a full stage (rows 2, 3), one column per
+// K block in the CTA's order, the first 2048.
+extern "C" __device__ long long fluxrt_gemm_trace[4][2048];
+#endif
 
 namespace fluxrt_sm90 {
 
@@ -257,6 +267,21 @@ constexpr int kAccRegs = kMmaAccRegs * kRowBlocks;          // fp32 accumulators
 constexpr int kStageReaders = kPingPong ? 1 : kConsumers;
 // Ping-pong's order barriers: named barriers kPingPongBar + wg (1 + wg are the hook 3 warpgroup barriers).
 constexpr u32 kPingPongBar = 3;
+
+#if FLUXRT_GEMM_TRACE
+// Diagnostic build: wait() between two clock64 reads, kept by CTA 0's `recorder` thread as trace rows `row` and
+// `row + 1`, column `idx` (the call sites exist only in this build: every other one keeps its instructions).
+template <class Wait>
+__device__ __forceinline__ void traced_wait(int row, int idx, bool recorder, Wait&& wait) {
+    const long long t0 = clock64();
+    wait();
+    const long long t1 = clock64();
+    if (recorder && blockIdx.x == 0 && idx < 2048) {
+        fluxrt_gemm_trace[row][idx] = t0;
+        fluxrt_gemm_trace[row + 1][idx] = t1;
+    }
+}
+#endif
 
 constexpr u32 kTileABytes = kBM * kBK * kInBytes;           // 16 KiB for BM = 128
 constexpr u32 kBAtomBytes = 64 * kBK * kInBytes;            // MN-major B: one 64-column slab (8 KiB)

@@ -270,6 +270,9 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
     u32 phase = 0;
     typename Epilogue::ConsumerState es = epilogue.consumer_state(wg);
     const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per row block
+#if FLUXRT_GEMM_TRACE
+    int trace_idx = 0;   // K blocks consumed so far
+#endif
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int prev_stage = 0;
         const typename Epilogue::Tile tile = epilogue.begin_tile(sched, t);
@@ -312,6 +315,9 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 release_stage(sm.bars_empty + 8 * stage, tid);
                 scale.promote(acc, part, s);
             } else {
+#if FLUXRT_GEMM_TRACE   // the stage's full wait timed here; mma_step's own wait then passes at once
+                traced_wait(2, trace_idx++, wg == 0 && tid == 0, [&] { mbar_wait(sm.bars_full + 8 * stage, phase); });
+#endif
                 mma_step(acc, sm, stage, phase, prev_stage, kb, a_rows_offset, tid,
                          [&] { epilogue.after_k_block(tile, kb, k_blocks, wg, tid); });
             }

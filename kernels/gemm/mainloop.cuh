@@ -105,6 +105,9 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
     const int k_blocks_all = (K + kBK - 1) / kBK;
     int stage = 0;
     u32 phase = 0;
+#if FLUXRT_GEMM_TRACE
+    int trace_idx = 0;   // K blocks loaded so far
+#endif
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int m_tile, n_tile;
         sched.tile(t, m_tile, n_tile);
@@ -120,7 +123,11 @@ __device__ __forceinline__ void run_loader(const Schedule& sched, int K, Mainloo
         const int k_blocks = band_k_blocks(k_blocks_all, a.row, slices...);
         for (int kb = 0; kb < k_blocks; ++kb) {
             const u32 full = bars_full + 8 * stage, empty = bars_empty + 8 * stage;
+#if FLUXRT_GEMM_TRACE
+            traced_wait(0, trace_idx++, true, [&] { mbar_wait(empty, phase ^ 1); });
+#else
             mbar_wait(empty, phase ^ 1);  // every consumer released this slot (parity protocol)
+#endif
             mbar_arrive_expect_tx(full, kStageBytes);
             const int k0 = k_first + kb * kBK;
             if constexpr (kSplitK)   // the band's rows of A, read in place (2-D map)

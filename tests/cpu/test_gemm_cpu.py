@@ -639,6 +639,32 @@ def test_kernel_compiles_sm90a(cfg, tmp_path, monkeypatch):
         _assert_uniform_descriptors(cubin)
 
 
+@pytest.mark.parametrize("plan", [GemmPlan(block_n=256, stages=4, c_staging="shared", cluster=2),
+                                  GemmPlan(block_m=256, block_n=160, stages=4, epilogue="direct", cluster_n=2)],
+                         ids=["128x256s4-sharedC-x2", "256x160s4-direct-x1x2"])
+def test_trace_build_compiles_sm90a(plan, tmp_path, monkeypatch):
+    """FLUXRT_GEMM_TRACE=1 (perf/gemm_trace.py) adds its macro to the configuration, and the diagnostic build
+    exports the trace array and keeps the main loop's properties: no wgmma wait after every MMA, no spills,
+    descriptors in uniform registers. Without the variable the macro is absent."""
+    reason = _nvrtc_available()
+    if reason:
+        pytest.skip(reason)
+    from fluxrt.gemm.kernel import kernel_defines
+    from fluxrt.toolchain import WGMMA_SERIALIZED, compile_cubin, compile_log
+
+    monkeypatch.setenv("FLUXRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FLUXRT_GEMM_TRACE", raising=False)
+    assert ("FLUXRT_GEMM_TRACE", "1") not in kernel_defines(plan, "bfloat16", "bfloat16", True)
+    monkeypatch.setenv("FLUXRT_GEMM_TRACE", "1")
+    defines = kernel_defines(plan, "bfloat16", "bfloat16", True)
+    assert ("FLUXRT_GEMM_TRACE", "1") in defines
+    cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(defines, arch="sm_90a"))
+    assert b"fluxrt_gemm_trace" in cubin.read_bytes()
+    assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)
+    _assert_no_spills(cubin)
+    _assert_uniform_descriptors(cubin)
+
+
 def _assert_no_spills(cubin) -> None:
     """No stack and no local memory (cuobjdump -res-usage): the accumulators stay in registers (ping-pong's 128 x 192
     tile holds 192 per thread). Needs cuobjdump (the test extra); nothing checked without it."""

@@ -621,3 +621,32 @@ def test_gemm_suite_repeat_medians_and_the_shapes_below(tmp_path, capsys):
     with pytest.raises(ValueError, match="several dtypes"):
         mod.combine([runs[0], _suite_run({a: (1.0, 1.0)}, dtype="float16")])
     assert mod.main([str(paths[0])]) == 2
+
+
+def test_gemm_trace_summary_of_a_made_timeline():
+    """perf/gemm_trace.py's statistics of a timeline built by hand: 3 tiles of 4 K blocks, consumer 0 issuing a
+    K block every 100 cycles inside a tile and 400 cycles into a tile's first block (its predecessor's drain and
+    epilogue), then 150 into its second; the loader waiting 30 cycles per block and the consumer 10."""
+    import numpy as np
+
+    mod = _perf_module("gemm_trace")
+    periods = [100, 100, 100, 400, 150, 100, 100, 400, 150, 100, 100]   # into blocks 1 .. 11
+    issue = np.concatenate([[1000], 1000 + np.cumsum(periods)])
+    trace = np.zeros((4, mod.TRACE_BLOCKS), dtype=np.int64)
+    trace[3, :12] = issue
+    trace[2, :12] = issue - 10
+    trace[1, :12] = issue - 500
+    trace[0, :12] = issue - 530
+    s = mod.summarize(trace, k_blocks_per_tile=4, ideal_cycles=100.0, start_blocks=2)
+    assert (s["k_blocks_traced"], s["tiles_traced"]) == (12, 3)
+    assert s["period_mean"] == round(sum(periods) / 11, 1)
+    assert s["period_p10_50_90"][1] == 100
+    # tiles 1 and 2: periods into their 4 blocks (400, 150, 100, 100) = 750 against 4 x 100
+    assert s["excess_per_tile_cycles"] == [350, 350]
+    assert s["tile_start_periods_by_block"] == [400.0, 150.0]
+    assert s["period_mean_inside_tiles"] == 100.0
+    assert s["loader_wait_p10_50_90"] == [30, 30, 30] and s["consumer_wait_p10_50_90"] == [10, 10, 10]
+    assert s["consumer_wait_share"] == round(120 / (issue[-1] - issue[0] + 10), 4)
+    assert s["efficiency_mean"] == round(100 / (sum(periods) / 11), 4)
+    with pytest.raises(ValueError, match="1 K blocks traced"):
+        mod.summarize(trace[:, :1], 4, 100.0)

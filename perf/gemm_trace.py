@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Per-K-block timeline of one GEMM's pipeline: where CTA 0's loader and math warpgroups wait.
+
+Runs the diagnostic build of the GEMM kernel (FLUXRT_GEMM_TRACE=1: CTA 0 records clock64 around the loader's
+wait for a free ring slot and around consumer 0's wait for a full stage, per K block; kernels/gemm/config.cuh)
+once on random inputs and summarises the trace:
+
+- ``period``: cycles between consumer 0 passing its full-stage wait for consecutive K blocks (the rate at which
+  it issues K blocks), against ``ideal``, the tensor cores' time for one K block of the tile;
+- ``tile_start``: the periods at the first K blocks of each tile after CTA 0's first (the previous tile's
+  drain and epilogue, then the refill of the ring);
+- ``excess_per_tile``: the sum of a tile's periods minus its ideal, per tile after the first;
+- the waits themselves (a consumer wait shorter than the K block still queued on the tensor cores costs
+  nothing; the loader waits whenever the ring is full).
+
+Cooperative consumers only (no stream-K, ping-pong or split-K plans: their loops are not traced). The traced
+kernel is a different module, slower than the plain one by the clock reads: its times are for the shape of the
+timeline, not for the speed.
+
+    python3 perf/gemm_trace.py -m 2639 -n 10728 -k 12440 --layout NK \
+        --plan "128x256x64 s4 grouped/g16 epi=tma/shared x2" --json $OUT/trace.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Dense 16-bit wgmma per SM and clock on sm_90 (H100 SXM / H200): 989.4 TFLOPS at the 1830 MHz boost clock on
+# 132 SMs (NVIDIA's H100 datasheet) is 4096 FLOP per SM per clock.
+DENSE_16BIT_FLOP_PER_CLK_SM = 4096
+TRACE_BLOCKS = 2048   # columns of fluxrt_gemm_trace (kernels/gemm/config.cuh)
+
+
+def _pct(x: np.ndarray) -> list[int]:
+    return [int(np.percentile(x, q)) for q in (10, 50, 90)] if len(x) else []
+
+
+def summarize(trace: np.ndarray, k_blocks_per_tile: int, ideal_cycles: float, start_blocks: int = 5) -> dict:
+    """Statistics of a [4, n] trace (rows: loader wait start / end, consumer wait start / end, per K block; columns
+    not reached are 0). k_blocks_per_tile: K blocks of one tile; ideal_cycles: the tensor cores' cycles for one K
+    block; start_blocks: how many K blocks at a tile's start count as its start. Percentiles are p10 / p50 / p90."""
+    n = int(min((trace[1] > 0).sum(), (trace[3] > 0).sum()))
+    if n < 2:
+        raise ValueError(f"gemm_trace: {n} K blocks traced, need at least 2")
+    t = trace[:, :n].astype(np.int64)
+    loader_wait, consumer_wait = t[1] - t[0], t[3] - t[2]
+    period = np.diff(t[3])                         # period[i]: K block i + 1 issued after K block i
+    block = np.arange(1, n)
+    in_tile = block % k_blocks_per_tile
+    start = (in_tile < start_blocks) & (block >= k_blocks_per_tile)
+    tiles = n // k_blocks_per_tile
+    excess = [int(period[j * k_blocks_per_tile - 1:(j + 1) * k_blocks_per_tile - 1].sum()
+                  - ideal_cycles * k_blocks_per_tile) for j in range(1, tiles)]
+    return {
+        "k_blocks_traced": n, "tiles_traced": tiles, "k_blocks_per_tile": k_blocks_per_tile,
+        "ideal_cycles_per_k_block": round(float(ideal_cycles), 1),
+        "period_p10_50_90": _pct(period), "period_mean": round(float(period.mean()), 1),
+        "period_mean_inside_tiles": round(float(period[~start].mean()), 1),
+        "efficiency_mean": round(float(ideal_cycles / period.mean()), 4),
+        "tile_start_periods_by_block": [round(float(period[(in_tile == i) & start].mean()), 1)
+                                        for i in range(start_blocks) if ((in_tile == i) & start).any()],
+        "excess_per_tile_cycles": excess,
+        "loader_wait_p10_50_90": _pct(loader_wait), "consumer_wait_p10_50_90": _pct(consumer_wait),
+        "loader_wait_share": round(float(loader_wait.sum() / max(1, t[1, -1] - t[0, 0])), 4),
+        "consumer_wait_share": round(float(consumer_wait.sum() / max(1, t[3, -1] - t[2, 0])), 4),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", type=int, required=True)
+    ap.add_argument("-n", type=int, required=True)
+    ap.add_argument("-k", type=int, required=True)
+    ap.add_argument("--layout", choices=("NK", "KN"), default="NK", help="B stored [N, K] (NK) or [K, N] (KN)")
+    ap.add_argument("-d", "--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--plan", help="a GemmPlan describe line (default: the plan fluxrt.gemm would take)")
+    ap.add_argument("--json", help="write the summary and the trace here")
+    args = ap.parse_args(argv)
+
+    os.environ["FLUXRT_GEMM_TRACE"] = "1"   # before any kernel is loaded
+    import cupy
+
+    from fluxrt.dtypes import normalize_dtype
+    from fluxrt.gemm import gemm
+    from fluxrt.gemm.autotune import plan_for
+    from fluxrt.gemm.kernel import KERNEL_SOURCE, compile_options, plain_defines
+    from fluxrt.gemm.plan import GemmPlan
+    from fluxrt.perf import results_document, write_json
+    from fluxrt.toolchain import load_module
+
+    m, n, k, dt, tb = args.m, args.n, args.k, args.dtype, args.layout == "NK"
+    plan = (GemmPlan.parse(args.plan).validate(dt, b_kmajor=tb) if args.plan
+            else plan_for(m, n, k, in_dtype=dt, out_dtype=dt, trans_b=tb))
+    if plan.stream_k or plan.pingpong or plan.split_k > 1:
+        print(f"gemm_trace: {plan.describe()}: stream-K, ping-pong and split-K loops are not traced", file=sys.stderr)
+        return 2
+    rng = cupy.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=cupy.float32).astype(normalize_dtype(dt))
+    b = rng.standard_normal((n, k) if tb else (k, n), dtype=cupy.float32).astype(normalize_dtype(dt))
+    c = cupy.empty((m, n), dtype=normalize_dtype(dt))
+    gemm(a, b, c, trans_b=tb, plan=plan)   # loads (and compiles) the traced module
+    mod = load_module(KERNEL_SOURCE, compile_options(plain_defines(plan, dt, dt, tb)))
+    trace = cupy.ndarray((4, TRACE_BLOCKS), dtype=cupy.int64, memptr=mod.get_global("fluxrt_gemm_trace"))
+    trace[...] = 0
+    cupy.cuda.Device().synchronize()
+    gemm(a, b, c, trans_b=tb, plan=plan)
+    cupy.cuda.Device().synchronize()
+    host = cupy.asnumpy(trace)
+    kpt = -(-k // plan.block_k)
+    ideal = plan.block_m * plan.block_n * plan.block_k * 2 / DENSE_16BIT_FLOP_PER_CLK_SM
+    summary = summarize(host, kpt, ideal)
+    row = {"m": m, "n": n, "k": k, "layout": args.layout, "dtype": dt, "plan": plan.describe(), **summary}
+    print(f"# {m}x{n}x{k} {args.layout} {dt}, {plan.describe()}: {summary['k_blocks_traced']} K blocks of CTA 0 "
+          f"({summary['tiles_traced']} tiles)")
+    for key, value in summary.items():
+        print(f"{key:>30}  {value}")
+    if args.json:
+        nk = summary["k_blocks_traced"]
+        doc = results_document("gemm-trace", [row], ["python3", "perf/gemm_trace.py", *(argv or sys.argv[1:])],
+                               machine={"gpu_name": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                                        "gpu_count": 1})
+        doc["trace"] = {"rows": ["loader_wait_start", "loader_wait_end", "consumer_wait_start", "consumer_wait_end"],
+                        "cycles": (host[:, :nk] - host[0, 0]).tolist()}
+        write_json(args.json, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
