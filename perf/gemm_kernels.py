@@ -152,9 +152,7 @@ def summarize(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fluxrt.perf.shapes import SUITES
-
-    from gemm_suite import shape_arg
+    from fluxrt.perf.shapes import SUITES, shape_arg
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fluxrt.perf.baselines import cublas_gemm  # noqa: E402
 from fluxrt.perf.cublaslt import describe_config  # noqa: E402
-from fluxrt.perf.shapes import SUITES, Shape, suite  # noqa: E402
+from fluxrt.perf.shapes import SUITES, Shape, shape_arg, suite  # noqa: E402
 from fluxrt.perf.timing import capture, eager_ms_and_host_us, geomean, graph_ms  # noqa: E402
 
 
@@ -140,14 +140,6 @@ def bench_shape(s: Shape, dtype: str, iters: int, rounds: int, graphs: bool, aut
                 row["graph_error"] = f"{type(e).__name__}: {e}"
         stream.synchronize()
     return row
-
-
-def shape_arg(text: str) -> Shape:
-    """M,N,K,NK|KN -> Shape (label 'cli'); argparse reports what is wrong with a malformed one."""
-    parts = text.split(",")
-    if len(parts) != 4 or parts[3] not in ("NK", "KN") or not all(p.isdigit() and int(p) > 0 for p in parts[:3]):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected M,N,K,NK or M,N,K,KN with positive M, N, K")
-    return Shape(int(parts[0]), int(parts[1]), int(parts[2]), layout=parts[3], label="cli")
 
 
 def pick_shapes(suite_shapes: list[Shape], wanted: list[Shape] | None) -> list[Shape]:

@@ -2,7 +2,7 @@
 """Per-K-block timeline of one GEMM's pipeline: where CTA 0's loader and math warpgroups wait.
 
 Runs the diagnostic build of the GEMM kernel (FLUXRT_GEMM_TRACE=1: CTA 0 records clock64 around the loader's
-wait for a free ring slot and around consumer 0's wait for a full stage, per K block; kernels/gemm/config.cuh)
+wait for a free ring slot and around each consumer's wait for a full stage, per K block; kernels/gemm/config.cuh)
 once on random inputs and summarises the trace:
 
 - ``period``: cycles between consumer 0 passing its full-stage wait for consecutive K blocks (the rate at which
@@ -11,13 +11,15 @@ once on random inputs and summarises the trace:
   drain and epilogue, then the refill of the ring);
 - ``excess_per_tile``: the sum of a tile's periods minus its ideal, per tile after the first;
 - the waits themselves (a consumer wait shorter than the K block still queued on the tensor cores costs
-  nothing; the loader waits whenever the ring is full).
+  nothing; the loader waits whenever the ring is full);
+- with two consumers, ``consumer1_lag``: how far consumer 1 passes each full wait after consumer 0 (a stage goes
+  back to the loader only when both have read it), over all K blocks and at the tile starts.
 
 Cooperative consumers only (no stream-K, ping-pong or split-K plans: their loops are not traced). The traced
 kernel is a different module, slower than the plain one by the clock reads: its times are for the shape of the
 timeline, not for the speed.
 
-    python3 perf/gemm_trace.py -m 2639 -n 10728 -k 12440 --layout NK \
+    python3 perf/gemm_trace.py --shape 2639,10728,12440,NK \
         --plan "128x256x64 s4 grouped/g16 epi=tma/shared x2" --json $OUT/trace.json
 """
 from __future__ import annotations
@@ -32,10 +34,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fluxrt.perf.shapes import shape_arg  # noqa: E402
+
 # Dense 16-bit wgmma per SM and clock on sm_90 (H100 SXM / H200): 989.4 TFLOPS at the 1830 MHz boost clock on
 # 132 SMs (NVIDIA's H100 datasheet) is 4096 FLOP per SM per clock.
 DENSE_16BIT_FLOP_PER_CLK_SM = 4096
-TRACE_BLOCKS = 2048   # columns of fluxrt_gemm_trace (kernels/gemm/config.cuh)
+TRACE_ROWS, TRACE_BLOCKS = 6, 2048   # fluxrt_gemm_trace (kernels/gemm/config.cuh)
+ROW_NAMES = ["loader_wait_start", "loader_wait_end", "consumer0_wait_start", "consumer0_wait_end",
+             "consumer1_wait_start", "consumer1_wait_end"]
 
 
 def _pct(x: np.ndarray) -> list[int]:
@@ -43,9 +49,10 @@ def _pct(x: np.ndarray) -> list[int]:
 
 
 def summarize(trace: np.ndarray, k_blocks_per_tile: int, ideal_cycles: float, start_blocks: int = 5) -> dict:
-    """Statistics of a [4, n] trace (rows: loader wait start / end, consumer wait start / end, per K block; columns
-    not reached are 0). k_blocks_per_tile: K blocks of one tile; ideal_cycles: the tensor cores' cycles for one K
-    block; start_blocks: how many K blocks at a tile's start count as its start. Percentiles are p10 / p50 / p90."""
+    """Statistics of a trace of 4 or 6 rows (ROW_NAMES: loader wait start / end, consumer 0's, then consumer 1's
+    where it is recorded, per K block; columns not reached are 0). k_blocks_per_tile: K blocks of one tile;
+    ideal_cycles: the tensor cores' cycles for one K block; start_blocks: how many K blocks at a tile's start count
+    as its start. Percentiles are p10 / p50 / p90."""
     n = int(min((trace[1] > 0).sum(), (trace[3] > 0).sum()))
     if n < 2:
         raise ValueError(f"gemm_trace: {n} K blocks traced, need at least 2")
@@ -62,7 +69,7 @@ def summarize(trace: np.ndarray, k_blocks_per_tile: int, ideal_cycles: float, st
         "k_blocks_traced": n, "tiles_traced": tiles, "k_blocks_per_tile": k_blocks_per_tile,
         "ideal_cycles_per_k_block": round(float(ideal_cycles), 1),
         "period_p10_50_90": _pct(period), "period_mean": round(float(period.mean()), 1),
-        "period_mean_inside_tiles": round(float(period[~start].mean()), 1),
+        "period_mean_inside_tiles": round(float(period[~start].mean()), 1) if (~start).any() else None,
         "efficiency_mean": round(float(ideal_cycles / period.mean()), 4),
         "tile_start_periods_by_block": [round(float(period[(in_tile == i) & start].mean()), 1)
                                         for i in range(start_blocks) if ((in_tile == i) & start).any()],
@@ -70,15 +77,25 @@ def summarize(trace: np.ndarray, k_blocks_per_tile: int, ideal_cycles: float, st
         "loader_wait_p10_50_90": _pct(loader_wait), "consumer_wait_p10_50_90": _pct(consumer_wait),
         "loader_wait_share": round(float(loader_wait.sum() / max(1, t[1, -1] - t[0, 0])), 4),
         "consumer_wait_share": round(float(consumer_wait.sum() / max(1, t[3, -1] - t[2, 0])), 4),
+        **(_consumer1(trace, n, k_blocks_per_tile) if trace.shape[0] >= 6 else {}),
     }
+
+
+def _consumer1(trace: np.ndarray, n: int, k_blocks_per_tile: int) -> dict:
+    """Consumer 1's lag behind consumer 0 (cycles from consumer 0 passing a K block's full wait to consumer 1
+    passing it), where consumer 1's rows hold all n K blocks (one-consumer plans leave them 0)."""
+    if (trace[5, :n] > 0).sum() < n:
+        return {}
+    lag = trace[5, :n].astype(np.int64) - trace[3, :n]
+    first = np.arange(n) % k_blocks_per_tile == 0
+    return {"consumer1_lag_p10_50_90": _pct(lag), "consumer1_lag_at_tile_first_block_p10_50_90": _pct(lag[first]),
+            "consumer1_wait_p10_50_90": _pct(trace[5, :n].astype(np.int64) - trace[4, :n])}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", type=int, required=True)
-    ap.add_argument("-n", type=int, required=True)
-    ap.add_argument("-k", type=int, required=True)
-    ap.add_argument("--layout", choices=("NK", "KN"), default="NK", help="B stored [N, K] (NK) or [K, N] (KN)")
+    ap.add_argument("--shape", type=shape_arg, required=True, metavar="M,N,K,NK|KN",
+                    help="the problem; NK: B stored [N, K], KN: [K, N]")
     ap.add_argument("-d", "--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--plan", help="a GemmPlan describe line (default: the plan fluxrt.gemm would take)")
     ap.add_argument("--json", help="write the summary and the trace here")
@@ -95,7 +112,7 @@ def main(argv=None) -> int:
     from fluxrt.perf import results_document, write_json
     from fluxrt.toolchain import load_module
 
-    m, n, k, dt, tb = args.m, args.n, args.k, args.dtype, args.layout == "NK"
+    m, n, k, dt, tb = args.shape.m, args.shape.n, args.shape.k, args.dtype, args.shape.trans_b
     plan = (GemmPlan.parse(args.plan).validate(dt, b_kmajor=tb) if args.plan
             else plan_for(m, n, k, in_dtype=dt, out_dtype=dt, trans_b=tb))
     if plan.stream_k or plan.pingpong or plan.split_k > 1:
@@ -107,7 +124,7 @@ def main(argv=None) -> int:
     c = cupy.empty((m, n), dtype=normalize_dtype(dt))
     gemm(a, b, c, trans_b=tb, plan=plan)   # loads (and compiles) the traced module
     mod = load_module(KERNEL_SOURCE, compile_options(plain_defines(plan, dt, dt, tb)))
-    trace = cupy.ndarray((4, TRACE_BLOCKS), dtype=cupy.int64, memptr=mod.get_global("fluxrt_gemm_trace"))
+    trace = cupy.ndarray((TRACE_ROWS, TRACE_BLOCKS), dtype=cupy.int64, memptr=mod.get_global("fluxrt_gemm_trace"))
     trace[...] = 0
     cupy.cuda.Device().synchronize()
     gemm(a, b, c, trans_b=tb, plan=plan)
@@ -116,8 +133,8 @@ def main(argv=None) -> int:
     kpt = -(-k // plan.block_k)
     ideal = plan.block_m * plan.block_n * plan.block_k * 2 / DENSE_16BIT_FLOP_PER_CLK_SM
     summary = summarize(host, kpt, ideal)
-    row = {"m": m, "n": n, "k": k, "layout": args.layout, "dtype": dt, "plan": plan.describe(), **summary}
-    print(f"# {m}x{n}x{k} {args.layout} {dt}, {plan.describe()}: {summary['k_blocks_traced']} K blocks of CTA 0 "
+    row = {"m": m, "n": n, "k": k, "layout": args.shape.layout, "dtype": dt, "plan": plan.describe(), **summary}
+    print(f"# {m}x{n}x{k} {args.shape.layout} {dt}, {plan.describe()}: {summary['k_blocks_traced']} K blocks of CTA 0 "
           f"({summary['tiles_traced']} tiles)")
     for key, value in summary.items():
         print(f"{key:>30}  {value}")
@@ -126,8 +143,7 @@ def main(argv=None) -> int:
         doc = results_document("gemm-trace", [row], ["python3", "perf/gemm_trace.py", *(argv or sys.argv[1:])],
                                machine={"gpu_name": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                                         "gpu_count": 1})
-        doc["trace"] = {"rows": ["loader_wait_start", "loader_wait_end", "consumer_wait_start", "consumer_wait_end"],
-                        "cycles": (host[:, :nk] - host[0, 0]).tolist()}
+        doc["trace"] = {"rows": ROW_NAMES, "cycles": np.where(host[:, :nk] > 0, host[:, :nk] - host[0, 0], 0).tolist()}
         write_json(args.json, doc)
     return 0
 

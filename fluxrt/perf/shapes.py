@@ -63,6 +63,15 @@ class Shape:
         return (self.m, self.n, self.k, self.layout)
 
 
+def shape_arg(text: str) -> Shape:
+    """M,N,K,NK|KN -> Shape (label 'cli'): the argparse type of the GEMM scripts' shape arguments, which reports
+    what is wrong with a malformed one."""
+    parts = text.split(",")
+    if len(parts) != 4 or parts[3] not in LAYOUTS or not all(p.isdigit() and int(p) > 0 for p in parts[:3]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected M,N,K,NK or M,N,K,KN with positive M, N, K")
+    return Shape(int(parts[0]), int(parts[1]), int(parts[2]), layout=parts[3], label="cli")
+
+
 def layer_dims(model: str, tp: int) -> dict[str, tuple[int, int]]:
     """(N, K) of each linear layer of `model` on one of `tp` ranks."""
     h, inter, q, kv, d = MODELS[model]

@@ -162,9 +162,11 @@
 
 #if FLUXRT_GEMM_TRACE
 // Diagnostic build (FLUXRT_GEMM_TRACE=1; perf/gemm_trace.py reads it): CTA 0's clock64 before and after the
-// loader's wait for a free slot (rows 0, 1) and consumer 0's wait for a full stage (rows 2, 3), one column per
-// K block in the CTA's order, the first 2048.
-extern "C" __device__ long long fluxrt_gemm_trace[4][2048];
+// loader's wait for a free slot (rows 0, 1), consumer 0's wait for a full stage (rows 2, 3) and consumer 1's
+// (rows 4, 5; two-consumer plans), one column per K block in the CTA's order, the first 2048.
+extern "C" {
+__device__ long long fluxrt_gemm_trace[6][2048];
+}
 #endif
 
 namespace fluxrt_sm90 {

@@ -626,18 +626,26 @@ def test_gemm_suite_repeat_medians_and_the_shapes_below(tmp_path, capsys):
 def test_gemm_trace_summary_of_a_made_timeline():
     """perf/gemm_trace.py's statistics of a timeline built by hand: 3 tiles of 4 K blocks, consumer 0 issuing a
     K block every 100 cycles inside a tile and 400 cycles into a tile's first block (its predecessor's drain and
-    epilogue), then 150 into its second; the loader waiting 30 cycles per block and the consumer 10."""
+    epilogue), then 150 into its second; the loader waiting 30 cycles per block and consumer 0 10; consumer 1
+    passing each wait 20 cycles after consumer 0, 900 at a tile's first block (its epilogue turn comes second)."""
     import numpy as np
 
     mod = _perf_module("gemm_trace")
     periods = [100, 100, 100, 400, 150, 100, 100, 400, 150, 100, 100]   # into blocks 1 .. 11
     issue = np.concatenate([[1000], 1000 + np.cumsum(periods)])
-    trace = np.zeros((4, mod.TRACE_BLOCKS), dtype=np.int64)
+    trace = np.zeros((mod.TRACE_ROWS, mod.TRACE_BLOCKS), dtype=np.int64)
     trace[3, :12] = issue
     trace[2, :12] = issue - 10
     trace[1, :12] = issue - 500
     trace[0, :12] = issue - 530
+    lag = np.where(np.arange(12) % 4 == 0, 900, 20)
+    trace[5, :12] = issue + lag
+    trace[4, :12] = issue + lag - 40
     s = mod.summarize(trace, k_blocks_per_tile=4, ideal_cycles=100.0, start_blocks=2)
+    assert s["consumer1_lag_at_tile_first_block_p10_50_90"] == [900, 900, 900]
+    assert s["consumer1_lag_p10_50_90"] == [20, 20, 900] and s["consumer1_wait_p10_50_90"] == [40, 40, 40]
+    s4 = mod.summarize(trace[:4], k_blocks_per_tile=4, ideal_cycles=100.0, start_blocks=2)   # consumer 0 only
+    assert "consumer1_lag_p10_50_90" not in s4 and {k: v for k, v in s.items() if not k.startswith("consumer1")} == s4
     assert (s["k_blocks_traced"], s["tiles_traced"]) == (12, 3)
     assert s["period_mean"] == round(sum(periods) / 11, 1)
     assert s["period_p10_50_90"][1] == 100
