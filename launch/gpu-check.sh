@@ -12,7 +12,7 @@
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
 # collectives ops tune gemmsuite (TEST_FILES narrows the test step, TEST_RANKS its rank counts, RANK_KILLED=0 skips the killed-rank test, SWEEP_OPS the collective sweeps; tune runs
 # perf/tune_collectives.py candidates, TUNE_SETS of "fabric small mid large"; gemmsuite times the GEMM shape
-# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT, BENCH_LIMIT (eager collective sweeps: 420 s default, they time in-place calls too), GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT (per test file: 300 s default; test_collectives took 150 s on 2 ranks), BENCH_LIMIT (eager collective sweeps: 420 s default, they time in-place calls too), GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -54,16 +54,16 @@ if want tests; then   # one step per file, so that a hang or a cascade in one fi
       [ "$f" = tests/gpu/test_rank_killed.py ] && continue   # starts its own jobs: below, once
       name=$(basename "$f" .py)
       if [ "$f" = tests/gpu/test_multinode.py ]; then   # the hierarchical path: one node as 2 virtual nodes
-        FLUXRT_TOPOLOGY=virtual:2x$((n / 2)) TAIL=12 step "$name-virtual2x$((n / 2))-np$n" "${TESTS_LIMIT:-180}" \
+        FLUXRT_TOPOLOGY=virtual:2x$((n / 2)) TAIL=12 step "$name-virtual2x$((n / 2))-np$n" "${TESTS_LIMIT:-300}" \
           "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider --color=no -rs --maxfail="${MAXFAIL:-5}"
         continue
       fi
-      TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-180}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider --color=no \
+      TAIL=12 step "$name-np$n" "${TESTS_LIMIT:-300}" "${run[@]}" "$n" -- python3 -m pytest "$f" -q -p no:cacheprovider --color=no \
         -rs --maxfail="${MAXFAIL:-5}"
     done
   done
   # a rank SIGKILLed mid-call: the others raise within the bound and the job ends (jobs of its own, up to 4 ranks)
-  [ "$ngpu" -ge 2 ] && [ "${RANK_KILLED:-1}" = 1 ] && TAIL=12 step rank-killed "${TESTS_LIMIT:-180}" python3 -m pytest tests/gpu/test_rank_killed.py \
+  [ "$ngpu" -ge 2 ] && [ "${RANK_KILLED:-1}" = 1 ] && TAIL=12 step rank-killed "${TESTS_LIMIT:-300}" python3 -m pytest tests/gpu/test_rank_killed.py \
     -q -p no:cacheprovider --color=no -rs -s
 fi
 if want p2p && [ "$ngpu" -ge 2 ]; then
