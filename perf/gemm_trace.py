@@ -77,19 +77,20 @@ def summarize(trace: np.ndarray, k_blocks_per_tile: int, ideal_cycles: float, st
         "loader_wait_p10_50_90": _pct(loader_wait), "consumer_wait_p10_50_90": _pct(consumer_wait),
         "loader_wait_share": round(float(loader_wait.sum() / max(1, t[1, -1] - t[0, 0])), 4),
         "consumer_wait_share": round(float(consumer_wait.sum() / max(1, t[3, -1] - t[2, 0])), 4),
-        **(_consumer1(trace, n, k_blocks_per_tile) if trace.shape[0] >= 6 else {}),
+        **(_consumer1(t, k_blocks_per_tile) if len(t) >= 6 else {}),
     }
 
 
-def _consumer1(trace: np.ndarray, n: int, k_blocks_per_tile: int) -> dict:
+def _consumer1(t: np.ndarray, k_blocks_per_tile: int) -> dict:
     """Consumer 1's lag behind consumer 0 (cycles from consumer 0 passing a K block's full wait to consumer 1
-    passing it), where consumer 1's rows hold all n K blocks (one-consumer plans leave them 0)."""
-    if (trace[5, :n] > 0).sum() < n:
+    passing it), where consumer 1's rows of the traced columns `t` are all recorded (one-consumer plans leave
+    them 0)."""
+    if not (t[5] > 0).all():
         return {}
-    lag = trace[5, :n].astype(np.int64) - trace[3, :n]
-    first = np.arange(n) % k_blocks_per_tile == 0
+    lag = t[5] - t[3]
+    first = np.arange(t.shape[1]) % k_blocks_per_tile == 0
     return {"consumer1_lag_p10_50_90": _pct(lag), "consumer1_lag_at_tile_first_block_p10_50_90": _pct(lag[first]),
-            "consumer1_wait_p10_50_90": _pct(trace[5, :n].astype(np.int64) - trace[4, :n])}
+            "consumer1_wait_p10_50_90": _pct(t[5] - t[4])}
 
 
 def main(argv=None) -> int:

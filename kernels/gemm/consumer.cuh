@@ -316,7 +316,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
                 scale.promote(acc, part, s);
             } else {
 #if FLUXRT_GEMM_TRACE   // the stage's full wait timed here; mma_step's own wait then passes at once
-                traced_wait(2 + 2 * wg, trace_idx++, wg < 2 && tid == 0, [&] { mbar_wait(sm.bars_full + 8 * stage, phase); });
+                traced_wait(2 + 2 * wg, trace_idx++, tid == 0, [&] { mbar_wait(sm.bars_full + 8 * stage, phase); });
 #endif
                 mma_step(acc, sm, stage, phase, prev_stage, kb, a_rows_offset, tid,
                          [&] { epilogue.after_k_block(tile, kb, k_blocks, wg, tid); });
