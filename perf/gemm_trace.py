@@ -93,6 +93,44 @@ def _consumer1(t: np.ndarray, k_blocks_per_tile: int) -> dict:
             "consumer1_wait_p10_50_90": _pct(t[5] - t[4])}
 
 
+EPI_ROWS, EPI_TILES = 10, 256   # fluxrt_gemm_epi_trace (kernels/gemm/config.cuh)
+EPI_ROW_NAMES = ["consumer0_final", "consumer0_token", "consumer0_staged", "consumer1_final", "consumer1_token",
+                 "consumer1_staged", "storer_turn0_staged", "storer_turn0_read", "storer_turn1_staged",
+                 "storer_turn1_read"]
+
+
+def summarize_epilogue(epi: np.ndarray) -> dict:
+    """The staged epilogue's hand-offs per tile (EPI_ROW_NAMES; columns of tiles not reached, rows of a consumer or
+    turn the plan does not have, are 0), as p10 / p50 / p90 cycles over the tiles where both ends are recorded:
+    each consumer's wait for the staging token after its accumulators are final, its staging writes, the storer's
+    wait from a turn staged to its TMA stores having read the staging, and consumer 1's final accumulators and
+    staged tile after consumer 0's."""
+    names = {name: i for i, name in enumerate(EPI_ROW_NAMES)}
+
+    def span(a: str, b: str) -> list[int]:
+        x, y = epi[names[a]].astype(np.int64), epi[names[b]].astype(np.int64)
+        ok = (x > 0) & (y > 0)
+        return _pct(y[ok] - x[ok])
+
+    out = {}
+    for key, (a, b) in {
+        "consumer0_token_wait": ("consumer0_final", "consumer0_token"),
+        "consumer0_staging_write": ("consumer0_token", "consumer0_staged"),
+        "consumer1_token_wait": ("consumer1_final", "consumer1_token"),
+        "consumer1_staging_write": ("consumer1_token", "consumer1_staged"),
+        "storer_turn0_stage_to_read": ("storer_turn0_staged", "storer_turn0_read"),
+        "storer_turn1_stage_to_read": ("storer_turn1_staged", "storer_turn1_read"),
+        "consumer0_staged_to_storer": ("consumer0_staged", "storer_turn0_staged"),
+        "storer_turn0_read_to_consumer1_token": ("storer_turn0_read", "consumer1_token"),
+        "consumer1_final_after_consumer0": ("consumer0_final", "consumer1_final"),
+        "consumer1_staged_after_consumer0": ("consumer0_staged", "consumer1_staged"),
+    }.items():
+        pct = span(a, b)
+        if pct:
+            out[f"epi_{key}_p10_50_90"] = pct
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", type=shape_arg, required=True, metavar="M,N,K,NK|KN",
@@ -126,14 +164,16 @@ def main(argv=None) -> int:
     gemm(a, b, c, trans_b=tb, plan=plan)   # loads (and compiles) the traced module
     mod = load_module(KERNEL_SOURCE, compile_options(plain_defines(plan, dt, dt, tb)))
     trace = cupy.ndarray((TRACE_ROWS, TRACE_BLOCKS), dtype=cupy.int64, memptr=mod.get_global("fluxrt_gemm_trace"))
+    epi = cupy.ndarray((EPI_ROWS, EPI_TILES), dtype=cupy.int64, memptr=mod.get_global("fluxrt_gemm_epi_trace"))
     trace[...] = 0
+    epi[...] = 0
     cupy.cuda.Device().synchronize()
     gemm(a, b, c, trans_b=tb, plan=plan)
     cupy.cuda.Device().synchronize()
-    host = cupy.asnumpy(trace)
+    host, epi_host = cupy.asnumpy(trace), cupy.asnumpy(epi)
     kpt = -(-k // plan.block_k)
     ideal = plan.block_m * plan.block_n * plan.block_k * 2 / DENSE_16BIT_FLOP_PER_CLK_SM
-    summary = summarize(host, kpt, ideal)
+    summary = {**summarize(host, kpt, ideal), **summarize_epilogue(epi_host)}
     row = {"m": m, "n": n, "k": k, "layout": args.shape.layout, "dtype": dt, "plan": plan.describe(), **summary}
     print(f"# {m}x{n}x{k} {args.shape.layout} {dt}, {plan.describe()}: {summary['k_blocks_traced']} K blocks of CTA 0 "
           f"({summary['tiles_traced']} tiles)")
@@ -145,6 +185,9 @@ def main(argv=None) -> int:
                                machine={"gpu_name": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                                         "gpu_count": 1})
         doc["trace"] = {"rows": ROW_NAMES, "cycles": np.where(host[:, :nk] > 0, host[:, :nk] - host[0, 0], 0).tolist()}
+        nt = int((epi_host[0] > 0).sum())
+        doc["epilogue_trace"] = {"rows": EPI_ROW_NAMES,
+                                 "cycles": np.where(epi_host[:, :nt] > 0, epi_host[:, :nt] - host[0, 0], 0).tolist()}
         write_json(args.json, doc)
     return 0
 

@@ -164,8 +164,12 @@
 // Diagnostic build (FLUXRT_GEMM_TRACE=1; perf/gemm_trace.py reads it): CTA 0's clock64 before and after the
 // loader's wait for a free slot (rows 0, 1), consumer 0's wait for a full stage (rows 2, 3) and consumer 1's
 // (rows 4, 5; two-consumer plans), one column per K block in the CTA's order, the first 2048.
+// The epilogue's hand-offs per tile (the CTA's first 256 tiles; rows in perf/gemm_trace.py EPI_ROW_NAMES):
+// consumer wg's accumulators final (3 wg), its staging token (3 wg + 1), its c_full arrival (3 wg + 2), and the
+// storer's turn k staged (6 + 2 k) and read by the TMA stores (7 + 2 k).
 extern "C" {
 __device__ long long fluxrt_gemm_trace[6][2048];
+__device__ long long fluxrt_gemm_epi_trace[10][256];
 }
 #endif
 
@@ -282,6 +286,10 @@ __device__ __forceinline__ void traced_wait(int row, int idx, bool recorder, Wai
         fluxrt_gemm_trace[row][idx] = t0;
         fluxrt_gemm_trace[row + 1][idx] = t1;
     }
+}
+// Diagnostic build: CTA 0's clock64 into fluxrt_gemm_epi_trace[row][idx] (one thread records).
+__device__ __forceinline__ void trace_mark(int row, int idx, bool recorder) {
+    if (recorder && blockIdx.x == 0 && idx < 256) fluxrt_gemm_epi_trace[row][idx] = clock64();
 }
 #endif
 

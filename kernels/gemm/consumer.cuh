@@ -272,6 +272,7 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
     const u32 a_rows_offset = (u32)wg * kRowsPerConsumer * kBK * kInBytes;  // 8 KiB per row block
 #if FLUXRT_GEMM_TRACE
     int trace_idx = 0;   // K blocks consumed so far
+    int trace_tile = 0;  // tiles finished so far
 #endif
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int prev_stage = 0;
@@ -332,6 +333,9 @@ __device__ __forceinline__ void run_consumer(const Schedule& sched, int K, int w
             reg_fence(acc);
             if (k_blocks > 0) release_stage(sm.bars_empty + 8 * prev_stage, tid);
         }
+#if FLUXRT_GEMM_TRACE
+        trace_mark(3 * wg, trace_tile++, tid == 0);
+#endif
         scale.finish(acc);
         epilogue.store(acc, sched, t, tile, wg, tid, sm, es);
     }

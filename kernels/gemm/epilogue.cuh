@@ -218,10 +218,13 @@ __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, in
 // Fragment layout of m64nNk16 f32: thread (warp w, lane l) holds rows 16w + l/4 (+8) and column pairs
 // 8g + 2(l%4), g < N/8.
 __device__ __forceinline__ void stage_tile(const float (&acc)[kAccRegs], int wg, int tid, const ConsumerSmem& sm,
-                                           u32& c_phase) {
+                                           u32& c_phase, int trace_tile = 0) {
     const int warp = tid >> 5, lane = tid & 31;
     mbar_wait(sm.bar_c_empty, c_phase ^ 1);  // the storer finished reading the staging (token passed)
     c_phase ^= 1;
+#if FLUXRT_GEMM_TRACE
+    trace_mark(3 * wg + 1, trace_tile, tid == 0);
+#endif
     char* c_base = sm.generic + kOffC + c_slot_of(wg) * kCConsumerBytes;
 #pragma unroll
     for (int rb = 0; rb < kRowBlocks; ++rb) {   // ping-pong: the tile's two row blocks
@@ -240,6 +243,9 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[kAccRegs], int wg,
     }
     fence_proxy_async_smem();  // generic st.shared above -> visible to the TMA store (async proxy)
     mbar_arrive(sm.bar_c_full);  // release.cta: staging writes visible to the storer after its wait
+#if FLUXRT_GEMM_TRACE
+    trace_mark(3 * wg + 2, trace_tile, tid == 0);
+#endif
 }
 
 // Where the storer sends a turn's rows: a tensor map (TMA writes peer memory like local memory and clips
@@ -283,6 +289,9 @@ struct NoTile {};
 struct StagedEpilogue {
     struct ConsumerState {
         u32 c_phase;
+#if FLUXRT_GEMM_TRACE
+        int trace_tile;
+#endif
     };
     using Tile = NoTile;
     RowChunks chunks;
@@ -295,7 +304,11 @@ struct StagedEpilogue {
     __device__ __forceinline__ void after_k_block(const Tile&, int, int, int, int) const {}
     __device__ __forceinline__ void store(const float (&acc)[kAccRegs], const Schedule&, int, const Tile&, int wg,
                                           int tid, const ConsumerSmem& sm, ConsumerState& st) const {
+#if FLUXRT_GEMM_TRACE
+        stage_tile(acc, wg, tid, sm, st.c_phase, st.trace_tile++);
+#else
         stage_tile(acc, wg, tid, sm, st.c_phase);
+#endif
     }
     __device__ __forceinline__ void after_tiles(const Schedule&) const {}
 };
@@ -575,6 +588,9 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
                                            u32 bar_c_empty) {
     const int lane = threadIdx.x & 31;
     u32 phase = 0;
+#if FLUXRT_GEMM_TRACE
+    int trace_i = 0;   // tiles stored so far
+#endif
     for (int t = sched.first; t < sched.end(); t += sched.stride) {
         int m_tile, n_tile;
         const bool real = sched.tile(t, m_tile, n_tile);
@@ -587,6 +603,9 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
             const u32 bar_next_empty = bar_c_empty + 8 * ((turn + 1) % kCTurns);
             const int row0 = turn * kTurnRows;     // first tile row of this turn
             mbar_wait(bar_c_full + 8 * turn, phase);  // acquire: this turn's staging writes are visible
+#if FLUXRT_GEMM_TRACE
+            trace_mark(6 + 2 * turn, trace_i, lane == 0);
+#endif
             if (!real) {                   // phantom tile (see Schedule): nothing to store or signal
                 if (lane == 0) mbar_arrive(bar_next_empty);
                 __syncwarp();
@@ -608,6 +627,9 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
                 store_turn_boxes(epilogue, d, smem, n0, n_tile, sched.n_tiles);
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: the next turn's consumers may overwrite it
+#if FLUXRT_GEMM_TRACE
+                trace_mark(7 + 2 * turn, trace_i, true);
+#endif
                 mbar_arrive(bar_next_empty);
                 if (last_turn) {
                     const TileFlag f = epilogue.tile_flag(d, m0, n_tile, sched.n_tiles);
@@ -617,6 +639,9 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
             __syncwarp();
         }
         phase ^= 1;
+#if FLUXRT_GEMM_TRACE
+        ++trace_i;
+#endif
     }
     if (lane == 0) bulk_wait_all();  // the last stores are complete before the CTA retires
 }

@@ -660,6 +660,7 @@ def test_trace_build_compiles_sm90a(plan, tmp_path, monkeypatch):
     assert ("FLUXRT_GEMM_TRACE", "1") in defines
     cubin = compile_cubin("gemm/hopper_gemm.cu", compile_options(defines, arch="sm_90a"))
     assert b"fluxrt_gemm_trace" in cubin.read_bytes()
+    assert b"fluxrt_gemm_epi_trace" in cubin.read_bytes()
     assert WGMMA_SERIALIZED not in compile_log(cubin), compile_log(cubin)
     _assert_no_spills(cubin)
     _assert_uniform_descriptors(cubin)
