@@ -650,8 +650,8 @@ __device__ __forceinline__ void run_storer(const Schedule& sched, const Epilogue
 // Ping-pong storer (FLUXRT_GEMM_PINGPONG, TmaStoreEpilogue): this CTA's tile i is consumer k = i % 2's, staged in
 // k's region (or the shared one) and announced on c_full[k], whose j-th completion (parity j & 1) is k's j-th tile.
 // Once read, the region goes back: to k itself on c_empty[k] (a region per consumer), or, passing the token, to the
-// other consumer on c_empty[k ^ 1] (shared staging; parities at stage_tile). Each tile leaves in 64-row boxes (C's
-// tensor map), two per 128-byte column slab; grouped, a tile that ends past its group leaves through the
+// other consumer on c_empty[k ^ 1] (shared staging; parities at stage_tile). Each tile leaves in 64-row boxes
+// (store_turn_boxes: two per 128-byte column slab); grouped, a tile that ends past its group leaves through the
 // epilogue's row-masked stores (store_rows over k's 128 rows), as in run_storer.
 template <class Epilogue>
 __device__ __forceinline__ void run_storer_pingpong(const Schedule& sched, const Epilogue& epilogue, u32 smem,
@@ -676,20 +676,9 @@ __device__ __forceinline__ void run_storer_pingpong(const Schedule& sched, const
             }
         }
         if (lane == 0) {
-            if (real) {
-                const StoreTarget d = epilogue.target(m0, 0);
-                const u32 src = smem + kOffC + c_slot_of(k) * kCConsumerBytes;
-#pragma unroll
-                for (int j = 0; j < kCSlabs; ++j)
-#pragma unroll
-                    for (int rb = 0; rb < kRowBlocks; ++rb) {
-                        const u32 box = src + j * kCSlabBytes + rb * kMmaRows * 128u;
-                        const int y = d.y0 + rb * kMmaRows;
-                        if constexpr (kFitN)
-                            store_fitted_box(d.map, epilogue.tmap_c_tiles, box, n_tile, sched.n_tiles, j * kCCols, y);
-                        else
-                            tma_store_2d(d.map, box, n_tile * kBN + j * kCCols, y);
-                    }
+            if (real) {   // consumer k's region: one consumer per turn, its row blocks the tile's
+                store_turn_boxes(epilogue, epilogue.target(m0, 0), smem + c_slot_of(k) * kCConsumerBytes, n_tile * kBN,
+                                 n_tile, sched.n_tiles);
                 bulk_commit();
                 bulk_wait_read_all();   // staging has been read: it may be overwritten
             }
