@@ -13,7 +13,11 @@ once on random inputs and summarises the trace:
 - the waits themselves (a consumer wait shorter than the K block still queued on the tensor cores costs
   nothing; the loader waits whenever the ring is full);
 - with two consumers, ``consumer1_lag``: how far consumer 1 passes each full wait after consumer 0 (a stage goes
-  back to the loader only when both have read it), over all K blocks and at the tile starts.
+  back to the loader only when both have read it), over all K blocks and at the tile starts;
+- the staged epilogue's hand-offs per tile (``epi_*``, from a second trace array: CTA 0's first 256 tiles): each
+  consumer's wait for the staging token once its accumulators are final, its staging writes, and the storer's time
+  from a turn staged to its TMA stores having read the staging (with shared staging, consumer 1's turn waits for
+  consumer 0's to be read).
 
 Cooperative consumers only (no stream-K, ping-pong or split-K plans: their loops are not traced). The traced
 kernel is a different module, slower than the plain one by the clock reads: its times are for the shape of the
@@ -103,9 +107,12 @@ def summarize_epilogue(epi: np.ndarray) -> dict:
     """The staged epilogue's hand-offs per tile (EPI_ROW_NAMES; columns of tiles not reached, rows of a consumer or
     turn the plan does not have, are 0), as p10 / p50 / p90 cycles over the tiles where both ends are recorded:
     each consumer's wait for the staging token after its accumulators are final, its staging writes, the storer's
-    wait from a turn staged to its TMA stores having read the staging, and consumer 1's final accumulators and
-    staged tile after consumer 0's."""
+    time from a turn staged to its TMA stores having read the staging, from consumer 0's arrival to the storer
+    seeing turn 0, and consumer 1's final accumulators and staged tile after consumer 0's. With shared staging
+    (turn 1 recorded) also from turn 0 read to consumer 1's token, the token passing between the consumers; with a
+    region per consumer a tile's token comes from the previous tile, so that span is left out."""
     names = {name: i for i, name in enumerate(EPI_ROW_NAMES)}
+    shared = bool((epi[names["storer_turn1_staged"]] > 0).any())
 
     def span(a: str, b: str) -> list[int]:
         x, y = epi[names[a]].astype(np.int64), epi[names[b]].astype(np.int64)
@@ -125,6 +132,8 @@ def summarize_epilogue(epi: np.ndarray) -> dict:
         "consumer1_final_after_consumer0": ("consumer0_final", "consumer1_final"),
         "consumer1_staged_after_consumer0": ("consumer0_staged", "consumer1_staged"),
     }.items():
+        if key == "storer_turn0_read_to_consumer1_token" and not shared:
+            continue
         pct = span(a, b)
         if pct:
             out[f"epi_{key}_p10_50_90"] = pct
