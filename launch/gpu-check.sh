@@ -12,7 +12,7 @@
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
 # collectives ops tune gemmsuite (TEST_FILES narrows the test step, TEST_RANKS its rank counts, RANK_KILLED=0 skips the killed-rank test, SWEEP_OPS the collective sweeps; tune runs
 # perf/tune_collectives.py candidates, TUNE_SETS of "fabric small mid large"; gemmsuite times the GEMM shape
-# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT (per test file: 300 s default; test_collectives took 150 s on 2 ranks), BENCH_LIMIT (eager collective sweeps: 420 s default, they time in-place calls too), GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT (per test file, 300 s default), BENCH_LIMIT (eager collective sweeps: 420 s default, they time in-place calls too), GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}

@@ -4,9 +4,9 @@ occupancy)."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
+from ..env import env_flag
 from ..errors import GemmArgumentError
 from .plan import GemmPlan
 
@@ -54,7 +54,7 @@ def trace_build() -> bool:
     """FLUXRT_GEMM_TRACE=1: kernels loaded from now on are the diagnostic build that records CTA 0's pipeline
     waits per K block (kernels/gemm/config.cuh, read by perf/gemm_trace.py); a different module per
     configuration, slower, for measurement only."""
-    return os.environ.get("FLUXRT_GEMM_TRACE", "0") not in ("", "0")
+    return env_flag("FLUXRT_GEMM_TRACE")
 
 
 def plain_defines(plan: GemmPlan, in_dtype: str, out_dtype: str, trans_b: bool) -> tuple[tuple[str, str], ...]:

@@ -217,13 +217,19 @@ __device__ __forceinline__ void run_tail_reduce(const Schedule& sched, int M, in
 // With one turn (per-consumer staging) this is the single c_full / c_empty handshake.
 // Fragment layout of m64nNk16 f32: thread (warp w, lane l) holds rows 16w + l/4 (+8) and column pairs
 // 8g + 2(l%4), g < N/8.
-__device__ __forceinline__ void stage_tile(const float (&acc)[kAccRegs], int wg, int tid, const ConsumerSmem& sm,
-                                           u32& c_phase, int trace_tile = 0) {
-    const int warp = tid >> 5, lane = tid & 31;
-    mbar_wait(sm.bar_c_empty, c_phase ^ 1);  // the storer finished reading the staging (token passed)
-    c_phase ^= 1;
+struct StagingState {
+    u32 c_phase;
 #if FLUXRT_GEMM_TRACE
-    trace_mark(3 * wg + 1, trace_tile, tid == 0);
+    int trace_tile;   // the diagnostic build's column: tiles this consumer staged so far
+#endif
+};
+__device__ __forceinline__ void stage_tile(const float (&acc)[kAccRegs], int wg, int tid, const ConsumerSmem& sm,
+                                           StagingState& st) {
+    const int warp = tid >> 5, lane = tid & 31;
+    mbar_wait(sm.bar_c_empty, st.c_phase ^ 1);  // the storer finished reading the staging (token passed)
+    st.c_phase ^= 1;
+#if FLUXRT_GEMM_TRACE
+    trace_mark(3 * wg + 1, st.trace_tile, tid == 0);
 #endif
     char* c_base = sm.generic + kOffC + c_slot_of(wg) * kCConsumerBytes;
 #pragma unroll
@@ -244,7 +250,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[kAccRegs], int wg,
     fence_proxy_async_smem();  // generic st.shared above -> visible to the TMA store (async proxy)
     mbar_arrive(sm.bar_c_full);  // release.cta: staging writes visible to the storer after its wait
 #if FLUXRT_GEMM_TRACE
-    trace_mark(3 * wg + 2, trace_tile, tid == 0);
+    trace_mark(3 * wg + 2, st.trace_tile++, tid == 0);
 #endif
 }
 
@@ -287,12 +293,7 @@ struct NoTile {};
 
 // The consumer side that every staged epilogue shares; derived types replace what they change.
 struct StagedEpilogue {
-    struct ConsumerState {
-        u32 c_phase;
-#if FLUXRT_GEMM_TRACE
-        int trace_tile;
-#endif
-    };
+    using ConsumerState = StagingState;
     using Tile = NoTile;
     RowChunks chunks;
 
@@ -304,11 +305,7 @@ struct StagedEpilogue {
     __device__ __forceinline__ void after_k_block(const Tile&, int, int, int, int) const {}
     __device__ __forceinline__ void store(const float (&acc)[kAccRegs], const Schedule&, int, const Tile&, int wg,
                                           int tid, const ConsumerSmem& sm, ConsumerState& st) const {
-#if FLUXRT_GEMM_TRACE
-        stage_tile(acc, wg, tid, sm, st.c_phase, st.trace_tile++);
-#else
-        stage_tile(acc, wg, tid, sm, st.c_phase);
-#endif
+        stage_tile(acc, wg, tid, sm, st);
     }
     __device__ __forceinline__ void after_tiles(const Schedule&) const {}
 };
@@ -474,7 +471,7 @@ struct ChunkReduceEpilogue : PeerStoreEpilogue {
                                           int wg, int tid, const ConsumerSmem& sm, ConsumerState& st) const {
         if (tile.reduce)
             reduce_into_acc(acc, red, timeout, chunks.rows, tile.m_tile, tile.n_tile, sched.n_tiles, n, wg, tid);
-        stage_tile(acc, wg, tid, sm, st.c_phase);
+        stage_tile(acc, wg, tid, sm, st);
     }
     __device__ __forceinline__ StoreTarget target(int m0, int row0) const {
         StoreTarget d = PeerStoreEpilogue::target(m0, row0);
