@@ -166,8 +166,11 @@ def test_candidates_include_the_heuristic_and_every_known_tile_shape():
     assert {(p.block_n, p.cluster) for p in cands if p.cluster_n == 2 and p.block_m == 128} == \
         {(256, 2), (192, 2), (128, 2)}
     # 256-row tiles in pairs along N, every width (and the direct epilogue where staging leaves 3 stages)
-    tall = {(p.block_n, p.epilogue) for p in cands if p.cluster_n == 2 and p.block_m == 256}
+    tall = {(p.block_n, p.epilogue) for p in cands if p.cluster_n == 2 and p.block_m == 256 and p.cluster == 1}
     assert {(bn, "tma") for bn in P.TALL_WIDTHS} | {(bn, "direct") for bn in (144, 160, 176, 192)} == tall
+    # and in 2 x 2 clusters with the direct epilogue, every width
+    tall22 = {(p.block_n, p.epilogue) for p in cands if p.cluster_n == 2 and p.block_m == 256 and p.cluster == 2}
+    assert {(bn, "direct") for bn in P.TALL_WIDTHS} == tall22
     assert not any(p.cluster_n == 2 for p in tuning.candidates(100, 4096, 4096))   # one tile row: no pair
     # one tile column: no pair (but two columns of the 96 wide 256-row tiles)
     assert {p.block_n for p in tuning.candidates(4096, 128, 4096) if p.cluster_n == 2} == {96}
@@ -825,14 +828,17 @@ def test_tall_tile_plans():
     assert direct.c_staging_bytes("bfloat16") == 0 and direct.smem_bytes() <= SMEM_LIMIT_BYTES      # a 4th stage
 
     assert tall_plans(256, 4096, 6144) == []
-    few = tall_plans(461, 9128, 13208)           # 2 tile rows: no pairs; ragged waves: stream-K forms
-    assert {q.block_n for q in few} == set(TALL_WIDTHS) and all(q.cluster == 1 for q in few)
+    few = tall_plans(461, 9128, 13208)           # 2 tile rows: pairs along M only in 2 x 2 clusters; stream-K forms
+    assert {q.block_n for q in few} == set(TALL_WIDTHS)
+    assert all(q.cluster_n == 2 and q.epilogue == "direct" for q in few if q.cluster == 2)
+    assert {q.block_n for q in few if q.cluster == 2} == set(TALL_WIDTHS)
     assert all(q.block_n <= 176 for q in few if q.stream_k) and any(q.stream_k for q in few)
     many = tall_plans(9166, 664, 12896)          # 36 tile rows: pairs too
     assert any(q.cluster == 2 for q in many)
-    for q in few + many + tall_plans(11603, 3408, 11800, b_kmajor=False):
-        assert q.block_m == 256 and q.row_blocks == 2 and q.stages >= 2
-        assert q.validate("bfloat16", b_kmajor=False) is q and q.validate("float16") is q
+    for kmajor, plans in ((True, few + many), (False, tall_plans(11603, 3408, 11800, b_kmajor=False))):
+        for q in plans:   # each ring fits beside B's stage of its own layout
+            assert q.block_m == 256 and q.row_blocks == 2 and q.stages >= 2
+            assert q.validate("bfloat16", b_kmajor=kmajor) is q and q.validate("float16", b_kmajor=kmajor) is q
     assert set(many) <= set(candidates(9166, 664, 12896, trans_b=True))
     assert not any(c.block_m == 256 for c in candidates(256, 4096, 6144, trans_b=True))
     assert not any(q.block_m == 256 for q in P.plain_plans(9166))   # not in the cost model

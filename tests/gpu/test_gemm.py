@@ -1181,6 +1181,8 @@ TALL_CASES = [  # (M, N, K, plan): tails in M (inside a consumer's second row bl
     # the direct epilogue (registers to C, each consumer's two row blocks; a 4th stage at 192 wide)
     (1000, 1000, 456, GemmPlan(block_m=256, block_n=192, stages=4, epilogue="direct")),
     (700, 1000, 1000, GemmPlan(block_m=256, block_n=96, stages=4, epilogue="direct", cluster=2)),
+    # 2 x 2 clusters, direct: a fitted width, 7 tile columns (a phantom column), 44 rows of the 2nd tile row
+    (300, 1000, 4104, GemmPlan(block_m=256, block_n=160, stages=4, epilogue="direct", cluster=2, cluster_n=2)),
     # stream-K forms: cut tiles' partials of 256 x block_n, pairs
     (461, 1000, 4104, GemmPlan(block_m=256, block_n=128, stages=4, c_staging="shared", stream_k=True)),
     (700, 1000, 3000, GemmPlan(block_m=256, block_n=176, stages=3, c_staging="shared", stream_k=True, max_ctas=10)),
