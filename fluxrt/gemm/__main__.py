@@ -41,7 +41,7 @@ def _tune(args) -> int:
         a = (rng.standard_normal((s.m, s.k), dtype=cupy.float32) + 0.1).astype(dt)
         w = (rng.standard_normal((s.n, s.k) if s.trans_b else (s.k, s.n), dtype=cupy.float32) + 0.1).astype(dt)
         try:
-            r = autotune(a, w, trans_b=s.trans_b, force=args.force)
+            r = autotune(a, w, trans_b=s.trans_b, force=args.force, sustained_ms=args.sustained)
         except Exception as e:
             print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout} FAILED {type(e).__name__}: {e}", flush=True)
             continue
@@ -104,6 +104,16 @@ def main(argv=None) -> int:
     return one_line_errors("python -m fluxrt.gemm")(_main)(argv)
 
 
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected milliseconds >= 0")
+    return value
+
+
 def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fluxrt.gemm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +129,9 @@ def _main(argv=None) -> int:
                    help="NVRTC compiles at once (threads) building the candidates before tuning (default: the "
                         "CPUs; 0: compile each one when first timed)")
     t.add_argument("--force", action="store_true", help="re-time problems already in the cache")
+    t.add_argument("--sustained", type=_milliseconds, default=None, metavar="MS",
+                   help="confirm the screen's best plans each alone under MS milliseconds of load: the plan "
+                        "fastest at the GPU's power limit (default: $FLUXRT_GEMM_TUNE_SUSTAINED_MS, else off)")
     t.add_argument("--json", default=None, help="write every candidate's time here")
     t.add_argument("-v", "--verbose", action="store_true")
     c = sub.add_parser("cache", help="the autotune cache of the current GPU")

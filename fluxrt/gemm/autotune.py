@@ -357,6 +357,46 @@ def _pick(screen: list, default_plan: GemmPlan | None, confirm_rounds: int) -> t
     return win, med[id(win)], med
 
 
+# Sustained confirmation (autotune(sustained_ms=...), `tune --sustained MS`): under a long load an H200 runs at its
+# power limit and the driver sets the SM clock from the power the running kernel draws, so a plan's time in a job
+# that runs it follows its energy per call. The screen times every candidate beside the reference, at the clock of
+# their mix, which ranks plans of different energy wrongly by up to ~10 % (docs/tuning.md, "At the power limit").
+# The screen's SUSTAINED_FINALISTS best (and the heuristic's plan) then each run alone for sustained_ms, twice in
+# opposite orders; the lowest mean of the two second-half medians wins.
+SUSTAINED_FINALISTS = 8
+
+
+def _alone_us(timed, sustained_ms: float) -> float:
+    """``timed`` replayed back to back for ``sustained_ms`` of GPU time: the median us per call of the replays in
+    the second half (the first brings the clock to where this plan's power puts it)."""
+    samples, elapsed = [], 0.0
+    while elapsed < sustained_ms:
+        us = timed.us()
+        samples.append((elapsed, us))
+        elapsed += us * timed.reps / 1e3
+    late = [us for at, us in samples if at >= sustained_ms / 2] or [samples[-1][1]]
+    return statistics.median(late)
+
+
+def _pick_sustained(screen: list, default_plan: GemmPlan | None, sustained_ms: float) -> tuple:
+    """Screen -> its SUSTAINED_FINALISTS best (and the heuristic's plan) -> each alone (_alone_us), two passes in
+    opposite orders. Returns (winner _Timed, its us, {id(_Timed): mean us})."""
+    ranked = sorted(screen, key=lambda x: x[1])
+    finalists = [t for t, _ in ranked[:SUSTAINED_FINALISTS]]
+    default = next((t for t, _ in screen if t.plan == default_plan), None)
+    if default is not None and default not in finalists:
+        finalists.append(default)
+    times: dict = {id(t): [] for t in finalists}
+    for order in (finalists, finalists[::-1]):
+        for t in order:
+            times[id(t)].append(_alone_us(t, sustained_ms))
+    mean = {key: sum(v) / len(v) for key, v in times.items()}
+    win = min(finalists, key=lambda t: mean[id(t)])
+    if default is not None and mean[id(default)] <= mean[id(win)] * (1 + HEURISTIC_TIE):
+        win = default
+    return win, mean[id(win)], mean
+
+
 # Band refinement: after the pick, the winner's tile order with other band heights (tile rows per band of the
 # grouped order) is timed against it. The band height moves the L2 reuse of a GEMM of many waves by several
 # percent with no rule the model could use (docs/tuning.md, `ORDER_BANDS`).
@@ -408,7 +448,8 @@ def _refine_bands(win, variants: list, rounds: int) -> tuple:
 
 def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = None, stream=None,
              plans: list[GemmPlan] | None = None, reps: int = 10, rounds: int = 3, confirm_rounds: int = CONFIRM_ROUNDS,
-             force: bool = False, fp8_format=None, scale_a=None, scale_b=None) -> TuneResult:
+             force: bool = False, fp8_format=None, scale_a=None, scale_b=None,
+             sustained_ms: float | None = None) -> TuneResult:
     """Time candidate plans for ``a @ b`` (or ``a @ b.T``) on these arrays and keep the fastest in the cache.
     fp8 (``fp8_format``, scales: as :func:`fluxrt.gemm.gemm`): the candidates are :func:`fp8_plans` of the
     call's scale mode, and the cache key names both fp8 types and the mode.
@@ -424,6 +465,9 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
     an untuned run takes for one that only won on noise). Band refinement (the default candidates only): the
     winner's other band heights (:func:`band_variants`) replayed interleaved with it, at least 3 rounds even with
     ``confirm_rounds=0``; one replaces it (the heuristic's plan included) when faster by more than ``BAND_TIE``.
+    ``sustained_ms`` > 0 (default: ``$FLUXRT_GEMM_TUNE_SUSTAINED_MS``, else 0): the confirmation times the screen's
+    SUSTAINED_FINALISTS best each alone under a load of that many milliseconds instead (:func:`_pick_sustained`):
+    the plan fastest at the GPU's power limit, as a job that runs it back to back sees it.
 
     Runs after the work queued on ``stream``, on a private stream of the device, writing into ``out`` (a
     scratch array when None), and returns when it is done: not for use inside a CUDA-graph capture. A problem
@@ -458,6 +502,10 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
         cands = plans if plans is not None else candidates(m, n, k, out_dt, sms, trans_b=trans_b)
     if not cands:
         raise GemmArgumentError(f"gemm autotune: no candidate plan for {key}")
+    if sustained_ms is None:
+        sustained_ms = sustained_default()
+    if not sustained_ms >= 0:
+        raise GemmArgumentError(f"gemm autotune: sustained_ms must be >= 0 milliseconds, got {sustained_ms!r}")
     with _tuning_lock:
         # another thread may have tuned it while this one waited
         if not force and plans is None and (hit := _cached(path, key)) is not None:
@@ -465,7 +513,7 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
         return _tune(a, b, out, key=key, path=path, dev=dev, fp8=fp8, fp8_format=fp8_format, scale_a=scale_a,
                      scale_b=scale_b, trans_b=trans_b, out_dtype=out_dtype, out_dt=out_dt, m=m, n=n, stream=stream,
                      cands=cands, default_plan=default_plan, reps=reps, rounds=rounds, confirm_rounds=confirm_rounds,
-                     refine_bands=plans is None, num_sms=sms)
+                     refine_bands=plans is None, num_sms=sms, sustained_ms=float(sustained_ms))
 
 
 def _cached(path, key) -> TuneResult | None:
@@ -475,7 +523,7 @@ def _cached(path, key) -> TuneResult | None:
 
 
 def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans_b, out_dtype, out_dt, m, n, stream,
-          cands, default_plan, reps, rounds, confirm_rounds, refine_bands, num_sms) -> TuneResult:
+          cands, default_plan, reps, rounds, confirm_rounds, refine_bands, num_sms, sustained_ms=0.0) -> TuneResult:
     """autotune()'s timing and choice, under _tuning_lock. Everything runs on the private stream, after the
     caller's queued work; the operands are imported with that stream current (so a DLPack producer's stream
     is ordered before it); the winner's launch is the last one, so ``out`` holds its product."""
@@ -553,7 +601,10 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
         while True:   # the stream-K record is sticky: one look after the screen and confirmation covers both
             if not screen:
                 raise GemmArgumentError(f"gemm autotune: every candidate failed for {key}")
-            win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
+            if sustained_ms > 0:
+                win, best_us, confirmed = _pick_sustained(screen, default_plan, sustained_ms)
+            else:
+                win, best_us, confirmed = _pick(screen, default_plan, confirm_rounds)
             if not (any(t.plan.stream_k for t, _ in screen) and _stream_k_timed_out(ts, dev)):
                 break
             failed += [t.plan for t, _ in screen if t.plan.stream_k]
@@ -593,3 +644,18 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
 
 def autotune_on() -> bool:
     return env_flag("FLUXRT_GEMM_AUTOTUNE", False)
+
+
+def sustained_default(env=None) -> float:
+    """``$FLUXRT_GEMM_TUNE_SUSTAINED_MS`` (milliseconds of load per finalist in autotune's sustained confirmation),
+    0 when unset; GemmArgumentError for a value that is not a number >= 0."""
+    text = (os.environ if env is None else env).get("FLUXRT_GEMM_TUNE_SUSTAINED_MS", "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise GemmArgumentError(f"FLUXRT_GEMM_TUNE_SUSTAINED_MS={text!r}: expected milliseconds >= 0")
+    return value

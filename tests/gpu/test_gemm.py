@@ -887,6 +887,35 @@ def test_autotune_times_graphs_keeps_a_winner_and_writes_a_correct_out(tmp_path,
     assert bool(cupy.all(again.view(cupy.uint16) == out.view(cupy.uint16)))
 
 
+def test_autotune_sustained_confirms_each_finalist_alone(tmp_path, monkeypatch):
+    """sustained_ms: the screen's finalists (all three here) each run alone for that long, twice; the kept plan is the
+    lowest mean of those timings, `out` holds its float64-close product and the cache has it."""
+    import sys
+
+    from fluxrt.gemm import autotune, plan_for
+
+    monkeypatch.setenv("FLUXRT_GEMM_TUNE_DIR", str(tmp_path))
+    at = sys.modules["fluxrt.gemm.autotune"]
+    monkeypatch.setattr(at, "_paths", {})
+    monkeypatch.setattr(at, "_tables", {})
+    calls = []
+    alone = at._alone_us
+    monkeypatch.setattr(at, "_alone_us", lambda t, ms: calls.append((t.plan, ms)) or alone(t, ms))
+    m, n, k = 1000, 1000, 2000
+    rng = np.random.default_rng(23)
+    a, b = rand_matrix(rng, (m, k), "bfloat16"), rand_matrix(rng, (k, n), "bfloat16")
+    plans = [GemmPlan(block_n=128, stages=6), GemmPlan(block_n=256, stages=3), GemmPlan(block_n=192, stages=4)]
+    out = poisoned((m, n), "bfloat16")
+    res = autotune(to_device(a), to_device(b), out, plans=plans, force=True, sustained_ms=20)
+    assert rel_err(out, reference(a, b, False)) < TOL["bfloat16"]
+    assert sorted((p.describe(), ms) for p, ms in calls) == sorted((p.describe(), 20.0) for p in plans for _ in (0, 1))
+    assert set(res.confirmed) == {p.describe() for p in plans}
+    assert res.us == dict(res.timings)[res.plan.describe()] <= min(dict(res.timings).values()) * (1 + at.HEURISTIC_TIE)
+    assert plan_for(m, n, k) == res.plan
+    with pytest.raises(GemmArgumentError, match="sustained_ms"):
+        autotune(to_device(a), to_device(b), plans=plans, force=True, sustained_ms=-1)
+
+
 def test_autotune_refines_the_band_height_of_the_winner(tmp_path, monkeypatch):
     """Default candidates (narrowed to one plan here): the winner's band variants are prepared and replayed with it;
     the kept plan is one of them, the product float64-close and the plan cached."""
