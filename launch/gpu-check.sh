@@ -12,7 +12,7 @@
 # Sections (FLUXRT_CHECK, comma-separated, default all): build tests p2p probe gemm sass sanitize
 # collectives ops tune gemmsuite (TEST_FILES narrows the test step, TEST_RANKS its rank counts, RANK_KILLED=0 skips the killed-rank test, SWEEP_OPS the collective sweeps; tune runs
 # perf/tune_collectives.py candidates, TUNE_SETS of "fabric small mid large"; gemmsuite times the GEMM shape
-# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose; neither is part of "all"). Step time limits: TESTS_LIMIT (per test file, 300 s default), BENCH_LIMIT (eager collective sweeps: 420 s default, they time in-place calls too), GEMM_LIMIT, SANITIZE_LIMIT (seconds).
+# suite against cuBLAS before and after tuning, SUITE and SUITE_DTYPES choose, TUNE_SUSTAINED_MS the tuning's power-limit confirmation (0: off), SUSTAINED_SHAPES the shapes timed alone at the power limit; neither is part of "all"). Step time limits: TESTS_LIMIT (per test file, 300 s default), BENCH_LIMIT (eager collective sweeps: 420 s default, they time in-place calls too), GEMM_LIMIT, SANITIZE_LIMIT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -153,9 +153,13 @@ if [[ ",$CHECK," == *",gemmsuite,"* ]]; then   # the shape suite against cuBLAS:
     TAIL=14 step "gemm-suite-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" $LT \
       --json "$RES/gemm-suite-$dt.json"
     TAIL=4 step "gemm-tune-$dt" "${SUITE_LIMIT:-300}" python3 -m fluxrt.gemm tune --suite "${SUITE:-default}" -d "$dt" \
-      --json "$RES/gemm-tune-$dt.json"
+      --sustained "${TUNE_SUSTAINED_MS:-0}" --json "$RES/gemm-tune-$dt.json"
     TAIL=14 step "gemm-suite-tuned-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_suite.py --suite "${SUITE:-default}" -d "$dt" $LT \
       --json "$RES/gemm-suite-tuned-$dt.json"
+    # each alone at the power limit (power, clock, energy per call), the tuned plans, a few shapes (SUSTAINED_SHAPES)
+    TAIL=8 step "gemm-sustained-$dt" "${SUITE_LIMIT:-300}" python3 perf/gemm_sustained.py -d "$dt" -n 50 \
+      --plans-from "$RES/gemm-tune-$dt.json" --shapes ${SUSTAINED_SHAPES:-8192,8192,8192,NK 16384,1536,4096,KN 461,9128,13208,NK 4096,2048,6144,KN} \
+      --json "$RES/gemm-sustained-$dt.json"
   done
   for scale in tensor block; do   # fp8 against cuBLASLt (torch._scaled_mm; fluxrt alone without torch)
     TAIL=4 step "gemm-fp8-$scale" "${SUITE_LIMIT:-300}" python3 perf/gemm_fp8.py --suite "${SUITE:-default}" \

@@ -80,10 +80,18 @@ def bench_shape(s, dtype: str, plan, iters: int, seconds: float, cool: float, fl
     stream.synchronize()
     row = {"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": dtype,
            "plan": plan.describe(), "rel_err_vs_cublas": err, "overflow_agrees": same_overflow}
+    runs = {}
     for name in (["fluxrt", "cublas"] if fluxrt_first else ["cublas", "fluxrt"]):
         time.sleep(cool)
-        row[name] = sustained_run(graphs[name], iters, stream, seconds, device)
-    cu, fl = row["cublas"], row["fluxrt"]
+        runs[name] = sustained_run(graphs[name], iters, stream, seconds, device)
+    return flat_row(row, runs["cublas"], runs["fluxrt"])
+
+
+def flat_row(row: dict, cu: dict, fl: dict) -> dict:
+    """``row`` with each implementation's run as cublas_* / fluxrt_* columns and the ratios (cuBLAS / fluxrt)."""
+    for name, run in (("cublas", cu), ("fluxrt", fl)):
+        for key, value in run.items():
+            row[f"{name}_{key}"] = value
     row["ratio_burst"] = cu["burst_us"] / fl["burst_us"]
     row["ratio_steady"] = cu["steady_us"] / fl["steady_us"]
     if "energy_mj_per_call" in cu and "energy_mj_per_call" in fl:
@@ -138,11 +146,10 @@ def main(argv=None) -> int:
         r = bench_shape(s, args.dtype, fixed.get((s.m, s.n, s.k, s.layout)), args.iters, args.seconds, args.cool,
                         i % 2 == 1, bus)
         rows.append(r)
-        cu, fl = r["cublas"], r["fluxrt"]
-        st = lambda d: (f"{d['steady_us']:7.1f} {d.get('power_w', float('nan')):4.0f} "
-                        f"{d.get('sm_mhz', float('nan')):5.0f}")
+        st = lambda name: (f"{r[name + '_steady_us']:7.1f} {r.get(name + '_power_w', float('nan')):4.0f} "
+                           f"{r.get(name + '_sm_mhz', float('nan')):5.0f}")
         print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout:>2} | {r['ratio_burst']:6.3f} {r['ratio_steady']:6.3f} "
-              f"{r.get('ratio_energy', float('nan')):6.3f} | {st(cu)} | {st(fl)} | {r['plan']}", flush=True)
+              f"{r.get('ratio_energy', float('nan')):6.3f} | {st('cublas')} | {st('fluxrt')} | {r['plan']}", flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
     summary = {"shapes": len(rows), "geomean_ratio_burst": geomean(r["ratio_burst"] for r in rows),
                "geomean_ratio_steady": geomean(r["ratio_steady"] for r in rows),

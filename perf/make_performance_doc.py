@@ -169,6 +169,21 @@ def generic_table(rows) -> list[str]:
     return table(cols, [[fmt(c, r.get(c, "")) for c in cols] for r in rows])
 
 
+def gemm_sustained_table(data: dict) -> list[str]:
+    """perf/gemm_sustained.py: its summary, then per shape the ratios (cuBLAS / fluxrt: burst, steady, energy) and
+    each implementation's steady us, power and SM clock alone at the power limit."""
+    summ = data.get("summary") or {}
+    lines = [f"- summary: {', '.join(f'{k} {num(v)}' for k, v in summ.items())}", ""] if summ else []
+    header = ["M", "N", "K", "W", "ratio burst", "ratio steady", "ratio energy", "cuBLAS us", "W", "MHz",
+              "fluxrt us", "W", "MHz", "plan"]
+    rows = [[r.get("m"), r.get("n"), r.get("k"), r.get("layout"), num(r.get("ratio_burst", "")),
+             num(r.get("ratio_steady", "")), num(r.get("ratio_energy", "")), num(r.get("cublas_steady_us", "")),
+             num(r.get("cublas_power_w", "")), num(r.get("cublas_sm_mhz", "")), num(r.get("fluxrt_steady_us", "")),
+             num(r.get("fluxrt_power_w", "")), num(r.get("fluxrt_sm_mhz", "")), r.get("plan", "")]
+            for r in data.get("rows", []) if isinstance(r, dict)]
+    return lines + table(header, rows)
+
+
 def gemm_suite_table(data: dict) -> list[str]:
     """A GEMM shape-suite run: its summary, then per shape cuBLAS and fluxrt (eager, graph), the ratios
     (cuBLAS time / fluxrt time) and the plan fluxrt ran; where the run had --lt, cuBLASLt at its best per
@@ -274,6 +289,8 @@ def section(key: str, path: Path, data: dict) -> list[str]:
         lines += gemm_fp8_table(data)
     elif data.get("bench") in ("gemm-grouped", "gemm-grouped-fp8"):
         lines += grouped_table(data)
+    elif data.get("bench") == "gemm-sustained":
+        lines += gemm_sustained_table(data)
     else:
         lines += generic_table(rows)
     return lines + [""]
