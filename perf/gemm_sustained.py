@@ -66,7 +66,9 @@ def bench_shape(s, dtype: str, plan, iters: int, seconds: float, cool: float, fl
         w = (rng.standard_normal((s.n, s.k) if s.trans_b else (s.k, s.n), dtype=cupy.float32) + 0.1).astype(np_dt)
         c_ref = cupy.empty((s.m, s.n), np_dt)
         c = cupy.full((s.m, s.n), float("nan"), np_dt)
-    plan = plan or plan_for(s.m, s.n, s.k, in_dtype=dtype, out_dtype=dtype, trans_b=s.trans_b)
+    source = "given"
+    if plan is None:
+        plan, source = plan_for(s.m, s.n, s.k, in_dtype=dtype, out_dtype=dtype, trans_b=s.trans_b), "plan_for"
     impls = {"cublas": cublas_gemm(a, w, c_ref, s.trans_b, stream.ptr),
              "fluxrt": lambda: gemm(a, w, c, trans_b=s.trans_b, plan=plan, stream=stream)}
     with stream:
@@ -79,7 +81,7 @@ def bench_shape(s, dtype: str, plan, iters: int, seconds: float, cool: float, fl
         graphs = {name: capture(f, iters, stream) for name, f in impls.items()}
     stream.synchronize()
     row = {"m": s.m, "n": s.n, "k": s.k, "layout": s.layout, "label": s.label, "dtype": dtype,
-           "plan": plan.describe(), "rel_err_vs_cublas": err, "overflow_agrees": same_overflow}
+           "plan": plan.describe(), "plan_source": source, "rel_err_vs_cublas": err, "overflow_agrees": same_overflow}
     runs = {}
     for name in (["fluxrt", "cublas"] if fluxrt_first else ["cublas", "fluxrt"]):
         time.sleep(cool)
@@ -142,6 +144,10 @@ def main(argv=None) -> int:
     print(hdr)
     print("-" * len(hdr))
     rows = []
+    missing = [s for s in shapes if fixed and (s.m, s.n, s.k, s.layout) not in fixed]
+    if missing:
+        print(f"# {len(missing)} shapes not in {args.plans_from}: their plan is fluxrt.gemm's own (plan_for): "
+              + " ".join(f"{s.m},{s.n},{s.k},{s.layout}" for s in missing), file=sys.stderr)
     for i, s in enumerate(shapes):
         r = bench_shape(s, args.dtype, fixed.get((s.m, s.n, s.k, s.layout)), args.iters, args.seconds, args.cool,
                         i % 2 == 1, bus)

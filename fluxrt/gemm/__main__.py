@@ -9,15 +9,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+
+# The offline pass confirms at the power limit unless FLUXRT_GEMM_TUNE_SUSTAINED_MS or --sustained say otherwise:
+# 9 finalists x 2 x 0.5 s add about 9 s a shape (docs/tuning.md, "At the power limit").
+TUNE_SUSTAINED_MS = 500.0
 
 
 def _tune(args) -> int:
     import cupy
     from ..perf.shapes import Shape, suite
     from ..dtypes import normalize_dtype
-    from .autotune import autotune, build_candidates, cache_path, tuned_plan
+    from .autotune import autotune, build_candidates, cache_path, sustained_default, tuned_plan
 
     if args.shape:
         shapes = [Shape(*s, layout="NK" if args.trans_b else "KN", label="cli") for s in args.shape]
@@ -34,14 +39,19 @@ def _tune(args) -> int:
         n, failed = build_candidates(todo, args.jobs, _num_sms(cupy.cuda.runtime.getDevice()))
         print(f"# {n} kernel configurations built in {time.time() - t0:.0f} s"
               f"{f' ({failed} failed: skipped by the tuning, see the log)' if failed else ''}", flush=True)
-    print(f"# tuning {len(shapes)} shapes ({args.dtype}) into {cache_path()}")
+    sustained = args.sustained
+    if sustained is None:   # the environment's setting (0 included), else the offline pass's default
+        sustained = sustained_default() if os.environ.get("FLUXRT_GEMM_TUNE_SUSTAINED_MS", "").strip() \
+            else TUNE_SUSTAINED_MS
+    print(f"# tuning {len(shapes)} shapes ({args.dtype}) into {cache_path()}"
+          f"{f', each finalist alone for {sustained:g} ms' if sustained else ''}")
     t0 = time.time()
     for i, s in enumerate(shapes):
         rng = cupy.random.default_rng(i)
         a = (rng.standard_normal((s.m, s.k), dtype=cupy.float32) + 0.1).astype(dt)
         w = (rng.standard_normal((s.n, s.k) if s.trans_b else (s.k, s.n), dtype=cupy.float32) + 0.1).astype(dt)
         try:
-            r = autotune(a, w, trans_b=s.trans_b, force=args.force, sustained_ms=args.sustained)
+            r = autotune(a, w, trans_b=s.trans_b, force=args.force, sustained_ms=sustained)
         except Exception as e:
             print(f"{s.m:>6} {s.n:>6} {s.k:>6} {s.layout} FAILED {type(e).__name__}: {e}", flush=True)
             continue
@@ -104,18 +114,14 @@ def main(argv=None) -> int:
     return one_line_errors("python -m fluxrt.gemm")(_main)(argv)
 
 
-# The offline pass confirms at the power limit: 9 finalists x 2 x 0.5 s add about 9 s a shape (docs/tuning.md).
-TUNE_SUSTAINED_MS = 500.0
-
-
 def _milliseconds(text: str) -> float:
+    from ..errors import GemmArgumentError
+    from .autotune import _check_ms
+
     try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected milliseconds >= 0")
-    return value
+        return _check_ms(text, "--sustained")
+    except GemmArgumentError as e:   # argparse reports it as a usage error
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _main(argv=None) -> int:
@@ -133,10 +139,10 @@ def _main(argv=None) -> int:
                    help="NVRTC compiles at once (threads) building the candidates before tuning (default: the "
                         "CPUs; 0: compile each one when first timed)")
     t.add_argument("--force", action="store_true", help="re-time problems already in the cache")
-    t.add_argument("--sustained", type=_milliseconds, default=TUNE_SUSTAINED_MS, metavar="MS",
+    t.add_argument("--sustained", type=_milliseconds, default=None, metavar="MS",
                    help="confirm the screen's best plans each alone under MS milliseconds of load: the plan fastest "
-                        f"at the GPU's power limit, as a job running it sees it (default {TUNE_SUSTAINED_MS:g}; 0: "
-                        "interleaved confirmation only, as autotune() without FLUXRT_GEMM_TUNE_SUSTAINED_MS)")
+                        "at the GPU's power limit, as a job running it sees it (default: $FLUXRT_GEMM_TUNE_SUSTAINED_MS "
+                        f"where set, else {TUNE_SUSTAINED_MS:g}; 0: the interleaved confirmation only)")
     t.add_argument("--json", default=None, help="write every candidate's time here")
     t.add_argument("-v", "--verbose", action="store_true")
     c = sub.add_parser("cache", help="the autotune cache of the current GPU")

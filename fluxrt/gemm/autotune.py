@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import threading
@@ -364,16 +365,18 @@ def _pick(screen: list, default_plan: GemmPlan | None, confirm_rounds: int) -> t
 # The screen's SUSTAINED_FINALISTS best (and the heuristic's plan) then each run alone for sustained_ms, twice in
 # opposite orders; the lowest mean of the two second-half medians wins.
 SUSTAINED_FINALISTS = 8
+SUSTAINED_MAX_REPLAYS = 100_000
 
 
-def _alone_us(timed, sustained_ms: float) -> float:
-    """``timed`` replayed back to back for ``sustained_ms`` of GPU time: the median us per call of the replays in
-    the second half (the first brings the clock to where this plan's power puts it)."""
-    samples, elapsed = [], 0.0
-    while elapsed < sustained_ms:
-        us = timed.us()
-        samples.append((elapsed, us))
-        elapsed += us * timed.reps / 1e3
+def _alone_us(timed, sustained_ms: float, clock=time.perf_counter) -> float:
+    """``timed`` replayed back to back for ``sustained_ms`` of wall time (host gaps between replays included, as the
+    GPU sees them): the median us per call of the replays in the second half (the first brings the clock to where
+    this plan's power puts it). At most SUSTAINED_MAX_REPLAYS replays."""
+    samples, t0 = [], clock()
+    while (at := (clock() - t0) * 1e3) < sustained_ms and len(samples) < SUSTAINED_MAX_REPLAYS:
+        samples.append((at, timed.us()))
+    if not samples:
+        samples.append((0.0, timed.us()))
     late = [us for at, us in samples if at >= sustained_ms / 2] or [samples[-1][1]]
     return statistics.median(late)
 
@@ -423,17 +426,19 @@ def band_variants(plan: GemmPlan, m: int, n: int, num_sms: int = H100_H200_SMS) 
     return out
 
 
-def _refine_bands(win, variants: list, rounds: int) -> tuple:
-    """The winner and its band variants replayed interleaved ``rounds`` times; a variant replaces the winner when
-    its median is more than BAND_TIE below the winner's. A variant whose replay raises is dropped (the winner's
+def _refine_bands(win, variants: list, rounds: int, time_one=None) -> tuple:
+    """The winner and its band variants timed in turn ``rounds`` times (``time_one(t)``: one replay, or with the
+    sustained confirmation :func:`_alone_us`), the order reversed every other round; a variant replaces the winner
+    when its median is more than BAND_TIE below the winner's. A variant whose timing raises is dropped (the winner's
     raising fails the tuning). Returns (kept _Timed, its median us, {id: median us} of the winner and the variants
     still timed, [dropped variants])."""
+    time_one = time_one or (lambda t: t.us())
     timed, dropped = [win, *variants], []
     times: dict = {id(t): [] for t in timed}
-    for _ in range(rounds):
-        for t in list(timed):
+    for r in range(rounds):
+        for t in list(timed) if r % 2 == 0 else list(timed)[::-1]:
             try:
-                times[id(t)].append(t.us())
+                times[id(t)].append(time_one(t))
             except Exception:   # noqa: BLE001 - one variant's failure is not the tuning's
                 if t is win:
                     raise
@@ -502,10 +507,7 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
         cands = plans if plans is not None else candidates(m, n, k, out_dt, sms, trans_b=trans_b)
     if not cands:
         raise GemmArgumentError(f"gemm autotune: no candidate plan for {key}")
-    if sustained_ms is None:
-        sustained_ms = sustained_default()
-    if not sustained_ms >= 0:
-        raise GemmArgumentError(f"gemm autotune: sustained_ms must be >= 0 milliseconds, got {sustained_ms!r}")
+    sustained_ms = sustained_default() if sustained_ms is None else _check_ms(sustained_ms, "gemm autotune: sustained_ms")
     with _tuning_lock:
         # another thread may have tuned it while this one waited
         if not force and plans is None and (hit := _cached(path, key)) is not None:
@@ -613,7 +615,11 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
             with ts:
                 variants = [t for t in map(prepare_timed, band_variants(win.plan, m, n, num_sms)) if t is not None]
             if variants:
-                win, best_us, band_med, dropped = _refine_bands(win, variants, max(confirm_rounds, 3))
+                if sustained_ms > 0:   # the variants alone too, so that every confirmed time is of one kind
+                    win, best_us, band_med, dropped = _refine_bands(win, variants, 2,
+                                                                    lambda t: _alone_us(t, sustained_ms))
+                else:
+                    win, best_us, band_med, dropped = _refine_bands(win, variants, max(confirm_rounds, 3))
                 if dropped:
                     ts.synchronize()
                     for t in dropped:
@@ -633,7 +639,7 @@ def _tune(a, b, out, *, key, path, dev, fp8, fp8_format, scale_a, scale_b, trans
         stream_k.check_errors()   # the kept plan's own last launch
     best = win.plan
     store(path, {key: {"plan": dataclasses.asdict(best), "us": round(best_us, 3),
-                       "date": time.strftime("%Y-%m-%d")}})
+                       "date": time.strftime("%Y-%m-%d"), "sustained_ms": sustained_ms}})
     log.info("gemm autotune %s: %s at %.1f us (%d candidates, %d confirmed, %.1f s)", key, best.describe(), best_us,
              len(cands), len(confirmed), time.perf_counter() - t0)
     timings = [(t.plan.describe(), confirmed.get(id(t), us)) for t, us in screen]
@@ -648,14 +654,17 @@ def autotune_on() -> bool:
 
 def sustained_default(env=None) -> float:
     """``$FLUXRT_GEMM_TUNE_SUSTAINED_MS`` (milliseconds of load per finalist in autotune's sustained confirmation),
-    0 when unset; GemmArgumentError for a value that is not a number >= 0."""
+    0 when unset; GemmArgumentError for a value that is not a finite number >= 0."""
     text = (os.environ if env is None else env).get("FLUXRT_GEMM_TUNE_SUSTAINED_MS", "").strip()
-    if not text:
-        return 0.0
+    return _check_ms(text, "FLUXRT_GEMM_TUNE_SUSTAINED_MS") if text else 0.0
+
+
+def _check_ms(value, what: str) -> float:
+    """``value`` as finite milliseconds >= 0, else GemmArgumentError naming ``what``."""
     try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise GemmArgumentError(f"FLUXRT_GEMM_TUNE_SUSTAINED_MS={text!r}: expected milliseconds >= 0")
-    return value
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = float("nan")
+    if not (math.isfinite(ms) and ms >= 0):
+        raise GemmArgumentError(f"{what}={value!r}: expected milliseconds >= 0 (finite)")
+    return ms

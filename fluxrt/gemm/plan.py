@@ -642,8 +642,8 @@ def fitted_stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", n
 # than 256 rows, each width at its deepest ring (3-4 stages: A's stage is 32 KiB), in pairs along M where M has
 # TALL_PAIR_MIN_TILE_ROWS of them, in pairs along N (A multicast: each CTA loads 128 of the 256 rows) where N has two
 # tile columns, in stream-K form where the waves are ragged; where the staged ring has fewer than 4 stages, also with
-# the direct epilogue in pairs along N (4 stages: no C staging); where M has two tile rows and N two tile columns,
-# in 2 x 2 clusters with the direct epilogue. Measured on H200 (docs/tuning.md): 1.05-1.07x the tuned winner at
+# the direct epilogue in pairs along N (4 stages: no C staging); where N has two tile columns, also in 2 x 2
+# clusters with the direct epilogue. Measured on H200 (docs/tuning.md): 1.05-1.07x the tuned winner at
 # 9166x664x12896 NK (256 x 96, the tile cuBLASLt runs there), pairs along N 1.0-1.1x on six shapes
 # (11603x3408x11800, 2692x1960x8424 KN: 256 x 176), the direct epilogue 1.13-1.17x at 461x9128x13208, and there
 # 2 x 2 clusters (256 x 160) 1.09-1.12x the pairs along N. Not in the cost model.
@@ -656,8 +656,9 @@ def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
     """256 x TALL_WIDTHS plans at the ring of :func:`staged_ring` (shared C staging wherever it adds a stage), also
     in clusters of 2 along M where M has TALL_PAIR_MIN_TILE_ROWS 256-row tiles, in clusters of 2 along N where N has
     two tile columns (and there, where the staged ring is shallower than 4 stages, with the direct epilogue at its
-    deeper ring; where M has two tile rows as well, in 2 x 2 clusters with the direct epilogue), and in stream-K form (widths up to TALL_STREAM_K_MAX_BLOCK_N) where their waves are busy less than
-    STREAM_K_MAX_FILL and K has STREAM_K_MIN_K columns. None where M has 256 rows or fewer."""
+    deeper ring, and in 2 x 2 clusters with the direct epilogue), and in stream-K form (widths up to
+    TALL_STREAM_K_MAX_BLOCK_N) where their waves are busy less than STREAM_K_MAX_FILL and K has STREAM_K_MIN_K
+    columns. None where M has 256 rows or fewer."""
     if m <= 256:
         return []
     rows = math.ceil(m / 256)
@@ -676,9 +677,9 @@ def tall_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", num_sms: int
             if stages < 4 <= direct:
                 out.append(dataclasses.replace(plan, cluster_n=2, epilogue="direct", c_staging="per_consumer",
                                                stages=direct))
-            if rows >= 2:   # 2 x 2: A and B both multicast
-                out.append(dataclasses.replace(plan, cluster=2, cluster_n=2, epilogue="direct",
-                                               c_staging="per_consumer", stages=direct))
+            # 2 x 2: A and B both multicast (M has two tile rows: m > 256)
+            out.append(dataclasses.replace(plan, cluster=2, cluster_n=2, epilogue="direct",
+                                           c_staging="per_consumer", stages=direct))
         if (bn <= TALL_STREAM_K_MAX_BLOCK_N and k >= STREAM_K_MIN_K
                 and _wave_fill(rows * math.ceil(n / bn), num_sms) < STREAM_K_MAX_FILL):
             out.append(dataclasses.replace(plan, stream_k=True))

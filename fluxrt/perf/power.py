@@ -54,7 +54,12 @@ def parse_line(line: str, t: float) -> Sample | None:
 
 
 def reason_names(bits: int) -> list[str]:
-    return [name for bit, name in CLOCK_REASONS.items() if bits & bit] or (["none"] if bits == 0 else [hex(bits)])
+    """The names of the clock-limit bits set in ``bits`` (an unknown one as its hex value); ["none"] for 0."""
+    if bits == 0:
+        return ["none"]
+    names = [name for bit, name in CLOCK_REASONS.items() if bits & bit]
+    unknown = bits & ~sum(CLOCK_REASONS)
+    return names + ([hex(unknown)] if unknown else [])
 
 
 def summarize(samples: list[Sample], since: float = 0.0) -> dict:
@@ -110,4 +115,5 @@ class PowerSampler:
         except subprocess.TimeoutExpired:
             self._proc.kill()
         self._reader.join(timeout=5)
+        self._proc.stdout.close()
         self._proc = None

@@ -832,6 +832,8 @@ def test_tall_tile_plans():
     assert {q.block_n for q in few} == set(TALL_WIDTHS)
     assert all(q.cluster_n == 2 and q.epilogue == "direct" for q in few if q.cluster == 2)
     assert {q.block_n for q in few if q.cluster == 2} == set(TALL_WIDTHS)
+    # one tile column of a width: no pair along N, so no 2 x 2 either (N = 96: every width is one column)
+    assert not any(q.cluster_n == 2 for q in tall_plans(461, 96, 13208))
     assert all(q.block_n <= 176 for q in few if q.stream_k) and any(q.stream_k for q in few)
     many = tall_plans(9166, 664, 12896)          # 36 tile rows: pairs too
     assert any(q.cluster == 2 for q in many)
