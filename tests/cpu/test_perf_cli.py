@@ -703,3 +703,24 @@ def test_gemm_trace_epilogue_hand_offs_of_a_made_trace():
     assert set(s) - set(s1) == {"epi_storer_turn1_stage_to_read_p10_50_90",
                                 "epi_storer_turn0_read_to_consumer1_token_p10_50_90"}
     assert mod.summarize_epilogue(np.zeros_like(epi)) == {}
+
+
+def test_gemm_sustained_arguments_and_columns(capsys):
+    """perf/gemm_sustained.py: its shapes and plan file, the load windows checked before any GPU work, and a row's
+    columns (each implementation's run as cublas_* / fluxrt_*, the ratios cuBLAS / fluxrt)."""
+    mod = _perf_module("gemm_sustained")
+    args = mod.build_parser().parse_args(["--shapes", "461,9128,13208,NK", "-d", "fp16", "--seconds", "2"])
+    assert [(s.m, s.n, s.k, s.layout) for s in args.shapes] == [(461, 9128, 13208, "NK")] and args.cool == 1.0
+    with pytest.raises(SystemExit):
+        mod.main(["--shapes", "64,64,64,NK", "--seconds", "0.5"])   # no steady window after the burst
+    assert "--seconds must exceed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mod.main([])   # neither shapes nor a plan file
+    cu = {"burst_us": 10.0, "steady_us": 12.0, "power_w": 690.0, "energy_mj_per_call": 690.0 * 12.0e-3}
+    fl = {"burst_us": 8.0, "steady_us": 15.0, "power_w": 600.0, "energy_mj_per_call": 600.0 * 15.0e-3}
+    row = mod.flat_row({"m": 1}, cu, fl)
+    assert row["cublas_steady_us"] == 12.0 and row["fluxrt_power_w"] == 600.0
+    assert row["ratio_burst"] == pytest.approx(1.25) and row["ratio_steady"] == pytest.approx(0.8)
+    assert row["ratio_energy"] == pytest.approx(8.28 / 9.0)
+    assert "ratio_energy" not in mod.flat_row({}, {"burst_us": 1.0, "steady_us": 1.0},
+                                             {"burst_us": 1.0, "steady_us": 1.0})   # no power samples
