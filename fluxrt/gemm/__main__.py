@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 
@@ -39,10 +38,8 @@ def _tune(args) -> int:
         n, failed = build_candidates(todo, args.jobs, _num_sms(cupy.cuda.runtime.getDevice()))
         print(f"# {n} kernel configurations built in {time.time() - t0:.0f} s"
               f"{f' ({failed} failed: skipped by the tuning, see the log)' if failed else ''}", flush=True)
-    sustained = args.sustained
-    if sustained is None:   # the environment's setting (0 included), else the offline pass's default
-        sustained = sustained_default() if os.environ.get("FLUXRT_GEMM_TUNE_SUSTAINED_MS", "").strip() \
-            else TUNE_SUSTAINED_MS
+    # --sustained, else the environment's setting (0 included), else the offline pass's default
+    sustained = args.sustained if args.sustained is not None else sustained_default(unset=TUNE_SUSTAINED_MS)
     print(f"# tuning {len(shapes)} shapes ({args.dtype}) into {cache_path()}"
           f"{f', each finalist alone for {sustained:g} ms' if sustained else ''}")
     t0 = time.time()

@@ -515,7 +515,7 @@ def autotune(a, b, out=None, *, trans_b: bool = False, out_dtype: str | None = N
         return _tune(a, b, out, key=key, path=path, dev=dev, fp8=fp8, fp8_format=fp8_format, scale_a=scale_a,
                      scale_b=scale_b, trans_b=trans_b, out_dtype=out_dtype, out_dt=out_dt, m=m, n=n, stream=stream,
                      cands=cands, default_plan=default_plan, reps=reps, rounds=rounds, confirm_rounds=confirm_rounds,
-                     refine_bands=plans is None, num_sms=sms, sustained_ms=float(sustained_ms))
+                     refine_bands=plans is None, num_sms=sms, sustained_ms=sustained_ms)
 
 
 def _cached(path, key) -> TuneResult | None:
@@ -652,11 +652,11 @@ def autotune_on() -> bool:
     return env_flag("FLUXRT_GEMM_AUTOTUNE", False)
 
 
-def sustained_default(env=None) -> float:
+def sustained_default(env=None, unset: float = 0.0) -> float:
     """``$FLUXRT_GEMM_TUNE_SUSTAINED_MS`` (milliseconds of load per finalist in autotune's sustained confirmation),
-    0 when unset; GemmArgumentError for a value that is not a finite number >= 0."""
+    ``unset`` when it is not set; GemmArgumentError for a value that is not a finite number >= 0."""
     text = (os.environ if env is None else env).get("FLUXRT_GEMM_TUNE_SUSTAINED_MS", "").strip()
-    return _check_ms(text, "FLUXRT_GEMM_TUNE_SUSTAINED_MS") if text else 0.0
+    return _check_ms(text, "FLUXRT_GEMM_TUNE_SUSTAINED_MS") if text else unset
 
 
 def _check_ms(value, what: str) -> float:

@@ -133,6 +133,8 @@ def test_sustained_setting_from_the_environment():
 
     assert sustained_default({}) == 0.0
     assert sustained_default({"FLUXRT_GEMM_TUNE_SUSTAINED_MS": " 500 "}) == 500.0
+    assert sustained_default({}, unset=500.0) == 500.0   # the tune CLI's default where the variable is not set
+    assert sustained_default({"FLUXRT_GEMM_TUNE_SUSTAINED_MS": "0"}, unset=500.0) == 0.0
     for bad in ("-1", "fast", "nan", "inf"):
         with pytest.raises(GemmArgumentError, match="FLUXRT_GEMM_TUNE_SUSTAINED_MS"):
             sustained_default({"FLUXRT_GEMM_TUNE_SUSTAINED_MS": bad})
