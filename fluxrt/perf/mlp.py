@@ -24,6 +24,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .baselines import device_info, library_versions, machine, nccl_datatype, worst_rel_err
+from .nccl_lib import REDOPS
 from .report import column_table, device_lines, results_document, version_line, write_json
 from .shapes import TP_OP_SUITES, tp_mlp_suite
 from .sweep import AVERAGE_MODES, add_average_argument, add_timeout_argument, normalize_datatype
@@ -85,6 +86,7 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, tim
         part = cupy.empty((m, hidden), dtype=x.dtype)
         y_ref = cupy.empty((shard, hidden), dtype=x.dtype)
     nt = nccl_datatype(dtype) if nccl_comm is not None else None
+    lib, handle = (nccl_comm.lib, nccl_comm.handle) if nccl_comm is not None else (None, None)
 
     def fluxrt_eager():
         mlp.forward(x, w_gu, w_down, out=y, stream=s)
@@ -93,11 +95,11 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, tim
         mlp.forward(x, w_gu, w_down, out=y, stream=s, path="fused")
 
     def unfused():
-        nccl_comm.allGather(x.data.ptr, x_full.data.ptr, x.size, nt, s.ptr)
+        lib.all_gather(handle, x.data.ptr, x_full.data.ptr, x.size, nt, s.ptr)
         cupy.matmul(x_full, w_gu, out=h)
         mlp.silu_mul(h, act, s)
         cupy.matmul(act, w_down, out=part)
-        nccl_comm.reduceScatter(part.data.ptr, y_ref.data.ptr, y_ref.size, nt, 0, s.ptr)   # 0 = ncclSum
+        lib.reduce_scatter(handle, part.data.ptr, y_ref.data.ptr, y_ref.size, nt, REDOPS["sum"], s.ptr)
 
     with s:
         mlp.forward(x, w_gu, w_down, out=y, stream=s, path="decomposed")   # the capture's kernels, loaded first
@@ -204,14 +206,15 @@ def main(argv=None) -> int:
     world_kw = {"timeout_s": args.timeout} if args.timeout > 0 else {}
     world = fluxrt.init(options=fluxrt.WorldOptions(heap_size=f"{-(-heap // (1 << 30))}G", check_collective_args=False,
                                                     **world_kw))
-    nccl_comm = None
+    nccl_comm, nccl_notes = None, []
     try:
         shapes = shapes_from_args(args, world.size)
         stream = cupy.cuda.Stream(non_blocking=True)
         timer = Timer(world, stream, args.warmup_iters, args.iters, args.average)
-        nccl_comm = _nccl_comm(world)
+        nccl_comm, nccl_notes = _nccl_comm(world)
         torch_base = None if args.no_torch else TorchBaseline(world)
-        versions, devices = library_versions(), device_info(world)
+        versions = library_versions(nccl_comm.lib if nccl_comm is not None else None)
+        devices = device_info(world)
         rows = []
         if world.rank == 0:
             print(f"# fluxrt-perf mlp: world={world.size} dtype={args.datatype} iters={args.iters} "
@@ -219,6 +222,8 @@ def main(argv=None) -> int:
             print(version_line(versions))
             for line in device_lines(devices):
                 print(line)
+            for note in nccl_notes:
+                print(f"# {note}")
             if torch_base is not None and torch_base.note:
                 print(f"# {torch_base.note}")
             print(format_table([])[0], flush=True)
@@ -240,14 +245,15 @@ def main(argv=None) -> int:
                 doc = results_document("mlp", rows, ["fluxrt-perf", "mlp"] + argv, machine=machine(world),
                                        versions=versions, devices=devices, options=vars(args))
                 doc["summary"] = summ
-                if torch_base is not None and torch_base.note:
-                    doc["notes"] = [torch_base.note]
+                notes = nccl_notes + ([torch_base.note] if torch_base is not None and torch_base.note else [])
+                if notes:
+                    doc["notes"] = notes
                 write_json(args.json_path, doc)
             if args.plot_path:
                 plot_rows(args.plot_path, rows, f"fluxrt TP MLP, {world.size} GPUs, {args.datatype}")
     finally:
         if nccl_comm is not None:
-            nccl_comm.destroy()
+            nccl_comm.close()
         world.finalize()
     return 0
 
