@@ -86,7 +86,6 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, tim
         part = cupy.empty((m, hidden), dtype=x.dtype)
         y_ref = cupy.empty((shard, hidden), dtype=x.dtype)
     nt = nccl_datatype(dtype) if nccl_comm is not None else None
-    lib, handle = (nccl_comm.lib, nccl_comm.handle) if nccl_comm is not None else (None, None)
 
     def fluxrt_eager():
         mlp.forward(x, w_gu, w_down, out=y, stream=s)
@@ -95,11 +94,7 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, tim
         mlp.forward(x, w_gu, w_down, out=y, stream=s, path="fused")
 
     def unfused():
-        lib.all_gather(handle, x.data.ptr, x_full.data.ptr, x.size, nt, s.ptr)
-        cupy.matmul(x_full, w_gu, out=h)
-        mlp.silu_mul(h, act, s)
-        cupy.matmul(act, w_down, out=part)
-        lib.reduce_scatter(handle, part.data.ptr, y_ref.data.ptr, y_ref.size, nt, REDOPS["sum"], s.ptr)
+        unfused_block(nccl_comm, nt, x, w_gu, w_down, (x_full, h, act, part), y_ref, mlp.silu_mul, s, cupy.matmul)
 
     with s:
         mlp.forward(x, w_gu, w_down, out=y, stream=s, path="decomposed")   # the capture's kernels, loaded first
@@ -139,6 +134,19 @@ def measure(world: World, m: int, hidden: int, inter: int, dtype: str, args, tim
             "fluxrt_ms": t["fluxrt"], "graph_ms": t["graph"], "fused_ms": t["fused"], "unfused_ms": un,
             "torch_ms": t_torch, "speedup": un / t["fluxrt"] if un else None,
             "torch_over_fluxrt": t_torch / t["fluxrt"] if t_torch else None}
+
+
+def unfused_block(comm, nt: int, x, w_gu, w_down, scratch, out, silu_mul, stream, matmul) -> None:
+    """The MLP block unfused on `stream`: NCCL all-gather of x -> gate/up GEMM -> SiLU-and-multiply ->
+    down GEMM -> NCCL reduce-scatter (sum) into `out`. `comm`: a :class:`nccl_lib.Communicator`; `scratch`:
+    (x_full, h, act, part); `matmul(a, b, out=)` runs on the current stream."""
+    x_full, h, act, part = scratch
+    lib, handle = comm.lib, comm.handle
+    lib.all_gather(handle, x.data.ptr, x_full.data.ptr, x.size, nt, stream.ptr)
+    matmul(x_full, w_gu, out=h)
+    silu_mul(h, act, stream)
+    matmul(act, w_down, out=part)
+    lib.reduce_scatter(handle, part.data.ptr, out.data.ptr, out.size, nt, REDOPS["sum"], stream.ptr)
 
 
 def _check(world: World, block, unfused, y, y_ref, s) -> None:

@@ -221,3 +221,64 @@ def test_performance_doc_shows_both_modes_and_the_ratio_against_the_faster():
     first = lines[2].split("|")
     assert "1.50x (window)" in lines[2] and "1.50x (plain)" in lines[3] and "1.02x (plain)" in lines[4]
     assert first[1].strip() == "8 B"
+
+
+class _Dev:
+    """A host array standing in for a device array: `.data.ptr` and `.size` as CuPy's."""
+
+    registry: dict = {}
+
+    def __init__(self, a):
+        self.a = a
+        self.size = a.size
+        self.data = SimpleNamespace(ptr=id(self))
+        _Dev.registry[id(self)] = self
+
+
+class _OneRankNccl:
+    """NCCL on one rank, with the bindings' method signatures: all-gather and reduce-scatter copy."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_gather(self, comm, x, out, count, dt, s):
+        self.calls.append(("all_gather", comm, count, dt, s))
+        _Dev.registry[out].a.reshape(-1)[:count] = _Dev.registry[x].a.reshape(-1)
+
+    def reduce_scatter(self, comm, x, out, count, dt, op, s):
+        self.calls.append(("reduce_scatter", comm, count, dt, op, s))
+        _Dev.registry[out].a.reshape(-1)[:] = _Dev.registry[x].a.reshape(-1)[:count]
+
+
+def test_mlp_unfused_block_calls_the_binding_and_computes_the_block():
+    import inspect
+
+    from fluxrt.perf import mlp as mlp_bench
+
+    for name in ("all_gather", "reduce_scatter"):   # the fake's calls are the bindings' own signatures
+        fake = inspect.signature(getattr(_OneRankNccl, name))
+        for binding in nccl_lib.BINDINGS:
+            assert list(inspect.signature(getattr(binding, name)).parameters) == list(fake.parameters), binding
+    rng = np.random.default_rng(5)
+    m, hidden, ffn = 8, 16, 12
+    x, w_gu, w_down = rng.standard_normal((m, hidden)), rng.standard_normal((hidden, 2 * ffn)), \
+        rng.standard_normal((ffn, hidden))
+    scratch = tuple(_Dev(np.full(shape, np.nan)) for shape in ((m, hidden), (m, 2 * ffn), (m, ffn), (m, hidden)))
+    out = _Dev(np.full((m, hidden), np.nan))
+
+    def silu_mul(h, act, stream):
+        g, u = h.a[:, :ffn], h.a[:, ffn:]
+        act.a[:] = g / (1 + np.exp(-g)) * u
+
+    def matmul(a, b, out):
+        out.a[:] = a.a @ (b.a if isinstance(b, _Dev) else b)
+
+    lib = _OneRankNccl()
+    comm = SimpleNamespace(lib=lib, handle="comm-handle")
+    stream = SimpleNamespace(ptr=7)
+    mlp_bench.unfused_block(comm, 3, _Dev(x), _Dev(w_gu), _Dev(w_down), scratch, out, silu_mul, stream, matmul)
+    hh = x @ w_gu
+    ref = (hh[:, :ffn] / (1 + np.exp(-hh[:, :ffn])) * hh[:, ffn:]) @ w_down
+    np.testing.assert_allclose(out.a, ref, rtol=1e-12)
+    assert lib.calls == [("all_gather", "comm-handle", m * hidden, 3, 7),
+                         ("reduce_scatter", "comm-handle", m * hidden, 3, nccl_lib.REDOPS["sum"], 7)]
