@@ -646,7 +646,8 @@ def fitted_stream_k_plans(m: int, n: int, k: int, out_dtype: str = "bfloat16", n
 # clusters with the direct epilogue. Measured on H200 (docs/tuning.md): 1.05-1.07x the tuned winner at
 # 9166x664x12896 NK (256 x 96, the tile cuBLASLt runs there), pairs along N 1.0-1.1x on six shapes
 # (11603x3408x11800, 2692x1960x8424 KN: 256 x 176), the direct epilogue 1.13-1.17x at 461x9128x13208, and there
-# 2 x 2 clusters (256 x 160) 1.09-1.12x the pairs along N. Not in the cost model.
+# 2 x 2 clusters (256 x 160) 1.09-1.12x the pairs along N at full clocks, level in the suite's timing. Not in the
+# cost model.
 TALL_WIDTHS = (96, 128, 144, 160, 176, 192)
 TALL_PAIR_MIN_TILE_ROWS = 4
 

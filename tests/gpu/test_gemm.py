@@ -1249,21 +1249,21 @@ def test_tall_tiles_are_for_plain_16_bit_gemms():
                         wait=ArrivalWait(flags=flags, epoch=1, chunk_rows=256, err=0))
 
 
-@pytest.mark.parametrize("cluster", [1, 2, "2x2"], ids=["x1", "x2", "x2x2_direct"])
-@pytest.mark.parametrize("stream_k", [False, True], ids=["whole", "stream_k"])
-def test_tall_sanitize_small(stream_k, cluster):
+_TALL_SMALL = GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared")
+
+
+@pytest.mark.parametrize("plan", [
+    dataclasses.replace(_TALL_SMALL, max_ctas=2), dataclasses.replace(_TALL_SMALL, cluster=2, max_ctas=4),
+    dataclasses.replace(_TALL_SMALL, stream_k=True, max_ctas=8),
+    dataclasses.replace(_TALL_SMALL, stream_k=True, cluster=2, max_ctas=8),
+    GemmPlan(block_m=256, block_n=144, stages=4, epilogue="direct", cluster=2, cluster_n=2, max_ctas=4),
+], ids=["whole-x1", "whole-x2", "stream_k-x1", "stream_k-x2", "x2x2_direct"])
+def test_tall_sanitize_small(plan):
     """256-row tiles, small (for compute-sanitizer memcheck / racecheck: 2 x 2 tiles of 256 x 144, M and N tails inside
     the second tile row and column, K % 64 == 40; whole tiles on 2 CTAs, a pair or a 2 x 2 cluster with the direct
     epilogue (A and B multicast), or cut over 8)."""
-    if cluster == "2x2" and stream_k:
-        pytest.skip("2 x 2 tall plans are whole-tile only (tall_plans)")
     rng = np.random.default_rng(43)
     a, b = rand_matrix(rng, (300, 1000), "bfloat16"), rand_matrix(rng, (264, 1000), "bfloat16")
     out = poisoned((300, 264), "bfloat16")
-    if cluster == "2x2":
-        plan = GemmPlan(block_m=256, block_n=144, stages=4, epilogue="direct", cluster=2, cluster_n=2, max_ctas=4)
-    else:
-        plan = GemmPlan(block_m=256, block_n=144, stages=3, c_staging="shared", stream_k=stream_k, cluster=cluster,
-                        max_ctas=8 if stream_k else 2 * cluster)
     gemm(to_device(a), to_device(b), out, trans_b=True, plan=plan)
     assert rel_err(out, reference(a, b, True)) < TOL["bfloat16"], plan.describe()
