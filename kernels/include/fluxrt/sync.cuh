@@ -12,6 +12,8 @@
 //             readers that are not a whole block acquire every flag themselves once it is up
 //             (wait_sources, acquire_sources). Data read by TMA after a flag poll also needs
 //             fence.proxy.async after the acquire.
+//   scope     .sys by default; flags and data that never leave one GPU (stream-K's partials) may use
+//             the Gpu scope type (the same steps at .gpu, no wait for system visibility).
 //   epochs    flags are never reset: every wait compares with >= against a value that only grows.
 //   bound     every spin is bounded in time (%globaltimer); on expiry the first waiter fills the
 //             ErrorRecord (op, rank, peer, expected, observed) and waits return false, so the kernel
@@ -78,6 +80,36 @@ __device__ __forceinline__ void red_release_sys_add(u64* p, u64 v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// The same at GPU scope, for flags whose writers and readers all run on this GPU and whose data never
+// leaves it (stream-K's partials): a .sys fence waits for the GPU's writes to reach the whole system.
+__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_gpu(u64* p, u64 v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void red_release_gpu_add(u64* p, u64 v) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// The scope a signal or wait is ordered at, as a type: Sys (the default; peers on other GPUs, the host) or
+// Gpu (this GPU's own CTAs only).
+struct Sys {
+    static __device__ __forceinline__ u64 ld_acquire(const u64* p) { return ld_acquire_sys(p); }
+    static __device__ __forceinline__ void red_release_add(u64* p, u64 v) { red_release_sys_add(p, v); }
+    static __device__ __forceinline__ void st_relaxed(u64* p, u64 v) { st_relaxed_sys(p, v); }
+    static __device__ __forceinline__ void fence_acq_rel() { fence_acq_rel_sys(); }
+};
+struct Gpu {
+    static __device__ __forceinline__ u64 ld_acquire(const u64* p) { return ld_acquire_gpu(p); }
+    static __device__ __forceinline__ void red_release_add(u64* p, u64 v) { red_release_gpu_add(p, v); }
+    static __device__ __forceinline__ void st_relaxed(u64* p, u64 v) { st_relaxed_gpu(p, v); }
+    static __device__ __forceinline__ void fence_acq_rel() { fence_acq_rel_gpu(); }
+};
+
 // Orders generic-proxy accesses (the flag acquire) before async-proxy ones (TMA loads of the data).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
 __device__ __forceinline__ u64 globaltimer_ns() {
@@ -131,21 +163,23 @@ struct SpinBound {
     }
 };
 
-// Spin until *flag >= target (acquire, system scope). Returns false after timeout_ns, or soon after
+// Spin until *flag >= target (acquire, at Scope: system by default). Returns false after timeout_ns, or soon after
 // another waiter has reported an error.
+template <class Scope = Sys>
 __device__ inline bool wait_ge(const u64* flag, u64 target, u64 timeout_ns, ErrorRecord* err,
                                u32 op, u32 rank, u64 peer) {
-    u64 v = ld_acquire_sys(flag);
+    u64 v = Scope::ld_acquire(flag);
     if (v >= target) return true;
     SpinBound bound;
     for (;;) {
-        v = ld_acquire_sys(flag);
+        v = Scope::ld_acquire(flag);
         if (v >= target) return true;
         if (bound.expired(err, timeout_ns, op, rank, peer, target, v)) return false;
     }
 }
+template <class Scope = Sys>
 __device__ __forceinline__ bool wait_ge(const u64* flag, u64 target, const Watch& w, u64 peer) {
-    return wait_ge(flag, target, w.timeout_ns, w.err, w.op, w.rank, peer);
+    return wait_ge<Scope>(flag, target, w.timeout_ns, w.err, w.op, w.rank, peer);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -155,9 +189,10 @@ __device__ __forceinline__ void signal_set(u64* flag, u64 value) {
     fence_acq_rel_sys();  // cumulative: every write this thread has observed is ordered before the flag
     st_release_sys(flag, value);
 }
+template <class Scope = Sys>
 __device__ __forceinline__ void signal_add(u64* flag, u64 value) {
-    fence_acq_rel_sys();
-    red_release_sys_add(flag, value);
+    Scope::fence_acq_rel();
+    Scope::red_release_add(flag, value);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -187,9 +222,10 @@ __device__ __forceinline__ void signal_peers(u32 n, In in, FlagOf flag_of, u64 v
 
 // One waiting thread's part of a block-level wait: the bounded acquire, then a fence, so that the
 // acquire covers the whole block's later accesses once the block meets (same SM, bar.sync).
+template <class Scope = Sys>
 __device__ __forceinline__ bool acquire_for_block(const u64* flag, u64 target, const Watch& w, u64 peer) {
-    const bool ok = wait_ge(flag, target, w, peer);
-    fence_acq_rel_sys();
+    const bool ok = wait_ge<Scope>(flag, target, w, peer);
+    Scope::fence_acq_rel();
     return ok;
 }
 
