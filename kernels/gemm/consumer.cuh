@@ -430,7 +430,7 @@ __device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const Str
 #pragma unroll
         for (int j = 0; j < kAccRegs / 4; ++j)
             slot[j * 128] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
-        fluxrt::fence_acq_rel_gpu();
+        fluxrt::Gpu::fence_acq_rel();
         named_bar_sync(1 + wg, 128);
         if (tid == 0) fluxrt::signal_add<fluxrt::Gpu>(counter, 1);
         return false;
@@ -461,7 +461,7 @@ __device__ __forceinline__ bool stream_k_fixup(float (&acc)[kAccRegs], const Str
             }
         }
     }
-    if (tid == 0 && ok) fluxrt::st_relaxed_gpu(counter, 0);
+    if (tid == 0 && ok) fluxrt::Gpu::st_relaxed(counter, 0);
     if (!ok) {
 #pragma unroll
         for (int r = 0; r < kAccRegs; ++r) acc[r] = __int_as_float(0x7fffffff);   // stored as NaN

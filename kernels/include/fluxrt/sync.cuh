@@ -80,23 +80,9 @@ __device__ __forceinline__ void red_release_sys_add(u64* p, u64 v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-// The same at GPU scope, for flags whose writers and readers all run on this GPU and whose data never
-// leaves it (stream-K's partials): a .sys fence waits for the GPU's writes to reach the whole system.
-__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p) {
-    u64 v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_relaxed_gpu(u64* p, u64 v) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void red_release_gpu_add(u64* p, u64 v) {
-    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-
 // The scope a signal or wait is ordered at, as a type: Sys (the default; peers on other GPUs, the host) or
-// Gpu (this GPU's own CTAs only).
+// Gpu, for flags whose writers and readers all run on this GPU and whose data never leaves it (stream-K's
+// partials): a .sys fence also waits for the GPU's writes to become visible to the whole system.
 struct Sys {
     static __device__ __forceinline__ u64 ld_acquire(const u64* p) { return ld_acquire_sys(p); }
     static __device__ __forceinline__ void red_release_add(u64* p, u64 v) { red_release_sys_add(p, v); }
@@ -104,10 +90,18 @@ struct Sys {
     static __device__ __forceinline__ void fence_acq_rel() { fence_acq_rel_sys(); }
 };
 struct Gpu {
-    static __device__ __forceinline__ u64 ld_acquire(const u64* p) { return ld_acquire_gpu(p); }
-    static __device__ __forceinline__ void red_release_add(u64* p, u64 v) { red_release_gpu_add(p, v); }
-    static __device__ __forceinline__ void st_relaxed(u64* p, u64 v) { st_relaxed_gpu(p, v); }
-    static __device__ __forceinline__ void fence_acq_rel() { fence_acq_rel_gpu(); }
+    static __device__ __forceinline__ u64 ld_acquire(const u64* p) {
+        u64 v;
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+        return v;
+    }
+    static __device__ __forceinline__ void red_release_add(u64* p, u64 v) {
+        asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    }
+    static __device__ __forceinline__ void st_relaxed(u64* p, u64 v) {
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    }
+    static __device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 };
 
 // Orders generic-proxy accesses (the flag acquire) before async-proxy ones (TMA loads of the data).
