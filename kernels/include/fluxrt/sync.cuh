@@ -12,8 +12,9 @@
 //             readers that are not a whole block acquire every flag themselves once it is up
 //             (wait_sources, acquire_sources). Data read by TMA after a flag poll also needs
 //             fence.proxy.async after the acquire.
-//   scope     .sys by default; flags and data that never leave one GPU (stream-K's partials) may use
-//             the Gpu scope type (the same steps at .gpu, no wait for system visibility).
+//   scope     .sys by default; flags and data that never leave one GPU (stream-K's partials) may pass
+//             the Gpu scope type to signal_add, wait_ge and acquire_for_block (the same steps at .gpu, no
+//             wait for system visibility). The ErrorRecord stays .sys whatever the scope.
 //   epochs    flags are never reset: every wait compares with >= against a value that only grows.
 //   bound     every spin is bounded in time (%globaltimer); on expiry the first waiter fills the
 //             ErrorRecord (op, rank, peer, expected, observed) and waits return false, so the kernel
