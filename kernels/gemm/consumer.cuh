@@ -412,7 +412,7 @@ __device__ __forceinline__ float4* stream_k_slot(const StreamK& sk, int slot, in
 //     L1 line); the waiter resets the counter for the next launch (stream order publishes it). On timeout the
 //     ErrorRecord names the op and the CTA of the tile's first piece; the tile becomes NaN.
 // The fixup's fences, release and acquire are at GPU scope: the pieces' CTAs, the partials and the counters are all on
-// this GPU (a .sys fence would also wait for the stores to reach the system: ~1.4 us more per cut tile's chain). The
+// this GPU (a .sys fence would also wait for the stores to reach the system; docs/design.md has the cost). The
 // timeout path's ErrorRecord, which the host reads, stays at .sys. The counter is the one flag that is reset (by its
 // finisher, after the count it waited for): the next launch on the stream starts after this one has completed.
 // With a cluster of 2 a phantom tile's pieces touch neither counter nor partials; its last piece returns true (the
